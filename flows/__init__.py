@@ -1,0 +1,1 @@
+"""gpuflow's Prefect flows: orchestration only; the work lives in tasks/."""

@@ -1,0 +1,94 @@
+"""gpu_pipeline: provision -> preflight -> run -> collect -> teardown, for any GPU job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run as current_run
+from pydantic import BaseModel
+
+from tasks import secrets
+from tasks.compute import Cluster, get_backend
+from tasks.compute.base import owner_labels
+from tasks.compute.local import gpuflow_home
+from tasks.errors import JobFailed
+from tasks.metrics.summary import RunMetrics
+from tasks.spec import JobSpec, load_spec
+from tasks.stages import collect, preflight, provision, retrying, run, teardown, teardown_owned
+
+
+class PipelineResult(BaseModel):
+    name: str
+    flow_run_id: str
+    cluster: Cluster
+    preflight: str
+    exit_code: int | None
+    metrics: RunMetrics
+    artifacts_dir: str
+
+
+def artifacts_dir(spec: JobSpec, flow_run_id: str) -> Path:
+    """Return the folder this run's artifacts go to."""
+    base = spec.storage.artifacts
+    root = Path(base.removeprefix("file://")) if base else gpuflow_home() / "runs"
+    return root / f"{spec.name}-{flow_run_id[:8]}"
+
+
+def _teardown_hook(flow: Any, flow_run: Any, state: Any) -> None:
+    """on_crashed / on_cancellation: release whatever this run owns, found by its labels."""
+    spec = flow_run.parameters.get("spec") if flow_run.parameters else None
+    backend = (
+        (spec or {}).get("placement", {}).get("backend", "local")
+        if isinstance(spec, dict)
+        else "local"
+    )
+    teardown_owned(backend, str(flow_run.id))
+
+
+def _teardown(backend: str, flow_run_id: str) -> None:
+    try:
+        teardown(backend, flow_run_id)
+    except Exception:
+        teardown_owned(backend, flow_run_id)  # the task machinery failed: do it plainly
+
+
+@flow(
+    name="gpu-pipeline",
+    validate_parameters=False,
+    on_crashed=[_teardown_hook],
+    on_cancellation=[_teardown_hook],
+)
+def gpu_pipeline(spec: JobSpec) -> PipelineResult:
+    """Run one GPU job through provision, preflight, run, collect and teardown."""
+    job = load_spec(spec.model_dump() if isinstance(spec, JobSpec) else spec)
+    backend = job.placement.backend
+    get_backend(backend).check(job)
+    secrets.resolve(job.secret_env)  # a missing secret block fails here, before provisioning
+    run_id = str(current_run.id)
+    out = artifacts_dir(job, run_id)
+    try:
+        cluster = retrying(provision, job.retry.provision)(job, owner_labels(run_id, job.name))
+        report = retrying(preflight, job.retry.preflight)(job, cluster)
+        outcome = retrying(run, job.retry.run)(job, cluster)
+        metrics = retrying(collect, job.retry.collect)(job, cluster, outcome, run_id, str(out))
+    except Exception:
+        _teardown(backend, run_id)
+        raise
+    except BaseException:
+        teardown_owned(backend, run_id)  # interrupted: the engine may be going down
+        raise
+    _teardown(backend, run_id)
+    if outcome.failure:
+        raise JobFailed(outcome.failure)
+    get_run_logger().info("artifacts: %s", out)
+    return PipelineResult(
+        name=job.name,
+        flow_run_id=run_id,
+        cluster=cluster,
+        preflight=report.verdict,
+        exit_code=outcome.result.exit_code,
+        metrics=metrics,
+        artifacts_dir=str(out),
+    )

@@ -1,0 +1,1 @@
+"""gpuflow's work: pure modules and the thin Prefect task wrappers around them."""

@@ -1,0 +1,17 @@
+"""Compute backends behind one Protocol; `get_backend` picks the module by name."""
+
+from __future__ import annotations
+
+from tasks.compute.base import Backend, Cluster, JobResult, TeardownReport
+
+
+def get_backend(name: str) -> Backend:
+    """Return the backend registered under `name` ("local")."""
+    if name == "local":
+        from tasks.compute.local import LocalBackend
+
+        return LocalBackend()
+    raise ValueError(f"unknown backend {name!r}")
+
+
+__all__ = ["Backend", "Cluster", "JobResult", "TeardownReport", "get_backend"]

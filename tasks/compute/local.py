@@ -1,0 +1,370 @@
+"""The local backend: GPUs, a workspace and child processes on this host (the embedded default).
+
+State lives on disk under $GPUFLOW_HOME/local so that teardown and the reaper work
+from any process: clusters/<name>.json describes each cluster (and the job's
+process group once it runs), gpus/<index>.json claims a device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+
+import psutil
+
+from tasks import nvml
+from tasks.compute import gpu_slots
+from tasks.compute.base import RUN_LABEL, Cluster, JobResult, LineSink, TeardownReport
+from tasks.errors import CapacityError, InvalidSpec, ProvisionError
+from tasks.spec import JobSpec
+from tasks.units import format_bytes
+
+STOP_GRACE_S = 10.0
+
+
+def gpuflow_home() -> Path:
+    """Return gpuflow's state folder ($GPUFLOW_HOME, default ~/.gpuflow)."""
+    return Path(os.environ.get("GPUFLOW_HOME", Path.home() / ".gpuflow"))
+
+
+def workspace_root(spec: JobSpec) -> Path:
+    """Return where this spec's workspaces go."""
+    root = spec.placement.workspace_root
+    return Path(root).expanduser() if root else gpuflow_home() / "workspaces"
+
+
+def resolve_program(program: str, path: str | None = None) -> str | None:
+    """Return the absolute path of `program` (a name on PATH or a path), or None."""
+    if "/" in program:
+        candidate = Path(program).expanduser().absolute()
+        return str(candidate) if candidate.is_file() and os.access(candidate, os.X_OK) else None
+    return shutil.which(program, path=path)
+
+
+def _alive(pid: int, started: float | None) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        return started is None or abs(proc.create_time() - started) < 1.0
+    except psutil.NoSuchProcess:
+        return False
+
+
+class LocalBackend:
+    """This host: GPUs by CUDA_VISIBLE_DEVICES, a workspace folder, process groups."""
+
+    name = "local"
+
+    def __init__(self, home: Path | None = None) -> None:
+        self.home = (home or gpuflow_home()) / "local"
+
+    # -- state on disk -------------------------------------------------------
+    def _record_path(self, name: str) -> Path:
+        return self.home / "clusters" / f"{name}.json"
+
+    def _read_record(self, name: str) -> dict | None:
+        try:
+            return json.loads(self._record_path(name).read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def _write_record(self, record: dict) -> None:
+        path = self._record_path(record["cluster"]["name"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, default=str))
+        tmp.replace(path)
+
+    # -- verbs ---------------------------------------------------------------
+    def check(self, spec: JobSpec) -> None:
+        """Raise InvalidSpec if this host cannot run `spec`; makes nothing but a probe file."""
+        job = spec.job
+        if job.kind == "command" and resolve_program(job.command[0]) is None:
+            raise InvalidSpec(
+                f"job.command: {job.command[0]!r} was not found on PATH or is not executable;"
+                " install it or give its full path."
+            )
+        root = workspace_root(spec)
+        probe = root / f".gpuflow-probe-{os.getpid()}"
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"ok")
+        except OSError as exc:
+            raise InvalidSpec(
+                f"placement.workspace_root: cannot write to {root} ({exc.strerror});"
+                " choose a writable folder or fix its permissions."
+            ) from None
+        finally:
+            with contextlib.suppress(OSError):
+                probe.unlink()
+        free = shutil.disk_usage(root).free
+        if free < spec.resources.disk:
+            raise InvalidSpec(
+                f"placement.workspace_root: {root} has {format_bytes(free)} free but resources.disk"
+                f" asks for {format_bytes(spec.resources.disk)}; free space, lower resources.disk"
+                " or choose another workspace_root."
+            )
+        wanted = spec.resources.gpus
+        if wanted and not spec.resources.allow_cpu:
+            status = nvml.query()
+            matching = [g for g in status.gpus if spec.resources.gpu_product in (None, g.product)]
+            if len(matching) < wanted:
+                seen = status.reason or f"{len(matching)} matching GPU(s)"
+                raise InvalidSpec(
+                    f"resources.gpus: this host cannot give {wanted} GPU(s)"
+                    f"{' of ' + spec.resources.gpu_product if spec.resources.gpu_product else ''}"
+                    f" ({seen}); lower resources.gpus, set resources.allow_cpu: true, or run on"
+                    " a GPU host."
+                )
+        if wanted and spec.placement.strict_gpu_limit and not gpu_slots.limit_exists():
+            raise InvalidSpec(
+                "placement.strict_gpu_limit: the Prefect concurrency limit 'gpu' does not exist;"
+                " create it with `prefect gcl create gpu --limit N` or set strict_gpu_limit: false."
+            )
+
+    def provision(self, spec: JobSpec, owner: Mapping[str, str]) -> Cluster:
+        """Reserve GPUs and make the workspace. Retried with the same owner, adopts the
+        existing cluster. Raises CapacityError when the GPUs or `gpu` slots are busy."""
+        name = f"gpuflow-{owner[RUN_LABEL]}"
+        existing = self._read_record(name)
+        if existing is not None and Path(existing["cluster"]["workspace"]).is_dir():
+            cluster = Cluster.model_validate(existing["cluster"])
+            return cluster.model_copy(update={"adopted": True})
+        workspace = workspace_root(spec) / name
+        cluster = Cluster(
+            backend=self.name,
+            name=name,
+            owner=dict(owner),
+            hostname=socket.gethostname(),
+            workspace=str(workspace),
+            created_at=datetime.now(UTC),
+        )
+        # Record first: whatever happens next, teardown and the reaper can find it.
+        self._write_record(
+            {"cluster": cluster.model_dump(mode="json"), "orchestrator_pid": os.getpid()}
+        )
+        try:
+            workspace.mkdir(parents=True, exist_ok=True)
+            (workspace / "outputs").mkdir(exist_ok=True)
+        except OSError as exc:
+            raise ProvisionError(
+                f"could not create the workspace {workspace}: {exc.strerror}"
+            ) from None
+        indices, products = self._claim_gpus(spec, name)
+        cluster = cluster.model_copy(update={"gpu_indices": indices, "gpu_products": products})
+        self._write_record(
+            {"cluster": cluster.model_dump(mode="json"), "orchestrator_pid": os.getpid()}
+        )
+        if indices:
+            lease = gpu_slots.acquire(
+                len(indices),
+                spec.placement.gpu_wait,
+                spec.placement.strict_gpu_limit,
+                owner.get(RUN_LABEL),
+            )
+            cluster = cluster.model_copy(update={"gpu_lease_id": lease})
+            self._write_record(
+                {"cluster": cluster.model_dump(mode="json"), "orchestrator_pid": os.getpid()}
+            )
+        return cluster
+
+    def _claim_gpus(self, spec: JobSpec, name: str) -> tuple[list[int], list[str]]:
+        wanted = spec.resources.gpus
+        if not wanted:
+            return [], []
+        gpus = [g for g in nvml.query().gpus if spec.resources.gpu_product in (None, g.product)]
+        if not gpus and spec.resources.allow_cpu:
+            return [], []
+        claims = self.home / "gpus"
+        claims.mkdir(parents=True, exist_ok=True)
+        taken: list[tuple[int, str]] = []
+        for gpu in gpus:
+            if len(taken) == wanted:
+                break
+            path = claims / f"{gpu.index}.json"
+            self._drop_stale_claim(path)
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                continue
+            with os.fdopen(fd, "w") as handle:
+                json.dump({"cluster": name, "pid": os.getpid()}, handle)
+            taken.append((gpu.index, gpu.product))
+        if len(taken) < wanted:
+            for index, _ in taken:
+                (claims / f"{index}.json").unlink(missing_ok=True)
+            raise CapacityError(
+                f"only {len(taken)} of the {wanted} GPU(s) asked for are free on this host;"
+                " other gpuflow runs hold the rest"
+            )
+        return [i for i, _ in taken], [p for _, p in taken]
+
+    def _drop_stale_claim(self, path: Path) -> None:
+        try:
+            claim = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return
+        if self._read_record(claim.get("cluster", "")) is None:
+            path.unlink(missing_ok=True)
+
+    def run(
+        self,
+        cluster: Cluster,
+        command: list[str],
+        env: Mapping[str, str],
+        timeout_s: float,
+        on_line: LineSink,
+    ) -> JobResult:
+        """Run `command` in its own process group; stop it after `timeout_s` (SIGTERM, then
+        SIGKILL) and say so; on interruption forward SIGTERM to the group and re-raise."""
+        program = resolve_program(command[0], env.get("PATH"))
+        if program is None:
+            raise InvalidSpec(
+                f"job.command: {command[0]!r} was not found; install it or give its full path."
+            )
+        child_env = dict(env)
+        child_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cluster.gpu_indices))
+        child_env["GPUFLOW_WORKSPACE"] = cluster.workspace
+        child_env["GPUFLOW_OUTPUT_DIR"] = str(Path(cluster.workspace) / "outputs")
+        started = datetime.now(UTC)
+        proc = subprocess.Popen(
+            [program, *command[1:]],
+            cwd=cluster.workspace,
+            env=child_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        record = self._read_record(cluster.name) or {"cluster": cluster.model_dump(mode="json")}
+        record["job"] = {"pgid": proc.pid, "started": psutil.Process(proc.pid).create_time()}
+        self._write_record(record)
+        tail: deque[str] = deque(maxlen=40)
+
+        def pump(stream, label: str) -> None:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode(errors="replace").rstrip("\n")
+                tail.append(line)
+                on_line(label, line)
+            stream.close()
+
+        pumps = [
+            threading.Thread(target=pump, args=(proc.stdout, "stdout"), daemon=True),
+            threading.Thread(target=pump, args=(proc.stderr, "stderr"), daemon=True),
+        ]
+        for thread in pumps:
+            thread.start()
+        deadline = time.monotonic() + timeout_s
+        timed_out = False
+        try:
+            while proc.poll() is None:
+                if time.monotonic() >= deadline:
+                    timed_out = True
+                    _stop_group(proc.pid, None)
+                    break
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=0.1)
+        except BaseException:
+            # Cancellation, Ctrl-C, SIGTERM from a worker: the job gets SIGTERM to save state.
+            _stop_group(proc.pid, None)
+            raise
+        proc.wait()
+        for thread in pumps:
+            thread.join(timeout=5)
+        ended = datetime.now(UTC)
+        code = proc.returncode
+        return JobResult(
+            exit_code=code if code >= 0 else None,
+            signal=-code if code < 0 else None,
+            started_at=started,
+            ended_at=ended,
+            duration_s=(ended - started).total_seconds(),
+            timed_out=timed_out,
+            log_tail=list(tail),
+        )
+
+    def teardown(self, cluster: Cluster) -> TeardownReport:
+        """Kill the job's process group, release GPUs and slots, remove the workspace.
+        Idempotent: a cluster that is already gone gives a report with already_gone."""
+        record = self._read_record(cluster.name)
+        report = TeardownReport(name=cluster.name, already_gone=record is None)
+        if record is not None:
+            cluster = Cluster.model_validate(record["cluster"])
+            job = record.get("job")
+            if job and _alive(job["pgid"], job.get("started")):
+                report.killed_processes = _stop_group(job["pgid"], job.get("started"))
+        claims = self.home / "gpus"
+        for index in cluster.gpu_indices:
+            path = claims / f"{index}.json"
+            with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+                if json.loads(path.read_text()).get("cluster") == cluster.name:
+                    path.unlink(missing_ok=True)
+                    report.released_gpus.append(index)
+        if cluster.gpu_lease_id:
+            report.released_lease = gpu_slots.release(cluster.gpu_lease_id)
+        workspace = Path(cluster.workspace)
+        if workspace.exists():
+            shutil.rmtree(workspace, ignore_errors=True)
+            report.removed_workspace = not workspace.exists()
+        self._record_path(cluster.name).unlink(missing_ok=True)
+        return report
+
+    def list_owned(self, selector: Mapping[str, str]) -> list[Cluster]:
+        """Return clusters recorded on this host whose owner labels include `selector`."""
+        found = []
+        for path in sorted((self.home / "clusters").glob("*.json")):
+            record = self._read_record(path.stem)
+            if record is None:
+                continue
+            cluster = Cluster.model_validate(record["cluster"])
+            if all(cluster.owner.get(k) == v for k, v in selector.items()):
+                found.append(cluster)
+        return found
+
+
+def _stop_group(pgid: int, started: float | None) -> int:
+    """SIGTERM the process group, wait up to STOP_GRACE_S, then SIGKILL; return how many died.
+
+    Polls instead of waiting on the processes so that the caller can still reap its own
+    child and read its exit status.
+    """
+    members = [p for p in psutil.process_iter() if _pgid(p.pid) == pgid]
+    if started is not None and not _alive(pgid, started):
+        return 0  # the pid was reused by something else: not ours to kill
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while _running(members) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _running(members):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while _running(members) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return len(members)
+
+
+def _running(members: list[psutil.Process]) -> bool:
+    for proc in members:
+        with contextlib.suppress(psutil.Error):
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                return True
+    return False
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None

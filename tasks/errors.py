@@ -1,0 +1,56 @@
+"""One exception hierarchy; retry policies key on these classes, never on strings."""
+
+from __future__ import annotations
+
+# A job that saved its state and exited because it was told to stop (SIGTERM,
+# spot notice) exits with this code; the pipeline retries it instead of failing.
+PREEMPTED_EXIT_CODE = 75
+
+
+class GpuflowError(Exception):
+    """Base class: the message is one sentence a user can act on."""
+
+    retryable = False
+
+
+class InvalidSpec(GpuflowError):
+    """The user's input is wrong; nothing was provisioned."""
+
+
+class ProvisionError(GpuflowError):
+    """The backend could not make the resources for a reason retrying won't fix."""
+
+
+class CapacityError(GpuflowError):
+    """No GPUs (or concurrency slots) are free right now; worth retrying later."""
+
+    retryable = True
+
+
+class TransientError(GpuflowError):
+    """A network or API hiccup; worth retrying."""
+
+    retryable = True
+
+
+class PreflightFailed(GpuflowError):
+    """The host cannot run this job as asked (no GPU, driver too old, disk full)."""
+
+
+class JobFailed(GpuflowError):
+    """The job itself failed deterministically (non-zero exit, timeout)."""
+
+
+class PreemptedError(GpuflowError):
+    """The job was interrupted and saved its state; rerunning resumes it."""
+
+    retryable = True
+
+
+class CollectError(GpuflowError):
+    """Metrics or artifacts could not be gathered after the job ran."""
+
+
+def is_retryable(exc: BaseException | None) -> bool:
+    """Return True when the error class says a retry may succeed."""
+    return isinstance(exc, GpuflowError) and exc.retryable

@@ -1,0 +1,1 @@
+"""Samples during a run (NVML + host), their summary and cost, and how they are shown."""

@@ -1,0 +1,81 @@
+"""Prices and cost: pure. Hourly price per GPU by backend and product, plus disk and CPU.
+
+Defaults are on-demand list prices per GPU (an instance's price divided by its GPUs);
+the local host costs nothing unless a price is given.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+HOURS_PER_MONTH = 730.0
+
+
+class PriceTable(BaseModel):
+    gpu_hourly_usd: dict[str, dict[str, float]] = {
+        "local": {},
+        "ec2": {
+            "Tesla-T4": 0.526,
+            "NVIDIA-A10G": 1.006,
+            "NVIDIA-L4": 0.805,
+            "NVIDIA-L40S": 1.861,
+            "Tesla-V100-SXM2-16GB": 3.06,
+            "NVIDIA-A100-SXM4-40GB": 4.096,
+            "NVIDIA-A100-SXM4-80GB": 5.121,
+            "NVIDIA-H100-80GB-HBM3": 12.29,
+            "NVIDIA-H200": 13.86,
+        },
+    }
+    cpu_core_hourly_usd: dict[str, float] = {"local": 0.0, "ec2": 0.048}
+    disk_gb_month_usd: dict[str, float] = {"local": 0.0, "ec2": 0.08}
+
+    def gpu_hourly(self, backend: str, product: str | None) -> float:
+        """Return the hourly price of one GPU of `product` on `backend` (0 when unknown)."""
+        return self.gpu_hourly_usd.get(backend, {}).get(product or "", 0.0)
+
+
+class Cost(BaseModel):
+    usd: float
+    hourly_usd: float
+    breakdown: dict[str, float]
+
+
+def hourly_rate(
+    table: PriceTable,
+    backend: str,
+    products: list[str],
+    cpu_cores: float,
+    disk_bytes: int,
+) -> float:
+    """Return what the resources cost per hour while held."""
+    gpus = sum(table.gpu_hourly(backend, p) for p in products)
+    cpu = 0.0 if products else cpu_cores * table.cpu_core_hourly_usd.get(backend, 0.0)
+    disk = disk_bytes / 1e9 * table.disk_gb_month_usd.get(backend, 0.0) / HOURS_PER_MONTH
+    return gpus + cpu + disk
+
+
+def run_cost(
+    table: PriceTable,
+    backend: str,
+    products: list[str],
+    cpu_cores: float,
+    disk_bytes: int,
+    seconds: float,
+) -> Cost:
+    """Return the cost of holding the resources for `seconds`, with a breakdown."""
+    hours = seconds / 3600.0
+    gpu = sum(table.gpu_hourly(backend, p) for p in products) * hours
+    cpu = 0.0 if products else cpu_cores * table.cpu_core_hourly_usd.get(backend, 0.0) * hours
+    disk = disk_bytes / 1e9 * table.disk_gb_month_usd.get(backend, 0.0) / HOURS_PER_MONTH * hours
+    return Cost(
+        usd=gpu + cpu + disk,
+        hourly_usd=hourly_rate(table, backend, products, cpu_cores, disk_bytes),
+        breakdown={"gpu": gpu, "cpu": cpu, "disk": disk},
+    )
+
+
+def budget_seconds(max_cost_usd: float | None, hourly_usd: float) -> float | None:
+    """Return how long the job may run before it costs `max_cost_usd` (None: no limit)."""
+    if max_cost_usd is None or hourly_usd <= 0:
+        return None
+    return max_cost_usd / hourly_usd * 3600.0

@@ -1,0 +1,45 @@
+"""Utilisation over time as a PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def utilisation_png(samples: list[dict[str, Any]], path: Path, title: str) -> Path | None:
+    """Draw GPU (or, with no GPU, host CPU) utilisation over time; None for < 2 samples."""
+    if len(samples) < 2:
+        return None
+    t0 = samples[0]["t"]
+    fig, ax = plt.subplots(figsize=(8, 3.5), dpi=100)
+    gpu_ids = sorted({g["gpu"] for s in samples for g in s["gpus"]})
+    for gpu in gpu_ids:
+        points = [
+            (s["t"] - t0, g["DCGM_FI_DEV_GPU_UTIL"])
+            for s in samples
+            for g in s["gpus"]
+            if g["gpu"] == gpu and "DCGM_FI_DEV_GPU_UTIL" in g
+        ]
+        if points:
+            ax.plot(*zip(*points, strict=True), label=f"GPU {gpu} util %")
+    ax.plot(
+        [s["t"] - t0 for s in samples],
+        [s["host"]["cpu_percent"] for s in samples],
+        label="host CPU %",
+        linestyle="--" if gpu_ids else "-",
+    )
+    ax.set_xlabel("seconds since start")
+    ax.set_ylabel("%")
+    ax.set_ylim(0, 105)
+    ax.set_title(title if gpu_ids else f"{title} (no GPU seen)")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

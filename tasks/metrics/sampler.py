@@ -1,0 +1,153 @@
+"""A background thread that samples GPUs (NVML, DCGM-exporter names) and the host.
+
+Each sample is one JSON line in a file, so a crash loses at most one sample and
+collect can read them from any process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tasks.nvml import load_nvml
+
+logger = logging.getLogger(__name__)
+
+GPU_FIELDS = (
+    "DCGM_FI_DEV_GPU_UTIL",
+    "DCGM_FI_DEV_FB_USED",
+    "DCGM_FI_DEV_POWER_USAGE",
+    "DCGM_FI_DEV_GPU_TEMP",
+    "DCGM_FI_DEV_SM_CLOCK",
+    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+)
+
+
+class Sampler:
+    """Samples every `interval_s` into `path` until stopped; use as a context manager."""
+
+    def __init__(
+        self,
+        path: Path,
+        gpu_indices: list[int],
+        interval_s: float = 1.0,
+        nvml_module: types.ModuleType | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.gpu_indices = gpu_indices
+        self.interval_s = interval_s
+        self.hostname = socket.gethostname()
+        self._nvml = load_nvml(nvml_module) if gpu_indices else None
+        self._handles: list[tuple[int, Any, str, str]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.gpu_error: str | None = None
+        self.count = 0
+
+    def __enter__(self) -> Sampler:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self._open_nvml()
+        psutil.cpu_percent(interval=None)  # first call primes the counter
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._loop, name="gpuflow-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s + 5)
+        self._sample_once()  # the last sample closes the energy and time window
+        if self._handles and self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:
+                logger.debug("nvmlShutdown failed", exc_info=True)
+
+    def _open_nvml(self) -> None:
+        if self._nvml is None:
+            return
+        try:
+            self._nvml.nvmlInit()
+            for index in self.gpu_indices:
+                handle = self._nvml.nvmlDeviceGetHandleByIndex(index)
+                name = self._nvml.nvmlDeviceGetName(handle)
+                uuid = self._nvml.nvmlDeviceGetUUID(handle)
+                self._handles.append((index, handle, _text(uuid), _text(name)))
+        except Exception as exc:
+            self.gpu_error = f"NVML unavailable: {exc}"
+            self._handles = []
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample_once()
+
+    def _sample_once(self) -> None:
+        sample = {
+            "t": time.time(),
+            "Hostname": self.hostname,
+            "host": {
+                "cpu_percent": psutil.cpu_percent(interval=None),
+                "memory_used_bytes": psutil.virtual_memory().used,
+            },
+            "gpus": [
+                self._gpu(index, handle, uuid, name) for index, handle, uuid, name in self._handles
+            ],
+        }
+        with self.path.open("a") as out:
+            out.write(json.dumps(sample) + "\n")
+        self.count += 1
+
+    def _gpu(self, index: int, handle: Any, uuid: str, name: str) -> dict[str, Any]:
+        nvml = self._nvml
+        reading: dict[str, Any] = {"gpu": index, "UUID": uuid, "modelName": name}
+        probes = {
+            "DCGM_FI_DEV_GPU_UTIL": lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu,
+            "DCGM_FI_DEV_FB_USED": lambda: nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20,
+            "DCGM_FI_DEV_POWER_USAGE": lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
+            "DCGM_FI_DEV_GPU_TEMP": lambda: nvml.nvmlDeviceGetTemperature(
+                handle, nvml.NVML_TEMPERATURE_GPU
+            ),
+            "DCGM_FI_DEV_SM_CLOCK": lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM),
+            "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": lambda: (
+                nvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+            ),
+        }
+        for field, probe in probes.items():
+            try:
+                reading[field] = float(probe())
+            except Exception:  # a field this GPU does not support stays absent
+                continue
+        return reading
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def read_samples(path: Path) -> list[dict[str, Any]]:
+    """Return the samples written to `path`, skipping a torn last line."""
+    samples = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    for line in lines:
+        try:
+            samples.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return samples

@@ -1,0 +1,283 @@
+"""JobSpec: the one input model. Every field is checked here, before anything is provisioned."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from tasks.errors import InvalidSpec
+from tasks.gpus import canonical_product
+from tasks.units import parse_duration, parse_size
+
+Bytes = Annotated[int, BeforeValidator(parse_size)]
+Seconds = Annotated[float, BeforeValidator(parse_duration)]
+_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CommandJob(_Model):
+    """Run an arbitrary program in the workspace, like a container entrypoint."""
+
+    kind: Literal["command"] = "command"
+    command: list[str] = Field(description="Program and arguments, e.g. [python, train.py].")
+    torch: bool = Field(False, description="Check torch's CUDA in preflight for this command.")
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            import shlex
+
+            return shlex.split(value)
+        return value
+
+    @field_validator("command")
+    @classmethod
+    def _not_empty(cls, value: list[str]) -> list[str]:
+        if not value or not value[0].strip():
+            raise ValueError("is empty; give the program to run, e.g. [python, train.py]")
+        return value
+
+
+class MatmulJob(_Model):
+    """The smoke job: a torch matrix-multiply benchmark reporting achieved TFLOP/s."""
+
+    kind: Literal["matmul"] = "matmul"
+    size: int = Field(4096, ge=64, le=65536, description="Square matrix size n (n x n).")
+    dtype: Literal["float32", "float16", "bfloat16"] = Field(
+        "bfloat16", description="Element type on GPU; the CPU path uses float32."
+    )
+    seconds: float = Field(5.0, gt=0, le=3600, description="How long to keep multiplying.")
+    torch: bool = True
+
+
+Job = Annotated[CommandJob | MatmulJob, Field(discriminator="kind")]
+JOB_KINDS = ("command", "matmul")
+
+
+class Resources(_Model):
+    gpus: int = Field(0, ge=0, le=64, description="GPUs to reserve on one node.")
+    gpu_product: str | None = Field(None, description="e.g. NVIDIA-H100-80GB-HBM3 or H100.")
+    allow_cpu: bool = Field(False, description="Run on CPU when no GPU is present.")
+    cpu: float | None = Field(None, gt=0, description="CPU cores.")
+    memory: Bytes | None = Field(None, description="Memory, e.g. 16Gi.")
+    disk: Bytes = Field(parse_size("1Gi"), description="Free disk the workspace needs, e.g. 50Gi.")
+    shm: Bytes | None = Field(None, description="Shared memory (/dev/shm), e.g. 8Gi.")
+
+    @field_validator("gpu_product")
+    @classmethod
+    def _known_product(cls, value: str | None) -> str | None:
+        return canonical_product(value) if value is not None else None
+
+    @model_validator(mode="after")
+    def _product_needs_gpus(self) -> Resources:
+        if self.gpu_product and self.gpus == 0:
+            raise ValueError(
+                "resources.gpu_product is set but resources.gpus is 0;"
+                " ask for at least one GPU or remove gpu_product"
+            )
+        return self
+
+
+class Placement(_Model):
+    backend: Literal["local"] = Field("local", description="Where the job runs.")
+    block: str | None = Field(
+        None, description="Name of a LocalGpuHost block to read settings from."
+    )
+    workspace_root: str | None = Field(None, description="Folder for job workspaces.")
+    strict_gpu_limit: bool = Field(
+        False, description="Fail when the Prefect concurrency limit `gpu` does not exist."
+    )
+    gpu_wait: Seconds = Field(0.0, ge=0, description="How long to wait for a free GPU slot.")
+
+
+class Storage(_Model):
+    artifacts: str | None = Field(None, description="file:// folder for run artifacts.")
+
+    @field_validator("artifacts")
+    @classmethod
+    def _scheme(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if value.startswith("s3://"):
+            raise ValueError(
+                "s3:// artifacts are not supported by this version; use a file:/// URL"
+            )
+        if not re.match(r"^file:///.+", value):
+            raise ValueError(f"{value!r} is not a storage URL; write file:///absolute/path")
+        return value
+
+
+class Limits(_Model):
+    max_duration: Seconds = Field(
+        24 * 3600.0, gt=0, description="Longest the job may run, e.g. 2h; it is stopped after."
+    )
+    max_cost_usd: float | None = Field(None, gt=0, description="Stop the job before it costs more.")
+
+
+class StageRetry(_Model):
+    retries: int = Field(0, ge=0, le=20)
+    delay_s: float = Field(5.0, ge=0, le=3600)
+    jitter: float = Field(0.5, ge=0, le=1, description="Random spread as a fraction of the delay.")
+
+
+class RetryPolicy(_Model):
+    """Retries apply only to retryable errors (capacity, transient, preempted)."""
+
+    provision: StageRetry = StageRetry(retries=3, delay_s=5.0)
+    preflight: StageRetry = StageRetry(retries=1, delay_s=2.0)
+    run: StageRetry = StageRetry(retries=3, delay_s=5.0)
+    collect: StageRetry = StageRetry(retries=1, delay_s=2.0)
+
+
+class MetricsSettings(_Model):
+    interval_s: float = Field(1.0, ge=0.05, le=3600, description="Seconds between samples.")
+    pushgateway: str | None = Field(None, description="Pushgateway URL, e.g. http://host:9091.")
+    plot: bool = Field(True, description="Draw utilisation over time as a PNG.")
+
+    @field_validator("pushgateway")
+    @classmethod
+    def _http(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError(f"{value!r} is not an http(s) URL; write e.g. http://127.0.0.1:9091")
+        return value
+
+
+class JobSpec(_Model):
+    """Everything gpuflow needs to run one GPU job through the pipeline."""
+
+    name: str = Field("job", description="Lowercase letters, digits and dashes.")
+    job: Job
+    resources: Resources = Resources()
+    placement: Placement = Placement()
+    storage: Storage = Storage()
+    limits: Limits = Limits()
+    retry: RetryPolicy = RetryPolicy()
+    env: dict[str, str] = Field(default_factory=dict, description="Plain environment variables.")
+    secret_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variable -> name of a Prefect Secret block holding its value.",
+    )
+    metrics: MetricsSettings = MetricsSettings()
+
+    @field_validator("name")
+    @classmethod
+    def _dns_name(cls, value: str) -> str:
+        if len(value) > 40 or not _NAME_RE.match(value):
+            raise ValueError(
+                f"{value!r} is not a valid name; use up to 40 lowercase letters, digits and dashes"
+            )
+        return value
+
+    @field_validator("env", "secret_env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if not _ENV_RE.match(key):
+                raise ValueError(f"{key!r} is not an environment variable name; use A-Z, 0-9, _")
+        return value
+
+    @model_validator(mode="after")
+    def _secret_names_distinct(self) -> JobSpec:
+        both = sorted(set(self.env) & set(self.secret_env))
+        if both:
+            raise ValueError(f"{both[0]} is in both env and secret_env; keep it in one of them")
+        return self
+
+
+def _field_names(loc: tuple[Any, ...]) -> list[str]:
+    """Return the field names allowed where `loc` points, for 'did you mean' hints."""
+    kinds = {"command": CommandJob, "matmul": MatmulJob}
+    model: Any = JobSpec
+    parts = list(loc[:-1])
+    if parts[:1] == ["job"] and len(parts) > 1 and parts[1] in kinds:
+        model, parts = kinds[parts[1]], parts[2:]
+    for part in parts:
+        annotation = model.model_fields[part].annotation if part in model.model_fields else None
+        if not hasattr(annotation, "model_fields"):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _sentence(error: dict[str, Any]) -> str:
+    loc = tuple(error["loc"])
+    if loc[:1] == ("job",) and len(loc) > 1 and loc[1] in JOB_KINDS:
+        loc = loc[:1] + loc[2:]  # drop the union's tag: job.command.command -> job.command
+    where = ".".join(str(p) for p in loc) or "spec"
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        known = _field_names(tuple(error["loc"]))
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        fix = f"did you mean {close[0]!r}?" if close else f"remove it (known: {', '.join(known)})"
+        return f"{where}: unknown field; {fix}"
+    if kind == "missing":
+        if where == "job.command":
+            return "job.command is required; give the program to run, e.g. [python, train.py]"
+        return f"{where} is required; add it"
+    if kind == "union_tag_not_found":
+        return f"job.kind is required; use one of: {', '.join(JOB_KINDS)}"
+    if kind == "union_tag_invalid":
+        got = error.get("ctx", {}).get("tag", "")
+        return f"job.kind: {got!r} is not a job kind; use one of: {', '.join(JOB_KINDS)}"
+    msg = error["msg"].removeprefix("Value error, ")
+    if kind == "value_error":
+        # model-level checks already name their fields in full
+        return msg if msg.startswith(where + ".") else f"{where}: {msg}"
+    bound = {"greater_than_equal": "ge", "greater_than": "gt", "less_than_equal": "le"}.get(kind)
+    if bound:
+        limit = error["ctx"][bound]
+        word = {"ge": "at least", "gt": "more than", "le": "at most"}[bound]
+        return f"{where} must be {word} {limit} (got {error.get('input')!r}); change it"
+    hidden = loc[:1] in (("env",), ("secret_env",))
+    got = "" if hidden else f" (got {error.get('input')!r})"
+    return f"{where}: {msg[0].lower()}{msg[1:]}{got}"
+
+
+def explain(exc: ValidationError) -> str:
+    """Return one sentence per problem, each naming the field and the fix."""
+    return " ".join(s if s.endswith((".", "?")) else s + "." for s in map(_sentence, exc.errors()))
+
+
+def load_spec(source: JobSpec | dict[str, Any] | str | Path) -> JobSpec:
+    """Return a validated JobSpec from a model, a dict, or a YAML/JSON file path."""
+    if isinstance(source, JobSpec):
+        return source
+    where = "spec"
+    if isinstance(source, str | Path) and not isinstance(source, dict):
+        path = Path(source)
+        where = str(path)
+        if not path.is_file():
+            raise InvalidSpec(f"{path}: no such file; give the path of a job YAML or JSON file.")
+        try:
+            source = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            line = f" at line {mark.line + 1}" if mark else ""
+            raise InvalidSpec(f"{path}: not valid YAML{line}; fix the syntax there.") from None
+    if not isinstance(source, dict):
+        raise InvalidSpec(
+            f"{where}: the top level must be a mapping of fields (name, job, resources, ...),"
+            f" not {type(source).__name__}."
+        )
+    try:
+        return JobSpec.model_validate(source)
+    except ValidationError as exc:
+        raise InvalidSpec(explain(exc)) from None

@@ -1,0 +1,238 @@
+"""The pipeline's stages as Prefect tasks: thin wrappers over backends, preflight and metrics.
+
+Retries key on error classes: a task is retried only when its exception says a
+retry may succeed (CapacityError, TransientError, PreemptedError).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.tasks import exponential_backoff
+from pydantic import BaseModel
+
+from tasks import preflight as preflight_checks
+from tasks import secrets
+from tasks.compute import Cluster, JobResult, TeardownReport, get_backend
+from tasks.compute.base import RUN_LABEL
+from tasks.errors import (
+    PREEMPTED_EXIT_CODE,
+    CollectError,
+    PreemptedError,
+    PreflightFailed,
+    TransientError,
+    is_retryable,
+)
+from tasks.jobs import command_for
+from tasks.metrics import cost as pricing
+from tasks.metrics.plot import utilisation_png
+from tasks.metrics.prometheus import exposition, push
+from tasks.metrics.sampler import Sampler, read_samples
+from tasks.metrics.summary import RunMetrics, summarise
+from tasks.spec import JobSpec, StageRetry
+
+SAMPLES = ".gpuflow-samples.jsonl"
+
+
+class RunOutcome(BaseModel):
+    result: JobResult
+    failure: str | None = None  # one sentence when the job failed deterministically
+    stopped_by: str | None = None  # "max_duration" or "max_cost_usd" when a limit stopped it
+
+
+def _retry_when_retryable(task: Any, task_run: Any, state: Any) -> bool:
+    try:
+        state.result()
+    except Exception as exc:
+        return is_retryable(exc)
+    return False
+
+
+def retrying(stage: Any, policy: StageRetry) -> Any:
+    """Return `stage` with the policy's retries: exponential backoff with jitter."""
+    if policy.retries == 0:
+        return stage.with_options(retries=0)
+    return stage.with_options(
+        retries=policy.retries,
+        retry_delay_seconds=exponential_backoff(backoff_factor=max(policy.delay_s, 0.01))(
+            policy.retries
+        ),
+        retry_jitter_factor=policy.jitter or None,
+        retry_condition_fn=_retry_when_retryable,
+    )
+
+
+@task(name="provision", cache_policy=None)
+def provision(spec: JobSpec, owner: dict[str, str]) -> Cluster:
+    """Return the cluster for this run; a retry adopts what an earlier try made."""
+    cluster = get_backend(spec.placement.backend).provision(spec, owner)
+    logger = get_run_logger()
+    verb = "adopted" if cluster.adopted else "provisioned"
+    gpus = ",".join(map(str, cluster.gpu_indices)) or "none"
+    logger.info("%s %s: workspace %s, GPUs %s", verb, cluster.name, cluster.workspace, gpus)
+    return cluster
+
+
+@task(name="preflight", cache_policy=None)
+def preflight(spec: JobSpec, cluster: Cluster) -> preflight_checks.PreflightReport:
+    """Return the preflight report; raise PreflightFailed when the verdict is fail."""
+    facts = preflight_checks.inspect(cluster.workspace, spec.job.torch)
+    report = preflight_checks.verdict(spec, facts, cluster.gpu_indices)
+    create_table_artifact(
+        key="gpuflow-preflight",
+        table=[{"check": c.name, "level": c.level, "message": c.message} for c in report.checks],
+        description=f"Preflight for {spec.name}: {report.verdict}",
+    )
+    logger = get_run_logger()
+    for check in report.checks:
+        log = logger.warning if check.level != "pass" else logger.info
+        log("preflight %s [%s] %s", check.name, check.level, check.message)
+    if report.verdict == "fail":
+        raise PreflightFailed(" ".join(c.message for c in report.failures()))
+    return report
+
+
+@task(name="run", cache_policy=None)
+def run(spec: JobSpec, cluster: Cluster) -> RunOutcome:
+    """Run the job with the sampler on; raise PreemptedError (retryable) when the job says
+    it was interrupted, return other failures in the outcome so collect still runs."""
+    logger = get_run_logger()
+    secret_values = secrets.resolve(spec.secret_env)
+    redact = secrets.Redactor(secret_values.values())
+    env = {**os.environ, **spec.env, **secret_values}
+    table = pricing.PriceTable()
+    hourly = pricing.hourly_rate(
+        table, cluster.backend, cluster.gpu_products, spec.resources.cpu or 1.0, spec.resources.disk
+    )
+    budget = pricing.budget_seconds(spec.limits.max_cost_usd, hourly)
+    timeout = spec.limits.max_duration if budget is None else min(spec.limits.max_duration, budget)
+    stopped_by = (
+        "max_cost_usd"
+        if budget is not None and budget < spec.limits.max_duration
+        else "max_duration"
+    )
+
+    def on_line(stream: str, line: str) -> None:
+        logger.info("%s%s", "[stderr] " if stream == "stderr" else "", redact(line))
+
+    samples = Path(cluster.workspace) / SAMPLES
+    with Sampler(samples, cluster.gpu_indices, spec.metrics.interval_s):
+        result = get_backend(cluster.backend).run(cluster, command_for(spec), env, timeout, on_line)
+    result = result.model_copy(update={"log_tail": [redact(line) for line in result.log_tail]})
+    if result.exit_code == PREEMPTED_EXIT_CODE:
+        raise PreemptedError(
+            f"the job was interrupted and saved its state (exit {PREEMPTED_EXIT_CODE}); retrying resumes it"
+        )
+    return RunOutcome(
+        result=result,
+        failure=_failure(result, timeout, stopped_by),
+        stopped_by=stopped_by if result.timed_out else None,
+    )
+
+
+def _failure(result: JobResult, timeout: float, stopped_by: str) -> str | None:
+    if result.timed_out:
+        return (
+            f"the job ran past limits.{stopped_by} ({timeout:.0f} s) and was stopped;"
+            f" raise limits.{stopped_by} or make the job shorter."
+        )
+    if result.signal is not None:
+        hint = " (SIGKILL often means the out-of-memory killer)" if result.signal == 9 else ""
+        return f"the job was killed by signal {result.signal}{hint}; see the last lines of its log."
+    if result.exit_code:
+        last = " | ".join(result.log_tail[-3:])
+        return f"the job exited with code {result.exit_code}; last lines: {last}"
+    return None
+
+
+@task(name="collect", cache_policy=None)
+def collect(
+    spec: JobSpec, cluster: Cluster, outcome: RunOutcome, flow_run_id: str, artifacts_dir: str
+) -> RunMetrics:
+    """Return the run's metrics and write its artifacts: samples, PNG, Prometheus text,
+    the job's outputs; push to the Pushgateway when one is configured."""
+    logger = get_run_logger()
+    out = Path(artifacts_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    samples_path = Path(cluster.workspace) / SAMPLES
+    samples = read_samples(samples_path)
+    if samples_path.exists():
+        shutil.copyfile(samples_path, out / "samples.jsonl")
+    outputs = Path(cluster.workspace) / "outputs"
+    if outputs.is_dir():
+        shutil.copytree(outputs, out / "outputs", dirs_exist_ok=True)
+    job_result: dict[str, Any] = {}
+    result_file = outputs / "result.json"
+    if result_file.is_file():
+        try:
+            job_result = json.loads(result_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise CollectError(f"the job wrote an unreadable result.json: {exc}") from None
+    run_cost = pricing.run_cost(
+        pricing.PriceTable(),
+        cluster.backend,
+        cluster.gpu_products,
+        spec.resources.cpu or 1.0,
+        spec.resources.disk,
+        outcome.result.duration_s,
+    )
+    metrics = summarise(samples, outcome.result.duration_s, len(cluster.gpu_indices), run_cost)
+    metrics = metrics.model_copy(update={"job": job_result})
+    (out / "metrics.json").write_text(metrics.model_dump_json(indent=2))
+    text = exposition(samples[-1] if samples else None, metrics, flow_run_id, spec.name)
+    (out / "metrics.prom").write_text(text)
+    png = (
+        utilisation_png(samples, out / "utilisation.png", f"{spec.name} {flow_run_id[:8]}")
+        if spec.metrics.plot
+        else None
+    )
+    pushed = None
+    if spec.metrics.pushgateway:
+        try:
+            pushed = push(spec.metrics.pushgateway, text, flow_run_id, spec.name)
+        except TransientError as exc:
+            logger.warning("metrics not pushed: %s", exc)
+    rows = [
+        {"metric": k, "value": v}
+        for k, v in metrics.model_dump(exclude={"job", "cost_breakdown"}).items()
+    ]
+    rows += [{"metric": f"job.{k}", "value": v} for k, v in job_result.items()]
+    create_table_artifact(key="gpuflow-metrics", table=rows, description=f"Metrics for {spec.name}")
+    lines = [
+        f"# {spec.name}: {'failed' if outcome.failure else 'completed'}",
+        "",
+        f"- duration: {outcome.result.duration_s:.1f} s, exit code {outcome.result.exit_code}",
+        f"- GPUs: {len(cluster.gpu_indices)} ({', '.join(cluster.gpu_products) or 'none'}); {metrics.note or 'GPU metrics sampled'}",
+        f"- cost: ${metrics.cost_usd:.4f} at ${metrics.cost_hourly_usd:.4f}/h",
+        f"- artifacts: `{out}`",
+    ]
+    if "tflops" in job_result:
+        lines.insert(2, f"- **{job_result['tflops']} TFLOP/s** on {job_result.get('device')}")
+    if png:
+        lines.append(f"- utilisation plot: `{png}`")
+    if pushed:
+        lines.append(f"- pushed to {pushed}")
+    if outcome.failure:
+        lines.append(f"- failure: {outcome.failure}")
+    create_markdown_artifact(
+        key="gpuflow-summary", markdown="\n".join(lines), description=spec.name
+    )
+    return metrics
+
+
+@task(name="teardown", cache_policy=None, retries=2, retry_delay_seconds=2)
+def teardown(backend: str, flow_run_id: str) -> list[TeardownReport]:
+    """Return what was released for every resource this flow run owns. Idempotent."""
+    return teardown_owned(backend, flow_run_id)
+
+
+def teardown_owned(backend: str, flow_run_id: str) -> list[TeardownReport]:
+    """Tear down every cluster labelled with `flow_run_id`; plain function for hooks and reapers."""
+    compute = get_backend(backend)
+    return [compute.teardown(c) for c in compute.list_owned({RUN_LABEL: flow_run_id})]
