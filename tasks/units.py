@@ -25,7 +25,7 @@ _SIZE_UNITS = {
     "tib": 1024**4,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(d|h|m|s|ms)")
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|d|h|m|s)")
 _DURATION_SECONDS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 
 

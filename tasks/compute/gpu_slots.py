@@ -46,7 +46,10 @@ def acquire(slots: int, wait_s: float, strict: bool, holder_run_id: str | None) 
     if holder_run_id:
         from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 
-        body_holder = ConcurrencyLeaseHolder(type="flow_run", id=UUID(holder_run_id))
+        try:
+            body_holder = ConcurrencyLeaseHolder(type="flow_run", id=UUID(holder_run_id))
+        except ValueError:
+            body_holder = None  # not a flow run id (a run outside Prefect's engine)
     with get_client(sync_client=True) as client:
         while True:
             try:

@@ -133,39 +133,37 @@ class LocalBackend:
             )
 
     def provision(self, spec: JobSpec, owner: Mapping[str, str]) -> Cluster:
-        """Reserve GPUs and make the workspace. Retried with the same owner, adopts the
-        existing cluster. Raises CapacityError when the GPUs or `gpu` slots are busy."""
+        """Reserve GPUs and make the workspace. Retried with the same owner, it adopts what
+        an earlier try made (workspace, GPU claims, lease) instead of making twins.
+        Raises CapacityError when the GPUs or `gpu` slots are busy."""
         name = f"gpuflow-{owner[RUN_LABEL]}"
-        existing = self._read_record(name)
-        if existing is not None and Path(existing["cluster"]["workspace"]).is_dir():
-            cluster = Cluster.model_validate(existing["cluster"])
-            return cluster.model_copy(update={"adopted": True})
-        workspace = workspace_root(spec) / name
-        cluster = Cluster(
-            backend=self.name,
-            name=name,
-            owner=dict(owner),
-            hostname=socket.gethostname(),
-            workspace=str(workspace),
-            created_at=datetime.now(UTC),
-        )
+        record = self._read_record(name)
+        if record is not None:
+            cluster = Cluster.model_validate(record["cluster"]).model_copy(update={"adopted": True})
+            if record.get("complete") and Path(cluster.workspace).is_dir():
+                return cluster
+        else:
+            cluster = Cluster(
+                backend=self.name,
+                name=name,
+                owner=dict(owner),
+                hostname=socket.gethostname(),
+                workspace=str(workspace_root(spec) / name),
+                created_at=datetime.now(UTC),
+            )
         # Record first: whatever happens next, teardown and the reaper can find it.
-        self._write_record(
-            {"cluster": cluster.model_dump(mode="json"), "orchestrator_pid": os.getpid()}
-        )
+        self._save(cluster, complete=False)
+        workspace = Path(cluster.workspace)
         try:
-            workspace.mkdir(parents=True, exist_ok=True)
-            (workspace / "outputs").mkdir(exist_ok=True)
+            (workspace / "outputs").mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ProvisionError(
                 f"could not create the workspace {workspace}: {exc.strerror}"
             ) from None
         indices, products = self._claim_gpus(spec, name)
         cluster = cluster.model_copy(update={"gpu_indices": indices, "gpu_products": products})
-        self._write_record(
-            {"cluster": cluster.model_dump(mode="json"), "orchestrator_pid": os.getpid()}
-        )
-        if indices:
+        self._save(cluster, complete=False)
+        if indices and cluster.gpu_lease_id is None:
             lease = gpu_slots.acquire(
                 len(indices),
                 spec.placement.gpu_wait,
@@ -173,10 +171,17 @@ class LocalBackend:
                 owner.get(RUN_LABEL),
             )
             cluster = cluster.model_copy(update={"gpu_lease_id": lease})
-            self._write_record(
-                {"cluster": cluster.model_dump(mode="json"), "orchestrator_pid": os.getpid()}
-            )
+        self._save(cluster, complete=True)
         return cluster
+
+    def _save(self, cluster: Cluster, complete: bool) -> None:
+        self._write_record(
+            {
+                "cluster": cluster.model_dump(mode="json", exclude={"adopted"}),
+                "orchestrator_pid": os.getpid(),
+                "complete": complete,
+            }
+        )
 
     def _claim_gpus(self, spec: JobSpec, name: str) -> tuple[list[int], list[str]]:
         wanted = spec.resources.gpus
@@ -196,6 +201,8 @@ class LocalBackend:
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:
+                if _claim_owner(path) == name:  # claimed by an earlier try of this run
+                    taken.append((gpu.index, gpu.product))
                 continue
             with os.fdopen(fd, "w") as handle:
                 json.dump({"cluster": name, "pid": os.getpid()}, handle)
@@ -361,6 +368,13 @@ def _running(members: list[psutil.Process]) -> bool:
             if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
                 return True
     return False
+
+
+def _claim_owner(path: Path) -> str | None:
+    try:
+        return json.loads(path.read_text()).get("cluster")
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
 
 
 def _pgid(pid: int) -> int | None:

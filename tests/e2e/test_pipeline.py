@@ -1,0 +1,227 @@
+"""gpu_pipeline end to end against a real Prefect server: completion, failures at every
+stage, retries that adopt, secrets. Cleanup is checked on the OS and in the API."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.pipeline import gpu_pipeline
+from tasks import stages
+from tasks.compute import gpu_slots
+from tasks.compute.local import LocalBackend
+from tasks.errors import CapacityError, CollectError, JobFailed, PreflightFailed, ProvisionError
+from tasks.spec import load_spec
+from tests.e2e.helpers import (
+    artifacts_of,
+    leftovers,
+    logs_of,
+    nothing_left,
+    process_gone,
+    task_runs_of,
+)
+
+pytestmark = pytest.mark.e2e
+NO_RETRY = {s: {"retries": 0} for s in ("provision", "preflight", "run", "collect")}
+
+
+def run_pipeline(raw: dict):
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    return state, state.state_details.flow_run_id
+
+
+def test_smoke_job_completes_with_artifacts(prefect_api, gpuflow_home, no_nvml):
+    raw = {
+        "name": "smoke",
+        "job": {"kind": "matmul", "size": 256, "seconds": 1},
+        "resources": {"gpus": 1, "allow_cpu": True},
+        "metrics": {"interval_s": 0.2},
+    }
+    state, run_id = run_pipeline(raw)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result.preflight == "warn"  # no GPU here, continuing on CPU
+    assert result.metrics.job["tflops"] > 0 and result.metrics.job["device"] == "cpu"
+    assert result.metrics.samples >= 2 and not result.metrics.gpu_seen
+    out = Path(result.artifacts_dir)
+    assert {p.name for p in out.iterdir()} >= {
+        "metrics.json",
+        "metrics.prom",
+        "samples.jsonl",
+        "utilisation.png",
+        "outputs",
+    }
+    assert json.loads((out / "outputs" / "result.json").read_text())["size"] == 256
+    assert set(artifacts_of(run_id)) >= {"gpuflow-preflight", "gpuflow-metrics", "gpuflow-summary"}
+    assert "TFLOP/s" in artifacts_of(run_id)["gpuflow-summary"].data
+    assert nothing_left(gpuflow_home)
+
+
+def _fail_provision_after_everything(monkeypatch):
+    real = LocalBackend._save
+
+    def save(self, cluster, complete):
+        real(self, cluster, complete)
+        if complete:
+            raise ProvisionError("injected provision failure")
+
+    monkeypatch.setattr(LocalBackend, "_save", save)
+
+
+def _fail_collect(monkeypatch):
+    def boom(*args, **kwargs):
+        raise CollectError("injected collect failure")
+
+    monkeypatch.setattr(stages, "summarise", boom)
+
+
+STAGES = {
+    "provision": (_fail_provision_after_everything, ["true"], False, ProvisionError),
+    "preflight": (None, ["true"], True, PreflightFailed),  # torch cannot see the fake GPUs
+    "run": (None, ["sh", "-c", "echo $$ > {pidfile}; exit 3"], False, JobFailed),
+    "collect": (_fail_collect, ["sh", "-c", "echo $$ > {pidfile}"], False, CollectError),
+}
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_failure_at_each_stage_leaves_nothing(
+    stage, prefect_api, gpuflow_home, fake_nvml, gpu_limit, monkeypatch, tmp_path
+):
+    inject, command, torch, error = STAGES[stage]
+    if inject:
+        inject(monkeypatch)
+    pidfile = tmp_path / "pid"
+    held = []
+    real_acquire = gpu_slots.acquire
+
+    def acquire(*args, **kwargs):
+        lease = real_acquire(*args, **kwargs)
+        held.append(gpu_slots.slots_in_use())
+        return lease
+
+    monkeypatch.setattr(gpu_slots, "acquire", acquire)
+    raw = {
+        "job": {
+            "kind": "command",
+            "command": [c.format(pidfile=pidfile) for c in command],
+            "torch": torch,
+        },
+        "resources": {"gpus": 2},
+        "retry": NO_RETRY,
+    }
+    state, run_id = run_pipeline(raw)
+    assert state.is_failed()
+    assert isinstance(state.result(raise_on_failure=False), error)
+    assert held == [2], "the run held both GPU slots while it ran"
+    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
+    assert gpu_slots.slots_in_use() == 0
+    if pidfile.exists():
+        assert process_gone(int(pidfile.read_text()))
+    teardown_runs = [t for t in task_runs_of(run_id) if t.name.startswith("teardown")]
+    assert teardown_runs and teardown_runs[0].state.is_completed()
+
+
+def test_retried_provision_adopts_its_workspace(
+    prefect_api, gpuflow_home, fake_nvml, gpu_limit, monkeypatch
+):
+    calls = []
+    real_acquire = gpu_slots.acquire
+
+    def flaky(*args, **kwargs):
+        calls.append(sorted(p.name for p in (gpuflow_home / "workspaces").iterdir()))
+        if len(calls) == 1:
+            raise CapacityError("injected: slots busy")
+        return real_acquire(*args, **kwargs)
+
+    monkeypatch.setattr(gpu_slots, "acquire", flaky)
+    raw = {
+        "job": {"kind": "command", "command": ["true"]},
+        "resources": {"gpus": 1},
+        "retry": {"provision": {"retries": 2, "delay_s": 0.01, "jitter": 0}},
+    }
+    state, run_id = run_pipeline(raw)
+    assert state.is_completed(), state.message
+    assert len(calls) == 2 and calls[0] == calls[1] and len(calls[0]) == 1  # one workspace, reused
+    assert state.result().cluster.adopted
+    provision_run = next(t for t in task_runs_of(run_id) if t.name.startswith("provision"))
+    assert provision_run.run_count == 2
+    assert nothing_left(gpuflow_home) and gpu_slots.slots_in_use() == 0
+
+
+def test_job_failure_is_not_retried(prefect_api, gpuflow_home, tmp_path):
+    counter = tmp_path / "count"
+    raw = {"job": {"kind": "command", "command": ["sh", "-c", f"echo x >> {counter}; exit 2"]}}
+    state, _ = run_pipeline(raw)
+    assert state.is_failed()
+    assert "exited with code 2" in str(state.result(raise_on_failure=False))
+    assert counter.read_text().count("x") == 1
+
+
+def test_preempted_job_is_retried(prefect_api, gpuflow_home, tmp_path):
+    marker = tmp_path / "interrupted-once"
+    script = f"if [ -e {marker} ]; then echo resumed; else touch {marker}; exit 75; fi"
+    raw = {
+        "job": {"kind": "command", "command": ["sh", "-c", script]},
+        "retry": {"run": {"retries": 2, "delay_s": 0.01}},
+    }
+    state, run_id = run_pipeline(raw)
+    assert state.is_completed(), state.message
+    assert any("resumed" in line for line in logs_of(run_id))
+
+
+def test_secrets_never_reach_logs_or_artifacts(prefect_api, gpuflow_home):
+    from prefect.blocks.system import Secret
+
+    value = "tok-9f8e7d6c5b4a-SECRET"
+    Secret(value=value).save("gpuflow-test-token", overwrite=True)
+    script = 'echo "token is $HF_TOKEN"; env; echo "$HF_TOKEN" >&2; echo "$HF_TOKEN" > "$GPUFLOW_OUTPUT_DIR/leak.txt"; exit 1'
+    raw = {
+        "name": "secretive",
+        "job": {"kind": "command", "command": ["sh", "-c", script]},
+        "secret_env": {"HF_TOKEN": "gpuflow-test-token"},
+    }
+    state, run_id = run_pipeline(raw)
+    assert state.is_failed()  # exit 1: its log tail goes into the error text too
+    logs = logs_of(run_id)
+    assert any("token is ***" in line for line in logs)
+    assert not any(value in line for line in logs)
+    assert value not in str(state.result(raise_on_failure=False))
+    for artifact in artifacts_of(run_id).values():
+        assert value not in json.dumps(artifact.data)
+    for task_run in task_runs_of(run_id):
+        assert value not in json.dumps(task_run.model_dump(mode="json"))
+    out = next((gpuflow_home / "runs").iterdir())
+    for path in out.rglob("*"):
+        if path.is_file() and path.name != "leak.txt":  # the job's own output is the job's business
+            assert value.encode() not in path.read_bytes(), path
+
+
+def test_missing_secret_block_fails_before_provisioning(prefect_api, gpuflow_home):
+    raw = {
+        "job": {"kind": "command", "command": ["true"]},
+        "secret_env": {"TOKEN": "no-such-block"},
+    }
+    state, _ = run_pipeline(raw)
+    assert "secret_env.TOKEN: there is no Prefect Secret block named 'no-such-block'" in str(
+        state.result(raise_on_failure=False)
+    )
+    assert nothing_left(gpuflow_home)
+
+
+def test_max_duration_stops_the_job(prefect_api, gpuflow_home):
+    raw = {"job": {"kind": "command", "command": ["sleep", "60"]}, "limits": {"max_duration": "1s"}}
+    started = time.monotonic()
+    state, _ = run_pipeline(raw)
+    assert state.is_failed()
+    assert "ran past limits.max_duration" in str(state.result(raise_on_failure=False))
+    assert time.monotonic() - started < 50
+    assert nothing_left(gpuflow_home)
+
+
+def test_python_is_the_venv_python():
+    # the job's interpreter must be the one with gpuflow installed, not its symlink target
+    assert Path(sys.executable).exists()

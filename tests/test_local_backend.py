@@ -1,0 +1,166 @@
+"""The local backend against the real OS: workspaces, process groups, timeouts, checks."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tasks.compute.base import owner_labels
+from tasks.compute.local import LocalBackend
+from tasks.errors import InvalidSpec
+from tasks.spec import load_spec
+
+
+def spec_for(command, **extra):
+    return load_spec({"job": {"kind": "command", "command": command}, **extra})
+
+
+@pytest.fixture
+def backend(gpuflow_home) -> LocalBackend:
+    return LocalBackend()
+
+
+def collect_lines():
+    lines: list[tuple[str, str]] = []
+    return lines, lambda stream, line: lines.append((stream, line))
+
+
+def test_provision_is_idempotent_and_teardown_too(backend, gpuflow_home):
+    spec = spec_for(["true"])
+    owner = owner_labels("run-1", "job")
+    first = backend.provision(spec, owner)
+    again = backend.provision(spec, owner)
+    assert again.workspace == first.workspace and again.adopted and not first.adopted
+    assert len(list((gpuflow_home / "workspaces").iterdir())) == 1
+    assert [c.name for c in backend.list_owned({"gpuflow.io/flow-run-id": "run-1"})] == [first.name]
+    report = backend.teardown(first)
+    assert report.removed_workspace and not Path(first.workspace).exists()
+    assert backend.teardown(first).already_gone
+    assert backend.list_owned({"gpuflow.io/flow-run-id": "run-1"}) == []
+
+
+def test_run_streams_both_streams_and_records_exit_code(backend):
+    spec = spec_for(["sh"])
+    cluster = backend.provision(spec, owner_labels("run-2", "job"))
+    lines, sink = collect_lines()
+    script = 'echo out-1; echo err-1 >&2; echo "$GPUFLOW_WORKSPACE"; pwd; exit 3'
+    result = backend.run(cluster, ["sh", "-c", script], dict(os.environ), 30, sink)
+    assert result.exit_code == 3 and result.signal is None and not result.timed_out
+    assert ("stdout", "out-1") in lines and ("stderr", "err-1") in lines
+    assert ("stdout", cluster.workspace) in lines
+    assert lines.count(("stdout", str(Path(cluster.workspace).resolve()))) >= 1
+    backend.teardown(cluster)
+
+
+def test_timeout_stops_the_whole_process_group(backend, tmp_path):
+    cluster = backend.provision(spec_for(["sh"]), owner_labels("run-3", "job"))
+    pidfile = tmp_path / "grandchild.pid"
+    script = f"sleep 300 & echo $! > {pidfile}; wait"
+    result = backend.run(cluster, ["sh", "-c", script], dict(os.environ), 1.0, lambda *_: None)
+    assert result.timed_out
+    assert result.signal == 15 or result.exit_code is not None
+    grandchild = int(pidfile.read_text())
+    assert (
+        not psutil.pid_exists(grandchild)
+        or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+    )
+    backend.teardown(cluster)
+
+
+def test_signal_is_recorded(backend):
+    cluster = backend.provision(spec_for(["sh"]), owner_labels("run-4", "job"))
+    result = backend.run(cluster, ["sh", "-c", "kill -9 $$"], dict(os.environ), 30, lambda *_: None)
+    assert result.signal == 9 and result.exit_code is None
+    backend.teardown(cluster)
+
+
+def test_teardown_kills_a_running_job_from_another_handle(backend, tmp_path):
+    """A reaper in another process has only the record on disk: that is enough."""
+    import threading
+
+    spec = spec_for(["sleep"])
+    cluster = backend.provision(spec, owner_labels("run-5", "job"))
+    pidfile = tmp_path / "pid"
+    script = f"echo $$ > {pidfile}; exec sleep 300"
+    thread = threading.Thread(
+        target=backend.run,
+        args=(cluster, ["sh", "-c", script], dict(os.environ), 600, lambda *_: None),
+    )
+    thread.start()
+    for _ in range(100):
+        if pidfile.exists() and pidfile.read_text().strip():
+            break
+        time.sleep(0.05)
+    pid = int(pidfile.read_text())
+    report = LocalBackend().teardown(backend.list_owned({"gpuflow.io/flow-run-id": "run-5"})[0])
+    thread.join(timeout=20)
+    assert report.killed_processes >= 1 and report.removed_workspace
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_check_command_not_found(backend):
+    with pytest.raises(InvalidSpec, match=r"job.command: 'no-such-program-xyz' was not found"):
+        backend.check(spec_for(["no-such-program-xyz", "--flag"]))
+
+
+def test_check_unwritable_workspace_root(backend, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    spec = spec_for(["true"], placement={"workspace_root": str(blocker / "ws")})
+    with pytest.raises(InvalidSpec, match=r"placement.workspace_root: cannot write to"):
+        backend.check(spec)
+    spec = spec_for(["true"], placement={"workspace_root": "/proc/gpuflow-ws"})
+    with pytest.raises(InvalidSpec, match=r"placement.workspace_root: cannot write"):
+        backend.check(spec)
+
+
+def test_check_full_disk(backend, tmp_path):
+    spec = spec_for(
+        ["true"], resources={"disk": "900Ti"}, placement={"workspace_root": str(tmp_path)}
+    )
+    with pytest.raises(InvalidSpec, match=r"free but resources.disk asks for 900.0 TiB"):
+        backend.check(spec)
+    assert list(tmp_path.iterdir()) == []  # nothing provisioned, probe removed
+
+
+def test_check_gpu_job_on_a_host_without_gpus(backend, no_nvml):
+    spec = spec_for(["true"], resources={"gpus": 1})
+    with pytest.raises(InvalidSpec, match=r"resources.gpus: this host cannot give 1 GPU"):
+        backend.check(spec)
+    backend.check(spec_for(["true"], resources={"gpus": 1, "allow_cpu": True}))
+
+
+def test_check_gpu_product_absent(backend, fake_nvml):
+    spec = spec_for(["true"], resources={"gpus": 1, "gpu_product": "A100"})
+    with pytest.raises(InvalidSpec, match=r"of NVIDIA-A100-SXM4-40GB"):
+        backend.check(spec)
+
+
+def test_gpu_claims_without_a_limit_and_capacity(backend, fake_nvml, prefect_api):
+    spec = spec_for(["true"], resources={"gpus": 2})
+    first = backend.provision(spec, owner_labels("run-6", "job"))
+    assert first.gpu_indices == [0, 1] and first.gpu_lease_id is None  # no `gpu` limit exists
+    from tasks.errors import CapacityError
+
+    with pytest.raises(CapacityError, match="only 0 of the 2 GPU"):
+        backend.provision(spec, owner_labels("run-7", "job"))
+    backend.teardown(first)
+    backend.teardown(backend.list_owned({"gpuflow.io/flow-run-id": "run-7"})[0])
+    second = backend.provision(spec, owner_labels("run-8", "job"))
+    assert second.gpu_indices == [0, 1]
+    env = {**os.environ}
+    lines, sink = collect_lines()
+    backend.run(
+        second,
+        [sys.executable, "-c", "import os;print(os.environ['CUDA_VISIBLE_DEVICES'])"],
+        env,
+        30,
+        sink,
+    )
+    assert ("stdout", "0,1") in lines
+    backend.teardown(second)

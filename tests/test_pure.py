@@ -1,0 +1,166 @@
+"""Pure logic, table-driven: units, GPU products, compatibility, cost, Prometheus text."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tasks import compat
+from tasks.gpus import canonical_product, product_from_nvml_name
+from tasks.metrics.cost import PriceTable, budget_seconds, run_cost
+from tasks.metrics.prometheus import exposition
+from tasks.metrics.summary import summarise
+from tasks.units import parse_duration, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("16Gi", 16 * 2**30),
+        ("512Mi", 512 * 2**20),
+        ("100GB", 100 * 10**9),
+        (1024, 1024),
+        ("1.5G", 1_500_000_000),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "12Qb", "", True, -1])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("90s", 90), ("30m", 1800), ("1h30m", 5400), ("2d", 172800), (15, 15), ("250ms", 0.25)],
+)
+def test_parse_duration(text, expected):
+    assert parse_duration(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("text", ["soon", "1x", "h", "1h 2"])
+def test_parse_duration_rejects(text):
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+@pytest.mark.parametrize(
+    ("name", "label"),
+    [
+        ("H100", "NVIDIA-H100-80GB-HBM3"),
+        ("a100-80gb", "NVIDIA-A100-SXM4-80GB"),
+        ("T4", "Tesla-T4"),
+        ("NVIDIA-L4", "NVIDIA-L4"),
+    ],
+)
+def test_canonical_product(name, label):
+    assert canonical_product(name) == label
+
+
+def test_nvml_names_map_to_node_labels():
+    assert product_from_nvml_name("NVIDIA H100 80GB HBM3") == "NVIDIA-H100-80GB-HBM3"
+    assert product_from_nvml_name("NVIDIA H200") == "NVIDIA-H200"
+    assert product_from_nvml_name("Some Future GPU") == "Some-Future-GPU"
+
+
+@pytest.mark.parametrize(
+    ("torch_cuda", "driver_cuda", "driver", "level", "words"),
+    [
+        ("12.1", "11.8", "520.61.05", "fail", "upgrade the NVIDIA driver to 530.30.02"),
+        ("12.8", "12.4", "550.54.14", "warn", "minor-version compatibility"),
+        ("12.4", "12.8", "570.26", "pass", "runs on driver"),
+        ("12.4", "12.4", "550.54.14", "pass", "runs on driver"),
+        ("13.0", "12.9", "575.51.03", "fail", "580.65.06"),
+        (None, "12.4", "550.54.14", "warn", "CPU-only build"),
+        ("12.4", None, None, "warn", "no NVIDIA driver"),
+    ],
+)
+def test_compatibility_table(torch_cuda, driver_cuda, driver, level, words):
+    finding = compat.check(torch_cuda, driver_cuda, driver)
+    assert finding.level == level
+    assert words in finding.message
+
+
+@pytest.mark.parametrize(
+    ("version", "cuda"),
+    [("2.13.0+cu128", "12.8"), ("2.4.1+cu121", "12.1"), ("2.13.0+cpu", None), ("2.13.0", None)],
+)
+def test_cuda_from_torch_version(version, cuda):
+    assert compat.cuda_from_torch_version(version) == cuda
+
+
+def test_nvml_cuda_version():
+    assert compat.cuda_from_nvml(12040) == "12.4"
+    assert compat.cuda_from_nvml(11080) == "11.8"
+
+
+def test_cost_and_budget():
+    table = PriceTable()
+    cost = run_cost(table, "ec2", ["NVIDIA-H100-80GB-HBM3"] * 2, 0, 100 * 10**9, 1800)
+    assert cost.breakdown["gpu"] == pytest.approx(12.29)
+    assert cost.breakdown["disk"] == pytest.approx(100 * 0.08 / 730 / 2)
+    assert cost.usd == pytest.approx(sum(cost.breakdown.values()))
+    assert budget_seconds(12.29, 24.58) == pytest.approx(1800)
+    assert budget_seconds(None, 10) is None
+    assert budget_seconds(5, 0) is None
+    assert run_cost(table, "local", [], 4, 10**9, 3600).usd == 0
+
+
+def _sample(t, util, energy):
+    gpu = {
+        "gpu": 0,
+        "UUID": "GPU-1",
+        "modelName": 'NVIDIA "H100"',
+        "DCGM_FI_DEV_GPU_UTIL": util,
+        "DCGM_FI_DEV_FB_USED": 1000.0 + util,
+        "DCGM_FI_DEV_POWER_USAGE": 300.0,
+        "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": energy,
+    }
+    return {
+        "t": t,
+        "Hostname": "h1",
+        "host": {"cpu_percent": 50.0, "memory_used_bytes": 10},
+        "gpus": [gpu],
+    }
+
+
+def test_summary_uses_energy_counter_and_gpu_hours():
+    samples = [_sample(0, 50, 1_000_000), _sample(10, 100, 4_000_000)]
+    cost = run_cost(PriceTable(), "ec2", ["NVIDIA-H100-80GB-HBM3"], 0, 0, 3600)
+    metrics = summarise(samples, 3600, 1, cost)
+    assert metrics.gpu_util_mean == 75 and metrics.gpu_util_max == 100
+    assert metrics.gpu_memory_peak_mib == 1100
+    assert metrics.energy_j == pytest.approx(3000)
+    assert metrics.gpu_hours == 1 and metrics.gpu_seen
+    assert metrics.cost_usd == pytest.approx(12.29)
+
+
+def test_summary_without_gpus_says_so():
+    samples = [
+        {"t": 0, "Hostname": "h", "host": {"cpu_percent": 10.0, "memory_used_bytes": 5}, "gpus": []}
+    ]
+    metrics = summarise(samples, 5, 0, run_cost(PriceTable(), "local", [], 1, 0, 5))
+    assert not metrics.gpu_seen and "no GPU was seen" in metrics.note
+    assert metrics.energy_j is None and metrics.gpu_util_mean is None
+
+
+def test_exposition_is_valid_prometheus_text_with_dcgm_names_and_labels():
+    samples = [_sample(0, 50, 1_000_000), _sample(10, 100, 4_000_000)]
+    metrics = summarise(samples, 10, 1, run_cost(PriceTable(), "local", [], 1, 0, 10))
+    text = exposition(samples[-1], metrics, "run-1", "smoke")
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    util = families["DCGM_FI_DEV_GPU_UTIL"].samples[0]
+    assert util.value == 100
+    assert util.labels == {
+        "gpu": "0",
+        "UUID": "GPU-1",
+        "modelName": 'NVIDIA "H100"',
+        "Hostname": "h1",
+        "flow_run_id": "run-1",
+        "job": "smoke",
+    }
+    assert families["DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"].type == "counter"
+    assert families["gpuflow_run_duration_seconds"].samples[0].value == 10

@@ -1,0 +1,106 @@
+"""JobSpec: every bad input gets one sentence naming the field and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from tasks.errors import InvalidSpec
+from tasks.spec import JobSpec, load_spec
+
+CMD = {"kind": "command", "command": ["echo", "hi"]}
+
+BAD = [
+    ({"job": CMD, "resources": {"gpus": -1}}, "resources.gpus must be at least 0"),
+    (
+        {"job": CMD, "resources": {"gpus": 0, "gpu_product": "H100"}},
+        "resources.gpu_product is set but resources.gpus is 0",
+    ),
+    (
+        {"job": CMD, "resources": {"gpus": 1, "gpu_product": "H900"}},
+        "'H900' is not a known GPU product",
+    ),
+    ({"job": CMD, "resources": {"memory": "lots"}}, "resources.memory: 'lots' is not a size"),
+    ({"job": CMD, "limits": {"max_duration": 0}}, "limits.max_duration must be more than 0"),
+    (
+        {"job": CMD, "limits": {"max_duration": "soon"}},
+        "limits.max_duration: 'soon' is not a duration",
+    ),
+    (
+        {"job": {"kind": "train"}},
+        "job.kind: 'train' is not a job kind; use one of: command, matmul",
+    ),
+    ({"job": {"command": ["x"]}}, "job.kind is required"),
+    ({"job": {"kind": "command"}}, "job.command is required"),
+    ({"job": {"kind": "command", "command": ""}}, "job.command: is empty"),
+    ({"job": CMD, "resourcs": {"gpus": 1}}, "resourcs: unknown field; did you mean 'resources'?"),
+    ({"job": CMD, "resources": {"gpu": 1}}, "resources.gpu: unknown field; did you mean 'gpus'?"),
+    ({"job": {**CMD, "comand": "x"}}, "job.comand: unknown field; did you mean 'command'?"),
+    ({"job": CMD, "name": "My Job"}, "name: 'My Job' is not a valid name"),
+    ({"job": CMD, "env": {"1BAD": "x"}}, "env: '1BAD' is not an environment variable name"),
+    ({"job": CMD, "limits": {"max_cost_usd": -5}}, "limits.max_cost_usd must be more than 0"),
+    ({"job": CMD, "metrics": {"pushgateway": "localhost:9091"}}, "metrics.pushgateway"),
+    (
+        {"job": CMD, "storage": {"artifacts": "s3://b/p"}},
+        "storage.artifacts: s3:// artifacts are not supported",
+    ),
+    ({"job": CMD, "env": {"T": "a"}, "secret_env": {"T": "b"}}, "T is in both env and secret_env"),
+]
+
+
+@pytest.mark.parametrize(("raw", "expected"), BAD)
+def test_bad_input_names_field_and_fix(raw, expected):
+    with pytest.raises(InvalidSpec) as caught:
+        load_spec(raw)
+    message = str(caught.value)
+    assert expected in message
+    assert "Traceback" not in message and "pydantic" not in message.lower()
+
+
+def test_env_values_are_never_echoed_in_errors():
+    with pytest.raises(InvalidSpec) as caught:
+        load_spec({"job": CMD, "env": {"TOKEN": 12345}})
+    assert "12345" not in str(caught.value)
+
+
+def test_yaml_that_is_not_a_mapping(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("- kind: command\n- command: [echo]\n")
+    with pytest.raises(InvalidSpec, match="top level must be a mapping"):
+        load_spec(path)
+
+
+def test_yaml_syntax_error_names_line(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("job:\n  kind: command\n  command: [echo\n")
+    with pytest.raises(InvalidSpec, match="not valid YAML at line"):
+        load_spec(path)
+
+
+def test_missing_file():
+    with pytest.raises(InvalidSpec, match="no such file"):
+        load_spec("/nonexistent/job.yaml")
+
+
+def test_loads_yaml_with_units_and_aliases(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "name: train-1\njob: {kind: command, command: 'python train.py --lr 0.1'}\n"
+        "resources: {gpus: 2, gpu_product: h100, memory: 16Gi, disk: 50GB, shm: 8Gi}\n"
+        "limits: {max_duration: 1h30m, max_cost_usd: 20}\n"
+        "retry: {provision: {retries: 5, delay_s: 1}}\n"
+    )
+    spec = load_spec(path)
+    assert spec.job.command == ["python", "train.py", "--lr", "0.1"]
+    assert spec.resources.gpu_product == "NVIDIA-H100-80GB-HBM3"
+    assert spec.resources.memory == 16 * 2**30
+    assert spec.resources.disk == 50 * 10**9
+    assert spec.limits.max_duration == 5400
+    assert spec.retry.provision.retries == 5
+    assert spec.retry.run.retries == 3  # default kept
+
+
+def test_json_and_dict_round_trip():
+    spec = load_spec({"job": {"kind": "matmul", "size": 512}})
+    assert load_spec(spec.model_dump()) == spec
+    assert load_spec(spec) is spec
+    assert JobSpec.model_json_schema()["properties"]["job"]
