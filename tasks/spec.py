@@ -46,6 +46,16 @@ class CommandJob(_Model):
             import shlex
 
             return shlex.split(value)
+        if isinstance(value, list):
+            # YAML reads `[train.py, --epochs, 10, --fp16, true]` with an int and a bool in it.
+            return [
+                str(v).lower()
+                if isinstance(v, bool)
+                else str(v)
+                if isinstance(v, int | float)
+                else v
+                for v in value
+            ]
         return value
 
     @field_validator("command")

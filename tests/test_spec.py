@@ -104,3 +104,20 @@ def test_json_and_dict_round_trip():
     assert load_spec(spec.model_dump()) == spec
     assert load_spec(spec) is spec
     assert JobSpec.model_json_schema()["properties"]["job"]
+
+
+def test_yaml_scalars_in_command_become_strings(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "job: {kind: command, command: [python, train.py, --epochs, 10, --lr, 0.5, --fp16, true]}\n"
+    )
+    assert load_spec(path).job.command == [
+        "python",
+        "train.py",
+        "--epochs",
+        "10",
+        "--lr",
+        "0.5",
+        "--fp16",
+        "true",
+    ]

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Creates .venv and installs gpuflow into it; with --test, also what the tests need.
+# Safe to rerun: it installs only what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+want_test=false
+[[ "${1:-}" == "--test" ]] && want_test=true
+
+apt_packages=()
+command -v python3 >/dev/null || apt_packages+=(python3)
+python3 -c 'import ensurepip, venv' 2>/dev/null || apt_packages+=(python3-venv)
+if $want_test; then
+    command -v prometheus-pushgateway >/dev/null || apt_packages+=(prometheus-pushgateway)
+fi
+if ((${#apt_packages[@]})); then
+    sudo=""
+    [[ $(id -u) -ne 0 ]] && sudo="sudo"
+    echo "installing Debian packages: ${apt_packages[*]}"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${apt_packages[@]}" >/dev/null
+fi
+
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+    echo "gpuflow needs Python 3.11 or newer; this python3 is $(python3 --version)" >&2
+    exit 2
+}
+[[ -x .venv/bin/python ]] || python3 -m venv .venv
+py=.venv/bin/python
+$py -m pip install -q --upgrade pip
+
+# torch first: the CPU build where there is no GPU, so nothing pulls a multi-GB CUDA build.
+if ! $py -c 'import torch' 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+        $py -m pip install -q 'torch>=2.4,<3'
+    else
+        $py -m pip install -q torch==2.13.0
+    fi
+fi
+if $want_test; then
+    $py -m pip install -q -e '.[test]'
+else
+    $py -m pip install -q -e .
+fi

@@ -1,0 +1,192 @@
+"""The `gpuflow` command as users run it: exit codes, bad input, cancellation, the reaper."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.compute import gpu_slots
+from tests.conftest import subprocess_env
+from tests.e2e.helpers import flow_run, leftovers, nothing_left, process_gone
+
+pytestmark = pytest.mark.e2e
+GPUFLOW = [sys.executable, "-m", "gpuflow"]
+
+
+def gpuflow(args, env, timeout=180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*GPUFLOW, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_help_documents_exit_codes():
+    out = gpuflow(["--help"], None)
+    assert out.returncode == 0
+    assert "0 completed; 1 the job or its preflight failed; 2 invalid input" in out.stdout
+    for command in ("run", "demo", "preflight", "reap"):
+        assert command in out.stdout
+
+
+BAD_JOBS = {
+    "gpus -1": (
+        "job: {kind: command, command: [true]}\nresources: {gpus: -1}\n",
+        "resources.gpus must be at least 0",
+    ),
+    "unknown key": ("job: {kind: command, command: [true]}\nextra: 1\n", "extra: unknown field"),
+    "not a mapping": ("- 1\n- 2\n", "top level must be a mapping"),
+    "command not found": (
+        "job: {kind: command, command: [no-such-prog-42]}\n",
+        "'no-such-prog-42' was not found",
+    ),
+    "missing command": ("job: {kind: command}\n", "job.command is required"),
+    "unknown kind": ("job: {kind: bake}\n", "job.kind: 'bake' is not a job kind"),
+    "full disk": (
+        "job: {kind: command, command: [true]}\nresources: {disk: 900Ti}\n",
+        "free but resources.disk asks for",
+    ),
+    "unwritable workspace": (
+        "job: {kind: command, command: [true]}\nplacement: {workspace_root: /proc/ws}\n",
+        "placement.workspace_root: cannot write to /proc/ws",
+    ),
+    "gpu job, no gpu": (
+        "job: {kind: command, command: [true]}\nresources: {gpus: 1}\n",
+        "this host cannot give 1 GPU",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_JOBS))
+def test_bad_input_exits_2_with_one_sentence_and_provisions_nothing(
+    case, tmp_path, prefect_api, gpuflow_home
+):
+    text, expected = BAD_JOBS[case]
+    env = subprocess_env(prefect_api, gpuflow_home)
+    env["FAKE_NVML_MODE"] = "missing"
+    env["PYTHONPATH"] = str(Path(__file__).parent.parent / "fakes")
+    out = gpuflow(["run", str(write(tmp_path, text))], env)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert expected in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+    error_lines = [line for line in out.stderr.splitlines() if line.startswith("gpuflow:")]
+    assert len(error_lines) == 1
+    assert not (gpuflow_home / "workspaces").exists() or not any(
+        (gpuflow_home / "workspaces").iterdir()
+    )
+    assert not (gpuflow_home / "local" / "clusters").exists()
+
+
+def test_run_completes_and_failing_job_exits_1(tmp_path, prefect_api, gpuflow_home):
+    env = subprocess_env(prefect_api, gpuflow_home)
+    ok = gpuflow(
+        [
+            "run",
+            str(
+                write(tmp_path, "name: hello\njob: {kind: command, command: [echo, hello-there]}\n")
+            ),
+        ],
+        env,
+    )
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "hello: completed" in ok.stdout and "artifacts:" in ok.stdout
+    bad = gpuflow(
+        ["run", str(write(tmp_path, "job: {kind: command, command: [sh, -c, 'exit 4']}\n"))], env
+    )
+    assert bad.returncode == 1
+    assert "the job exited with code 4" in bad.stderr
+    assert nothing_left(gpuflow_home)
+
+
+def test_preflight_command(tmp_path, gpuflow_home):
+    env = subprocess_env("http://127.0.0.1:9/api", gpuflow_home, fake_gpus=0)
+    env["FAKE_NVML_MODE"] = "missing"
+    out = gpuflow(["preflight"], env)
+    assert (
+        out.returncode == 0 and "continuing on CPU" in out.stdout and "verdict: warn" in out.stdout
+    )
+    strict = write(tmp_path, "job: {kind: command, command: [true]}\nresources: {gpus: 1}\n")
+    out = gpuflow(["preflight", str(strict)], env)
+    assert out.returncode == 1 and "no NVIDIA driver is installed" in out.stdout
+    env.pop("FAKE_NVML_MODE")
+    env["FAKE_NVML_GPUS"] = "2"
+    out = gpuflow(["preflight", str(strict), "--json"], env)
+    assert out.returncode == 0, out.stdout
+    report = json.loads(out.stdout)
+    levels = {c["name"]: c["level"] for c in report["checks"]}
+    assert levels["gpus"] == "pass" and report["gpus_reserved"] == [0]
+    assert report["verdict"] == ("warn" if levels.get("nvidia-smi") == "warn" else "pass")
+
+
+def _start_long_run(tmp_path, prefect_api, gpuflow_home):
+    pidfile = tmp_path / "job.pid"
+    job = write(
+        tmp_path,
+        f"name: long\njob: {{kind: command, command: [sh, -c, 'echo $$ > {pidfile}; exec sleep 300']}}\n"
+        "resources: {gpus: 1}\n",
+    )
+    env = subprocess_env(prefect_api, gpuflow_home, fake_gpus=2)
+    proc = subprocess.Popen(
+        [*GPUFLOW, "run", str(job)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (pidfile.exists() and pidfile.read_text().strip()):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "the job never started"
+        time.sleep(0.2)
+    return proc, int(pidfile.read_text()), env
+
+
+def _flow_run_id(gpuflow_home: Path) -> str:
+    (record,) = (gpuflow_home / "local" / "clusters").glob("*.json")
+    return record.stem.removeprefix("gpuflow-")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_interrupting_a_run_tears_everything_down(
+    sig, tmp_path, prefect_api, gpuflow_home, gpu_limit
+):
+    proc, job_pid, _ = _start_long_run(tmp_path, prefect_api, gpuflow_home)
+    run_id = _flow_run_id(gpuflow_home)
+    assert gpu_slots.slots_in_use() == 1
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert process_gone(job_pid), out[-3000:]
+    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
+    assert gpu_slots.slots_in_use() == 0
+    assert flow_run(run_id).state.is_final()
+
+
+def test_reaper_cleans_up_after_a_killed_orchestrator(
+    tmp_path, prefect_api, gpuflow_home, gpu_limit
+):
+    proc, job_pid, env = _start_long_run(tmp_path, prefect_api, gpuflow_home)
+    proc.kill()  # SIGKILL: no finally, no hooks
+    proc.wait(timeout=30)
+    assert not process_gone(job_pid)  # the job survived its orchestrator
+    assert gpu_slots.slots_in_use() == 1
+    dry = gpuflow(["reap", "--dry-run"], env)
+    assert "would reap" in dry.stdout and not process_gone(job_pid)
+    out = gpuflow(["reap"], env)
+    assert out.returncode == 0 and "1 leftover cluster(s)" in out.stdout
+    deadline = time.monotonic() + 15
+    while not process_gone(job_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert process_gone(job_pid)
+    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
+    assert gpu_slots.slots_in_use() == 0

@@ -1,0 +1,85 @@
+"""Metrics pushed to a real Pushgateway (Debian's prometheus-pushgateway) on loopback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from flows.pipeline import gpu_pipeline
+from tasks.spec import load_spec
+
+pytestmark = pytest.mark.e2e
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def pushgateway(tmp_path):
+    binary = shutil.which("prometheus-pushgateway") or shutil.which("pushgateway")
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("prometheus-pushgateway is not installed; scripts/test.sh installs it")
+        pytest.skip("prometheus-pushgateway is not installed (scripts/test.sh installs it)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            urllib.request.urlopen(f"{url}/-/ready", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.1)
+    yield url
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=10)
+
+
+def test_run_metrics_reach_the_pushgateway(prefect_api, gpuflow_home, pushgateway):
+    spec = load_spec(
+        {
+            "name": "pushed",
+            "job": {"kind": "command", "command": ["sleep", "1"]},
+            "metrics": {"interval_s": 0.2, "pushgateway": pushgateway},
+        }
+    )
+    state = gpu_pipeline(spec, return_state=True)
+    assert state.is_completed(), state.message
+    run_id = str(state.state_details.flow_run_id)
+    text = urllib.request.urlopen(f"{pushgateway}/metrics", timeout=5).read().decode()
+    samples = [
+        s
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.labels.get("flow_run_id") == run_id
+    ]
+    by_name = {s.name: s for s in samples}
+    assert by_name["gpuflow_run_duration_seconds"].value >= 1
+    assert by_name["gpuflow_run_duration_seconds"].labels["job"] == "pushed"
+    assert "gpuflow_run_host_cpu_mean" in by_name
+
+
+def test_unreachable_pushgateway_does_not_fail_the_run(prefect_api, gpuflow_home):
+    spec = load_spec(
+        {
+            "job": {"kind": "command", "command": ["true"]},
+            "metrics": {"pushgateway": f"http://127.0.0.1:{free_port()}"},
+        }
+    )
+    state = gpu_pipeline(spec, return_state=True)
+    assert state.is_completed(), state.message
