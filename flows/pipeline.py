@@ -7,13 +7,14 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run as current_run
+from prefect.states import Cancelled, State
 from pydantic import BaseModel
 
-from tasks import secrets
+from tasks import placement, secrets
 from tasks.compute import Cluster, get_backend
 from tasks.compute.base import owner_labels
 from tasks.compute.local import gpuflow_home
-from tasks.errors import JobFailed
+from tasks.errors import JobCancelled, JobFailed
 from tasks.metrics.summary import RunMetrics
 from tasks.spec import JobSpec, load_spec
 from tasks.stages import collect, preflight, provision, retrying, run, teardown, teardown_owned
@@ -60,9 +61,10 @@ def _teardown(backend: str, flow_run_id: str) -> None:
     on_crashed=[_teardown_hook],
     on_cancellation=[_teardown_hook],
 )
-def gpu_pipeline(spec: JobSpec) -> PipelineResult:
+def gpu_pipeline(spec: JobSpec) -> PipelineResult | State:
     """Run one GPU job through provision, preflight, run, collect and teardown."""
     job = load_spec(spec.model_dump() if isinstance(spec, JobSpec) else spec)
+    job, prices = placement.resolve(job)
     backend = job.placement.backend
     get_backend(backend).check(job)
     secrets.resolve(job.secret_env)  # a missing secret block fails here, before provisioning
@@ -71,8 +73,13 @@ def gpu_pipeline(spec: JobSpec) -> PipelineResult:
     try:
         cluster = retrying(provision, job.retry.provision)(job, owner_labels(run_id, job.name))
         report = retrying(preflight, job.retry.preflight)(job, cluster)
-        outcome = retrying(run, job.retry.run)(job, cluster)
-        metrics = retrying(collect, job.retry.collect)(job, cluster, outcome, run_id, str(out))
+        outcome = retrying(run, job.retry.run)(job, cluster, prices, run_id)
+        metrics = retrying(collect, job.retry.collect)(
+            job, cluster, outcome, prices, run_id, str(out)
+        )
+    except JobCancelled as exc:
+        _teardown(backend, run_id)
+        return Cancelled(message=str(exc))
     except Exception:
         _teardown(backend, run_id)
         raise

@@ -15,12 +15,13 @@ SMOKE_JOB = Path(__file__).resolve().parent.parent / "examples" / "smoke.yaml"
 
 
 def _run(path: str) -> int:
+    from tasks import placement
     from tasks.compute import get_backend
     from tasks.errors import GpuflowError, InvalidSpec
     from tasks.spec import load_spec
 
     try:
-        spec = load_spec(path)
+        spec, _ = placement.resolve(load_spec(path))
         get_backend(spec.placement.backend).check(spec)
         from tasks import secrets
 
@@ -40,6 +41,9 @@ def _run(path: str) -> int:
     if isinstance(exc, InvalidSpec):
         print(f"gpuflow: invalid input: {exc}", file=sys.stderr)
         return EXIT_INVALID
+    if state.is_cancelled():
+        print(f"gpuflow: cancelled: {state.message}", file=sys.stderr)
+        return EXIT_FAILED
     reason = str(exc) if isinstance(exc, GpuflowError) else (state.message or state.name)
     print(f"gpuflow: {state.name.lower()}: {reason}", file=sys.stderr)
     return EXIT_FAILED

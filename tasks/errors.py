@@ -41,6 +41,10 @@ class JobFailed(GpuflowError):
     """The job itself failed deterministically (non-zero exit, timeout)."""
 
 
+class JobCancelled(GpuflowError):
+    """Someone cancelled the run (Prefect UI, API, CLI) while the job ran; it was stopped."""
+
+
 class PreemptedError(GpuflowError):
     """The job was interrupted and saved its state; rerunning resumes it."""
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from tasks.compute.base import RUN_LABEL
 from tasks.errors import (
     PREEMPTED_EXIT_CODE,
     CollectError,
+    JobCancelled,
     PreemptedError,
     PreflightFailed,
     TransientError,
@@ -98,17 +101,47 @@ def preflight(spec: JobSpec, cluster: Cluster) -> preflight_checks.PreflightRepo
     return report
 
 
+def cancel_requested(flow_run_id: str, every_s: float = 2.0) -> Callable[[], bool]:
+    """Return a check, cheap to call often, that says whether the run was cancelled in the
+    API (UI, `prefect flow-run cancel`): a run started by `gpuflow run` has no worker to
+    kill it, so the run stage stops the job itself."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+
+    last = [time.monotonic()]
+
+    def check() -> bool:
+        if time.monotonic() - last[0] < every_s:
+            return False
+        last[0] = time.monotonic()
+        try:
+            with get_client(sync_client=True) as client:
+                state = client.read_flow_run(UUID(flow_run_id)).state
+        except Exception:  # the API being away is no reason to stop a job
+            return False
+        return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
+
+    return check
+
+
 @task(name="run", cache_policy=None)
-def run(spec: JobSpec, cluster: Cluster) -> RunOutcome:
+def run(
+    spec: JobSpec, cluster: Cluster, prices: pricing.PriceTable, flow_run_id: str
+) -> RunOutcome:
     """Run the job with the sampler on; raise PreemptedError (retryable) when the job says
     it was interrupted, return other failures in the outcome so collect still runs."""
     logger = get_run_logger()
     secret_values = secrets.resolve(spec.secret_env)
     redact = secrets.Redactor(secret_values.values())
     env = {**os.environ, **spec.env, **secret_values}
-    table = pricing.PriceTable()
     hourly = pricing.hourly_rate(
-        table, cluster.backend, cluster.gpu_products, spec.resources.cpu or 1.0, spec.resources.disk
+        prices,
+        cluster.backend,
+        cluster.gpu_products,
+        spec.resources.cpu or 1.0,
+        spec.resources.disk,
     )
     budget = pricing.budget_seconds(spec.limits.max_cost_usd, hourly)
     timeout = spec.limits.max_duration if budget is None else min(spec.limits.max_duration, budget)
@@ -123,8 +156,12 @@ def run(spec: JobSpec, cluster: Cluster) -> RunOutcome:
 
     samples = Path(cluster.workspace) / SAMPLES
     with Sampler(samples, cluster.gpu_indices, spec.metrics.interval_s):
-        result = get_backend(cluster.backend).run(cluster, command_for(spec), env, timeout, on_line)
+        result = get_backend(cluster.backend).run(
+            cluster, command_for(spec), env, timeout, on_line, cancel_requested(flow_run_id)
+        )
     result = result.model_copy(update={"log_tail": [redact(line) for line in result.log_tail]})
+    if result.cancelled:
+        raise JobCancelled("the run was cancelled while the job ran; the job was stopped")
     if result.exit_code == PREEMPTED_EXIT_CODE:
         raise PreemptedError(
             f"the job was interrupted and saved its state (exit {PREEMPTED_EXIT_CODE}); retrying resumes it"
@@ -153,7 +190,12 @@ def _failure(result: JobResult, timeout: float, stopped_by: str) -> str | None:
 
 @task(name="collect", cache_policy=None)
 def collect(
-    spec: JobSpec, cluster: Cluster, outcome: RunOutcome, flow_run_id: str, artifacts_dir: str
+    spec: JobSpec,
+    cluster: Cluster,
+    outcome: RunOutcome,
+    prices: pricing.PriceTable,
+    flow_run_id: str,
+    artifacts_dir: str,
 ) -> RunMetrics:
     """Return the run's metrics and write its artifacts: samples, PNG, Prometheus text,
     the job's outputs; push to the Pushgateway when one is configured."""
@@ -175,7 +217,7 @@ def collect(
         except json.JSONDecodeError as exc:
             raise CollectError(f"the job wrote an unreadable result.json: {exc}") from None
     run_cost = pricing.run_cost(
-        pricing.PriceTable(),
+        prices,
         cluster.backend,
         cluster.gpu_products,
         spec.resources.cpu or 1.0,

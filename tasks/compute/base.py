@@ -42,6 +42,7 @@ class JobResult(BaseModel):
     ended_at: datetime
     duration_s: float
     timed_out: bool = False
+    cancelled: bool = False
     log_tail: list[str] = []
 
 
@@ -55,6 +56,7 @@ class TeardownReport(BaseModel):
 
 
 LineSink = Callable[[str, str], None]  # (stream name, line)
+StopCheck = Callable[[], bool]  # polled while the job runs; True stops it as cancelled
 
 
 class Backend(Protocol):
@@ -76,10 +78,11 @@ class Backend(Protocol):
         env: Mapping[str, str],
         timeout_s: float,
         on_line: LineSink,
+        should_stop: StopCheck | None = None,
     ) -> JobResult:
-        """Run `command` to completion, streaming lines; on timeout the job is stopped and
-        the result says so. On cancellation the job gets SIGTERM, then SIGKILL, and the
-        interruption propagates."""
+        """Run `command` to completion, streaming lines. On timeout, or when `should_stop`
+        says so, the job is stopped and the result says which. On an interruption of this
+        process the job gets SIGTERM, then SIGKILL, and the interruption propagates."""
 
     def teardown(self, cluster: Cluster) -> TeardownReport:
         """Release everything `cluster` holds. Idempotent: never raises on "already gone"."""

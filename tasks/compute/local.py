@@ -25,7 +25,7 @@ import psutil
 
 from tasks import nvml
 from tasks.compute import gpu_slots
-from tasks.compute.base import RUN_LABEL, Cluster, JobResult, LineSink, TeardownReport
+from tasks.compute.base import RUN_LABEL, Cluster, JobResult, LineSink, StopCheck, TeardownReport
 from tasks.errors import CapacityError, InvalidSpec, ProvisionError
 from tasks.spec import JobSpec
 from tasks.units import format_bytes
@@ -231,9 +231,11 @@ class LocalBackend:
         env: Mapping[str, str],
         timeout_s: float,
         on_line: LineSink,
+        should_stop: StopCheck | None = None,
     ) -> JobResult:
-        """Run `command` in its own process group; stop it after `timeout_s` (SIGTERM, then
-        SIGKILL) and say so; on interruption forward SIGTERM to the group and re-raise."""
+        """Run `command` in its own process group; stop it (SIGTERM, then SIGKILL) after
+        `timeout_s` or when `should_stop()` is true, and say so; on interruption of this
+        process forward SIGTERM to the group and re-raise."""
         program = resolve_program(command[0], env.get("PATH"))
         if program is None:
             raise InvalidSpec(
@@ -272,11 +274,15 @@ class LocalBackend:
         for thread in pumps:
             thread.start()
         deadline = time.monotonic() + timeout_s
-        timed_out = False
+        timed_out = cancelled = False
         try:
             while proc.poll() is None:
                 if time.monotonic() >= deadline:
                     timed_out = True
+                    _stop_group(proc.pid, None)
+                    break
+                if should_stop is not None and should_stop():
+                    cancelled = True
                     _stop_group(proc.pid, None)
                     break
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -297,6 +303,7 @@ class LocalBackend:
             ended_at=ended,
             duration_s=(ended - started).total_seconds(),
             timed_out=timed_out,
+            cancelled=cancelled,
             log_tail=list(tail),
         )
 

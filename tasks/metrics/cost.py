@@ -30,8 +30,10 @@ class PriceTable(BaseModel):
     disk_gb_month_usd: dict[str, float] = {"local": 0.0, "ec2": 0.08}
 
     def gpu_hourly(self, backend: str, product: str | None) -> float:
-        """Return the hourly price of one GPU of `product` on `backend` (0 when unknown)."""
-        return self.gpu_hourly_usd.get(backend, {}).get(product or "", 0.0)
+        """Return the hourly price of one GPU of `product` on `backend`: its own price, else
+        the backend's "*" price, else 0."""
+        prices = self.gpu_hourly_usd.get(backend, {})
+        return prices.get(product or "", prices.get("*", 0.0))
 
 
 class Cost(BaseModel):

@@ -190,3 +190,25 @@ def test_reaper_cleans_up_after_a_killed_orchestrator(
     assert process_gone(job_pid)
     assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
     assert gpu_slots.slots_in_use() == 0
+
+
+def test_cancelling_in_the_api_stops_the_job_and_cleans_up(
+    tmp_path, prefect_api, gpuflow_home, gpu_limit
+):
+    """What the UI's Cancel button does to a run started with `gpuflow run` (no worker)."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    proc, job_pid, _ = _start_long_run(tmp_path, prefect_api, gpuflow_home)
+    run_id = _flow_run_id(gpuflow_home)
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(UUID(run_id), Cancelling(), force=True)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out[-3000:]
+    assert "gpuflow: cancelled" in out
+    assert process_gone(job_pid)
+    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
+    assert gpu_slots.slots_in_use() == 0
+    assert flow_run(run_id).state.is_cancelled()

@@ -225,3 +225,59 @@ def test_max_duration_stops_the_job(prefect_api, gpuflow_home):
 def test_python_is_the_venv_python():
     # the job's interpreter must be the one with gpuflow installed, not its symlink target
     assert Path(sys.executable).exists()
+
+
+def test_placement_block_sets_workspace_and_price(prefect_api, gpuflow_home, fake_nvml, tmp_path):
+    from blocks import LocalGpuHost
+
+    LocalGpuHost(workspace_root=str(tmp_path / "scratch"), gpu_hourly_usd=3.6).save(
+        "gpuflow-test-host", overwrite=True
+    )
+    raw = {
+        "job": {"kind": "command", "command": ["true"]},
+        "resources": {"gpus": 1},
+        "placement": {"block": "gpuflow-test-host"},
+    }
+    state, _ = run_pipeline(raw)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result.cluster.workspace.startswith(str(tmp_path / "scratch"))
+    assert result.metrics.cost_hourly_usd == pytest.approx(3.6)
+    assert result.metrics.cost_usd == pytest.approx(3.6 * result.metrics.duration_s / 3600)
+
+
+def test_missing_placement_block_is_invalid_input(prefect_api, gpuflow_home):
+    raw = {"job": {"kind": "command", "command": ["true"]}, "placement": {"block": "no-such-host"}}
+    state, _ = run_pipeline(raw)
+    assert "placement.block: there is no LocalGpuHost block named 'no-such-host'" in str(
+        state.result(raise_on_failure=False)
+    )
+    assert nothing_left(gpuflow_home)
+
+
+def test_strict_gpu_limit_without_the_limit_is_invalid_input(prefect_api, gpuflow_home, fake_nvml):
+    raw = {
+        "job": {"kind": "command", "command": ["true"]},
+        "resources": {"gpus": 1},
+        "placement": {"strict_gpu_limit": True},
+    }
+    state, _ = run_pipeline(raw)
+    assert "the Prefect concurrency limit 'gpu' does not exist" in str(
+        state.result(raise_on_failure=False)
+    )
+    assert nothing_left(gpuflow_home)
+
+
+def test_max_cost_stops_the_job(prefect_api, gpuflow_home, fake_nvml):
+    from blocks import LocalGpuHost
+
+    LocalGpuHost(gpu_hourly_usd=3600.0).save("gpuflow-pricey-host", overwrite=True)  # $1 a second
+    raw = {
+        "job": {"kind": "command", "command": ["sleep", "60"]},
+        "resources": {"gpus": 1},
+        "placement": {"block": "gpuflow-pricey-host"},
+        "limits": {"max_cost_usd": 1.5},
+    }
+    state, _ = run_pipeline(raw)
+    assert "ran past limits.max_cost_usd" in str(state.result(raise_on_failure=False))
+    assert nothing_left(gpuflow_home)

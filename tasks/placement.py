@@ -1,0 +1,37 @@
+"""Placement: a job's `placement.block` fills in host settings and prices before anything runs."""
+
+from __future__ import annotations
+
+from tasks.errors import InvalidSpec
+from tasks.metrics.cost import PriceTable
+from tasks.spec import JobSpec
+
+
+def resolve(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
+    """Return the spec with its placement block's settings applied, and the prices to use.
+
+    Values written in the spec win over the block's.
+    """
+    prices = PriceTable()
+    name = spec.placement.block
+    if name is None:
+        return spec, prices
+    from blocks.local_host import LocalGpuHost
+
+    try:
+        host = LocalGpuHost.load(name)
+    except ValueError:
+        raise InvalidSpec(
+            f"placement.block: there is no LocalGpuHost block named {name!r};"
+            f" create it with LocalGpuHost(...).save({name!r}) or remove placement.block."
+        ) from None
+    placement = spec.placement.model_copy(
+        update={
+            "workspace_root": spec.placement.workspace_root or host.workspace_root,
+            "strict_gpu_limit": spec.placement.strict_gpu_limit or host.strict_gpu_limit,
+        }
+    )
+    backend = spec.placement.backend
+    prices.gpu_hourly_usd[backend] = {"*": host.gpu_hourly_usd}
+    prices.cpu_core_hourly_usd[backend] = host.cpu_core_hourly_usd
+    return spec.model_copy(update={"placement": placement}), prices
