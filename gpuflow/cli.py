@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
-SMOKE_JOB = Path(__file__).resolve().parent.parent / "examples" / "smoke.yaml"
+SMOKE_JOB = Path(__file__).resolve().parent / "smoke.yaml"
 
 
 def _run(path: str) -> int:
@@ -29,10 +29,15 @@ def _run(path: str) -> int:
     except InvalidSpec as exc:
         print(f"gpuflow: invalid input: {exc}", file=sys.stderr)
         return EXIT_INVALID
+    except Exception as exc:  # reading blocks or limits failed: the API is unreachable
+        return _api_failed(exc)
 
     from flows.pipeline import gpu_pipeline
 
-    state = gpu_pipeline(spec, return_state=True)
+    try:
+        state = gpu_pipeline(spec, return_state=True)
+    except Exception as exc:  # the engine itself failed: most often the API is unreachable
+        return _api_failed(exc)
     if state.is_completed():
         result = state.result()
         _print_summary(result)
@@ -46,6 +51,18 @@ def _run(path: str) -> int:
         return EXIT_FAILED
     reason = str(exc) if isinstance(exc, GpuflowError) else (state.message or state.name)
     print(f"gpuflow: {state.name.lower()}: {reason}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _api_failed(exc: Exception) -> int:
+    from prefect.settings import PREFECT_API_URL
+
+    api = PREFECT_API_URL.value() or "the ephemeral API"
+    print(
+        f"gpuflow: could not run the pipeline against {api} ({type(exc).__name__});"
+        " start that Prefect server or unset PREFECT_API_URL.",
+        file=sys.stderr,
+    )
     return EXIT_FAILED
 
 

@@ -12,6 +12,7 @@ command -v python3 >/dev/null || apt_packages+=(python3)
 python3 -c 'import ensurepip, venv' 2>/dev/null || apt_packages+=(python3-venv)
 if $want_test; then
     command -v prometheus-pushgateway >/dev/null || apt_packages+=(prometheus-pushgateway)
+    command -v promtool >/dev/null || apt_packages+=(prometheus)  # promtool checks infra/ rules
 fi
 if ((${#apt_packages[@]})); then
     sudo=""

@@ -160,6 +160,9 @@ class RetryPolicy(_Model):
 class MetricsSettings(_Model):
     interval_s: float = Field(1.0, ge=0.05, le=3600, description="Seconds between samples.")
     pushgateway: str | None = Field(None, description="Pushgateway URL, e.g. http://host:9091.")
+    push_interval_s: float = Field(
+        15.0, ge=0.1, le=3600, description="Seconds between live pushes while the job runs."
+    )
     plot: bool = Field(True, description="Draw utilisation over time as a PNG.")
 
     @field_validator("pushgateway")

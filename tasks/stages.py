@@ -35,7 +35,7 @@ from tasks.errors import (
 from tasks.jobs import command_for
 from tasks.metrics import cost as pricing
 from tasks.metrics.plot import utilisation_png
-from tasks.metrics.prometheus import exposition, push
+from tasks.metrics.prometheus import LivePush, delete, exposition, push
 from tasks.metrics.sampler import Sampler, read_samples
 from tasks.metrics.summary import RunMetrics, summarise
 from tasks.spec import JobSpec, StageRetry
@@ -155,7 +155,16 @@ def run(
         logger.info("%s%s", "[stderr] " if stream == "stderr" else "", redact(line))
 
     samples = Path(cluster.workspace) / SAMPLES
-    with Sampler(samples, cluster.gpu_indices, spec.metrics.interval_s):
+    live = None
+    if spec.metrics.pushgateway:
+        live = LivePush(
+            spec.metrics.pushgateway,
+            flow_run_id,
+            spec.name,
+            spec.metrics.push_interval_s,
+            logger.warning,
+        )
+    with Sampler(samples, cluster.gpu_indices, spec.metrics.interval_s, on_sample=live):
         result = get_backend(cluster.backend).run(
             cluster, command_for(spec), env, timeout, on_line, cancel_requested(flow_run_id)
         )
@@ -237,7 +246,9 @@ def collect(
     pushed = None
     if spec.metrics.pushgateway:
         try:
-            pushed = push(spec.metrics.pushgateway, text, flow_run_id, spec.name)
+            totals = exposition(None, metrics, flow_run_id, spec.name)  # no stale GPU gauges
+            pushed = push(spec.metrics.pushgateway, totals, flow_run_id, spec.name)
+            delete(spec.metrics.pushgateway, flow_run_id, spec.name, "run")
         except TransientError as exc:
             logger.warning("metrics not pushed: %s", exc)
     rows = [

@@ -20,6 +20,9 @@ def benchmark(size: int, dtype_name: str, seconds: float) -> dict:
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
     dtype = getattr(torch, dtype_name) if on_gpu else torch.float32
+    note = "" if on_gpu else "no GPU seen by torch: float32 on the CPU"
+    if dtype == torch.bfloat16 and on_gpu and not torch.cuda.is_bf16_supported():
+        dtype, note = torch.float16, "this GPU has no bfloat16: float16 instead"
     if not on_gpu and size > 2048:
         size = 2048  # keeps one CPU multiply near a second
     torch.manual_seed(0)
@@ -51,6 +54,7 @@ def benchmark(size: int, dtype_name: str, seconds: float) -> dict:
         "tflops": round(flops / elapsed / 1e12, 4),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "note": note,
     }
 
 
@@ -61,10 +65,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()
     result = benchmark(args.size, args.dtype, args.seconds)
-    where = "GPU " + result["device"] if result["on_gpu"] else "CPU (no GPU seen by torch)"
+    where = "GPU " + result["device"] if result["on_gpu"] else "CPU"
     print(
         f"matmul {result['size']}x{result['size']} {result['dtype']} on {where}: "
-        f"{result['tflops']} TFLOP/s over {result['iterations']} multiplies",
+        f"{result['tflops']} TFLOP/s over {result['iterations']} multiplies"
+        + (f" ({result['note']})" if result["note"] else ""),
         flush=True,
     )
     out_dir = Path(os.environ.get("GPUFLOW_OUTPUT_DIR", "."))

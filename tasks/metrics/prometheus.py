@@ -1,7 +1,13 @@
-"""Prometheus text exposition in dcgm-exporter's names and labels, and a Pushgateway push."""
+"""Prometheus text exposition in dcgm-exporter's names and labels, and Pushgateway pushes.
+
+Pushes go to two groups per run: stage="run" holds the live samples while the job
+runs and is deleted when the run is collected; stage="summary" holds the run's totals.
+A stage="run" group that stops being pushed means a run died without teardown.
+"""
 
 from __future__ import annotations
 
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -20,6 +26,10 @@ _HELP = {
     "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": "Total energy consumption since boot (in mJ).",
 }
 _TYPES = {"DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": "counter"}
+_HOST = {
+    "gpuflow_host_cpu_percent": ("cpu_percent", "Host CPU utilization (in %)."),
+    "gpuflow_host_memory_used_bytes": ("memory_used_bytes", "Host memory used."),
+}
 _SUMMARY = {
     "gpuflow_run_duration_seconds": ("duration_s", "Wall time of the job."),
     "gpuflow_run_gpu_hours": ("gpu_hours", "GPUs held times hours."),
@@ -39,52 +49,114 @@ def _labels(labels: dict[str, Any]) -> str:
     return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in labels.items()) + "}"
 
 
+def _family(name: str, help_text: str, kind: str, rows: list[tuple[dict, float]]) -> list[str]:
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+    return lines + [f"{name}{_labels(labels)} {float(value)}" for labels, value in rows]
+
+
 def exposition(
-    last_sample: dict[str, Any] | None, summary: RunMetrics, flow_run_id: str, job: str
+    sample: dict[str, Any] | None,
+    summary: RunMetrics | None,
+    flow_run_id: str,
+    job: str,
 ) -> str:
-    """Return the Prometheus text format for the last GPU sample and the run's summary."""
+    """Return the Prometheus text format for a sample (GPUs and host) and/or a run summary."""
     lines: list[str] = []
-    gpus = last_sample["gpus"] if last_sample else []
-    host = last_sample["Hostname"] if last_sample else ""
-    for field in GPU_FIELDS:
-        rows = [g for g in gpus if field in g]
-        if not rows:
-            continue
-        lines += [f"# HELP {field} {_HELP[field]}", f"# TYPE {field} {_TYPES.get(field, 'gauge')}"]
-        for gpu in rows:
-            labels = {
-                "gpu": gpu["gpu"],
-                "UUID": gpu["UUID"],
-                "modelName": gpu["modelName"],
-                "Hostname": host,
-                "flow_run_id": flow_run_id,
-                "job": job,
-            }
-            lines.append(f"{field}{_labels(labels)} {gpu[field]}")
-    for name, (attr, help_text) in _SUMMARY.items():
-        value = getattr(summary, attr)
-        if value is None:
-            continue
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
-        lines.append(f"{name}{_labels({'flow_run_id': flow_run_id, 'job': job})} {float(value)}")
+    run = {"flow_run_id": flow_run_id, "job": job}
+    if sample:
+        host = sample["Hostname"]
+        for field in GPU_FIELDS:
+            rows = [
+                (
+                    {
+                        "gpu": g["gpu"],
+                        "UUID": g["UUID"],
+                        "modelName": g["modelName"],
+                        "Hostname": host,
+                    }
+                    | run,
+                    g[field],
+                )
+                for g in sample["gpus"]
+                if field in g
+            ]
+            if rows:
+                lines += _family(field, _HELP[field], _TYPES.get(field, "gauge"), rows)
+        for name, (key, help_text) in _HOST.items():
+            lines += _family(
+                name, help_text, "gauge", [({"Hostname": host} | run, sample["host"][key])]
+            )
+    if summary:
+        for name, (attr, help_text) in _SUMMARY.items():
+            value = getattr(summary, attr)
+            if value is not None:
+                lines += _family(name, help_text, "gauge", [(run, value)])
     return "\n".join(lines) + "\n"
 
 
-def push(gateway: str, text: str, flow_run_id: str, job: str, timeout_s: float = 10.0) -> str:
-    """PUT `text` to the Pushgateway group job/<job>/flow_run_id/<id>; return the group URL."""
+def group_url(gateway: str, job: str, flow_run_id: str, stage: str) -> str:
+    """Return the Pushgateway URL of one run's group for `stage` ("run" or "summary")."""
     quote = urllib.parse.quote
-    url = f"{gateway.rstrip('/')}/metrics/job/{quote(job, safe='')}/flow_run_id/{quote(flow_run_id, safe='')}"
-    request = urllib.request.Request(
-        url, data=text.encode(), method="PUT", headers={"Content-Type": "text/plain; version=0.0.4"}
+    return (
+        f"{gateway.rstrip('/')}/metrics/job/{quote(job, safe='')}"
+        f"/flow_run_id/{quote(flow_run_id, safe='')}/stage/{stage}"
     )
+
+
+def _send(url: str, method: str, body: bytes | None, timeout_s: float) -> None:
+    headers = {"Content-Type": "text/plain; version=0.0.4"} if body is not None else {}
+    request = urllib.request.Request(url, data=body, method=method, headers=headers)
+    gateway = url.split("/metrics/", 1)[0]
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            if response.status >= 300:
-                raise TransientError(f"the Pushgateway at {gateway} answered {response.status}")
+        with urllib.request.urlopen(request, timeout=timeout_s):
+            pass
     except urllib.error.HTTPError as exc:
         raise TransientError(
             f"the Pushgateway at {gateway} refused the metrics ({exc.code}): {exc.read()[:200]!r}"
         ) from None
     except (urllib.error.URLError, OSError) as exc:
         raise TransientError(f"could not reach the Pushgateway at {gateway}: {exc}") from None
+
+
+def push(gateway: str, text: str, flow_run_id: str, job: str, stage: str = "summary") -> str:
+    """PUT `text` as the run's `stage` group (replacing it); return the group URL."""
+    url = group_url(gateway, job, flow_run_id, stage)
+    _send(url, "PUT", text.encode(), timeout_s=10.0)
     return url
+
+
+def delete(gateway: str, flow_run_id: str, job: str, stage: str = "run") -> None:
+    """Delete the run's `stage` group (the live samples once the run is over)."""
+    _send(group_url(gateway, job, flow_run_id, stage), "DELETE", None, timeout_s=10.0)
+
+
+class LivePush:
+    """Sampler callback: pushes the newest sample every `interval_s`; failures are logged
+    once and never stop the job."""
+
+    def __init__(self, gateway: str, flow_run_id: str, job: str, interval_s: float, warn) -> None:
+        self.gateway, self.flow_run_id, self.job = gateway, flow_run_id, job
+        self.interval_s = interval_s
+        self.warn = warn
+        self.pushes = 0
+        self._last = 0.0
+        self._warned = False
+
+    def __call__(self, sample: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            return
+        self._last = now
+        try:
+            push(
+                self.gateway,
+                exposition(sample, None, self.flow_run_id, self.job),
+                self.flow_run_id,
+                self.job,
+                "run",
+            )
+            self.pushes += 1
+        except TransientError as exc:
+            if not self._warned:
+                self._warned = True
+                self.warn("live metrics not pushed: %s", exc)

@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ class Sampler:
         gpu_indices: list[int],
         interval_s: float = 1.0,
         nvml_module: types.ModuleType | None = None,
+        on_sample: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.path = Path(path)
         self.gpu_indices = gpu_indices
@@ -49,6 +51,7 @@ class Sampler:
         self._handles: list[tuple[int, Any, str, str]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.on_sample = on_sample
         self.gpu_error: str | None = None
         self.count = 0
 
@@ -110,6 +113,11 @@ class Sampler:
         with self.path.open("a") as out:
             out.write(json.dumps(sample) + "\n")
         self.count += 1
+        if self.on_sample is not None:
+            try:
+                self.on_sample(sample)
+            except Exception:  # a consumer's failure must not stop sampling
+                logger.warning("sample consumer failed", exc_info=True)
 
     def _gpu(self, index: int, handle: Any, uuid: str, name: str) -> dict[str, Any]:
         nvml = self._nvml

@@ -212,3 +212,14 @@ def test_cancelling_in_the_api_stops_the_job_and_cleans_up(
     assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
     assert gpu_slots.slots_in_use() == 0
     assert flow_run(run_id).state.is_cancelled()
+
+
+def test_unreachable_api_is_one_sentence(tmp_path, gpuflow_home):
+    env = subprocess_env("http://127.0.0.1:9/api", gpuflow_home)
+    job = write(
+        tmp_path, "job: {kind: command, command: [true]}\nsecret_env: {TOKEN: some-block}\n"
+    )
+    out = gpuflow(["run", str(job)], env)
+    assert out.returncode == 1
+    assert "could not run the pipeline against http://127.0.0.1:9/api" in out.stderr
+    assert "Traceback" not in out.stderr

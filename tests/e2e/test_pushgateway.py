@@ -7,6 +7,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 
@@ -50,12 +51,27 @@ def pushgateway(tmp_path):
     proc.wait(timeout=10)
 
 
+LIVE_CHECK = """
+import sys, time, urllib.request
+deadline = time.time() + 30
+while time.time() < deadline:
+    text = urllib.request.urlopen(sys.argv[1] + "/metrics", timeout=5).read().decode()
+    if any('job="pushed"' in l and 'stage="run"' in l for l in text.splitlines() if l.startswith("gpuflow_host_cpu_percent")):
+        print("live metrics seen")
+        sys.exit(0)
+    time.sleep(0.2)
+sys.exit(1)
+"""
+
+
 def test_run_metrics_reach_the_pushgateway(prefect_api, gpuflow_home, pushgateway):
+    """The job itself watches the Pushgateway for its live samples; then the totals land
+    and the live group is gone."""
     spec = load_spec(
         {
             "name": "pushed",
-            "job": {"kind": "command", "command": ["sleep", "1"]},
-            "metrics": {"interval_s": 0.2, "pushgateway": pushgateway},
+            "job": {"kind": "command", "command": [sys.executable, "-c", LIVE_CHECK, pushgateway]},
+            "metrics": {"interval_s": 0.2, "push_interval_s": 0.2, "pushgateway": pushgateway},
         }
     )
     state = gpu_pipeline(spec, return_state=True)
@@ -69,9 +85,10 @@ def test_run_metrics_reach_the_pushgateway(prefect_api, gpuflow_home, pushgatewa
         if s.labels.get("flow_run_id") == run_id
     ]
     by_name = {s.name: s for s in samples}
-    assert by_name["gpuflow_run_duration_seconds"].value >= 1
+    assert by_name["gpuflow_run_duration_seconds"].value > 0
     assert by_name["gpuflow_run_duration_seconds"].labels["job"] == "pushed"
     assert "gpuflow_run_host_cpu_mean" in by_name
+    assert {s.labels["stage"] for s in samples} == {"summary"}  # the live group was deleted
 
 
 def test_unreachable_pushgateway_does_not_fail_the_run(prefect_api, gpuflow_home):
