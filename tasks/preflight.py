@@ -42,6 +42,9 @@ class HostFacts(BaseModel):
     torch: TorchInfo
     disk_free_bytes: int | None
     nccl_env: dict[str, str]
+    cpu_count: int | None = None
+    memory_total_bytes: int | None = None
+    shm_total_bytes: int | None = None
 
 
 class PreflightReport(BaseModel):
@@ -102,12 +105,20 @@ def inspect(
     torch = torch_info(uses_torch and status.available and bool(status.gpus))
     disk = shutil.disk_usage(workspace).free if workspace and os.path.isdir(workspace) else None
     nccl = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
+    import psutil
+
+    shm = shutil.disk_usage("/dev/shm").total if os.path.isdir("/dev/shm") else None
     return HostFacts(
         nvml=status,
         nvidia_smi=shutil.which("nvidia-smi"),
         torch=torch,
         disk_free_bytes=disk,
         nccl_env=nccl,
+        cpu_count=len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
+        memory_total_bytes=psutil.virtual_memory().total,
+        shm_total_bytes=shm,
     )
 
 
@@ -192,6 +203,7 @@ def verdict(spec: JobSpec, facts: HostFacts, reserved: list[int]) -> PreflightRe
                 ),
             )
         )
+    checks += _host_size_checks(spec, facts)
     if facts.nccl_env:
         shown = ", ".join(f"{k}={v}" for k, v in sorted(facts.nccl_env.items()))
         checks.append(Check(name="nccl", level="pass", message=f"NCCL settings: {shown}."))
@@ -199,6 +211,42 @@ def verdict(spec: JobSpec, facts: HostFacts, reserved: list[int]) -> PreflightRe
     levels = {c.level for c in checks}
     overall: Level = "fail" if "fail" in levels else "warn" if "warn" in levels else "pass"
     return PreflightReport(verdict=overall, checks=checks, facts=facts, gpus_reserved=reserved)
+
+
+def _host_size_checks(spec: JobSpec, facts: HostFacts) -> list[Check]:
+    """Return checks of the host's cores, memory and /dev/shm against what the job asks."""
+    res = spec.resources
+    checks = []
+    if res.cpu and facts.cpu_count and facts.cpu_count < res.cpu:
+        checks.append(
+            Check(
+                name="cpu",
+                level="warn",
+                message=f"the job asks for {res.cpu:g} CPU cores but this host gives it"
+                f" {facts.cpu_count}; it will run slower than planned.",
+            )
+        )
+    if res.memory and facts.memory_total_bytes and facts.memory_total_bytes < res.memory:
+        checks.append(
+            Check(
+                name="memory",
+                level="fail",
+                message=f"the job asks for {format_bytes(res.memory)} of memory but this host has"
+                f" {format_bytes(facts.memory_total_bytes)}; lower resources.memory or use a"
+                " bigger host.",
+            )
+        )
+    if res.shm and facts.shm_total_bytes is not None and facts.shm_total_bytes < res.shm:
+        checks.append(
+            Check(
+                name="shm",
+                level="warn",
+                message=f"/dev/shm is {format_bytes(facts.shm_total_bytes)}, less than"
+                f" resources.shm ({format_bytes(res.shm)}); DataLoader workers and NCCL may fail"
+                " with bus errors: remount it larger or lower num_workers.",
+            )
+        )
+    return checks
 
 
 def _torch_check(spec: JobSpec, facts: HostFacts, have_gpu: bool) -> Check:

@@ -136,13 +136,7 @@ def run(
     secret_values = secrets.resolve(spec.secret_env)
     redact = secrets.Redactor(secret_values.values())
     env = {**os.environ, **spec.env, **secret_values}
-    hourly = pricing.hourly_rate(
-        prices,
-        cluster.backend,
-        cluster.gpu_products,
-        spec.resources.cpu or 1.0,
-        spec.resources.disk,
-    )
+    hourly = pricing.hourly_rate(prices, **_priced(spec, cluster))
     budget = pricing.budget_seconds(spec.limits.max_cost_usd, hourly)
     timeout = spec.limits.max_duration if budget is None else min(spec.limits.max_duration, budget)
     stopped_by = (
@@ -180,6 +174,16 @@ def run(
         failure=_failure(result, timeout, stopped_by),
         stopped_by=stopped_by if result.timed_out else None,
     )
+
+
+def _priced(spec: JobSpec, cluster: Cluster) -> dict[str, Any]:
+    """Return what is priced: the backend, the GPUs held, CPU cores and disk."""
+    return {
+        "backend": cluster.backend,
+        "products": cluster.gpu_products,
+        "cpu_cores": spec.resources.cpu or 1.0,
+        "disk_bytes": spec.resources.disk,
+    }
 
 
 def _failure(result: JobResult, timeout: float, stopped_by: str) -> str | None:
@@ -225,14 +229,7 @@ def collect(
             job_result = json.loads(result_file.read_text())
         except json.JSONDecodeError as exc:
             raise CollectError(f"the job wrote an unreadable result.json: {exc}") from None
-    run_cost = pricing.run_cost(
-        prices,
-        cluster.backend,
-        cluster.gpu_products,
-        spec.resources.cpu or 1.0,
-        spec.resources.disk,
-        outcome.result.duration_s,
-    )
+    run_cost = pricing.run_cost(prices, **_priced(spec, cluster), seconds=outcome.result.duration_s)
     metrics = summarise(samples, outcome.result.duration_s, len(cluster.gpu_indices), run_cost)
     metrics = metrics.model_copy(update={"job": job_result})
     (out / "metrics.json").write_text(metrics.model_dump_json(indent=2))

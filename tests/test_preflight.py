@@ -94,3 +94,21 @@ def test_inspect_on_this_host_without_gpus(no_nvml, tmp_path):
     assert facts.torch.version is not None  # torch is a dependency
     assert facts.torch.cuda_available is None  # not probed: no GPU to probe for
     assert facts.disk_free_bytes > 0
+
+
+def test_host_size_checks():
+    spec = load_spec(
+        {**GPU_JOB, "resources": {"gpus": 1, "cpu": 64, "memory": "2Ti", "shm": "64Gi"}}
+    )
+    facts = facts_with(load_fake_nvml()).model_copy(
+        update={"cpu_count": 8, "memory_total_bytes": 64 * 2**30, "shm_total_bytes": 2**30}
+    )
+    levels = {c.name: c for c in preflight.verdict(spec, facts, [0]).checks}
+    assert levels["cpu"].level == "warn" and "64 CPU cores" in levels["cpu"].message
+    assert levels["memory"].level == "fail" and "lower resources.memory" in levels["memory"].message
+    assert levels["shm"].level == "warn" and "/dev/shm is 1.0 GiB" in levels["shm"].message
+    fitting = load_spec(
+        {**GPU_JOB, "resources": {"gpus": 1, "cpu": 4, "memory": "16Gi", "shm": "512Mi"}}
+    )
+    names = {c.name for c in preflight.verdict(fitting, facts, [0]).checks}
+    assert not names & {"cpu", "memory", "shm"}

@@ -42,18 +42,27 @@ class Cost(BaseModel):
     breakdown: dict[str, float]
 
 
-def hourly_rate(
+def hourly_breakdown(
     table: PriceTable,
     backend: str,
     products: list[str],
     cpu_cores: float,
     disk_bytes: int,
+) -> dict[str, float]:
+    """Return what the resources cost per hour while held: gpu, cpu and disk parts.
+    CPU is priced only for CPU-only runs (a GPU's price includes its host share)."""
+    return {
+        "gpu": sum(table.gpu_hourly(backend, p) for p in products),
+        "cpu": 0.0 if products else cpu_cores * table.cpu_core_hourly_usd.get(backend, 0.0),
+        "disk": disk_bytes / 1e9 * table.disk_gb_month_usd.get(backend, 0.0) / HOURS_PER_MONTH,
+    }
+
+
+def hourly_rate(
+    table: PriceTable, backend: str, products: list[str], cpu_cores: float, disk_bytes: int
 ) -> float:
     """Return what the resources cost per hour while held."""
-    gpus = sum(table.gpu_hourly(backend, p) for p in products)
-    cpu = 0.0 if products else cpu_cores * table.cpu_core_hourly_usd.get(backend, 0.0)
-    disk = disk_bytes / 1e9 * table.disk_gb_month_usd.get(backend, 0.0) / HOURS_PER_MONTH
-    return gpus + cpu + disk
+    return sum(hourly_breakdown(table, backend, products, cpu_cores, disk_bytes).values())
 
 
 def run_cost(
@@ -65,14 +74,12 @@ def run_cost(
     seconds: float,
 ) -> Cost:
     """Return the cost of holding the resources for `seconds`, with a breakdown."""
+    per_hour = hourly_breakdown(table, backend, products, cpu_cores, disk_bytes)
     hours = seconds / 3600.0
-    gpu = sum(table.gpu_hourly(backend, p) for p in products) * hours
-    cpu = 0.0 if products else cpu_cores * table.cpu_core_hourly_usd.get(backend, 0.0) * hours
-    disk = disk_bytes / 1e9 * table.disk_gb_month_usd.get(backend, 0.0) / HOURS_PER_MONTH * hours
     return Cost(
-        usd=gpu + cpu + disk,
-        hourly_usd=hourly_rate(table, backend, products, cpu_cores, disk_bytes),
-        breakdown={"gpu": gpu, "cpu": cpu, "disk": disk},
+        usd=sum(per_hour.values()) * hours,
+        hourly_usd=sum(per_hour.values()),
+        breakdown={part: price * hours for part, price in per_hour.items()},
     )
 
 

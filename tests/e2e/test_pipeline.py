@@ -281,3 +281,20 @@ def test_max_cost_stops_the_job(prefect_api, gpuflow_home, fake_nvml):
     state, _ = run_pipeline(raw)
     assert "ran past limits.max_cost_usd" in str(state.result(raise_on_failure=False))
     assert nothing_left(gpuflow_home)
+
+
+def test_crash_hook_tears_down_by_labels(gpuflow_home, tmp_path):
+    """on_crashed / on_cancellation get only the flow run: labels lead to the resources."""
+    import types
+    import uuid
+
+    from flows.pipeline import _teardown_hook
+    from tasks.compute.base import owner_labels
+
+    run_id = str(uuid.uuid4())
+    spec = load_spec({"job": {"kind": "command", "command": ["true"]}})
+    LocalBackend().provision(spec, owner_labels(run_id, "job"))
+    other = LocalBackend().provision(spec, owner_labels(str(uuid.uuid4()), "job"))
+    flow_run = types.SimpleNamespace(id=uuid.UUID(run_id), parameters={"spec": spec.model_dump()})
+    _teardown_hook(None, flow_run, None)
+    assert leftovers(gpuflow_home)["workspaces"] == [Path(other.workspace).name]  # only its own
