@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -78,8 +79,61 @@ class MatmulJob(_Model):
     torch: bool = True
 
 
-Job = Annotated[CommandJob | MatmulJob, Field(discriminator="kind")]
-JOB_KINDS = ("command", "matmul")
+_STORAGE_URL = re.compile(r"^(file:///|s3://[^/]+).*")
+
+
+def _storage_url(value: str) -> str:
+    if not _STORAGE_URL.match(value):
+        raise ValueError(
+            f"{value!r} is not a storage URL; write file:///absolute/path or s3://bucket/prefix"
+        )
+    return value.rstrip("/")
+
+
+StorageUrl = Annotated[str, AfterValidator(_storage_url)]
+
+
+class CheckpointSettings(_Model):
+    every_steps: int = Field(100, ge=1, description="Checkpoint every N optimiser steps.")
+    every_minutes: float | None = Field(10.0, gt=0, description="... and at least this often.")
+    keep: int = Field(3, ge=1, le=1000, description="How many checkpoints to keep.")
+
+
+class TrainJob(_Model):
+    """Train a model on webdataset shards with torchrun: DDP or FSDP, AMP, checkpoints."""
+
+    kind: Literal["train"] = "train"
+    dataset: StorageUrl = Field(description="Prefix holding index.json and the shards.")
+    eval_dataset: StorageUrl | None = Field(None, description="Held-out shards for evaluation.")
+    output: StorageUrl = Field(description="Prefix for checkpoints/ and models/.")
+    model: str = Field("tasks.training.models:small_cnn", description="module:factory.")
+    model_args: dict[str, Any] = Field(default_factory=dict)
+    task: Literal["classify", "lm"] = "classify"
+    batch_size: int = Field(32, ge=1, le=65536, description="Samples per rank per micro-step.")
+    max_steps: int = Field(1000, ge=1)
+    lr: float = Field(1e-3, gt=0, le=10)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    grad_accum: int = Field(1, ge=1, le=1024)
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    amp: Literal["auto", "off"] = Field("auto", description="bf16 where supported, else fp16.")
+    activation_checkpointing: bool = False
+    eval_every: int | None = Field(None, ge=1)
+    eval_batches: int = Field(10, ge=1)
+    shuffle_buffer: int = Field(1000, ge=0)
+    num_workers: int = Field(2, ge=0, le=64)
+    cpu_processes: int = Field(1, ge=1, le=64, description="Ranks when there is no GPU.")
+    on_corrupt: Literal["skip", "fail"] = "skip"
+    seed: int = 0
+    log_every: int = Field(10, ge=1)
+    log_sample_keys: bool = Field(False, description="Write the keys each rank saw to outputs/.")
+    checkpoint: CheckpointSettings = CheckpointSettings()
+    torch: bool = True
+
+
+Job = Annotated[CommandJob | MatmulJob | TrainJob, Field(discriminator="kind")]
+JOB_KINDS = ("command", "matmul", "train")
 
 
 class Resources(_Model):
@@ -120,6 +174,9 @@ class Placement(_Model):
 
 class Storage(_Model):
     artifacts: str | None = Field(None, description="file:// folder for run artifacts.")
+    aws_credentials: str | None = Field(
+        None, description="Name of a prefect-aws AwsCredentials block for s3:// URLs."
+    )
 
     @field_validator("artifacts")
     @classmethod
@@ -217,7 +274,7 @@ class JobSpec(_Model):
 
 def _field_names(loc: tuple[Any, ...]) -> list[str]:
     """Return the field names allowed where `loc` points, for 'did you mean' hints."""
-    kinds = {"command": CommandJob, "matmul": MatmulJob}
+    kinds = {"command": CommandJob, "matmul": MatmulJob, "train": TrainJob}
     model: Any = JobSpec
     parts = list(loc[:-1])
     if parts[:1] == ["job"] and len(parts) > 1 and parts[1] in kinds:

@@ -1,0 +1,331 @@
+"""One small interface over file:// and s3:// URLs: atomic writes, checksums, listing,
+streaming reads. S3 settings come from a prefect-aws AwsCredentials block or the
+environment (AWS_* variables), so S3-compatible servers work through endpoint_url.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import urlparse
+
+from pydantic import BaseModel, SecretStr
+
+from tasks.errors import GpuflowError, TransientError
+
+CHUNK = 8 * 2**20
+
+
+class StorageError(GpuflowError):
+    """A storage URL could not be read or written for a reason the user must fix."""
+
+
+class ObjectInfo(BaseModel):
+    url: str
+    size: int
+    sha256: str | None = None
+
+
+class S3Settings(BaseModel):
+    endpoint_url: str | None = None
+    region: str | None = None
+    access_key_id: str | None = None
+    secret_access_key: SecretStr | None = None
+    session_token: SecretStr | None = None
+
+    @classmethod
+    def from_env(cls) -> S3Settings:
+        secret = os.environ.get("AWS_SECRET_ACCESS_KEY")
+        token = os.environ.get("AWS_SESSION_TOKEN")
+        return cls(
+            endpoint_url=os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL"),
+            region=os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION"),
+            access_key_id=os.environ.get("AWS_ACCESS_KEY_ID"),
+            secret_access_key=SecretStr(secret) if secret else None,
+            session_token=SecretStr(token) if token else None,
+        )
+
+    @classmethod
+    def from_block(cls, name: str) -> S3Settings:
+        """Return settings from the prefect-aws AwsCredentials block `name`."""
+        from prefect_aws import AwsCredentials
+
+        try:
+            block = AwsCredentials.load(name)
+        except ValueError:
+            raise StorageError(
+                f"storage.aws_credentials: there is no AwsCredentials block named {name!r};"
+                " create it with prefect-aws or fix the name."
+            ) from None
+        params = block.aws_client_parameters
+        return cls(
+            endpoint_url=params.endpoint_url if params else None,
+            region=block.region_name,
+            access_key_id=block.aws_access_key_id,
+            secret_access_key=block.aws_secret_access_key,
+            session_token=block.aws_session_token,
+        )
+
+    def child_env(self) -> dict[str, str]:
+        """Return the AWS_* variables that give a child process the same access."""
+        env = {
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_DEFAULT_REGION": self.region,
+            "AWS_ACCESS_KEY_ID": self.access_key_id,
+            "AWS_SECRET_ACCESS_KEY": self.secret_access_key.get_secret_value()
+            if self.secret_access_key
+            else None,
+            "AWS_SESSION_TOKEN": self.session_token.get_secret_value()
+            if self.session_token
+            else None,
+        }
+        return {k: v for k, v in env.items() if v}
+
+    def secrets(self) -> list[str]:
+        return [s.get_secret_value() for s in (self.secret_access_key, self.session_token) if s]
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def join(prefix: str, *parts: str) -> str:
+    """Return `prefix`/`parts...` for any scheme."""
+    return "/".join([prefix.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+class FileStore:
+    """file:///absolute/path URLs. Writes go to a temporary file, then rename."""
+
+    @staticmethod
+    def _path(url: str) -> Path:
+        return Path(urlparse(url).path)
+
+    def exists(self, url: str) -> bool:
+        return self._path(url).is_file()
+
+    def read_head(self, url: str, size: int) -> bytes:
+        with self.open(url) as handle:
+            return handle.read(size)
+
+    def read_bytes(self, url: str) -> bytes:
+        try:
+            return self._path(url).read_bytes()
+        except FileNotFoundError:
+            raise StorageError(f"{url} does not exist; check the URL.") from None
+
+    def open(self, url: str) -> IO[bytes]:
+        try:
+            return open(self._path(url), "rb")
+        except FileNotFoundError:
+            raise StorageError(f"{url} does not exist; check the URL.") from None
+
+    def write_bytes(self, url: str, data: bytes) -> ObjectInfo:
+        with tempfile.NamedTemporaryFile(delete=False) as tmp:
+            tmp.write(data)
+        return self.upload_file(url, Path(tmp.name), move=True)
+
+    def upload_file(self, url: str, path: Path, move: bool = False) -> ObjectInfo:
+        target = self._path(url)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        (shutil.move if move else shutil.copyfile)(path, tmp)
+        digest = sha256_file(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, target)
+        return ObjectInfo(url=url, size=target.stat().st_size, sha256=digest)
+
+    def download_file(self, url: str, path: Path) -> None:
+        try:
+            shutil.copyfile(self._path(url), path)
+        except FileNotFoundError:
+            raise StorageError(f"{url} does not exist; check the URL.") from None
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        root = self._path(prefix)
+        if not root.is_dir():
+            return []
+        return [
+            ObjectInfo(url=f"file://{p}", size=p.stat().st_size)
+            for p in sorted(root.rglob("*"))
+            if p.is_file() and ".tmp-" not in p.name
+        ]
+
+    def checksum(self, url: str) -> str | None:
+        path = self._path(url)
+        return sha256_file(path) if path.is_file() else None
+
+    def delete(self, url: str) -> None:
+        self._path(url).unlink(missing_ok=True)
+
+
+class S3Store:
+    """s3://bucket/key URLs through boto3. A PUT is atomic per object; the sha256 of each
+    object is kept in its metadata, so a rerun can tell identical content."""
+
+    def __init__(self, settings: S3Settings | None = None) -> None:
+        import boto3
+        from botocore.config import Config
+
+        self.settings = settings or S3Settings.from_env()
+        s = self.settings
+        self.client = boto3.client(
+            "s3",
+            endpoint_url=s.endpoint_url,
+            region_name=s.region or "us-east-1",
+            aws_access_key_id=s.access_key_id,
+            aws_secret_access_key=s.secret_access_key.get_secret_value()
+            if s.secret_access_key
+            else None,
+            aws_session_token=s.session_token.get_secret_value() if s.session_token else None,
+            config=Config(
+                retries={"max_attempts": 5, "mode": "standard"}, connect_timeout=10, read_timeout=60
+            ),
+        )
+
+    @staticmethod
+    def _split(url: str) -> tuple[str, str]:
+        parsed = urlparse(url)
+        return parsed.netloc, parsed.path.lstrip("/")
+
+    def _call(self, url: str, method: str, **kwargs: Any) -> Any:
+        from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
+
+        try:
+            return getattr(self.client, method)(**kwargs)
+        except ClientError as exc:
+            raise _explain(url, exc) from None
+        except EndpointConnectionError:
+            raise TransientError(
+                f"could not reach the S3 server for {url}; is it running?"
+            ) from None
+        except BotoCoreError as exc:
+            raise TransientError(f"S3 request for {url} failed: {type(exc).__name__}") from None
+
+    def exists(self, url: str) -> bool:
+        bucket, key = self._split(url)
+        try:
+            self._call(url, "head_object", Bucket=bucket, Key=key)
+            return True
+        except StorageError as exc:
+            if "does not exist" in str(exc):
+                return False
+            raise
+
+    def read_bytes(self, url: str) -> bytes:
+        with self.open(url) as body:
+            return body.read()
+
+    def read_head(self, url: str, size: int) -> bytes:
+        bucket, key = self._split(url)
+        response = self._call(
+            url, "get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{size - 1}"
+        )
+        return response["Body"].read()
+
+    def open(self, url: str) -> IO[bytes]:
+        bucket, key = self._split(url)
+        return self._call(url, "get_object", Bucket=bucket, Key=key)["Body"]
+
+    def write_bytes(self, url: str, data: bytes) -> ObjectInfo:
+        bucket, key = self._split(url)
+        digest = hashlib.sha256(data).hexdigest()
+        self._call(
+            url, "put_object", Bucket=bucket, Key=key, Body=data, Metadata={"sha256": digest}
+        )
+        return ObjectInfo(url=url, size=len(data), sha256=digest)
+
+    def upload_file(self, url: str, path: Path, move: bool = False) -> ObjectInfo:
+        digest = sha256_file(path)
+        bucket, key = self._split(url)
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            self._call(
+                url, "put_object", Bucket=bucket, Key=key, Body=handle, Metadata={"sha256": digest}
+            )
+        if move:
+            path.unlink()
+        return ObjectInfo(url=url, size=size, sha256=digest)
+
+    def download_file(self, url: str, path: Path) -> None:
+        with self.open(url) as body, open(path, "wb") as out:
+            shutil.copyfileobj(body, out, CHUNK)
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        bucket, key = self._split(prefix)
+        key = key.rstrip("/") + "/" if key else ""
+        found: list[ObjectInfo] = []
+        token: dict[str, str] = {}
+        while True:
+            page = self._call(prefix, "list_objects_v2", Bucket=bucket, Prefix=key, **token)
+            found += [
+                ObjectInfo(url=f"s3://{bucket}/{o['Key']}", size=o["Size"])
+                for o in page.get("Contents", [])
+            ]
+            if not page.get("IsTruncated"):
+                return found
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+
+    def checksum(self, url: str) -> str | None:
+        bucket, key = self._split(url)
+        try:
+            head = self._call(url, "head_object", Bucket=bucket, Key=key)
+        except StorageError as exc:
+            if "does not exist" in str(exc):
+                return None
+            raise
+        return head.get("Metadata", {}).get("sha256")
+
+    def delete(self, url: str) -> None:
+        bucket, key = self._split(url)
+        self._call(url, "delete_object", Bucket=bucket, Key=key)
+
+
+def _explain(url: str, exc: Any) -> GpuflowError:
+    code = exc.response.get("Error", {}).get("Code", "")
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if code in ("NoSuchKey", "404", "NotFound"):
+        return StorageError(f"{url} does not exist; check the URL.")
+    if code == "NoSuchBucket":
+        return StorageError(f"the bucket of {url} does not exist; create it or fix the URL.")
+    if (
+        code
+        in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "ExpiredToken")
+        or status == 403
+    ):
+        return StorageError(
+            f"the S3 server refused the credentials for {url} ({code or status});"
+            " check the AwsCredentials block or AWS_* variables."
+        )
+    if status and status >= 500:
+        return TransientError(
+            f"the S3 server failed on {url} ({code or status}); retrying may help."
+        )
+    return StorageError(f"S3 refused {url}: {code or status}.")
+
+
+def store_for(url: str, s3: S3Settings | None = None) -> FileStore | S3Store:
+    """Return the store for `url`'s scheme."""
+    scheme = urlparse(url).scheme
+    if scheme == "file":
+        return FileStore()
+    if scheme == "s3":
+        return S3Store(s3)
+    raise StorageError(f"{url!r} is not a storage URL; write file:///path or s3://bucket/prefix.")
+
+
+def iter_chunks(stream: IO[bytes]) -> Iterator[bytes]:
+    while block := stream.read(CHUNK):
+        yield block

@@ -1,0 +1,1 @@
+"""Training: webdataset shards on storage, the torchrun entry point, checkpoints."""

@@ -1,0 +1,487 @@
+"""The training entry point, one process per rank (started by torchrun through launch.py).
+
+Streams webdataset shards from storage, trains with DDP (or FSDP on GPUs), AMP on CUDA,
+checkpoints every N steps or M minutes, resumes from the newest valid checkpoint, and on
+SIGTERM finishes its step, checkpoints and exits with the "preempted" code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from tasks.errors import PREEMPTED_EXIT_CODE
+from tasks.spec import TrainJob
+from tasks.storage import join, store_for
+from tasks.training import checkpoint as ckpt
+from tasks.training import data as wdata
+from tasks.training.shards import sha256
+
+PREEMPTED_MARKER = ".gpuflow-preempted-rank{rank}"
+_stop_requested = False
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    global _stop_requested
+    _stop_requested = True
+
+
+def build_model(job: TrainJob) -> nn.Module:
+    """Return the nn.Module the job's `module:factory` makes (errors name the path)."""
+    import importlib
+
+    module_name, _, factory_name = job.model.partition(":")
+    factory = getattr(importlib.import_module(module_name), factory_name)
+    model = factory(**job.model_args)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{job.model} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _schedule(job: TrainJob):
+    def factor(step: int) -> float:
+        if step < job.warmup_steps:
+            return (step + 1) / job.warmup_steps
+        if job.schedule == "constant":
+            return 1.0
+        progress = (step - job.warmup_steps) / max(1, job.max_steps - job.warmup_steps)
+        if job.schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+class Trainer:
+    def __init__(self, job: TrainJob, run_name: str) -> None:
+        self.job = job
+        self.run_name = run_name
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.cuda = torch.cuda.is_available()
+        self.device = torch.device(f"cuda:{self.local_rank}" if self.cuda else "cpu")
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+        self.store = store_for(job.dataset)
+        self.out_store = store_for(job.output)
+        self.ckpt_prefix = join(job.output, "checkpoints")
+        self.outputs = Path(os.environ.get("GPUFLOW_OUTPUT_DIR", "outputs"))
+        self.outputs.mkdir(parents=True, exist_ok=True)
+        self.workspace = Path(os.environ.get("GPUFLOW_WORKSPACE", "."))
+        self.skipped = 0
+        self.keys_file = (
+            (self.outputs / f"keys-rank{self.rank}.txt").open("a") if job.log_sample_keys else None
+        )
+
+        torch.manual_seed(job.seed)
+        random.seed(job.seed + self.rank)
+        np.random.seed(job.seed + self.rank)
+        if not self.cuda:
+            torch.use_deterministic_algorithms(True)
+        model = build_model(job).to(self.device)
+        if job.activation_checkpointing:
+            if not hasattr(model, "set_activation_checkpointing"):
+                raise TypeError(
+                    f"{job.model} has no set_activation_checkpointing(); turn the option off"
+                )
+            model.set_activation_checkpointing(True)
+        self.amp_dtype = None
+        if self.cuda and job.amp == "auto":
+            self.amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if job.strategy == "fsdp":
+            from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+
+            mixed = MixedPrecision(param_dtype=self.amp_dtype) if self.amp_dtype else None
+            self.model = FullyShardedDataParallel(
+                model, device_id=self.device, mixed_precision=mixed
+            )
+        else:
+            self.model = nn.parallel.DistributedDataParallel(
+                model, device_ids=[self.local_rank] if self.cuda else None
+            )
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=job.lr, weight_decay=job.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(job))
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
+        self.step = 0
+        self.epoch = 0
+        self.batches_in_epoch = 0
+        self.samples_seen = 0
+
+    # -- data -------------------------------------------------------------------
+    def _codec(self):
+        if self.job.task == "lm":
+            seq_len = int(self.job.model_args.get("seq_len", 128))
+            return (lambda s: wdata.decode_lm(s, seq_len)), wdata.collate_lm
+        return wdata.decode_classify, wdata.collate_classify
+
+    def _loader(self, urls: list[str], epoch: int, shuffle: bool):
+        decode, collate = self._codec()
+        dataset = wdata.batches(
+            urls,
+            lambda: store_for(urls[0]),
+            decode,
+            collate,
+            batch_size=self.job.batch_size,
+            epoch=epoch,
+            seed=self.job.seed,
+            shuffle_buffer=self.job.shuffle_buffer if shuffle else 0,
+            policy=self.job.on_corrupt,
+            rank=self.rank,
+        )
+        return torch.utils.data.DataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=self.job.num_workers,
+            persistent_workers=False,
+            worker_init_fn=_ignore_sigterm,
+        )
+
+    def _stream(self, urls: list[str]):
+        """Yield batches forever, epoch after epoch; resumes at (epoch, batches_in_epoch)."""
+        while True:
+            skip = self.batches_in_epoch
+            produced = 0
+            for batch in self._loader(urls, self.epoch, shuffle=True):
+                produced += 1
+                if produced <= skip:
+                    continue  # already trained on before the checkpoint
+                self.batches_in_epoch = produced
+                yield batch
+            if produced == 0:
+                raise wdata.DataError(f"rank {self.rank} got no samples from {self.job.dataset}")
+            self.epoch += 1
+            self.batches_in_epoch = 0
+
+    # -- the step ----------------------------------------------------------------
+    def _loss(self, inputs: Any) -> tuple[torch.Tensor, int]:
+        with torch.autocast(
+            self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None
+        ):
+            if self.job.task == "lm":
+                tokens = inputs.to(self.device)
+                logits = self.model(tokens[:, :-1])
+                loss = F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1)
+                )
+                return loss, tokens[:, 1:].numel()
+            images, labels = inputs
+            logits = self.model(images.to(self.device))
+            return F.cross_entropy(logits.float(), labels.to(self.device)), 0
+
+    def _agree(self, flag: bool) -> bool:
+        """Return True on every rank if any rank says so (SIGTERM reaches ranks at different times)."""
+        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def train(self, urls: list[str], eval_urls: list[str] | None) -> int:
+        job = self.job
+        self._resume()
+        stream = self._stream(urls)
+        metrics_log = (self.outputs / "train_metrics.jsonl").open("a") if self.rank == 0 else None
+        last_ckpt = time.monotonic()
+        window_start, window_samples, window_tokens = time.perf_counter(), 0, 0
+        self.model.train()
+        while self.step < job.max_steps:
+            self.optimizer.zero_grad(set_to_none=True)
+            total = 0.0
+            step_samples = 0
+            for micro in range(job.grad_accum):
+                batch = next(stream)
+                self.skipped += batch["skipped"]
+                if self.keys_file:
+                    self.keys_file.write("\n".join(batch["keys"]) + "\n")
+                sync = micro == job.grad_accum - 1 or job.strategy == "fsdp"
+                context = self.model.no_sync() if not sync else _null()
+                with context:
+                    loss, tokens = self._loss(batch["inputs"])
+                    self.scaler.scale(loss / job.grad_accum).backward()
+                total += loss.item() / job.grad_accum
+                step_samples += len(batch["keys"])
+                window_tokens += tokens
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.scheduler.step()
+            self.step += 1
+            window_samples += step_samples
+            self.samples_seen += step_samples * self.world
+            if self.step % job.log_every == 0 or self.step == job.max_steps:
+                elapsed = time.perf_counter() - window_start
+                record = {
+                    "step": self.step,
+                    "loss": total,
+                    "lr": self.scheduler.get_last_lr()[0],
+                    "samples_per_s": window_samples * self.world / elapsed,
+                    "tokens_per_s": window_tokens * self.world / elapsed if window_tokens else None,
+                    "epoch": self.epoch,
+                    "time": time.time(),
+                }
+                if job.eval_every and eval_urls and self.step % job.eval_every == 0:
+                    record["eval_loss"] = self.evaluate(eval_urls)
+                if metrics_log:
+                    metrics_log.write(json.dumps(record) + "\n")
+                    metrics_log.flush()
+                    print(
+                        f"step {self.step}/{job.max_steps} loss {total:.4f} {record['samples_per_s']:.1f} samples/s",
+                        flush=True,
+                    )
+                window_start, window_samples, window_tokens = time.perf_counter(), 0, 0
+            due = self.step % job.checkpoint.every_steps == 0
+            if job.checkpoint.every_minutes:
+                due = due or time.monotonic() - last_ckpt > job.checkpoint.every_minutes * 60
+            stop = self._agree(_stop_requested)
+            if self._agree(due) or stop:
+                self.save()
+                last_ckpt = time.monotonic()
+            if stop and self.step < job.max_steps:
+                if self.rank == 0:
+                    print(
+                        f"preempted at step {self.step}: checkpoint saved, exiting {PREEMPTED_EXIT_CODE}",
+                        flush=True,
+                    )
+                (self.workspace / PREEMPTED_MARKER.format(rank=self.rank)).write_text(
+                    str(self.step)
+                )
+                return PREEMPTED_EXIT_CODE
+        if self.step % job.checkpoint.every_steps:
+            self.save()
+        self.finish()
+        return 0
+
+    def evaluate(self, urls: list[str]) -> float:
+        self.model.eval()
+        losses = []
+        with torch.no_grad():
+            for index, batch in enumerate(self._loader(urls, 0, shuffle=False)):
+                if index >= self.job.eval_batches:
+                    break
+                losses.append(self._loss(batch["inputs"])[0].item())
+        self.model.train()
+        value = torch.tensor([sum(losses), len(losses)], device=self.device, dtype=torch.float64)
+        dist.all_reduce(value)
+        return float(value[0] / max(value[1], 1))
+
+    # -- checkpoints ---------------------------------------------------------------
+    def _full_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        if self.job.strategy == "fsdp":
+            from torch.distributed.fsdp import (
+                FullStateDictConfig,
+                FullyShardedDataParallel,
+                StateDictType,
+            )
+
+            config = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+            with FullyShardedDataParallel.state_dict_type(
+                self.model, StateDictType.FULL_STATE_DICT, config
+            ):
+                model_state = self.model.state_dict()
+                optim_state = FullyShardedDataParallel.optim_state_dict(self.model, self.optimizer)
+            return model_state, optim_state
+        return self.model.module.state_dict(), self.optimizer.state_dict()
+
+    def save(self) -> None:
+        model_state, optim_state = self._full_state()
+        rank_state = {
+            "rng": _rng_state(),
+            "epoch": self.epoch,
+            "batches_in_epoch": self.batches_in_epoch,
+        }
+        mine = ckpt.write_file(
+            self.out_store,
+            self.ckpt_prefix,
+            self.step,
+            f"rank-{self.rank}.pt",
+            ckpt.to_bytes(rank_state),
+        )
+        shas: list[Any] = [None] * self.world
+        dist.all_gather_object(shas, mine)
+        if self.rank == 0:
+            files = {f"rank-{r}.pt": sha for r, sha in enumerate(shas)}
+            trainer_state = {
+                "optimizer": optim_state,
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "step": self.step,
+                "samples_seen": self.samples_seen,
+            }
+            files["model.pt"] = ckpt.write_file(
+                self.out_store, self.ckpt_prefix, self.step, "model.pt", ckpt.to_bytes(model_state)
+            )
+            files["trainer.pt"] = ckpt.write_file(
+                self.out_store,
+                self.ckpt_prefix,
+                self.step,
+                "trainer.pt",
+                ckpt.to_bytes(trainer_state),
+            )
+            ckpt.write_manifest(
+                self.out_store,
+                self.ckpt_prefix,
+                self.step,
+                files,
+                {"world_size": self.world, "model": self.job.model},
+            )
+            ckpt.prune(self.out_store, self.ckpt_prefix, self.job.checkpoint.keep)
+            print(
+                f"checkpoint step {self.step} saved to {ckpt.step_prefix(self.ckpt_prefix, self.step)}",
+                flush=True,
+            )
+        dist.barrier()
+
+    def _resume(self) -> None:
+        found = ckpt.latest_valid(self.out_store, self.ckpt_prefix) if self.rank == 0 else None
+        holder = [found[0] if found else None]
+        dist.broadcast_object_list(holder, src=0)
+        step = holder[0]
+        if step is None:
+            return
+        files = ckpt.load_valid(self.out_store, self.ckpt_prefix, step)
+        manifest = json.loads(files[ckpt.MANIFEST])
+        if manifest.get("world_size") != self.world:
+            raise RuntimeError(
+                f"checkpoint step {step} was written by {manifest.get('world_size')} ranks, this run has"
+                f" {self.world}; resume with the same number of GPUs or start a new output prefix"
+            )
+        model_state = ckpt.from_bytes(files["model.pt"])
+        trainer_state = ckpt.from_bytes(files["trainer.pt"])
+        rank_state = ckpt.from_bytes(files[f"rank-{self.rank}.pt"])
+        if self.job.strategy == "fsdp":
+            from torch.distributed.fsdp import (
+                FullStateDictConfig,
+                FullyShardedDataParallel,
+                StateDictType,
+            )
+
+            config = FullStateDictConfig(offload_to_cpu=True, rank0_only=False)
+            with FullyShardedDataParallel.state_dict_type(
+                self.model, StateDictType.FULL_STATE_DICT, config
+            ):
+                self.model.load_state_dict(model_state)
+                optim = FullyShardedDataParallel.optim_state_dict_to_load(
+                    self.model, self.optimizer, trainer_state["optimizer"]
+                )
+            self.optimizer.load_state_dict(optim)
+        else:
+            self.model.module.load_state_dict(model_state)
+            self.optimizer.load_state_dict(trainer_state["optimizer"])
+        self.scheduler.load_state_dict(trainer_state["scheduler"])
+        self.scaler.load_state_dict(trainer_state["scaler"])
+        self.step = trainer_state["step"]
+        self.samples_seen = trainer_state["samples_seen"]
+        self.epoch = rank_state["epoch"]
+        self.batches_in_epoch = rank_state["batches_in_epoch"]
+        _set_rng_state(rank_state["rng"])
+        if self.rank == 0:
+            print(f"resumed from checkpoint step {step}", flush=True)
+
+    def finish(self) -> None:
+        """Copy the final weights to models/ with a manifest; write result.json."""
+        model_state, _ = self._full_state()
+        skipped = torch.tensor([self.skipped], device=self.device)
+        dist.all_reduce(skipped)
+        if self.rank != 0:
+            return
+        data = ckpt.to_bytes(model_state)
+        base = join(self.job.output, "models", self.run_name, f"step-{self.step:08d}")
+        weights = self.out_store.write_bytes(join(base, "model.pt"), data)
+        manifest = {
+            "step": self.step,
+            "model": self.job.model,
+            "model_args": self.job.model_args,
+            "task": self.job.task,
+            "dataset": self.job.dataset,
+            "files": {"model.pt": weights.sha256 or sha256(data)},
+            "samples_seen": self.samples_seen,
+        }
+        manifest_url = join(base, "manifest.json")
+        self.out_store.write_bytes(manifest_url, json.dumps(manifest, indent=2).encode())
+        result = {
+            "steps": self.step,
+            "samples_seen": self.samples_seen,
+            "skipped_samples": int(skipped.item()),
+            "world_size": self.world,
+            "device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
+            "weights": weights.url,
+            "weights_manifest": manifest_url,
+            "checkpoints": self.ckpt_prefix,
+            "amp": str(self.amp_dtype).removeprefix("torch.") if self.amp_dtype else "off",
+        }
+        (self.outputs / "result.json").write_text(json.dumps(result, indent=2))
+        print(f"final weights: {weights.url}", flush=True)
+
+
+def _ignore_sigterm(worker_id: int) -> None:
+    # SIGTERM reaches the whole process group; the rank decides when to stop, and it
+    # shuts its loader workers down itself.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def main() -> int:
+    job = TrainJob.model_validate_json(os.environ["GPUFLOW_TRAIN_JOB"])
+    run_name = os.environ.get("GPUFLOW_RUN_NAME", "run")
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
+    try:
+        store = store_for(job.dataset)
+        index = wdata.load_index(job.dataset, store)
+        urls = index.urls(job.dataset)
+        eval_urls = (
+            wdata.load_index(
+                job.eval_dataset, store_for(job.eval_dataset), "train.eval_dataset"
+            ).urls(job.eval_dataset)
+            if job.eval_dataset
+            else None
+        )
+        code = Trainer(job, run_name).train(urls, eval_urls)
+    finally:
+        dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
