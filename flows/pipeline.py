@@ -15,6 +15,7 @@ from tasks.compute import Cluster, get_backend
 from tasks.compute.base import owner_labels
 from tasks.compute.local import gpuflow_home
 from tasks.errors import JobCancelled, JobFailed
+from tasks.jobs import check_job
 from tasks.metrics.summary import RunMetrics
 from tasks.spec import JobSpec, load_spec
 from tasks.stages import collect, preflight, provision, retrying, run, teardown, teardown_owned
@@ -67,6 +68,7 @@ def gpu_pipeline(spec: JobSpec) -> PipelineResult | State:
     job, prices = placement.resolve(job)
     backend = job.placement.backend
     get_backend(backend).check(job)
+    check_job(job)
     secrets.resolve(job.secret_env)  # a missing secret block fails here, before provisioning
     run_id = str(current_run.id)
     out = artifacts_dir(job, run_id)

@@ -23,6 +23,9 @@ def _run(path: str) -> int:
     try:
         spec, _ = placement.resolve(load_spec(path))
         get_backend(spec.placement.backend).check(spec)
+        from tasks.jobs import check_job
+
+        check_job(spec)
         from tasks import secrets
 
         secrets.resolve(spec.secret_env)
@@ -69,6 +72,14 @@ def _api_failed(exc: Exception) -> int:
 def _print_summary(result) -> None:
     metrics = result.metrics
     print(f"\n{result.name}: completed (preflight {result.preflight})")
+    job = metrics.job
+    if "steps" in job:
+        speed = job.get("images_per_s") or job.get("tokens_per_s")
+        unit = "images/s" if "images_per_s" in job else "tokens/s"
+        print(
+            f"  trained {job['steps']} steps on {job['world_size']} rank(s) ({job['device']}): {job['samples_per_s']} samples/s, {speed} {unit}"
+        )
+        print(f"  weights: {job['weights']}")
     if "tflops" in metrics.job:
         print(
             f"  matmul: {metrics.job['tflops']} TFLOP/s on {metrics.job['device']} ({metrics.job['dtype']})"
@@ -107,6 +118,26 @@ def _preflight(path: str | None, as_json: bool) -> int:
     return EXIT_FAILED if report.verdict == "fail" else EXIT_OK
 
 
+def _prepare(source: str, output: str, shard_size: str, aws_credentials: str | None) -> int:
+    from flows.datasets import prepare_dataset
+    from tasks.errors import InvalidSpec
+
+    state = prepare_dataset(source, output, shard_size, aws_credentials, return_state=True)
+    if state.is_completed():
+        result = state.result()
+        print(
+            f"{result.samples} samples in {result.shards} shards ({result.written} written, {result.skipped} unchanged)"
+        )
+        print(f"index: {result.index_url}")
+        return EXIT_OK
+    exc = state.result(raise_on_failure=False)
+    print(
+        f"gpuflow: {'invalid input: ' if isinstance(exc, InvalidSpec) else ''}{exc}",
+        file=sys.stderr,
+    )
+    return EXIT_INVALID if isinstance(exc, InvalidSpec) else EXIT_FAILED
+
+
 def _reap(dry_run: bool) -> int:
     import psutil
 
@@ -140,6 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     pre = commands.add_parser("preflight", help="check this host: GPUs, driver, CUDA, torch, disk")
     pre.add_argument("job", nargs="?", help="check for this job spec (default: a 1-GPU torch job)")
     pre.add_argument("--json", action="store_true", help="print the report as JSON")
+    prep = commands.add_parser(
+        "prepare-dataset", help="pack files into webdataset shards in storage"
+    )
+    prep.add_argument(
+        "source", help="a folder of files grouped by basename, or synthetic:classify?samples=N"
+    )
+    prep.add_argument("output", help="file:///path or s3://bucket/prefix")
+    prep.add_argument("--shard-size", default="256MB")
+    prep.add_argument("--aws-credentials", help="name of a prefect-aws AwsCredentials block")
     reap = commands.add_parser("reap", help="tear down what killed runs left on this host")
     reap.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
@@ -149,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run(str(SMOKE_JOB))
     if args.command == "preflight":
         return _preflight(args.job, args.json)
+    if args.command == "prepare-dataset":
+        return _prepare(args.source, args.output, args.shard_size, args.aws_credentials)
     return _reap(args.dry_run)
 
 

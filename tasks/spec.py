@@ -197,6 +197,9 @@ class Limits(_Model):
         24 * 3600.0, gt=0, description="Longest the job may run, e.g. 2h; it is stopped after."
     )
     max_cost_usd: float | None = Field(None, gt=0, description="Stop the job before it costs more.")
+    stop_grace_s: float = Field(
+        30.0, ge=1, le=3600, description="Between SIGTERM and SIGKILL when the job is stopped."
+    )
 
 
 class StageRetry(_Model):

@@ -32,7 +32,7 @@ from tasks.errors import (
     TransientError,
     is_retryable,
 )
-from tasks.jobs import command_for
+from tasks.jobs import command_for, s3_settings
 from tasks.metrics import cost as pricing
 from tasks.metrics.plot import utilisation_png
 from tasks.metrics.prometheus import LivePush, delete, exposition, push
@@ -49,7 +49,7 @@ class RunOutcome(BaseModel):
     stopped_by: str | None = None  # "max_duration" or "max_cost_usd" when a limit stopped it
 
 
-def _retry_when_retryable(task: Any, task_run: Any, state: Any) -> bool:
+def retry_when_retryable(task: Any, task_run: Any, state: Any) -> bool:
     try:
         state.result()
     except Exception as exc:
@@ -67,7 +67,7 @@ def retrying(stage: Any, policy: StageRetry) -> Any:
             policy.retries
         ),
         retry_jitter_factor=policy.jitter or None,
-        retry_condition_fn=_retry_when_retryable,
+        retry_condition_fn=retry_when_retryable,
     )
 
 
@@ -134,8 +134,12 @@ def run(
     it was interrupted, return other failures in the outcome so collect still runs."""
     logger = get_run_logger()
     secret_values = secrets.resolve(spec.secret_env)
-    redact = secrets.Redactor(secret_values.values())
-    env = {**os.environ, **spec.env, **secret_values}
+    storage_env, storage_secrets = {}, []
+    if spec.storage.aws_credentials:
+        s3 = s3_settings(spec)
+        storage_env, storage_secrets = s3.child_env(), s3.secrets()
+    redact = secrets.Redactor([*secret_values.values(), *storage_secrets])
+    env = {**os.environ, **storage_env, **spec.env, **secret_values}
     hourly = pricing.hourly_rate(prices, **_priced(spec, cluster))
     budget = pricing.budget_seconds(spec.limits.max_cost_usd, hourly)
     timeout = spec.limits.max_duration if budget is None else min(spec.limits.max_duration, budget)
@@ -160,7 +164,13 @@ def run(
         )
     with Sampler(samples, cluster.gpu_indices, spec.metrics.interval_s, on_sample=live):
         result = get_backend(cluster.backend).run(
-            cluster, command_for(spec), env, timeout, on_line, cancel_requested(flow_run_id)
+            cluster,
+            command_for(spec),
+            env,
+            timeout,
+            on_line,
+            cancel_requested(flow_run_id),
+            grace_s=spec.limits.stop_grace_s,
         )
     result = result.model_copy(update={"log_tail": [redact(line) for line in result.log_tail]})
     if result.cancelled:
@@ -248,11 +258,16 @@ def collect(
             delete(spec.metrics.pushgateway, flow_run_id, spec.name, "run")
         except TransientError as exc:
             logger.warning("metrics not pushed: %s", exc)
+    extra_rows, extra_lines = [], []
+    if spec.job.kind == "train":
+        from tasks.training.report import summary as training_summary
+
+        extra_rows, extra_lines = training_summary(outputs, out, f"{spec.name} {flow_run_id[:8]}")
     rows = [
         {"metric": k, "value": v}
         for k, v in metrics.model_dump(exclude={"job", "cost_breakdown"}).items()
     ]
-    rows += [{"metric": f"job.{k}", "value": v} for k, v in job_result.items()]
+    rows += [{"metric": f"job.{k}", "value": v} for k, v in job_result.items()] + extra_rows
     create_table_artifact(key="gpuflow-metrics", table=rows, description=f"Metrics for {spec.name}")
     lines = [
         f"# {spec.name}: {'failed' if outcome.failure else 'completed'}",
@@ -266,6 +281,7 @@ def collect(
         lines.insert(2, f"- **{job_result['tflops']} TFLOP/s** on {job_result.get('device')}")
     if png:
         lines.append(f"- utilisation plot: `{png}`")
+    lines += extra_lines
     if pushed:
         lines.append(f"- pushed to {pushed}")
     if outcome.failure:

@@ -79,10 +79,12 @@ class Backend(Protocol):
         timeout_s: float,
         on_line: LineSink,
         should_stop: StopCheck | None = None,
+        grace_s: float = 30.0,
     ) -> JobResult:
         """Run `command` to completion, streaming lines. On timeout, or when `should_stop`
         says so, the job is stopped and the result says which. On an interruption of this
-        process the job gets SIGTERM, then SIGKILL, and the interruption propagates."""
+        process the job gets SIGTERM, `grace_s` to save its state, then SIGKILL, and the
+        interruption propagates."""
 
     def teardown(self, cluster: Cluster) -> TeardownReport:
         """Release everything `cluster` holds. Idempotent: never raises on "already gone"."""

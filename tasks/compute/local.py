@@ -30,7 +30,7 @@ from tasks.errors import CapacityError, InvalidSpec, ProvisionError
 from tasks.spec import JobSpec
 from tasks.units import format_bytes
 
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 30.0
 
 
 def gpuflow_home() -> Path:
@@ -232,6 +232,7 @@ class LocalBackend:
         timeout_s: float,
         on_line: LineSink,
         should_stop: StopCheck | None = None,
+        grace_s: float = STOP_GRACE_S,
     ) -> JobResult:
         """Run `command` in its own process group; stop it (SIGTERM, then SIGKILL) after
         `timeout_s` or when `should_stop()` is true, and say so; on interruption of this
@@ -279,17 +280,17 @@ class LocalBackend:
             while proc.poll() is None:
                 if time.monotonic() >= deadline:
                     timed_out = True
-                    _stop_group(proc.pid, None)
+                    _stop_group(proc.pid, None, grace_s)
                     break
                 if should_stop is not None and should_stop():
                     cancelled = True
-                    _stop_group(proc.pid, None)
+                    _stop_group(proc.pid, None, grace_s)
                     break
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=0.1)
         except BaseException:
             # Cancellation, Ctrl-C, SIGTERM from a worker: the job gets SIGTERM to save state.
-            _stop_group(proc.pid, None)
+            _stop_group(proc.pid, None, grace_s)
             raise
         proc.wait()
         for thread in pumps:
@@ -346,8 +347,8 @@ class LocalBackend:
         return found
 
 
-def _stop_group(pgid: int, started: float | None) -> int:
-    """SIGTERM the process group, wait up to STOP_GRACE_S, then SIGKILL; return how many died.
+def _stop_group(pgid: int, started: float | None, grace_s: float = STOP_GRACE_S) -> int:
+    """SIGTERM the process group, wait up to `grace_s`, then SIGKILL; return how many died.
 
     Polls instead of waiting on the processes so that the caller can still reap its own
     child and read its exit status.
@@ -357,7 +358,7 @@ def _stop_group(pgid: int, started: float | None) -> int:
         return 0  # the pid was reused by something else: not ours to kill
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
+    deadline = time.monotonic() + grace_s
     while _running(members) and time.monotonic() < deadline:
         time.sleep(0.05)
     if _running(members):

@@ -24,4 +24,37 @@ def command_for(spec: JobSpec) -> list[str]:
             "--seconds",
             str(job.seconds),
         ]
+    if job.kind == "train":
+        return [
+            sys.executable,
+            "-m",
+            "tasks.training.launch",
+            "--job-json",
+            job.model_dump_json(),
+            "--run-name",
+            spec.name,
+        ]
     raise ValueError(f"no command for job kind {job.kind!r}")
+
+
+def s3_settings(spec: JobSpec):
+    """Return the S3 settings for the spec: its AwsCredentials block, else AWS_* variables."""
+    from tasks.storage import S3Settings
+
+    name = spec.storage.aws_credentials
+    return S3Settings.from_block(name) if name else S3Settings.from_env()
+
+
+def check_job(spec: JobSpec) -> None:
+    """Raise InvalidSpec when the job itself (not the host) cannot run as written."""
+    if spec.job.kind == "train":
+        from tasks.storage import StorageError
+        from tasks.training.validate import check_train
+
+        try:
+            settings = s3_settings(spec)
+        except StorageError as exc:
+            from tasks.errors import InvalidSpec
+
+            raise InvalidSpec(str(exc)) from None
+        check_train(spec, settings)

@@ -213,6 +213,8 @@ class Trainer:
     def train(self, urls: list[str], eval_urls: list[str] | None) -> int:
         job = self.job
         self._resume()
+        self.started = time.perf_counter()
+        self.first_step = self.step
         stream = self._stream(urls)
         metrics_log = (self.outputs / "train_metrics.jsonl").open("a") if self.rank == 0 else None
         last_ckpt = time.monotonic()
@@ -431,8 +433,24 @@ class Trainer:
         }
         manifest_url = join(base, "manifest.json")
         self.out_store.write_bytes(manifest_url, json.dumps(manifest, indent=2).encode())
+        seconds = time.perf_counter() - self.started
+        steps_here = self.step - self.first_step
+        samples_per_s = (
+            steps_here * self.job.batch_size * self.job.grad_accum * self.world / max(seconds, 1e-9)
+        )
         result = {
             "steps": self.step,
+            "steps_this_attempt": steps_here,
+            "samples_per_s": round(samples_per_s, 2),
+            "images_per_s" if self.job.task == "classify" else "tokens_per_s": round(
+                samples_per_s
+                * (
+                    1
+                    if self.job.task == "classify"
+                    else int(self.job.model_args.get("seq_len", 128))
+                ),
+                2,
+            ),
             "samples_seen": self.samples_seen,
             "skipped_samples": int(skipped.item()),
             "world_size": self.world,
