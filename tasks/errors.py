@@ -5,6 +5,9 @@ from __future__ import annotations
 # A job that saved its state and exited because it was told to stop (SIGTERM,
 # spot notice) exits with this code; the pipeline retries it instead of failing.
 PREEMPTED_EXIT_CODE = 75
+# A job that fails may explain why in one sentence in $GPUFLOW_OUTPUT_DIR/error.txt;
+# the pipeline shows that instead of the last lines of the log.
+ERROR_FILE = "error.txt"
 
 
 class GpuflowError(Exception):

@@ -127,7 +127,9 @@ class TrainJob(_Model):
     on_corrupt: Literal["skip", "fail"] = "skip"
     seed: int = 0
     log_every: int = Field(10, ge=1)
-    log_sample_keys: bool = Field(False, description="Write the keys each rank saw to outputs/.")
+    log_sample_keys: bool = Field(
+        False, description="Write each rank's (epoch, sample key) pairs to outputs/keys-rankN.txt."
+    )
     checkpoint: CheckpointSettings = CheckpointSettings()
     torch: bool = True
 

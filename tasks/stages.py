@@ -24,6 +24,7 @@ from tasks import secrets
 from tasks.compute import Cluster, JobResult, TeardownReport, get_backend
 from tasks.compute.base import RUN_LABEL
 from tasks.errors import (
+    ERROR_FILE,
     PREEMPTED_EXIT_CODE,
     CollectError,
     JobCancelled,
@@ -179,9 +180,15 @@ def run(
         raise PreemptedError(
             f"the job was interrupted and saved its state (exit {PREEMPTED_EXIT_CODE}); retrying resumes it"
         )
+    error_file = Path(cluster.workspace) / "outputs" / ERROR_FILE
+    reason = (
+        redact(error_file.read_text(errors="replace").strip()[:2000])
+        if error_file.is_file()
+        else None
+    )
     return RunOutcome(
         result=result,
-        failure=_failure(result, timeout, stopped_by),
+        failure=_failure(result, timeout, stopped_by, reason),
         stopped_by=stopped_by if result.timed_out else None,
     )
 
@@ -196,7 +203,7 @@ def _priced(spec: JobSpec, cluster: Cluster) -> dict[str, Any]:
     }
 
 
-def _failure(result: JobResult, timeout: float, stopped_by: str) -> str | None:
+def _failure(result: JobResult, timeout: float, stopped_by: str, reason: str | None) -> str | None:
     if result.timed_out:
         return (
             f"the job ran past limits.{stopped_by} ({timeout:.0f} s) and was stopped;"
@@ -205,6 +212,8 @@ def _failure(result: JobResult, timeout: float, stopped_by: str) -> str | None:
     if result.signal is not None:
         hint = " (SIGKILL often means the out-of-memory killer)" if result.signal == 9 else ""
         return f"the job was killed by signal {result.signal}{hint}; see the last lines of its log."
+    if result.exit_code and reason:
+        return f"the job failed (exit {result.exit_code}): {reason}"
     if result.exit_code:
         last = " | ".join(result.log_tail[-3:])
         return f"the job exited with code {result.exit_code}; last lines: {last}"

@@ -80,3 +80,101 @@ def subprocess_env(api_url: str, home: Path, fake_gpus: int | None = None) -> di
         env["PYTHONPATH"] = os.pathsep.join([str(FAKES), env.get("PYTHONPATH", "")])
         env["FAKE_NVML_GPUS"] = str(fake_gpus)
     return env
+
+
+class S3Server:
+    """A moto S3 server on loopback that checks credentials, with one user and one bucket."""
+
+    def __init__(self, endpoint: str, key_id: str, secret: str, bucket: str) -> None:
+        self.endpoint, self.key_id, self.secret, self.bucket = endpoint, key_id, secret, bucket
+
+    def settings(self, secret: str | None = None):
+        from pydantic import SecretStr
+
+        from tasks.storage import S3Settings
+
+        return S3Settings(
+            endpoint_url=self.endpoint,
+            region="us-east-1",
+            access_key_id=self.key_id,
+            secret_access_key=SecretStr(secret or self.secret),
+        )
+
+    def url(self, *parts: str) -> str:
+        return "/".join([f"s3://{self.bucket}", *parts])
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory) -> Iterator[S3Server]:
+    """moto's server mode as a separate process on 127.0.0.1, stopped by PID."""
+    import json
+    import shutil
+    import signal
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    import boto3
+
+    binary = shutil.which("moto_server", path=str(Path(sys.executable).parent)) or shutil.which(
+        "moto_server"
+    )
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="3")  # the three IAM calls below
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    proc = subprocess.Popen(
+        [binary, "-H", "127.0.0.1", "-p", str(port)],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.05)
+    boot = {
+        "endpoint_url": endpoint,
+        "region_name": "us-east-1",
+        "aws_access_key_id": "boot",
+        "aws_secret_access_key": "boot",
+    }
+    iam = boto3.client("iam", **boot)
+    iam.create_user(UserName="gpuflow")
+    policy = {
+        "Version": "2012-10-17",
+        "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}],
+    }
+    iam.put_user_policy(UserName="gpuflow", PolicyName="all", PolicyDocument=json.dumps(policy))
+    key = iam.create_access_key(UserName="gpuflow")["AccessKey"]
+    server = S3Server(endpoint, key["AccessKeyId"], key["SecretAccessKey"], "gpuflow-test")
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=server.key_id,
+        aws_secret_access_key=server.secret,
+    ).create_bucket(Bucket=server.bucket)
+    yield server
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def aws_block(s3_server, prefect_api) -> str:
+    """A prefect-aws AwsCredentials block pointing at the test S3 server."""
+    from prefect_aws import AwsCredentials
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    AwsCredentials(
+        aws_access_key_id=s3_server.key_id,
+        aws_secret_access_key=s3_server.secret,
+        region_name="us-east-1",
+        aws_client_parameters=AwsClientParameters(endpoint_url=s3_server.endpoint),
+    ).save("gpuflow-test-s3", overwrite=True)
+    return "gpuflow-test-s3"

@@ -83,12 +83,15 @@ def latest_valid(store: Store, prefix: str) -> tuple[int, dict[str, bytes]] | No
 
 
 def prune(store: Store, prefix: str, keep: int) -> list[int]:
-    """Delete all but the newest `keep` valid checkpoints (manifest first); return the steps removed."""
-    valid = [
-        s for s in steps(store, prefix) if store.exists(join(step_prefix(prefix, s), MANIFEST))
-    ]
+    """Delete every checkpoint older than the newest `keep` valid ones, half-written ones
+    included (manifest first, so none is ever seen half-deleted); return the steps removed."""
+    every = steps(store, prefix)
+    valid = [s for s in every if store.exists(join(step_prefix(prefix, s), MANIFEST))]
+    if len(valid) <= keep:
+        return []
+    oldest_kept = valid[keep - 1]
     removed = []
-    for step in valid[keep:]:
+    for step in (s for s in every if s < oldest_kept):
         base = step_prefix(prefix, step)
         store.delete(join(base, MANIFEST))
         for info in store.list(base):

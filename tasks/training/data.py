@@ -139,6 +139,8 @@ def _batched(batch_size: int, collate: Callable[[list[Any]], Any], skipped: list
                 yield {"keys": keys, "inputs": collate(items), "skipped": skipped[0] - reported}
                 reported = skipped[0]
                 keys, items = [], []
+        if items:  # the epoch's last, smaller batch: every sample is trained on once per epoch
+            yield {"keys": keys, "inputs": collate(items), "skipped": skipped[0] - reported}
 
     return stage
 

@@ -7,6 +7,7 @@ SIGTERM finishes its step, checkpoints and exits with the "preempted" code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from tasks.errors import PREEMPTED_EXIT_CODE
+from tasks.errors import ERROR_FILE, PREEMPTED_EXIT_CODE, GpuflowError
 from tasks.spec import TrainJob
 from tasks.storage import join, store_for
 from tasks.training import checkpoint as ckpt
@@ -215,6 +216,7 @@ class Trainer:
         self._resume()
         self.started = time.perf_counter()
         self.first_step = self.step
+        self.first_samples = self.samples_seen
         stream = self._stream(urls)
         metrics_log = (self.outputs / "train_metrics.jsonl").open("a") if self.rank == 0 else None
         last_ckpt = time.monotonic()
@@ -228,7 +230,8 @@ class Trainer:
                 batch = next(stream)
                 self.skipped += batch["skipped"]
                 if self.keys_file:
-                    self.keys_file.write("\n".join(batch["keys"]) + "\n")
+                    self.keys_file.write("".join(f"{self.epoch}\t{key}\n" for key in batch["keys"]))
+                    self.keys_file.flush()
                 sync = micro == job.grad_accum - 1 or job.strategy == "fsdp"
                 context = self.model.no_sync() if not sync else _null()
                 with context:
@@ -242,7 +245,7 @@ class Trainer:
             self.scheduler.step()
             self.step += 1
             window_samples += step_samples
-            self.samples_seen += step_samples * self.world
+            self.samples_seen += step_samples
             if self.step % job.log_every == 0 or self.step == job.max_steps:
                 elapsed = time.perf_counter() - window_start
                 record = {
@@ -323,6 +326,7 @@ class Trainer:
             "rng": _rng_state(),
             "epoch": self.epoch,
             "batches_in_epoch": self.batches_in_epoch,
+            "samples_seen": self.samples_seen,
         }
         mine = ckpt.write_file(
             self.out_store,
@@ -340,7 +344,6 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(),
                 "step": self.step,
-                "samples_seen": self.samples_seen,
             }
             files["model.pt"] = ckpt.write_file(
                 self.out_store, self.ckpt_prefix, self.step, "model.pt", ckpt.to_bytes(model_state)
@@ -405,7 +408,7 @@ class Trainer:
         self.scheduler.load_state_dict(trainer_state["scheduler"])
         self.scaler.load_state_dict(trainer_state["scaler"])
         self.step = trainer_state["step"]
-        self.samples_seen = trainer_state["samples_seen"]
+        self.samples_seen = rank_state["samples_seen"]
         self.epoch = rank_state["epoch"]
         self.batches_in_epoch = rank_state["batches_in_epoch"]
         _set_rng_state(rank_state["rng"])
@@ -415,8 +418,13 @@ class Trainer:
     def finish(self) -> None:
         """Copy the final weights to models/ with a manifest; write result.json."""
         model_state, _ = self._full_state()
-        skipped = torch.tensor([self.skipped], device=self.device)
-        dist.all_reduce(skipped)
+        counts = torch.tensor(
+            [self.skipped, self.samples_seen, self.samples_seen - self.first_samples],
+            device=self.device,
+            dtype=torch.float64,
+        )
+        dist.all_reduce(counts)
+        skipped, samples_seen, samples_here = (int(v) for v in counts.tolist())
         if self.rank != 0:
             return
         data = ckpt.to_bytes(model_state)
@@ -429,15 +437,13 @@ class Trainer:
             "task": self.job.task,
             "dataset": self.job.dataset,
             "files": {"model.pt": weights.sha256 or sha256(data)},
-            "samples_seen": self.samples_seen,
+            "samples_seen": samples_seen,
         }
         manifest_url = join(base, "manifest.json")
         self.out_store.write_bytes(manifest_url, json.dumps(manifest, indent=2).encode())
         seconds = time.perf_counter() - self.started
         steps_here = self.step - self.first_step
-        samples_per_s = (
-            steps_here * self.job.batch_size * self.job.grad_accum * self.world / max(seconds, 1e-9)
-        )
+        samples_per_s = samples_here / max(seconds, 1e-9)
         result = {
             "steps": self.step,
             "steps_this_attempt": steps_here,
@@ -451,8 +457,8 @@ class Trainer:
                 ),
                 2,
             ),
-            "samples_seen": self.samples_seen,
-            "skipped_samples": int(skipped.item()),
+            "samples_seen": samples_seen,
+            "skipped_samples": skipped,
             "world_size": self.world,
             "device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
             "weights": weights.url,
@@ -485,20 +491,32 @@ def main() -> int:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
     try:
-        store = store_for(job.dataset)
-        index = wdata.load_index(job.dataset, store)
-        urls = index.urls(job.dataset)
-        eval_urls = (
-            wdata.load_index(
-                job.eval_dataset, store_for(job.eval_dataset), "train.eval_dataset"
-            ).urls(job.eval_dataset)
-            if job.eval_dataset
-            else None
-        )
-        code = Trainer(job, run_name).train(urls, eval_urls)
+        return _train(job, run_name)
+    except Exception as exc:
+        # One sentence for the pipeline to show instead of torchrun's summary.
+        # A loader worker's exception arrives with the worker's traceback in its text.
+        last = next((line for line in reversed(str(exc).splitlines()) if line.strip()), "")
+        last = last.removeprefix(f"{type(exc).__name__}: ")
+        reason = last if isinstance(exc, GpuflowError) else f"{type(exc).__name__}: {last}"
+        error = Path(os.environ.get("GPUFLOW_OUTPUT_DIR", "outputs")) / ERROR_FILE
+        error.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError), error.open("x") as handle:
+            handle.write(f"rank {dist.get_rank() if dist.is_initialized() else '?'}: {reason}")
+        raise
     finally:
-        dist.destroy_process_group()
-    return code
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(job: TrainJob, run_name: str) -> int:
+    index = wdata.load_index(job.dataset, store_for(job.dataset))
+    eval_urls = None
+    if job.eval_dataset:
+        eval_index = wdata.load_index(
+            job.eval_dataset, store_for(job.eval_dataset), "train.eval_dataset"
+        )
+        eval_urls = eval_index.urls(job.eval_dataset)
+    return Trainer(job, run_name).train(index.urls(job.dataset), eval_urls)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,269 @@
+"""Training end to end: data in a real S3-compatible server, torchrun ranks on the CPU,
+checkpoints that survive SIGTERM, and bad inputs refused before anything is provisioned."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flows.datasets import prepare_dataset
+from flows.train import train
+from tasks.errors import InvalidSpec, JobFailed
+from tasks.spec import load_spec
+from tasks.storage import FileStore, S3Store
+from tests.e2e.helpers import logs_of, nothing_left, task_runs_of
+
+pytestmark = pytest.mark.e2e
+SAMPLES = 256
+
+
+@pytest.fixture(scope="module")
+def s3_dataset(s3_server, prefect_api) -> str:
+    """256 synthetic images in 32 shards on the S3 server, packed by the prepare_dataset flow."""
+    from prefect_aws import AwsCredentials
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    AwsCredentials(
+        aws_access_key_id=s3_server.key_id,
+        aws_secret_access_key=s3_server.secret,
+        region_name="us-east-1",
+        aws_client_parameters=AwsClientParameters(endpoint_url=s3_server.endpoint),
+    ).save("gpuflow-test-s3", overwrite=True)
+    url = s3_server.url("datasets/cnn")
+    result = prepare_dataset(
+        f"synthetic:classify?samples={SAMPLES}", url, "40KB", "gpuflow-test-s3"
+    )
+    assert result.shards == 32 and result.samples == SAMPLES
+    return url
+
+
+def train_spec(dataset: str, output: str, **job) -> dict:
+    base = {
+        "kind": "train",
+        "dataset": dataset,
+        "output": output,
+        "batch_size": 16,
+        "num_workers": 1,
+        "cpu_processes": 2,
+        "log_every": 1,
+        "shuffle_buffer": 32,
+        "checkpoint": {"every_steps": 5},
+    }
+    return {
+        "name": "cnn",
+        "job": base | job,
+        "storage": {"aws_credentials": "gpuflow-test-s3"},
+        "retry": {"run": {"retries": 2, "delay_s": 0.01}},
+    }
+
+
+def run(raw: dict):
+    state = train(load_spec(raw), return_state=True)
+    return state, state.state_details.flow_run_id
+
+
+def test_prepare_dataset_rerun_writes_nothing(s3_dataset, aws_block):
+    again = prepare_dataset(f"synthetic:classify?samples={SAMPLES}", s3_dataset, "40KB", aws_block)
+    assert again.written == 0 and again.skipped == 32
+
+
+def _epoch_keys(path: Path, epoch: int) -> list[str]:
+    pairs = [line.split("\t") for line in path.read_text().splitlines()]
+    return [key for e, key in pairs if int(e) == epoch]
+
+
+def test_two_rank_ddp_sees_each_sample_once(s3_dataset, s3_server, gpuflow_home, aws_block):
+    # 12 steps x 16 samples per rank: past the end of the first epoch on both ranks
+    raw = train_spec(s3_dataset, s3_server.url("runs/ddp"), max_steps=12, log_sample_keys=True)
+    state, _ = run(raw)
+    assert state.is_completed(), state.message
+    result = state.result()
+    outputs = Path(result.artifacts_dir) / "outputs"
+    rank0 = _epoch_keys(outputs / "keys-rank0.txt", 0)
+    rank1 = _epoch_keys(outputs / "keys-rank1.txt", 0)
+    assert len(set(rank0)) == len(rank0) and len(set(rank1)) == len(rank1)  # once per rank
+    assert not set(rank0) & set(rank1)  # disjoint across ranks
+    assert len(rank0) + len(rank1) == SAMPLES  # and together the whole epoch
+    assert _epoch_keys(outputs / "keys-rank0.txt", 1)  # training went on into epoch 1
+    job = result.metrics.job
+    lines = sum(len((outputs / f"keys-rank{r}.txt").read_text().splitlines()) for r in (0, 1))
+    assert job["world_size"] == 2 and job["steps"] == 12 and job["samples_seen"] == lines
+    store = S3Store(s3_server.settings())
+    manifest = json.loads(store.read_bytes(job["weights_manifest"]))
+    assert manifest["step"] == 12 and manifest["files"]["model.pt"] == store.checksum(
+        job["weights"]
+    )
+    assert (Path(result.artifacts_dir) / "training.png").is_file()
+    assert nothing_left(gpuflow_home)
+
+
+def _weights(store: S3Store, url: str) -> dict[str, torch.Tensor]:
+    return torch.load(io.BytesIO(store.read_bytes(url)), weights_only=True)
+
+
+def test_resume_after_sigterm_is_exact(s3_dataset, s3_server, gpuflow_home, aws_block, tmp_path):
+    """40 steps straight vs 40 steps with a SIGTERM (a spot reclaim) part-way: same weights, bitwise."""
+    store = S3Store(s3_server.settings())
+    straight, _ = run(train_spec(s3_dataset, s3_server.url("runs/straight"), max_steps=40))
+    assert straight.is_completed(), straight.message
+
+    stopped_at: list[int] = []
+
+    def reclaim() -> None:
+        records = gpuflow_home / "local" / "clusters"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not stopped_at:
+            for record in records.glob("*.json") if records.is_dir() else []:
+                data = json.loads(record.read_text())
+                metrics = Path(data["cluster"]["workspace"]) / "outputs" / "train_metrics.jsonl"
+                lines = metrics.read_text().splitlines() if metrics.is_file() else []
+                if "job" in data and len(lines) >= 12:
+                    stopped_at.append(json.loads(lines[-1])["step"])
+                    os.killpg(data["job"]["pgid"], signal.SIGTERM)
+                    return
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=reclaim, daemon=True)
+    watcher.start()
+    resumed, _ = run(train_spec(s3_dataset, s3_server.url("runs/resumed"), max_steps=40))
+    watcher.join(timeout=5)
+    assert resumed.is_completed(), resumed.message
+    run_id = resumed.result().flow_run_id  # the gpu_pipeline subflow that ran the stages
+    assert stopped_at and 12 <= stopped_at[0] < 40
+    run_task = next(t for t in task_runs_of(run_id) if t.name.startswith("run"))
+    assert run_task.run_count == 2  # preempted once, retried, resumed
+    logs = "\n".join(logs_of(run_id))
+    assert "preempted at step" in logs and "resumed from checkpoint step" in logs
+    a = _weights(store, straight.result().metrics.job["weights"])
+    b = _weights(store, resumed.result().metrics.job["weights"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _corrupt_dataset(tmp_path: Path) -> str:
+    from tasks.training.prepare import prepare
+
+    url = f"file://{tmp_path}/corrupt"
+    prepare("synthetic:classify?samples=64", url, 20_000, FileStore())
+    shard = tmp_path / "corrupt" / "shard-000001.tar"
+    members, bad = [], None
+    with tarfile.open(shard) as tar:
+        for member in tar.getmembers():
+            data = tar.extractfile(member).read()
+            if member.name.endswith(".png") and bad is None:
+                data = b"this is not a png"
+                key = member.name.split(".")[0]
+                first = next(m for m, _ in members if m.name.startswith(key + "."))
+                bad = (key, first.offset)  # a sample is reported where it starts in the shard
+            members.append((member, data))
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for member, data in members:
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    return url, bad
+
+
+def test_corrupt_sample_skip_or_fail(tmp_path, prefect_api, gpuflow_home):
+    url, (key, offset) = _corrupt_dataset(tmp_path)
+    base = {
+        "cpu_processes": 1,
+        "num_workers": 0,
+        "max_steps": 4,
+        "batch_size": 8,
+        "shuffle_buffer": 0,
+    }
+    raw = train_spec(url, f"file://{tmp_path}/out-skip", **base) | {"storage": {}}
+    skipped, _ = run(raw)
+    assert skipped.is_completed(), skipped.message
+    assert skipped.result().metrics.job["skipped_samples"] == 1
+    raw = train_spec(url, f"file://{tmp_path}/out-fail", **base, on_corrupt="fail") | {
+        "storage": {}
+    }
+    failed, _ = run(raw)
+    message = str(failed.result(raise_on_failure=False))
+    assert isinstance(failed.result(raise_on_failure=False), JobFailed)
+    assert f"sample {key} in {url}/shard-000001.tar at byte {offset} is corrupt" in message
+    assert "train.on_corrupt: skip" in message
+    assert nothing_left(gpuflow_home)
+
+
+def _bad(tmp_path: Path, s3_server) -> dict:
+    from tasks.training.prepare import prepare
+
+    store = FileStore()
+    good = f"file://{tmp_path}/good"
+    prepare("synthetic:classify?samples=32", good, 20_000, store)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "index.json").write_text(json.dumps({"shards": [], "samples": 0, "source": "x"}))
+    notar = tmp_path / "notar"
+    prepare("synthetic:classify?samples=32", f"file://{notar}", 20_000, store)
+    (notar / "shard-000000.tar").write_bytes(b"<html>not a tar</html>" * 100)
+    out = f"file://{tmp_path}/out"
+    local = {"storage": {}}
+    return {
+        "dataset missing": (
+            train_spec(f"file://{tmp_path}/nothing", out) | local,
+            "has no index.json",
+        ),
+        "empty dataset": (train_spec(f"file://{empty}", out) | local, "is empty"),
+        "shard not a tar": (
+            train_spec(f"file://{notar}", out) | local,
+            "shard-000000.tar is not a tar file",
+        ),
+        "model does not import": (
+            train_spec(good, out, model="no_such_module:make") | local,
+            "module 'no_such_module' does not import",
+        ),
+        "factory gives no module": (
+            train_spec(good, out, model="os.path:join", model_args={}) | local,
+            "failed",
+        ),
+        "not a module": (
+            train_spec(good, out, model="builtins:dict") | local,
+            "returned dict, not a torch.nn.Module",
+        ),
+        "fsdp on cpu": (
+            train_spec(good, out, strategy="fsdp", cpu_processes=1) | local,
+            "fsdp shards the model across GPUs",
+        ),
+        "too few shards": (train_spec(good, out, num_workers=16) | local, "need at least 32"),
+        "credentials refused": (
+            train_spec(s3_server.url("datasets/cnn"), s3_server.url("runs/x"))
+            | {"storage": {"aws_credentials": "gpuflow-bad-s3"}},
+            "refused the credentials",
+        ),
+    }
+
+
+def test_bad_inputs_are_refused_before_provisioning(
+    tmp_path, s3_server, prefect_api, gpuflow_home, s3_dataset
+):
+    from prefect_aws import AwsCredentials
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    AwsCredentials(
+        aws_access_key_id=s3_server.key_id,
+        aws_secret_access_key="definitely-wrong-secret",
+        aws_client_parameters=AwsClientParameters(endpoint_url=s3_server.endpoint),
+    ).save("gpuflow-bad-s3", overwrite=True)
+    for case, (raw, expected) in _bad(tmp_path, s3_server).items():
+        state, _ = run(raw)
+        error = state.result(raise_on_failure=False)
+        assert isinstance(error, InvalidSpec), (case, error)
+        assert expected in str(error), (case, str(error))
+        assert "definitely-wrong-secret" not in str(error)
+        assert nothing_left(gpuflow_home), case
+
+
+def test_batch_size_zero_is_refused():
+    with pytest.raises(InvalidSpec, match=r"job\.batch_size must be at least 1"):
+        load_spec(train_spec("file:///d", "file:///o", batch_size=0))

@@ -1,0 +1,96 @@
+"""Shards, prepare and checkpoints: deterministic packing, skipping, validity."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+
+import pytest
+
+from tasks.errors import InvalidSpec
+from tasks.storage import FileStore
+from tasks.training import checkpoint as ckpt
+from tasks.training.prepare import prepare
+from tasks.training.shards import folder_samples, pack, synthetic_samples
+
+
+def test_packing_is_deterministic_and_sized():
+    samples = list(synthetic_samples("classify", 50, seed=3))
+    first = list(pack(samples, 20_000))
+    second = list(pack(samples, 20_000))
+    assert [data for data, _ in first] == [data for data, _ in second]
+    assert sum(len(keys) for _, keys in first) == 50 and len(first) > 2
+    with tarfile.open(fileobj=io.BytesIO(first[0][0])) as tar:
+        names = tar.getnames()
+    assert names[:3] == ["00000000.cls", "00000000.json", "00000000.png"]
+
+
+def test_folder_groups_files_by_basename(tmp_path):
+    (tmp_path / "cat.jpg").write_bytes(b"j")
+    (tmp_path / "cat.txt").write_bytes(b"a cat")
+    (tmp_path / "dog.jpg").write_bytes(b"d")
+    (tmp_path / "README").write_bytes(b"no extension: not a sample file")
+    samples = list(folder_samples(tmp_path))
+    assert [s["__key__"] for s in samples] == ["cat", "dog"]
+    assert samples[0]["txt"] == b"a cat" and set(samples[1]) == {"__key__", "jpg"}
+
+
+def test_prepare_skips_identical_shards_and_removes_stale_ones(tmp_path):
+    store, out = FileStore(), f"file://{tmp_path}/ds"
+    first = prepare("synthetic:classify?samples=120", out, 20_000, store)
+    assert first.written == first.shards > 3 and first.skipped == 0
+    again = prepare("synthetic:classify?samples=120", out, 20_000, store)
+    assert again.written == 0 and again.skipped == first.shards
+    smaller = prepare("synthetic:classify?samples=40", out, 20_000, store)
+    assert smaller.removed == first.shards - smaller.shards
+    index = json.loads((tmp_path / "ds" / "index.json").read_text())
+    assert index["samples"] == 40 and len(index["shards"]) == smaller.shards
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("synthetic:pictures", "is not a synthetic data set"),
+        ("synthetic:classify?samples=0", "samples must be at least 1"),
+        ("/no/such/folder", "is not a folder"),
+    ],
+)
+def test_prepare_bad_sources(source, message, tmp_path):
+    with pytest.raises(InvalidSpec, match=message):
+        prepare(source, f"file://{tmp_path}/ds", 20_000, FileStore())
+
+
+def test_prepare_empty_folder(tmp_path):
+    (tmp_path / "src").mkdir()
+    with pytest.raises(InvalidSpec, match="it is empty"):
+        prepare(str(tmp_path / "src"), f"file://{tmp_path}/ds", 20_000, FileStore())
+
+
+def _checkpoint(store, prefix, step, manifest=True, corrupt=False):
+    files = {
+        name: ckpt.write_file(store, prefix, step, name, f"{name}@{step}".encode())
+        for name in ("model.pt", "rank-0.pt")
+    }
+    if corrupt:
+        store.write_bytes(f"{ckpt.step_prefix(prefix, step)}/model.pt", b"bit rot")
+    if manifest:
+        ckpt.write_manifest(store, prefix, step, files, {"world_size": 1})
+
+
+def test_half_written_or_damaged_checkpoints_are_never_chosen(tmp_path):
+    store, prefix = FileStore(), f"file://{tmp_path}/ckpt"
+    _checkpoint(store, prefix, 10)
+    _checkpoint(store, prefix, 20, corrupt=True)  # manifest, but a file does not match it
+    _checkpoint(store, prefix, 30, manifest=False)  # died before the manifest
+    step, files = ckpt.latest_valid(store, prefix)
+    assert step == 10 and files["model.pt"] == b"model.pt@10"
+    assert ckpt.steps(store, prefix) == [30, 20, 10]
+
+
+def test_prune_keeps_the_newest_valid(tmp_path):
+    store, prefix = FileStore(), f"file://{tmp_path}/ckpt"
+    for step in (10, 20, 30, 40):
+        _checkpoint(store, prefix, step, manifest=step != 20)
+    assert ckpt.prune(store, prefix, keep=2) == [20, 10]
+    assert ckpt.steps(store, prefix) == [40, 30]
