@@ -26,8 +26,12 @@ BAD = [
         "limits.max_duration: 'soon' is not a duration",
     ),
     (
+        {"job": {"kind": "bake"}},
+        "job.kind: 'bake' is not a job kind; use one of: command, matmul, train",
+    ),
+    (
         {"job": {"kind": "train"}},
-        "job.kind: 'train' is not a job kind; use one of: command, matmul",
+        "job.dataset is required; add it. job.output is required; add it.",
     ),
     ({"job": {"command": ["x"]}}, "job.kind is required"),
     ({"job": {"kind": "command"}}, "job.command is required"),
