@@ -94,3 +94,40 @@ def test_prune_keeps_the_newest_valid(tmp_path):
         _checkpoint(store, prefix, step, manifest=step != 20)
     assert ckpt.prune(store, prefix, keep=2) == [20, 10]
     assert ckpt.steps(store, prefix) == [40, 30]
+
+
+def test_tar_reader_matches_tarfile_and_reads_long_names():
+    from tasks.training.data import tar_members
+
+    data, _ = next(pack(list(synthetic_samples("classify", 12)), 10**9))
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        expected = [(m.name, m.offset, tar.extractfile(m).read()) for m in tar.getmembers()]
+    assert list(tar_members(io.BytesIO(data))) == expected
+    for fmt in (tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w", format=fmt) as tar:
+            for name in ["deep/" + "x" * 150 + ".txt", "k.cls"]:
+                info = tarfile.TarInfo(name)
+                info.size = 3
+                tar.addfile(info, io.BytesIO(b"abc"))
+        assert [n for n, _, _ in tar_members(io.BytesIO(buffer.getvalue()))] == [
+            "deep/" + "x" * 150 + ".txt",
+            "k.cls",
+        ]
+
+
+@pytest.mark.parametrize("policy", ["skip", "fail"])
+def test_truncated_shard_is_skipped_or_named(policy):
+    from tasks.training.data import DataError, tar_samples
+
+    data, keys = next(pack(list(synthetic_samples("classify", 12)), 10**9))
+    cut = io.BytesIO(data[: len(data) // 2])
+    skipped = [0]
+    if policy == "fail":
+        with pytest.raises(
+            DataError, match=r"shard s3://b/shard-000000.tar is corrupt after byte \d+"
+        ):
+            list(tar_samples("s3://b/shard-000000.tar", cut, policy, skipped))
+    else:
+        got = [s["__key__"] for s in tar_samples("s3://b/shard-000000.tar", cut, policy, skipped)]
+        assert got == keys[: len(got)] and 0 < len(got) < len(keys) and skipped[0] >= 1
