@@ -82,6 +82,44 @@ def subprocess_env(api_url: str, home: Path, fake_gpus: int | None = None) -> di
     return env
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_serving(url: str, seconds: float = 10.0) -> None:
+    """Return once `url` answers HTTP; fail the test if it never does."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                pytest.fail(f"{url} did not answer within {seconds:.0f} s")
+            time.sleep(0.05)
+
+
+def save_aws_block(server: S3Server, name: str, secret: str | None = None) -> str:
+    """Save a prefect-aws AwsCredentials block for the test S3 server; return its name."""
+    from prefect_aws import AwsCredentials
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    AwsCredentials(
+        aws_access_key_id=server.key_id,
+        aws_secret_access_key=secret or server.secret,
+        region_name="us-east-1",
+        aws_client_parameters=AwsClientParameters(endpoint_url=server.endpoint),
+    ).save(name, overwrite=True)
+    return name
+
+
 class S3Server:
     """A moto S3 server on loopback that checks credentials, with one user and one bucket."""
 
@@ -112,8 +150,6 @@ def s3_server(tmp_path_factory) -> Iterator[S3Server]:
     import signal
     import socket
     import subprocess
-    import time
-    import urllib.request
 
     import boto3
 
@@ -132,12 +168,7 @@ def s3_server(tmp_path_factory) -> Iterator[S3Server]:
         stderr=subprocess.STDOUT,
     )
     endpoint = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1)
-            break
-        except OSError:
-            time.sleep(0.05)
+    wait_until_serving(f"{endpoint}/moto-api/")
     boot = {
         "endpoint_url": endpoint,
         "region_name": "us-east-1",
@@ -168,13 +199,4 @@ def s3_server(tmp_path_factory) -> Iterator[S3Server]:
 @pytest.fixture
 def aws_block(s3_server, prefect_api) -> str:
     """A prefect-aws AwsCredentials block pointing at the test S3 server."""
-    from prefect_aws import AwsCredentials
-    from prefect_aws.client_parameters import AwsClientParameters
-
-    AwsCredentials(
-        aws_access_key_id=s3_server.key_id,
-        aws_secret_access_key=s3_server.secret,
-        region_name="us-east-1",
-        aws_client_parameters=AwsClientParameters(endpoint_url=s3_server.endpoint),
-    ).save("gpuflow-test-s3", overwrite=True)
-    return "gpuflow-test-s3"
+    return save_aws_block(s3_server, "gpuflow-test-s3")

@@ -5,10 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
@@ -16,14 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flows.pipeline import gpu_pipeline
 from tasks.spec import load_spec
+from tests.conftest import free_port, wait_until_serving
 
 pytestmark = pytest.mark.e2e
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
@@ -40,12 +33,7 @@ def pushgateway(tmp_path):
         stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            urllib.request.urlopen(f"{url}/-/ready", timeout=1)
-            break
-        except OSError:
-            time.sleep(0.1)
+    wait_until_serving(f"{url}/-/ready")
     yield url
     os.kill(proc.pid, signal.SIGTERM)
     proc.wait(timeout=10)

@@ -20,6 +20,7 @@ from flows.train import train
 from tasks.errors import InvalidSpec, JobFailed
 from tasks.spec import load_spec
 from tasks.storage import FileStore, S3Store
+from tests.conftest import save_aws_block
 from tests.e2e.helpers import logs_of, nothing_left, task_runs_of
 
 pytestmark = pytest.mark.e2e
@@ -29,15 +30,7 @@ SAMPLES = 256
 @pytest.fixture(scope="module")
 def s3_dataset(s3_server, prefect_api) -> str:
     """256 synthetic images in 32 shards on the S3 server, packed by the prepare_dataset flow."""
-    from prefect_aws import AwsCredentials
-    from prefect_aws.client_parameters import AwsClientParameters
-
-    AwsCredentials(
-        aws_access_key_id=s3_server.key_id,
-        aws_secret_access_key=s3_server.secret,
-        region_name="us-east-1",
-        aws_client_parameters=AwsClientParameters(endpoint_url=s3_server.endpoint),
-    ).save("gpuflow-test-s3", overwrite=True)
+    save_aws_block(s3_server, "gpuflow-test-s3")
     url = s3_server.url("datasets/cnn")
     result = prepare_dataset(
         f"synthetic:classify?samples={SAMPLES}", url, "40KB", "gpuflow-test-s3"
@@ -104,6 +97,10 @@ def test_two_rank_ddp_sees_each_sample_once(s3_dataset, s3_server, gpuflow_home,
     )
     assert (Path(result.artifacts_dir) / "training.png").is_file()
     assert nothing_left(gpuflow_home)
+    logs = "\n".join(logs_of(result.flow_run_id))
+    assert (
+        "step 12/12" in logs and s3_server.secret not in logs
+    )  # the S3 secret reached the ranks, not the log
 
 
 def _weights(store: S3Store, url: str) -> dict[str, torch.Tensor]:
@@ -247,14 +244,7 @@ def _bad(tmp_path: Path, s3_server) -> dict:
 def test_bad_inputs_are_refused_before_provisioning(
     tmp_path, s3_server, prefect_api, gpuflow_home, s3_dataset
 ):
-    from prefect_aws import AwsCredentials
-    from prefect_aws.client_parameters import AwsClientParameters
-
-    AwsCredentials(
-        aws_access_key_id=s3_server.key_id,
-        aws_secret_access_key="definitely-wrong-secret",
-        aws_client_parameters=AwsClientParameters(endpoint_url=s3_server.endpoint),
-    ).save("gpuflow-bad-s3", overwrite=True)
+    save_aws_block(s3_server, "gpuflow-bad-s3", secret="definitely-wrong-secret")
     for case, (raw, expected) in _bad(tmp_path, s3_server).items():
         state, _ = run(raw)
         error = state.result(raise_on_failure=False)
