@@ -9,7 +9,6 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlparse
@@ -23,6 +22,10 @@ CHUNK = 8 * 2**20
 
 class StorageError(GpuflowError):
     """A storage URL could not be read or written for a reason the user must fix."""
+
+
+class ObjectMissing(StorageError):
+    """The URL names nothing: no such object or file."""
 
 
 class ObjectInfo(BaseModel):
@@ -122,13 +125,13 @@ class FileStore:
         try:
             return self._path(url).read_bytes()
         except FileNotFoundError:
-            raise StorageError(f"{url} does not exist; check the URL.") from None
+            raise ObjectMissing(f"{url} does not exist; check the URL.") from None
 
     def open(self, url: str) -> IO[bytes]:
         try:
             return open(self._path(url), "rb")
         except FileNotFoundError:
-            raise StorageError(f"{url} does not exist; check the URL.") from None
+            raise ObjectMissing(f"{url} does not exist; check the URL.") from None
 
     def write_bytes(self, url: str, data: bytes) -> ObjectInfo:
         with tempfile.NamedTemporaryFile(delete=False) as tmp:
@@ -151,7 +154,7 @@ class FileStore:
         try:
             shutil.copyfile(self._path(url), path)
         except FileNotFoundError:
-            raise StorageError(f"{url} does not exist; check the URL.") from None
+            raise ObjectMissing(f"{url} does not exist; check the URL.") from None
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         root = self._path(prefix)
@@ -219,10 +222,8 @@ class S3Store:
         try:
             self._call(url, "head_object", Bucket=bucket, Key=key)
             return True
-        except StorageError as exc:
-            if "does not exist" in str(exc):
-                return False
-            raise
+        except ObjectMissing:
+            return False
 
     def read_bytes(self, url: str) -> bytes:
         with self.open(url) as body:
@@ -282,10 +283,8 @@ class S3Store:
         bucket, key = self._split(url)
         try:
             head = self._call(url, "head_object", Bucket=bucket, Key=key)
-        except StorageError as exc:
-            if "does not exist" in str(exc):
-                return None
-            raise
+        except ObjectMissing:
+            return None
         return head.get("Metadata", {}).get("sha256")
 
     def delete(self, url: str) -> None:
@@ -297,7 +296,7 @@ def _explain(url: str, exc: Any) -> GpuflowError:
     code = exc.response.get("Error", {}).get("Code", "")
     status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     if code in ("NoSuchKey", "404", "NotFound"):
-        return StorageError(f"{url} does not exist; check the URL.")
+        return ObjectMissing(f"{url} does not exist; check the URL.")
     if code == "NoSuchBucket":
         return StorageError(f"the bucket of {url} does not exist; create it or fix the URL.")
     if (
@@ -324,8 +323,3 @@ def store_for(url: str, s3: S3Settings | None = None) -> FileStore | S3Store:
     if scheme == "s3":
         return S3Store(s3)
     raise StorageError(f"{url!r} is not a storage URL; write file:///path or s3://bucket/prefix.")
-
-
-def iter_chunks(stream: IO[bytes]) -> Iterator[bytes]:
-    while block := stream.read(CHUNK):
-        yield block

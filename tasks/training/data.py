@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from tasks.errors import GpuflowError, InvalidSpec
-from tasks.storage import FileStore, S3Store, StorageError, join
+from tasks.storage import FileStore, ObjectMissing, S3Store, StorageError, join
 from tasks.training.shards import DatasetIndex
 
 Store = FileStore | S3Store
@@ -32,12 +32,12 @@ def load_index(prefix: str, store: Store, field: str = "train.dataset") -> Datas
     """Return the data set's index; InvalidSpec when it is missing, malformed or empty."""
     try:
         raw = store.read_bytes(join(prefix, "index.json"))
+    except ObjectMissing:
+        raise InvalidSpec(
+            f"{field}: {prefix} has no index.json, so it is not a gpuflow data set;"
+            " run prepare_dataset into it first or fix the URL."
+        ) from None
     except StorageError as exc:
-        if "does not exist" in str(exc):
-            raise InvalidSpec(
-                f"{field}: {prefix} has no index.json, so it is not a gpuflow data set;"
-                " run prepare_dataset into it first or fix the URL."
-            ) from None
         raise InvalidSpec(f"{field}: {exc}") from None
     try:
         index = DatasetIndex.model_validate_json(raw)

@@ -233,7 +233,7 @@ class Trainer:
                     self.keys_file.write("".join(f"{self.epoch}\t{key}\n" for key in batch["keys"]))
                     self.keys_file.flush()
                 sync = micro == job.grad_accum - 1 or job.strategy == "fsdp"
-                context = self.model.no_sync() if not sync else _null()
+                context = self.model.no_sync() if not sync else contextlib.nullcontext()
                 with context:
                     loss, tokens = self._loss(batch["inputs"])
                     self.scaler.scale(loss / job.grad_accum).backward()
@@ -474,14 +474,6 @@ def _ignore_sigterm(worker_id: int) -> None:
     # SIGTERM reaches the whole process group; the rank decides when to stop, and it
     # shuts its loader workers down itself.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def main() -> int:
