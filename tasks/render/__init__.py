@@ -1,0 +1,1 @@
+"""Rendering with Blender's command line: frame specs and chunks, argv, log parsing."""

@@ -1,0 +1,75 @@
+"""Blender argv: order, safety of odd paths, settings, output patterns."""
+
+from __future__ import annotations
+
+import pytest
+
+from tasks.render.argv import RenderSettings, output_pattern, render_argv, safe_path, settings_expr
+
+
+def test_order_blend_first_frames_last_device_after_dashes():
+    argv = render_argv(
+        "blender",
+        "scene.blend",
+        "/out/frame_####",
+        "1..4",
+        RenderSettings(engine="cycles", device="optix", file_format="exr", samples=16),
+    )
+    assert argv[:3] == ["blender", "-b", "scene.blend"]
+    assert (
+        argv.index("-E")
+        < argv.index("-o")
+        < argv.index("-F")
+        < argv.index("--python-expr")
+        < argv.index("-f")
+    )
+    assert argv[argv.index("-E") + 1] == "CYCLES" and argv[argv.index("-F") + 1] == "OPEN_EXR"
+    assert argv[-5:] == ["-f", "1..4", "--", "--cycles-device", "OPTIX"]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "my scene.blend",
+        'it\'s "quoted".blend',
+        "scène-ünïcode.blend",
+        "-starts-with-dash.blend",
+        "$(rm -rf ~).blend",
+    ],
+)
+def test_odd_paths_pass_as_one_argument(path):
+    argv = render_argv("blender", path, "/out/f_####", "1", RenderSettings())
+    assert argv[2] == safe_path(path)
+    assert argv[2].endswith(path) and not argv[2].startswith("-")
+    assert len(argv) == 7  # blender -b SCENE -o OUT -f 1: nothing split, nothing added
+
+
+def test_no_settings_no_expr():
+    assert settings_expr(RenderSettings()) is None
+    assert "--python-expr" not in render_argv("blender", "s.blend", "o_#", "1", RenderSettings())
+
+
+def test_settings_expr_sets_what_was_asked():
+    expr = settings_expr(
+        RenderSettings(
+            resolution_x=32, resolution_y=24, resolution_percentage=50, threads=2, denoise=False
+        )
+    )
+    assert "r.resolution_x = 32" in expr and "r.resolution_y = 24" in expr
+    assert "r.resolution_percentage = 50" in expr and "r.threads = 2" in expr
+    assert "s.cycles.use_denoising = False" in expr
+    compile(expr, "<python-expr>", "exec")
+
+
+@pytest.mark.parametrize(
+    ("pattern", "fixed", "noted"),
+    [
+        ("/out/frame_####", "/out/frame_####", False),
+        ("/out/render", "/out/render_####", True),
+        ("/out/", "/out/frame_####", True),
+        ("/a#b/render", "/a#b/render_####", True),  # a # in a folder name is not a placeholder
+    ],
+)
+def test_output_pattern(pattern, fixed, noted):
+    result, note = output_pattern(pattern)
+    assert result == fixed and (note is not None) == noted
