@@ -223,3 +223,14 @@ def test_unreachable_api_is_one_sentence(tmp_path, gpuflow_home):
     assert out.returncode == 1
     assert "could not run the pipeline against http://127.0.0.1:9/api" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_demo_runs_the_smoke_job(prefect_api, gpuflow_home):
+    """The README's first command ends in `gpuflow demo`."""
+    env = subprocess_env(prefect_api, gpuflow_home)
+    out = gpuflow(["demo"], env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "smoke: completed" in out.stdout and "TFLOP/s on" in out.stdout
+    artifacts = Path(out.stdout.split("artifacts: ")[1].split()[0])
+    assert (artifacts / "outputs" / "result.json").is_file()
+    assert nothing_left(gpuflow_home)
