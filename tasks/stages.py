@@ -135,11 +135,9 @@ def run(
     it was interrupted, return other failures in the outcome so collect still runs."""
     logger = get_run_logger()
     secret_values = secrets.resolve(spec.secret_env)
-    storage_env, storage_secrets = {}, []
-    if spec.storage.aws_credentials:
-        s3 = s3_settings(spec)
-        storage_env, storage_secrets = s3.child_env(), s3.secrets()
-    redact = secrets.Redactor([*secret_values.values(), *storage_secrets])
+    s3 = s3_settings(spec)  # the block's, else the AWS_* variables this process has
+    storage_env = s3.child_env() if spec.storage.aws_credentials else {}
+    redact = secrets.Redactor([*secret_values.values(), *s3.secrets()])
     env = {**os.environ, **storage_env, **spec.env, **secret_values}
     hourly = pricing.hourly_rate(prices, **_priced(spec, cluster))
     budget = pricing.budget_seconds(spec.limits.max_cost_usd, hourly)
