@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from tasks.compat import cuda_from_nvml
 from tasks.gpus import product_from_nvml_name
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def query(module: types.ModuleType | None = None) -> NvmlStatus:
         return NvmlStatus(
             available=True,
             driver_version=driver,
-            cuda_driver_version=f"{cuda // 1000}.{(cuda % 1000) // 10}",
+            cuda_driver_version=cuda_from_nvml(cuda),
             gpus=gpus,
             reason="" if gpus else "the NVIDIA driver is loaded but reports no GPUs",
         )
@@ -114,8 +115,3 @@ def query(module: types.ModuleType | None = None) -> NvmlStatus:
             nvml.nvmlShutdown()
         except Exception:
             logger.debug("nvmlShutdown failed", exc_info=True)
-
-
-def gpu_count(module: types.ModuleType | None = None) -> int:
-    """Return how many GPUs this process can use (0 when NVML is absent)."""
-    return len(query(module).gpus)

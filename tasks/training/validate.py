@@ -12,10 +12,13 @@ from tasks.storage import S3Settings, StorageError, join, store_for
 from tasks.training import data
 
 
-def ranks_for(spec: JobSpec, job: TrainJob) -> int:
-    """Return how many ranks the job will start on this host."""
-    gpus = len(nvml.query().gpus)
-    return min(spec.resources.gpus, gpus) if spec.resources.gpus and gpus else job.cpu_processes
+def ranks_for(spec: JobSpec, job: TrainJob, host_gpus: int) -> int:
+    """Return how many ranks the job will start on a host with `host_gpus` GPUs."""
+    return (
+        min(spec.resources.gpus, host_gpus)
+        if spec.resources.gpus and host_gpus
+        else job.cpu_processes
+    )
 
 
 def check_model(job: TrainJob) -> None:
@@ -63,8 +66,9 @@ def check_train(spec: JobSpec, s3: S3Settings | None) -> None:
     """Raise InvalidSpec when the train job cannot run as written; makes nothing but a probe."""
     job = spec.job
     assert isinstance(job, TrainJob)
-    ranks = ranks_for(spec, job)
-    if job.strategy == "fsdp" and not (spec.resources.gpus and nvml.query().gpus):
+    host_gpus = len(nvml.query().gpus)
+    ranks = ranks_for(spec, job, host_gpus)
+    if job.strategy == "fsdp" and not (spec.resources.gpus and host_gpus):
         raise InvalidSpec(
             "job.strategy: fsdp shards the model across GPUs and there is none here; use"
             " strategy: ddp on CPU, or ask for GPUs (resources.gpus) on a GPU host."
