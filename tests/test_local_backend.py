@@ -93,7 +93,12 @@ def test_teardown_kills_a_running_job_from_another_handle(backend, tmp_path):
     )
     thread.start()
     for _ in range(100):
-        if pidfile.exists() and pidfile.read_text().strip():
+        # the child may write its pid before run() has recorded the process group
+        if (
+            pidfile.exists()
+            and pidfile.read_text().strip()
+            and "job" in (backend._read_record(cluster.name) or {})
+        ):
             break
         time.sleep(0.05)
     pid = int(pidfile.read_text())
