@@ -75,7 +75,12 @@ def gpu_pipeline(spec: JobSpec) -> PipelineResult | State:
     try:
         cluster = retrying(provision, job.retry.provision)(job, owner_labels(run_id, job.name))
         report = retrying(preflight, job.retry.preflight)(job, cluster)
-        outcome = retrying(run, job.retry.run)(job, cluster, prices, run_id)
+        if job.job.kind == "render":  # chunks of frames, each a task of its own
+            from tasks.render.stage import render_stage
+
+            outcome = render_stage(job, cluster, prices, run_id)
+        else:
+            outcome = retrying(run, job.retry.run)(job, cluster, prices, run_id)
         metrics = retrying(collect, job.retry.collect)(
             job, cluster, outcome, prices, run_id, str(out)
         )

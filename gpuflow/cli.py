@@ -14,7 +14,7 @@ EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 SMOKE_JOB = Path(__file__).resolve().parent / "smoke.yaml"
 
 
-def _run(path: str) -> int:
+def _run(path: str | dict) -> int:
     from tasks import placement
     from tasks.compute import get_backend
     from tasks.errors import GpuflowError, InvalidSpec
@@ -37,8 +37,11 @@ def _run(path: str) -> int:
 
     from flows.pipeline import gpu_pipeline
 
+    flow = gpu_pipeline
+    if spec.job.kind == "render":
+        from flows.render import render as flow
     try:
-        state = gpu_pipeline(spec, return_state=True)
+        state = flow(spec, return_state=True)
     except Exception as exc:  # the engine itself failed: most often the API is unreachable
         return _api_failed(exc)
     if state.is_completed():
@@ -80,6 +83,11 @@ def _print_summary(result) -> None:
             f"  trained {job['steps']} steps on {job['world_size']} rank(s) ({job['device']}): {job['samples_per_s']} samples/s, {speed} {unit}"
         )
         print(f"  weights: {job['weights']}")
+    if "frames_rendered" in job:
+        print(
+            f"  rendered {job['frames_rendered']} frames ({job['frames_skipped']} already in"
+            f" storage) in {job['chunks']} chunk(s), {job['frames_per_s']} frames/s -> {job['output']}"
+        )
     if "tflops" in metrics.job:
         print(
             f"  matmul: {metrics.job['tflops']} TFLOP/s on {metrics.job['device']} ({metrics.job['dtype']})"
@@ -138,6 +146,71 @@ def _prepare(source: str, output: str, shard_size: str, aws_credentials: str | N
     return EXIT_INVALID if isinstance(exc, InvalidSpec) else EXIT_FAILED
 
 
+def _render_spec(args: argparse.Namespace) -> dict:
+    """Return the job spec the `render` options describe."""
+    scene = args.scene
+    if "://" not in scene:
+        scene = str(Path(scene).expanduser().absolute())
+    job: dict = {"kind": "render", "scene": scene, "output": args.out, "chunk": args.chunk}
+    for option in (
+        "frames",
+        "engine",
+        "device",
+        "samples",
+        "resolution_percentage",
+        "file_format",
+        "max_workers",
+        "blender",
+        "pattern",
+    ):
+        if getattr(args, option) is not None:
+            job[option] = getattr(args, option)
+    if args.allow_missing_files:
+        job["missing_files"] = "warn"
+    spec: dict = {
+        "name": args.name,
+        "job": job,
+        "resources": {"gpus": args.gpus, "allow_cpu": True},
+    }
+    if args.aws_credentials:
+        spec["storage"] = {"aws_credentials": args.aws_credentials}
+    return spec
+
+
+def _render_demo() -> int:
+    """Build a small animated scene with Blender and render it to $GPUFLOW_HOME/renders."""
+    import subprocess
+
+    from tasks.compute.local import gpuflow_home, resolve_program
+
+    blender = resolve_program("blender")
+    if blender is None:
+        print(
+            "gpuflow: the render demo needs Blender; install it (apt-get install blender) or"
+            " run `bash scripts/demo.sh render`.",
+            file=sys.stderr,
+        )
+        return EXIT_INVALID
+    home = gpuflow_home()
+    scene = home / "demo" / "turning-cube.blend"
+    script = Path(__file__).resolve().parents[1] / "tasks" / "render" / "blender_demo_scene.py"
+    if not scene.is_file():
+        subprocess.run(
+            [blender, "-b", "--python", str(script), "--", str(scene), "24", "96"],
+            check=True,
+            capture_output=True,
+        )
+    out = f"file://{home / 'renders' / 'demo'}"
+    print(f"rendering {scene} (24 frames) to {out}")
+    return _run(
+        {
+            "name": "render-demo",
+            "job": {"kind": "render", "scene": str(scene), "output": out, "frames": "1-24"},
+            "resources": {"gpus": 1, "allow_cpu": True},
+        }
+    )
+
+
 def _reap(dry_run: bool) -> int:
     import psutil
 
@@ -167,7 +240,35 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run JOB.yaml through the pipeline")
     run.add_argument("job", help="path of a job spec (YAML or JSON)")
-    commands.add_parser("demo", help="run the GPU smoke job (matmul TFLOP/s) on this machine")
+    demo = commands.add_parser("demo", help="run a demo job on this machine")
+    demo.add_argument(
+        "which",
+        nargs="?",
+        choices=["matmul", "render"],
+        default="matmul",
+        help="matmul: the GPU smoke job (TFLOP/s); render: a small Blender animation",
+    )
+    rend = commands.add_parser("render", help="render a Blender scene's frames to storage")
+    rend.add_argument("scene", help="a .blend, folder or .zip: a local path, file:/// or s3:// URL")
+    rend.add_argument("--frames", help="e.g. 1-240, 1,5,9 or 1-240x10 (default: the scene's)")
+    rend.add_argument("--out", required=True, help="file:///path or s3://bucket/prefix")
+    rend.add_argument("--engine", help="CYCLES, EEVEE or WORKBENCH (default: the scene's)")
+    rend.add_argument("--device", help="Cycles device: CPU, CUDA, OPTIX, HIP, ONEAPI")
+    rend.add_argument("--samples", type=int)
+    rend.add_argument("--resolution-percentage", type=int)
+    rend.add_argument("--format", dest="file_format", help="PNG, OPEN_EXR, JPEG, TIFF, ...")
+    rend.add_argument("--chunk", default="auto", help="frames per Blender process, or auto")
+    rend.add_argument("--workers", dest="max_workers", type=int, help="chunks at once")
+    rend.add_argument("--gpus", type=int, default=1, help="GPUs to use when there are any")
+    rend.add_argument("--pattern", help="frame file name, e.g. shot1/frame_####")
+    rend.add_argument("--blender", help="the Blender program (default: blender on PATH)")
+    rend.add_argument("--name", default="render")
+    rend.add_argument("--aws-credentials", help="name of a prefect-aws AwsCredentials block")
+    rend.add_argument(
+        "--allow-missing-files",
+        action="store_true",
+        help="render although the scene refers to files that are not there",
+    )
     pre = commands.add_parser("preflight", help="check this host: GPUs, driver, CUDA, torch, disk")
     pre.add_argument("job", nargs="?", help="check for this job spec (default: a 1-GPU torch job)")
     pre.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -186,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         return _run(args.job)
     if args.command == "demo":
-        return _run(str(SMOKE_JOB))
+        return _render_demo() if args.which == "render" else _run(str(SMOKE_JOB))
+    if args.command == "render":
+        return _run(_render_spec(args))
     if args.command == "preflight":
         return _preflight(args.job, args.json)
     if args.command == "prepare-dataset":

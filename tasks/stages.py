@@ -6,11 +6,12 @@ retry may succeed (CapacityError, TransientError, PreemptedError).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -139,29 +140,12 @@ def run(
     storage_env = s3.child_env() if spec.storage.aws_credentials else {}
     redact = secrets.Redactor([*secret_values.values(), *s3.secrets()])
     env = {**os.environ, **storage_env, **spec.env, **secret_values}
-    hourly = pricing.hourly_rate(prices, **_priced(spec, cluster))
-    budget = pricing.budget_seconds(spec.limits.max_cost_usd, hourly)
-    timeout = spec.limits.max_duration if budget is None else min(spec.limits.max_duration, budget)
-    stopped_by = (
-        "max_cost_usd"
-        if budget is not None and budget < spec.limits.max_duration
-        else "max_duration"
-    )
+    timeout, stopped_by = time_limit(spec, cluster, prices)
 
     def on_line(stream: str, line: str) -> None:
         logger.info("%s%s", "[stderr] " if stream == "stderr" else "", redact(line))
 
-    samples = Path(cluster.workspace) / SAMPLES
-    live = None
-    if spec.metrics.pushgateway:
-        live = LivePush(
-            spec.metrics.pushgateway,
-            flow_run_id,
-            spec.name,
-            spec.metrics.push_interval_s,
-            logger.warning,
-        )
-    with Sampler(samples, cluster.gpu_indices, spec.metrics.interval_s, on_sample=live):
+    with sampling(spec, cluster, flow_run_id, logger.warning):
         result = get_backend(cluster.backend).run(
             cluster,
             command_for(spec),
@@ -189,6 +173,32 @@ def run(
         failure=_failure(result, timeout, stopped_by, reason),
         stopped_by=stopped_by if result.timed_out else None,
     )
+
+
+def time_limit(spec: JobSpec, cluster: Cluster, prices: pricing.PriceTable) -> tuple[float, str]:
+    """Return how long the job may run and which limit says so (max_duration, or
+    max_cost_usd when the budget runs out first at this cluster's hourly rate)."""
+    hourly = pricing.hourly_rate(prices, **_priced(spec, cluster))
+    budget = pricing.budget_seconds(spec.limits.max_cost_usd, hourly)
+    if budget is not None and budget < spec.limits.max_duration:
+        return budget, "max_cost_usd"
+    return spec.limits.max_duration, "max_duration"
+
+
+@contextlib.contextmanager
+def sampling(
+    spec: JobSpec, cluster: Cluster, flow_run_id: str, warn: Callable[..., None]
+) -> Iterator[None]:
+    """Sample GPU/host metrics into the workspace (and push them live when a Pushgateway
+    is configured) while the body runs."""
+    live = None
+    if spec.metrics.pushgateway:
+        live = LivePush(
+            spec.metrics.pushgateway, flow_run_id, spec.name, spec.metrics.push_interval_s, warn
+        )
+    samples = Path(cluster.workspace) / SAMPLES
+    with Sampler(samples, cluster.gpu_indices, spec.metrics.interval_s, on_sample=live):
+        yield
 
 
 def _priced(spec: JobSpec, cluster: Cluster) -> dict[str, Any]:
@@ -270,6 +280,10 @@ def collect(
         from tasks.training.report import summary as training_summary
 
         extra_rows, extra_lines = training_summary(outputs, out, f"{spec.name} {flow_run_id[:8]}")
+    if spec.job.kind == "render":
+        from tasks.render.report import summary as render_summary
+
+        extra_lines = render_summary(outputs, out, spec.name)
     rows = [
         {"metric": k, "value": v}
         for k, v in metrics.model_dump(exclude={"job", "cost_breakdown"}).items()

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.render.argv import RenderSettings, output_pattern, render_argv, safe_path, settings_expr
+from tasks.render.argv import (
+    RenderSettings,
+    frame_filename,
+    output_pattern,
+    render_argv,
+    safe_path,
+    settings_expr,
+)
 
 
 def test_order_blend_first_frames_last_device_after_dashes():
@@ -41,12 +48,27 @@ def test_odd_paths_pass_as_one_argument(path):
     argv = render_argv("blender", path, "/out/f_####", "1", RenderSettings())
     assert argv[2] == safe_path(path)
     assert argv[2].endswith(path) and not argv[2].startswith("-")
-    assert len(argv) == 7  # blender -b SCENE -o OUT -f 1: nothing split, nothing added
+    assert len(argv) == 9  # blender -b SCENE -o OUT --python-expr EXPR -f 1: nothing split
 
 
-def test_no_settings_no_expr():
-    assert settings_expr(RenderSettings()) is None
-    assert "--python-expr" not in render_argv("blender", "s.blend", "o_#", "1", RenderSettings())
+def test_no_settings_only_file_extensions():
+    expr = settings_expr(RenderSettings())
+    assert expr.splitlines()[-1] == "r.use_file_extension = True"
+    assert "resolution" not in expr and "samples" not in expr
+
+
+@pytest.mark.parametrize(
+    ("pattern", "frame", "extension", "name"),
+    [
+        ("frame_####", 7, ".png", "frame_0007.png"),
+        ("frame_#", 12, ".png", "frame_12.png"),  # wider than the placeholder: more digits
+        ("shot#_f_###", 3, ".exr", "shot#_f_003.exr"),  # the last run is the frame
+        ("render", 5, ".jpg", "render0005.jpg"),
+        ("f_###_final", 42, ".tif", "f_042_final.tif"),
+    ],
+)
+def test_frame_filename(pattern, frame, extension, name):
+    assert frame_filename(pattern, frame, extension) == name
 
 
 def test_settings_expr_sets_what_was_asked():

@@ -31,6 +31,8 @@ from tasks.spec import JobSpec
 from tasks.units import format_bytes
 
 STOP_GRACE_S = 30.0
+# Chunks of a render run side by side on one cluster: their records must not race.
+_RECORD_LOCK = threading.Lock()
 
 
 def gpuflow_home() -> Path:
@@ -256,9 +258,7 @@ class LocalBackend:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-        record = self._read_record(cluster.name) or {"cluster": cluster.model_dump(mode="json")}
-        record["job"] = {"pgid": proc.pid, "started": psutil.Process(proc.pid).create_time()}
-        self._write_record(record)
+        self._note_job(cluster, proc.pid, psutil.Process(proc.pid).create_time())
         tail: deque[str] = deque(maxlen=40)
 
         def pump(stream, label: str) -> None:
@@ -293,6 +293,7 @@ class LocalBackend:
             _stop_group(proc.pid, None, grace_s)
             raise
         proc.wait()
+        self._note_job(cluster, proc.pid, None)
         for thread in pumps:
             thread.join(timeout=5)
         ended = datetime.now(UTC)
@@ -308,6 +309,22 @@ class LocalBackend:
             log_tail=list(tail),
         )
 
+    def _note_job(self, cluster: Cluster, pgid: int, started: float | None) -> None:
+        """Record a running job's process group (started is its create time), or forget it
+        (started None). Several jobs may run on one cluster at once (render chunks)."""
+        with _RECORD_LOCK:
+            record = self._read_record(cluster.name)
+            if record is None:
+                if started is None:
+                    return
+                record = {"cluster": cluster.model_dump(mode="json", exclude={"adopted"})}
+            jobs = record.setdefault("jobs", {})
+            if started is None:
+                jobs.pop(str(pgid), None)
+            else:
+                jobs[str(pgid)] = started
+            self._write_record(record)
+
     def teardown(self, cluster: Cluster) -> TeardownReport:
         """Kill the job's process group, release GPUs and slots, remove the workspace.
         Idempotent: a cluster that is already gone gives a report with already_gone."""
@@ -315,9 +332,9 @@ class LocalBackend:
         report = TeardownReport(name=cluster.name, already_gone=record is None)
         if record is not None:
             cluster = Cluster.model_validate(record["cluster"])
-            job = record.get("job")
-            if job and _alive(job["pgid"], job.get("started")):
-                report.killed_processes = _stop_group(job["pgid"], job.get("started"))
+            for pgid, started in record.get("jobs", {}).items():
+                if _alive(int(pgid), started):
+                    report.killed_processes += _stop_group(int(pgid), started)
         claims = self.home / "gpus"
         for index in cluster.gpu_indices:
             path = claims / f"{index}.json"

@@ -34,7 +34,7 @@ def command_for(spec: JobSpec) -> list[str]:
             "--run-name",
             spec.name,
         ]
-    raise ValueError(f"no command for job kind {job.kind!r}")
+    raise ValueError(f"job kind {job.kind!r} is not one command (renders run as chunks)")
 
 
 def s3_settings(spec: JobSpec):
@@ -58,3 +58,14 @@ def check_job(spec: JobSpec) -> None:
 
             raise InvalidSpec(str(exc)) from None
         check_train(spec, settings)
+    if spec.job.kind == "render":
+        from tasks.errors import InvalidSpec
+        from tasks.render import scene
+        from tasks.storage import StorageError
+
+        try:
+            settings = s3_settings(spec)
+            scene.check_output(spec.job, settings)
+            scene.plan(spec, settings)
+        except StorageError as exc:
+            raise InvalidSpec(str(exc)) from None

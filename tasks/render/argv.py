@@ -6,6 +6,7 @@ settings (a --python-expr), then the frames to render, and Cycles' device after 
 
 from __future__ import annotations
 
+import re
 from pathlib import PurePath
 
 from pydantic import BaseModel
@@ -25,10 +26,40 @@ FORMATS = {
     "JPG": "JPEG",
     "OPEN_EXR": "OPEN_EXR",
     "EXR": "OPEN_EXR",
+    "OPEN_EXR_MULTILAYER": "OPEN_EXR_MULTILAYER",
     "TIFF": "TIFF",
     "BMP": "BMP",
     "WEBP": "WEBP",
+    "TARGA": "TARGA",
+    "TARGA_RAW": "TARGA_RAW",
+    "HDR": "HDR",
+    "JPEG2000": "JPEG2000",
+    "CINEON": "CINEON",
+    "DPX": "DPX",
+    "IRIS": "IRIS",
 }
+# Blender's extension for each image format (use_file_extension is always on).
+EXTENSIONS = {
+    "PNG": ".png",
+    "JPEG": ".jpg",
+    "OPEN_EXR": ".exr",
+    "OPEN_EXR_MULTILAYER": ".exr",
+    "TIFF": ".tif",
+    "BMP": ".bmp",
+    "WEBP": ".webp",
+    "TARGA": ".tga",
+    "TARGA_RAW": ".tga",
+    "HDR": ".hdr",
+    "JPEG2000": ".jp2",
+    "CINEON": ".cin",
+    "DPX": ".dpx",
+    "IRIS": ".rgb",
+}
+# Blender's -F option has its own names for some formats; an unknown one is ignored
+# without a word (the scene's format is used), so the mapping must be exact.
+CLI_FORMATS = {"TARGA": "TGA", "TARGA_RAW": "RAWTGA", "JPEG2000": "JP2"}
+MOVIE_FORMATS = ("FFMPEG", "AVI_JPEG", "AVI_RAW")
+_HASHES = re.compile(r"#+")
 
 
 class RenderSettings(BaseModel):
@@ -58,9 +89,22 @@ def output_pattern(pattern: str) -> tuple[str, str | None]:
     return fixed, f"the output pattern {pattern!r} had no # frame placeholder; using {fixed!r}"
 
 
-def settings_expr(settings: RenderSettings) -> str | None:
-    """Return a --python-expr that applies the overrides, or None when there are none."""
-    lines = ["import bpy", "s = bpy.context.scene", "r = s.render"]
+def frame_filename(pattern: str, frame: int, extension: str) -> str:
+    """Return the file Blender writes for `frame`: the last # run becomes the frame number,
+    zero-padded to its length (four digits appended when there is none), plus the extension."""
+    runs = list(_HASHES.finditer(pattern))
+    if not runs:
+        return f"{pattern}{frame:04d}{extension}"
+    last = runs[-1]
+    return (
+        f"{pattern[: last.start()]}{frame:0{len(last.group())}d}{pattern[last.end() :]}{extension}"
+    )
+
+
+def settings_expr(settings: RenderSettings) -> str:
+    """Return the --python-expr that applies the overrides (file extensions always on, so
+    gpuflow knows each frame's file name)."""
+    lines = ["import bpy", "s = bpy.context.scene", "r = s.render", "r.use_file_extension = True"]
     if settings.resolution_x is not None:
         lines.append(f"r.resolution_x = {int(settings.resolution_x)}")
     if settings.resolution_y is not None:
@@ -76,7 +120,7 @@ def settings_expr(settings: RenderSettings) -> str | None:
         ]
     if settings.denoise is not None:
         lines.append(f"s.cycles.use_denoising = {bool(settings.denoise)}")
-    return "\n".join(lines) if len(lines) > 3 else None
+    return "\n".join(lines)
 
 
 def render_argv(
@@ -92,10 +136,9 @@ def render_argv(
         argv += ["-E", ENGINES[settings.engine.upper()]]
     argv += ["-o", safe_path(output)]
     if settings.file_format:
-        argv += ["-F", FORMATS[settings.file_format.upper()]]
-    expr = settings_expr(settings)
-    if expr:
-        argv += ["--python-expr", expr]
+        file_format = FORMATS[settings.file_format.upper()]
+        argv += ["-F", CLI_FORMATS.get(file_format, file_format)]
+    argv += ["--python-expr", settings_expr(settings)]
     argv += ["-f", frames]
     if settings.device:
         argv += ["--", "--cycles-device", settings.device.upper()]

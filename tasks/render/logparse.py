@@ -102,6 +102,16 @@ _KNOWN = [
         "this Blender has no OpenImageDenoise but the scene denoises; set denoise: false or use a Blender build with it",
     ),
     (
+        "device_absent",
+        re.compile(r"Found no Cycles device of the specified type"),
+        "Blender found no GPU of the requested Cycles device type here; run on a host with one, or set device: CPU",
+    ),
+    (
+        "device_unknown",
+        re.compile(r"(\S+) is not a valid Cycles device"),
+        "{0} is not a Cycles device name; use CPU, CUDA, OPTIX, HIP, ONEAPI or METAL",
+    ),
+    (
         "no_camera",
         re.compile(r"no camera", re.IGNORECASE),
         "the scene has no active camera; set one in the .blend",

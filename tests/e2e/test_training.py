@@ -123,9 +123,9 @@ def test_resume_after_sigterm_is_exact(s3_dataset, s3_server, gpuflow_home, aws_
                 data = json.loads(record.read_text())
                 metrics = Path(data["cluster"]["workspace"]) / "outputs" / "train_metrics.jsonl"
                 lines = metrics.read_text().splitlines() if metrics.is_file() else []
-                if "job" in data and len(lines) >= 12:
+                if data.get("jobs") and len(lines) >= 12:
                     stopped_at.append(json.loads(lines[-1])["step"])
-                    os.killpg(data["job"]["pgid"], signal.SIGTERM)
+                    os.killpg(int(next(iter(data["jobs"]))), signal.SIGTERM)
                     return
             time.sleep(0.02)
 

@@ -1,0 +1,156 @@
+"""Rendered frames in storage: which are already there and valid, and uploading new ones
+as Blender saves them (checked, checksummed, thumbnailed when the contact sheet wants them).
+"""
+
+from __future__ import annotations
+
+import queue
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from tasks.render.argv import frame_filename
+from tasks.render.images import check_image
+from tasks.storage import FileStore, ObjectInfo, S3Store, join
+
+THUMB_PX = 160
+
+
+class FrameRecord(BaseModel):
+    frame: int
+    url: str
+    size: int
+    sha256: str | None = None
+    seconds: float | None = None  # Blender's render time for the frame
+    chunk: int | None = None  # None: found from an earlier run
+    thumbnail: str | None = None
+
+
+def frame_url(output: str, pattern: str, frame: int, extension: str) -> str:
+    return join(output, frame_filename(pattern, frame, extension))
+
+
+def existing_frames(
+    store: FileStore | S3Store,
+    output: str,
+    pattern: str,
+    frames: list[int],
+    extension: str,
+    file_format: str,
+) -> tuple[dict[int, FrameRecord], list[str]]:
+    """Return the frames already present and valid under `output`, and one note per frame
+    that is present but broken (it will be rendered again).
+
+    Objects gpuflow uploaded carry their sha256 (checked before upload) and are trusted;
+    anything else is read and checked as an image."""
+    listed: dict[str, ObjectInfo] = {o.url: o for o in store.list(output)}
+    found: dict[int, FrameRecord] = {}
+    broken: list[str] = []
+    for frame in frames:
+        url = frame_url(output, pattern, frame, extension)
+        info = listed.get(url)
+        if info is None:
+            continue
+        problem = "is empty" if info.size == 0 else None
+        sha = None
+        if problem is None and isinstance(store, S3Store):
+            sha = store.checksum(url)
+        if problem is None and sha is None:
+            problem = _check_stored(store, url, file_format)
+        if problem:
+            broken.append(f"frame {frame} ({url}) {problem}; rendering it again")
+            continue
+        found[frame] = FrameRecord(frame=frame, url=url, size=info.size, sha256=sha)
+    return found, broken
+
+
+def _check_stored(store: FileStore | S3Store, url: str, file_format: str) -> str | None:
+    if isinstance(store, FileStore):
+        return check_image(store._path(url), file_format)
+    with tempfile.TemporaryDirectory() as scratch:
+        local = Path(scratch) / "frame"
+        store.download_file(url, local)
+        return check_image(local, file_format)
+
+
+class Uploader:
+    """Takes frames as Blender saves them and uploads each from a thread of its own, so a
+    slow upload never stalls Blender's output. `finish` waits for what was handed over."""
+
+    def __init__(
+        self,
+        store: FileStore | S3Store,
+        output: str,
+        pattern: str,
+        extension: str,
+        file_format: str,
+        chunk: int,
+        thumbs: Path | None,
+        thumb_frames: set[int],
+        on_frame: Callable[[FrameRecord], None],
+    ) -> None:
+        self.store, self.output, self.pattern = store, output, pattern
+        self.extension, self.file_format, self.chunk = extension, file_format, chunk
+        self.thumbs, self.thumb_frames = thumbs, thumb_frames
+        self.on_frame = on_frame
+        self.problems: dict[int, str] = {}
+        self.errors: list[Exception] = []
+        self._queue: queue.Queue[tuple[int, Path, float | None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def put(self, frame: int, path: Path, seconds: float | None) -> None:
+        self._queue.put((frame, path, seconds))
+
+    def finish(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            frame, path, seconds = item
+            try:
+                self._upload(frame, path, seconds)
+            except Exception as exc:
+                self.errors.append(exc)
+                self.problems[frame] = f"could not be uploaded ({exc})"
+
+    def _upload(self, frame: int, path: Path, seconds: float | None) -> None:
+        problem = check_image(path, self.file_format)
+        if problem:
+            self.problems[frame] = problem
+            return
+        thumbnail = None
+        if self.thumbs is not None and frame in self.thumb_frames:
+            thumbnail = make_thumbnail(path, self.thumbs / f"{frame}.png")
+        url = frame_url(self.output, self.pattern, frame, self.extension)
+        info = self.store.upload_file(url, path, move=True)
+        self.on_frame(
+            FrameRecord(
+                frame=frame,
+                url=url,
+                size=info.size,
+                sha256=info.sha256,
+                seconds=seconds,
+                chunk=self.chunk,
+                thumbnail=thumbnail,
+            )
+        )
+
+
+def make_thumbnail(path: Path, target: Path) -> str | None:
+    """Return the path of a small PNG of the frame, or None for formats Pillow cannot read
+    (OpenEXR and friends)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.thumbnail((THUMB_PX, THUMB_PX))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            image.convert("RGB").save(target)
+    except (UnidentifiedImageError, OSError, ValueError):
+        return None
+    return str(target)

@@ -1,0 +1,345 @@
+"""The scene: fetched from storage once (cached), read by Blender once (cached), and the
+render plan that follows from it. Everything here runs before anything is provisioned.
+
+A scene is a .blend, or a folder or .zip holding the .blend and its assets with their
+relative paths. Local paths are used where they are; URLs are fetched into
+$GPUFLOW_HOME/cache/scenes/<key>/, keyed by URL and content, so a rerun fetches nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import time
+import zipfile
+from pathlib import Path
+from urllib.parse import urlparse
+
+from pydantic import BaseModel
+
+from tasks.errors import InvalidSpec, TransientError
+from tasks.render import logparse
+from tasks.render.argv import EXTENSIONS, FORMATS, MOVIE_FORMATS, safe_path
+from tasks.render.frames import label, outside, parse_frames
+from tasks.spec import JobSpec, RenderJob
+from tasks.storage import ObjectMissing, S3Settings, StorageError, join, store_for
+
+INSPECT_SCRIPT = Path(__file__).with_name("blender_inspect.py")
+INSPECT_TIMEOUT_S = 600.0
+
+
+class Reference(BaseModel):
+    kind: str
+    name: str
+    path: str
+    exists: bool
+
+
+class SceneInfo(BaseModel):
+    """What Blender says about the scene (see blender_inspect.py)."""
+
+    blender: str
+    scene: str
+    frame_start: int
+    frame_end: int
+    frame_step: int = 1
+    fps: float = 24.0
+    engine: str
+    camera: str | None
+    resolution: list[int]
+    file_format: str
+    output: str = ""
+    samples: int | None = None
+    denoise: bool | None = None
+    denoiser_built: bool = True
+    references: list[Reference] = []
+    devices: dict[str, list[str]] = {}
+    load_s: float = 0.0  # Blender's start-up and scene load, measured
+
+
+class RenderPlan(BaseModel):
+    """The scene on disk, what Blender said about it, and what will be rendered."""
+
+    blend: str
+    info: SceneInfo
+    frames: list[int]
+    file_format: str
+    extension: str
+    engine: str
+    device: str | None = None  # the Cycles device to ask for; None keeps the scene's
+    warnings: list[str] = []
+
+
+def cache_root() -> Path:
+    from tasks.compute.local import gpuflow_home
+
+    return gpuflow_home() / "cache" / "scenes"
+
+
+# -- fetching ----------------------------------------------------------------------------
+def fetch(scene: str, s3: S3Settings | None) -> Path:
+    """Return a local path for `scene` (file, folder or .zip): local paths as they are,
+    URLs fetched into the cache unless the cached copy has the same content."""
+    if "://" not in scene:
+        path = Path(scene).expanduser().absolute()
+        if not path.exists():
+            raise InvalidSpec(f"job.scene: {path} does not exist; check the path.")
+        return _unzipped(path) if path.suffix.lower() == ".zip" else path
+    if scene.startswith("file://"):
+        return fetch(urlparse(scene).path, s3)
+    store = store_for(scene, s3)
+    key = hashlib.sha256(scene.encode()).hexdigest()[:16]
+    target = cache_root() / key
+    try:
+        if store.exists(scene):  # one object: a .blend or a .zip
+            objects = [(scene, Path(urlparse(scene).path).name)]
+        else:
+            listed = store.list(scene)
+            if not listed:
+                raise ObjectMissing(f"{scene} does not exist")
+            prefix = scene.rstrip("/") + "/"
+            objects = [(o.url, o.url[len(prefix) :]) for o in listed]
+        signature = json.dumps(sorted((name, store.checksum(url)) for url, name in objects))
+    except ObjectMissing:
+        raise InvalidSpec(
+            f"job.scene: {scene} does not exist; upload the scene there or fix the URL."
+        ) from None
+    except StorageError as exc:
+        raise InvalidSpec(f"job.scene: {exc}") from None
+    stamp = target / ".gpuflow-fetched.json"
+    files = target / "files"
+    if not (stamp.is_file() and stamp.read_text() == signature):
+        shutil.rmtree(target, ignore_errors=True)
+        files.mkdir(parents=True)
+        for url, name in objects:
+            destination = files / name
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            store.download_file(url, destination)
+        stamp.write_text(signature)
+    path = files / objects[0][1] if len(objects) == 1 and store.exists(scene) else files
+    return _unzipped(path) if path.suffix.lower() == ".zip" else path
+
+
+def _unzipped(archive: Path) -> Path:
+    stat = archive.stat()
+    key = hashlib.sha256(f"{archive}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root() / f"zip-{key}"
+    if (target / ".gpuflow-unzipped").is_file():
+        return target / "files"
+    shutil.rmtree(target, ignore_errors=True)
+    try:
+        with zipfile.ZipFile(archive) as bundle:
+            for member in bundle.namelist():
+                resolved = (target / "files" / member).resolve()
+                if not resolved.is_relative_to((target / "files").resolve()):
+                    raise InvalidSpec(
+                        f"job.scene: {archive.name} holds {member!r}, which points outside the"
+                        " archive; rebuild the .zip with relative paths."
+                    )
+            bundle.extractall(target / "files")
+    except zipfile.BadZipFile:
+        raise InvalidSpec(
+            f"job.scene: {archive.name} is not a readable .zip; upload it again."
+        ) from None
+    (target / ".gpuflow-unzipped").write_text("ok")
+    return target / "files"
+
+
+def find_blend(path: Path, blend: str | None) -> Path:
+    """Return the .blend to render: `path` itself, or the one `blend` names in a folder."""
+    if path.is_file():
+        if blend:
+            raise InvalidSpec(
+                "job.blend: the scene is a single file, so there is nothing to choose;"
+                " remove job.blend."
+            )
+        return path
+    if blend:
+        chosen = path / blend
+        if not chosen.is_file():
+            raise InvalidSpec(f"job.blend: there is no {blend} in the scene folder; fix the name.")
+        return chosen
+    candidates = sorted(p for p in path.rglob("*.blend") if p.is_file())
+    top = [p for p in candidates if p.parent == path]
+    if len(candidates) == 1 or len(top) == 1:
+        return (top or candidates)[0]
+    if not candidates:
+        raise InvalidSpec(f"job.scene: {path.name} holds no .blend file; upload the scene.")
+    names = ", ".join(str(p.relative_to(path)) for p in candidates[:5])
+    raise InvalidSpec(f"job.blend: the scene holds several .blend files ({names}); name one.")
+
+
+# -- asking Blender ----------------------------------------------------------------------
+def inspect(blender: str, blend: Path, devices: list[str]) -> SceneInfo:
+    """Return what Blender says about `blend`; InvalidSpec when it cannot read it.
+    Cached by the file's size and time and the Blender program."""
+    stat = blend.stat()
+    key = hashlib.sha256(
+        f"{blend}:{stat.st_size}:{stat.st_mtime_ns}:{blender}:{sorted(devices)}".encode()
+    ).hexdigest()[:16]
+    cached = cache_root() / "inspected" / f"{key}.json"
+    if cached.is_file():
+        return SceneInfo.model_validate_json(cached.read_text())
+    argv = [blender, "-b", safe_path(str(blend)), "--python", str(INSPECT_SCRIPT), "--", *devices]
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=INSPECT_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+            cwd=blend.parent,
+        )
+    except subprocess.TimeoutExpired:
+        raise TransientError(
+            f"Blender took over {INSPECT_TIMEOUT_S:.0f} s to open {blend.name}; retry, or check the scene."
+        ) from None
+    load_s = time.monotonic() - started
+    output = done.stdout + done.stderr
+    for line in output.splitlines():
+        if line.startswith("GPUFLOW-SCENE "):
+            info = SceneInfo.model_validate(
+                {**json.loads(line.removeprefix("GPUFLOW-SCENE ")), "load_s": load_s}
+            )
+            if all(r.exists for r in info.references):  # else recheck: they may be uploaded
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                cached.write_text(info.model_dump_json())
+            return info
+    failure = logparse.classify(
+        logparse.parse(output), done.returncode if done.returncode >= 0 else None
+    )
+    reason = failure.message if failure else "it printed: " + " | ".join(output.splitlines()[-3:])
+    raise InvalidSpec(f"job.scene: Blender could not open {blend.name}: {reason}.")
+
+
+def blender_program(job: RenderJob) -> str:
+    from tasks.compute.local import resolve_program
+
+    program = resolve_program(job.blender)
+    if program is None:
+        raise InvalidSpec(
+            f"job.blender: {job.blender!r} was not found; install Blender"
+            " (Debian: apt-get install blender) or give its full path."
+        )
+    return program
+
+
+# -- the plan ----------------------------------------------------------------------------
+def plan(spec: JobSpec, s3: S3Settings | None) -> RenderPlan:
+    """Return what will be rendered, after every check that needs the scene; InvalidSpec
+    (one sentence naming the field and the fix) for anything that would fail later."""
+    job = spec.job
+    assert isinstance(job, RenderJob)
+    program = blender_program(job)
+    blend = find_blend(fetch(job.scene, s3), job.blend)
+    from tasks import nvml
+
+    host_gpus = bool(spec.resources.gpus) and bool(nvml.query().gpus)
+    gpu_devices = ["OPTIX", "CUDA", "HIP", "ONEAPI"] if host_gpus else []
+    wanted = [job.device] if job.device and job.device != "CPU" else gpu_devices
+    info = inspect(program, blend, wanted)
+    warnings: list[str] = []
+    if info.camera is None:
+        raise InvalidSpec(
+            f"job.scene: the scene {info.scene!r} has no active camera; set one in the .blend"
+            " (Scene properties > Camera) and upload it again."
+        )
+    scene_range = f"{info.frame_start}-{info.frame_end}"
+    frames = (
+        parse_frames(job.frames)
+        if job.frames
+        else list(range(info.frame_start, info.frame_end + 1, max(1, info.frame_step)))
+    )
+    if not frames:
+        raise InvalidSpec(
+            f"job.frames: the scene's range {scene_range} holds no frames; give job.frames."
+        )
+    stray = outside(frames, info.frame_start, info.frame_end)
+    if stray:
+        text = f"frames {label(stray)} are outside the scene's range {scene_range}"
+        if job.frames_outside_scene == "fail":
+            raise InvalidSpec(
+                f"job.frames: {text}; render frames inside it, or set"
+                " job.frames_outside_scene: warn to render them anyway."
+            )
+        warnings.append(f"{text}; rendering them as job.frames_outside_scene: warn allows.")
+    missing = [r for r in info.references if not r.exists]
+    if missing:
+        listed = "; ".join(f"{r.kind} {r.name!r} at {r.path}" for r in missing[:10])
+        more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        text = f"the scene refers to files that are not there: {listed}{more}"
+        if job.missing_files == "fail":
+            raise InvalidSpec(
+                f"job.scene: {text}; upload them with the scene (a folder or .zip keeping"
+                " their relative paths), or set job.missing_files: warn."
+            )
+        warnings.append(f"{text}; they will render as magenta or be left out.")
+    engine = _engine(job, info)
+    if job.device and job.device != "CPU":
+        found = info.devices.get(job.device, [])
+        if not found:
+            raise InvalidSpec(
+                f"job.device: Blender sees no {job.device} device on this host; run on a host"
+                f" with one, choose another device, or set job.device: CPU."
+            )
+        if engine != "CYCLES":
+            warnings.append(f"job.device {job.device} applies to Cycles only; {engine} ignores it.")
+    device = job.device
+    if device is None and host_gpus and engine == "CYCLES":
+        # Blender's command line renders Cycles on the CPU unless told otherwise.
+        device = next((d for d in gpu_devices if info.devices.get(d)), None)
+        if device is None:
+            warnings.append(
+                f"this Blender ({info.blender}) sees no GPU device for Cycles; rendering on the CPU."
+            )
+    denoise = job.denoise if job.denoise is not None else info.denoise
+    if engine == "CYCLES" and denoise and not info.denoiser_built:
+        raise InvalidSpec(
+            f"job.denoise: this Blender ({info.blender}) was built without OpenImageDenoise but"
+            " the scene denoises; set job.denoise: false or use a Blender build that has it."
+        )
+    file_format = FORMATS[job.file_format] if job.file_format else info.file_format
+    if file_format in MOVIE_FORMATS or file_format not in EXTENSIONS:
+        raise InvalidSpec(
+            f"job.file_format: the scene writes {file_format}, not one image per frame;"
+            " set job.file_format: PNG (or OPEN_EXR, JPEG, TIFF)."
+        )
+    return RenderPlan(
+        blend=str(blend),
+        info=info,
+        frames=frames,
+        file_format=file_format,
+        extension=EXTENSIONS[file_format],
+        engine=engine,
+        device=device,
+        warnings=warnings,
+    )
+
+
+def _engine(job: RenderJob, info: SceneInfo) -> str:
+    from tasks.render.argv import ENGINES
+
+    engine = ENGINES[job.engine] if job.engine else info.engine
+    return {
+        "BLENDER_EEVEE": "EEVEE",
+        "BLENDER_EEVEE_NEXT": "EEVEE",
+        "BLENDER_WORKBENCH": "WORKBENCH",
+    }.get(engine, engine)
+
+
+def check_output(job: RenderJob, s3: S3Settings | None) -> None:
+    """Raise InvalidSpec unless the output prefix can be written (a probe object)."""
+    store = store_for(job.output, s3)
+    probe = join(job.output, f".gpuflow-probe-{os.getpid()}")
+    try:
+        store.write_bytes(probe, b"ok")
+        store.delete(probe)
+    except (StorageError, OSError) as exc:
+        raise InvalidSpec(
+            f"job.output: cannot write to {job.output} ({exc}); fix the URL or its permissions."
+        ) from None

@@ -1,0 +1,454 @@
+"""The render stage: chunks of frames as Prefect tasks, at most `workers` at once, each a
+Blender process pinned to one GPU; frames uploaded as they are saved.
+
+A chunk renders only those of its frames not yet in storage, so a retried chunk or a
+rerun flow picks up where the last one stopped. Chunk sizes come from the spec, or are
+measured: Blender's start-up (timed when the scene was inspected, then per chunk) against
+its per-frame time (from its log), so that start-up costs about a tenth of a chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import statistics
+import threading
+import time
+from collections import deque
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.futures import as_completed
+from pydantic import BaseModel
+
+from tasks import secrets
+from tasks.compute import Cluster, JobResult, get_backend
+from tasks.errors import JobCancelled, JobFailed, TransientError
+from tasks.jobs import s3_settings
+from tasks.metrics.cost import PriceTable
+from tasks.render import logparse, report
+from tasks.render import scene as scenes
+from tasks.render.argv import RenderSettings, output_pattern, render_argv
+from tasks.render.frames import auto_chunk_size, blender_frames, label
+from tasks.render.output import FrameRecord, Uploader, existing_frames
+from tasks.spec import JobSpec, RenderJob
+from tasks.stages import RunOutcome, cancel_requested, retry_when_retryable, sampling, time_limit
+from tasks.storage import store_for
+
+FIRST_CHUNK_MAX = 10  # before any frame is timed: assume a frame costs about a start-up
+PREVIEW_MAX_FRAMES = 2000
+_RUNS: dict[str, _Progress] = {}  # flow run id -> its progress, shared with chunk threads
+
+
+class ChunkFailed(JobFailed):
+    """A chunk failed for a reason a retry will not fix."""
+
+
+class ChunkCrashed(TransientError):
+    """A chunk's Blender crashed or was killed; its saved frames are kept and a retry
+    renders the rest."""
+
+
+class ChunkResult(BaseModel):
+    index: int
+    frames: list[int]
+    rendered: list[int] = []
+    invocations: int = 0
+    wall_s: float = 0.0
+    frame_s: float = 0.0  # sum of Blender's per-frame times
+
+
+class _Progress:
+    """Frames done so far for one run, and its progress artifact, updated at most every
+    `every_s` seconds (the API is not told about each of thousands of frames)."""
+
+    def __init__(self, total: int, done: dict[int, FrameRecord], every_s: float = 1.0) -> None:
+        self.total = total
+        self.records = dict(done)
+        self.skipped = len(done)
+        self.lock = threading.Lock()
+        self.every_s = every_s
+        self.artifact_id: Any = None
+        self.last = 0.0
+
+    def add(self, record: FrameRecord) -> None:
+        with self.lock:
+            self.records[record.frame] = record
+        self.publish()
+
+    def done(self, frames: list[int]) -> set[int]:
+        with self.lock:
+            return {f for f in frames if f in self.records}
+
+    def publish(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.artifact_id is None or (not force and now - self.last < self.every_s):
+            return
+        self.last = now
+        with self.lock:
+            count = len(self.records)
+        with contextlib.suppress(Exception):  # progress is shown, never worth failing a render
+            update_progress_artifact(
+                self.artifact_id,
+                100.0 * count / max(1, self.total),
+                description=f"{count} of {self.total} frames in storage",
+            )
+
+
+@task(name="render-chunk", cache_policy=None)
+def render_chunk(
+    spec: JobSpec,
+    cluster: Cluster,
+    plan: scenes.RenderPlan,
+    frames: list[int],
+    index: int,
+    deadline: float,
+    flow_run_id: str,
+    thumb_frames: list[int],
+) -> ChunkResult:
+    """Render those of `frames` not yet in storage; raise ChunkCrashed (retried) when
+    Blender died, ChunkFailed when the scene or settings are at fault."""
+    job = spec.job
+    assert isinstance(job, RenderJob)
+    logger = get_run_logger()
+    progress = _RUNS[flow_run_id]
+    todo = [f for f in frames if f not in progress.done(frames)]
+    result = ChunkResult(index=index, frames=frames)
+    if not todo:
+        return result
+    attempt = f"{index}-{time.monotonic_ns()}"
+    scratch = Path(cluster.workspace) / "frames" / attempt
+    scratch.mkdir(parents=True, exist_ok=True)
+    pattern, _ = output_pattern(job.pattern)
+    argv = render_argv(
+        scenes.blender_program(job),
+        plan.blend,
+        str(scratch / pattern),
+        blender_frames(todo),
+        settings_of(job, plan.device),
+    )
+    store = store_for(job.output, s3_settings(spec))
+    uploader = Uploader(
+        store,
+        job.output,
+        pattern,
+        plan.extension,
+        plan.file_format,
+        index,
+        Path(cluster.workspace) / "thumbs",
+        set(thumb_frames),
+        progress.add,
+    )
+    log = logparse.RenderLog()
+    lines: deque[str] = deque(maxlen=20)
+
+    def on_line(stream: str, line: str) -> None:
+        before = len(log.saved), len(log.frame_seconds)
+        log.feed(line)
+        if len(log.frame_seconds) > before[1] and log.current_frame in log.saved:
+            frame = log.current_frame
+            uploader.put(frame, Path(log.saved[frame]), log.frame_seconds.get(frame))
+        elif len(log.saved) == before[0] and "Fra:" not in line:
+            lines.append(redact(line))
+            if line.strip():
+                logger.info("chunk %d: %s", index, redact(line))
+
+    secret_values = secrets.resolve(spec.secret_env)
+    redact = secrets.Redactor(list(secret_values.values()))
+    env = {**os.environ, **spec.env, **secret_values}
+    try:
+        run = get_backend(cluster.backend).run(
+            cluster,
+            argv,
+            env,
+            max(1.0, deadline - time.time()),
+            on_line,
+            cancel_requested(flow_run_id),
+            grace_s=spec.limits.stop_grace_s,
+        )
+    finally:
+        _flush_unreported(log, uploader)
+        uploader.finish()  # frames Blender saved are uploaded even when we are interrupted
+        shutil.rmtree(scratch, ignore_errors=True)
+    result.invocations = 1
+    result.wall_s = run.duration_s
+    result.frame_s = sum(log.frame_seconds.get(f, 0.0) for f in todo)
+    result.rendered = sorted(progress.done(todo))
+    if run.cancelled:
+        raise JobCancelled("the run was cancelled while frames rendered; Blender was stopped")
+    missing = [f for f in todo if f not in result.rendered]
+    logger.info(
+        "chunk %d: frames %s rendered in %.1f s (%d in storage)",
+        index,
+        label(todo),
+        run.duration_s,
+        len(result.rendered),
+    )
+    if not missing:
+        return result
+    raise _chunk_error(index, missing, log, run, uploader.problems, list(lines))
+
+
+def _flush_unreported(log: logparse.RenderLog, uploader: Uploader) -> None:
+    """Hand over a frame whose Saved line came without its Time line (Blender stopped)."""
+    for frame, path in log.saved.items():
+        if frame not in log.frame_seconds and Path(path).is_file():
+            uploader.put(frame, Path(path), None)
+
+
+def _chunk_error(
+    index: int,
+    missing: list[int],
+    log: logparse.RenderLog,
+    run: JobResult,
+    problems: dict[int, str],
+    lines: list[str],
+) -> Exception:
+    where = f"chunk {index} (frames {label(missing)} missing)"
+    if run.timed_out:
+        return ChunkFailed(
+            f"{where}: the render ran past limits.max_duration and was stopped; raise it."
+        )
+    failure = logparse.classify(log, run.exit_code, run.signal)
+    if failure is not None:
+        kind = ChunkCrashed if failure.transient else ChunkFailed
+        return kind(f"{where}: {failure.message}.")
+    bad = [f"frame {f} {problems[f]}" for f in missing if f in problems]
+    if bad:
+        return ChunkFailed(f"{where}: {'; '.join(bad[:5])}.")
+    last = " | ".join(line for line in lines[-3:] if line.strip()) or "nothing"
+    return ChunkFailed(
+        f"{where}: Blender exited {run.exit_code} without writing them; its last lines: {last}."
+    )
+
+
+def settings_of(job: RenderJob, device: str | None) -> RenderSettings:
+    return RenderSettings(
+        engine=job.engine,
+        device=device,
+        samples=job.samples,
+        resolution_x=job.resolution_x,
+        resolution_y=job.resolution_y,
+        resolution_percentage=job.resolution_percentage,
+        threads=job.threads,
+        file_format=job.file_format,
+        denoise=job.denoise,
+    )
+
+
+class _Sizer:
+    """Chunk sizes: fixed, or from measured start-up and per-frame seconds."""
+
+    def __init__(self, chunk: int | str, startup_s: float, workers: int) -> None:
+        self.fixed = chunk if isinstance(chunk, int) else None
+        self.startups = [startup_s] if startup_s > 0 else []
+        self.frame_times: list[float] = []
+        self.workers = workers
+
+    def learn(self, result: ChunkResult) -> None:
+        if result.invocations and result.rendered:
+            self.frame_times.append(result.frame_s / len(result.rendered))
+            self.startups.append(max(0.0, result.wall_s - result.frame_s))
+
+    def next(self, remaining: int) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        fair = math.ceil(remaining / self.workers)
+        if not self.frame_times:
+            return max(1, min(fair, FIRST_CHUNK_MAX))
+        startup = statistics.median(self.startups) if self.startups else 1.0
+        return auto_chunk_size(
+            remaining, startup, statistics.median(self.frame_times), self.workers
+        )
+
+
+def render_stage(
+    spec: JobSpec, cluster: Cluster, prices: PriceTable, flow_run_id: str
+) -> RunOutcome:
+    """The run stage of a render job: chunks under the spec's limits, with the sampler on;
+    writes outputs/result.json with the render's figures for collect."""
+    import json
+
+    logger = get_run_logger()
+    timeout, stopped_by = time_limit(spec, cluster, prices)
+    with sampling(spec, cluster, flow_run_id, logger.warning):
+        outcome, figures = render_frames(spec, cluster, flow_run_id, time.time() + timeout)
+    outputs = Path(cluster.workspace) / "outputs"
+    outputs.mkdir(parents=True, exist_ok=True)
+    (outputs / "result.json").write_text(json.dumps(figures, indent=1))
+    if (
+        outcome.failure
+        and "limits.max_duration" in outcome.failure
+        and stopped_by != "max_duration"
+    ):
+        outcome = outcome.model_copy(
+            update={
+                "failure": outcome.failure.replace("limits.max_duration", f"limits.{stopped_by}")
+            }
+        )
+    return outcome
+
+
+def render_frames(
+    spec: JobSpec, cluster: Cluster, flow_run_id: str, deadline: float
+) -> tuple[RunOutcome, dict[str, Any]]:
+    """Render every planned frame not yet in storage; return the outcome (a failure
+    sentence when a chunk failed for good) and the figures for result.json."""
+    job = spec.job
+    assert isinstance(job, RenderJob)
+    logger = get_run_logger()
+    s3 = s3_settings(spec)
+    plan = scenes.plan(spec, s3)
+    pattern, note = output_pattern(job.pattern)
+    for warning in [*([note] if note else []), *plan.warnings]:
+        logger.warning("%s", warning)
+    store = store_for(job.output, s3)
+    found, broken = existing_frames(
+        store, job.output, pattern, plan.frames, plan.extension, plan.file_format
+    )
+    for line in broken:
+        logger.warning("%s", line)
+    todo = [f for f in plan.frames if f not in found]
+    workers = job.max_workers or max(1, len(cluster.gpu_indices))
+    logger.info(
+        "render %s: %d frames, %d already in %s, %d to render with %d worker(s)",
+        Path(plan.blend).name,
+        len(plan.frames),
+        len(found),
+        job.output,
+        len(todo),
+        workers,
+    )
+    progress = _Progress(len(plan.frames), found)
+    progress.artifact_id = create_progress_artifact(
+        100.0 * len(found) / len(plan.frames),
+        key="gpuflow-render-progress",
+        description=f"{len(found)} of {len(plan.frames)} frames in storage",
+    )
+    _RUNS[flow_run_id] = progress
+    thumbs = set(report.sheet_frames(plan.frames)) if job.contact_sheet else set()
+    if job.preview_video and shutil.which("ffmpeg") and len(plan.frames) <= PREVIEW_MAX_FRAMES:
+        thumbs = set(plan.frames)
+    started = datetime.now(UTC)
+    sizer = _Sizer(job.chunk, plan.info.load_s, workers)
+    chunk_task = render_chunk.with_options(
+        retries=job.chunk_retries,
+        retry_delay_seconds=1,
+        retry_condition_fn=retry_when_retryable,
+    )
+    gpus = list(cluster.gpu_indices)
+    free_gpus = [gpus[i % len(gpus)] for i in range(workers)] if gpus else [None] * workers
+    results: list[ChunkResult] = []
+    failure: str | None = None
+    pending = list(todo)
+    in_flight: dict[Any, Any] = {}  # future -> the GPU it holds
+    submitted = 0
+    try:
+        while pending or in_flight:
+            while pending and free_gpus and failure is None:
+                size = sizer.next(len(pending))
+                frames, pending = pending[:size], pending[size:]
+                gpu = free_gpus.pop(0)
+                pinned = cluster.model_copy(
+                    update={"gpu_indices": [gpu] if gpu is not None else []}
+                )
+                future = chunk_task.submit(
+                    spec, pinned, plan, frames, submitted, deadline, flow_run_id,
+                    sorted(thumbs & set(frames)),
+                )  # fmt: skip
+                in_flight[future] = gpu
+                submitted += 1
+            if not in_flight:
+                break
+            future = next(as_completed(list(in_flight)))
+            free_gpus.append(in_flight.pop(future))
+            try:
+                chunk_result = future.result()
+            except JobCancelled:
+                raise
+            except Exception as exc:
+                failure = failure or str(exc)
+                pending = []  # stop starting chunks; those running finish their frames
+                continue
+            results.append(chunk_result)
+            sizer.learn(chunk_result)
+    finally:
+        progress.publish(force=True)
+        _RUNS.pop(flow_run_id, None)
+    ended = datetime.now(UTC)
+    records = list(progress.records.values())
+    rendered = sum(len(r.rendered) for r in results)
+    figures = {
+        "frames": len(plan.frames),
+        "frames_skipped": progress.skipped,
+        "frames_rendered": len(records) - progress.skipped,
+        "frames_missing": len(plan.frames) - len(records),
+        "chunks": len(results),
+        "blender_invocations": sum(r.invocations for r in results),
+        "render_s": round((ended - started).total_seconds(), 3),
+        "frames_per_s": round(rendered / max(1e-9, (ended - started).total_seconds()), 3),
+        "mean_frame_s": round(statistics.mean([r.seconds for r in records if r.seconds] or [0]), 4),
+        "blender": plan.info.blender,
+        "engine": plan.engine,
+        "output": job.output,
+    }
+    outputs = Path(cluster.workspace) / "outputs"
+    _write_report(outputs, records, Path(cluster.workspace) / "thumbs", plan, spec, store)
+    result = JobResult(
+        exit_code=1 if failure else 0,
+        started_at=started,
+        ended_at=ended,
+        duration_s=(ended - started).total_seconds(),
+        log_tail=[failure] if failure else [],
+    )
+    return RunOutcome(result=result, failure=failure), figures
+
+
+def _write_report(
+    outputs: Path,
+    records: list[FrameRecord],
+    thumbs_dir: Path,
+    plan: scenes.RenderPlan,
+    spec: JobSpec,
+    store: Any,
+) -> None:
+    import json
+
+    job = spec.job
+    assert isinstance(job, RenderJob)
+    outputs.mkdir(parents=True, exist_ok=True)
+    (outputs / "frames.json").write_text(
+        json.dumps([r.model_dump() for r in sorted(records, key=lambda r: r.frame)], indent=1)
+    )
+    thumbnails = {r.frame: Path(r.thumbnail) for r in records if r.thumbnail}
+    if job.contact_sheet:
+        wanted = report.sheet_frames(sorted(r.frame for r in records))
+        for record in records:  # frames from an earlier run: fetch the few the sheet shows
+            if record.frame in wanted and record.frame not in thumbnails:
+                thumbnails.update(_thumbnail_from_store(store, record, thumbs_dir))
+        sheet = {f: p for f, p in thumbnails.items() if f in wanted}
+        report.contact_sheet(
+            sheet, outputs / "contact-sheet.png", f"{spec.name}: {len(records)} frames"
+        )
+    if job.preview_video:
+        report.preview_video(thumbnails, outputs / "preview.mp4", plan.info.fps)
+
+
+def _thumbnail_from_store(store: Any, record: FrameRecord, thumbs_dir: Path) -> dict[int, Path]:
+    from tasks.render.output import make_thumbnail
+
+    scratch = thumbs_dir / f"fetched-{record.frame}{Path(record.url).suffix}"
+    scratch.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        store.download_file(record.url, scratch)
+        made = make_thumbnail(scratch, thumbs_dir / f"{record.frame}.png")
+    except Exception:
+        return {}
+    finally:
+        scratch.unlink(missing_ok=True)
+    return {record.frame: Path(made)} if made else {}
