@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Creates .venv and installs gpuflow into it; with --test, also what the tests need.
+# Creates .venv and installs gpuflow into it; with --test, also what the tests need;
+# with --render, also Blender (and ffmpeg) for renders.
 # Safe to rerun: it installs only what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-want_test=false
-[[ "${1:-}" == "--test" ]] && want_test=true
+want_test=false want_render=false
+[[ "${1:-}" == "--test" ]] && want_test=true want_render=true
+[[ "${1:-}" == "--render" ]] && want_render=true
 
 apt_packages=()
 command -v python3 >/dev/null || apt_packages+=(python3)
@@ -13,6 +15,10 @@ python3 -c 'import ensurepip, venv' 2>/dev/null || apt_packages+=(python3-venv)
 if $want_test; then
     command -v prometheus-pushgateway >/dev/null || apt_packages+=(prometheus-pushgateway)
     command -v promtool >/dev/null || apt_packages+=(prometheus)  # promtool checks infra/ rules
+fi
+if $want_render; then
+    command -v blender >/dev/null || apt_packages+=(blender)  # renders run the real Blender
+    command -v ffmpeg >/dev/null || apt_packages+=(ffmpeg)    # preview videos
 fi
 if ((${#apt_packages[@]})); then
     sudo=""

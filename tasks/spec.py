@@ -229,8 +229,10 @@ class RenderJob(_Model):
             return value
         known = {"engine": ENGINES, "device": DEVICES, "file_format": FORMATS}[info.field_name]
         if value.upper() not in known:
-            close = difflib.get_close_matches(value.upper(), list(known), n=1)
+            close = difflib.get_close_matches(value.upper(), list(known), n=1, cutoff=0.75)
             hint = f"did you mean {close[0]}? " if close else ""
+            if info.field_name == "device" and value.upper() == "GPU":
+                hint = "name the kind of GPU (CUDA or OPTIX for NVIDIA, HIP for AMD); "
             raise ValueError(
                 f"{value!r} is not known; {hint}use one of {', '.join(dict.fromkeys(known))}"
             )

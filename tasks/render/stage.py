@@ -60,7 +60,8 @@ class ChunkResult(BaseModel):
     rendered: list[int] = []
     invocations: int = 0
     wall_s: float = 0.0
-    frame_s: float = 0.0  # sum of Blender's per-frame times
+    per_frame_s: float | None = None  # wall seconds between frames saved, measured here
+    startup_s: float | None = None  # wall seconds before the first frame, less one frame
 
 
 class _Progress:
@@ -146,10 +147,14 @@ def render_chunk(
     )
     log = logparse.RenderLog()
     lines: deque[str] = deque(maxlen=20)
+    saved_at: list[float] = []
+    started = time.monotonic()
 
     def on_line(stream: str, line: str) -> None:
         before = len(log.saved), len(log.frame_seconds)
         log.feed(line)
+        if len(log.saved) > before[0]:
+            saved_at.append(time.monotonic())
         if len(log.frame_seconds) > before[1] and log.current_frame in log.saved:
             frame = log.current_frame
             uploader.put(frame, Path(log.saved[frame]), log.frame_seconds.get(frame))
@@ -177,7 +182,9 @@ def render_chunk(
         shutil.rmtree(scratch, ignore_errors=True)
     result.invocations = 1
     result.wall_s = run.duration_s
-    result.frame_s = sum(log.frame_seconds.get(f, 0.0) for f in todo)
+    if len(saved_at) >= 2:
+        result.per_frame_s = (saved_at[-1] - saved_at[0]) / (len(saved_at) - 1)
+        result.startup_s = max(0.0, saved_at[0] - started - result.per_frame_s)
     result.rendered = sorted(progress.done(todo))
     if run.cancelled:
         raise JobCancelled("the run was cancelled while frames rendered; Blender was stopped")
@@ -251,9 +258,9 @@ class _Sizer:
         self.workers = workers
 
     def learn(self, result: ChunkResult) -> None:
-        if result.invocations and result.rendered:
-            self.frame_times.append(result.frame_s / len(result.rendered))
-            self.startups.append(max(0.0, result.wall_s - result.frame_s))
+        if result.per_frame_s is not None and result.startup_s is not None:
+            self.frame_times.append(result.per_frame_s)
+            self.startups.append(result.startup_s)
 
     def next(self, remaining: int) -> int:
         if self.fixed is not None:
