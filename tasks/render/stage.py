@@ -40,6 +40,8 @@ from tasks.spec import JobSpec, RenderJob
 from tasks.stages import RunOutcome, cancel_requested, retry_when_retryable, sampling, time_limit
 from tasks.storage import store_for
 
+# Failures after which Blender still renders every frame, but not as asked.
+WRONG_SETTINGS = ("device_unknown", "device_absent", "python_error")
 FIRST_CHUNK_MAX = 10  # before any frame is timed: assume a frame costs about a start-up
 PREVIEW_MAX_FRAMES = 2000
 _RUNS: dict[str, _Progress] = {}  # flow run id -> its progress, shared with chunk threads
@@ -189,6 +191,10 @@ def render_chunk(
     if run.cancelled:
         raise JobCancelled("the run was cancelled while frames rendered; Blender was stopped")
     missing = [f for f in todo if f not in result.rendered]
+    wrong = logparse.classify(log, run.exit_code, run.signal)
+    if wrong is not None and wrong.kind in WRONG_SETTINGS:
+        # The frames exist but were not rendered as asked (on the CPU, without the settings).
+        raise ChunkFailed(f"chunk {index} (frames {label(todo)}): {wrong.message}.")
     logger.info(
         "chunk %d: frames %s rendered in %.1f s (%d in storage)",
         index,
@@ -398,6 +404,7 @@ def render_frames(
         "chunks": len(results),
         "blender_invocations": sum(r.invocations for r in results),
         "render_s": round((ended - started).total_seconds(), 3),
+        "blender_s": round(sum(r.wall_s for r in results), 3),
         "frames_per_s": round(rendered / max(1e-9, (ended - started).total_seconds()), 3),
         "mean_frame_s": round(statistics.mean([r.seconds for r in records if r.seconds] or [0]), 4),
         "blender": plan.info.blender,

@@ -83,9 +83,10 @@ def wrapper(tmp_path: Path, body: str) -> Path:
             f"""
             import json, os, sys
             argv = ["{BLENDER}", *sys.argv[1:]]
-            if "--python" not in argv:
-                with open("{tmp_path / "calls.jsonl"}", "a") as log:
-                    log.write(json.dumps(argv) + "\\n")
+            if "--python" in argv:  # gpuflow inspecting the scene
+                os.execv(argv[0], argv)
+            with open("{tmp_path / "calls.jsonl"}", "a") as log:
+                log.write(json.dumps(argv) + "\\n")
             """
         )
         + textwrap.dedent(body)

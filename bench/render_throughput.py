@@ -1,0 +1,124 @@
+"""Render throughput: the same N frames (a) by one bare Blender process, (b) by the render
+flow with automatic chunks, (c) by one Blender process per frame. Prints frames/s and
+the ratios. Targets: (b) >= 0.9x (a); (b) >= 3x (c).
+
+The three alternate in each round so that machine noise hits all of them; (b) starts
+cold every round (its scene inspection cache and output emptied) against a warm API.
+
+    python bench/render_throughput.py [--frames 24] [--size 64] [--samples 16] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--frames", type=int, default=24)
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    home = Path(os.environ.setdefault("GPUFLOW_HOME", tempfile.mkdtemp(prefix="gpuflow-bench-")))
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    blender = shutil.which("blender") or sys.exit("blender is not installed")
+    work = Path(tempfile.mkdtemp(prefix="render-bench-"))
+    scene = work / "scene.blend"
+    build = ROOT / "tasks" / "render" / "blender_demo_scene.py"
+    subprocess.run(
+        [blender, "-b", "--python", str(build), "--", str(scene), str(args.frames), str(args.size)],
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(
+        [blender, "-b", str(scene), "--python-expr",
+         f"import bpy; bpy.context.scene.cycles.samples = {args.samples}; bpy.ops.wm.save_mainfile()"],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.render import render
+
+    def bare() -> float:
+        out = work / "bare"
+        shutil.rmtree(out, ignore_errors=True)
+        start = time.perf_counter()
+        subprocess.run(
+            [blender, "-b", str(scene), "-o", f"{out}/f_####", "-s", "1", "-e", str(args.frames), "-a"],
+            check=True,
+            capture_output=True,
+        )  # fmt: skip
+        return time.perf_counter() - start
+
+    def per_frame() -> float:
+        out = work / "single"
+        shutil.rmtree(out, ignore_errors=True)
+        start = time.perf_counter()
+        for frame in range(1, args.frames + 1):
+            subprocess.run(
+                [blender, "-b", str(scene), "-o", f"{out}/f_####", "-f", str(frame)],
+                check=True,
+                capture_output=True,
+            )
+        return time.perf_counter() - start
+
+    chunks: list[int] = []
+
+    def flow() -> float:
+        out = work / "flow"
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(home / "cache", ignore_errors=True)
+        spec = {
+            "name": "bench",
+            "job": {"kind": "render", "scene": str(scene), "output": f"file://{out}"},
+            "resources": {"gpus": 1, "allow_cpu": True},
+            "metrics": {"plot": False},
+        }
+        start = time.perf_counter()
+        result = render(spec)
+        elapsed = time.perf_counter() - start
+        chunks.append(result.metrics.job["chunks"])
+        return elapsed
+
+    with prefect_test_harness(server_startup_timeout=120):
+        flow()  # warm-up: the API, imports
+        times: dict[str, list[float]] = {"a": [], "b": [], "c": []}
+        for _ in range(args.rounds):
+            times["a"].append(bare())
+            times["b"].append(flow())
+            times["c"].append(per_frame())
+    n = args.frames
+    rate = {k: n / statistics.median(v) for k, v in times.items()}
+    print(f"{args.frames} frames, {args.size}x{args.size}, Cycles {args.samples} samples, CPU")
+    print(f"{'':28}{'median s':>10}{'frames/s':>10}   rounds")
+    names = {
+        "a": "(a) one bare blender -a",
+        "b": "(b) render flow, auto",
+        "c": "(c) blender per frame",
+    }
+    for key, label in names.items():
+        rounds = " ".join(f"{t:.2f}" for t in times[key])
+        print(f"{label:28}{statistics.median(times[key]):10.2f}{rate[key]:10.2f}   {rounds}")
+    print(f"chunks chosen by the flow: {chunks[1:]}")
+    print(f"(b)/(a) = {rate['b'] / rate['a']:.2f}  target >= 0.9")
+    print(f"(b)/(c) = {rate['b'] / rate['c']:.2f}  target >= 3")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
