@@ -56,14 +56,22 @@ def _teardown(backend: str, flow_run_id: str) -> None:
         teardown_owned(backend, flow_run_id)  # the task machinery failed: do it plainly
 
 
-@flow(
-    name="gpu-pipeline",
-    validate_parameters=False,
-    on_crashed=[_teardown_hook],
-    on_cancellation=[_teardown_hook],
-)
+# Every flow that runs the stages carries these, so teardown runs however the run ends.
+TEARDOWN_HOOKS: dict[str, Any] = {
+    "on_crashed": [_teardown_hook],
+    "on_cancellation": [_teardown_hook],
+}
+
+
+@flow(name="gpu-pipeline", validate_parameters=False, **TEARDOWN_HOOKS)
 def gpu_pipeline(spec: JobSpec) -> PipelineResult | State:
     """Run one GPU job through provision, preflight, run, collect and teardown."""
+    return run_stages(spec)
+
+
+def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
+    """The pipeline's body, for flows that run it in their own flow run (render, train)
+    rather than as a subflow: one flow run less to create and finish."""
     job = load_spec(spec.model_dump() if isinstance(spec, JobSpec) else spec)
     job, prices = placement.resolve(job)
     backend = job.placement.backend

@@ -6,12 +6,12 @@ from typing import Any
 
 from prefect import flow
 
-from flows.pipeline import gpu_pipeline
+from flows.pipeline import TEARDOWN_HOOKS, run_stages
 from tasks.errors import InvalidSpec
 from tasks.spec import JobSpec, load_spec
 
 
-@flow(name="render", validate_parameters=False)
+@flow(name="render", validate_parameters=False, **TEARDOWN_HOOKS)
 def render(spec: JobSpec) -> Any:
     """Render a scene's frames to storage: provision, preflight, chunks, collect, teardown."""
     job = load_spec(spec.model_dump() if isinstance(spec, JobSpec) else spec)
@@ -19,4 +19,4 @@ def render(spec: JobSpec) -> Any:
         raise InvalidSpec(
             f"job.kind: the render flow runs render jobs, not {job.job.kind}; use gpu_pipeline."
         )
-    return gpu_pipeline(job)
+    return run_stages(job)

@@ -6,12 +6,12 @@ from typing import Any
 
 from prefect import flow
 
-from flows.pipeline import gpu_pipeline
+from flows.pipeline import TEARDOWN_HOOKS, run_stages
 from tasks.errors import InvalidSpec
 from tasks.spec import JobSpec, load_spec
 
 
-@flow(name="train", validate_parameters=False)
+@flow(name="train", validate_parameters=False, **TEARDOWN_HOOKS)
 def train(spec: JobSpec) -> Any:
     """Train a model on webdataset shards: provision, preflight, torchrun, collect, teardown."""
     job = load_spec(spec.model_dump() if isinstance(spec, JobSpec) else spec)
@@ -19,4 +19,4 @@ def train(spec: JobSpec) -> Any:
         raise InvalidSpec(
             f"job.kind: the train flow runs train jobs, not {job.job.kind}; use gpu_pipeline."
         )
-    return gpu_pipeline(job)
+    return run_stages(job)

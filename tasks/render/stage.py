@@ -273,7 +273,9 @@ class _Sizer:
             return self.fixed
         fair = math.ceil(remaining / self.workers)
         if not self.frame_times:
-            return max(1, min(fair, FIRST_CHUNK_MAX))
+            # One worker has nothing to balance: one chunk pays start-up once. Several get
+            # small first chunks whose timings size the rest.
+            return fair if self.workers == 1 else max(1, min(fair, FIRST_CHUNK_MAX))
         startup = statistics.median(self.startups) if self.startups else 1.0
         return auto_chunk_size(
             remaining, startup, statistics.median(self.frame_times), self.workers

@@ -134,7 +134,7 @@ def test_resume_after_sigterm_is_exact(s3_dataset, s3_server, gpuflow_home, aws_
     resumed, _ = run(train_spec(s3_dataset, s3_server.url("runs/resumed"), max_steps=40))
     watcher.join(timeout=5)
     assert resumed.is_completed(), resumed.message
-    run_id = resumed.result().flow_run_id  # the gpu_pipeline subflow that ran the stages
+    run_id = resumed.result().flow_run_id  # the train flow run that ran the stages
     assert stopped_at and 12 <= stopped_at[0] < 40
     run_task = next(t for t in task_runs_of(run_id) if t.name.startswith("run"))
     assert run_task.run_count == 2  # preempted once, retried, resumed
