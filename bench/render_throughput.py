@@ -112,7 +112,9 @@ def main() -> None:
     n = args.frames
     rate = {k: n / statistics.median(v) for k, v in times.items()}
     cache = "cold: scene inspected every run" if args.cold else "warm: scene inspection cached"
-    print(f"{args.frames} frames, {args.size}x{args.size}, Cycles {args.samples} samples, CPU; {cache}")
+    print(
+        f"{args.frames} frames, {args.size}x{args.size}, Cycles {args.samples} samples, CPU; {cache}"
+    )
     print(f"{'':28}{'median s':>10}{'frames/s':>10}   rounds")
     names = {
         "a": "(a) one bare blender -a",

@@ -61,6 +61,22 @@ class RenderLog:
                 self.errors.append(message)
 
 
+def saved_path(line: str) -> str | None:
+    """Return the file a `Saved: '...'` line names, else None."""
+    found = _SAVED.search(line)
+    return found.group(1) if found else None
+
+
+def frame_time(line: str) -> float | None:
+    """Return the seconds a ` Time: MM:SS.ss` line (after Saved) gives, else None.
+    Workbench renders print no Fra: lines, so this does not need one."""
+    took = _TIME.match(line)
+    if not took:
+        return None
+    hours, minutes, seconds = took.groups()
+    return int(hours or 0) * 3600 + int(minutes) * 60 + float(seconds)
+
+
 def parse(text: str) -> RenderLog:
     log = RenderLog()
     for line in text.splitlines():

@@ -33,7 +33,7 @@ from tasks.jobs import s3_settings
 from tasks.metrics.cost import PriceTable
 from tasks.render import logparse, report
 from tasks.render import scene as scenes
-from tasks.render.argv import RenderSettings, output_pattern, render_argv
+from tasks.render.argv import RenderSettings, frame_filename, output_pattern, render_argv
 from tasks.render.frames import auto_chunk_size, blender_frames, label
 from tasks.render.output import FrameRecord, Uploader, existing_frames
 from tasks.spec import JobSpec, RenderJob
@@ -151,16 +151,27 @@ def render_chunk(
     lines: deque[str] = deque(maxlen=20)
     saved_at: list[float] = []
     started = time.monotonic()
+    by_name = {frame_filename(pattern, f, plan.extension): f for f in todo}
+    pending: list[tuple[int, Path]] = []  # saved, waiting for its Time line
+
+    def hand_over(seconds: float | None) -> None:
+        while pending:
+            frame, path = pending.pop()
+            uploader.put(frame, path, seconds)
 
     def on_line(stream: str, line: str) -> None:
-        before = len(log.saved), len(log.frame_seconds)
         log.feed(line)
-        if len(log.saved) > before[0]:
+        if (saved := logparse.saved_path(line)) is not None:
+            hand_over(None)
             saved_at.append(time.monotonic())
-        if len(log.frame_seconds) > before[1] and log.current_frame in log.saved:
-            frame = log.current_frame
-            uploader.put(frame, Path(log.saved[frame]), log.frame_seconds.get(frame))
-        elif len(log.saved) == before[0] and "Fra:" not in line:
+            path = Path(saved)
+            with contextlib.suppress(ValueError):
+                frame = by_name.get(path.relative_to(scratch).as_posix())
+                if frame is not None:
+                    pending.append((frame, path))
+        elif pending and (seconds := logparse.frame_time(line)) is not None:
+            hand_over(seconds)
+        elif "Fra:" not in line:
             lines.append(redact(line))
             if line.strip():
                 logger.info("chunk %d: %s", index, redact(line))
@@ -179,7 +190,7 @@ def render_chunk(
             grace_s=spec.limits.stop_grace_s,
         )
     finally:
-        _flush_unreported(log, uploader)
+        hand_over(None)
         uploader.finish()  # frames Blender saved are uploaded even when we are interrupted
         shutil.rmtree(scratch, ignore_errors=True)
     result.invocations = 1
@@ -205,13 +216,6 @@ def render_chunk(
     if not missing:
         return result
     raise _chunk_error(index, missing, log, run, uploader.problems, list(lines))
-
-
-def _flush_unreported(log: logparse.RenderLog, uploader: Uploader) -> None:
-    """Hand over a frame whose Saved line came without its Time line (Blender stopped)."""
-    for frame, path in log.saved.items():
-        if frame not in log.frame_seconds and Path(path).is_file():
-            uploader.put(frame, Path(path), None)
 
 
 def _chunk_error(

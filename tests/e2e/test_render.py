@@ -394,3 +394,22 @@ node.image = image
     assert again.result().metrics.job["frames_skipped"] == 3
     secret = s3_server.settings().secret_access_key.get_secret_value()
     assert not any(secret in line for line in logs_of(again.result().flow_run_id))
+
+
+def test_overrides_engine_format_and_resolution(prefect_api, scene, tmp_path, gpuflow_home):
+    out = tmp_path / "out"
+    spec = render_spec(
+        scene,
+        f"file://{out}",
+        frames="1,3",
+        engine="WORKBENCH",  # prints no Fra: lines; frames are known by their file names
+        file_format="OPEN_EXR",
+        resolution_percentage=50,
+        samples=2,
+    )
+    state = run_render(spec)
+    assert state.is_completed(), state.message
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["frame_0001.exr", "frame_0003.exr"]
+    assert all(check_image(out / name, "OPEN_EXR") is None for name in names)
+    assert state.result().metrics.job["engine"] == "WORKBENCH"
