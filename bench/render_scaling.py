@@ -3,7 +3,7 @@ rendered by the render flow at 100, 1,000 and 5,000 frames. Orchestration is the
 wall time less the time its Blender processes ran; printed per 1,000 frames next to the
 number of chunks. Target: grows no faster than the chunks, under 5 s per 1,000 frames.
 
-    python bench/render_scaling.py [--counts 100,1000,5000]
+    python bench/render_scaling.py [--counts 100,1000,5000] [--chunk auto|N]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--counts", default="100,1000,5000")
+    parser.add_argument("--chunk", default="auto", help="frames per chunk, or auto")
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
     os.environ.setdefault("GPUFLOW_HOME", tempfile.mkdtemp(prefix="gpuflow-bench-"))
@@ -60,6 +61,7 @@ def main() -> None:
                     "scene": str(scene),
                     "output": f"file://{out}",
                     "frames": f"1-{count}",
+                    "chunk": args.chunk,
                     "contact_sheet": False,
                     "preview_video": False,
                 },

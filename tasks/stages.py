@@ -89,6 +89,14 @@ def preflight(spec: JobSpec, cluster: Cluster) -> preflight_checks.PreflightRepo
     """Return the preflight report; raise PreflightFailed when the verdict is fail."""
     facts = preflight_checks.inspect(cluster.workspace, spec.job.torch)
     report = preflight_checks.verdict(spec, facts, cluster.gpu_indices)
+    if spec.job.kind == "render":
+        from tasks.render.scene import preflight_checks as render_checks
+
+        extra = [preflight_checks.Check(**c) for c in render_checks(spec, s3_settings(spec))]
+        checks = [*report.checks, *extra]
+        levels = {c.level for c in checks}
+        worst = "fail" if "fail" in levels else "warn" if "warn" in levels else "pass"
+        report = report.model_copy(update={"checks": checks, "verdict": worst})
     create_table_artifact(
         key="gpuflow-preflight",
         table=[{"check": c.name, "level": c.level, "message": c.message} for c in report.checks],

@@ -102,3 +102,25 @@ def test_auto_chunk_size(frames, startup, per_frame, workers, size):
 
 def test_frames_outside_the_scene():
     assert outside([1, 5, 250, 300], 1, 250) == [300]
+
+
+SIZER = [
+    # chunk, start-up s, workers, learned (per-frame s, start-up s) or None, remaining, size
+    (8, 1.5, 1, None, 100, 8),  # fixed sizes are kept
+    ("auto", 1.5, 1, None, 24, 24),  # one worker: nothing to balance, start-up paid once
+    ("auto", 1.5, 4, None, 100, 10),  # several: small first chunks to time frames
+    ("auto", 1.5, 4, None, 8, 2),  # ... but never more than a fair share
+    ("auto", 1.5, 4, (0.5, 1.0), 1000, 25),  # median start-up 1.25 s / (0.1 x 0.5 s)
+    ("auto", 1.5, 4, (0.001, 1.0), 1000, 250),  # trivial frames: the fair share caps it
+    ("auto", 1.5, 2, (60.0, 1.0), 100, 1),  # minute-long frames: one per chunk
+]
+
+
+@pytest.mark.parametrize(("size", "startup", "workers", "learned", "remaining", "expected"), SIZER)
+def test_chunk_sizer(size, startup, workers, learned, remaining, expected):
+    from tasks.render.frames import ChunkSizer
+
+    sizer = ChunkSizer(size, startup, workers)
+    if learned:
+        sizer.learn(*learned)
+    assert sizer.next(remaining) == expected

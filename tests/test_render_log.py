@@ -72,3 +72,20 @@ def test_signals_and_silent_exits_are_transient():
     assert "out-of-memory killer" in classify(parse(""), None, signal=9).message
     assert classify(parse(""), 3).transient
     assert classify(parse("Error: Cannot render, no camera"), 0).kind == "no_camera"
+
+
+@pytest.mark.parametrize(
+    ("line", "path", "seconds"),
+    [
+        ("Saved: '/out/frame_0001.png'", "/out/frame_0001.png", None),
+        ("Saved: '/out/it''s here/f_1.exr'", "/out/it''s here/f_1.exr", None),
+        (" Time: 00:00.53 (Saving: 00:00.25)", None, 0.53),
+        (" Time: 01:02:03.50 (Saving: 00:00.25)", None, 3723.5),
+        ("Fra:1 Mem:9.17M (Peak 10.87M) | Time:00:00.00 | Scene | Finished", None, None),
+    ],
+)
+def test_saved_and_time_lines_without_fra_lines(line, path, seconds):
+    from tasks.render.logparse import frame_time, saved_path
+
+    assert saved_path(line) == path
+    assert frame_time(line) == seconds

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 
 MAX_FRAME = 1_048_574  # Blender's MAXFRAME
 _ITEM = re.compile(r"^(\d+)(?:(?:-|\.\.)(\d+)(?:x(\d+))?)?$")
@@ -88,3 +89,37 @@ def auto_chunk_size(
 def outside(frames: list[int], first: int, last: int) -> list[int]:
     """Return the frames outside the scene's range first..last."""
     return [f for f in frames if f < first or f > last]
+
+
+FIRST_CHUNK_MAX = 10  # before any frame is timed: assume a frame costs about a start-up
+
+
+class ChunkSizer:
+    """Chunk sizes: a fixed size, or `auto` from measured start-up and per-frame seconds.
+
+    With one worker there is nothing to balance, so the first chunk takes every frame
+    (start-up is paid once). With several, first chunks are small; their timings size the
+    rest so start-up costs about a tenth of each chunk, while every worker still gets work.
+    """
+
+    def __init__(self, chunk: int | str, startup_s: float, workers: int) -> None:
+        self.fixed = chunk if isinstance(chunk, int) else None
+        self.startups = [startup_s] if startup_s > 0 else []
+        self.frame_times: list[float] = []
+        self.workers = max(1, workers)
+
+    def learn(self, per_frame_s: float, startup_s: float) -> None:
+        self.frame_times.append(per_frame_s)
+        self.startups.append(startup_s)
+
+    def next(self, remaining: int) -> int:
+        """Return the size of the next chunk when `remaining` frames are left to hand out."""
+        if self.fixed is not None:
+            return self.fixed
+        fair = math.ceil(remaining / self.workers)
+        if not self.frame_times:
+            return fair if self.workers == 1 else max(1, min(fair, FIRST_CHUNK_MAX))
+        startup = statistics.median(self.startups) if self.startups else 1.0
+        return auto_chunk_size(
+            remaining, startup, statistics.median(self.frame_times), self.workers
+        )

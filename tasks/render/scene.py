@@ -343,3 +343,34 @@ def check_output(job: RenderJob, s3: S3Settings | None) -> None:
         raise InvalidSpec(
             f"job.output: cannot write to {job.output} ({exc}); fix the URL or its permissions."
         ) from None
+
+
+def preflight_checks(spec: JobSpec, s3: S3Settings | None) -> list[dict[str, str]]:
+    """Return preflight findings for a render: Blender's version and its Cycles devices
+    (from the cached inspection), each as {name, level, message}."""
+    job = spec.job
+    assert isinstance(job, RenderJob)
+    found = plan(spec, s3)
+    devices = ", ".join(
+        f"{kind}: {', '.join(names) or 'none'}" for kind, names in found.info.devices.items()
+    )
+    checks = [
+        {
+            "name": "blender",
+            "level": "pass",
+            "message": f"Blender {found.info.blender} at {blender_program(job)};"
+            f" {found.engine} on {found.device or 'the CPU'}"
+            + (f"; Cycles devices seen: {devices}." if devices else "."),
+        }
+    ]
+    if found.device and found.device != "CPU" and not found.info.devices.get(found.device):
+        checks.append(
+            {
+                "name": "cycles-device",
+                "level": "fail",
+                "message": f"Blender sees no {found.device} device here; run on a host with one"
+                " or set job.device: CPU.",
+            }
+        )
+    checks += [{"name": "scene", "level": "warn", "message": w} for w in found.warnings]
+    return checks

@@ -10,7 +10,6 @@ its per-frame time (from its log), so that start-up costs about a tenth of a chu
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import shutil
 import statistics
@@ -34,7 +33,7 @@ from tasks.metrics.cost import PriceTable
 from tasks.render import logparse, report
 from tasks.render import scene as scenes
 from tasks.render.argv import RenderSettings, frame_filename, output_pattern, render_argv
-from tasks.render.frames import auto_chunk_size, blender_frames, label
+from tasks.render.frames import ChunkSizer, blender_frames, label
 from tasks.render.output import FrameRecord, Uploader, existing_frames
 from tasks.spec import JobSpec, RenderJob
 from tasks.stages import RunOutcome, cancel_requested, retry_when_retryable, sampling, time_limit
@@ -42,7 +41,6 @@ from tasks.storage import store_for
 
 # Failures after which Blender still renders every frame, but not as asked.
 WRONG_SETTINGS = ("device_unknown", "device_absent", "python_error")
-FIRST_CHUNK_MAX = 10  # before any frame is timed: assume a frame costs about a start-up
 PREVIEW_MAX_FRAMES = 2000
 _RUNS: dict[str, _Progress] = {}  # flow run id -> its progress, shared with chunk threads
 
@@ -258,34 +256,6 @@ def settings_of(job: RenderJob, device: str | None) -> RenderSettings:
     )
 
 
-class _Sizer:
-    """Chunk sizes: fixed, or from measured start-up and per-frame seconds."""
-
-    def __init__(self, chunk: int | str, startup_s: float, workers: int) -> None:
-        self.fixed = chunk if isinstance(chunk, int) else None
-        self.startups = [startup_s] if startup_s > 0 else []
-        self.frame_times: list[float] = []
-        self.workers = workers
-
-    def learn(self, result: ChunkResult) -> None:
-        if result.per_frame_s is not None and result.startup_s is not None:
-            self.frame_times.append(result.per_frame_s)
-            self.startups.append(result.startup_s)
-
-    def next(self, remaining: int) -> int:
-        if self.fixed is not None:
-            return self.fixed
-        fair = math.ceil(remaining / self.workers)
-        if not self.frame_times:
-            # One worker has nothing to balance: one chunk pays start-up once. Several get
-            # small first chunks whose timings size the rest.
-            return fair if self.workers == 1 else max(1, min(fair, FIRST_CHUNK_MAX))
-        startup = statistics.median(self.startups) if self.startups else 1.0
-        return auto_chunk_size(
-            remaining, startup, statistics.median(self.frame_times), self.workers
-        )
-
-
 def render_stage(
     spec: JobSpec, cluster: Cluster, prices: PriceTable, flow_run_id: str
 ) -> RunOutcome:
@@ -354,7 +324,7 @@ def render_frames(
     if job.preview_video and shutil.which("ffmpeg") and len(plan.frames) <= PREVIEW_MAX_FRAMES:
         thumbs = set(plan.frames)
     started = datetime.now(UTC)
-    sizer = _Sizer(job.chunk, plan.info.load_s, workers)
+    sizer = ChunkSizer(job.chunk, plan.info.load_s, workers)
     chunk_task = render_chunk.with_options(
         retries=job.chunk_retries,
         retry_delay_seconds=1,
@@ -395,7 +365,8 @@ def render_frames(
                 pending = []  # stop starting chunks; those running finish their frames
                 continue
             results.append(chunk_result)
-            sizer.learn(chunk_result)
+            if chunk_result.per_frame_s is not None and chunk_result.startup_s is not None:
+                sizer.learn(chunk_result.per_frame_s, chunk_result.startup_s)
     finally:
         progress.publish(force=True)
         _RUNS.pop(flow_run_id, None)
