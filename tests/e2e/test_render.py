@@ -302,6 +302,13 @@ def test_scene_problems_are_named_before_anything_starts(scene, tmp_path, gpuflo
         render_spec(scene, out, frames="5-9")
     )
     assert "job.frames_outside_scene: warn" in check(render_spec(scene, out, frames="5-9"))
+    from tasks.render.scene import plan
+
+    warned = plan(
+        load_spec(render_spec(scene, out, frames="5-9", frames_outside_scene="warn")), None
+    )
+    assert warned.frames == [5, 6, 7, 8, 9]
+    assert "frames 7-9 are outside the scene's range 1-6; rendering them" in warned.warnings[0]
     assert "Blender sees no OPTIX device on this host" in check(
         render_spec(scene, out, device="OPTIX")
     )
@@ -406,10 +413,13 @@ def test_overrides_engine_format_and_resolution(prefect_api, scene, tmp_path, gp
         file_format="OPEN_EXR",
         resolution_percentage=50,
         samples=2,
+        pattern="still",
     )
     state = run_render(spec)
     assert state.is_completed(), state.message
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["frame_0001.exr", "frame_0003.exr"]
+    assert names == ["still_0001.exr", "still_0003.exr"]
+    logs = logs_of(state.result().flow_run_id)
+    assert any("'still' had no # frame placeholder; using 'still_####'" in line for line in logs)
     assert all(check_image(out / name, "OPEN_EXR") is None for name in names)
     assert state.result().metrics.job["engine"] == "WORKBENCH"
