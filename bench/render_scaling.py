@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,18 +32,15 @@ def main() -> None:
     blender = shutil.which("blender") or sys.exit("blender is not installed")
     work = Path(tempfile.mkdtemp(prefix="render-scaling-"))
     scene = work / "trivial.blend"
-    build = ROOT / "tasks" / "render" / "blender_demo_scene.py"
-    subprocess.run(
-        [blender, "-b", "--python", str(build), "--", str(scene), str(max(counts)), "16"],
-        check=True,
-        capture_output=True,
+    from tasks.render.scene import demo_scene
+
+    demo_scene(
+        blender,
+        scene,
+        max(counts),
+        16,
+        "bpy.context.scene.render.engine = 'BLENDER_WORKBENCH'",
     )
-    subprocess.run(
-        [blender, "-b", str(scene), "--python-expr",
-         "import bpy; bpy.context.scene.render.engine = 'BLENDER_WORKBENCH'; bpy.ops.wm.save_mainfile()"],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
 
     from prefect.testing.utilities import prefect_test_harness
 

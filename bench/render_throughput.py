@@ -43,18 +43,15 @@ def main() -> None:
     blender = shutil.which("blender") or sys.exit("blender is not installed")
     work = Path(tempfile.mkdtemp(prefix="render-bench-"))
     scene = work / "scene.blend"
-    build = ROOT / "tasks" / "render" / "blender_demo_scene.py"
-    subprocess.run(
-        [blender, "-b", "--python", str(build), "--", str(scene), str(args.frames), str(args.size)],
-        check=True,
-        capture_output=True,
+    from tasks.render.scene import demo_scene
+
+    demo_scene(
+        blender,
+        scene,
+        args.frames,
+        args.size,
+        f"bpy.context.scene.cycles.samples = {args.samples}",
     )
-    subprocess.run(
-        [blender, "-b", str(scene), "--python-expr",
-         f"import bpy; bpy.context.scene.cycles.samples = {args.samples}; bpy.ops.wm.save_mainfile()"],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
 
     from prefect.testing.utilities import prefect_test_harness
 

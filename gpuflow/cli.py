@@ -179,8 +179,6 @@ def _render_spec(args: argparse.Namespace) -> dict:
 
 def _render_demo() -> int:
     """Build a small animated scene with Blender and render it to $GPUFLOW_HOME/renders."""
-    import subprocess
-
     from tasks.compute.local import gpuflow_home, resolve_program
 
     blender = resolve_program("blender")
@@ -191,15 +189,12 @@ def _render_demo() -> int:
             file=sys.stderr,
         )
         return EXIT_INVALID
+    from tasks.render.scene import demo_scene
+
     home = gpuflow_home()
     scene = home / "demo" / "turning-cube.blend"
-    script = Path(__file__).resolve().parents[1] / "tasks" / "render" / "blender_demo_scene.py"
     if not scene.is_file():
-        subprocess.run(
-            [blender, "-b", "--python", str(script), "--", str(scene), "24", "96"],
-            check=True,
-            capture_output=True,
-        )
+        demo_scene(blender, scene, 24, 96)
     out = f"file://{home / 'renders' / 'demo'}"
     print(f"rendering {scene} (24 frames) to {out}")
     return _run(

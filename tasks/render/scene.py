@@ -28,6 +28,7 @@ from tasks.spec import JobSpec, RenderJob
 from tasks.storage import ObjectMissing, S3Settings, StorageError, join, store_for
 
 INSPECT_SCRIPT = Path(__file__).with_name("blender_inspect.py")
+DEMO_SCRIPT = Path(__file__).with_name("blender_demo_scene.py")
 INSPECT_TIMEOUT_S = 600.0
 
 
@@ -374,3 +375,19 @@ def preflight_checks(spec: JobSpec, s3: S3Settings | None) -> list[dict[str, str
         )
     checks += [{"name": "scene", "level": "warn", "message": w} for w in found.warnings]
     return checks
+
+
+def demo_scene(
+    blender: str, path: Path, frames: int = 24, size: int = 64, expr: str | None = None
+) -> Path:
+    """Save the demo scene (a turning, moving cube; Cycles, PNG) at `path`, then apply
+    `expr` (bpy code, e.g. to change samples or engine) to it. For demos, tests, benches."""
+    run = {"check": True, "capture_output": True, "timeout": 300, "stdin": subprocess.DEVNULL}
+    subprocess.run(
+        [blender, "-b", "--python", str(DEMO_SCRIPT), "--", str(path), str(frames), str(size)],
+        **run,
+    )
+    if expr:
+        script = f"import bpy\n{expr}\nbpy.ops.wm.save_mainfile()\n"
+        subprocess.run([blender, "-b", str(path), "--python-expr", script], **run)
+    return path

@@ -27,24 +27,17 @@ from tests.e2e.helpers import artifacts_of, logs_of, nothing_left, task_runs_of
 
 pytestmark = pytest.mark.e2e
 BLENDER = shutil.which("blender")
-DEMO_SCENE = Path(__file__).resolve().parents[2] / "tasks" / "render" / "blender_demo_scene.py"
 if BLENDER is None:
     if os.environ.get("CI"):
         raise RuntimeError("blender is not installed; the test command installs it")
     pytest.skip("blender is not installed (scripts/test.sh installs it)", allow_module_level=True)
 
 
-def blender_run(*args: str) -> None:
-    subprocess.run([BLENDER, "-b", *args], check=True, capture_output=True, timeout=120)
-
-
 def make_scene(path: Path, frames: int = 6, size: int = 32, expr: str | None = None) -> Path:
     """Save the demo scene (a moving cube) at `path`, then apply `expr` (bpy code) to it."""
-    blender_run("--python", str(DEMO_SCENE), "--", str(path), str(frames), str(size))
-    if expr:
-        script = f"import bpy\n{expr}\nbpy.ops.wm.save_mainfile()\n"
-        blender_run(str(path), "--python-expr", script)
-    return path
+    from tasks.render.scene import demo_scene
+
+    return demo_scene(BLENDER, path, frames, size, expr)
 
 
 @pytest.fixture(scope="session")
@@ -423,3 +416,18 @@ def test_overrides_engine_format_and_resolution(prefect_api, scene, tmp_path, gp
     assert any("'still' had no # frame placeholder; using 'still_####'" in line for line in logs)
     assert all(check_image(out / name, "OPEN_EXR") is None for name in names)
     assert state.result().metrics.job["engine"] == "WORKBENCH"
+
+
+def test_render_command_rejects_bad_input_with_exit_2(prefect_api, scene, tmp_path, gpuflow_home):
+    env = subprocess_env(prefect_api, gpuflow_home)
+    args = [sys.executable, "-m", "gpuflow", "render", str(scene), "--out", f"file://{tmp_path}"]
+    for extra, sentence in (
+        (["--frames", "10-1"], "job.frames: '10-1' runs backwards; write 1-10"),
+        (["--chunk", "0"], "job.chunk: 0 is not a chunk size"),
+        (["--engine", "octane"], "job.engine: 'octane' is not known"),
+        (["--frames", "1-99"], "frames 7-99 are outside the scene's range 1-6"),
+    ):
+        done = subprocess.run([*args, *extra], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr[-1000:]
+        assert sentence in done.stderr and "Traceback" not in done.stderr
+    assert nothing_left(gpuflow_home)
