@@ -1,0 +1,1 @@
+"""HPC jobs: MPI launch lines and (to come) the molecular-dynamics kernel."""

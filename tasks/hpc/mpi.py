@@ -1,0 +1,129 @@
+"""Open MPI launch lines, built as argv lists: hostfile, mpirun options, which variables
+reach every rank, and the layout checks that must pass before anything starts. Pure.
+
+The shape follows what works on GPU clusters:
+`mpirun -np 4 -H server1:2,server2:2 --bind-to none --map-by slot -x NCCL_DEBUG ... prog`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+from pydantic import BaseModel
+
+# Variables every rank needs when they are set here: NCCL and CUDA tuning, library paths.
+EXPORT_PATTERNS = (
+    re.compile(r"^NCCL_"),
+    re.compile(r"^UCX_"),
+    re.compile(r"^OMP_NUM_THREADS$"),
+    re.compile(r"^LD_LIBRARY_PATH$"),
+    re.compile(r"^PATH$"),
+    re.compile(r"^PYTHONPATH$"),
+    re.compile(r"^GPUFLOW_"),
+)
+
+
+class Host(BaseModel):
+    name: str
+    slots: int
+    gpus: int = 0
+
+
+class LayoutError(ValueError):
+    """A rank layout that cannot run; the message names the field and the fix."""
+
+
+def hostfile(hosts: list[Host]) -> str:
+    """Return an Open MPI hostfile: one `name slots=N` line per host."""
+    return "".join(f"{h.name} slots={h.slots}\n" for h in hosts)
+
+
+def check_layout(
+    ranks: int, hosts: list[Host], gpus_per_rank: int, oversubscribe: bool = False
+) -> None:
+    """Raise LayoutError unless `ranks` ranks fit on `hosts` as asked."""
+    if ranks < 1:
+        raise LayoutError("ranks must be at least 1; set the number of MPI processes")
+    if not hosts:
+        raise LayoutError("there are no hosts to run on; give at least one")
+    slots = sum(h.slots for h in hosts)
+    if ranks > slots and not oversubscribe:
+        raise LayoutError(
+            f"ranks: {ranks} ranks do not fit in {slots} slot(s); lower ranks, add slots or"
+            " hosts, or set oversubscribe: true to run more ranks than cores"
+        )
+    if gpus_per_rank:
+        for host, placed in zip(hosts, place(ranks, hosts), strict=True):
+            if placed * gpus_per_rank > host.gpus:
+                raise LayoutError(
+                    f"gpus_per_rank: {placed} rank(s) x {gpus_per_rank} GPU(s) on {host.name}"
+                    f" need {placed * gpus_per_rank} GPUs but it has {host.gpus}; lower"
+                    " gpus_per_rank or ranks, or add hosts"
+                )
+
+
+def place(ranks: int, hosts: list[Host]) -> list[int]:
+    """Return how many ranks `--map-by slot` puts on each host: fill each host's slots in
+    order; ranks beyond every slot (oversubscribed) are counted one per host in turn, an
+    assumption the GPU check only needs to be conservative about, not exact."""
+    placed = [0] * len(hosts)
+    left = ranks
+    for i, host in enumerate(hosts):
+        take = min(host.slots, left)
+        placed[i] += take
+        left -= take
+    i = 0
+    while left > 0:
+        placed[i % len(hosts)] += 1
+        left -= 1
+        i += 1
+    return placed
+
+
+def exported(env: Mapping[str, str], extra: Iterable[str] = ()) -> list[str]:
+    """Return the names of the variables to pass with -x: those matching EXPORT_PATTERNS
+    that are set, plus `extra`; sorted, no duplicates. Values never enter the argv."""
+    names = {n for n in env if any(p.match(n) for p in EXPORT_PATTERNS)}
+    return sorted(names | set(extra))
+
+
+def mpirun_argv(
+    program: list[str],
+    ranks: int,
+    hosts: list[Host] | None,
+    env_names: list[str],
+    as_root: bool,
+    oversubscribe: bool = False,
+    mpirun: str = "mpirun",
+    hostfile_path: str | None = None,
+) -> list[str]:
+    """Return the mpirun argv: ranks, hosts (a hostfile when given, else -H), no binding,
+    slot mapping, -x per variable name; --allow-run-as-root only when running as root,
+    --oversubscribe only when asked."""
+    argv = [mpirun, "-np", str(ranks)]
+    if hostfile_path:
+        argv += ["--hostfile", hostfile_path]
+    elif hosts:
+        argv += ["-H", ",".join(f"{h.name}:{h.slots}" for h in hosts)]
+    argv += ["--bind-to", "none", "--map-by", "slot"]
+    if as_root:
+        argv.append("--allow-run-as-root")
+    if oversubscribe:
+        argv.append("--oversubscribe")
+    for name in env_names:
+        argv += ["-x", name]
+    return [*argv, *program]
+
+
+def local_gpus(local_rank: int, gpus_per_rank: int, visible: list[str]) -> list[str]:
+    """Return the devices (from the host's visible list) a local rank owns: rank k gets
+    the k-th block of `gpus_per_rank`."""
+    start = local_rank * gpus_per_rank
+    block = visible[start : start + gpus_per_rank]
+    if len(block) < gpus_per_rank:
+        raise LayoutError(
+            f"local rank {local_rank} needs GPUs {start}-{start + gpus_per_rank - 1} but only"
+            f" {len(visible)} are visible; lower gpus_per_rank or the ranks per host"
+        )
+    return block
