@@ -231,9 +231,28 @@ def blender_program(job: RenderJob) -> str:
 
 
 # -- the plan ----------------------------------------------------------------------------
+_PLANS: dict[tuple[str, str], RenderPlan] = {}  # (flow run id, spec) -> plan, this process
+
+
 def plan(spec: JobSpec, s3: S3Settings | None) -> RenderPlan:
     """Return what will be rendered, after every check that needs the scene; InvalidSpec
-    (one sentence naming the field and the fix) for anything that would fail later."""
+    (one sentence naming the field and the fix) for anything that would fail later.
+    Worked out once per flow run (validation, preflight and the render stage all ask)."""
+    from prefect.runtime import flow_run
+
+    run_id = flow_run.id
+    key = (str(run_id), spec.model_dump_json())
+    if run_id and key in _PLANS:
+        return _PLANS[key]
+    found = _plan(spec, s3)
+    if run_id:
+        if len(_PLANS) >= 32:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = found
+    return found
+
+
+def _plan(spec: JobSpec, s3: S3Settings | None) -> RenderPlan:
     job = spec.job
     assert isinstance(job, RenderJob)
     program = blender_program(job)
