@@ -14,7 +14,7 @@ from tasks import placement, secrets
 from tasks.compute import Cluster, get_backend
 from tasks.compute.base import owner_labels
 from tasks.compute.local import gpuflow_home
-from tasks.errors import JobCancelled, JobFailed
+from tasks.errors import InvalidSpec, JobCancelled, JobFailed
 from tasks.jobs import check_job
 from tasks.metrics.summary import RunMetrics
 from tasks.spec import JobSpec, load_spec
@@ -67,6 +67,16 @@ TEARDOWN_HOOKS: dict[str, Any] = {
 def gpu_pipeline(spec: JobSpec) -> PipelineResult | State:
     """Run one GPU job through provision, preflight, run, collect and teardown."""
     return run_stages(spec)
+
+
+def run_kind(spec: JobSpec | dict[str, Any], kind: str) -> PipelineResult | State:
+    """Run the stages for a flow that takes one job kind; InvalidSpec for any other."""
+    job = load_spec(spec.model_dump() if isinstance(spec, JobSpec) else spec)
+    if job.job.kind != kind:
+        raise InvalidSpec(
+            f"job.kind: the {kind} flow runs {kind} jobs, not {job.job.kind}; use gpu_pipeline."
+        )
+    return run_stages(job)
 
 
 def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:

@@ -95,7 +95,8 @@ def fetch(scene: str, s3: S3Settings | None) -> Path:
     key = hashlib.sha256(scene.encode()).hexdigest()[:16]
     target = cache_root() / key
     try:
-        if store.exists(scene):  # one object: a .blend or a .zip
+        single = store.exists(scene)
+        if single:  # one object: a .blend or a .zip
             objects = [(scene, Path(urlparse(scene).path).name)]
         else:
             listed = store.list(scene)
@@ -120,7 +121,7 @@ def fetch(scene: str, s3: S3Settings | None) -> Path:
             destination.parent.mkdir(parents=True, exist_ok=True)
             store.download_file(url, destination)
         stamp.write_text(signature)
-    path = files / objects[0][1] if len(objects) == 1 and store.exists(scene) else files
+    path = files / objects[0][1] if single else files
     return _unzipped(path) if path.suffix.lower() == ".zip" else path
 
 
