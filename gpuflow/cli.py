@@ -40,6 +40,8 @@ def _run(path: str | dict) -> int:
     flow = gpu_pipeline
     if spec.job.kind == "render":
         from flows.render import render as flow
+    if spec.job.kind == "hpc":
+        from flows.hpc import hpc as flow
     try:
         state = flow(spec, return_state=True)
     except Exception as exc:  # the engine itself failed: most often the API is unreachable
@@ -76,7 +78,7 @@ def _print_summary(result) -> None:
     metrics = result.metrics
     print(f"\n{result.name}: completed (preflight {result.preflight})")
     job = metrics.job
-    if "steps" in job:
+    if "world_size" in job:
         speed = job.get("images_per_s") or job.get("tokens_per_s")
         unit = "images/s" if "images_per_s" in job else "tokens/s"
         print(
@@ -88,6 +90,15 @@ def _print_summary(result) -> None:
             f"  rendered {job['frames_rendered']} frames ({job['frames_skipped']} already in"
             f" storage) in {job['chunks']} chunk(s), {job['frames_per_s']} frames/s -> {job['output']}"
         )
+    if "atom_steps_per_s" in job:
+        print(
+            f"  md: {job['atoms']} atoms x {job['steps']} steps on {job['ranks']} rank(s)"
+            f" ({job['device']}): {job['atom_steps_per_s']:.4g} atom-steps/s,"
+            f" {job['ns_per_day']:.4g} ns/day (argon), energy drift"
+            f" {job['energy_drift_per_atom']:.2e} per atom"
+        )
+        if "gpu_vs_cpu_speedup" in job:
+            print(f"  GPU vs CPU: {job['gpu_vs_cpu_speedup']:.1f}x on {job['gpu_name']}")
     if "tflops" in metrics.job:
         print(
             f"  matmul: {metrics.job['tflops']} TFLOP/s on {metrics.job['device']} ({metrics.job['dtype']})"
@@ -177,6 +188,47 @@ def _render_spec(args: argparse.Namespace) -> dict:
     return spec
 
 
+def _hpc_spec(args: argparse.Namespace) -> dict:
+    """Return the job spec the `hpc` options describe: the program after --, else MD."""
+    program = args.program[1:] if args.program[:1] == ["--"] else args.program
+    job: dict = {"kind": "hpc", "ranks": args.ranks, "gpus_per_rank": args.gpus_per_rank}
+    if program:
+        job["program"] = program
+    else:
+        md = {"atoms": args.atoms, "steps": args.steps}
+        md |= {k: getattr(args, k) for k in ("density", "temperature") if getattr(args, k)}
+        job["md"] = md
+    for option in ("build", "output", "slots", "mpirun"):
+        if getattr(args, option) is not None:
+            job[option] = getattr(args, option)
+    if args.inputs:
+        job["inputs"] = args.inputs
+    if args.oversubscribe:
+        job["oversubscribe"] = True
+    spec: dict = {
+        "name": args.name,
+        "job": job,
+        "resources": {"gpus": args.gpus, "allow_cpu": True},
+    }
+    if args.aws_credentials:
+        spec["storage"] = {"aws_credentials": args.aws_credentials}
+    return spec
+
+
+def _hpc_demo() -> int:
+    """Run the MD workload on up to two ranks of this machine through the hpc flow."""
+    import os
+
+    ranks = min(2, os.cpu_count() or 1)
+    print(f"molecular dynamics: 2048 Lennard-Jones atoms, 500 steps, {ranks} MPI rank(s)")
+    return _run(
+        {
+            "name": "hpc-demo",
+            "job": {"kind": "hpc", "ranks": ranks, "md": {"atoms": 2048, "steps": 500}},
+        }
+    )
+
+
 def _render_demo() -> int:
     """Build a small animated scene with Blender and render it to $GPUFLOW_HOME/renders."""
     from tasks.compute.local import gpuflow_home, resolve_program
@@ -239,9 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument(
         "which",
         nargs="?",
-        choices=["matmul", "render"],
+        choices=["matmul", "render", "hpc"],
         default="matmul",
-        help="matmul: the GPU smoke job (TFLOP/s); render: a small Blender animation",
+        help="matmul: the GPU smoke job (TFLOP/s); render: a small Blender animation;"
+        " hpc: molecular dynamics on two MPI ranks",
     )
     rend = commands.add_parser("render", help="render a Blender scene's frames to storage")
     rend.add_argument("scene", help="a .blend, folder or .zip: a local path, file:/// or s3:// URL")
@@ -264,6 +317,27 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="render although the scene refers to files that are not there",
     )
+    hpc = commands.add_parser(
+        "hpc",
+        help="run an MPI program across ranks (default: the built-in molecular dynamics)",
+        epilog="Give your program after --, e.g. gpuflow hpc --ranks 4 --build make -- ./sim",
+    )
+    hpc.add_argument("program", nargs=argparse.REMAINDER, help="-- PROGRAM ARGS (default: MD)")
+    hpc.add_argument("--ranks", type=int, default=1, help="MPI processes (mpirun -np)")
+    hpc.add_argument("--gpus-per-rank", type=int, default=0)
+    hpc.add_argument("--gpus", type=int, default=0, help="GPUs to reserve on this host")
+    hpc.add_argument("--slots", type=int, help="ranks this host takes (default: its cores)")
+    hpc.add_argument("--oversubscribe", action="store_true", help="allow more ranks than slots")
+    hpc.add_argument("--build", help="build step run in the workspace first, e.g. 'make -j4'")
+    hpc.add_argument("--input", dest="inputs", action="append", help="file:/// or s3:// URL")
+    hpc.add_argument("--out", dest="output", help="prefix the outputs folder is uploaded to")
+    hpc.add_argument("--mpirun", help="the mpirun program (default: mpirun on PATH)")
+    hpc.add_argument("--atoms", type=int, default=4000, help="MD: atoms")
+    hpc.add_argument("--steps", type=int, default=1000, help="MD: time steps")
+    hpc.add_argument("--density", type=float, help="MD: reduced density (default 0.8442)")
+    hpc.add_argument("--temperature", type=float, help="MD: reduced temperature (default 0.72)")
+    hpc.add_argument("--name", default="hpc")
+    hpc.add_argument("--aws-credentials", help="name of a prefect-aws AwsCredentials block")
     pre = commands.add_parser("preflight", help="check this host: GPUs, driver, CUDA, torch, disk")
     pre.add_argument("job", nargs="?", help="check for this job spec (default: a 1-GPU torch job)")
     pre.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -282,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         return _run(args.job)
     if args.command == "demo":
+        if args.which == "hpc":
+            return _hpc_demo()
         return _render_demo() if args.which == "render" else _run(str(SMOKE_JOB))
+    if args.command == "hpc":
+        return _run(_hpc_spec(args))
     if args.command == "render":
         return _run(_render_spec(args))
     if args.command == "preflight":

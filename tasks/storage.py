@@ -323,3 +323,18 @@ def store_for(url: str, s3: S3Settings | None = None) -> FileStore | S3Store:
     if scheme == "s3":
         return S3Store(s3)
     raise StorageError(f"{url!r} is not a storage URL; write file:///path or s3://bucket/prefix.")
+
+
+def check_writable(url: str, s3: S3Settings | None, field: str = "job.output") -> None:
+    """Raise InvalidSpec unless the prefix `url` can be written (a probe object, removed)."""
+    from tasks.errors import InvalidSpec
+
+    store = store_for(url, s3)
+    probe = join(url, f".gpuflow-probe-{os.getpid()}")
+    try:
+        store.write_bytes(probe, b"ok")
+        store.delete(probe)
+    except (StorageError, OSError) as exc:
+        raise InvalidSpec(
+            f"{field}: cannot write to {url} ({exc}); fix the URL or its permissions."
+        ) from None

@@ -10,10 +10,10 @@ from tasks.hpc.mpi import (
     check_layout,
     exported,
     hostfile,
-    local_gpus,
     mpirun_argv,
     place,
 )
+from tasks.hpc.rank import local_gpus
 
 TWO = [Host(name="server1", slots=2, gpus=2), Host(name="server2", slots=2, gpus=2)]
 
@@ -85,10 +85,16 @@ BAD = [
         TWO,
         0,
         False,
-        "5 ranks do not fit in 4 slot(s); lower ranks, add slots or hosts, or set oversubscribe: true",
+        "job.ranks: 5 ranks do not fit in 4 slot(s); lower job.ranks, add slots or hosts, or set job.oversubscribe: true",
     ),
-    (2, [], 0, False, "there are no hosts"),
-    (4, TWO, 2, False, "gpus_per_rank: 2 rank(s) x 2 GPU(s) on server1 need 4 GPUs but it has 2"),
+    (2, [], 0, False, "job.hosts is empty"),
+    (
+        4,
+        TWO,
+        2,
+        False,
+        "job.gpus_per_rank: 2 rank(s) x 2 GPU(s) on server1 need 4 GPUs but it has 2",
+    ),
 ]
 
 
@@ -117,5 +123,5 @@ def test_local_gpus(local_rank, per_rank, visible, owned):
 
 
 def test_local_gpus_too_few():
-    with pytest.raises(LayoutError, match="local rank 2 needs GPUs 2-2 but only 2 are visible"):
+    with pytest.raises(ValueError, match="local rank 2 needs GPUs 2-2 but only 2 are visible"):
         local_gpus(2, 1, ["0", "1"])

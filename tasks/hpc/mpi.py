@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 # Variables every rank needs when they are set here: NCCL and CUDA tuning, library paths.
 EXPORT_PATTERNS = (
@@ -25,9 +25,13 @@ EXPORT_PATTERNS = (
 
 
 class Host(BaseModel):
-    name: str
-    slots: int
-    gpus: int = 0
+    """One machine ranks run on: its name as mpirun reaches it, slots, GPUs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, description="Host name as mpirun reaches it (ssh).")
+    slots: int = Field(ge=1, le=4096, description="Ranks it takes without oversubscribing.")
+    gpus: int = Field(0, ge=0, le=64, description="GPUs it has for the ranks.")
 
 
 class LayoutError(ValueError):
@@ -44,22 +48,24 @@ def check_layout(
 ) -> None:
     """Raise LayoutError unless `ranks` ranks fit on `hosts` as asked."""
     if ranks < 1:
-        raise LayoutError("ranks must be at least 1; set the number of MPI processes")
+        raise LayoutError("job.ranks must be at least 1; set the number of MPI processes")
     if not hosts:
-        raise LayoutError("there are no hosts to run on; give at least one")
+        raise LayoutError(
+            "job.hosts is empty; give at least one host, or leave it out to use this one"
+        )
     slots = sum(h.slots for h in hosts)
     if ranks > slots and not oversubscribe:
         raise LayoutError(
-            f"ranks: {ranks} ranks do not fit in {slots} slot(s); lower ranks, add slots or"
-            " hosts, or set oversubscribe: true to run more ranks than cores"
+            f"job.ranks: {ranks} ranks do not fit in {slots} slot(s); lower job.ranks, add"
+            " slots or hosts, or set job.oversubscribe: true to run more ranks than slots"
         )
     if gpus_per_rank:
         for host, placed in zip(hosts, place(ranks, hosts), strict=True):
             if placed * gpus_per_rank > host.gpus:
                 raise LayoutError(
-                    f"gpus_per_rank: {placed} rank(s) x {gpus_per_rank} GPU(s) on {host.name}"
+                    f"job.gpus_per_rank: {placed} rank(s) x {gpus_per_rank} GPU(s) on {host.name}"
                     f" need {placed * gpus_per_rank} GPUs but it has {host.gpus}; lower"
-                    " gpus_per_rank or ranks, or add hosts"
+                    " job.gpus_per_rank or job.ranks, or give the job more GPUs"
                 )
 
 
@@ -114,16 +120,3 @@ def mpirun_argv(
     for name in env_names:
         argv += ["-x", name]
     return [*argv, *program]
-
-
-def local_gpus(local_rank: int, gpus_per_rank: int, visible: list[str]) -> list[str]:
-    """Return the devices (from the host's visible list) a local rank owns: rank k gets
-    the k-th block of `gpus_per_rank`."""
-    start = local_rank * gpus_per_rank
-    block = visible[start : start + gpus_per_rank]
-    if len(block) < gpus_per_rank:
-        raise LayoutError(
-            f"local rank {local_rank} needs GPUs {start}-{start + gpus_per_rank - 1} but only"
-            f" {len(visible)} are visible; lower gpus_per_rank or the ranks per host"
-        )
-    return block

@@ -34,6 +34,8 @@ def command_for(spec: JobSpec) -> list[str]:
             "--run-name",
             spec.name,
         ]
+    if job.kind == "hpc":
+        return [sys.executable, "-m", "tasks.hpc.launch", "--job-json", job.model_dump_json()]
     raise ValueError(f"job kind {job.kind!r} is not one command (renders run as chunks)")
 
 
@@ -61,11 +63,20 @@ def check_job(spec: JobSpec) -> None:
     if spec.job.kind == "render":
         from tasks.errors import InvalidSpec
         from tasks.render import scene
-        from tasks.storage import StorageError
+        from tasks.storage import StorageError, check_writable
 
         try:
             settings = s3_settings(spec)
-            scene.check_output(spec.job, settings)
+            check_writable(spec.job.output, settings)
             scene.plan(spec, settings)
+        except StorageError as exc:
+            raise InvalidSpec(str(exc)) from None
+    if spec.job.kind == "hpc":
+        from tasks.errors import InvalidSpec
+        from tasks.hpc.check import check_hpc
+        from tasks.storage import StorageError
+
+        try:
+            check_hpc(spec, s3_settings(spec))
         except StorageError as exc:
             raise InvalidSpec(str(exc)) from None

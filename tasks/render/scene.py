@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -25,7 +24,7 @@ from tasks.render import logparse
 from tasks.render.argv import EXTENSIONS, FORMATS, MOVIE_FORMATS, safe_path
 from tasks.render.frames import label, outside, parse_frames
 from tasks.spec import JobSpec, RenderJob
-from tasks.storage import ObjectMissing, S3Settings, StorageError, join, store_for
+from tasks.storage import ObjectMissing, S3Settings, StorageError, store_for
 
 INSPECT_SCRIPT = Path(__file__).with_name("blender_inspect.py")
 DEMO_SCRIPT = Path(__file__).with_name("blender_demo_scene.py")
@@ -351,19 +350,6 @@ def _engine(job: RenderJob, info: SceneInfo) -> str:
         "BLENDER_EEVEE_NEXT": "EEVEE",
         "BLENDER_WORKBENCH": "WORKBENCH",
     }.get(engine, engine)
-
-
-def check_output(job: RenderJob, s3: S3Settings | None) -> None:
-    """Raise InvalidSpec unless the output prefix can be written (a probe object)."""
-    store = store_for(job.output, s3)
-    probe = join(job.output, f".gpuflow-probe-{os.getpid()}")
-    try:
-        store.write_bytes(probe, b"ok")
-        store.delete(probe)
-    except (StorageError, OSError) as exc:
-        raise InvalidSpec(
-            f"job.output: cannot write to {job.output} ({exc}); fix the URL or its permissions."
-        ) from None
 
 
 def preflight_checks(spec: JobSpec, s3: S3Settings | None) -> list[dict[str, str]]:

@@ -1,0 +1,83 @@
+"""Checks an HPC job must pass before anything is provisioned: the rank layout, mpirun and
+the program on PATH, inputs that exist, an output prefix that can be written."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from tasks.errors import InvalidSpec
+from tasks.hpc import mpi
+from tasks.spec import HpcJob, JobSpec
+from tasks.storage import S3Settings, StorageError, check_writable, store_for
+
+
+def check_hpc(spec: JobSpec, s3: S3Settings | None) -> None:
+    """Raise InvalidSpec, one sentence naming the field and the fix, for the first problem."""
+    job = spec.job
+    assert isinstance(job, HpcJob)
+    hosts = job.hosts or [
+        mpi.Host(
+            name="localhost",
+            slots=job.slots
+            or (max(1, spec.resources.gpus // job.gpus_per_rank) if job.gpus_per_rank else 0)
+            or _cores(),
+            gpus=spec.resources.gpus,
+        )
+    ]
+    if job.gpus_per_rank and not job.hosts and spec.resources.gpus == 0:
+        raise InvalidSpec(
+            f"job.gpus_per_rank: {job.gpus_per_rank} GPU(s) per rank but resources.gpus is 0;"
+            f" set resources.gpus to {job.ranks * job.gpus_per_rank} or gpus_per_rank to 0"
+        )
+    try:
+        mpi.check_layout(job.ranks, hosts, job.gpus_per_rank, job.oversubscribe)
+    except mpi.LayoutError as exc:
+        raise InvalidSpec(str(exc)) from None
+    if shutil.which(job.mpirun) is None:
+        raise InvalidSpec(
+            f"job.mpirun: {job.mpirun!r} was not found; install Open MPI (Debian: apt-get"
+            " install openmpi-bin) or give the path of mpirun"
+        )
+    if job.md is not None and job.ranks > 1:
+        try:
+            import mpi4py  # noqa: F401
+        except ImportError:
+            raise InvalidSpec(
+                "job.md: the MD workload needs mpi4py for several ranks; pip install mpi4py"
+            ) from None
+    if job.program and not _built_here(job):
+        program = job.program[0]
+        if "/" not in program and shutil.which(program) is None:
+            raise InvalidSpec(
+                f"job.program: {program!r} was not found on PATH; install it, give its path,"
+                " or fetch it with job.inputs"
+            )
+        if Path(program).is_absolute() and not shutil.which(program):
+            raise InvalidSpec(
+                f"job.program: {program!r} does not exist or is not executable; fix the path"
+            )
+    for url in job.inputs:
+        try:
+            store = store_for(url, s3)
+            present = store.exists(url) or bool(store.list(url + "/"))
+        except StorageError as exc:
+            raise InvalidSpec(f"job.inputs: {exc}") from None
+        if not present:
+            raise InvalidSpec(f"job.inputs: {url} does not exist; check the URL or upload it first")
+    if job.output:
+        check_writable(job.output, s3)
+
+
+def _built_here(job: HpcJob) -> bool:
+    """Return True when the program may come from the inputs or the build step: a relative
+    path, which only exists in the workspace once they have run."""
+    assert job.program is not None
+    program = job.program[0]
+    return "/" in program and not Path(program).is_absolute()
+
+
+def _cores() -> int:
+    import os
+
+    return os.cpu_count() or 1
