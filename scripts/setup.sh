@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Creates .venv and installs gpuflow into it; with --test, also what the tests need;
-# with --render, also Blender (and ffmpeg) for renders.
+# with --render, also Blender (and ffmpeg) for renders; with --hpc, Open MPI for MPI jobs.
 # Safe to rerun: it installs only what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-want_test=false want_render=false
-[[ "${1:-}" == "--test" ]] && want_test=true want_render=true
+want_test=false want_render=false want_hpc=false
+[[ "${1:-}" == "--test" ]] && want_test=true want_render=true want_hpc=true
 [[ "${1:-}" == "--render" ]] && want_render=true
+[[ "${1:-}" == "--hpc" ]] && want_hpc=true
 
 apt_packages=()
 command -v python3 >/dev/null || apt_packages+=(python3)
@@ -19,6 +20,9 @@ fi
 if $want_render; then
     command -v blender >/dev/null || apt_packages+=(blender)  # renders run the real Blender
     command -v ffmpeg >/dev/null || apt_packages+=(ffmpeg)    # preview videos
+fi
+if $want_hpc; then
+    command -v mpirun >/dev/null || apt_packages+=(openmpi-bin)  # mpirun; mpi4py loads its libmpi
 fi
 if ((${#apt_packages[@]})); then
     sudo=""

@@ -335,6 +335,7 @@ class LocalBackend:
             for pgid, started in record.get("jobs", {}).items():
                 if _alive(int(pgid), started):
                     report.killed_processes += _stop_group(int(pgid), started)
+            report.killed_processes += _stop_strays(cluster.workspace)
         claims = self.home / "gpus"
         for index in cluster.gpu_indices:
             path = claims / f"{index}.json"
@@ -385,6 +386,24 @@ def _stop_group(pgid: int, started: float | None, grace_s: float = STOP_GRACE_S)
         while _running(members) and time.monotonic() < deadline:
             time.sleep(0.05)
     return len(members)
+
+
+def _stop_strays(workspace: str, grace_s: float = 5.0) -> int:
+    """Stop processes of this job that left its process groups (MPI ranks each get a group
+    of their own; daemons call setsid): those whose environment names its workspace."""
+    strays = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.pid != os.getpid() and proc.environ().get("GPUFLOW_WORKSPACE") == workspace:
+                strays.append(proc)
+    for proc in strays:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(strays, timeout=grace_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    return len(strays)
 
 
 def _running(members: list[psutil.Process]) -> bool:
