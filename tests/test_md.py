@@ -83,7 +83,7 @@ def test_a_step_too_large_shows_up_as_drift():
 
 
 def test_box_too_small_and_ns_per_day():
-    with pytest.raises(ValueError, match="too small for cutoff 2.5 \\+ skin 0.3; use at least"):
+    with pytest.raises(ValueError, match=r"too small for cutoff 2.5 \+ skin 0.3; use at least"):
         box_for(100, 0.8442, 2.5, 0.3)
     # 1000 steps of 0.005 tau = 10.78 ps of argon; in one second that is 931.7 ns/day
     assert ns_per_day(1000, 0.005, 1.0) == pytest.approx(931.67, rel=1e-3)

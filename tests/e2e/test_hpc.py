@@ -102,9 +102,7 @@ def test_oversubscribe_runs_more_ranks_than_slots(tmp_path):
     program = [sys.executable, "-c", code]
     refused, _ = launch(tmp_path, "refused", ranks=3, slots=2, program=program)
     assert refused.returncode != 0  # mpirun itself refuses: the spec check is not the only guard
-    done, workspace = launch(
-        tmp_path, "over", ranks=3, slots=2, oversubscribe=True, program=program
-    )
+    done, _ = launch(tmp_path, "over", ranks=3, slots=2, oversubscribe=True, program=program)
     assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(line for line in done.stdout.splitlines() if line.startswith("rank")) == [
         "rank 0",
