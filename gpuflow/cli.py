@@ -215,6 +215,25 @@ def _hpc_spec(args: argparse.Namespace) -> dict:
     return spec
 
 
+def _mpijob(spec: dict, image: str) -> int:
+    """Print the MPIJob manifest for `spec` as YAML; exit 2 when it has no MPIJob shape."""
+    import uuid
+
+    import yaml
+
+    from tasks.errors import InvalidSpec
+    from tasks.hpc.mpijob import MpiJobError, build
+    from tasks.spec import load_spec
+
+    try:
+        manifest = build(load_spec(spec), image, str(uuid.uuid4()))
+    except (InvalidSpec, MpiJobError) as exc:
+        print(f"gpuflow: invalid input: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    print(yaml.safe_dump(manifest, sort_keys=False), end="")
+    return EXIT_OK
+
+
 def _hpc_demo() -> int:
     """Run the MD workload on up to two ranks of this machine through the hpc flow."""
     import os
@@ -337,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     hpc.add_argument("--density", type=float, help="MD: reduced density (default 0.8442)")
     hpc.add_argument("--temperature", type=float, help="MD: reduced temperature (default 0.72)")
     hpc.add_argument("--name", default="hpc")
+    hpc.add_argument(
+        "--mpijob",
+        metavar="IMAGE",
+        help="print the Kubeflow MPIJob (v2beta1) for this job, run by IMAGE, instead of running",
+    )
     hpc.add_argument("--aws-credentials", help="name of a prefect-aws AwsCredentials block")
     pre = commands.add_parser("preflight", help="check this host: GPUs, driver, CUDA, torch, disk")
     pre.add_argument("job", nargs="?", help="check for this job spec (default: a 1-GPU torch job)")
@@ -360,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             return _hpc_demo()
         return _render_demo() if args.which == "render" else _run(str(SMOKE_JOB))
     if args.command == "hpc":
-        return _run(_hpc_spec(args))
+        return _mpijob(_hpc_spec(args), args.mpijob) if args.mpijob else _run(_hpc_spec(args))
     if args.command == "render":
         return _run(_render_spec(args))
     if args.command == "preflight":

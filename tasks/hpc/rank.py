@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     rank, local_rank = _first(env, RANK_VARIABLES), _first(env, LOCAL_RANK_VARIABLES)
     visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    if "CUDA_VISIBLE_DEVICES" not in env:  # a pod's GPUs, all visible and numbered from 0
+        visible = [str(i) for i in range((local_rank + 1) * args.gpus_per_rank)]
     # A rank without GPUs of its own sees none, so it cannot take another rank's by accident.
     env["CUDA_VISIBLE_DEVICES"] = ",".join(local_gpus(local_rank, args.gpus_per_rank, visible))
     status = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid()}
