@@ -238,14 +238,18 @@ def _hpc_demo() -> int:
     """Run the MD workload on up to two ranks of this machine through the hpc flow."""
     import os
 
-    ranks = min(2, os.cpu_count() or 1)
-    print(f"molecular dynamics: 2048 Lennard-Jones atoms, 500 steps, {ranks} MPI rank(s)")
-    return _run(
-        {
-            "name": "hpc-demo",
-            "job": {"kind": "hpc", "ranks": ranks, "md": {"atoms": 2048, "steps": 500}},
-        }
+    from tasks import nvml
+
+    gpus = len(nvml.query().gpus)
+    ranks = min(2, gpus) if gpus else min(2, os.cpu_count() or 1)
+    where = f"{ranks} GPU(s)" if gpus else "the CPU (no GPU seen)"
+    print(
+        f"molecular dynamics: 2048 Lennard-Jones atoms, 500 steps, {ranks} MPI rank(s) on {where}"
     )
+    job = {"kind": "hpc", "ranks": ranks, "md": {"atoms": 2048, "steps": 500}}
+    if gpus:
+        job["gpus_per_rank"] = 1
+    return _run({"name": "hpc-demo", "job": job, "resources": {"gpus": ranks if gpus else 0}})
 
 
 def _render_demo() -> int:

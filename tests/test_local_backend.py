@@ -169,3 +169,23 @@ def test_gpu_claims_without_a_limit_and_capacity(backend, fake_nvml, prefect_api
     )
     assert ("stdout", "0,1") in lines
     backend.teardown(second)
+
+
+def test_teardown_stops_processes_that_left_the_job_group(backend, tmp_path):
+    """MPI ranks get process groups of their own, daemons call setsid: teardown still finds
+    them by the workspace in their environment; a process of another workspace is spared."""
+    import subprocess
+
+    cluster = backend.provision(spec_for(["sleep"]), owner_labels("run-6", "job"))
+    env = dict(os.environ, GPUFLOW_WORKSPACE=cluster.workspace)
+    stray = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
+    other_env = dict(os.environ, GPUFLOW_WORKSPACE=str(tmp_path / "another"))
+    other = subprocess.Popen(["sleep", "300"], env=other_env, start_new_session=True)
+    try:
+        report = backend.teardown(cluster)
+        assert report.killed_processes == 1
+        assert stray.wait(timeout=10) is not None
+        assert other.poll() is None
+    finally:
+        other.kill()
+        stray.kill()
