@@ -62,7 +62,7 @@ def test_md_runs_under_mpi4pys_runner():
 
 def test_resolve_programs(tmp_path):
     (tmp_path / "sim").write_text("#!/bin/sh\n")
-    with pytest.raises(JobError, match="not found in the workspace .* or is not executable"):
+    with pytest.raises(JobError, match=r"not found in the workspace .* or is not executable"):
         resolve("./sim", tmp_path)
     (tmp_path / "sim").chmod(0o755)
     assert resolve("./sim", tmp_path) == str(tmp_path / "sim")
