@@ -89,11 +89,17 @@ def preflight(spec: JobSpec, cluster: Cluster) -> preflight_checks.PreflightRepo
     """Return the preflight report; raise PreflightFailed when the verdict is fail."""
     facts = preflight_checks.inspect(cluster.workspace, spec.job.torch)
     report = preflight_checks.verdict(spec, facts, cluster.gpu_indices)
+    extra: list[dict[str, str]] = []
     if spec.job.kind == "render":
         from tasks.render.scene import preflight_checks as render_checks
 
-        extra = [preflight_checks.Check(**c) for c in render_checks(spec, s3_settings(spec))]
-        checks = [*report.checks, *extra]
+        extra = render_checks(spec, s3_settings(spec))
+    if spec.job.kind == "hpc":
+        from tasks.hpc.check import preflight_checks as hpc_checks
+
+        extra = hpc_checks(spec, len(cluster.gpu_indices))
+    if extra:
+        checks = [*report.checks, *(preflight_checks.Check(**c) for c in extra)]
         levels = {c.level for c in checks}
         worst = "fail" if "fail" in levels else "warn" if "warn" in levels else "pass"
         report = report.model_copy(update={"checks": checks, "verdict": worst})
@@ -288,6 +294,12 @@ def collect(
         from tasks.training.report import summary as training_summary
 
         extra_rows, extra_lines = training_summary(outputs, out, f"{spec.name} {flow_run_id[:8]}")
+    if spec.job.kind == "hpc":
+        from tasks.hpc.report import summary as hpc_summary
+
+        extra_rows, extra_lines = hpc_summary(
+            Path(cluster.workspace), out, f"{spec.name} {flow_run_id[:8]}"
+        )
     if spec.job.kind == "render":
         from tasks.render.report import summary as render_summary
 

@@ -81,3 +81,53 @@ def _cores() -> int:
     import os
 
     return os.cpu_count() or 1
+
+
+def preflight_checks(spec: JobSpec, gpus_held: int) -> list[dict[str, str]]:
+    """Return preflight findings for an MPI job as {name, level, message}: the MPI found,
+    where the ranks go, and what the MD workload will run on."""
+    import subprocess
+    from importlib import metadata
+
+    job = spec.job
+    assert isinstance(job, HpcJob)
+    mpirun = shutil.which(job.mpirun) or job.mpirun
+    try:
+        version = subprocess.run(
+            [mpirun, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout.splitlines()[0]
+    except (OSError, subprocess.TimeoutExpired, IndexError):
+        return [{"name": "mpi", "level": "fail", "message": f"{mpirun} --version did not answer."}]
+    try:
+        bindings = f"mpi4py {metadata.version('mpi4py')}"
+    except metadata.PackageNotFoundError:
+        bindings = "no mpi4py"
+    from tasks.hpc.launch import hosts_for
+
+    hosts = hosts_for(job, gpus_held)
+    slots = sum(h.slots for h in hosts)
+    checks = [
+        {
+            "name": "mpi",
+            "level": "pass",
+            "message": f"{version} at {mpirun}, {bindings}; {job.ranks} rank(s) on"
+            f" {', '.join(f'{h.name} ({h.slots} slots)' for h in hosts)}.",
+        }
+    ]
+    if job.ranks > slots:
+        checks.append(
+            {
+                "name": "mpi-slots",
+                "level": "warn",
+                "message": f"{job.ranks} ranks share {slots} slot(s) (oversubscribed): expect"
+                " each rank to run slower than on a core of its own.",
+            }
+        )
+    if job.md is not None:
+        where = (
+            f"{job.gpus_per_rank} GPU(s) per rank"
+            if job.gpus_per_rank
+            else "the CPU (job.gpus_per_rank is 0)"
+        )
+        checks.append({"name": "md", "level": "pass", "message": f"MD runs on {where}."})
+    return checks

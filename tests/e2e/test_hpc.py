@@ -98,16 +98,22 @@ def test_md_on_two_ranks_gives_the_energies_of_one(tmp_path):
 
 
 def test_oversubscribe_runs_more_ranks_than_slots(tmp_path):
-    code = "import os; print('rank', os.environ['OMPI_COMM_WORLD_RANK'])"
+    code = (
+        "import os, pathlib\n"
+        "rank = os.environ['OMPI_COMM_WORLD_RANK']\n"
+        "pathlib.Path(os.environ['GPUFLOW_OUTPUT_DIR'], f'rank-{rank}').write_text(rank)\n"
+    )
     program = [sys.executable, "-c", code]
     refused, _ = launch(tmp_path, "refused", ranks=3, slots=2, program=program)
     assert refused.returncode != 0  # mpirun itself refuses: the spec check is not the only guard
-    done, _ = launch(tmp_path, "over", ranks=3, slots=2, oversubscribe=True, program=program)
+    done, workspace = launch(
+        tmp_path, "over", ranks=3, slots=2, oversubscribe=True, program=program
+    )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert sorted(line for line in done.stdout.splitlines() if line.startswith("rank")) == [
-        "rank 0",
-        "rank 1",
-        "rank 2",
+    assert sorted(p.name for p in (workspace / "outputs").iterdir()) == [
+        "rank-0",
+        "rank-1",
+        "rank-2",
     ]
 
 
@@ -277,3 +283,39 @@ def test_bad_input_is_refused_before_anything_starts(args, sentence, capsys, gpu
     assert sentence in err and "Traceback" not in err, err
     assert err.count("\n") == 1  # one sentence on one line
     assert nothing_left(gpuflow_home)
+
+
+def test_md_through_the_flow_reports_speed_drift_and_ranks(prefect_api, tmp_path, gpuflow_home):
+    spec = hpc_spec(ranks=2, md={"atoms": 500, "steps": 100, "thermo_every": 10})
+    state = run_hpc(spec)
+    assert state.is_completed(), state.message
+    result = state.result()
+    job = result.metrics.job
+    assert job["ranks"] == 2 and job["atoms"] == 500 and job["steps"] == 100
+    assert job["atom_steps_per_s"] > 0 and abs(job["energy_drift_per_atom"]) < 1e-3
+    artifacts = artifacts_of(result.flow_run_id)
+    table = artifacts["gpuflow-preflight"].data
+    table = json.loads(table) if isinstance(table, str) else table
+    preflight = {row["check"]: row for row in table}
+    assert "Open MPI" in preflight["mpi"]["message"] and preflight["md"]["level"] == "pass"
+    summary = artifacts["gpuflow-summary"].data
+    assert "atom-steps/s" in summary and "2 rank(s) on" in summary and "0 failed" in summary
+    assert (Path(result.artifacts_dir) / "energy.png").stat().st_size > 0
+    assert len(thermo(Path(result.artifacts_dir))) == 11
+    assert nothing_left(gpuflow_home)
+
+
+def test_the_hpc_command_runs_a_program_and_says_so(prefect_api, tmp_path, gpuflow_home):
+    from tests.conftest import subprocess_env
+
+    env = subprocess_env(prefect_api, gpuflow_home)
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuflow", "hpc", "--ranks", "2", "--atoms", "500", "--steps", "50"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "md: 500 atoms x 50 steps on 2 rank(s) (cpu)" in done.stdout
+    assert "hpc: completed" in done.stdout
