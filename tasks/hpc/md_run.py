@@ -172,7 +172,7 @@ def _write(out: Path, result: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = result.pop("thermo")
     header = list(rows[0])
-    lines = [",".join(header)] + [",".join(f"{r[k]:.10g}" for k in header) for r in rows]
+    lines = [",".join(header)] + [",".join(f"{r[k]:.15g}" for k in header) for r in rows]
     (out / "thermo.csv").write_text("\n".join(lines) + "\n")
     (out / "result.json").write_text(json.dumps(result, indent=2))
 
