@@ -91,3 +91,16 @@ def test_the_rank_wrapper_gives_each_local_rank_its_gpus(tmp_path, visible, owne
     assert done.returncode == 4 and done.stdout.strip() == owned
     record = json.loads((tmp_path / "rank-5.json").read_text())
     assert (record["rank"], record["exit_code"], record["signal"]) == (5, 4, None)
+
+
+def test_the_example_specs_load():
+    from pathlib import Path
+
+    from tasks.spec import load_spec
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    md = load_spec(examples / "hpc-md.yaml")
+    assert md.job.md.atoms == 4000 and md.job.ranks == 2
+    program = load_spec(examples / "hpc-program.yaml")
+    assert program.job.program == ["./simulate", "--steps", "10000"]
+    assert program.job.build == ["make", "-j4"]

@@ -90,20 +90,25 @@ def neighbour_pairs(
     slot = torch.arange(box.atoms, device=x.device) - starts[sorted_cells]
     table = torch.full((n**3, depth), -1, dtype=torch.long, device=x.device)
     table[sorted_cells, slot] = order
+    # positions by (cell, slot); empty slots are NaN, which is never within reach
+    pos = torch.full((n**3, depth, 3), float("nan"), dtype=x.dtype, device=x.device)
+    pos[sorted_cells, slot] = x[order]
     first, last = part * n**3 // parts, (part + 1) * n**3 // parts
     mine = torch.arange(first, last, device=x.device)
     mx, my, mz = mine // (n * n), (mine // n) % n, mine % n
+    upper = torch.ones(depth, depth, dtype=torch.bool, device=x.device).triu(1)
+    mine_pos = pos[mine].unsqueeze(2)
     ii, jj = [], []
     for dx, dy, dz in HALF_SHELL:
         other = (((mx + dx) % n) * n + (my + dy) % n) * n + (mz + dz) % n
-        a = table[mine].unsqueeze(2).expand(-1, depth, depth)
-        b = table[other].unsqueeze(1).expand(-1, depth, depth)
-        valid = (a >= 0) & (b >= 0)
+        d = _minimum_image(pos[other].unsqueeze(1) - mine_pos, box.length)
+        close = (d * d).sum(dim=-1) < reach * reach
         if (dx, dy, dz) == (0, 0, 0):
-            valid &= a < b
-        ii.append(a[valid])
-        jj.append(b[valid])
-    return _within(x, box, torch.cat(ii), torch.cat(jj), reach)
+            close &= upper  # pairs within a cell once
+        c, a, b = close.nonzero(as_tuple=True)
+        ii.append(table[mine[c], a])
+        jj.append(table[other[c], b])
+    return torch.cat(ii), torch.cat(jj)
 
 
 def _within(
