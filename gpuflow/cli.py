@@ -163,21 +163,16 @@ def _render_spec(args: argparse.Namespace) -> dict:
     if "://" not in scene:
         scene = str(Path(scene).expanduser().absolute())
     job: dict = {"kind": "render", "scene": scene, "output": args.out, "chunk": args.chunk}
-    for option in (
-        "frames",
-        "engine",
-        "device",
-        "samples",
-        "resolution_percentage",
-        "file_format",
-        "max_workers",
-        "blender",
-        "pattern",
-    ):
-        if getattr(args, option) is not None:
-            job[option] = getattr(args, option)
     if args.allow_missing_files:
         job["missing_files"] = "warn"
+    options = ("frames", "engine", "device", "samples", "resolution_percentage", "file_format")
+    return _spec_from(args, job, (*options, "max_workers", "blender", "pattern"))
+
+
+def _spec_from(args: argparse.Namespace, job: dict, options: tuple[str, ...]) -> dict:
+    """Return a job spec: `job` plus the `options` given on the command line, with the
+    name, GPUs (CPU allowed) and S3 credentials block every job command takes."""
+    job = job | {o: getattr(args, o) for o in options if getattr(args, o) is not None}
     spec: dict = {
         "name": args.name,
         "job": job,
@@ -196,23 +191,13 @@ def _hpc_spec(args: argparse.Namespace) -> dict:
         job["program"] = program
     else:
         md = {"atoms": args.atoms, "steps": args.steps}
-        md |= {k: getattr(args, k) for k in ("density", "temperature") if getattr(args, k)}
+        md |= {
+            k: getattr(args, k) for k in ("density", "temperature") if getattr(args, k) is not None
+        }
         job["md"] = md
-    for option in ("build", "output", "slots", "mpirun"):
-        if getattr(args, option) is not None:
-            job[option] = getattr(args, option)
-    if args.inputs:
-        job["inputs"] = args.inputs
     if args.oversubscribe:
         job["oversubscribe"] = True
-    spec: dict = {
-        "name": args.name,
-        "job": job,
-        "resources": {"gpus": args.gpus, "allow_cpu": True},
-    }
-    if args.aws_credentials:
-        spec["storage"] = {"aws_credentials": args.aws_credentials}
-    return spec
+    return _spec_from(args, job, ("build", "output", "slots", "mpirun", "inputs"))
 
 
 def _mpijob(spec: dict, image: str) -> int:

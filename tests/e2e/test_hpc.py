@@ -268,6 +268,7 @@ BAD = [
     (["--density", "3"], "job.md.density: 3.0 is outside the fluid and solid range"),
     (["--temperature", "50"], "job.md.temperature: 50.0 is outside (0, 10.0]"),
     (["--temperature", "-1"], "job.md.temperature: -1.0 is outside"),
+    (["--density", "0"], "job.md.density: 0.0 is outside the fluid and solid range"),
     (["--atoms", "100"], "job.md.atoms: the box (4.91 sigma) is too small for cutoff 2.5"),
     (["--mpirun", "/opt/none/mpirun"], "job.mpirun: '/opt/none/mpirun' was not found"),
     (["--input", "file:///opt/none/inputs"], "job.inputs: file:///opt/none/inputs does not exist"),
