@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tasks.errors import InvalidSpec
 from tasks.hpc import mpi
+from tasks.hpc.launch import hosts_for
 from tasks.spec import HpcJob, JobSpec
 from tasks.storage import S3Settings, StorageError, check_writable, store_for
 
@@ -16,15 +17,7 @@ def check_hpc(spec: JobSpec, s3: S3Settings | None) -> None:
     """Raise InvalidSpec, one sentence naming the field and the fix, for the first problem."""
     job = spec.job
     assert isinstance(job, HpcJob)
-    hosts = job.hosts or [
-        mpi.Host(
-            name="localhost",
-            slots=job.slots
-            or (max(1, spec.resources.gpus // job.gpus_per_rank) if job.gpus_per_rank else 0)
-            or _cores(),
-            gpus=spec.resources.gpus,
-        )
-    ]
+    hosts = hosts_for(job, spec.resources.gpus)
     if job.gpus_per_rank and not job.hosts and spec.resources.gpus == 0:
         raise InvalidSpec(
             f"job.gpus_per_rank: {job.gpus_per_rank} GPU(s) per rank but resources.gpus is 0;"
@@ -77,12 +70,6 @@ def _built_here(job: HpcJob) -> bool:
     return "/" in program and not Path(program).is_absolute()
 
 
-def _cores() -> int:
-    import os
-
-    return os.cpu_count() or 1
-
-
 def preflight_checks(spec: JobSpec, gpus_held: int) -> list[dict[str, str]]:
     """Return preflight findings for an MPI job as {name, level, message}: the MPI found,
     where the ranks go, and what the MD workload will run on."""
@@ -102,8 +89,6 @@ def preflight_checks(spec: JobSpec, gpus_held: int) -> list[dict[str, str]]:
         bindings = f"mpi4py {metadata.version('mpi4py')}"
     except metadata.PackageNotFoundError:
         bindings = "no mpi4py"
-    from tasks.hpc.launch import hosts_for
-
     hosts = hosts_for(job, gpus_held)
     slots = sum(h.slots for h in hosts)
     checks = [
