@@ -1,0 +1,1 @@
+"""The platform around the flows: work-pool templates, job variables, deployments."""
