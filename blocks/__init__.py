@@ -1,5 +1,11 @@
-"""gpuflow's Prefect block types: configuration and credentials."""
+"""gpuflow's Prefect block types: configuration and credentials.
 
+Register them with `prefect block register -m blocks` (or `gpuflow blocks init`, which also
+creates the documents a fresh setup needs).
+"""
+
+from blocks.kubernetes_pool import KubernetesGpuPool
 from blocks.local_host import LocalGpuHost
+from blocks.prices import GpuPriceTable
 
-__all__ = ["LocalGpuHost"]
+__all__ = ["GpuPriceTable", "KubernetesGpuPool", "LocalGpuHost"]

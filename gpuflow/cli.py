@@ -266,6 +266,19 @@ def _render_demo() -> int:
     )
 
 
+def _blocks_init() -> int:
+    """Register gpuflow's block types and create the default documents that are missing."""
+    from tasks.platform.blocks_setup import init_blocks
+
+    try:
+        done = init_blocks()
+    except Exception as exc:  # the API is unreachable
+        return _api_failed(exc)
+    for slug, name, what in done:
+        print(f"{what:>10}  {slug}{'/' + name if name else ''}")
+    return EXIT_OK
+
+
 def _reap(dry_run: bool) -> int:
     import psutil
 
@@ -363,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("output", help="file:///path or s3://bucket/prefix")
     prep.add_argument("--shard-size", default="256MB")
     prep.add_argument("--aws-credentials", help="name of a prefect-aws AwsCredentials block")
+    blk = commands.add_parser("blocks", help="register gpuflow's block types and default blocks")
+    blk.add_argument(
+        "action", choices=["init"], help="init: register types, create what is missing"
+    )
     reap = commands.add_parser("reap", help="tear down what killed runs left on this host")
     reap.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
@@ -380,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         return _preflight(args.job, args.json)
     if args.command == "prepare-dataset":
         return _prepare(args.source, args.output, args.shard_size, args.aws_credentials)
+    if args.command == "blocks":
+        return _blocks_init()
     return _reap(args.dry_run)
 
 

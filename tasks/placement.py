@@ -12,7 +12,7 @@ def resolve(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
 
     Values written in the spec win over the block's.
     """
-    prices = PriceTable()
+    prices = _price_table(spec.placement.price_table)
     name = spec.placement.block
     if name is None:
         return spec, prices
@@ -35,3 +35,18 @@ def resolve(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
     prices.gpu_hourly_usd[backend] = {"*": host.gpu_hourly_usd}
     prices.cpu_core_hourly_usd[backend] = host.cpu_core_hourly_usd
     return spec.model_copy(update={"placement": placement}), prices
+
+
+def _price_table(name: str | None) -> PriceTable:
+    """Return the prices of the GpuPriceTable block `name` over the defaults (defaults for None)."""
+    if name is None:
+        return PriceTable()
+    from blocks.prices import GpuPriceTable
+
+    try:
+        return GpuPriceTable.load(name).table()
+    except ValueError:
+        raise InvalidSpec(
+            f"placement.price_table: there is no GpuPriceTable block named {name!r}; create it"
+            " with `gpuflow blocks init` or GpuPriceTable(...).save(name), or remove the field."
+        ) from None

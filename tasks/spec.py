@@ -395,6 +395,9 @@ class Placement(_Model):
     block: str | None = Field(
         None, description="Name of a LocalGpuHost block to read settings from."
     )
+    price_table: str | None = Field(
+        None, description="Name of a GpuPriceTable block whose prices cost reports use."
+    )
     workspace_root: str | None = Field(None, description="Folder for job workspaces.")
     strict_gpu_limit: bool = Field(
         False, description="Fail when the Prefect concurrency limit `gpu` does not exist."

@@ -1,0 +1,45 @@
+"""The blocks a fresh setup needs: gpuflow's block types registered, and default documents
+created once (never overwritten, so edits made in the UI survive a rerun)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prefect.blocks.core import Block
+
+DEFAULT_LOCAL_HOST = "local"
+DEFAULT_PRICES = "default"
+
+
+def defaults() -> list[tuple[type[Block], str, Callable[[], Block]]]:
+    from blocks import GpuPriceTable, KubernetesGpuPool, LocalGpuHost
+
+    return [
+        (LocalGpuHost, DEFAULT_LOCAL_HOST, LocalGpuHost),
+        (GpuPriceTable, DEFAULT_PRICES, GpuPriceTable),
+        (KubernetesGpuPool, "", KubernetesGpuPool),  # type only: a cluster needs its own
+    ]
+
+
+def init_blocks() -> list[tuple[str, str, str]]:
+    """Register every gpuflow block type and create the default documents that are missing;
+    return (block type slug, document name, "created" | "kept" | "registered") per entry."""
+    from prefect_aws import AwsCredentials
+    from prefect_kubernetes.credentials import KubernetesClusterConfig
+
+    done = []
+    for block_type in (AwsCredentials, KubernetesClusterConfig):
+        block_type.register_type_and_schema()
+    for block_type, name, make in defaults():
+        block_type.register_type_and_schema()
+        slug = block_type.get_block_type_slug()
+        if not name:
+            done.append((slug, "", "registered"))
+            continue
+        try:
+            block_type.load(name)
+            done.append((slug, name, "kept"))
+        except ValueError:
+            make().save(name)
+            done.append((slug, name, "created"))
+    return done
