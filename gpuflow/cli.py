@@ -279,6 +279,74 @@ def _blocks_init() -> int:
     return EXIT_OK
 
 
+def _platform(action: str, port: int) -> int:
+    """Bring the local platform up or down, or say whether it runs."""
+    from tasks.platform import local
+
+    if action == "down":
+        local.down()
+        return EXIT_OK
+    if action == "status":
+        state = local.read_state()
+        running = state and all(local._alive(p) for p in state["processes"].values())
+        print(f"running: UI {state['ui']}" if running else "not running")
+        return EXIT_OK if running else EXIT_FAILED
+    from tasks.errors import GpuflowError, InvalidSpec
+
+    try:
+        local.up(port)
+    except InvalidSpec as exc:
+        print(f"gpuflow: invalid input: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    except GpuflowError as exc:
+        print(f"gpuflow: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _deploy() -> int:
+    """Check prefect.yaml (pools, entrypoints, parameters, triggers, job variables), then
+    run `prefect deploy --all` against PREFECT_API_URL."""
+    from tasks.errors import InvalidSpec
+    from tasks.platform import deploy
+
+    root = Path.cwd() if (Path.cwd() / "prefect.yaml").is_file() else deploy_root()
+    try:
+        names = deploy.check_project(
+            deploy.load_project(root / "prefect.yaml"), root, deploy.pool_templates()
+        )
+    except InvalidSpec as exc:
+        print(f"gpuflow: invalid input: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    done = deploy.prefect_deploy(root)
+    print(done.stdout[-3000:], end="")
+    if done.returncode != 0:
+        print(done.stderr[-3000:], file=sys.stderr)
+        return EXIT_FAILED
+    print(f"deployed {len(names)}: {', '.join(names)}")
+    return EXIT_OK
+
+
+def deploy_root() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def _submit(name: str, pairs: list[str], wait: bool, timeout_s: float) -> int:
+    from tasks.errors import InvalidSpec
+    from tasks.platform.submit import EXIT_INVALID as INVALID
+    from tasks.platform.submit import parse_params, submit
+
+    try:
+        params = parse_params(pairs)
+    except InvalidSpec as exc:
+        print(f"gpuflow: invalid input: {exc}", file=sys.stderr)
+        return INVALID
+    try:
+        return submit(name, params, wait, timeout_s)
+    except Exception as exc:  # the API is unreachable
+        return _api_failed(exc)
+
+
 def _reap(dry_run: bool) -> int:
     import psutil
 
@@ -380,6 +448,24 @@ def main(argv: list[str] | None = None) -> int:
     blk.add_argument(
         "action", choices=["init"], help="init: register types, create what is missing"
     )
+    plat = commands.add_parser(
+        "platform", help="a local Prefect server, pools, blocks, deployments and a worker"
+    )
+    plat.add_argument("action", choices=["up", "down", "status"])
+    plat.add_argument("--port", type=int, default=4200, help="server port on 127.0.0.1")
+    commands.add_parser("deploy", help="check prefect.yaml, then `prefect deploy --all`")
+    sub = commands.add_parser(
+        "submit",
+        help="run a deployment from CI",
+        epilog="Exit codes: 0 completed; 1 failed, crashed or cancelled; 2 invalid input;"
+        " 3 still running when --timeout passed.",
+    )
+    sub.add_argument("deployment", help="flow-name/deployment-name")
+    sub.add_argument(
+        "--param", action="append", default=[], help="name=value (JSON, or @file.yaml)"
+    )
+    sub.add_argument("--wait", action="store_true", help="follow the run until it ends")
+    sub.add_argument("--timeout", type=float, default=3600, help="seconds to wait (with --wait)")
     reap = commands.add_parser("reap", help="tear down what killed runs left on this host")
     reap.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
@@ -399,6 +485,12 @@ def main(argv: list[str] | None = None) -> int:
         return _prepare(args.source, args.output, args.shard_size, args.aws_credentials)
     if args.command == "blocks":
         return _blocks_init()
+    if args.command == "platform":
+        return _platform(args.action, args.port)
+    if args.command == "deploy":
+        return _deploy()
+    if args.command == "submit":
+        return _submit(args.deployment, args.param, args.wait, args.timeout)
     return _reap(args.dry_run)
 
 

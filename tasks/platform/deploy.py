@@ -1,0 +1,139 @@
+"""prefect.yaml, checked before anything is deployed: each deployment names a work pool and
+an entrypoint that is a flow; its parameters and its triggers' parameters are that flow's;
+its job variables are the pool's, with the right types; job specs in parameters are valid.
+Prefect itself ignores unknown job variables and takes any parameter names.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tasks.errors import InvalidSpec
+from tasks.platform.pool_template import check_job_variables
+
+LOCAL_POOL = "gpuflow-local"
+GPU_K8S_POOL = "gpuflow-gpu-k8s"
+
+
+def pool_templates() -> dict[str, tuple[str, dict[str, Any]]]:
+    """Return gpuflow's pools: name -> (worker type, base job template)."""
+    from prefect.workers.process import ProcessWorker
+
+    from tasks.platform.pool_template import default_gpu_template
+
+    return {
+        LOCAL_POOL: ("process", ProcessWorker.get_default_base_job_template()),
+        GPU_K8S_POOL: ("kubernetes", default_gpu_template()),
+    }
+
+
+def load_project(path: Path) -> dict[str, Any]:
+    """Return prefect.yaml as a mapping; InvalidSpec when it is not one."""
+    try:
+        project = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise InvalidSpec(f"{path}: no such file; run from the project folder") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" at line {mark.line + 1}" if mark else ""
+        raise InvalidSpec(f"{path}: not valid YAML{line}; fix the syntax there") from None
+    if not isinstance(project, dict) or not isinstance(project.get("deployments"), list):
+        raise InvalidSpec(f"{path}: has no deployments list; add deployments: [...]")
+    return project
+
+
+def flow_parameters(root: Path, entrypoint: str, where: str) -> inspect.Signature:
+    """Return the signature of the flow `entrypoint` (path.py:function) names."""
+    path, _, name = entrypoint.partition(":")
+    module_path = root / path
+    if not name or not module_path.is_file():
+        raise InvalidSpec(
+            f"{where}.entrypoint: {entrypoint!r} is not path/to/file.py:flow_function"
+        )
+    spec = importlib.util.spec_from_file_location(f"_gpuflow_entry_{module_path.stem}", module_path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    flow = getattr(module, name, None)
+    if flow is None or not hasattr(flow, "fn"):
+        raise InvalidSpec(f"{where}.entrypoint: {name!r} in {path} is not a Prefect flow")
+    return inspect.signature(flow.fn)
+
+
+def check_project(
+    project: dict[str, Any], root: Path, pools: dict[str, tuple[str, dict[str, Any]]]
+) -> list[str]:
+    """Return the deployment names after checking each; InvalidSpec on the first problem."""
+    from tasks.spec import load_spec
+
+    names = []
+    for i, deployment in enumerate(project["deployments"]):
+        name = deployment.get("name") or f"#{i}"
+        where = f"deployments[{name}]"
+        pool = (deployment.get("work_pool") or {}).get("name")
+        if not pool:
+            raise InvalidSpec(
+                f"{where}.work_pool.name is missing; name the pool to run on ({', '.join(pools)})"
+            )
+        if pool not in pools:
+            raise InvalidSpec(
+                f"{where}.work_pool.name: {pool!r} is not a pool gpuflow knows; use one of"
+                f" {', '.join(pools)} or create it first"
+            )
+        check_job_variables(
+            pools[pool][1],
+            deployment["work_pool"].get("job_variables") or {},
+            f"{where}.work_pool.job_variables",
+        )
+        signature = flow_parameters(root, str(deployment.get("entrypoint", "")), where)
+        accepted = set(signature.parameters)
+        parameters = deployment.get("parameters") or {}
+        _known_parameters(f"{where}.parameters", parameters, accepted)
+        required = {
+            p.name for p in signature.parameters.values() if p.default is inspect.Parameter.empty
+        }
+        missing = sorted(required - set(parameters))
+        if missing:
+            raise InvalidSpec(f"{where}.parameters: {', '.join(missing)} is required; add it")
+        if "spec" in parameters:
+            try:
+                load_spec(parameters["spec"])
+            except InvalidSpec as exc:
+                raise InvalidSpec(f"{where}.parameters.spec: {exc}") from None
+        for t, trigger in enumerate(deployment.get("triggers") or []):
+            if not trigger.get("expect"):
+                raise InvalidSpec(f"{where}.triggers[{t}].expect: name the event(s) that start it")
+            _known_parameters(
+                f"{where}.triggers[{t}].parameters", trigger.get("parameters") or {}, accepted
+            )
+        names.append(name)
+    return names
+
+
+def _known_parameters(where: str, parameters: dict[str, Any], accepted: set[str]) -> None:
+    unknown = sorted(set(parameters) - accepted)
+    if unknown:
+        raise InvalidSpec(
+            f"{where}: {unknown[0]!r} is not a parameter of the flow; it takes"
+            f" {', '.join(sorted(accepted))}"
+        )
+
+
+def prefect_deploy(root: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `prefect deploy --all` in `root` (after check_project); return the finished call."""
+    return subprocess.run(
+        [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"],
+        cwd=root,
+        env=env or dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )

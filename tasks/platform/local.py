@@ -1,0 +1,251 @@
+"""The local platform: a Prefect server on 127.0.0.1 (SQLite under $GPUFLOW_HOME/platform),
+gpuflow's work pools, a `gpu` concurrency limit sized to this host's GPUs, the blocks, the
+deployments of prefect.yaml and a process worker; `down` stops what `up` started, by PID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tasks.compute.local import gpuflow_home
+from tasks.errors import GpuflowError
+from tasks.platform.deploy import LOCAL_POOL, check_project, load_project, pool_templates
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class PlatformError(GpuflowError):
+    """The platform could not start; the message says what to look at."""
+
+
+def platform_dir() -> Path:
+    return gpuflow_home() / "platform"
+
+
+def state_path() -> Path:
+    return platform_dir() / "state.json"
+
+
+def read_state() -> dict[str, Any] | None:
+    try:
+        return json.loads(state_path().read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _alive(entry: dict[str, Any]) -> bool:
+    try:
+        return psutil.Process(entry["pid"]).create_time() == entry["started"]
+    except psutil.Error:
+        return False
+
+
+def _start(argv: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    return {"pid": proc.pid, "started": psutil.Process(proc.pid).create_time(), "log": str(log)}
+
+
+def _wait_healthy(api: str, server: dict[str, Any], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(server):
+            tail = Path(server["log"]).read_text(errors="replace")[-1500:]
+            raise PlatformError(f"the Prefect server exited while starting; its log ends: {tail}")
+        with (
+            contextlib.suppress(OSError),
+            urllib.request.urlopen(f"{api}/health", timeout=2) as response,
+        ):
+            if response.status == 200:
+                return
+        time.sleep(0.25)
+    raise PlatformError(
+        f"the Prefect server did not answer {api}/health within {timeout_s:.0f} s; see"
+        f" {server['log']}"
+    )
+
+
+def platform_env(api: str) -> dict[str, str]:
+    """Return the environment for processes that talk to the platform's server."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(
+        PREFECT_API_URL=api,
+        PREFECT_HOME=str(platform_dir() / "prefect"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_WORKER_QUERY_SECONDS="2",
+        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{platform_dir() / 'prefect.db'}",
+    )
+    return env
+
+
+def up(port: int = 4200, say=print) -> dict[str, Any]:
+    """Start (or find running) the local platform; return its state: api, ui, processes."""
+    state = read_state()
+    if state and all(_alive(p) for p in state["processes"].values()):
+        say(f"already running: UI {state['ui']}")
+        return state
+    if state:
+        down(say=lambda *_: None)  # a half-dead platform: clear it first
+    started = time.monotonic()
+    platform_dir().mkdir(parents=True, exist_ok=True)
+    api, ui = f"http://127.0.0.1:{port}/api", f"http://127.0.0.1:{port}"
+    env = platform_env(api)
+    python = sys.executable
+    processes: dict[str, Any] = {}
+    state = {"api": api, "ui": ui, "processes": processes}
+    try:
+        processes["server"] = _start(
+            [
+                python,
+                "-m",
+                "prefect",
+                "server",
+                "start",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            env,
+            platform_dir() / "server.log",
+        )
+        _write_state(state)
+        _wait_healthy(api, processes["server"], 90)
+        say(f"server: {ui} ({time.monotonic() - started:.1f} s)")
+        _configure(api, env, say)
+        processes["worker"] = _start(
+            [python, "-m", "prefect", "worker", "start", "--pool", LOCAL_POOL, "--type", "process"],
+            env,
+            platform_dir() / "worker.log",
+        )
+        _write_state(state)
+    except BaseException:
+        down(say=lambda *_: None)
+        raise
+    state["up_seconds"] = round(time.monotonic() - started, 1)
+    _write_state(state)
+    say(f"worker on {LOCAL_POOL}; UI {ui}; up in {state['up_seconds']} s")
+    return state
+
+
+def _configure(api: str, env: dict[str, str], say) -> None:
+    """Create the pools, the `gpu` limit and the blocks, then deploy prefect.yaml."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.platform.deploy import prefect_deploy
+
+    pools = pool_templates()
+    check_project(load_project(ROOT / "prefect.yaml"), ROOT, pools)
+    with temporary_settings({PREFECT_API_URL: api}):
+        _pools(pools)
+        gpus = _gpu_limit()
+        from tasks.platform.blocks_setup import init_blocks
+
+        init_blocks()
+    say(f"pools {', '.join(pools)}; concurrency limit gpu = {gpus}; blocks registered")
+    done = prefect_deploy(ROOT, env)
+    if done.returncode != 0:
+        raise PlatformError(f"prefect deploy failed: {(done.stdout + done.stderr)[-1500:]}")
+    say("deployments created from prefect.yaml")
+
+
+def _pools(pools: dict[str, tuple[str, dict[str, Any]]]) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        for name, (kind, template) in pools.items():
+            try:
+                client.read_work_pool(name)
+                client.update_work_pool(name, WorkPoolUpdate(base_job_template=template))
+            except ObjectNotFound:
+                client.create_work_pool(
+                    WorkPoolCreate(name=name, type=kind, base_job_template=template)
+                )
+
+
+def _gpu_limit() -> int:
+    """Create or resize the `gpu` global concurrency limit to this host's GPUs."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import (
+        GlobalConcurrencyLimitCreate,
+        GlobalConcurrencyLimitUpdate,
+    )
+    from prefect.exceptions import ObjectNotFound
+
+    from tasks import nvml
+    from tasks.compute.gpu_slots import LIMIT_NAME
+
+    gpus = len(nvml.query().gpus)
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(LIMIT_NAME)
+            client.update_global_concurrency_limit(
+                LIMIT_NAME, GlobalConcurrencyLimitUpdate(limit=gpus)
+            )
+        except ObjectNotFound:
+            client.create_global_concurrency_limit(
+                GlobalConcurrencyLimitCreate(name=LIMIT_NAME, limit=gpus)
+            )
+    return gpus
+
+
+def _write_state(state: dict[str, Any]) -> None:
+    state_path().parent.mkdir(parents=True, exist_ok=True)
+    state_path().write_text(json.dumps(state, indent=2))
+
+
+def down(say=print) -> list[str]:
+    """Stop what `up` started (worker first, then server), by PID; return what was stopped.
+    Processes whose PID was reused by something else are left alone."""
+    state = read_state()
+    stopped: list[str] = []
+    if state is None:
+        say("nothing is running")
+        return stopped
+    for name in ("worker", "server"):
+        entry = state["processes"].get(name)
+        if entry and _alive(entry):
+            _stop(entry["pid"])
+            stopped.append(name)
+    state_path().unlink(missing_ok=True)
+    say(f"stopped: {', '.join(stopped) or 'nothing was still running'}")
+    return stopped
+
+
+def _stop(pid: int, grace_s: float = 15.0) -> None:
+    members = [p for p in psutil.process_iter() if _group(p.pid) == pid]
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGTERM)
+    _, alive = psutil.wait_procs(members, timeout=grace_s)
+    if alive:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=5)
+
+
+def _group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
