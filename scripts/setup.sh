@@ -16,6 +16,7 @@ python3 -c 'import ensurepip, venv' 2>/dev/null || apt_packages+=(python3-venv)
 if $want_test; then
     command -v prometheus-pushgateway >/dev/null || apt_packages+=(prometheus-pushgateway)
     command -v promtool >/dev/null || apt_packages+=(prometheus)  # promtool checks infra/ rules
+    command -v chromium >/dev/null || apt_packages+=(chromium)    # loads the Prefect UI headless
 fi
 if $want_render; then
     command -v blender >/dev/null || apt_packages+=(blender)  # renders run the real Blender

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -47,7 +48,7 @@ def load_project(path: Path) -> dict[str, Any]:
         raise InvalidSpec(f"{path}: not valid YAML{line}; fix the syntax there") from None
     if not isinstance(project, dict) or not isinstance(project.get("deployments"), list):
         raise InvalidSpec(f"{path}: has no deployments list; add deployments: [...]")
-    return project
+    return json.loads(json.dumps(project))  # YAML aliases share one object: give each its own
 
 
 def flow_parameters(root: Path, entrypoint: str, where: str) -> inspect.Signature:
