@@ -1,0 +1,251 @@
+"""The local platform for real: `gpuflow platform up` (a Prefect server on loopback, pools,
+the `gpu` limit, blocks, prefect.yaml's deployments, a process worker), runs started the
+ways people start them (`prefect deployment run --watch`, `gpuflow submit`, an event), the
+UI in headless Chromium, and `gpuflow platform down` stopping everything by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from uuid import UUID
+
+import psutil
+import pytest
+
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+class Platform:
+    def __init__(self, home: Path, port: int) -> None:
+        self.home, self.port = home, port
+        self.api, self.ui = f"http://127.0.0.1:{port}/api", f"http://127.0.0.1:{port}"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        self.env.update(GPUFLOW_HOME=str(home), PREFECT_API_URL=self.api)
+        self.env.update(PREFECT_UI_URL=self.ui, PREFECT_SERVER_ANALYTICS_ENABLED="false")
+        self.env.pop("CUDA_VISIBLE_DEVICES", None)
+
+    def run(self, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            list(argv), env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        )
+
+    def gpuflow(self, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return self.run(sys.executable, "-m", "gpuflow", *argv, timeout=timeout)
+
+    def client(self):
+        from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        class _Client:
+            def __enter__(inner):
+                inner.settings = temporary_settings({PREFECT_API_URL: self.api})
+                inner.settings.__enter__()
+                inner.client = get_client(sync_client=True)
+                return inner.client.__enter__()
+
+            def __exit__(inner, *exc):
+                inner.client.__exit__(*exc)
+                inner.settings.__exit__(*exc)
+
+        return _Client()
+
+    def state(self) -> dict:
+        return json.loads((self.home / "platform" / "state.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory):
+    home = tmp_path_factory.mktemp("platform-home")
+    platform = Platform(home, free_port())
+    started = time.monotonic()
+    up = platform.gpuflow("platform", "up", "--port", str(platform.port), timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr
+    platform.up_output, platform.up_seconds = up.stdout, time.monotonic() - started
+    yield platform
+    platform.gpuflow("platform", "down", timeout=120)
+
+
+def test_up_brings_server_pools_limit_blocks_deployments_and_worker(platform):
+    assert f"UI {platform.ui}" in platform.up_output
+    processes = platform.state()["processes"]
+    assert {"server", "worker"} <= set(processes)
+    assert all(psutil.pid_exists(p["pid"]) for p in processes.values())
+    with platform.client() as client:
+        pools = {p.name: p.type for p in client.read_work_pools()}
+        assert pools["gpuflow-local"] == "process"
+        assert pools["gpuflow-gpu-k8s"] == "kubernetes"
+        limit = client.read_global_concurrency_limit_by_name("gpu")
+        from tasks import nvml
+
+        assert limit.limit == len(nvml.query().gpus)
+        deployments = {d.name for d in client.read_deployments()}
+        assert {"command-local", "render-local", "hpc-k8s", "prepare-dataset-local"} <= deployments
+        types = {b.slug for b in client.read_block_types()}
+        assert {"gpuflow-local-gpu-host", "gpuflow-gpu-price-table"} <= types
+    again = platform.gpuflow("platform", "up", "--port", str(platform.port))
+    assert again.returncode == 0 and "already running" in again.stdout
+
+
+def latest_run(platform, deployment_name: str, completed: bool = False):
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with platform.client() as client:
+        runs = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[deployment_name])),
+            sort=FlowRunSort.START_TIME_DESC,
+            limit=20,
+        )
+    if completed:
+        runs = [r for r in runs if r.state.is_completed()]
+    return max(runs, key=lambda r: r.created)
+
+
+def test_prefect_deployment_run_watch_completes_and_fails(platform):
+    ok = platform.run(
+        sys.executable, "-m", "prefect", "deployment", "run", "gpu-pipeline/command-local",
+        "--watch", "--watch-timeout", "240",
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
+    run = latest_run(platform, "command-local")
+    assert run.state.is_completed()
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tests.e2e.helpers import artifacts_of
+
+    with temporary_settings({PREFECT_API_URL: platform.api}):
+        artifacts = artifacts_of(run.id)
+    assert {"gpuflow-preflight", "gpuflow-metrics", "gpuflow-summary"} <= set(artifacts)
+    assert "command: completed" in artifacts["gpuflow-summary"].data
+    failing = json.dumps({"name": "failing", "job": {"kind": "command", "command": ["false"]}})
+    bad = platform.run(
+        sys.executable, "-m", "prefect", "deployment", "run", "gpu-pipeline/command-local",
+        "--param", f"spec={failing}", "--watch", "--watch-timeout", "240",
+    )  # fmt: skip
+    assert bad.returncode != 0
+
+
+def test_submit_tells_each_outcome_apart(platform):
+    ok = platform.gpuflow("submit", "gpu-pipeline/command-local", "--wait", "--timeout", "240")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "completed:" in ok.stdout and f"{platform.ui}/runs/flow-run/" in ok.stdout
+    failing = json.dumps({"name": "failing", "job": {"kind": "command", "command": ["false"]}})
+    failed = platform.gpuflow(
+        "submit", "gpu-pipeline/command-local", "--param", f"spec={failing}", "--wait"
+    )
+    assert failed.returncode == 1 and "failed" in failed.stderr
+    assert "the job exited with code 1" in failed.stderr
+    missing = platform.gpuflow("submit", "gpu-pipeline/no-such-deployment")
+    assert missing.returncode == 2
+    assert "deployment 'gpu-pipeline/no-such-deployment' does not exist" in missing.stderr
+    unknown = platform.gpuflow("submit", "gpu-pipeline/command-local", "--param", "spek={}")
+    assert unknown.returncode == 2 and "'spek' is not a parameter" in unknown.stderr
+    invalid = json.dumps({"job": {"kind": "hpc", "ranks": 0, "md": {}}})
+    refused = platform.gpuflow("submit", "hpc/hpc-local", "--param", f"spec={invalid}")
+    assert refused.returncode == 2 and "job.ranks must be at least 1" in refused.stderr
+    sleepy = json.dumps({"name": "sleepy", "job": {"kind": "command", "command": ["sleep", "20"]}})
+    timed = platform.gpuflow(
+        "submit", "gpu-pipeline/command-local", "--param", f"spec={sleepy}",
+        "--wait", "--timeout", "2",
+    )  # fmt: skip
+    assert timed.returncode == 3, timed.stdout + timed.stderr
+    assert "timed out after 2 s; the run is still" in timed.stderr
+    assert f"{platform.ui}/runs/flow-run/" in timed.stderr
+
+
+@pytest.mark.skipif(shutil.which("blender") is None, reason="blender is not installed")
+def test_a_scene_uploaded_event_starts_a_render(platform, tmp_path):
+    from prefect.events import emit_event
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.render.scene import demo_scene
+
+    scene = demo_scene(shutil.which("blender"), tmp_path / "shot.blend", 2, 32)
+    out = tmp_path / "frames"
+    before = {r.id for r in _render_runs(platform)}
+    with temporary_settings({PREFECT_API_URL: platform.api}):
+        emit_event(
+            event="gpuflow.scene.uploaded",
+            resource={"prefect.resource.id": "gpuflow.scene.shot"},
+            payload={"scene": str(scene), "output": f"file://{out}", "frames": "1-2"},
+        )
+    deadline = time.monotonic() + 240
+    run = None
+    while time.monotonic() < deadline:
+        new = [r for r in _render_runs(platform) if r.id not in before]
+        if new and new[0].state.is_final():
+            run = new[0]
+            break
+        time.sleep(1)
+    assert run is not None, "no render run finished after the event"
+    assert run.state.is_completed(), run.state.message
+    assert run.parameters["spec"]["job"]["scene"] == str(scene)  # templated from the event
+    assert sorted(p.name for p in out.iterdir()) == ["frame_0001.png", "frame_0002.png"]
+
+
+def _render_runs(platform):
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with platform.client() as client:
+        return client.read_flow_runs(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["render-local"])),
+            sort=FlowRunSort.EXPECTED_START_TIME_DESC,
+            limit=10,
+        )
+
+
+def chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    base = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+    base += ["--window-size=1400,1000", "--virtual-time-budget=15000"]
+    return subprocess.run([*base, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"), reason="no chromium")
+def test_the_ui_shows_the_run_and_its_artifacts(platform, tmp_path):
+    assert CHROMIUM is not None, "chromium is not installed; the test command installs it"
+    run = latest_run(platform, "command-local", completed=True)
+    page = f"{platform.ui}/runs/flow-run/{run.id}"
+    dom = chromium("--dump-dom", page).stdout
+    assert run.name in dom and "gpu-pipeline" in dom and "command-local" in dom
+    assert "Completed" in dom
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        FlowRunFilter,
+        FlowRunFilterId,
+    )
+
+    with platform.client() as client:
+        [summary] = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["gpuflow-summary"])),
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[UUID(str(run.id))])),
+        )
+    artifact_dom = chromium("--dump-dom", f"{platform.ui}/artifacts/artifact/{summary.id}").stdout
+    assert "duration:" in artifact_dom and "cost: $" in artifact_dom
+    shot = Path(os.environ.get("GPUFLOW_SCREENSHOTS", tmp_path)) / "flow-run.png"
+    shot.parent.mkdir(parents=True, exist_ok=True)
+    chromium(f"--screenshot={shot}", page)
+    assert shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_down_stops_everything_it_started(platform):
+    processes = platform.state()["processes"]
+    down = platform.gpuflow("platform", "down", timeout=120)
+    assert down.returncode == 0 and "stopped: worker, server" in down.stdout
+    for entry in processes.values():
+        assert not psutil.pid_exists(entry["pid"]) or (
+            psutil.Process(entry["pid"]).status() == psutil.STATUS_ZOMBIE
+        )
+    assert not (platform.home / "platform" / "state.json").exists()
+    status = platform.gpuflow("platform", "status")
+    assert status.returncode == 1 and "not running" in status.stdout
