@@ -288,7 +288,7 @@ def _platform(action: str, port: int) -> int:
         return EXIT_OK
     if action == "status":
         state = local.read_state()
-        running = state and all(local._alive(p) for p in state["processes"].values())
+        running = state and all(local.running(p) for p in state["processes"].values())
         print(f"running: UI {state['ui']}" if running else "not running")
         return EXIT_OK if running else EXIT_FAILED
     from tasks.errors import GpuflowError, InvalidSpec

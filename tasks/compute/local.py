@@ -54,7 +54,8 @@ def resolve_program(program: str, path: str | None = None) -> str | None:
     return shutil.which(program, path=path)
 
 
-def _alive(pid: int, started: float | None) -> bool:
+def alive(pid: int, started: float | None) -> bool:
+    """Return True when `pid` runs and, given its create time `started`, is that process."""
     try:
         proc = psutil.Process(pid)
         return started is None or abs(proc.create_time() - started) < 1.0
@@ -280,17 +281,17 @@ class LocalBackend:
             while proc.poll() is None:
                 if time.monotonic() >= deadline:
                     timed_out = True
-                    _stop_group(proc.pid, None, grace_s)
+                    stop_group(proc.pid, None, grace_s)
                     break
                 if should_stop is not None and should_stop():
                     cancelled = True
-                    _stop_group(proc.pid, None, grace_s)
+                    stop_group(proc.pid, None, grace_s)
                     break
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=0.1)
         except BaseException:
             # Cancellation, Ctrl-C, SIGTERM from a worker: the job gets SIGTERM to save state.
-            _stop_group(proc.pid, None, grace_s)
+            stop_group(proc.pid, None, grace_s)
             raise
         proc.wait()
         self._note_job(cluster, proc.pid, None)
@@ -333,8 +334,8 @@ class LocalBackend:
         if record is not None:
             cluster = Cluster.model_validate(record["cluster"])
             for pgid, started in record.get("jobs", {}).items():
-                if _alive(int(pgid), started):
-                    report.killed_processes += _stop_group(int(pgid), started)
+                if alive(int(pgid), started):
+                    report.killed_processes += stop_group(int(pgid), started)
             report.killed_processes += _stop_strays(cluster.workspace)
         claims = self.home / "gpus"
         for index in cluster.gpu_indices:
@@ -365,14 +366,14 @@ class LocalBackend:
         return found
 
 
-def _stop_group(pgid: int, started: float | None, grace_s: float = STOP_GRACE_S) -> int:
+def stop_group(pgid: int, started: float | None, grace_s: float = STOP_GRACE_S) -> int:
     """SIGTERM the process group, wait up to `grace_s`, then SIGKILL; return how many died.
 
     Polls instead of waiting on the processes so that the caller can still reap its own
     child and read its exit status.
     """
     members = [p for p in psutil.process_iter() if _pgid(p.pid) == pgid]
-    if started is not None and not _alive(pgid, started):
+    if started is not None and not alive(pgid, started):
         return 0  # the pid was reused by something else: not ours to kill
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGTERM)

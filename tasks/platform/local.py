@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from typing import Any
 
 import psutil
 
-from tasks.compute.local import gpuflow_home
+from tasks.compute.local import alive, gpuflow_home, stop_group
 from tasks.errors import GpuflowError
 from tasks.platform.deploy import LOCAL_POOL, check_project, load_project, pool_templates
 
@@ -44,11 +43,9 @@ def read_state() -> dict[str, Any] | None:
         return None
 
 
-def _alive(entry: dict[str, Any]) -> bool:
-    try:
-        return psutil.Process(entry["pid"]).create_time() == entry["started"]
-    except psutil.Error:
-        return False
+def running(entry: dict[str, Any]) -> bool:
+    """Return True while the process `up` recorded still runs (not a reused PID)."""
+    return alive(entry["pid"], entry["started"])
 
 
 def _start(argv: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
@@ -68,7 +65,7 @@ def _start(argv: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
 def _wait_healthy(api: str, server: dict[str, Any], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not _alive(server):
+        if not running(server):
             tail = Path(server["log"]).read_text(errors="replace")[-1500:]
             raise PlatformError(f"the Prefect server exited while starting; its log ends: {tail}")
         with (
@@ -100,7 +97,7 @@ def platform_env(api: str) -> dict[str, str]:
 def up(port: int = 4200, say=print) -> dict[str, Any]:
     """Start (or find running) the local platform; return its state: api, ui, processes."""
     state = read_state()
-    if state and all(_alive(p) for p in state["processes"].values()):
+    if state and all(running(p) for p in state["processes"].values()):
         say(f"already running: UI {state['ui']}")
         return state
     if state:
@@ -225,27 +222,9 @@ def down(say=print) -> list[str]:
         return stopped
     for name in ("worker", "server"):
         entry = state["processes"].get(name)
-        if entry and _alive(entry):
-            _stop(entry["pid"])
+        if entry and running(entry):
+            stop_group(entry["pid"], None, grace_s=15.0)
             stopped.append(name)
     state_path().unlink(missing_ok=True)
     say(f"stopped: {', '.join(stopped) or 'nothing was still running'}")
     return stopped
-
-
-def _stop(pid: int, grace_s: float = 15.0) -> None:
-    members = [p for p in psutil.process_iter() if _group(p.pid) == pid]
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGTERM)
-    _, alive = psutil.wait_procs(members, timeout=grace_s)
-    if alive:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-        psutil.wait_procs(alive, timeout=5)
-
-
-def _group(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except (ProcessLookupError, PermissionError):
-        return None

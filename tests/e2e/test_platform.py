@@ -164,20 +164,23 @@ def test_submit_tells_each_outcome_apart(platform):
 
 @pytest.mark.skipif(shutil.which("blender") is None, reason="blender is not installed")
 def test_a_scene_uploaded_event_starts_a_render(platform, tmp_path):
-    from prefect.events import emit_event
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     from tasks.render.scene import demo_scene
 
     scene = demo_scene(shutil.which("blender"), tmp_path / "shot.blend", 2, 32)
     out = tmp_path / "frames"
     before = {r.id for r in _render_runs(platform)}
-    with temporary_settings({PREFECT_API_URL: platform.api}):
-        emit_event(
-            event="gpuflow.scene.uploaded",
-            resource={"prefect.resource.id": "gpuflow.scene.shot"},
-            payload={"scene": str(scene), "output": f"file://{out}", "frames": "1-2"},
-        )
+    payload = {"scene": str(scene), "output": f"file://{out}", "frames": "1-2"}
+    # from another process, as an upload script would: this process's events client is
+    # bound to the session's test server
+    emit = (
+        "import json, sys\n"
+        "from prefect.events import emit_event\n"
+        "emit_event(event='gpuflow.scene.uploaded',"
+        " resource={'prefect.resource.id': 'gpuflow.scene.shot'},"
+        " payload=json.loads(sys.argv[1]))\n"
+    )
+    sent = platform.run(sys.executable, "-c", emit, json.dumps(payload), timeout=120)
+    assert sent.returncode == 0, sent.stderr[-2000:]
     deadline = time.monotonic() + 240
     run = None
     while time.monotonic() < deadline:
