@@ -8,8 +8,8 @@ from prefect.artifacts import create_markdown_artifact
 from tasks.errors import InvalidSpec
 from tasks.stages import retry_when_retryable
 from tasks.storage import S3Settings, StorageError, store_for
-from tasks.training.prepare import PrepareResult, prepare
-from tasks.units import format_bytes, parse_size
+from tasks.training.prepare import PrepareResult, check_request, prepare
+from tasks.units import format_bytes
 
 
 @task(
@@ -36,14 +36,7 @@ def prepare_dataset(
 ) -> PrepareResult:
     """Pack `source` (a folder of files grouped by basename, or synthetic:classify?samples=N)
     into webdataset shards of about `shard_size` under `output` (file:// or s3://)."""
-    try:
-        shard_bytes = parse_size(shard_size)
-    except ValueError as exc:
-        raise InvalidSpec(f"shard_size: {exc}.") from None
-    if not output.startswith(("file:///", "s3://")):
-        raise InvalidSpec(
-            f"output: {output!r} is not a storage URL; write file:///path or s3://bucket/prefix."
-        )
+    shard_bytes = check_request(source, output, shard_size)
     try:
         result = pack_and_upload(source, output.rstrip("/"), shard_bytes, aws_credentials)
     except StorageError as exc:

@@ -10,31 +10,42 @@ import json
 import sys
 from pathlib import Path
 
+from gpuflow import session
+
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 SMOKE_JOB = Path(__file__).resolve().parent / "smoke.yaml"
 
 
 def _run(path: str | dict) -> int:
-    from tasks import placement
-    from tasks.compute import get_backend
-    from tasks.errors import GpuflowError, InvalidSpec
+    """Run a job spec (a path or a dict) through its flow; read and check it first."""
+    from tasks.errors import InvalidSpec
     from tasks.spec import load_spec
 
     try:
-        spec, _ = placement.resolve(load_spec(path))
+        spec = load_spec(path)
+    except InvalidSpec as exc:
+        return _invalid(exc)
+    return session.with_api(lambda api: _run_spec(spec, api))
+
+
+def _invalid(exc: Exception) -> int:
+    print(f"gpuflow: invalid input: {exc}", file=sys.stderr)
+    return EXIT_INVALID
+
+
+def _run_spec(spec, api) -> int:
+    from tasks import placement, secrets
+    from tasks.compute import get_backend
+    from tasks.errors import GpuflowError, InvalidSpec
+    from tasks.jobs import check_job
+
+    try:
+        spec, _ = placement.resolve(spec)
         get_backend(spec.placement.backend).check(spec)
-        from tasks.jobs import check_job
-
         check_job(spec)
-        from tasks import secrets
-
         secrets.resolve(spec.secret_env)
     except InvalidSpec as exc:
-        print(f"gpuflow: invalid input: {exc}", file=sys.stderr)
-        return EXIT_INVALID
-    except Exception as exc:  # reading blocks or limits failed: the API is unreachable
-        return _api_failed(exc)
-
+        return _invalid(exc)
     from flows.pipeline import gpu_pipeline
 
     flow = gpu_pipeline
@@ -42,35 +53,23 @@ def _run(path: str | dict) -> int:
         from flows.render import render as flow
     if spec.job.kind == "hpc":
         from flows.hpc import hpc as flow
-    try:
-        state = flow(spec, return_state=True)
-    except Exception as exc:  # the engine itself failed: most often the API is unreachable
-        return _api_failed(exc)
+    state = flow(spec, return_state=True)
+    link = api.run_link(str(state.state_details.flow_run_id))
     if state.is_completed():
-        result = state.result()
-        _print_summary(result)
+        _print_summary(state.result())
+        if link:
+            print(f"  flow run: {link}")
         return EXIT_OK
     exc = state.result(raise_on_failure=False)
     if isinstance(exc, InvalidSpec):
-        print(f"gpuflow: invalid input: {exc}", file=sys.stderr)
-        return EXIT_INVALID
+        return _invalid(exc)
     if state.is_cancelled():
         print(f"gpuflow: cancelled: {state.message}", file=sys.stderr)
-        return EXIT_FAILED
-    reason = str(exc) if isinstance(exc, GpuflowError) else (state.message or state.name)
-    print(f"gpuflow: {state.name.lower()}: {reason}", file=sys.stderr)
-    return EXIT_FAILED
-
-
-def _api_failed(exc: Exception) -> int:
-    from prefect.settings import PREFECT_API_URL
-
-    api = PREFECT_API_URL.value() or "the ephemeral API"
-    print(
-        f"gpuflow: could not run the pipeline against {api} ({type(exc).__name__});"
-        " start that Prefect server or unset PREFECT_API_URL.",
-        file=sys.stderr,
-    )
+    else:
+        reason = str(exc) if isinstance(exc, GpuflowError) else (state.message or state.name)
+        print(f"gpuflow: {state.name.lower()}: {reason}", file=sys.stderr)
+    if link:
+        print(f"gpuflow: flow run: {link}", file=sys.stderr)
     return EXIT_FAILED
 
 
@@ -138,23 +137,39 @@ def _preflight(path: str | None, as_json: bool) -> int:
 
 
 def _prepare(source: str, output: str, shard_size: str, aws_credentials: str | None) -> int:
-    from flows.datasets import prepare_dataset
     from tasks.errors import InvalidSpec
+    from tasks.storage import S3Settings, StorageError, check_writable
+    from tasks.training.prepare import check_request
 
-    state = prepare_dataset(source, output, shard_size, aws_credentials, return_state=True)
-    if state.is_completed():
-        result = state.result()
-        print(
-            f"{result.samples} samples in {result.shards} shards ({result.written} written, {result.skipped} unchanged)"
-        )
-        print(f"index: {result.index_url}")
-        return EXIT_OK
-    exc = state.result(raise_on_failure=False)
-    print(
-        f"gpuflow: {'invalid input: ' if isinstance(exc, InvalidSpec) else ''}{exc}",
-        file=sys.stderr,
-    )
-    return EXIT_INVALID if isinstance(exc, InvalidSpec) else EXIT_FAILED
+    try:
+        check_request(source, output, shard_size)
+    except InvalidSpec as exc:
+        return _invalid(exc)
+
+    def body(api) -> int:
+        from flows.datasets import prepare_dataset
+
+        try:
+            settings = S3Settings.from_block(aws_credentials) if aws_credentials else None
+            check_writable(output, settings, "output")
+        except (InvalidSpec, StorageError) as exc:
+            return _invalid(exc)
+        state = prepare_dataset(source, output, shard_size, aws_credentials, return_state=True)
+        if state.is_completed():
+            result = state.result()
+            print(
+                f"{result.samples} samples in {result.shards} shards ({result.written} written,"
+                f" {result.skipped} unchanged)"
+            )
+            print(f"index: {result.index_url}")
+            return EXIT_OK
+        exc = state.result(raise_on_failure=False)
+        if isinstance(exc, InvalidSpec):
+            return _invalid(exc)
+        print(f"gpuflow: {state.name.lower()}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+    return session.with_api(body)
 
 
 def _render_spec(args: argparse.Namespace) -> dict:
@@ -270,13 +285,12 @@ def _blocks_init() -> int:
     """Register gpuflow's block types and create the default documents that are missing."""
     from tasks.platform.blocks_setup import init_blocks
 
-    try:
-        done = init_blocks()
-    except Exception as exc:  # the API is unreachable
-        return _api_failed(exc)
-    for slug, name, what in done:
-        print(f"{what:>10}  {slug}{'/' + name if name else ''}")
-    return EXIT_OK
+    def body(api) -> int:
+        for slug, name, what in init_blocks():
+            print(f"{what:>10}  {slug}{'/' + name if name else ''}")
+        return EXIT_OK
+
+    return session.with_api(body)
 
 
 def _platform(action: str, port: int) -> int:
@@ -318,13 +332,17 @@ def _deploy() -> int:
     except InvalidSpec as exc:
         print(f"gpuflow: invalid input: {exc}", file=sys.stderr)
         return EXIT_INVALID
-    done = deploy.prefect_deploy(root)
-    print(done.stdout[-3000:], end="")
-    if done.returncode != 0:
-        print(done.stderr[-3000:], file=sys.stderr)
-        return EXIT_FAILED
-    print(f"deployed {len(names)}: {', '.join(names)}")
-    return EXIT_OK
+
+    def body(api) -> int:
+        done = deploy.prefect_deploy(root)
+        print(done.stdout[-3000:], end="")
+        if done.returncode != 0:
+            print(done.stderr[-3000:], file=sys.stderr)
+            return EXIT_FAILED
+        print(f"deployed {len(names)}: {', '.join(names)}")
+        return EXIT_OK
+
+    return session.with_api(body, temporary=False)
 
 
 def deploy_root() -> Path:
@@ -341,10 +359,7 @@ def _submit(name: str, pairs: list[str], wait: bool, timeout_s: float) -> int:
     except InvalidSpec as exc:
         print(f"gpuflow: invalid input: {exc}", file=sys.stderr)
         return INVALID
-    try:
-        return submit(name, params, wait, timeout_s)
-    except Exception as exc:  # the API is unreachable
-        return _api_failed(exc)
+    return session.with_api(lambda api: submit(name, params, wait, timeout_s), temporary=False)
 
 
 def _reap(dry_run: bool) -> int:
@@ -469,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     reap = commands.add_parser("reap", help="tear down what killed runs left on this host")
     reap.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
+    session.install_signal_handlers()
     if args.command == "run":
         return _run(args.job)
     if args.command == "demo":

@@ -4,6 +4,8 @@
 # Safe to rerun: it installs only what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+t0=$SECONDS
+step() { echo "setup: $* ($((SECONDS - t0)) s so far)"; }
 
 want_test=false want_render=false want_hpc=false
 [[ "${1:-}" == "--test" ]] && want_test=true want_render=true want_hpc=true
@@ -28,7 +30,7 @@ fi
 if ((${#apt_packages[@]})); then
     sudo=""
     [[ $(id -u) -ne 0 ]] && sudo="sudo"
-    echo "installing Debian packages: ${apt_packages[*]}"
+    step "installing Debian packages (a few minutes on a new machine): ${apt_packages[*]}"
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${apt_packages[@]}" >/dev/null
 fi
@@ -37,20 +39,21 @@ python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
     echo "gpuflow needs Python 3.11 or newer; this python3 is $(python3 --version)" >&2
     exit 2
 }
-[[ -x .venv/bin/python ]] || python3 -m venv .venv
+[[ -x .venv/bin/python ]] || { step "creating .venv"; python3 -m venv .venv; }
 py=.venv/bin/python
 $py -m pip install -q --upgrade pip
 
 # torch first: the CPU build where there is no GPU, so nothing pulls a multi-GB CUDA build.
 if ! $py -c 'import torch' 2>/dev/null; then
+    step "installing torch into .venv (the largest download)"
     if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
         $py -m pip install -q 'torch>=2.4,<3'
     else
         $py -m pip install -q torch==2.13.0
     fi
 fi
-if $want_test; then
-    $py -m pip install -q -e '.[test]'
-else
-    $py -m pip install -q -e .
-fi
+extra=""
+$want_test && extra="[test]"
+step "installing gpuflow and its dependencies${extra:+ with the test tools} into .venv (pip: only what is missing)"
+$py -m pip install -q -e ".$extra"
+step "ready"

@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -19,6 +18,7 @@ from pydantic import (
     model_validator,
 )
 
+from tasks import yamlfile
 from tasks.errors import InvalidSpec
 from tasks.gpus import canonical_product
 from tasks.hpc.mpi import Host
@@ -562,6 +562,8 @@ def _sentence(error: dict[str, Any]) -> str:
         word = {"ge": "at least", "gt": "more than", "le": "at most"}[bound]
         return f"{where} must be {word} {limit} (got {error.get('input')!r}); change it"
     hidden = loc[:1] in (("env",), ("secret_env",))
+    if hidden and kind == "string_type":
+        return f'{where}: environment values are text; quote it, e.g. {loc[-1]}: "4"'
     got = "" if hidden else f" (got {error.get('input')!r})"
     return f"{where}: {msg[0].lower()}{msg[1:]}{got}"
 
@@ -579,14 +581,7 @@ def load_spec(source: JobSpec | dict[str, Any] | str | Path) -> JobSpec:
     if isinstance(source, str | Path) and not isinstance(source, dict):
         path = Path(source)
         where = str(path)
-        if not path.is_file():
-            raise InvalidSpec(f"{path}: no such file; give the path of a job YAML or JSON file.")
-        try:
-            source = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            line = f" at line {mark.line + 1}" if mark else ""
-            raise InvalidSpec(f"{path}: not valid YAML{line}; fix the syntax there.") from None
+        source = yamlfile.read(path)
     if not isinstance(source, dict):
         raise InvalidSpec(
             f"{where}: the top level must be a mapping of fields (name, job, resources, ...),"

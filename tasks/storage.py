@@ -204,12 +204,28 @@ class S3Store:
         return parsed.netloc, parsed.path.lstrip("/")
 
     def _call(self, url: str, method: str, **kwargs: Any) -> Any:
-        from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
+        from botocore.exceptions import (
+            BotoCoreError,
+            ClientError,
+            EndpointConnectionError,
+            NoCredentialsError,
+            ParamValidationError,
+        )
 
         try:
             return getattr(self.client, method)(**kwargs)
         except ClientError as exc:
             raise _explain(url, exc) from None
+        except NoCredentialsError:
+            raise StorageError(
+                f"no AWS credentials were found for {url}; name an AwsCredentials block"
+                " (storage.aws_credentials / --aws-credentials) or set AWS_ACCESS_KEY_ID and"
+                " AWS_SECRET_ACCESS_KEY."
+            ) from None
+        except ParamValidationError:
+            raise StorageError(
+                f"{url!r} is not a valid S3 URL; write s3://bucket/prefix."
+            ) from None
         except EndpointConnectionError:
             raise TransientError(
                 f"could not reach the S3 server for {url}; is it running?"
@@ -321,6 +337,8 @@ def store_for(url: str, s3: S3Settings | None = None) -> FileStore | S3Store:
     if scheme == "file":
         return FileStore()
     if scheme == "s3":
+        if not urlparse(url).netloc:
+            raise StorageError(f"{url!r} names no bucket; write s3://bucket/prefix.")
         return S3Store(s3)
     raise StorageError(f"{url!r} is not a storage URL; write file:///path or s3://bucket/prefix.")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _SIZE_UNITS = {
@@ -49,16 +50,23 @@ def parse_duration(value: int | float | str) -> float:
     if isinstance(value, bool):
         raise ValueError("is not a duration; write e.g. 90s, 30m or 1h30m")
     if isinstance(value, int | float):
-        return float(value)
+        return _finite(float(value), value)
     text = str(value).strip().lower().replace(" ", "")
     try:
-        return float(text)
-    except ValueError:
-        pass
+        return _finite(float(text), value)
+    except ValueError as exc:
+        if "finite" in str(exc):
+            raise
     parts = _DURATION_RE.findall(text)
     if not parts or "".join(n + u for n, u in parts) != text:
         raise ValueError(f"{value!r} is not a duration; write e.g. 90s, 30m or 1h30m")
-    return sum(float(n) * _DURATION_SECONDS[u] for n, u in parts)
+    return _finite(sum(float(n) * _DURATION_SECONDS[u] for n, u in parts), value)
+
+
+def _finite(seconds: float, value: object) -> float:
+    if not math.isfinite(seconds):
+        raise ValueError(f"{value!r} is not a finite duration; write e.g. 90s, 30m or 1h30m")
+    return seconds
 
 
 def format_bytes(size: float) -> str:

@@ -49,6 +49,10 @@ def s3_settings(spec: JobSpec):
 
 def check_job(spec: JobSpec) -> None:
     """Raise InvalidSpec when the job itself (not the host) cannot run as written."""
+    if spec.storage.artifacts:
+        from tasks.storage import check_writable
+
+        check_writable(spec.storage.artifacts, None, "storage.artifacts")
     if spec.job.kind == "train":
         from tasks.storage import StorageError
         from tasks.training.validate import check_train

@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from tasks import yamlfile
 from tasks.errors import InvalidSpec
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_TIMEOUT = 0, 1, 2, 3
@@ -28,10 +27,10 @@ def parse_params(pairs: list[str]) -> dict[str, Any]:
         if not sep or not key:
             raise InvalidSpec(f"--param {pair!r}: write name=value (value may be JSON or @file)")
         if raw.startswith("@"):
-            path = Path(raw[1:])
-            if not path.is_file():
-                raise InvalidSpec(f"--param {key}: {path} does not exist")
-            params[key] = yaml.safe_load(path.read_text())
+            try:
+                params[key] = yamlfile.read(Path(raw[1:]), "a YAML or JSON file")
+            except InvalidSpec as exc:
+                raise InvalidSpec(f"--param {key}: {exc}") from None
             continue
         try:
             params[key] = json.loads(raw)

@@ -79,6 +79,30 @@ def open_source(source: str) -> tuple[Iterator[Sample], str]:
     return chained(), str(folder)
 
 
+def check_request(source: str, output: str, shard_size: str) -> int:
+    """Return the shard size in bytes; InvalidSpec names the first input that is wrong.
+    Reads no credentials and writes nothing, so it runs before any API or flow run."""
+    from tasks.storage import StorageError, store_for
+    from tasks.units import parse_size
+
+    try:
+        shard_bytes = parse_size(shard_size)
+    except ValueError as exc:
+        raise InvalidSpec(f"shard_size: {exc}.") from None
+    if shard_bytes < 4096:
+        raise InvalidSpec("shard_size must be at least 4 KiB; the usual is 256MB.")
+    if not output.startswith(("file:///", "s3://")):
+        raise InvalidSpec(
+            f"output: {output!r} is not a storage URL; write file:///path or s3://bucket/prefix."
+        )
+    try:
+        store_for(output)
+    except StorageError as exc:
+        raise InvalidSpec(f"output: {exc}") from None
+    open_source(source)
+    return shard_bytes
+
+
 def prepare(
     source: str, output: str, shard_bytes: int, store: FileStore | S3Store
 ) -> PrepareResult:

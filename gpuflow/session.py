@@ -1,0 +1,108 @@
+"""What every `gpuflow` command that talks to Prefect shares: which API it uses, how a
+signal ends it (one sentence, exit 130 or 143, nothing left running), and the one
+sentence it prints when the API fails."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+EXIT_FAILED = 1
+SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
+
+
+class Stopped(BaseException):
+    """This process got SIGTERM outside a flow run (Prefect raises its own inside one)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signal = signum
+
+
+def say(message: str) -> None:
+    """Print a line about what gpuflow itself does (not the job's output)."""
+    print(f"gpuflow: {message}", file=sys.stderr, flush=True)
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM raises Stopped, SIGINT KeyboardInterrupt, once: a repeated signal while the
+    first one is being handled (the job gets its stop_grace_s, teardown runs) is ignored."""
+    stopping: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if stopping:
+            say("already stopping: the job gets its grace period, then teardown runs")
+            return
+        stopping.append(signum)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Stopped(signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def signal_of(exc: BaseException) -> int | None:
+    """Return the signal an interruption stands for, or None when it is not one."""
+    if isinstance(exc, KeyboardInterrupt):
+        return signal.SIGINT
+    if isinstance(exc, Stopped):
+        return exc.signal
+    from prefect.exceptions import TerminationSignal
+
+    if isinstance(exc, TerminationSignal):
+        return exc.signal
+    return None
+
+
+def with_api(body: Callable[[Any], int], temporary: bool = True) -> int:
+    """Run `body(api)` against the chosen Prefect API (see tasks.platform.api) and return
+    its exit code; an unreachable API or a signal ends it with one sentence. With
+    `temporary` False (deployments live on a lasting server) no temporary API is started."""
+    from tasks.platform import api as prefect_api
+
+    try:
+        try:
+            chosen = prefect_api.choose(say, temporary)
+        except prefect_api.ApiUnavailable as exc:
+            say(str(exc))
+            return EXIT_FAILED
+        if chosen.kind != "temporary":
+            say(f"using {chosen.describe()}")
+        with prefect_api.using(chosen):
+            try:
+                return body(chosen)
+            except Exception as exc:  # the engine itself failed talking to the API
+                say(api_failure(exc, chosen))
+                return EXIT_FAILED
+    except BaseException as exc:
+        signum = signal_of(exc)
+        if signum is None:
+            raise
+        say(
+            f"stopped by {SIGNAL_NAMES.get(signum, signum)}: the job (if one ran) was stopped"
+            " and torn down, and its flow run marked Crashed."
+        )
+        return 128 + int(signum)
+
+
+def api_failure(exc: BaseException, api: Any) -> str:
+    """Return one sentence for an error raised while talking to `api`: its real cause."""
+    import httpx
+
+    cause = exc
+    while cause.__cause__ is not None and not isinstance(cause, httpx.HTTPError):
+        cause = cause.__cause__
+    if isinstance(cause, httpx.ConnectError):
+        detail = "the connection was refused or dropped"
+    elif isinstance(cause, httpx.TimeoutException):
+        detail = "it did not answer in time"
+    elif isinstance(cause, httpx.HTTPStatusError):
+        detail = f"it answered HTTP {cause.response.status_code} to {cause.request.url.path}"
+    else:
+        text = str(cause).strip()
+        first = text.splitlines()[0][:300] if text else ""
+        return f"the run failed: {type(cause).__name__}{': ' + first if first else ''}."
+    return f"the run failed talking to {api.describe()}: {detail}; check that server's log."

@@ -1,0 +1,272 @@
+"""Which Prefect API a gpuflow command talks to, and the temporary server it starts when
+there is none.
+
+In order: PREFECT_API_URL when set (checked for health first); else the local platform
+when `gpuflow platform up` runs it and it answers; else a temporary server that gpuflow
+starts itself, in a session of its own (so Ctrl-C reaches gpuflow, not the server, and the
+run's final state can still be written), waits for as long as a cold start takes, records
+under $GPUFLOW_HOME/servers for `gpuflow reap`, and stops by PID when the command ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tasks.compute.local import alive, gpuflow_home, stop_group
+from tasks.errors import GpuflowError
+
+# A cold first start (no bytecode yet, a new SQLite database) took 34 s on a busy
+# 2-core machine; Prefect's own ephemeral start gives up after 20 s.
+START_TIMEOUT_S = float(os.environ.get("GPUFLOW_API_START_TIMEOUT_S", "240"))
+PORT_IN_USE = 3  # uvicorn's exit code when it cannot bind
+
+
+class ApiUnavailable(GpuflowError):
+    """No Prefect API could be reached or started; the message names the cause and the fix."""
+
+
+@dataclass
+class Api:
+    url: str
+    kind: str  # "configured" (PREFECT_API_URL), "platform" or "temporary"
+    ui: str | None = None
+    server: dict[str, Any] | None = None  # the temporary server's record
+
+    def describe(self) -> str:
+        if self.kind == "configured":
+            return f"the Prefect API at {self.url} (PREFECT_API_URL)"
+        if self.kind == "platform":
+            return f"the local platform (UI {self.ui})"
+        return f"a temporary Prefect API at {self.url} (runs are kept in {prefect_home()})"
+
+    def run_link(self, flow_run_id: str) -> str | None:
+        """Return the UI page of a flow run, when this API has a UI."""
+        return f"{self.ui}/runs/flow-run/{flow_run_id}" if self.ui else None
+
+
+def prefect_home() -> str:
+    return os.environ.get("PREFECT_HOME", str(Path.home() / ".prefect"))
+
+
+def servers_dir() -> Path:
+    return gpuflow_home() / "servers"
+
+
+def health_error(url: str, timeout_s: float = 10.0) -> str | None:
+    """Return why `url`/health does not answer 200 (one phrase), or None when it does."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s) as response:
+            return None if response.status == 200 else f"it answered HTTP {response.status}"
+    except urllib.error.HTTPError as exc:
+        return f"it answered HTTP {exc.code}"
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        if isinstance(reason, TimeoutError | socket.timeout):
+            return f"it did not answer within {timeout_s:.0f} s"
+        if isinstance(reason, ConnectionRefusedError):
+            return "the connection was refused (no server listens there)"
+        if isinstance(reason, socket.gaierror):
+            return f"its host name does not resolve ({reason.strerror})"
+        return str(getattr(reason, "strerror", None) or reason)
+    except TimeoutError:
+        return f"it did not answer within {timeout_s:.0f} s"
+    except (OSError, ValueError) as exc:
+        return str(exc)
+
+
+def configured_url() -> str | None:
+    """Return PREFECT_API_URL from the environment or the active Prefect profile."""
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value() or None
+
+
+def choose(say: Callable[[str], None], temporary: bool = True) -> Api:
+    """Return the API to use (see the module's docstring); start a temporary one if needed
+    and allowed. Raises ApiUnavailable with the real cause."""
+    url = configured_url()
+    if url:
+        problem = health_error(url)
+        if problem:
+            raise ApiUnavailable(
+                f"the Prefect API at {url} (PREFECT_API_URL) is unreachable: {problem}; start"
+                " that server, or unset PREFECT_API_URL to use the local platform or a"
+                " temporary API."
+            )
+        return Api(url, "configured")
+    from tasks.platform import local
+
+    state = local.read_state()
+    if state and all(local.running(p) for p in state["processes"].values()):
+        problem = health_error(state["api"], timeout_s=5)
+        if problem is None:
+            return Api(state["api"], "platform", ui=state["ui"])
+        say(
+            f"the local platform's server does not answer ({problem});"
+            " `gpuflow platform down && gpuflow platform up` restarts it"
+        )
+    if not temporary:
+        raise ApiUnavailable(
+            "this needs a lasting Prefect server (deployments live there), and neither"
+            " PREFECT_API_URL is set nor the local platform running; set PREFECT_API_URL or"
+            " run `gpuflow platform up`."
+        )
+    return start_temporary(say)
+
+
+def start_temporary(say: Callable[[str], None], timeout_s: float = START_TIMEOUT_S) -> Api:
+    """Start Prefect's API server (no UI) on a free loopback port and wait until it answers."""
+    import prefect
+
+    servers_dir().mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    say("starting a temporary Prefect API (`gpuflow platform up` keeps one running, with a UI)")
+    for _ in range(5):
+        port = _free_port()
+        log = servers_dir() / f"server-{port}.log"
+        env = {
+            **os.environ,
+            "PREFECT_UI_ENABLED": "0",
+            "PREFECT__SERVER_EPHEMERAL": "1",
+            "PREFECT__SERVER_FINAL": "1",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        }
+        argv = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent)]
+        argv += ["--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1"]
+        argv += ["--port", str(port), "--log-level", "error", "--lifespan", "on"]
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        record = {
+            "pid": proc.pid,
+            "started": psutil.Process(proc.pid).create_time(),
+            "owner_pid": os.getpid(),
+            "owner_started": psutil.Process().create_time(),
+            "api": f"http://127.0.0.1:{port}/api",
+            "log": str(log),
+            "prefect_home": prefect_home(),
+        }
+        _write_json(servers_dir() / f"{proc.pid}.json", record)
+        api = Api(record["api"], "temporary", server=record)
+        code = _wait_until_healthy(proc, record["api"], started + timeout_s)
+        if code is None:
+            say(f"temporary Prefect API ready in {time.monotonic() - started:.1f} s")
+            return api
+        stop_server(record)
+        if code == PORT_IN_USE:
+            continue
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+        if code == -1:
+            raise ApiUnavailable(
+                f"the temporary Prefect API did not answer within {timeout_s:.0f} s (the"
+                " machine may be busy); set GPUFLOW_API_START_TIMEOUT_S higher, or start one"
+                " with `gpuflow platform up`."
+            )
+        raise ApiUnavailable(
+            f"the temporary Prefect API exited while starting (exit {code}): "
+            f"{' | '.join(tail) or 'no output'}; see {log}."
+        )
+    raise ApiUnavailable(
+        "the temporary Prefect API found no free port on 127.0.0.1 in 5 tries; stop what"
+        " holds them, or start one with `gpuflow platform up`."
+    )
+
+
+def _wait_until_healthy(proc: subprocess.Popen, url: str, deadline: float) -> int | None:
+    """Return None once `url` answers, the server's exit code if it died, -1 on timeout."""
+    while time.monotonic() < deadline:
+        code = proc.poll()
+        if code is not None:
+            return code
+        if health_error(url, timeout_s=2) is None:
+            return None
+        time.sleep(0.2)
+    return -1
+
+
+def stop_server(record: dict[str, Any]) -> bool:
+    """Stop a temporary server by PID (not a reused PID) and forget it; True if it ran."""
+    was_running = alive(record["pid"], record["started"])
+    if was_running:
+        stop_group(record["pid"], record["started"], grace_s=10.0)
+    (servers_dir() / f"{record['pid']}.json").unlink(missing_ok=True)
+    return was_running
+
+
+def leftover_servers() -> list[dict[str, Any]]:
+    """Return records of temporary servers whose gpuflow process is gone."""
+    found = []
+    for path in sorted(servers_dir().glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            path.unlink(missing_ok=True)  # half-written by a process that died
+            continue
+        if not alive(record["owner_pid"], record["owner_started"]):
+            found.append(record)
+    return found
+
+
+@contextlib.contextmanager
+def using(api: Api) -> Iterator[Api]:
+    """Point Prefect at `api` for the rest of this process, in every thread (a settings
+    context would reach only this one, and Prefect's workers in other threads would start
+    an ephemeral server of their own); after the body send the logs and events still
+    queued, then stop the temporary server if this process started one."""
+    from prefect.context import refresh_global_settings_context
+
+    os.environ["PREFECT_API_URL"] = api.url
+    os.environ["PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"] = "false"
+    if api.ui:
+        os.environ["PREFECT_UI_URL"] = api.ui
+    refresh_global_settings_context()
+    try:
+        yield api
+    finally:
+        try:
+            flush_prefect()
+        finally:
+            if api.server is not None:
+                stop_server(api.server)
+
+
+def flush_prefect(timeout_s: float = 30.0) -> None:
+    """Block until Prefect's log and event workers have sent what they hold."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        with contextlib.suppress(Exception):
+            worker.drain_all(timeout=timeout_s)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
