@@ -6,7 +6,6 @@ Exit codes: 0 the job completed; 1 the job (or its preflight) failed; 2 invalid 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -363,22 +362,14 @@ def _submit(name: str, pairs: list[str], wait: bool, timeout_s: float) -> int:
 
 
 def _reap(dry_run: bool) -> int:
-    import psutil
+    from tasks.platform.reap import reap
 
-    from tasks.compute.local import LocalBackend
-
-    backend = LocalBackend()
-    reaped = 0
-    for cluster in backend.list_owned({"gpuflow.io/owner": "gpuflow"}):
-        record = backend._read_record(cluster.name) or {}
-        pid = record.get("orchestrator_pid")
-        if pid and psutil.pid_exists(pid):
-            continue  # its run is still going
-        print(f"{'would reap' if dry_run else 'reaping'} {cluster.name} ({cluster.workspace})")
-        if not dry_run:
-            print(json.dumps(backend.teardown(cluster).model_dump()))
-        reaped += 1
-    print(f"{reaped} leftover cluster(s)")
+    done = reap(dry_run)
+    print(
+        f"{done['clusters']} leftover cluster(s), {done['servers']} temporary server(s),"
+        f" {done['flow_runs_crashed']} flow run(s) marked Crashed, {done['files']}"
+        " half-written file(s)"
+    )
     return EXIT_OK
 
 

@@ -22,7 +22,12 @@ class Stopped(BaseException):
 
 
 def say(message: str) -> None:
-    """Print a line about what gpuflow itself does (not the job's output)."""
+    """Print a line about what gpuflow itself does (not the job's output, not an error)."""
+    print(f"[gpuflow] {message}", file=sys.stderr, flush=True)
+
+
+def fail(message: str) -> None:
+    """Print the one sentence that says why a command could not go on."""
     print(f"gpuflow: {message}", file=sys.stderr, flush=True)
 
 
@@ -67,7 +72,7 @@ def with_api(body: Callable[[Any], int], temporary: bool = True) -> int:
         try:
             chosen = prefect_api.choose(say, temporary)
         except prefect_api.ApiUnavailable as exc:
-            say(str(exc))
+            fail(str(exc))
             return EXIT_FAILED
         if chosen.kind != "temporary":
             say(f"using {chosen.describe()}")
@@ -75,13 +80,13 @@ def with_api(body: Callable[[Any], int], temporary: bool = True) -> int:
             try:
                 return body(chosen)
             except Exception as exc:  # the engine itself failed talking to the API
-                say(api_failure(exc, chosen))
+                fail(api_failure(exc, chosen))
                 return EXIT_FAILED
     except BaseException as exc:
         signum = signal_of(exc)
         if signum is None:
             raise
-        say(
+        fail(
             f"stopped by {SIGNAL_NAMES.get(signum, signum)}: the job (if one ran) was stopped"
             " and torn down, and its flow run marked Crashed."
         )

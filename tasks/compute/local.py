@@ -82,11 +82,20 @@ class LocalBackend:
             return None
 
     def _write_record(self, record: dict) -> None:
-        path = self._record_path(record["cluster"]["name"])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, default=str))
-        tmp.replace(path)
+        write_atomic(self._record_path(record["cluster"]["name"]), json.dumps(record, default=str))
+
+    def orchestrator(self, cluster: Cluster) -> dict:
+        """Return who runs `cluster`: the gpuflow process (pid, create time) and its API."""
+        record = self._read_record(cluster.name) or {}
+        return {k: record.get(k) for k in ("orchestrator_pid", "orchestrator_started", "api_url")}
+
+    def sweep_partial_writes(self) -> list[str]:
+        """Remove state files half-written by a process that died mid-write; return them."""
+        return [
+            str(path)
+            for folder in (self.home / "clusters", self.home / "gpus")
+            for path in sweep_partial_writes(folder)
+        ]
 
     # -- verbs ---------------------------------------------------------------
     def check(self, spec: JobSpec) -> None:
@@ -140,6 +149,7 @@ class LocalBackend:
         an earlier try made (workspace, GPU claims, lease) instead of making twins.
         Raises CapacityError when the GPUs or `gpu` slots are busy."""
         name = f"gpuflow-{owner[RUN_LABEL]}"
+        self.sweep_partial_writes()
         record = self._read_record(name)
         if record is not None:
             cluster = Cluster.model_validate(record["cluster"]).model_copy(update={"adopted": True})
@@ -182,6 +192,8 @@ class LocalBackend:
             {
                 "cluster": cluster.model_dump(mode="json", exclude={"adopted"}),
                 "orchestrator_pid": os.getpid(),
+                "orchestrator_started": psutil.Process().create_time(),
+                "api_url": os.environ.get("PREFECT_API_URL"),
                 "complete": complete,
             }
         )
@@ -364,6 +376,26 @@ class LocalBackend:
             if all(cluster.owner.get(k) == v for k, v in selector.items()):
                 found.append(cluster)
         return found
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: a temporary sibling named after this process
+    (`.NAME.PID.tmp`, so sweep_partial_writes can tell a dead writer's), then a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def sweep_partial_writes(folder: Path) -> list[Path]:
+    """Remove write_atomic's temporary files in `folder` whose writer no longer runs."""
+    swept = []
+    for path in folder.glob(".*.tmp") if folder.is_dir() else ():
+        pid = path.name.rsplit(".", 2)[-2]
+        if not pid.isdigit() or not psutil.pid_exists(int(pid)):
+            path.unlink(missing_ok=True)
+            swept.append(path)
+    return swept
 
 
 def stop_group(pgid: int, started: float | None, grace_s: float = STOP_GRACE_S) -> int:

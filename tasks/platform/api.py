@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from tasks.compute.local import alive, gpuflow_home, stop_group
+from tasks.compute.local import alive, gpuflow_home, stop_group, write_atomic
 from tasks.errors import GpuflowError
 
 # A cold first start (no bytecode yet, a new SQLite database) took 34 s on a busy
@@ -166,7 +166,7 @@ def start_temporary(say: Callable[[str], None], timeout_s: float = START_TIMEOUT
             "log": str(log),
             "prefect_home": prefect_home(),
         }
-        _write_json(servers_dir() / f"{proc.pid}.json", record)
+        write_atomic(servers_dir() / f"{proc.pid}.json", json.dumps(record))
         api = Api(record["api"], "temporary", server=record)
         code = _wait_until_healthy(proc, record["api"], started + timeout_s)
         if code is None:
@@ -264,9 +264,3 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)

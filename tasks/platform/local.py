@@ -17,7 +17,7 @@ from typing import Any
 
 import psutil
 
-from tasks.compute.local import alive, gpuflow_home, stop_group
+from tasks.compute.local import alive, gpuflow_home, stop_group, write_atomic
 from tasks.errors import GpuflowError
 from tasks.platform.deploy import LOCAL_POOL, check_project, load_project, pool_templates
 
@@ -208,8 +208,7 @@ def _gpu_limit() -> int:
 
 
 def _write_state(state: dict[str, Any]) -> None:
-    state_path().parent.mkdir(parents=True, exist_ok=True)
-    state_path().write_text(json.dumps(state, indent=2))
+    write_atomic(state_path(), json.dumps(state, indent=2))
 
 
 def down(say=print) -> list[str]:

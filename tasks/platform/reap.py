@@ -1,0 +1,84 @@
+"""The reaper: what a killed gpuflow left on this host, found from its records on disk.
+
+Clusters whose orchestrator is gone are torn down; their flow runs, still Running in the
+API, are marked Crashed; temporary Prefect servers whose gpuflow died are stopped; state
+files half-written by a dead process are removed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from uuid import UUID
+
+from tasks.compute.base import OWNER_LABEL, RUN_LABEL
+from tasks.compute.local import LocalBackend, alive
+from tasks.platform import api as prefect_api
+
+CRASHED_MESSAGE = "its gpuflow process was killed; `gpuflow reap` tore down what it left"
+
+
+def reap(dry_run: bool, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Reap what dead gpuflow processes left; return counts of what was (or would be) done."""
+    backend = LocalBackend()
+    done: dict[str, Any] = {"clusters": 0, "flow_runs_crashed": 0, "servers": 0, "files": 0}
+    runs: list[tuple[str, str | None]] = []  # (flow run id, the API it was recorded in)
+    for cluster in backend.list_owned({OWNER_LABEL: "gpuflow"}):
+        owner = backend.orchestrator(cluster)
+        if owner["orchestrator_pid"] and alive(
+            owner["orchestrator_pid"], owner["orchestrator_started"]
+        ):
+            continue  # its run is still going
+        say(f"{'would reap' if dry_run else 'reaping'} {cluster.name} ({cluster.workspace})")
+        done["clusters"] += 1
+        if not dry_run:
+            report = backend.teardown(cluster)
+            say(f"  {report.model_dump_json()}")
+        runs.append((cluster.owner[RUN_LABEL], owner["api_url"]))
+    servers = prefect_api.leftover_servers()
+    for record in servers:
+        say(
+            f"{'would stop' if dry_run else 'stopping'} the temporary Prefect API at"
+            f" {record['api']} (pid {record['pid']}) that a killed gpuflow left"
+        )
+    if dry_run:
+        done["servers"] = len(servers)
+        return done
+    done["flow_runs_crashed"] = _mark_crashed(runs, say)
+    for record in servers:
+        done["servers"] += prefect_api.stop_server(record)
+    swept = backend.sweep_partial_writes()
+    for path in swept:
+        say(f"removed {path} (half-written by a process that died)")
+    done["files"] = len(swept)
+    return done
+
+
+def _mark_crashed(runs: list[tuple[str, str | None]], say: Callable[[str], None]) -> int:
+    """Mark each flow run Crashed in the API it was recorded in, unless it already ended;
+    an API that does not answer is named, and the run left as it is."""
+    marked = 0
+    for run_id, url in runs:
+        if not url:
+            continue
+        problem = prefect_api.health_error(url, timeout_s=5)
+        if problem:
+            say(f"  flow run {run_id} not marked Crashed: the API at {url} is away ({problem})")
+            continue
+        if _crash(run_id, url):
+            say(f"  flow run {run_id} marked Crashed")
+            marked += 1
+    return marked
+
+
+def _crash(run_id: str, url: str) -> bool:
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Crashed
+
+    with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+        state = client.read_flow_run(UUID(run_id)).state
+        if state is not None and state.is_final():
+            return False
+        client.set_flow_run_state(UUID(run_id), Crashed(message=CRASHED_MESSAGE), force=True)
+        return True
