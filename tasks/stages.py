@@ -35,6 +35,7 @@ from tasks.errors import (
     is_retryable,
 )
 from tasks.jobs import command_for, s3_settings
+from tasks.logstream import LineBatcher
 from tasks.metrics import cost as pricing
 from tasks.metrics.plot import utilisation_png
 from tasks.metrics.prometheus import LivePush, delete, exposition, push
@@ -156,10 +157,14 @@ def run(
     env = {**os.environ, **storage_env, **spec.env, **secret_values}
     timeout, stopped_by = time_limit(spec, cluster, prices)
 
-    def on_line(stream: str, line: str) -> None:
-        logger.info("%s%s", "[stderr] " if stream == "stderr" else "", redact(line))
+    with (
+        LineBatcher(lambda text: logger.info("%s", text)) as lines,
+        sampling(spec, cluster, flow_run_id, logger.warning),
+    ):
 
-    with sampling(spec, cluster, flow_run_id, logger.warning):
+        def on_line(stream: str, line: str) -> None:
+            lines.add(redact(f"[stderr] {line}" if stream == "stderr" else line))
+
         result = get_backend(cluster.backend).run(
             cluster,
             command_for(spec),

@@ -275,10 +275,17 @@ class LocalBackend:
         tail: deque[str] = deque(maxlen=40)
 
         def pump(stream, label: str) -> None:
-            for raw in iter(stream.readline, b""):
-                line = raw.decode(errors="replace").rstrip("\n")
-                tail.append(line)
-                on_line(label, line)
+            # Blocks, not lines: a chatty job's pipe is drained as fast as it fills.
+            partial = b""
+            for block in iter(lambda: stream.read1(1 << 16), b""):
+                *lines, partial = (partial + block).split(b"\n")
+                for raw in lines:
+                    line = raw.decode(errors="replace")
+                    tail.append(line)
+                    on_line(label, line)
+            if partial:
+                tail.append(partial.decode(errors="replace"))
+                on_line(label, tail[-1])
             stream.close()
 
         pumps = [
@@ -308,7 +315,9 @@ class LocalBackend:
         proc.wait()
         self._note_job(cluster, proc.pid, None)
         for thread in pumps:
-            thread.join(timeout=5)
+            # Every line the job wrote is read before the result; only a process that
+            # left the job's group and keeps the pipe open can hold this up.
+            thread.join(timeout=60)
         ended = datetime.now(UTC)
         code = proc.returncode
         return JobResult(

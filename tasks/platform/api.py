@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -148,27 +149,39 @@ def start_temporary(say: Callable[[str], None], timeout_s: float = START_TIMEOUT
         argv = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent)]
         argv += ["--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1"]
         argv += ["--port", str(port), "--log-level", "error", "--lifespan", "on"]
-        with log.open("wb") as out:
-            proc = subprocess.Popen(
-                argv,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        record = {
-            "pid": proc.pid,
-            "started": psutil.Process(proc.pid).create_time(),
-            "owner_pid": os.getpid(),
-            "owner_started": psutil.Process().create_time(),
-            "api": f"http://127.0.0.1:{port}/api",
-            "log": str(log),
-            "prefect_home": prefect_home(),
-        }
-        write_atomic(servers_dir() / f"{proc.pid}.json", json.dumps(record))
+        # No signal between starting the server and recording it: then an interruption
+        # (handled below) always knows what to stop.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            with log.open("wb") as out:
+                proc = subprocess.Popen(
+                    argv,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            record = {
+                "pid": proc.pid,
+                "started": psutil.Process(proc.pid).create_time(),
+                "owner_pid": os.getpid(),
+                "owner_started": psutil.Process().create_time(),
+                "api": f"http://127.0.0.1:{port}/api",
+                "log": str(log),
+                "prefect_home": prefect_home(),
+            }
+            write_atomic(servers_dir() / f"{proc.pid}.json", json.dumps(record))
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            raise
         api = Api(record["api"], "temporary", server=record)
-        code = _wait_until_healthy(proc, record["api"], started + timeout_s)
+        try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a pending signal lands here
+            code = _wait_until_healthy(proc, record["api"], started + timeout_s)
+        except BaseException:
+            stop_server(record)
+            raise
         if code is None:
             say(f"temporary Prefect API ready in {time.monotonic() - started:.1f} s")
             return api

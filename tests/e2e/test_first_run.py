@@ -1,0 +1,153 @@
+"""A newcomer's first run: no PREFECT_API_URL, an empty PREFECT_HOME, no bytecode cache, a
+busy machine. gpuflow starts its own temporary Prefect API, waits as long as a cold start
+takes, and leaves no server behind, however the command ends."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from uuid import UUID
+
+import psutil
+import pytest
+
+from tests.e2e.helpers import logs_of, nothing_left
+
+pytestmark = pytest.mark.e2e
+GPUFLOW = [sys.executable, "-m", "gpuflow"]
+
+
+def fresh_env(tmp_path: Path, home: Path) -> dict[str, str]:
+    """A new user's environment: no Prefect settings, empty PREFECT_HOME and bytecode cache."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(
+        GPUFLOW_HOME=str(home),
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PYTHONPYCACHEPREFIX=str(tmp_path / "pycache"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+    )
+    return env
+
+
+def servers_of(prefect_home: Path) -> list[psutil.Process]:
+    """Return the Prefect servers running on the database under `prefect_home`."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if "uvicorn" in " ".join(proc.cmdline()) and proc.environ().get("PREFECT_HOME") == str(
+                prefect_home
+            ):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.fixture
+def busy_core():
+    """Another program keeping one core busy, as on a developer's machine; stopped by PID."""
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    yield proc
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+def test_cold_first_demo_succeeds_and_leaves_no_server(tmp_path, gpuflow_home, busy_core):
+    env = fresh_env(tmp_path, gpuflow_home)
+    out = subprocess.run([*GPUFLOW, "demo"], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "smoke: completed" in out.stdout and "TFLOP/s on" in out.stdout
+    assert "[gpuflow] starting a temporary Prefect API" in out.stderr
+    assert "[gpuflow] temporary Prefect API ready in" in out.stderr
+    assert "Logging error" not in out.stderr and "Traceback" not in out.stderr
+    assert "Starting temporary server" not in out.stderr  # Prefect never starts its own
+    assert servers_of(tmp_path / "prefect-home") == []
+    assert not any((gpuflow_home / "servers").glob("*.json"))
+    assert nothing_left(gpuflow_home)
+
+
+def test_chatty_job_reaches_console_and_api_whole_and_in_order(tmp_path, prefect_api, gpuflow_home):
+    from tests.conftest import subprocess_env
+
+    lines = 30_000
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: chatty\njob: {kind: command, command: [sh, -c,"
+        f" 'seq 1 {lines}; echo done-on-stderr >&2']}}\n"
+    )
+    out = subprocess.run(
+        [*GPUFLOW, "run", str(job)],
+        env=subprocess_env(prefect_api, gpuflow_home),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    console = out.stdout + out.stderr
+    assert "Logging error" not in console and "Starting temporary server" not in console
+    assert numbers_in(console) == lines
+    assert "[stderr] done-on-stderr" in console
+    (artifacts,) = gpuflow_home.joinpath("runs").iterdir()
+    run_id = re.search(r'flow_run_id="([0-9a-f-]{36})"', (artifacts / "metrics.prom").read_text())
+    assert numbers_in("\n".join(all_logs(UUID(run_id.group(1))))) == lines
+
+
+def numbers_in(text: str) -> int:
+    """Return how many of 1, 2, 3, ... appear in order as lines (or record tails) of `text`."""
+    want = 1
+    for line in text.splitlines():
+        if line.rsplit(" - ", 1)[-1].strip() == str(want):
+            want += 1
+    return want - 1
+
+
+def all_logs(flow_run_id) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    logs_of(flow_run_id)  # flushes this process's handler; the logs are the run's own
+    messages: list[str] = []
+    with get_client(sync_client=True) as client:
+        while True:
+            page = client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                sort=LogSort.TIMESTAMP_ASC,
+                offset=len(messages),
+                limit=200,
+            )
+            messages += [log.message for log in page]
+            if len(page) < 200:
+                return messages
+
+
+def test_sigterm_while_the_temporary_api_starts_leaves_nothing(tmp_path, gpuflow_home):
+    env = fresh_env(tmp_path, gpuflow_home)
+    job = tmp_path / "job.yaml"
+    job.write_text("job: {kind: command, command: [echo, hi]}\n")
+    proc = subprocess.Popen(
+        [*GPUFLOW, "run", str(job)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not list((gpuflow_home / "servers").glob("*.json")):
+        assert proc.poll() is None and time.monotonic() < deadline, "no server was started"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, out[-2000:]
+    assert "Traceback" not in out
+    assert [line for line in out.splitlines() if line.startswith("gpuflow:")] == [
+        "gpuflow: stopped by SIGTERM: the job (if one ran) was stopped and torn down, and its"
+        " flow run marked Crashed."
+    ]
+    assert servers_of(tmp_path / "prefect-home") == []
+    assert not any((gpuflow_home / "servers").glob("*.json"))
