@@ -300,9 +300,21 @@ def _platform(action: str, port: int) -> int:
         local.down()
         return EXIT_OK
     if action == "status":
+        from tasks.platform.api import health_error
+
         state = local.read_state()
-        running = state and all(local.running(p) for p in state["processes"].values())
-        print(f"running: UI {state['ui']}" if running else "not running")
+        if state is None:
+            print("not running (`gpuflow platform up` starts it)")
+            return EXIT_FAILED
+        for name, entry in state["processes"].items():
+            print(f"{name}: pid {entry['pid']} {'running' if local.running(entry) else 'gone'}")
+        problem = health_error(state["api"], timeout_s=5)
+        running = problem is None and all(local.running(p) for p in state["processes"].values())
+        print(
+            f"running: UI {state['ui']}"
+            if running
+            else f"not healthy: {problem or 'a process is gone'}"
+        )
         return EXIT_OK if running else EXIT_FAILED
     from tasks.errors import GpuflowError, InvalidSpec
 

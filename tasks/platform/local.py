@@ -127,7 +127,10 @@ def up(port: int = 4200, say=print) -> dict[str, Any]:
         )
         _write_state(state)
         _wait_healthy(api, processes["server"], 90)
-        say(f"server: {ui} ({time.monotonic() - started:.1f} s)")
+        say(
+            f"started the Prefect server (pid {processes['server']['pid']}) at {ui} in"
+            f" {time.monotonic() - started:.1f} s; log {processes['server']['log']}"
+        )
         _configure(api, env, say)
         processes["worker"] = _start(
             [python, "-m", "prefect", "worker", "start", "--pool", LOCAL_POOL, "--type", "process"],
@@ -140,7 +143,11 @@ def up(port: int = 4200, say=print) -> dict[str, Any]:
         raise
     state["up_seconds"] = round(time.monotonic() - started, 1)
     _write_state(state)
-    say(f"worker on {LOCAL_POOL}; UI {ui}; up in {state['up_seconds']} s")
+    say(f"started a process worker (pid {processes['worker']['pid']}) on the pool {LOCAL_POOL}")
+    say(
+        f"up in {state['up_seconds']} s: UI {ui}; `gpuflow run` now records runs here;"
+        " `gpuflow platform down` stops it"
+    )
     return state
 
 
@@ -224,6 +231,10 @@ def down(say=print) -> list[str]:
         if entry and running(entry):
             stop_group(entry["pid"], None, grace_s=15.0)
             stopped.append(name)
+            say(f"stopped the {name} (pid {entry['pid']})")
     state_path().unlink(missing_ok=True)
-    say(f"stopped: {', '.join(stopped) or 'nothing was still running'}")
+    say(
+        f"stopped: {', '.join(stopped) or 'nothing was still running'}; the UI at"
+        f" {state['ui']} is down (runs stay in {platform_dir() / 'prefect.db'})"
+    )
     return stopped

@@ -241,10 +241,35 @@ def test_the_ui_shows_the_run_and_its_artifacts(platform, tmp_path):
     assert shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_gpuflow_run_records_its_run_on_the_running_platform(platform, tmp_path):
+    status = platform.gpuflow("platform", "status")
+    assert status.returncode == 0 and f"running: UI {platform.ui}" in status.stdout
+    job = tmp_path / "job.yaml"
+    job.write_text("name: on-platform\njob: {kind: command, command: [echo, hi]}\n")
+    env = {k: v for k, v in platform.env.items() if not k.startswith("PREFECT_")}
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuflow", "run", str(job)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"[gpuflow] using the local platform (UI {platform.ui})" in out.stderr
+    assert "temporary" not in out.stderr
+    link = out.stdout.split("flow run: ")[1].split()[0]
+    assert link.startswith(f"{platform.ui}/runs/flow-run/")
+    with platform.client() as client:
+        run = client.read_flow_run(UUID(link.rsplit("/", 1)[1]))
+    assert run.state.is_completed() and run.parameters["spec"]["name"] == "on-platform"
+
+
 def test_down_stops_everything_it_started(platform):
     processes = platform.state()["processes"]
     down = platform.gpuflow("platform", "down", timeout=120)
     assert down.returncode == 0 and "stopped: worker, server" in down.stdout
+    for name in ("worker", "server"):
+        assert f"stopped the {name} (pid {processes[name]['pid']})" in down.stdout
     for entry in processes.values():
         assert not psutil.pid_exists(entry["pid"]) or (
             psutil.Process(entry["pid"]).status() == psutil.STATUS_ZOMBIE
