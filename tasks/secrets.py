@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 
 from tasks.errors import InvalidSpec
@@ -10,16 +11,49 @@ MASK = "***"
 
 
 class Redactor:
-    """Replaces every known secret value in text with ***."""
+    """Replaces every known secret value in text with ***: the whole value, each of its
+    lines, and each leaf of a JSON value, so a secret printed over several lines or as
+    part of a structure is masked as well."""
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
+        parts: set[str] = set()
+        for secret in secrets:
+            parts |= _parts(secret)
         # Longest first, so a secret that contains another is masked whole.
-        self._values = sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True)
+        self._values = sorted((p for p in parts if len(p) >= 4), key=len, reverse=True)
 
     def __call__(self, text: str) -> str:
         for value in self._values:
             text = text.replace(value, MASK)
         return text
+
+
+def _parts(secret: str) -> set[str]:
+    """Return the pieces of `secret` that may appear on their own in a line of output."""
+    parts = {secret, secret.strip()}
+    parts |= {line.strip() for line in secret.splitlines()}
+    try:
+        document = json.loads(secret)
+    except ValueError:
+        return parts
+    stack = [document]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack += item.values()
+        elif isinstance(item, list):
+            stack += item
+        elif isinstance(item, str):
+            parts |= _parts(item) if item != secret else set()
+        elif item is not None and not isinstance(item, bool):
+            parts.add(str(item))
+    return parts
+
+
+def as_env_value(value: object) -> str:
+    """Return a Secret block's value as an environment variable holds it: text as it is,
+    anything else (a JSON object, list or number) as JSON the job can parse."""
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def resolve(secret_env: Mapping[str, str]) -> dict[str, str]:
@@ -36,5 +70,5 @@ def resolve(secret_env: Mapping[str, str]) -> dict[str, str]:
                 f" create it with Secret(value=...).save({block_name!r}) or fix the name."
             ) from None
         value = secret.get()
-        values[env_name] = value if isinstance(value, str) else str(value)
+        values[env_name] = as_env_value(value)
     return values

@@ -41,6 +41,7 @@ from tasks.metrics.plot import utilisation_png
 from tasks.metrics.prometheus import LivePush, delete, exposition, push
 from tasks.metrics.sampler import Sampler, read_samples
 from tasks.metrics.summary import RunMetrics, summarise
+from tasks.outputs import copy_outputs
 from tasks.spec import JobSpec, StageRetry
 
 SAMPLES = ".gpuflow-samples.jsonl"
@@ -266,10 +267,12 @@ def collect(
     if samples_path.exists():
         shutil.copyfile(samples_path, out / "samples.jsonl")
     outputs = Path(cluster.workspace) / "outputs"
+    redact = secrets.Redactor(secrets.resolve(spec.secret_env).values())
     if outputs.is_dir():
-        shutil.copytree(outputs, out / "outputs", dirs_exist_ok=True)
+        for left_out in copy_outputs(outputs, out / "outputs", redact):
+            logger.warning("outputs/%s was not copied to the artifacts", left_out)
     job_result: dict[str, Any] = {}
-    result_file = outputs / "result.json"
+    result_file = out / "outputs" / "result.json"
     if result_file.is_file():
         try:
             job_result = json.loads(result_file.read_text())

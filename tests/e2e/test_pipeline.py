@@ -200,6 +200,50 @@ def test_secrets_never_reach_logs_or_artifacts(prefect_api, gpuflow_home):
             assert value.encode() not in path.read_bytes(), path
 
 
+def test_multi_line_and_json_secrets_are_masked_line_by_line_and_leaf_by_leaf(
+    prefect_api, gpuflow_home
+):
+    from prefect.blocks.system import Secret
+
+    key = (
+        "-----BEGIN KEY-----\nMIIEvQIBADANBgkqhkiG9w0B\nAQEFAASCBKcwggSjAgEAAoIB\n-----END KEY-----"
+    )
+    Secret(value=key).save("gpuflow-test-key", overwrite=True)
+    Secret(value={"api_key": "ak-7d1e0c55f2", "nested": {"token": "tk-90ab17cd"}}).save(
+        "gpuflow-test-json", overwrite=True
+    )
+    program = (
+        "import json, os, sys\n"
+        "creds = json.loads(os.environ['CREDS'])\n"
+        "print('parsed api_key of', len(creds['api_key']), 'chars')\n"
+        "print(os.environ['KEY']); print(creds['nested']['token'], file=sys.stderr)\n"
+        "print(creds['api_key'])\n"
+        "open(os.environ['GPUFLOW_OUTPUT_DIR'] + '/error.txt', 'w').write("
+        "'bad key ' + os.environ['KEY'] + ' ' + creds['api_key'])\n"
+        "sys.exit(3)\n"
+    )
+    raw = {
+        "name": "secretive-json",
+        "job": {"kind": "command", "command": [sys.executable, "-c", program]},
+        "secret_env": {"KEY": "gpuflow-test-key", "CREDS": "gpuflow-test-json"},
+    }
+    state, run_id = run_pipeline(raw)
+    assert state.is_failed()
+    logs = "\n".join(logs_of(run_id))
+    assert "parsed api_key of 13 chars" in logs  # the JSON secret reached the job as JSON
+    leaks = ["MIIEvQIBADANBgkqhkiG9w0B", "AQEFAASCBKcwggSjAgEAAoIB", "ak-7d1e0c55f2", "tk-90ab17cd"]
+    failure = str(state.result(raise_on_failure=False))
+    assert "bad key" in failure
+    for leak in leaks:
+        assert leak not in logs and leak not in failure
+        for artifact in artifacts_of(run_id).values():
+            assert leak not in json.dumps(artifact.data)
+        out = next((gpuflow_home / "runs").iterdir())
+        for path in out.rglob("*"):
+            assert not path.is_file() or leak.encode() not in path.read_bytes(), path
+    assert "***" in (out / "outputs" / "error.txt").read_text()
+
+
 def test_missing_secret_block_fails_before_provisioning(prefect_api, gpuflow_home):
     raw = {
         "job": {"kind": "command", "command": ["true"]},

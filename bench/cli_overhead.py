@@ -1,0 +1,66 @@
+"""CLI overhead: wall time of `gpuflow run` for `echo hi` against the bare command.
+
+Three ways: no API anywhere and everything cold (an empty PREFECT_HOME, an empty
+bytecode cache: gpuflow starts a temporary API), the same warm (second run), and with
+the local platform up (`gpuflow platform up`; runs are recorded there). Printed side by
+side with the difference and ratio to the bare command.
+
+    python bench/cli_overhead.py [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def timed(argv: list[str], env: dict[str, str] | None = None) -> float:
+    started = time.perf_counter()
+    subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, check=True, timeout=600)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        job = work / "job.yaml"
+        job.write_text("name: hi\njob: {kind: command, command: [echo, hi]}\n")
+        run = [sys.executable, "-m", "gpuflow", "run", str(job)]
+        base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        base["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+        rows: dict[str, list[float]] = {"bare echo hi": [], "temporary API, cold": []}
+        rows |= {"temporary API, warm": [], "local platform up": []}
+        for round_ in range(args.rounds):
+            rows["bare echo hi"].append(timed(["echo", "hi"]))
+            cold = dict(base, GPUFLOW_HOME=str(work / f"home{round_}"))
+            cold |= {"PREFECT_HOME": str(work / f"prefect{round_}")}
+            cold |= {"PYTHONPYCACHEPREFIX": str(work / f"pycache{round_}")}
+            rows["temporary API, cold"].append(timed(run, cold))
+            rows["temporary API, warm"].append(timed(run, cold))
+        platform = dict(base, GPUFLOW_HOME=str(work / "platform-home"))
+        timed([sys.executable, "-m", "gpuflow", "platform", "up", "--port", "4291"], platform)
+        try:
+            for _ in range(args.rounds):
+                rows["local platform up"].append(timed(run, platform))
+        finally:
+            timed([sys.executable, "-m", "gpuflow", "platform", "down"], platform)
+    bare = statistics.median(rows["bare echo hi"])
+    print(f"{'':24}{'wall s':>9}{'- bare s':>10}{'x bare':>10}")
+    for name, times in rows.items():
+        wall = statistics.median(times)
+        print(f"{name:24}{wall:>9.2f}{wall - bare:>10.2f}{wall / bare:>10.0f}")
+
+
+if __name__ == "__main__":
+    main()
