@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -189,3 +190,62 @@ def test_teardown_stops_processes_that_left_the_job_group(backend, tmp_path):
     finally:
         other.kill()
         stray.kill()
+
+
+ESCAPE = "setsid env -i /usr/bin/sleep 302 >/dev/null 2>&1 </dev/null & echo started"
+
+
+def _sleepers_302() -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.cmdline() == ["/usr/bin/sleep", "302"] and proc.status() != "zombie":
+                found.append(proc)
+    return found
+
+
+def test_a_job_that_escapes_its_session_and_environment_is_still_torn_down(backend):
+    """setsid + env -i: a new session, no GPUFLOW_WORKSPACE; the job's cgroup (or, where
+    there is none, its working directory) still finds it."""
+    cluster = backend.provision(spec_for(["bash"]), owner_labels("run-7", "job"))
+    lines, sink = collect_lines()
+    result = backend.run(cluster, ["bash", "-c", ESCAPE], os.environ, 30, sink)
+    assert result.exit_code == 0 and ("stdout", "started") in lines
+    deadline = time.monotonic() + 10
+    while not _sleepers_302() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (escaped,) = _sleepers_302()
+    try:
+        report = backend.teardown(cluster)
+        assert report.killed_processes >= 1
+        assert report.process_tracking in (
+            "cgroup",
+            "process groups, environment, working directory",
+        )
+        escaped.wait(timeout=10)
+        assert not escaped.is_running()
+    finally:
+        with contextlib.suppress(psutil.Error):
+            escaped.kill()
+
+
+def test_strays_are_found_by_working_directory_without_a_cgroup(tmp_path):
+    """The fallback where no cgroup can be made: a process with an empty environment whose
+    working directory is in the workspace is stopped; one elsewhere is spared."""
+    import subprocess
+
+    from tasks.compute.local import _stop_strays
+
+    workspace = tmp_path / "ws"
+    (workspace / "sub").mkdir(parents=True)
+    inside = subprocess.Popen(
+        ["sleep", "300"], cwd=workspace / "sub", env={}, start_new_session=True
+    )
+    outside = subprocess.Popen(["sleep", "300"], cwd=tmp_path, env={}, start_new_session=True)
+    try:
+        assert _stop_strays(str(workspace)) == 1
+        assert inside.wait(timeout=10) is not None
+        assert outside.poll() is None
+    finally:
+        inside.kill()
+        outside.kill()

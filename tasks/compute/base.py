@@ -53,6 +53,9 @@ class TeardownReport(BaseModel):
     released_gpus: list[int] = []
     released_lease: bool = False
     removed_workspace: bool = False
+    # how the job's processes were found: "cgroup", or "process groups, environment,
+    # working directory" where this machine allows no cgroup
+    process_tracking: str = ""
 
 
 LineSink = Callable[[str, str], None]  # (stream name, line)

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 
 from tasks import nvml
-from tasks.compute import gpu_slots
+from tasks.compute import cgroups, gpu_slots
 from tasks.compute.base import RUN_LABEL, Cluster, JobResult, LineSink, StopCheck, TeardownReport
 from tasks.errors import CapacityError, InvalidSpec, ProvisionError
 from tasks.spec import JobSpec
@@ -261,6 +261,7 @@ class LocalBackend:
         child_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cluster.gpu_indices))
         child_env["GPUFLOW_WORKSPACE"] = cluster.workspace
         child_env["GPUFLOW_OUTPUT_DIR"] = str(Path(cluster.workspace) / "outputs")
+        cgroup = self._cgroup(cluster)
         started = datetime.now(UTC)
         proc = subprocess.Popen(
             [program, *command[1:]],
@@ -270,6 +271,8 @@ class LocalBackend:
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            # In its cgroup before exec: nothing it starts can leave it.
+            preexec_fn=(lambda: cgroups.join(cgroup)) if cgroup else None,
         )
         self._note_job(cluster, proc.pid, psutil.Process(proc.pid).create_time())
         tail: deque[str] = deque(maxlen=40)
@@ -331,6 +334,19 @@ class LocalBackend:
             log_tail=list(tail),
         )
 
+    def _cgroup(self, cluster: Cluster) -> str | None:
+        """Return the cluster's cgroup (made on first use and recorded), or None where this
+        machine allows none."""
+        with _RECORD_LOCK:
+            record = self._read_record(cluster.name) or {
+                "cluster": cluster.model_dump(mode="json", exclude={"adopted"})
+            }
+            if "cgroup" not in record:
+                path = cgroups.create(cluster.name)
+                record["cgroup"] = str(path) if path else None
+                self._write_record(record)
+            return record["cgroup"]
+
     def _note_job(self, cluster: Cluster, pgid: int, started: float | None) -> None:
         """Record a running job's process group (started is its create time), or forget it
         (started None). Several jobs may run on one cluster at once (render chunks)."""
@@ -357,6 +373,11 @@ class LocalBackend:
             for pgid, started in record.get("jobs", {}).items():
                 if alive(int(pgid), started):
                     report.killed_processes += stop_group(int(pgid), started)
+            if record.get("cgroup"):
+                report.killed_processes += cgroups.stop(record["cgroup"], grace_s=5.0)
+                report.process_tracking = "cgroup"
+            else:
+                report.process_tracking = "process groups, environment, working directory"
             report.killed_processes += _stop_strays(cluster.workspace)
         claims = self.home / "gpus"
         for index in cluster.gpu_indices:
@@ -432,11 +453,17 @@ def stop_group(pgid: int, started: float | None, grace_s: float = STOP_GRACE_S) 
 
 def _stop_strays(workspace: str, grace_s: float = 5.0) -> int:
     """Stop processes of this job that left its process groups (MPI ranks each get a group
-    of their own; daemons call setsid): those whose environment names its workspace."""
+    of their own; daemons call setsid): those whose environment names its workspace, or
+    whose working directory is in it (a job may clear its environment)."""
     strays = []
+    root = Path(workspace)
     for proc in psutil.process_iter():
         with contextlib.suppress(psutil.Error):
-            if proc.pid != os.getpid() and proc.environ().get("GPUFLOW_WORKSPACE") == workspace:
+            if proc.pid == os.getpid():
+                continue
+            if proc.environ().get("GPUFLOW_WORKSPACE") == workspace or Path(
+                proc.cwd().removesuffix(" (deleted)")
+            ).is_relative_to(root):
                 strays.append(proc)
     for proc in strays:
         with contextlib.suppress(psutil.Error):

@@ -1,0 +1,98 @@
+"""A cgroup (v2) of its own for each job, where this machine lets gpuflow make one.
+
+Whatever a job does to its session, process group or environment, its processes stay in
+its cgroup, so teardown finds them all. Where cgroups cannot be made (no cgroup2 mount,
+no permission), `create` returns None and the local backend falls back to process
+groups, the environment and the working directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+
+def _mount() -> Path | None:
+    """Return where the cgroup2 hierarchy is mounted, or None."""
+    with contextlib.suppress(OSError), open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            if len(fields) > 2 and fields[2] == "cgroup2":
+                return Path(fields[1])
+    return None
+
+
+def _own() -> str:
+    """Return this process's cgroup2 path ("/..." from the "0::" line)."""
+    with contextlib.suppress(OSError), open("/proc/self/cgroup") as lines:
+        for line in lines:
+            if line.startswith("0::"):
+                return line[3:].strip()
+    return "/"
+
+
+def create(name: str) -> Path | None:
+    """Return a cgroup named `name` beside this process's own (made if missing), or None
+    when this machine does not allow it."""
+    mount = _mount()
+    if mount is None:
+        return None
+    own = mount / _own().lstrip("/")
+    # A cgroup that holds processes cannot have children with processes (cgroup v2's
+    # "no internal processes" rule applies once controllers are on), so a sibling.
+    parent = own.parent if own != mount else mount
+    path = parent / name
+    try:
+        path.mkdir(exist_ok=True)
+        if not os.access(path / "cgroup.procs", os.W_OK):
+            raise PermissionError(path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            path.rmdir()
+        return None
+    return path
+
+
+def join(path: str) -> None:
+    """Move the calling process into the cgroup at `path` (for a child, before exec)."""
+    with open(Path(path) / "cgroup.procs", "w") as procs:
+        procs.write("0")
+
+
+def members(path: str | Path) -> list[int]:
+    """Return the processes in the cgroup (none when it is gone)."""
+    try:
+        return [int(pid) for pid in (Path(path) / "cgroup.procs").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def stop(path: str | Path, grace_s: float) -> int:
+    """SIGTERM every process in the cgroup, SIGKILL what is left after `grace_s`, remove
+    the cgroup; return how many processes there were. Idempotent."""
+    path = Path(path)
+    found = members(path)
+    for pid in found:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while members(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if members(path):
+        kill = path / "cgroup.kill"
+        if kill.exists():
+            with contextlib.suppress(OSError):
+                kill.write_text("1")
+        else:
+            for pid in members(path):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while members(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    with contextlib.suppress(OSError):
+        path.rmdir()
+    return len(found)
