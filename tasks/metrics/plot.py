@@ -5,16 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+def pyplot() -> Any:
+    """Return matplotlib.pyplot on the Agg backend, imported on first use (about a second)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def utilisation_png(samples: list[dict[str, Any]], path: Path, title: str) -> Path | None:
     """Draw GPU (or, with no GPU, host CPU) utilisation over time; None for < 2 samples."""
     if len(samples) < 2:
         return None
+    plt = pyplot()
     t0 = samples[0]["t"]
     fig, ax = plt.subplots(figsize=(8, 3.5), dpi=100)
     gpu_ids = sorted({g["gpu"] for s in samples for g in s["gpus"]})
