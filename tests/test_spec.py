@@ -48,6 +48,9 @@ BAD = [
         "storage.artifacts: s3:// artifacts are not supported",
     ),
     ({"job": CMD, "env": {"T": "a"}, "secret_env": {"T": "b"}}, "T is in both env and secret_env"),
+    ({"job": CMD, "env": {"N": 4}}, 'env.N: environment values are text; quote it, e.g. N: "4"'),
+    ({"job": CMD, "limits": {"max_duration": 1e400}}, "limits.max_duration: inf is not a finite"),
+    ({"job": CMD, "limits": {"max_duration": "1e400"}}, "'1e400' is not a finite duration"),
 ]
 
 
@@ -78,6 +81,36 @@ def test_yaml_syntax_error_names_line(tmp_path):
     path.write_text("job:\n  kind: command\n  command: [echo\n")
     with pytest.raises(InvalidSpec, match="not valid YAML at line"):
         load_spec(path)
+
+
+SPEC_FILES = {
+    "binary": (b"\x7fELF\x02\x01\x01\x00\x00\x00", "is not a text file (not UTF-8)"),
+    "not utf-8": ("job: {kind: command, command: [caf\xe9]}\n".encode("latin-1"), "not UTF-8"),
+    "nested 5,000 levels": (("a: " + "[" * 5000 + "]" * 5000).encode(), "nested too deeply"),
+    "duplicate key": (
+        b"job: {kind: command, command: [true]}\nname: a\nname: b\n",
+        "the key 'name' appears twice (lines 2 and 3); keep one of them",
+    ),
+    "duplicate nested key": (
+        b"job:\n  kind: command\n  kind: matmul\n",
+        "the key 'kind' appears twice (lines 2 and 3)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SPEC_FILES))
+def test_spec_files_that_cannot_be_read_are_named(case, tmp_path):
+    data, expected = SPEC_FILES[case]
+    path = tmp_path / "job.yaml"
+    path.write_bytes(data)
+    with pytest.raises(InvalidSpec) as caught:
+        load_spec(path)
+    assert str(caught.value).startswith(f"{path}: ") and expected in str(caught.value)
+
+
+def test_a_folder_is_not_called_missing(tmp_path):
+    with pytest.raises(InvalidSpec, match="is a folder; give the path of a job YAML"):
+        load_spec(tmp_path)
 
 
 def test_missing_file():

@@ -64,6 +64,22 @@ BAD_JOBS = {
         "job: {kind: command, command: [true]}\nresources: {gpus: 1}\n",
         "this host cannot give 1 GPU",
     ),
+    "artifacts under /proc": (
+        "job: {kind: command, command: [true]}\nstorage: {artifacts: 'file:///proc/x'}\n",
+        "storage.artifacts: cannot write to file:///proc/x",
+    ),
+    "artifacts is a file": (
+        "job: {kind: command, command: [true]}\nstorage: {artifacts: 'file:///etc/hostname'}\n",
+        "storage.artifacts: cannot write to file:///etc/hostname",
+    ),
+    "duplicate key": (
+        "job: {kind: command, command: [true]}\nresources: {gpus: 0}\nresources: {gpus: 1}\n",
+        "the key 'resources' appears twice (lines 2 and 3)",
+    ),
+    "render to S3 without credentials": (
+        "job: {kind: render, scene: /tmp/x.blend, output: 's3://no-creds-bucket/frames'}\n",
+        "no AWS credentials were found for s3://no-creds-bucket/frames",
+    ),
 }
 
 
@@ -75,6 +91,9 @@ def test_bad_input_exits_2_with_one_sentence_and_provisions_nothing(
     env = subprocess_env(prefect_api, gpuflow_home)
     env["FAKE_NVML_MODE"] = "missing"
     env["PYTHONPATH"] = str(Path(__file__).parent.parent / "fakes")
+    env["AWS_SHARED_CREDENTIALS_FILE"] = env["AWS_CONFIG_FILE"] = str(tmp_path / "none")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        env.pop(name, None)
     out = gpuflow(["run", str(write(tmp_path, text))], env)
     assert out.returncode == 2, out.stderr[-2000:]
     assert expected in out.stderr
@@ -85,6 +104,60 @@ def test_bad_input_exits_2_with_one_sentence_and_provisions_nothing(
         (gpuflow_home / "workspaces").iterdir()
     )
     assert not (gpuflow_home / "local" / "clusters").exists()
+
+
+def no_api_env(gpuflow_home: Path) -> dict[str, str]:
+    """An API nobody listens on: a command that needs none must not notice."""
+    return subprocess_env("http://127.0.0.1:9/api", gpuflow_home)
+
+
+def one_sentence(out: subprocess.CompletedProcess, expected: str) -> None:
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr + out.stdout
+    (line,) = [line for line in out.stderr.splitlines() if line.startswith("gpuflow:")]
+    assert expected in line, line
+
+
+def test_unreadable_spec_files_are_named_by_every_command(tmp_path, gpuflow_home):
+    env = no_api_env(gpuflow_home)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(Path(sys.executable).read_bytes()[:4096])
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("job: " + "[" * 5000 + "]" * 5000 + "\n")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("job: {kind: command, command: [true\n")
+    for command in (["run"], ["preflight"]):
+        one_sentence(gpuflow([*command, str(binary)], env), "is not a text file (not UTF-8)")
+        one_sentence(gpuflow([*command, str(deep)], env), "nested too deeply")
+        one_sentence(gpuflow([*command, str(tmp_path)], env), "is a folder")
+    for path, expected in ((broken, "not valid YAML at line"), (binary, "is not a text file")):
+        out = gpuflow(["submit", "command/command-local", f"--param=spec=@{path}"], env)
+        one_sentence(out, f"--param spec: {path}: {expected}")
+
+
+PREPARE_TYPOS = {
+    "shard size not a size": (["--shard-size", "abc"], "shard_size: 'abc' is not a size"),
+    "shard size 0": (["--shard-size", "0"], "shard_size must be at least 4 KiB"),
+    "output not storage": (["--output", "http://x"], "output: 'http://x' is not a storage URL"),
+    "s3 without bucket": (["--output", "s3://"], "output: 's3://' names no bucket"),
+    "negative samples": (
+        ["--source", "synthetic:classify?samples=-5"],
+        "samples must be at least 1",
+    ),
+    "missing folder": (["--source", "/no/such/folder"], "'/no/such/folder' is not a folder"),
+}
+
+
+@pytest.mark.parametrize("case", list(PREPARE_TYPOS))
+def test_prepare_dataset_typos_fail_at_once_without_any_api(case, tmp_path, gpuflow_home):
+    change, expected = PREPARE_TYPOS[case]
+    args = {"--source": "synthetic:classify?samples=8", "--output": f"file://{tmp_path}/d"}
+    args |= {"--shard-size": "1MB"}
+    args |= dict(zip(change[::2], change[1::2], strict=True))
+    argv = ["prepare-dataset", args["--source"], args["--output"], "--shard-size"]
+    out = gpuflow([*argv, args["--shard-size"]], no_api_env(gpuflow_home))
+    one_sentence(out, expected)
+    assert "PREFECT_API_URL" not in out.stderr  # it never needed the API
 
 
 def test_run_completes_and_failing_job_exits_1(tmp_path, prefect_api, gpuflow_home):
