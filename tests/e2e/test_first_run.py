@@ -151,3 +151,49 @@ def test_sigterm_while_the_temporary_api_starts_leaves_nothing(tmp_path, gpuflow
     ]
     assert servers_of(tmp_path / "prefect-home") == []
     assert not any((gpuflow_home / "servers").glob("*.json"))
+
+
+def test_ctrl_c_to_the_process_group_stops_the_job_and_records_the_crash(
+    tmp_path, gpuflow_home, monkeypatch
+):
+    """What a terminal's Ctrl-C does: SIGINT to every process in the foreground group. The
+    temporary API is in a session of its own, so it outlives the signal long enough to
+    record the run as Crashed."""
+    import httpx
+
+    from tasks.platform import api
+
+    env = fresh_env(tmp_path, gpuflow_home)
+    pidfile = tmp_path / "job.pid"
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"job: {{kind: command, command: [sh, -c, 'echo $$ > {pidfile}; exec sleep 300']}}\n"
+    )
+    proc = subprocess.Popen(
+        [*GPUFLOW, "run", str(job)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own group, as a shell gives a foreground job
+    )
+    deadline = time.monotonic() + 300
+    while not (pidfile.exists() and pidfile.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.1)
+    job_pid = int(pidfile.read_text())
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    assert "gpuflow: stopped by SIGINT (Ctrl-C)" in out and "Traceback" not in out
+    assert not psutil.pid_exists(job_pid) or psutil.Process(job_pid).status() == "zombie"
+    assert servers_of(tmp_path / "prefect-home") == []
+    assert nothing_left(gpuflow_home)
+    # The run's state, read back from the same database through a new temporary API.
+    monkeypatch.setenv("PREFECT_HOME", env["PREFECT_HOME"])
+    server = api.start_temporary(lambda _: None)
+    try:
+        runs = httpx.post(f"{server.url}/flow_runs/filter", json={}, timeout=30).json()
+    finally:
+        api.stop_server(server.server)
+    assert [run["state"]["type"] for run in runs] == ["CRASHED"]
