@@ -82,6 +82,10 @@ def _print_summary(result) -> None:
         print(
             f"  trained {job['steps']} steps on {job['world_size']} rank(s) ({job['device']}): {job['samples_per_s']} samples/s, {speed} {unit}"
         )
+        if "eval_loss" in job:
+            accuracy = job.get("eval_accuracy")
+            top1 = f", top-1 accuracy {100 * accuracy:.1f}%" if accuracy is not None else ""
+            print(f"  eval at step {job['eval_step']}: loss {job['eval_loss']:.4f}{top1}")
         print(f"  weights: {job['weights']}")
     if "frames_rendered" in job:
         print(

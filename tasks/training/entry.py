@@ -104,6 +104,7 @@ class Trainer:
         self.outputs.mkdir(parents=True, exist_ok=True)
         self.workspace = Path(os.environ.get("GPUFLOW_WORKSPACE", "."))
         self.skipped = 0
+        self.last_eval: dict[str, float] = {}
         self.keys_file = (
             (self.outputs / f"keys-rank{self.rank}.txt").open("a") if job.log_sample_keys else None
         )
@@ -191,6 +192,12 @@ class Trainer:
 
     # -- the step ----------------------------------------------------------------
     def _loss(self, inputs: Any) -> tuple[torch.Tensor, int]:
+        loss, tokens, _ = self._forward(inputs)
+        return loss, tokens
+
+    def _forward(self, inputs: Any) -> tuple[torch.Tensor, int, int | None]:
+        """Return the batch's loss, its token count (LM) and, for classification, how many
+        of its samples the model's top-1 class gets right."""
         with torch.autocast(
             self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None
         ):
@@ -200,10 +207,12 @@ class Trainer:
                 loss = F.cross_entropy(
                     logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1)
                 )
-                return loss, tokens[:, 1:].numel()
+                return loss, tokens[:, 1:].numel(), None
             images, labels = inputs
             logits = self.model(images.to(self.device))
-            return F.cross_entropy(logits.float(), labels.to(self.device)), 0
+            labels = labels.to(self.device)
+            correct = int((logits.argmax(dim=-1) == labels).sum().item())
+            return F.cross_entropy(logits.float(), labels), 0, correct
 
     def _agree(self, flag: bool) -> bool:
         """Return True on every rank if any rank says so (SIGTERM reaches ranks at different times)."""
@@ -257,8 +266,6 @@ class Trainer:
                     "epoch": self.epoch,
                     "time": time.time(),
                 }
-                if job.eval_every and eval_urls and self.step % job.eval_every == 0:
-                    record["eval_loss"] = self.evaluate(eval_urls)
                 if metrics_log:
                     metrics_log.write(json.dumps(record) + "\n")
                     metrics_log.flush()
@@ -267,6 +274,16 @@ class Trainer:
                         flush=True,
                     )
                 window_start, window_samples, window_tokens = time.perf_counter(), 0, 0
+            # Eval on its own schedule, and once at the end whenever there is an eval set.
+            if eval_urls and (
+                (job.eval_every and self.step % job.eval_every == 0) or self.step == job.max_steps
+            ):
+                scores = self.evaluate(eval_urls)
+                self.last_eval = {"step": self.step, **scores}
+                if metrics_log:
+                    metrics_log.write(json.dumps(self.last_eval) + "\n")
+                    metrics_log.flush()
+                    print(f"eval at step {self.step}: {describe_eval(scores)}", flush=True)
             due = self.step % job.checkpoint.every_steps == 0
             if job.checkpoint.every_minutes:
                 due = due or time.monotonic() - last_ckpt > job.checkpoint.every_minutes * 60
@@ -289,18 +306,29 @@ class Trainer:
         self.finish()
         return 0
 
-    def evaluate(self, urls: list[str]) -> float:
+    def evaluate(self, urls: list[str]) -> dict[str, float]:
+        """Return the mean eval loss over all ranks' batches and, for classification, the
+        top-1 accuracy over all their samples."""
         self.model.eval()
-        losses = []
+        loss_sum, batches, correct, samples = 0.0, 0, 0, 0
         with torch.no_grad():
             for index, batch in enumerate(self._loader(urls, 0, shuffle=False)):
                 if index >= self.job.eval_batches:
                     break
-                losses.append(self._loss(batch["inputs"])[0].item())
+                loss, _, right = self._forward(batch["inputs"])
+                loss_sum, batches = loss_sum + loss.item(), batches + 1
+                if right is not None:
+                    correct, samples = correct + right, samples + len(batch["keys"])
         self.model.train()
-        value = torch.tensor([sum(losses), len(losses)], device=self.device, dtype=torch.float64)
-        dist.all_reduce(value)
-        return float(value[0] / max(value[1], 1))
+        totals = torch.tensor(
+            [loss_sum, batches, correct, samples], device=self.device, dtype=torch.float64
+        )
+        dist.all_reduce(totals)
+        loss_sum, batches, correct, samples = totals.tolist()
+        scores = {"eval_loss": loss_sum / max(batches, 1)}
+        if self.job.task == "classify" and samples:
+            scores["eval_accuracy"] = correct / samples
+        return scores
 
     # -- checkpoints ---------------------------------------------------------------
     def _full_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -465,9 +493,18 @@ class Trainer:
             "weights_manifest": manifest_url,
             "checkpoints": self.ckpt_prefix,
             "amp": str(self.amp_dtype).removeprefix("torch.") if self.amp_dtype else "off",
+            **{("eval_step" if k == "step" else k): v for k, v in self.last_eval.items()},
         }
         (self.outputs / "result.json").write_text(json.dumps(result, indent=2))
         print(f"final weights: {weights.url}", flush=True)
+
+
+def describe_eval(scores: dict[str, float]) -> str:
+    """Return eval scores for a log line: loss 0.4321, top-1 accuracy 87.5%."""
+    text = f"loss {scores['eval_loss']:.4f}"
+    if "eval_accuracy" in scores:
+        text += f", top-1 accuracy {100 * scores['eval_accuracy']:.1f}%"
+    return text
 
 
 def _ignore_sigterm(worker_id: int) -> None:

@@ -6,34 +6,47 @@ import json
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+from tasks.metrics.plot import pyplot
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Return one row per step: the train record and the eval record of a step merged (a
+    resumed run logs some steps again; the later record wins)."""
     if not path.is_file():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    by_step = {row["step"]: row for row in rows}  # a resumed run logs some steps again
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            by_step.setdefault(row["step"], {}).update(row)
     return [by_step[s] for s in sorted(by_step)]
 
 
 def curve_png(rows: list[dict[str, Any]], path: Path, title: str) -> Path | None:
-    """Draw loss (and eval loss) and samples/s against step; None for fewer than 2 points."""
-    if len(rows) < 2:
+    """Draw loss, eval loss (and top-1 accuracy) and samples/s against step; None for
+    fewer than 2 training points."""
+    train = [r for r in rows if "loss" in r]
+    if len(train) < 2:
         return None
-    steps = [r["step"] for r in rows]
+    plt = pyplot()
+    steps = [r["step"] for r in train]
     fig, (loss_ax, speed_ax) = plt.subplots(2, 1, figsize=(8, 6), dpi=100, sharex=True)
-    loss_ax.plot(steps, [r["loss"] for r in rows], label="train loss")
+    handles = loss_ax.plot(steps, [r["loss"] for r in train], label="train loss")
     evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
     if evals:
-        loss_ax.plot(*zip(*evals, strict=True), "o-", label="eval loss")
+        handles += loss_ax.plot(*zip(*evals, strict=True), "o-", label="eval loss")
+    accuracy = [(r["step"], 100 * r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
+    if accuracy:
+        acc_ax = loss_ax.twinx()
+        handles += acc_ax.plot(
+            *zip(*accuracy, strict=True), "s--", color="tab:red", label="eval top-1 accuracy %"
+        )
+        acc_ax.set_ylabel("accuracy %")
+        acc_ax.set_ylim(0, 100)
     loss_ax.set_ylabel("loss")
-    loss_ax.legend()
+    loss_ax.legend(handles=handles, loc="best")
     loss_ax.set_title(title)
-    speed_ax.plot(steps, [r["samples_per_s"] for r in rows], color="tab:green")
+    speed_ax.plot(steps, [r["samples_per_s"] for r in train], color="tab:green")
     speed_ax.set_ylabel("samples/s")
     speed_ax.set_xlabel("step")
     fig.tight_layout()
@@ -49,14 +62,24 @@ def summary(outputs: Path, out_dir: Path, title: str) -> tuple[list[dict[str, An
     result_path = outputs / "result.json"
     result = json.loads(result_path.read_text()) if result_path.is_file() else {}
     rows, lines = [], []
-    if rows_in:
-        last = rows_in[-1]
+    train = [r for r in rows_in if "loss" in r]
+    if train:
         rows += [
-            {"metric": "train.final_loss", "value": last["loss"]},
-            {"metric": "train.last_step", "value": last["step"]},
+            {"metric": "train.final_loss", "value": train[-1]["loss"]},
+            {"metric": "train.last_step", "value": train[-1]["step"]},
         ]
-        if last.get("eval_loss") is not None:
-            rows.append({"metric": "train.eval_loss", "value": last["eval_loss"]})
+    evals = [r for r in rows_in if "eval_loss" in r]
+    if evals:
+        last = evals[-1]
+        rows += [
+            {"metric": "train.eval_loss", "value": last["eval_loss"]},
+            {"metric": "train.eval_step", "value": last["step"]},
+        ]
+        score = f"eval loss {last['eval_loss']:.4f}"
+        if "eval_accuracy" in last:
+            rows.append({"metric": "train.eval_accuracy", "value": last["eval_accuracy"]})
+            score += f", top-1 accuracy {100 * last['eval_accuracy']:.1f}%"
+        lines.append(f"- {score} at step {last['step']} ({len(evals)} evaluation(s))")
     if png:
         lines.append(f"- loss and throughput curve: `{png}`")
     if result.get("weights"):

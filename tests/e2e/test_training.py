@@ -103,6 +103,51 @@ def test_two_rank_ddp_sees_each_sample_once(s3_dataset, s3_server, gpuflow_home,
     )  # the S3 secret reached the ranks, not the log
 
 
+@pytest.mark.parametrize(("eval_every", "evaluated_at"), [(15, [15, 30, 40]), (None, [40])])
+def test_eval_runs_on_its_own_schedule_and_at_the_end_and_is_shown(
+    eval_every, evaluated_at, s3_dataset, s3_server, gpuflow_home, aws_block
+):
+    """eval_every 15 with log_every 10: eval at 15, 30 and the last step (40), not only on
+    log steps; with no eval_every, once at the end. Loss and top-1 accuracy reach the log,
+    the metrics table, the summary, the result and the plot."""
+    from prefect.client.orchestration import get_client
+
+    from tasks.training.report import read_metrics
+
+    raw = train_spec(
+        s3_dataset,
+        s3_server.url(f"runs/eval-{eval_every}"),
+        max_steps=40,
+        log_every=10,
+        cpu_processes=1,
+        eval_dataset=s3_dataset,
+        eval_every=eval_every,
+        eval_batches=2,
+    )
+    state, run_id = run(raw)
+    assert state.is_completed(), state.message
+    result = state.result()
+    rows = read_metrics(Path(result.artifacts_dir) / "outputs" / "train_metrics.jsonl")
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == evaluated_at
+    assert all(0.0 <= r["eval_accuracy"] <= 1.0 and r["eval_loss"] > 0 for r in evals)
+    assert [r["step"] for r in rows if "loss" in r] == [10, 20, 30, 40]
+    job = result.metrics.job
+    assert job["eval_step"] == 40 and job["eval_loss"] == evals[-1]["eval_loss"]
+    assert job["eval_accuracy"] == evals[-1]["eval_accuracy"]
+    logs = "\n".join(logs_of(run_id))
+    for step in evaluated_at:
+        assert f"eval at step {step}: loss " in logs and "top-1 accuracy" in logs
+    with get_client(sync_client=True) as client:
+        table = client.read_latest_artifacts()
+    by_key = {a.key: a for a in table if a.flow_run_id == run_id}
+    metrics = {row["metric"]: row["value"] for row in json.loads(by_key["gpuflow-metrics"].data)}
+    assert metrics["train.eval_accuracy"] == evals[-1]["eval_accuracy"]
+    assert metrics["train.eval_step"] == 40
+    assert "top-1 accuracy" in by_key["gpuflow-summary"].data
+    assert (Path(result.artifacts_dir) / "training.png").is_file()
+
+
 def _weights(store: S3Store, url: str) -> dict[str, torch.Tensor]:
     return torch.load(io.BytesIO(store.read_bytes(url)), weights_only=True)
 
