@@ -5,6 +5,7 @@ as Blender saves them (checked, checksummed, thumbnailed when the contact sheet 
 from __future__ import annotations
 
 import queue
+import struct
 import tempfile
 import threading
 from collections.abc import Callable
@@ -142,15 +143,25 @@ class Uploader:
 
 
 def make_thumbnail(path: Path, target: Path) -> str | None:
-    """Return the path of a small PNG of the frame, or None for formats Pillow cannot read
-    (OpenEXR and friends)."""
+    """Return the path of a small PNG of the frame (OpenEXR and Radiance HDR tone-mapped),
+    or None when it cannot be decoded."""
     from PIL import Image, UnidentifiedImageError
 
+    from tasks.render.thumbs import thumbnail_rgb
+
+    target.parent.mkdir(parents=True, exist_ok=True)
     try:
         with Image.open(path) as image:
             image.thumbnail((THUMB_PX, THUMB_PX))
-            target.parent.mkdir(parents=True, exist_ok=True)
             image.convert("RGB").save(target)
+        return str(target)
     except (UnidentifiedImageError, OSError, ValueError):
+        pass
+    try:
+        pixels = thumbnail_rgb(path, THUMB_PX)
+    except (OSError, ValueError, struct.error):
         return None
+    if pixels is None:
+        return None
+    Image.fromarray(pixels, "RGB").save(target)
     return str(target)

@@ -418,6 +418,26 @@ def test_overrides_engine_format_and_resolution(prefect_api, scene, tmp_path, gp
     assert state.result().metrics.job["engine"] == "WORKBENCH"
 
 
+@pytest.mark.parametrize("file_format", ["OPEN_EXR", "OPEN_EXR_MULTILAYER", "HDR", "DPX"])
+def test_every_still_format_gets_a_contact_sheet(
+    file_format, prefect_api, scene, tmp_path, gpuflow_home
+):
+    """Formats Pillow cannot read: the sheet shows each frame (EXR and HDR tone-mapped),
+    with the cube's shading, not an empty or single-colour tile."""
+    import numpy as np
+
+    state = run_render(
+        render_spec(scene, f"file://{tmp_path / 'out'}", frames="1-2", file_format=file_format)
+    )
+    assert state.is_completed(), state.message
+    sheet = Path(state.result().artifacts_dir) / "outputs" / "contact-sheet.png"
+    assert sheet.is_file(), f"no contact sheet for {file_format}"
+    with Image.open(sheet) as image:
+        pixels = np.asarray(image.convert("L"), dtype=np.float32)
+    tiles = pixels[30:62, 8:40]  # the first thumbnail (32 x 32) below the title
+    assert tiles.std() > 5.0  # a picture, not a blank tile
+
+
 def test_render_command_rejects_bad_input_with_exit_2(prefect_api, scene, tmp_path, gpuflow_home):
     env = subprocess_env(prefect_api, gpuflow_home)
     args = [sys.executable, "-m", "gpuflow", "render", str(scene), "--out", f"file://{tmp_path}"]
