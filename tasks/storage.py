@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlparse
@@ -134,15 +133,23 @@ class FileStore:
             raise ObjectMissing(f"{url} does not exist; check the URL.") from None
 
     def write_bytes(self, url: str, data: bytes) -> ObjectInfo:
-        with tempfile.NamedTemporaryFile(delete=False) as tmp:
-            tmp.write(data)
-        return self.upload_file(url, Path(tmp.name), move=True)
+        target = self._path(url)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        tmp.write_bytes(data)
+        return self._publish(url, tmp)
 
     def upload_file(self, url: str, path: Path, move: bool = False) -> ObjectInfo:
         target = self._path(url)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         (shutil.move if move else shutil.copyfile)(path, tmp)
+        return self._publish(url, tmp)
+
+    def _publish(self, url: str, tmp: Path) -> ObjectInfo:
+        """Rename the finished temporary sibling `tmp` onto the object: readers see the old
+        object or the whole new one, never a part."""
+        target = self._path(url)
         digest = sha256_file(tmp)
         umask = os.umask(0)
         os.umask(umask)
@@ -160,11 +167,13 @@ class FileStore:
         root = self._path(prefix)
         if not root.is_dir():
             return []
-        return [
-            ObjectInfo(url=f"file://{p}", size=p.stat().st_size)
-            for p in sorted(root.rglob("*"))
-            if p.is_file() and ".tmp-" not in p.name
-        ]
+        found = []
+        for path in sorted(root.rglob("*")):
+            if ".tmp-" in path.name:
+                _sweep_if_dead(path)
+            elif path.is_file():
+                found.append(ObjectInfo(url=f"file://{path}", size=path.stat().st_size))
+        return found
 
     def checksum(self, url: str) -> str | None:
         path = self._path(url)
@@ -172,6 +181,23 @@ class FileStore:
 
     def delete(self, url: str) -> None:
         self._path(url).unlink(missing_ok=True)
+
+
+def _sweep_if_dead(path: Path) -> None:
+    """Remove a temporary file (`.NAME.tmp-PID`) whose writer died before its rename."""
+    pid = path.name.rsplit(".tmp-", 1)[-1]
+    if not pid.isdigit() or not _pid_alive(int(pid)):
+        path.unlink(missing_ok=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class S3Store:

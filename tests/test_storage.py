@@ -73,3 +73,24 @@ def test_unknown_bucket_and_scheme(s3_server):
         S3Store(s3_server.settings()).read_bytes("s3://no-such-bucket/k")
     with pytest.raises(StorageError, match="is not a storage URL"):
         store_for("gs://bucket/x")
+
+
+def test_listing_sweeps_what_a_dead_writer_left_and_spares_a_live_one(tmp_path):
+    """A writer killed between write and rename leaves `.NAME.tmp-PID`; the next listing
+    of that folder (a render's or a data set's start) removes it."""
+    import os
+    import subprocess
+
+    from tasks.storage import FileStore
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    store = FileStore()
+    store.write_bytes(f"file://{tmp_path}/frame_0001.png", b"whole")
+    dead = tmp_path / f".frame_0002.png.tmp-{gone.pid}"
+    dead.write_bytes(b"half")
+    live = tmp_path / f".frame_0003.png.tmp-{os.getpid()}"
+    live.write_bytes(b"being written")
+    listed = [info.url.rsplit("/", 1)[-1] for info in store.list(f"file://{tmp_path}")]
+    assert listed == ["frame_0001.png"]
+    assert not dead.exists() and live.exists()
