@@ -108,7 +108,9 @@ def choose(say: Callable[[str], None], temporary: bool = True) -> Api:
                 " that server, or unset PREFECT_API_URL to use the local platform or a"
                 " temporary API."
             )
-        return Api(url, "configured")
+        from prefect.settings import PREFECT_UI_URL
+
+        return Api(url, "configured", ui=PREFECT_UI_URL.value() or None)
     from tasks.platform import local
 
     state = local.read_state()

@@ -173,6 +173,9 @@ def test_run_completes_and_failing_job_exits_1(tmp_path, prefect_api, gpuflow_ho
     )
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "hello: completed" in ok.stdout and "artifacts:" in ok.stdout
+    assert f"[gpuflow] using the Prefect API at {prefect_api} (PREFECT_API_URL)" in ok.stderr
+    ui = prefect_api.removesuffix("/api")
+    assert f"  flow run: {ui}/runs/flow-run/" in ok.stdout
     bad = gpuflow(
         ["run", str(write(tmp_path, "job: {kind: command, command: [sh, -c, 'exit 4']}\n"))], env
     )
