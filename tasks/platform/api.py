@@ -252,8 +252,8 @@ def using(api: Api) -> Iterator[Api]:
 
     os.environ["PREFECT_API_URL"] = api.url
     os.environ["PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"] = "false"
-    if api.ui:
-        os.environ["PREFECT_UI_URL"] = api.ui
+    # A temporary API serves no UI: no "View at" link to a page that is not there.
+    os.environ["PREFECT_UI_URL"] = api.ui or ""
     refresh_global_settings_context()
     try:
         yield api
