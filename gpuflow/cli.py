@@ -16,15 +16,34 @@ SMOKE_JOB = Path(__file__).resolve().parent / "smoke.yaml"
 
 
 def _run(path: str | dict) -> int:
-    """Run a job spec (a path or a dict) through its flow; read and check it first."""
+    """Run a job spec (a path or a dict) through its flow; read and check it first, before
+    any API is started when the checks need none."""
+    from tasks import placement
     from tasks.errors import InvalidSpec
     from tasks.spec import load_spec
 
     try:
         spec = load_spec(path)
+        checked = not placement.needs_api(spec)
+        if checked:
+            spec = _checked(spec)
     except InvalidSpec as exc:
         return _invalid(exc)
-    return session.with_api(lambda api: _run_spec(spec, api))
+    return session.with_api(lambda api: _run_spec(spec, api, checked))
+
+
+def _checked(spec):
+    """Return the spec with its placement applied, once every check before provisioning
+    passed (InvalidSpec otherwise)."""
+    from tasks import placement, secrets
+    from tasks.compute import get_backend
+    from tasks.jobs import check_job
+
+    spec, _ = placement.resolve(spec)
+    get_backend(spec.placement.backend).check(spec)
+    check_job(spec)
+    secrets.resolve(spec.secret_env)
+    return spec
 
 
 def _invalid(exc: Exception) -> int:
@@ -32,17 +51,11 @@ def _invalid(exc: Exception) -> int:
     return EXIT_INVALID
 
 
-def _run_spec(spec, api) -> int:
-    from tasks import placement, secrets
-    from tasks.compute import get_backend
+def _run_spec(spec, api, checked: bool) -> int:
     from tasks.errors import GpuflowError, InvalidSpec
-    from tasks.jobs import check_job
 
     try:
-        spec, _ = placement.resolve(spec)
-        get_backend(spec.placement.backend).check(spec)
-        check_job(spec)
-        secrets.resolve(spec.secret_env)
+        spec = spec if checked else _checked(spec)
     except InvalidSpec as exc:
         return _invalid(exc)
     from flows.pipeline import gpu_pipeline

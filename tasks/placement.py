@@ -37,6 +37,20 @@ def resolve(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
     return spec.model_copy(update={"placement": placement}), prices
 
 
+def needs_api(spec: JobSpec) -> bool:
+    """Return True when checking `spec` reads Prefect: blocks it names (placement, prices,
+    S3 credentials, secrets) or the `gpu` concurrency limit. Without any, every check runs
+    before an API is chosen or started, so a typo costs no server start."""
+    placement = spec.placement
+    return bool(
+        placement.block
+        or placement.price_table
+        or placement.strict_gpu_limit
+        or spec.storage.aws_credentials
+        or spec.secret_env
+    )
+
+
 def _price_table(name: str | None) -> PriceTable:
     """Return the prices of the GpuPriceTable block `name` over the defaults (defaults for None)."""
     if name is None:

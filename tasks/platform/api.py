@@ -244,25 +244,49 @@ def leftover_servers() -> list[dict[str, Any]]:
 
 @contextlib.contextmanager
 def using(api: Api) -> Iterator[Api]:
-    """Point Prefect at `api` for the rest of this process, in every thread (a settings
-    context would reach only this one, and Prefect's workers in other threads would start
-    an ephemeral server of their own); after the body send the logs and events still
-    queued, then stop the temporary server if this process started one."""
-    from prefect.context import refresh_global_settings_context
+    """Point Prefect at `api` for the body, in every thread (a settings context would reach
+    only this one, and Prefect's workers in other threads would start an ephemeral server
+    of their own); after the body send the logs and events still queued, stop the
+    temporary server if this process started one, and put the settings back."""
+    import prefect.context
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_SERVER_ALLOW_EPHEMERAL_MODE,
+        PREFECT_UI_URL,
+        temporary_settings,
+    )
 
-    os.environ["PREFECT_API_URL"] = api.url
-    os.environ["PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"] = "false"
     # A temporary API serves no UI: no "View at" link to a page that is not there.
-    os.environ["PREFECT_UI_URL"] = api.ui or ""
-    refresh_global_settings_context()
+    updates = {
+        "PREFECT_API_URL": api.url,
+        "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE": "false",
+        "PREFECT_UI_URL": api.ui or "",
+    }
+    before = {name: os.environ.get(name) for name in updates}
+    prior_global = prefect.context.GLOBAL_SETTINGS_CONTEXT
+    os.environ.update(updates)
+    prefect.context.refresh_global_settings_context()  # what other threads see
     try:
-        yield api
+        with temporary_settings(  # what this thread sees, whatever context it is in
+            {
+                PREFECT_API_URL: api.url,
+                PREFECT_SERVER_ALLOW_EPHEMERAL_MODE: False,
+                PREFECT_UI_URL: api.ui or "",
+            }
+        ):
+            try:
+                yield api
+            finally:
+                flush_prefect()
     finally:
-        try:
-            flush_prefect()
-        finally:
-            if api.server is not None:
-                stop_server(api.server)
+        if api.server is not None:
+            stop_server(api.server)
+        for name, value in before.items():  # as it was, for a caller that goes on
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        prefect.context.GLOBAL_SETTINGS_CONTEXT = prior_global
 
 
 def flush_prefect(timeout_s: float = 30.0) -> None:

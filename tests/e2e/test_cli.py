@@ -314,6 +314,38 @@ def test_unreachable_api_is_one_sentence(tmp_path, gpuflow_home):
     )
 
 
+def test_a_silent_api_is_named_as_silent(tmp_path, gpuflow_home):
+    """A server that takes the connection and never answers (a hung or overloaded one)."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/api"
+        job = write(tmp_path, "job: {kind: command, command: [true]}\n")
+        out = gpuflow(["run", str(job)], subprocess_env(url, gpuflow_home))
+    assert out.returncode == 1
+    assert out.stderr.strip() == (
+        f"gpuflow: the Prefect API at {url} (PREFECT_API_URL) is unreachable: it did not"
+        " answer within 10 s; start that server, or unset PREFECT_API_URL to use the local"
+        " platform or a temporary API."
+    )
+    assert nothing_left(gpuflow_home)
+
+
+def test_submit_and_deploy_need_a_lasting_server(gpuflow_home):
+    env = subprocess_env("", gpuflow_home)
+    env.pop("PREFECT_API_URL")
+    for argv in (["submit", "command/command-local"], ["deploy"]):
+        out = gpuflow(argv, env)
+        assert out.returncode == 1 and "Traceback" not in out.stderr
+        assert out.stderr.strip().endswith(
+            "neither PREFECT_API_URL is set nor the local platform running; set"
+            " PREFECT_API_URL or run `gpuflow platform up`."
+        ), out.stderr
+    assert not (gpuflow_home / "servers").exists()  # no temporary API was started
+
+
 def test_demo_runs_the_smoke_job(prefect_api, gpuflow_home):
     """The README's first command ends in `gpuflow demo`."""
     env = subprocess_env(prefect_api, gpuflow_home)

@@ -48,6 +48,29 @@ def servers_of(prefect_home: Path) -> list[psutil.Process]:
     return found
 
 
+def start_run(tmp_path: Path, command: str, env: dict[str, str], **popen) -> subprocess.Popen:
+    """Start `gpuflow run` on a command job (`command` in YAML flow style)."""
+    job = tmp_path / "job.yaml"
+    job.write_text(f"job: {{kind: command, command: {command}}}\n")
+    return subprocess.Popen(
+        [*GPUFLOW, "run", str(job)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **popen,
+    )
+
+
+def wait_for(proc: subprocess.Popen, ready, seconds: float = 300) -> None:
+    """Return once `ready()` is true; fail if gpuflow exits or the time runs out first."""
+    deadline = time.monotonic() + seconds
+    while not ready():
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "gpuflow never got there"
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def busy_core():
     """Another program keeping one core busy, as on a developer's machine; stopped by PID."""
@@ -128,19 +151,8 @@ def all_logs(flow_run_id) -> list[str]:
 
 def test_sigterm_while_the_temporary_api_starts_leaves_nothing(tmp_path, gpuflow_home):
     env = fresh_env(tmp_path, gpuflow_home)
-    job = tmp_path / "job.yaml"
-    job.write_text("job: {kind: command, command: [echo, hi]}\n")
-    proc = subprocess.Popen(
-        [*GPUFLOW, "run", str(job)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    deadline = time.monotonic() + 120
-    while not list((gpuflow_home / "servers").glob("*.json")):
-        assert proc.poll() is None and time.monotonic() < deadline, "no server was started"
-        time.sleep(0.05)
+    proc = start_run(tmp_path, "[echo, hi]", env)
+    wait_for(proc, lambda: list((gpuflow_home / "servers").glob("*.json")))
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 143, out[-2000:]
@@ -165,22 +177,10 @@ def test_ctrl_c_to_the_process_group_stops_the_job_and_records_the_crash(
 
     env = fresh_env(tmp_path, gpuflow_home)
     pidfile = tmp_path / "job.pid"
-    job = tmp_path / "job.yaml"
-    job.write_text(
-        f"job: {{kind: command, command: [sh, -c, 'echo $$ > {pidfile}; exec sleep 300']}}\n"
-    )
-    proc = subprocess.Popen(
-        [*GPUFLOW, "run", str(job)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own group, as a shell gives a foreground job
-    )
-    deadline = time.monotonic() + 300
-    while not (pidfile.exists() and pidfile.read_text().strip()):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
-        time.sleep(0.1)
+    command = f"[sh, -c, 'echo $$ > {pidfile}; exec sleep 300']"
+    # In a process group of its own, as a shell starts a foreground job.
+    proc = start_run(tmp_path, command, env, start_new_session=True)
+    wait_for(proc, lambda: pidfile.exists() and pidfile.read_text().strip())
     job_pid = int(pidfile.read_text())
     os.killpg(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
