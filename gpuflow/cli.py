@@ -504,7 +504,11 @@ def main(argv: list[str] | None = None) -> int:
     reap = commands.add_parser("reap", help="tear down what killed runs left on this host")
     reap.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
-    session.install_signal_handlers()
+    return session.interruptible(lambda: _dispatch(args))
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    """Run the command `args` names; return its exit code."""
     if args.command == "run":
         return _run(args.job)
     if args.command == "demo":

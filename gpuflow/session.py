@@ -31,10 +31,12 @@ def fail(message: str) -> None:
     print(f"gpuflow: {message}", file=sys.stderr, flush=True)
 
 
-def install_signal_handlers() -> None:
+def install_signal_handlers() -> dict[int, Any]:
     """SIGTERM raises Stopped, SIGINT KeyboardInterrupt, once: a repeated signal while the
-    first one is being handled (the job gets its stop_grace_s, teardown runs) is ignored."""
+    first one is being handled (the job gets its stop_grace_s, teardown runs) is ignored.
+    Return the handlers they replace."""
     stopping: list[int] = []
+    previous = {signum: signal.getsignal(signum) for signum in SIGNAL_NAMES}
 
     def handler(signum: int, frame: Any) -> None:
         if stopping:
@@ -47,6 +49,7 @@ def install_signal_handlers() -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    return previous
 
 
 def signal_of(exc: BaseException) -> int | None:
@@ -64,24 +67,32 @@ def signal_of(exc: BaseException) -> int | None:
 
 def with_api(body: Callable[[Any], int], temporary: bool = True) -> int:
     """Run `body(api)` against the chosen Prefect API (see tasks.platform.api) and return
-    its exit code; an unreachable API or a signal ends it with one sentence. With
-    `temporary` False (deployments live on a lasting server) no temporary API is started."""
+    its exit code; an unreachable API ends it with one sentence. With `temporary` False
+    (deployments live on a lasting server) no temporary API is started."""
     from tasks.platform import api as prefect_api
 
     try:
+        chosen = prefect_api.choose(say, temporary)
+    except prefect_api.ApiUnavailable as exc:
+        fail(str(exc))
+        return EXIT_FAILED
+    if chosen.kind != "temporary":
+        say(f"using {chosen.describe()}")
+    with prefect_api.using(chosen):
         try:
-            chosen = prefect_api.choose(say, temporary)
-        except prefect_api.ApiUnavailable as exc:
-            fail(str(exc))
+            return body(chosen)
+        except Exception as exc:  # the engine itself failed talking to the API
+            fail(api_failure(exc, chosen))
             return EXIT_FAILED
-        if chosen.kind != "temporary":
-            say(f"using {chosen.describe()}")
-        with prefect_api.using(chosen):
-            try:
-                return body(chosen)
-            except Exception as exc:  # the engine itself failed talking to the API
-                fail(api_failure(exc, chosen))
-                return EXIT_FAILED
+
+
+def interruptible(command: Callable[[], int]) -> int:
+    """Run a whole command with gpuflow's signal handlers: a signal ends it, after the
+    `finally` blocks and flow hooks stopped and tore down what it started, with one
+    sentence and exit 128 + the signal's number."""
+    previous = install_signal_handlers()
+    try:
+        return command()
     except BaseException as exc:
         signum = signal_of(exc)
         if signum is None:
@@ -91,6 +102,9 @@ def with_api(body: Callable[[Any], int], temporary: bool = True) -> int:
             " and torn down, and its flow run marked Crashed."
         )
         return 128 + int(signum)
+    finally:
+        for signum, handler in previous.items():  # as they were, for a caller that goes on
+            signal.signal(signum, handler)
 
 
 def api_failure(exc: BaseException, api: Any) -> str:

@@ -8,6 +8,7 @@ process group once it runs), gpus/<index>.json claims a device.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -342,7 +343,10 @@ class LocalBackend:
                 "cluster": cluster.model_dump(mode="json", exclude={"adopted"})
             }
             if "cgroup" not in record:
-                path = cgroups.create(cluster.name)
+                # Named after this state folder too: two GPUFLOW_HOMEs on one machine may
+                # use the same flow-run id (tests do), and must not share a cgroup.
+                home = hashlib.sha256(str(self.home).encode()).hexdigest()[:8]
+                path = cgroups.create(f"{cluster.name}-{home}")
                 record["cgroup"] = str(path) if path else None
                 self._write_record(record)
             return record["cgroup"]
