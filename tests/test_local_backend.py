@@ -249,3 +249,26 @@ def test_strays_are_found_by_working_directory_without_a_cgroup(tmp_path):
     finally:
         inside.kill()
         outside.kill()
+
+
+def test_empty_cgroups_a_killed_process_left_are_swept_and_busy_ones_kept(tmp_path):
+    import subprocess
+    import uuid
+
+    from tasks.compute import cgroups
+
+    prefix = f"gpuflow-sweep-{uuid.uuid4().hex[:8]}-"
+    empty, busy = cgroups.create(f"{prefix}empty"), cgroups.create(f"{prefix}busy")
+    if empty is None:
+        pytest.skip("this machine lets gpuflow make no cgroup (the fallback is tested above)")
+    sleeper = subprocess.Popen(["sleep", "60"], preexec_fn=lambda: cgroups.join(str(busy)))
+    try:
+        for path in (empty, busy):
+            os.utime(path, (time.time() - 3600,) * 2)  # left an hour ago
+        assert cgroups.sweep_empty(prefix=prefix) == [str(empty)]
+        assert not empty.exists() and busy.exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        cgroups.stop(busy, grace_s=1)
+    assert not busy.exists()

@@ -34,16 +34,23 @@ def _own() -> str:
     return "/"
 
 
-def create(name: str) -> Path | None:
-    """Return a cgroup named `name` beside this process's own (made if missing), or None
-    when this machine does not allow it."""
+def _parent() -> Path | None:
+    """Return the folder job cgroups are made in: beside this process's own cgroup (a
+    cgroup that holds processes cannot have children with processes once controllers are
+    on, cgroup v2's "no internal processes" rule), or None without a cgroup2 mount."""
     mount = _mount()
     if mount is None:
         return None
     own = mount / _own().lstrip("/")
-    # A cgroup that holds processes cannot have children with processes (cgroup v2's
-    # "no internal processes" rule applies once controllers are on), so a sibling.
-    parent = own.parent if own != mount else mount
+    return own.parent if own != mount else mount
+
+
+def create(name: str) -> Path | None:
+    """Return a cgroup named `name` beside this process's own (made if missing), or None
+    when this machine does not allow it."""
+    parent = _parent()
+    if parent is None:
+        return None
     path = parent / name
     try:
         path.mkdir(exist_ok=True)
@@ -96,3 +103,18 @@ def stop(path: str | Path, grace_s: float) -> int:
     with contextlib.suppress(OSError):
         path.rmdir()
     return len(found)
+
+
+def sweep_empty(prefix: str = "gpuflow-", min_age_s: float = 60.0) -> list[str]:
+    """Remove empty job cgroups (named `prefix`...) older than `min_age_s` that a killed
+    process left; a cgroup with a process in it cannot be removed, so none is disturbed."""
+    parent = _parent()
+    swept: list[str] = []
+    if parent is None:
+        return swept
+    for path in parent.glob(f"{prefix}*"):
+        with contextlib.suppress(OSError):
+            if time.time() - path.stat().st_mtime > min_age_s and not members(path):
+                path.rmdir()
+                swept.append(str(path))
+    return swept

@@ -342,7 +342,9 @@ class LocalBackend:
             record = self._read_record(cluster.name) or {
                 "cluster": cluster.model_dump(mode="json", exclude={"adopted"})
             }
-            if "cgroup" not in record:
+            if "cgroup" not in record or (
+                record["cgroup"] and not Path(record["cgroup"]).is_dir()  # swept while empty
+            ):
                 # Named after this state folder too: two GPUFLOW_HOMEs on one machine may
                 # use the same flow-run id (tests do), and must not share a cgroup.
                 home = hashlib.sha256(str(self.home).encode()).hexdigest()[:8]

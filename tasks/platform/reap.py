@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 from uuid import UUID
 
+from tasks.compute import cgroups
 from tasks.compute.base import OWNER_LABEL, RUN_LABEL
 from tasks.compute.local import LocalBackend, alive
 from tasks.platform import api as prefect_api
@@ -51,6 +52,8 @@ def reap(dry_run: bool, say: Callable[[str], None] = print) -> dict[str, Any]:
     for path in swept:
         say(f"removed {path} (half-written by a process that died)")
     done["files"] = len(swept)
+    for path in cgroups.sweep_empty():
+        say(f"removed the empty cgroup {path}")
     return done
 
 
