@@ -151,6 +151,8 @@ def start_temporary(say: Callable[[str], None], timeout_s: float = START_TIMEOUT
         argv = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent)]
         argv += ["--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1"]
         argv += ["--port", str(port), "--log-level", "error", "--lifespan", "on"]
+        # Stopping must not wait for the keep-alive connections this process still holds.
+        argv += ["--timeout-graceful-shutdown", "2"]
         # No signal between starting the server and recording it: then an interruption
         # (handled below) always knows what to stop.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
@@ -163,6 +165,8 @@ def start_temporary(say: Callable[[str], None], timeout_s: float = START_TIMEOUT
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
+                    # The child would inherit the blocked mask, and never see its SIGTERM.
+                    preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_SETMASK, blocked),
                 )
             record = {
                 "pid": proc.pid,

@@ -197,3 +197,17 @@ def test_ctrl_c_to_the_process_group_stops_the_job_and_records_the_crash(
     finally:
         api.stop_server(server.server)
     assert [run["state"]["type"] for run in runs] == ["CRASHED"]
+
+
+def test_the_temporary_api_stops_on_sigterm_not_sigkill(tmp_path, gpuflow_home, monkeypatch):
+    """It is started with SIGINT and SIGTERM blocked in gpuflow (so that no signal lands
+    between starting and recording it); the server itself must not inherit that mask, or
+    it ignores SIGTERM and dies by SIGKILL, its last writes lost."""
+    from tasks.platform import api
+
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
+    server = api.start_temporary(lambda _: None)
+    proc = psutil.Process(server.server["pid"])
+    assert api.stop_server(server.server)
+    assert proc.wait(timeout=30) != -signal.SIGKILL
+    assert servers_of(tmp_path / "prefect-home") == []
