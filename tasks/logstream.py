@@ -1,17 +1,21 @@
-"""A job's output lines on their way to the run's log: in order, in batches.
+"""A job's output lines on their way to the console and the run's log: in order, in batches.
 
 One log record costs Prefect's console and API handlers about half a millisecond, so a
 record per line caps a chatty job at ~2,000 lines/s and the pipe backs up. The batcher
 joins the lines that arrive within `max_delay_s` (up to `max_bytes`) into one record,
 keeping their order across stdout and stderr, and hands everything on before `close`
-returns.
+returns. Prefect's console handler colours every number of a record (about 80,000
+lines/s at best), so job output goes to the console as it is, and to the API alone.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 import threading
 from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 
 class LineBatcher:
@@ -72,3 +76,24 @@ class LineBatcher:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def job_output_sink(run_logger: Any) -> Callable[[str], None]:
+    """Return where a batch of the job's lines goes: this process's stdout as the job wrote
+    them, and the run's log in the API (through a logger that skips the console)."""
+    from prefect.logging.handlers import APILogHandler
+    from prefect.logging.loggers import PrefectLogAdapter
+
+    api_only = logging.getLogger("gpuflow.job_output")
+    if not any(isinstance(h, APILogHandler) for h in api_only.handlers):
+        api_only.addHandler(APILogHandler())
+        api_only.setLevel(logging.INFO)
+        api_only.propagate = False
+    to_api = PrefectLogAdapter(api_only, extra=dict(run_logger.extra))
+
+    def emit(text: str) -> None:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        to_api.info("%s", text)
+
+    return emit

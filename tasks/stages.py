@@ -35,7 +35,7 @@ from tasks.errors import (
     is_retryable,
 )
 from tasks.jobs import command_for, s3_settings
-from tasks.logstream import LineBatcher
+from tasks.logstream import LineBatcher, job_output_sink
 from tasks.metrics import cost as pricing
 from tasks.metrics.plot import utilisation_png
 from tasks.metrics.prometheus import LivePush, delete, exposition, push
@@ -159,7 +159,7 @@ def run(
     timeout, stopped_by = time_limit(spec, cluster, prices)
 
     with (
-        LineBatcher(lambda text: logger.info("%s", text)) as lines,
+        LineBatcher(job_output_sink(logger)) as lines,
         sampling(spec, cluster, flow_run_id, logger.warning),
     ):
 

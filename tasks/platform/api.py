@@ -166,7 +166,9 @@ def start_temporary(say: Callable[[str], None], timeout_s: float = START_TIMEOUT
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
                     # The child would inherit the blocked mask, and never see its SIGTERM.
-                    preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_SETMASK, blocked),
+                    preexec_fn=lambda mask=blocked: signal.pthread_sigmask(
+                        signal.SIG_SETMASK, mask
+                    ),
                 )
             record = {
                 "pid": proc.pid,
