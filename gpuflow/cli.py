@@ -178,6 +178,9 @@ def _prepare(source: str, output: str, shard_size: str, aws_credentials: str | N
                 f" {result.skipped} unchanged)"
             )
             print(f"index: {result.index_url}")
+            link = api.run_link(str(state.state_details.flow_run_id))
+            if link:
+                print(f"flow run: {link}")
             return EXIT_OK
         exc = state.result(raise_on_failure=False)
         if isinstance(exc, InvalidSpec):
