@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -33,7 +34,7 @@ from tasks.errors import GpuflowError
 # A cold first start (no bytecode yet, a new SQLite database) took 34 s on a busy
 # 2-core machine; Prefect's own ephemeral start gives up after 20 s.
 START_TIMEOUT_S = float(os.environ.get("GPUFLOW_API_START_TIMEOUT_S", "240"))
-PORT_IN_USE = 3  # uvicorn's exit code when it cannot bind
+STARTUP_FAILED = 3  # uvicorn's exit code when it cannot bind or the app fails to start
 
 
 class ApiUnavailable(GpuflowError):
@@ -193,10 +194,11 @@ def start_temporary(say: Callable[[str], None], timeout_s: float = START_TIMEOUT
         if code is None:
             say(f"temporary Prefect API ready in {time.monotonic() - started:.1f} s")
             return api
-        stop_server(record)
-        if code == PORT_IN_USE:
-            continue
-        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+        text = log.read_text(errors="replace")
+        stop_server(record, keep_log=True)
+        if code == STARTUP_FAILED and "address already in use" in text.lower():
+            log.unlink(missing_ok=True)
+            continue  # another program took the port between our probe and its bind
         if code == -1:
             raise ApiUnavailable(
                 f"the temporary Prefect API did not answer within {timeout_s:.0f} s (the"
@@ -204,8 +206,8 @@ def start_temporary(say: Callable[[str], None], timeout_s: float = START_TIMEOUT
                 " with `gpuflow platform up`."
             )
         raise ApiUnavailable(
-            f"the temporary Prefect API exited while starting (exit {code}): "
-            f"{' | '.join(tail) or 'no output'}; see {log}."
+            f"the temporary Prefect API could not start: {startup_error(text)} (its database"
+            f" is under PREFECT_HOME={prefect_home()}); see {log}."
         )
     raise ApiUnavailable(
         "the temporary Prefect API found no free port on 127.0.0.1 in 5 tries; stop what"
@@ -225,13 +227,24 @@ def _wait_until_healthy(proc: subprocess.Popen, url: str, deadline: float) -> in
     return -1
 
 
-def stop_server(record: dict[str, Any]) -> bool:
-    """Stop a temporary server by PID (not a reused PID) and forget it; True if it ran."""
+def stop_server(record: dict[str, Any], keep_log: bool = False) -> bool:
+    """Stop a temporary server by PID (not a reused PID) and forget it (its log too, unless
+    `keep_log`: a failed start names it); True if it ran."""
     was_running = alive(record["pid"], record["started"])
     if was_running:
         stop_group(record["pid"], record["started"], grace_s=10.0)
     (servers_dir() / f"{record['pid']}.json").unlink(missing_ok=True)
+    if not keep_log:
+        Path(record["log"]).unlink(missing_ok=True)
     return was_running
+
+
+def startup_error(log_text: str) -> str:
+    """Return the exception a server's log ends with ("Type: message"), or its last line."""
+    lines = [line.strip() for line in log_text.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b.*: ", line)]
+    found = errors[-1] if errors else (lines[-1] if lines else "it printed nothing")
+    return found.split(" (Background on this error")[0][:300]
 
 
 def leftover_servers() -> list[dict[str, Any]]:

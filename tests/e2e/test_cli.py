@@ -333,6 +333,24 @@ def test_a_silent_api_is_named_as_silent(tmp_path, gpuflow_home):
     assert nothing_left(gpuflow_home)
 
 
+def test_a_temporary_api_that_cannot_start_is_named_with_its_cause(tmp_path, gpuflow_home):
+    not_a_folder = tmp_path / "prefect-home"
+    not_a_folder.write_text("a file where PREFECT_HOME should be")
+    env = subprocess_env("", gpuflow_home)
+    env.pop("PREFECT_API_URL")
+    env["PREFECT_HOME"] = str(not_a_folder)
+    out = gpuflow(["run", str(write(tmp_path, "job: {kind: command, command: [true]}\n"))], env)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    (sentence,) = [line for line in out.stderr.splitlines() if line.startswith("gpuflow:")]
+    assert sentence.startswith(
+        "gpuflow: the temporary Prefect API could not start: sqlalchemy.exc.OperationalError:"
+        " (sqlite3.OperationalError) unable to open database file (its database is under"
+        f" PREFECT_HOME={not_a_folder}); see "
+    )
+    assert [p.suffix for p in (gpuflow_home / "servers").iterdir()] == [".log"]  # named, kept
+    assert nothing_left(gpuflow_home)
+
+
 def test_submit_and_deploy_need_a_lasting_server(gpuflow_home):
     env = subprocess_env("", gpuflow_home)
     env.pop("PREFECT_API_URL")
