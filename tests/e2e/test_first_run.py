@@ -4,6 +4,7 @@ takes, and leaves no server behind, however the command ends."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -211,3 +212,40 @@ def test_the_temporary_api_stops_on_sigterm_not_sigkill(tmp_path, gpuflow_home, 
     assert api.stop_server(server.server)
     assert proc.wait(timeout=30) != -signal.SIGKILL
     assert servers_of(tmp_path / "prefect-home") == []
+
+
+def test_reap_after_sigkill_stops_the_temporary_api_and_marks_the_run_crashed(
+    tmp_path, gpuflow_home, monkeypatch
+):
+    """SIGKILL leaves the job, the temporary API (its own session) and a Running flow run;
+    `gpuflow reap` ends all three, the run's state written through that very server."""
+    import httpx
+
+    from tasks.platform import api
+
+    env = fresh_env(tmp_path, gpuflow_home)
+    pidfile = tmp_path / "job.pid"
+    proc = start_run(tmp_path, f"[sh, -c, 'echo $$ > {pidfile}; exec sleep 300']", env)
+    wait_for(proc, lambda: pidfile.exists() and pidfile.read_text().strip())
+    job_pid = int(pidfile.read_text())
+    (record,) = [json.loads(p.read_text()) for p in (gpuflow_home / "servers").glob("*.json")]
+    proc.kill()
+    proc.wait(timeout=30)
+    assert psutil.pid_exists(job_pid) and psutil.pid_exists(record["pid"])  # both left behind
+    out = subprocess.run([*GPUFLOW, "reap"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (
+        "1 leftover cluster(s), 1 temporary server(s), 1 flow run(s) marked Crashed" in out.stdout
+    )
+    assert not psutil.pid_exists(job_pid) or psutil.Process(job_pid).status() == "zombie"
+    assert servers_of(tmp_path / "prefect-home") == []
+    assert nothing_left(gpuflow_home)
+    monkeypatch.setenv("PREFECT_HOME", env["PREFECT_HOME"])
+    server = api.start_temporary(lambda _: None)
+    try:
+        runs = httpx.post(f"{server.url}/flow_runs/filter", json={}, timeout=30).json()
+    finally:
+        api.stop_server(server.server)
+    assert [(run["state"]["type"], run["state"]["message"]) for run in runs] == [
+        ("CRASHED", "its gpuflow process was killed; `gpuflow reap` tore down what it left")
+    ]
