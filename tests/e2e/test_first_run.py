@@ -72,6 +72,22 @@ def wait_for(proc: subprocess.Popen, ready, seconds: float = 300) -> None:
         time.sleep(0.05)
 
 
+def flow_run_states(env: dict[str, str], monkeypatch) -> list[tuple[str, str]]:
+    """Return (state type, message) of every flow run in the database under env's
+    PREFECT_HOME, read through a new temporary API on it."""
+    import httpx
+
+    from tasks.platform import api
+
+    monkeypatch.setenv("PREFECT_HOME", env["PREFECT_HOME"])
+    server = api.start_temporary(lambda _: None)
+    try:
+        runs = httpx.post(f"{server.url}/flow_runs/filter", json={}, timeout=30).json()
+    finally:
+        api.stop_server(server.server)
+    return [(run["state"]["type"], run["state"]["message"]) for run in runs]
+
+
 @pytest.fixture
 def busy_core():
     """Another program keeping one core busy, as on a developer's machine; stopped by PID."""
@@ -172,9 +188,6 @@ def test_ctrl_c_to_the_process_group_stops_the_job_and_records_the_crash(
     """What a terminal's Ctrl-C does: SIGINT to every process in the foreground group. The
     temporary API is in a session of its own, so it outlives the signal long enough to
     record the run as Crashed."""
-    import httpx
-
-    from tasks.platform import api
 
     env = fresh_env(tmp_path, gpuflow_home)
     pidfile = tmp_path / "job.pid"
@@ -190,14 +203,7 @@ def test_ctrl_c_to_the_process_group_stops_the_job_and_records_the_crash(
     assert not psutil.pid_exists(job_pid) or psutil.Process(job_pid).status() == "zombie"
     assert servers_of(tmp_path / "prefect-home") == []
     assert nothing_left(gpuflow_home)
-    # The run's state, read back from the same database through a new temporary API.
-    monkeypatch.setenv("PREFECT_HOME", env["PREFECT_HOME"])
-    server = api.start_temporary(lambda _: None)
-    try:
-        runs = httpx.post(f"{server.url}/flow_runs/filter", json={}, timeout=30).json()
-    finally:
-        api.stop_server(server.server)
-    assert [run["state"]["type"] for run in runs] == ["CRASHED"]
+    assert [state for state, _ in flow_run_states(env, monkeypatch)] == ["CRASHED"]
 
 
 def test_the_temporary_api_stops_on_sigterm_not_sigkill(tmp_path, gpuflow_home, monkeypatch):
@@ -219,9 +225,6 @@ def test_reap_after_sigkill_stops_the_temporary_api_and_marks_the_run_crashed(
 ):
     """SIGKILL leaves the job, the temporary API (its own session) and a Running flow run;
     `gpuflow reap` ends all three, the run's state written through that very server."""
-    import httpx
-
-    from tasks.platform import api
 
     env = fresh_env(tmp_path, gpuflow_home)
     pidfile = tmp_path / "job.pid"
@@ -240,12 +243,6 @@ def test_reap_after_sigkill_stops_the_temporary_api_and_marks_the_run_crashed(
     assert not psutil.pid_exists(job_pid) or psutil.Process(job_pid).status() == "zombie"
     assert servers_of(tmp_path / "prefect-home") == []
     assert nothing_left(gpuflow_home)
-    monkeypatch.setenv("PREFECT_HOME", env["PREFECT_HOME"])
-    server = api.start_temporary(lambda _: None)
-    try:
-        runs = httpx.post(f"{server.url}/flow_runs/filter", json={}, timeout=30).json()
-    finally:
-        api.stop_server(server.server)
-    assert [(run["state"]["type"], run["state"]["message"]) for run in runs] == [
+    assert flow_run_states(env, monkeypatch) == [
         ("CRASHED", "its gpuflow process was killed; `gpuflow reap` tore down what it left")
     ]
