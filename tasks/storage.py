@@ -185,19 +185,11 @@ class FileStore:
 
 def _sweep_if_dead(path: Path) -> None:
     """Remove a temporary file (`.NAME.tmp-PID`) whose writer died before its rename."""
+    import psutil
+
     pid = path.name.rsplit(".tmp-", 1)[-1]
-    if not pid.isdigit() or not _pid_alive(int(pid)):
+    if not pid.isdigit() or not psutil.pid_exists(int(pid)):
         path.unlink(missing_ok=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class S3Store:

@@ -238,17 +238,22 @@ def test_strays_are_found_by_working_directory_without_a_cgroup(tmp_path):
 
     workspace = tmp_path / "ws"
     (workspace / "sub").mkdir(parents=True)
+    # A shell someone opened in the workspace before the job started is not the job's.
+    before = subprocess.Popen(["sleep", "300"], cwd=workspace, env={}, start_new_session=True)
+    time.sleep(0.3)
+    since = time.time()
+    time.sleep(0.1)
     inside = subprocess.Popen(
         ["sleep", "300"], cwd=workspace / "sub", env={}, start_new_session=True
     )
     outside = subprocess.Popen(["sleep", "300"], cwd=tmp_path, env={}, start_new_session=True)
     try:
-        assert _stop_strays(str(workspace)) == 1
+        assert _stop_strays(str(workspace), cwd_since=since) == 1
         assert inside.wait(timeout=10) is not None
-        assert outside.poll() is None
+        assert outside.poll() is None and before.poll() is None
     finally:
-        inside.kill()
-        outside.kill()
+        for proc in (before, inside, outside):
+            proc.kill()
 
 
 def test_empty_cgroups_a_killed_process_left_are_swept_and_busy_ones_kept(tmp_path):

@@ -382,9 +382,11 @@ class LocalBackend:
             if record.get("cgroup"):
                 report.killed_processes += cgroups.stop(record["cgroup"], grace_s=5.0)
                 report.process_tracking = "cgroup"
+                report.killed_processes += _stop_strays(cluster.workspace)
             else:
                 report.process_tracking = "process groups, environment, working directory"
-            report.killed_processes += _stop_strays(cluster.workspace)
+                since = cluster.created_at.timestamp()
+                report.killed_processes += _stop_strays(cluster.workspace, cwd_since=since)
         claims = self.home / "gpus"
         for index in cluster.gpu_indices:
             path = claims / f"{index}.json"
@@ -457,19 +459,23 @@ def stop_group(pgid: int, started: float | None, grace_s: float = STOP_GRACE_S) 
     return len(members)
 
 
-def _stop_strays(workspace: str, grace_s: float = 5.0) -> int:
+def _stop_strays(workspace: str, grace_s: float = 5.0, cwd_since: float | None = None) -> int:
     """Stop processes of this job that left its process groups (MPI ranks each get a group
-    of their own; daemons call setsid): those whose environment names its workspace, or
-    whose working directory is in it (a job may clear its environment)."""
+    of their own; daemons call setsid): those whose environment names its workspace and,
+    with `cwd_since` (where no cgroup holds the job, which may clear its environment),
+    those started since then whose working directory is in it. A shell someone opened in
+    the workspace before the job started is spared."""
     strays = []
     root = Path(workspace)
     for proc in psutil.process_iter():
         with contextlib.suppress(psutil.Error):
             if proc.pid == os.getpid():
                 continue
-            if proc.environ().get("GPUFLOW_WORKSPACE") == workspace or Path(
-                proc.cwd().removesuffix(" (deleted)")
-            ).is_relative_to(root):
+            if proc.environ().get("GPUFLOW_WORKSPACE") == workspace or (
+                cwd_since is not None
+                and proc.create_time() >= cwd_since
+                and Path(proc.cwd().removesuffix(" (deleted)")).is_relative_to(root)
+            ):
                 strays.append(proc)
     for proc in strays:
         with contextlib.suppress(psutil.Error):
