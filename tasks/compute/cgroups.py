@@ -100,8 +100,17 @@ def stop(path: str | Path, grace_s: float) -> int:
         deadline = time.monotonic() + 5
         while members(path) and time.monotonic() < deadline:
             time.sleep(0.05)
-    with contextlib.suppress(OSError):
-        path.rmdir()
+    # A process that has exited but not yet been reaped keeps the cgroup busy for a moment.
+    deadline = time.monotonic() + 5
+    while path.exists():
+        try:
+            path.rmdir()
+        except FileNotFoundError:
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
     return len(found)
 
 

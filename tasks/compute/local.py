@@ -315,6 +315,8 @@ class LocalBackend:
         except BaseException:
             # Cancellation, Ctrl-C, SIGTERM from a worker: the job gets SIGTERM to save state.
             stop_group(proc.pid, None, grace_s)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)  # reaped: an unreaped child keeps its cgroup busy
             raise
         proc.wait()
         self._note_job(cluster, proc.pid, None)
