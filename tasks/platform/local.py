@@ -232,6 +232,11 @@ def down(say=print) -> list[str]:
             stop_group(entry["pid"], None, grace_s=15.0)
             stopped.append(name)
             say(f"stopped the {name} (pid {entry['pid']})")
+        if name == "worker":
+            # Runs the worker still had: torn down and marked Crashed while the server is up.
+            from tasks.platform.reap import reap
+
+            reap(dry_run=False, say=lambda line: say(f"  {line}"))
     state_path().unlink(missing_ok=True)
     say(
         f"stopped: {', '.join(stopped) or 'nothing was still running'}; the UI at"

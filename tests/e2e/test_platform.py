@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from tests.conftest import free_port
+from tests.e2e.helpers import nothing_left
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -275,5 +276,7 @@ def test_down_stops_everything_it_started(platform):
             psutil.Process(entry["pid"]).status() == psutil.STATUS_ZOMBIE
         )
     assert not (platform.home / "platform" / "state.json").exists()
+    # A run the worker still had (the submit test's, left running at its timeout) is reaped.
+    assert nothing_left(platform.home), down.stdout
     status = platform.gpuflow("platform", "status")
     assert status.returncode == 1 and "not running" in status.stdout
