@@ -15,10 +15,10 @@ from tasks.compute import Cluster, get_backend
 from tasks.compute.base import owner_labels
 from tasks.compute.local import gpuflow_home
 from tasks.errors import InvalidSpec, JobCancelled, JobFailed
-from tasks.jobs import check_job
+from tasks.jobs import check_job, kind_of
 from tasks.metrics.summary import RunMetrics
 from tasks.spec import JobSpec, load_spec
-from tasks.stages import collect, preflight, provision, retrying, run, teardown, teardown_owned
+from tasks.stages import collect, preflight, provision, retrying, teardown, teardown_owned
 
 
 class PipelineResult(BaseModel):
@@ -81,7 +81,8 @@ def run_kind(spec: JobSpec | dict[str, Any], kind: str) -> PipelineResult | Stat
 
 def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
     """The pipeline's body, for flows that run it in their own flow run (render, train)
-    rather than as a subflow: one flow run less to create and finish."""
+    rather than as a subflow: one flow run less to create and finish. The job's kind
+    runs the run stage (its units); nothing here depends on which kind it is."""
     job = load_spec(spec.model_dump() if isinstance(spec, JobSpec) else spec)
     job, prices = placement.resolve(job)
     backend = job.placement.backend
@@ -93,12 +94,7 @@ def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
     try:
         cluster = retrying(provision, job.retry.provision)(job, owner_labels(run_id, job.name))
         report = retrying(preflight, job.retry.preflight)(job, cluster)
-        if job.job.kind == "render":  # chunks of frames, each a task of its own
-            from tasks.render.stage import render_stage
-
-            outcome = render_stage(job, cluster, prices, run_id)
-        else:
-            outcome = retrying(run, job.retry.run)(job, cluster, prices, run_id)
+        outcome = kind_of(job).run_stage(job, cluster, prices, run_id)
         metrics = retrying(collect, job.retry.collect)(
             job, cluster, outcome, prices, run_id, str(out)
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import (
     AfterValidator,
@@ -17,6 +17,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 
 from tasks import yamlfile
 from tasks.errors import InvalidSpec
@@ -362,8 +363,15 @@ class HpcJob(_Model):
         return self
 
 
+# job.kind -> the model of that kind's `job` section; tasks.jobs registers more (add_job_model)
+JOB_MODELS: dict[str, type[BaseModel]] = {
+    "command": CommandJob,
+    "matmul": MatmulJob,
+    "train": TrainJob,
+    "render": RenderJob,
+    "hpc": HpcJob,
+}
 Job = Annotated[CommandJob | MatmulJob | TrainJob | RenderJob | HpcJob, Field(discriminator="kind")]
-JOB_KINDS = ("command", "matmul", "train", "render", "hpc")
 
 
 class Resources(_Model):
@@ -510,13 +518,7 @@ class JobSpec(_Model):
 
 def _field_names(loc: tuple[Any, ...]) -> list[str]:
     """Return the field names allowed where `loc` points, for 'did you mean' hints."""
-    kinds = {
-        "command": CommandJob,
-        "matmul": MatmulJob,
-        "train": TrainJob,
-        "render": RenderJob,
-        "hpc": HpcJob,
-    }
+    kinds = JOB_MODELS
     model: Any = JobSpec
     parts = list(loc[:-1])
     if parts[:1] == ["job"] and len(parts) > 1 and parts[1] in kinds:
@@ -534,7 +536,7 @@ def _field_names(loc: tuple[Any, ...]) -> list[str]:
 
 def _sentence(error: dict[str, Any]) -> str:
     loc = tuple(error["loc"])
-    if loc[:1] == ("job",) and len(loc) > 1 and loc[1] in JOB_KINDS:
+    if loc[:1] == ("job",) and len(loc) > 1 and loc[1] in JOB_MODELS:
         loc = loc[:1] + loc[2:]  # drop the union's tag: job.command.command -> job.command
     where = ".".join(str(p) for p in loc) or "spec"
     kind = error["type"]
@@ -548,10 +550,10 @@ def _sentence(error: dict[str, Any]) -> str:
             return "job.command is required; give the program to run, e.g. [python, train.py]"
         return f"{where} is required; add it"
     if kind == "union_tag_not_found":
-        return f"job.kind is required; use one of: {', '.join(JOB_KINDS)}"
+        return f"job.kind is required; use one of: {', '.join(JOB_MODELS)}"
     if kind == "union_tag_invalid":
         got = error.get("ctx", {}).get("tag", "")
-        return f"job.kind: {got!r} is not a job kind; use one of: {', '.join(JOB_KINDS)}"
+        return f"job.kind: {got!r} is not a job kind; use one of: {', '.join(JOB_MODELS)}"
     msg = error["msg"].removeprefix("Value error, ")
     if kind == "value_error":
         # model-level checks already name their fields in full
@@ -566,6 +568,19 @@ def _sentence(error: dict[str, Any]) -> str:
         return f'{where}: environment values are text; quote it, e.g. {loc[-1]}: "4"'
     got = "" if hidden else f" (got {error.get('input')!r})"
     return f"{where}: {msg[0].lower()}{msg[1:]}{got}"
+
+
+def add_job_model(model: type[BaseModel]) -> None:
+    """Accept `job: {kind: ...}` sections of `model`'s kind in every JobSpec from now on."""
+    kind = model.model_fields["kind"].default
+    if JOB_MODELS.get(kind) is model:
+        return
+    JOB_MODELS[kind] = model
+    union = Union[tuple(JOB_MODELS.values())]  # noqa: UP007 - built at run time
+    JobSpec.__pydantic_fields__["job"] = FieldInfo.from_annotation(
+        Annotated[union, Field(discriminator="kind")]
+    )
+    JobSpec.model_rebuild(force=True)
 
 
 def explain(exc: ValidationError) -> str:

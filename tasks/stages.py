@@ -22,7 +22,7 @@ from pydantic import BaseModel
 
 from tasks import preflight as preflight_checks
 from tasks import secrets
-from tasks.compute import Cluster, JobResult, TeardownReport, get_backend
+from tasks.compute import Cluster, JobResult, TeardownReport, WorkUnit, get_backend
 from tasks.compute.base import RUN_LABEL
 from tasks.errors import (
     ERROR_FILE,
@@ -34,7 +34,7 @@ from tasks.errors import (
     TransientError,
     is_retryable,
 )
-from tasks.jobs import command_for, s3_settings
+from tasks.jobs import kind_of
 from tasks.logstream import LineBatcher, job_output_sink
 from tasks.metrics import cost as pricing
 from tasks.metrics.plot import utilisation_png
@@ -43,6 +43,7 @@ from tasks.metrics.sampler import Sampler, read_samples
 from tasks.metrics.summary import RunMetrics, summarise
 from tasks.outputs import copy_outputs
 from tasks.spec import JobSpec, StageRetry
+from tasks.storage import s3_settings
 
 SAMPLES = ".gpuflow-samples.jsonl"
 
@@ -91,15 +92,7 @@ def preflight(spec: JobSpec, cluster: Cluster) -> preflight_checks.PreflightRepo
     """Return the preflight report; raise PreflightFailed when the verdict is fail."""
     facts = preflight_checks.inspect(cluster.workspace, spec.job.torch)
     report = preflight_checks.verdict(spec, facts, cluster.gpu_indices)
-    extra: list[dict[str, str]] = []
-    if spec.job.kind == "render":
-        from tasks.render.scene import preflight_checks as render_checks
-
-        extra = render_checks(spec, s3_settings(spec))
-    if spec.job.kind == "hpc":
-        from tasks.hpc.check import preflight_checks as hpc_checks
-
-        extra = hpc_checks(spec, len(cluster.gpu_indices))
+    extra = kind_of(spec).preflight_rows(spec, cluster)
     if extra:
         checks = [*report.checks, *(preflight_checks.Check(**c) for c in extra)]
         levels = {c.level for c in checks}
@@ -148,8 +141,8 @@ def cancel_requested(flow_run_id: str, every_s: float = 2.0) -> Callable[[], boo
 def run(
     spec: JobSpec, cluster: Cluster, prices: pricing.PriceTable, flow_run_id: str
 ) -> RunOutcome:
-    """Run the job with the sampler on; raise PreemptedError (retryable) when the job says
-    it was interrupted, return other failures in the outcome so collect still runs."""
+    """Run the job's units with the sampler on; raise PreemptedError (retryable) when the
+    job says it was interrupted, return other failures in the outcome so collect still runs."""
     logger = get_run_logger()
     secret_values = secrets.resolve(spec.secret_env)
     s3 = s3_settings(spec)  # the block's, else the AWS_* variables this process has
@@ -162,18 +155,26 @@ def run(
         LineBatcher(job_output_sink(logger)) as lines,
         sampling(spec, cluster, flow_run_id, logger.warning),
     ):
+        units = kind_of(spec).units(spec, cluster)
 
-        def on_line(stream: str, line: str) -> None:
-            lines.add(redact(f"[stderr] {line}" if stream == "stderr" else line))
+        def sink(unit: WorkUnit) -> Callable[[str, str], None]:
+            where = f"[{unit.name}] " if len(units) > 1 else ""
 
-        result = get_backend(cluster.backend).run(
+            def on_line(stream: str, line: str) -> None:
+                tag = "[stderr] " if stream == "stderr" else ""
+                lines.add(redact(f"{where}{tag}{line}"))
+
+            return on_line
+
+        result = run_units(
+            get_backend(cluster.backend),
             cluster,
-            command_for(spec),
+            units,
             env,
             timeout,
-            on_line,
+            sink,
             cancel_requested(flow_run_id),
-            grace_s=spec.limits.stop_grace_s,
+            spec.limits.stop_grace_s,
         )
     result = result.model_copy(update={"log_tail": [redact(line) for line in result.log_tail]})
     if result.cancelled:
@@ -192,6 +193,42 @@ def run(
         result=result,
         failure=_failure(result, timeout, stopped_by, reason),
         stopped_by=stopped_by if result.timed_out else None,
+    )
+
+
+def run_units(
+    backend: Any,
+    cluster: Cluster,
+    units: list[WorkUnit],
+    env: dict[str, str],
+    timeout_s: float,
+    sink: Callable[[WorkUnit], Callable[[str, str], None]],
+    should_stop: Callable[[], bool],
+    grace_s: float,
+) -> JobResult:
+    """Run every unit at once on the backend and return one result: the first unit that
+    failed (by exit code or signal) speaks for the job, else the last to end."""
+    if len(units) == 1:
+        [unit] = units
+        return backend.run(cluster, unit, env, timeout_s, sink(unit), should_stop, grace_s)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(units), thread_name_prefix="unit") as pool:
+        futures = [
+            pool.submit(backend.run, cluster, u, env, timeout_s, sink(u), should_stop, grace_s)
+            for u in units
+        ]
+        results = [f.result() for f in futures]
+    failed = [r for r in results if r.exit_code != 0 or r.signal is not None]
+    chosen = failed[0] if failed else max(results, key=lambda r: r.ended_at)
+    return chosen.model_copy(
+        update={
+            "started_at": min(r.started_at for r in results),
+            "duration_s": max(r.ended_at for r in results).timestamp()
+            - min(r.started_at for r in results).timestamp(),
+            "timed_out": any(r.timed_out for r in results),
+            "cancelled": any(r.cancelled for r in results),
+        }
     )
 
 
@@ -297,26 +334,13 @@ def collect(
             delete(spec.metrics.pushgateway, flow_run_id, spec.name, "run")
         except TransientError as exc:
             logger.warning("metrics not pushed: %s", exc)
-    extra_rows, extra_lines = [], []
-    if spec.job.kind == "train":
-        from tasks.training.report import summary as training_summary
-
-        extra_rows, extra_lines = training_summary(outputs, out, f"{spec.name} {flow_run_id[:8]}")
-    if spec.job.kind == "hpc":
-        from tasks.hpc.report import summary as hpc_summary
-
-        extra_rows, extra_lines = hpc_summary(
-            Path(cluster.workspace), out, f"{spec.name} {flow_run_id[:8]}"
-        )
-    if spec.job.kind == "render":
-        from tasks.render.report import summary as render_summary
-
-        extra_lines = render_summary(outputs, out, spec.name)
+    kind_report = kind_of(spec).report(spec, cluster, out, f"{spec.name} {flow_run_id[:8]}")
     rows = [
         {"metric": k, "value": v}
         for k, v in metrics.model_dump(exclude={"job", "cost_breakdown"}).items()
     ]
-    rows += [{"metric": f"job.{k}", "value": v} for k, v in job_result.items()] + extra_rows
+    rows += [{"metric": f"job.{k}", "value": v} for k, v in job_result.items()]
+    rows += kind_report.rows
     create_table_artifact(key="gpuflow-metrics", table=rows, description=f"Metrics for {spec.name}")
     lines = [
         f"# {spec.name}: {'failed' if outcome.failure else 'completed'}",
@@ -326,11 +350,10 @@ def collect(
         f"- cost: ${metrics.cost_usd:.4f} at ${metrics.cost_hourly_usd:.4f}/h",
         f"- artifacts: `{out}`",
     ]
-    if "tflops" in job_result:
-        lines.insert(2, f"- **{job_result['tflops']} TFLOP/s** on {job_result.get('device')}")
+    lines[2:2] = kind_report.headline
     if png:
         lines.append(f"- utilisation plot: `{png}`")
-    lines += extra_lines
+    lines += kind_report.lines
     if pushed:
         lines.append(f"- pushed to {pushed}")
     if outcome.failure:

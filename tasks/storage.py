@@ -374,3 +374,9 @@ def check_writable(url: str, s3: S3Settings | None, field: str = "job.output") -
         raise InvalidSpec(
             f"{field}: cannot write to {url} ({exc}); fix the URL or its permissions."
         ) from None
+
+
+def s3_settings(spec: Any) -> S3Settings:
+    """Return the S3 settings a job spec names: its AwsCredentials block, else AWS_* variables."""
+    name = spec.storage.aws_credentials
+    return S3Settings.from_block(name) if name else S3Settings.from_env()

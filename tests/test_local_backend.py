@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.compute.base import owner_labels
+from tasks.compute.base import WorkUnit, owner_labels
 from tasks.compute.local import LocalBackend
 from tasks.errors import InvalidSpec
 from tasks.spec import load_spec
@@ -45,12 +45,16 @@ def test_provision_is_idempotent_and_teardown_too(backend, gpuflow_home):
     assert backend.list_owned({"gpuflow.io/flow-run-id": "run-1"}) == []
 
 
+def unit(*command: str) -> WorkUnit:
+    return WorkUnit(name="main", command=list(command))
+
+
 def test_run_streams_both_streams_and_records_exit_code(backend):
     spec = spec_for(["sh"])
     cluster = backend.provision(spec, owner_labels("run-2", "job"))
     lines, sink = collect_lines()
     script = 'echo out-1; echo err-1 >&2; echo "$GPUFLOW_WORKSPACE"; pwd; exit 3'
-    result = backend.run(cluster, ["sh", "-c", script], dict(os.environ), 30, sink)
+    result = backend.run(cluster, unit("sh", "-c", script), dict(os.environ), 30, sink)
     assert result.exit_code == 3 and result.signal is None and not result.timed_out
     assert ("stdout", "out-1") in lines and ("stderr", "err-1") in lines
     assert ("stdout", cluster.workspace) in lines
@@ -62,7 +66,7 @@ def test_timeout_stops_the_whole_process_group(backend, tmp_path):
     cluster = backend.provision(spec_for(["sh"]), owner_labels("run-3", "job"))
     pidfile = tmp_path / "grandchild.pid"
     script = f"sleep 300 & echo $! > {pidfile}; wait"
-    result = backend.run(cluster, ["sh", "-c", script], dict(os.environ), 1.0, lambda *_: None)
+    result = backend.run(cluster, unit("sh", "-c", script), dict(os.environ), 1.0, lambda *_: None)
     assert result.timed_out
     assert result.signal == 15 or result.exit_code is not None
     grandchild = int(pidfile.read_text())
@@ -75,7 +79,9 @@ def test_timeout_stops_the_whole_process_group(backend, tmp_path):
 
 def test_signal_is_recorded(backend):
     cluster = backend.provision(spec_for(["sh"]), owner_labels("run-4", "job"))
-    result = backend.run(cluster, ["sh", "-c", "kill -9 $$"], dict(os.environ), 30, lambda *_: None)
+    result = backend.run(
+        cluster, unit("sh", "-c", "kill -9 $$"), dict(os.environ), 30, lambda *_: None
+    )
     assert result.signal == 9 and result.exit_code is None
     backend.teardown(cluster)
 
@@ -90,7 +96,7 @@ def test_teardown_kills_a_running_job_from_another_handle(backend, tmp_path):
     script = f"echo $$ > {pidfile}; exec sleep 300"
     thread = threading.Thread(
         target=backend.run,
-        args=(cluster, ["sh", "-c", script], dict(os.environ), 600, lambda *_: None),
+        args=(cluster, unit("sh", "-c", script), dict(os.environ), 600, lambda *_: None),
     )
     thread.start()
     for _ in range(100):
@@ -163,7 +169,7 @@ def test_gpu_claims_without_a_limit_and_capacity(backend, fake_nvml, prefect_api
     lines, sink = collect_lines()
     backend.run(
         second,
-        [sys.executable, "-c", "import os;print(os.environ['CUDA_VISIBLE_DEVICES'])"],
+        unit(sys.executable, "-c", "import os;print(os.environ['CUDA_VISIBLE_DEVICES'])"),
         env,
         30,
         sink,
@@ -209,7 +215,7 @@ def test_a_job_that_escapes_its_session_and_environment_is_still_torn_down(backe
     there is none, its working directory) still finds it."""
     cluster = backend.provision(spec_for(["bash"]), owner_labels("run-7", "job"))
     lines, sink = collect_lines()
-    result = backend.run(cluster, ["bash", "-c", ESCAPE], os.environ, 30, sink)
+    result = backend.run(cluster, unit("bash", "-c", ESCAPE), os.environ, 30, sink)
     assert result.exit_code == 0 and ("stdout", "started") in lines
     deadline = time.monotonic() + 10
     while not _sleepers_302() and time.monotonic() < deadline:

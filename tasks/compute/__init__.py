@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tasks.compute.base import Backend, Cluster, JobResult, TeardownReport
+from tasks.compute.base import Backend, Cluster, JobResult, TeardownReport, WorkUnit
 
 
 def get_backend(name: str) -> Backend:
@@ -14,4 +14,4 @@ def get_backend(name: str) -> Backend:
     raise ValueError(f"unknown backend {name!r}")
 
 
-__all__ = ["Backend", "Cluster", "JobResult", "TeardownReport", "get_backend"]
+__all__ = ["Backend", "Cluster", "JobResult", "TeardownReport", "WorkUnit", "get_backend"]

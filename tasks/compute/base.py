@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from datetime import datetime
-from typing import Protocol
+from typing import Literal, Protocol
 
 from pydantic import BaseModel
 
@@ -21,7 +21,10 @@ def owner_labels(flow_run_id: str, job_name: str) -> dict[str, str]:
 
 
 class Cluster(BaseModel):
-    """Everything teardown needs; teardown never depends on in-memory state."""
+    """Everything teardown needs; teardown never depends on in-memory state.
+
+    A cluster is `nodes` machines with the same GPUs each: `gpu_indices` are the GPUs held
+    on every node, so the job has nodes x len(gpu_indices) GPUs in all."""
 
     backend: str
     name: str
@@ -30,9 +33,37 @@ class Cluster(BaseModel):
     workspace: str
     gpu_indices: list[int] = []
     gpu_products: list[str] = []
+    nodes: int = 1
+    node_names: list[str] = []  # as the nodes reach each other; empty: [hostname]
+    cpus_per_node: int | None = None
+    rendezvous: str | None = None  # host:port every node reaches (multi-node training)
     gpu_lease_id: str | None = None
     created_at: datetime
     adopted: bool = False
+
+    @property
+    def gpus_per_node(self) -> int:
+        return len(self.gpu_indices)
+
+    def hosts(self) -> list[str]:
+        """Return each node's name, node 0 first."""
+        return list(self.node_names) or [self.hostname] * self.nodes
+
+
+class WorkUnit(BaseModel):
+    """One command a backend runs on one node of its cluster, and how its success is
+    judged: by its exit code, by the frames it leaves in storage, or by the status files
+    of the MPI ranks it launches."""
+
+    name: str  # "main", "chunk-3", "node-1", "launcher": named so in logs
+    command: list[str]
+    env: dict[str, str] = {}  # the kind's own variables, over the run's environment
+    node: int = 0
+    gpus: list[int] | None = None  # GPU indices on its node; None: every GPU the node holds
+    judge: Literal["exit_code", "frames", "rank_status"] = "exit_code"
+    frames: list[int] = []  # judge "frames": what must be in storage afterwards
+    world_size: int | None = None  # training: ranks over every node
+    hostfile: str | None = None  # an MPI launcher: the hosts and slots its ranks go to
 
 
 class JobResult(BaseModel):
@@ -77,17 +108,18 @@ class Backend(Protocol):
     def run(
         self,
         cluster: Cluster,
-        command: list[str],
+        unit: WorkUnit,
         env: Mapping[str, str],
         timeout_s: float,
         on_line: LineSink,
         should_stop: StopCheck | None = None,
         grace_s: float = 30.0,
     ) -> JobResult:
-        """Run `command` to completion, streaming lines. On timeout, or when `should_stop`
-        says so, the job is stopped and the result says which. On an interruption of this
-        process the job gets SIGTERM, `grace_s` to save its state, then SIGKILL, and the
-        interruption propagates."""
+        """Run `unit` on its node with `env` (the run's environment; the unit's own env
+        over it) and its GPUs, streaming lines, and return its outcome. On timeout, or
+        when `should_stop` says so, the unit is stopped and the result says which. On an
+        interruption of this process the unit gets SIGTERM, `grace_s` to save its state,
+        then SIGKILL, and the interruption propagates. Several units may run at once."""
 
     def teardown(self, cluster: Cluster) -> TeardownReport:
         """Release everything `cluster` holds. Idempotent: never raises on "already gone"."""

@@ -26,7 +26,15 @@ import psutil
 
 from tasks import nvml
 from tasks.compute import cgroups, gpu_slots
-from tasks.compute.base import RUN_LABEL, Cluster, JobResult, LineSink, StopCheck, TeardownReport
+from tasks.compute.base import (
+    RUN_LABEL,
+    Cluster,
+    JobResult,
+    LineSink,
+    StopCheck,
+    TeardownReport,
+    WorkUnit,
+)
 from tasks.errors import CapacityError, InvalidSpec, ProvisionError
 from tasks.spec import JobSpec
 from tasks.units import format_bytes
@@ -101,12 +109,14 @@ class LocalBackend:
     # -- verbs ---------------------------------------------------------------
     def check(self, spec: JobSpec) -> None:
         """Raise InvalidSpec if this host cannot run `spec`; makes nothing but a probe file."""
-        job = spec.job
-        if job.kind == "command" and resolve_program(job.command[0]) is None:
-            raise InvalidSpec(
-                f"job.command: {job.command[0]!r} was not found on PATH or is not executable;"
-                " install it or give its full path."
-            )
+        from tasks.jobs import kind_of
+
+        for field, program in kind_of(spec).programs(spec).items():
+            if resolve_program(program) is None:
+                raise InvalidSpec(
+                    f"{field}: {program!r} was not found on PATH or is not executable;"
+                    " install it or give its full path."
+                )
         root = workspace_root(spec)
         probe = root / f".gpuflow-probe-{os.getpid()}"
         try:
@@ -162,6 +172,8 @@ class LocalBackend:
                 name=name,
                 owner=dict(owner),
                 hostname=socket.gethostname(),
+                node_names=["localhost"],
+                cpus_per_node=os.cpu_count() or 1,
                 workspace=str(workspace_root(spec) / name),
                 created_at=datetime.now(UTC),
             )
@@ -243,23 +255,26 @@ class LocalBackend:
     def run(
         self,
         cluster: Cluster,
-        command: list[str],
+        unit: WorkUnit,
         env: Mapping[str, str],
         timeout_s: float,
         on_line: LineSink,
         should_stop: StopCheck | None = None,
         grace_s: float = STOP_GRACE_S,
     ) -> JobResult:
-        """Run `command` in its own process group; stop it (SIGTERM, then SIGKILL) after
-        `timeout_s` or when `should_stop()` is true, and say so; on interruption of this
-        process forward SIGTERM to the group and re-raise."""
+        """Run the unit's command in its own process group, pinned to the unit's GPUs;
+        stop it (SIGTERM, then SIGKILL) after `timeout_s` or when `should_stop()` is true,
+        and say so; on interruption of this process forward SIGTERM to the group and
+        re-raise."""
+        command = unit.command
         program = resolve_program(command[0], env.get("PATH"))
         if program is None:
             raise InvalidSpec(
                 f"job.command: {command[0]!r} was not found; install it or give its full path."
             )
-        child_env = dict(env)
-        child_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cluster.gpu_indices))
+        child_env = {**env, **unit.env}
+        gpus = cluster.gpu_indices if unit.gpus is None else unit.gpus
+        child_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         child_env["GPUFLOW_WORKSPACE"] = cluster.workspace
         child_env["GPUFLOW_OUTPUT_DIR"] = str(Path(cluster.workspace) / "outputs")
         cgroup = self._cgroup(cluster)

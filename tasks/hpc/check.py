@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from tasks.errors import InvalidSpec
+from tasks.fetching import relative_names
 from tasks.hpc import mpi
 from tasks.hpc.launch import hosts_for
 from tasks.spec import HpcJob, JobSpec
@@ -53,7 +54,11 @@ def check_hpc(spec: JobSpec, s3: S3Settings | None) -> None:
     for url in job.inputs:
         try:
             store = store_for(url, s3)
-            present = store.exists(url) or bool(store.list(url + "/"))
+            present = store.exists(url)
+            if not present:
+                listed = store.list(url + "/")
+                relative_names(url, listed)  # every key must land inside the workspace
+                present = bool(listed)
         except StorageError as exc:
             raise InvalidSpec(f"job.inputs: {exc}") from None
         if not present:
@@ -70,9 +75,9 @@ def _built_here(job: HpcJob) -> bool:
     return "/" in program and not Path(program).is_absolute()
 
 
-def preflight_checks(spec: JobSpec, gpus_held: int) -> list[dict[str, str]]:
-    """Return preflight findings for an MPI job as {name, level, message}: the MPI found,
-    where the ranks go, and what the MD workload will run on."""
+def preflight_checks(spec: JobSpec, hosts: list[mpi.Host]) -> list[dict[str, str]]:
+    """Return preflight findings for an MPI job on `hosts` as {name, level, message}: the
+    MPI found, where the ranks go, and what the MD workload will run on."""
     import subprocess
     from importlib import metadata
 
@@ -89,7 +94,6 @@ def preflight_checks(spec: JobSpec, gpus_held: int) -> list[dict[str, str]]:
         bindings = f"mpi4py {metadata.version('mpi4py')}"
     except metadata.PackageNotFoundError:
         bindings = "no mpi4py"
-    hosts = hosts_for(job, gpus_held)
     slots = sum(h.slots for h in hosts)
     checks = [
         {

@@ -36,15 +36,18 @@ class JobError(Exception):
         self.code = code
 
 
-def hosts_for(job: HpcJob, gpus_here: int) -> list[mpi.Host]:
-    """Return the hosts to run on: the job's, else this host with `job.slots` (default: its
-    CPU cores, or one slot per rank's GPUs when the ranks own GPUs)."""
+def hosts_for(
+    job: HpcJob, gpus_here: int, names: list[str] | None = None, cpus: int | None = None
+) -> list[mpi.Host]:
+    """Return the hosts to run on: the job's, else one per node `names` (default: this
+    host) with `job.slots` each (default: the node's CPU cores, or one slot per rank's
+    GPUs when the ranks own GPUs)."""
     if job.hosts:
         return list(job.hosts)
-    slots = job.slots or os.cpu_count() or 1
+    slots = job.slots or cpus or os.cpu_count() or 1
     if job.gpus_per_rank and not job.slots:
         slots = max(1, gpus_here // job.gpus_per_rank)
-    return [mpi.Host(name="localhost", slots=slots, gpus=gpus_here)]
+    return [mpi.Host(name=name, slots=slots, gpus=gpus_here) for name in names or ["localhost"]]
 
 
 def program_argv(job: HpcJob) -> list[str]:
@@ -60,6 +63,7 @@ def program_argv(job: HpcJob) -> list[str]:
 def fetch_inputs(job: HpcJob, workspace: Path) -> int:
     """Download each input (an object, or every object under a prefix) into the workspace;
     return how many files arrived."""
+    from tasks.fetching import UnsafeKey, fetch_prefix, relative_names
     from tasks.storage import S3Settings, store_for
 
     count = 0
@@ -72,14 +76,10 @@ def fetch_inputs(job: HpcJob, workspace: Path) -> int:
         objects = store.list(url + "/")
         if not objects:
             raise JobError(f"job.inputs: {url} holds nothing; check the URL", 2)
-        for obj in objects:
-            relative = obj.url[len(url) + 1 :]
-            target = (workspace / relative).resolve()
-            if not target.is_relative_to(workspace.resolve()):
-                raise JobError(f"job.inputs: {obj.url} would land outside the workspace", 2)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            store.download_file(obj.url, target)
-            count += 1
+        try:
+            count += len(fetch_prefix(store, url, workspace, relative_names(url, objects)))
+        except UnsafeKey as exc:
+            raise JobError(f"job.inputs: {exc}", 2) from None
     return count
 
 
@@ -171,11 +171,12 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def run_mpi(job: HpcJob, workspace: Path) -> int:
-    """Start mpirun and wait for it; return its exit code, with the first failed rank
-    written to the error file."""
-    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
-    hosts = hosts_for(job, len(visible))
+def run_mpi(job: HpcJob, workspace: Path, hosts: list[mpi.Host] | None = None) -> int:
+    """Start mpirun over `hosts` (default: this one) and wait for it; return its exit
+    code, with the first failed rank written to the error file."""
+    if hosts is None:
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+        hosts = hosts_for(job, len(visible))
     status_dir = workspace / STATUS_DIR
     shutil.rmtree(status_dir, ignore_errors=True)
     (workspace / "hostfile").write_text(mpi.hostfile(hosts))
@@ -238,8 +239,14 @@ def upload_outputs(job: HpcJob, outputs: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--job-json", required=True)
+    parser.add_argument("--hosts-json", help="the hosts and slots (default: this host)")
     args = parser.parse_args(argv)
     job = HpcJob.model_validate_json(args.job_json)
+    hosts = (
+        [mpi.Host.model_validate(h) for h in json.loads(args.hosts_json)]
+        if args.hosts_json
+        else None
+    )
     workspace = Path(os.environ.get("GPUFLOW_WORKSPACE", ".")).resolve()
     outputs = Path(os.environ.get("GPUFLOW_OUTPUT_DIR", workspace / "outputs"))
     outputs.mkdir(parents=True, exist_ok=True)
@@ -249,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         if job.inputs:
             print(f"inputs: {fetch_inputs(job, workspace)} file(s) fetched", flush=True)
         build(job, workspace)
-        code = run_mpi(job, workspace)
+        code = run_mpi(job, workspace, hosts)
     except (JobError, StorageError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         (outputs / ERROR_FILE).write_text(str(exc))

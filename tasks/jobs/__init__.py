@@ -1,86 +1,66 @@
-"""Job kinds: each turns its spec into the command the backend runs."""
+"""Job kinds: one registry. Each kind is one module implementing tasks.jobs.base.JobKind;
+adding a kind is that module plus one line in BUILT_IN (or a `register` call)."""
 
 from __future__ import annotations
 
-import sys
+from importlib import import_module
 
-from tasks.spec import JobSpec
+from tasks.errors import InvalidSpec
+from tasks.jobs.base import JobKind, Report, WorkUnit
+from tasks.spec import JobSpec, add_job_model
 
-
-def command_for(spec: JobSpec) -> list[str]:
-    """Return the argv that runs `spec`'s job in its workspace."""
-    job = spec.job
-    if job.kind == "command":
-        return list(job.command)
-    if job.kind == "matmul":
-        return [
-            sys.executable,
-            "-m",
-            "tasks.jobs.matmul",
-            "--size",
-            str(job.size),
-            "--dtype",
-            job.dtype,
-            "--seconds",
-            str(job.seconds),
-        ]
-    if job.kind == "train":
-        return [
-            sys.executable,
-            "-m",
-            "tasks.training.launch",
-            "--job-json",
-            job.model_dump_json(),
-            "--run-name",
-            spec.name,
-        ]
-    if job.kind == "hpc":
-        return [sys.executable, "-m", "tasks.hpc.launch", "--job-json", job.model_dump_json()]
-    raise ValueError(f"job kind {job.kind!r} is not one command (renders run as chunks)")
+# job.kind -> "module:class" of its implementation, imported when first used
+BUILT_IN = {
+    "command": "tasks.jobs.command:CommandKind",
+    "matmul": "tasks.jobs.matmul:MatmulKind",
+    "train": "tasks.jobs.train:TrainKind",
+    "render": "tasks.jobs.render:RenderKind",
+    "hpc": "tasks.jobs.hpc:HpcKind",
+}
+_KINDS: dict[str, JobKind] = {}
 
 
-def s3_settings(spec: JobSpec):
-    """Return the S3 settings for the spec: its AwsCredentials block, else AWS_* variables."""
-    from tasks.storage import S3Settings
+def register(kind: JobKind) -> JobKind:
+    """Add `kind` to the registry and its `job:` model to the spec; return it."""
+    add_job_model(kind.model)
+    _KINDS[kind.name] = kind
+    return kind
 
-    name = spec.storage.aws_credentials
-    return S3Settings.from_block(name) if name else S3Settings.from_env()
+
+def get_kind(name: str) -> JobKind:
+    """Return the kind registered under `name`."""
+    if name not in _KINDS:
+        if name not in BUILT_IN:
+            raise ValueError(f"unknown job kind {name!r}")
+        module, attribute = BUILT_IN[name].split(":")
+        _KINDS[name] = getattr(import_module(module), attribute)()
+    return _KINDS[name]
+
+
+def kind_of(spec: JobSpec) -> JobKind:
+    """Return the kind that runs `spec`'s job."""
+    return get_kind(spec.job.kind)
 
 
 def check_job(spec: JobSpec) -> None:
     """Raise InvalidSpec when the job itself (not the host) cannot run as written."""
-    if spec.storage.artifacts:
-        from tasks.storage import check_writable
+    from tasks.storage import StorageError, check_writable
 
-        check_writable(spec.storage.artifacts, None, "storage.artifacts")
-    if spec.job.kind == "train":
-        from tasks.storage import StorageError
-        from tasks.training.validate import check_train
+    try:
+        if spec.storage.artifacts:
+            check_writable(spec.storage.artifacts, None, "storage.artifacts")
+        kind_of(spec).check(spec)
+    except StorageError as exc:
+        raise InvalidSpec(str(exc)) from None
 
-        try:
-            settings = s3_settings(spec)
-        except StorageError as exc:
-            from tasks.errors import InvalidSpec
 
-            raise InvalidSpec(str(exc)) from None
-        check_train(spec, settings)
-    if spec.job.kind == "render":
-        from tasks.errors import InvalidSpec
-        from tasks.render import scene
-        from tasks.storage import StorageError, check_writable
-
-        try:
-            settings = s3_settings(spec)
-            check_writable(spec.job.output, settings)
-            scene.plan(spec, settings)
-        except StorageError as exc:
-            raise InvalidSpec(str(exc)) from None
-    if spec.job.kind == "hpc":
-        from tasks.errors import InvalidSpec
-        from tasks.hpc.check import check_hpc
-        from tasks.storage import StorageError
-
-        try:
-            check_hpc(spec, s3_settings(spec))
-        except StorageError as exc:
-            raise InvalidSpec(str(exc)) from None
+__all__ = [
+    "BUILT_IN",
+    "JobKind",
+    "Report",
+    "WorkUnit",
+    "check_job",
+    "get_kind",
+    "kind_of",
+    "register",
+]

@@ -1,82 +1,44 @@
-"""The smoke job: multiply n x n matrices for a while and report achieved TFLOP/s.
-
-Runs on the GPU when torch sees one (in the dtype asked), else on the CPU in
-float32. Writes result.json to $GPUFLOW_OUTPUT_DIR and prints it as the last line.
-"""
+"""Kind `matmul`: the GPU smoke job (tasks.jobs.matmul_run), reporting achieved TFLOP/s."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import time
+import sys
 from pathlib import Path
+from typing import Any
+
+from tasks.compute.base import Cluster, WorkUnit
+from tasks.jobs.base import JobKind, Report
+from tasks.spec import JobSpec, MatmulJob
 
 
-def benchmark(size: int, dtype_name: str, seconds: float) -> dict:
-    """Return achieved TFLOP/s of torch.matmul on the best device here."""
-    import torch
+class MatmulKind(JobKind):
+    name = "matmul"
+    model = MatmulJob
 
-    on_gpu = torch.cuda.is_available()
-    device = torch.device("cuda" if on_gpu else "cpu")
-    dtype = getattr(torch, dtype_name) if on_gpu else torch.float32
-    note = "" if on_gpu else "no GPU seen by torch: float32 on the CPU"
-    if dtype == torch.bfloat16 and on_gpu and not torch.cuda.is_bf16_supported():
-        dtype, note = torch.float16, "this GPU has no bfloat16: float16 instead"
-    if not on_gpu and size > 2048:
-        size = 2048  # keeps one CPU multiply near a second
-    torch.manual_seed(0)
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    def units(self, spec: JobSpec, cluster: Cluster) -> list[WorkUnit]:
+        job = spec.job
+        assert isinstance(job, MatmulJob)
+        command = [sys.executable, "-m", "tasks.jobs.matmul_run", "--size", str(job.size)]
+        command += ["--dtype", job.dtype, "--seconds", str(job.seconds)]
+        return [WorkUnit(name="main", command=command)]
 
-    def sync() -> None:
-        if on_gpu:
-            torch.cuda.synchronize()
+    def report(self, spec: JobSpec, cluster: Cluster, artifacts: Path, title: str) -> Report:
+        result = _result(artifacts)
+        if "tflops" not in result:
+            return Report()
+        return Report(headline=[f"- **{result['tflops']} TFLOP/s** on {result.get('device')}"])
 
-    torch.matmul(a, b)  # warm-up: kernels selected, clocks up
-    sync()
-    iterations = 0
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        for _ in range(10 if on_gpu else 1):
-            torch.matmul(a, b)
-            iterations += 1
-        sync()
-    elapsed = time.perf_counter() - start
-    flops = 2.0 * size**3 * iterations
-    return {
-        "device": torch.cuda.get_device_name(0) if on_gpu else "cpu",
-        "on_gpu": on_gpu,
-        "dtype": str(dtype).removeprefix("torch."),
-        "size": size,
-        "iterations": iterations,
-        "seconds": round(elapsed, 3),
-        "tflops": round(flops / elapsed / 1e12, 4),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "note": note,
-    }
+    def summary(self, job: dict[str, Any]) -> list[str]:
+        if "tflops" not in job:
+            return []
+        return [f"  matmul: {job['tflops']} TFLOP/s on {job['device']} ({job['dtype']})"]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--size", type=int, default=4096)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--seconds", type=float, default=5.0)
-    args = parser.parse_args()
-    result = benchmark(args.size, args.dtype, args.seconds)
-    where = "GPU " + result["device"] if result["on_gpu"] else "CPU"
-    print(
-        f"matmul {result['size']}x{result['size']} {result['dtype']} on {where}: "
-        f"{result['tflops']} TFLOP/s over {result['iterations']} multiplies"
-        + (f" ({result['note']})" if result["note"] else ""),
-        flush=True,
-    )
-    out_dir = Path(os.environ.get("GPUFLOW_OUTPUT_DIR", "."))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "result.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps(result), flush=True)
+def _result(artifacts: Path) -> dict[str, Any]:
+    import json
 
-
-if __name__ == "__main__":
-    main()
+    path = artifacts / "outputs" / "result.json"
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}

@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 from pydantic import BaseModel
 
 from tasks.errors import InvalidSpec, TransientError
+from tasks.fetching import fetch_prefix, relative_names
 from tasks.render import logparse
 from tasks.render.argv import EXTENSIONS, FORMATS, MOVIE_FORMATS, safe_path
 from tasks.render.frames import label, outside, parse_frames
@@ -101,8 +102,7 @@ def fetch(scene: str, s3: S3Settings | None) -> Path:
             listed = store.list(scene)
             if not listed:
                 raise ObjectMissing(f"{scene} does not exist")
-            prefix = scene.rstrip("/") + "/"
-            objects = [(o.url, o.url[len(prefix) :]) for o in listed]
+            objects = relative_names(scene, listed)
         signature = json.dumps(sorted((name, store.checksum(url)) for url, name in objects))
     except ObjectMissing:
         raise InvalidSpec(
@@ -115,10 +115,7 @@ def fetch(scene: str, s3: S3Settings | None) -> Path:
     if not (stamp.is_file() and stamp.read_text() == signature):
         shutil.rmtree(target, ignore_errors=True)
         files.mkdir(parents=True)
-        for url, name in objects:
-            destination = files / name
-            destination.parent.mkdir(parents=True, exist_ok=True)
-            store.download_file(url, destination)
+        fetch_prefix(store, scene, files, objects)
         stamp.write_text(signature)
     path = files / objects[0][1] if single else files
     return _unzipped(path) if path.suffix.lower() == ".zip" else path

@@ -28,16 +28,16 @@ from pydantic import BaseModel
 from tasks import secrets
 from tasks.compute import Cluster, JobResult, get_backend
 from tasks.errors import JobCancelled, JobFailed, TransientError
-from tasks.jobs import s3_settings
+from tasks.jobs.render import chunk_unit, slots
 from tasks.metrics.cost import PriceTable
 from tasks.render import logparse, report
 from tasks.render import scene as scenes
-from tasks.render.argv import RenderSettings, frame_filename, output_pattern, render_argv
-from tasks.render.frames import ChunkSizer, blender_frames, label
+from tasks.render.argv import RenderSettings, frame_filename, output_pattern
+from tasks.render.frames import ChunkSizer, label
 from tasks.render.output import FrameRecord, Uploader, existing_frames
 from tasks.spec import JobSpec, RenderJob
 from tasks.stages import RunOutcome, cancel_requested, retry_when_retryable, sampling, time_limit
-from tasks.storage import store_for
+from tasks.storage import s3_settings, store_for
 
 # Failures after which Blender still renders every frame, but not as asked.
 WRONG_SETTINGS = ("device_unknown", "device_absent", "python_error")
@@ -108,12 +108,14 @@ def render_chunk(
     plan: scenes.RenderPlan,
     frames: list[int],
     index: int,
+    slot: tuple[int, int | None],
     deadline: float,
     flow_run_id: str,
     thumb_frames: list[int],
 ) -> ChunkResult:
-    """Render those of `frames` not yet in storage; raise ChunkCrashed (retried) when
-    Blender died, ChunkFailed when the scene or settings are at fault."""
+    """Render those of `frames` not yet in storage on `slot` (node, GPU); raise
+    ChunkCrashed (retried) when Blender died, ChunkFailed when the scene or settings are
+    at fault."""
     job = spec.job
     assert isinstance(job, RenderJob)
     logger = get_run_logger()
@@ -126,13 +128,7 @@ def render_chunk(
     scratch = Path(cluster.workspace) / "frames" / attempt
     scratch.mkdir(parents=True, exist_ok=True)
     pattern, _ = output_pattern(job.pattern)
-    argv = render_argv(
-        scenes.blender_program(job),
-        plan.blend,
-        str(scratch / pattern),
-        blender_frames(todo),
-        settings_of(job, plan.device),
-    )
+    unit = chunk_unit(spec, cluster, plan, todo, index, slot, scratch)
     store = store_for(job.output, s3_settings(spec))
     uploader = Uploader(
         store,
@@ -180,7 +176,7 @@ def render_chunk(
     try:
         run = get_backend(cluster.backend).run(
             cluster,
-            argv,
+            unit,
             env,
             max(1.0, deadline - time.time()),
             on_line,
@@ -303,7 +299,8 @@ def render_frames(
     for line in broken:
         logger.warning("%s", line)
     todo = [f for f in plan.frames if f not in found]
-    workers = job.max_workers or max(1, len(cluster.gpu_indices))
+    free_slots = slots(spec, cluster)
+    workers = len(free_slots)
     logger.info(
         "render %s: %d frames, %d already in %s, %d to render with %d worker(s)",
         Path(plan.blend).name,
@@ -330,32 +327,27 @@ def render_frames(
         retry_delay_seconds=1,
         retry_condition_fn=retry_when_retryable,
     )
-    gpus = list(cluster.gpu_indices)
-    free_gpus = [gpus[i % len(gpus)] for i in range(workers)] if gpus else [None] * workers
     results: list[ChunkResult] = []
     failure: str | None = None
     pending = list(todo)
-    in_flight: dict[Any, Any] = {}  # future -> the GPU it holds
+    in_flight: dict[Any, Any] = {}  # future -> the slot it holds
     submitted = 0
     try:
         while pending or in_flight:
-            while pending and free_gpus and failure is None:
+            while pending and free_slots and failure is None:
                 size = sizer.next(len(pending))
                 frames, pending = pending[:size], pending[size:]
-                gpu = free_gpus.pop(0)
-                pinned = cluster.model_copy(
-                    update={"gpu_indices": [gpu] if gpu is not None else []}
-                )
+                slot = free_slots.pop(0)
                 future = chunk_task.submit(
-                    spec, pinned, plan, frames, submitted, deadline, flow_run_id,
+                    spec, cluster, plan, frames, submitted, slot, deadline, flow_run_id,
                     sorted(thumbs & set(frames)),
                 )  # fmt: skip
-                in_flight[future] = gpu
+                in_flight[future] = slot
                 submitted += 1
             if not in_flight:
                 break
             future = next(as_completed(list(in_flight)))
-            free_gpus.append(in_flight.pop(future))
+            free_slots.append(in_flight.pop(future))
             try:
                 chunk_result = future.result()
             except JobCancelled:

@@ -1,4 +1,5 @@
-"""Launch training: torchrun with one rank per visible GPU (or `cpu_processes` CPU ranks).
+"""Launch training on one node: torchrun with one rank per visible GPU (or `cpu_processes`
+CPU ranks), standalone, or joining the other nodes at one rendezvous address.
 
 Exits with the "preempted" code when every rank saved a checkpoint and stopped on
 SIGTERM, so the pipeline retries and resumes; otherwise with torchrun's own code.
@@ -32,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--job-json", required=True)
     parser.add_argument("--run-name", default="run")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes the job spans")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's index")
+    parser.add_argument("--rendezvous", help="host:port every node's torchrun meets at")
+    parser.add_argument("--rendezvous-id", default="gpuflow", help="the same on every node")
     args = parser.parse_args(argv)
     job = TrainJob.model_validate_json(args.job_json)
     nproc = ranks(job)
@@ -44,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *rendezvous_args(args.nnodes, args.node_rank, args.rendezvous, args.rendezvous_id),
         f"--nproc_per_node={nproc}",
         "-m",
         "tasks.training.entry",
@@ -58,6 +63,22 @@ def main(argv: list[str] | None = None) -> int:
     if len(markers) == nproc:
         return PREEMPTED_EXIT_CODE
     return code if code >= 0 else 128 - code
+
+
+def rendezvous_args(nodes: int, node_rank: int, endpoint: str | None, run_id: str) -> list[str]:
+    """Return torchrun's options for one node of `nodes`: standalone on one node, else a
+    c10d rendezvous at `endpoint` that every node's torchrun joins."""
+    if nodes == 1:
+        return ["--standalone"]
+    if not endpoint:
+        raise SystemExit("--rendezvous host:port is needed when --nnodes is more than 1")
+    return [
+        f"--nnodes={nodes}",
+        f"--node_rank={node_rank}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={endpoint}",
+        f"--rdzv_id={run_id}",
+    ]
 
 
 def _cuda() -> bool:

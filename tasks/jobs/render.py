@@ -1,0 +1,140 @@
+"""Kind `render`: a Blender scene's frames rendered to storage in chunks.
+
+Each chunk is a work unit: one Blender process for a run of frames, on one GPU, judged
+by the frames it leaves (valid) in storage. The render stage hands chunks out as workers
+free up, sized from measured start-up and per-frame times, and skips frames already in
+storage (tasks.render.stage).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tasks.compute.base import Cluster, WorkUnit
+from tasks.errors import InvalidSpec
+from tasks.jobs.base import JobKind, Report
+from tasks.spec import JobSpec, RenderJob
+from tasks.storage import s3_settings
+
+
+class RenderKind(JobKind):
+    name = "render"
+    model = RenderJob
+    flow = "flows.render:render"
+
+    def check(self, spec: JobSpec) -> None:
+        from tasks.render import scene
+        from tasks.storage import StorageError, check_writable
+
+        assert isinstance(spec.job, RenderJob)
+        try:
+            settings = s3_settings(spec)
+            check_writable(spec.job.output, settings)
+            scene.plan(spec, settings)
+        except StorageError as exc:
+            raise InvalidSpec(str(exc)) from None
+
+    def preflight_rows(self, spec: JobSpec, cluster: Cluster) -> list[dict[str, str]]:
+        from tasks.render.scene import preflight_checks
+
+        return preflight_checks(spec, s3_settings(spec))
+
+    def units(self, spec: JobSpec, cluster: Cluster) -> list[WorkUnit]:
+        from tasks.render.scene import plan
+
+        return units_for(spec, cluster, plan(spec, s3_settings(spec)))
+
+    def run_stage(self, spec: JobSpec, cluster: Cluster, prices: Any, flow_run_id: str) -> Any:
+        from tasks.render.stage import render_stage
+
+        return render_stage(spec, cluster, prices, flow_run_id)
+
+    def report(self, spec: JobSpec, cluster: Cluster, artifacts: Path, title: str) -> Report:
+        from tasks.render.report import summary
+
+        return Report(lines=summary(Path(cluster.workspace) / "outputs", artifacts, spec.name))
+
+    def summary(self, job: dict[str, Any]) -> list[str]:
+        if "frames_rendered" not in job:
+            return []
+        return [
+            f"  rendered {job['frames_rendered']} frames ({job['frames_skipped']} already in"
+            f" storage) in {job['chunks']} chunk(s), {job['frames_per_s']} frames/s -> {job['output']}"
+        ]
+
+
+def workers(spec: JobSpec, cluster: Cluster) -> int:
+    """Return how many chunks render at once: job.max_workers, else one per GPU."""
+    assert isinstance(spec.job, RenderJob)
+    return spec.job.max_workers or max(1, cluster.gpus_per_node * cluster.nodes)
+
+
+def chunk_unit(
+    spec: JobSpec,
+    cluster: Cluster,
+    plan: Any,
+    frames: list[int],
+    index: int,
+    slot: tuple[int, int | None],
+    scratch: Path,
+) -> WorkUnit:
+    """Return the unit that renders `frames` into `scratch` on `slot` (node, GPU or None)."""
+    from tasks.render.argv import output_pattern, render_argv
+    from tasks.render.frames import blender_frames
+    from tasks.render.scene import blender_program
+    from tasks.render.stage import settings_of
+
+    job = spec.job
+    assert isinstance(job, RenderJob)
+    pattern, _ = output_pattern(job.pattern)
+    argv = render_argv(
+        blender_program(job),
+        plan.blend,
+        str(scratch / pattern),
+        blender_frames(frames),
+        settings_of(job, plan.device),
+    )
+    node, gpu = slot
+    return WorkUnit(
+        name=f"chunk-{index}",
+        command=argv,
+        node=node,
+        gpus=[gpu] if gpu is not None else [],
+        judge="frames",
+        frames=list(frames),
+    )
+
+
+def slots(spec: JobSpec, cluster: Cluster) -> list[tuple[int, int | None]]:
+    """Return one (node, GPU) slot per worker: GPUs in turn over the nodes, None for none."""
+    gpus = [(node, gpu) for gpu in cluster.gpu_indices for node in range(cluster.nodes)]
+    count = workers(spec, cluster)
+    if not gpus:
+        return [(i % cluster.nodes, None) for i in range(count)]
+    return [gpus[i % len(gpus)] for i in range(count)]
+
+
+def units_for(
+    spec: JobSpec, cluster: Cluster, plan: Any, frames: list[int] | None = None
+) -> list[WorkUnit]:
+    """Return the chunks that render `frames` (default: the plan's) as the render stage
+    first hands them out, before any chunk's timing is known."""
+    from tasks.render.frames import ChunkSizer
+
+    job = spec.job
+    assert isinstance(job, RenderJob)
+    pending = list(plan.frames if frames is None else frames)
+    free = slots(spec, cluster)
+    sizer = ChunkSizer(job.chunk, plan.info.load_s, len(free))
+    units = []
+    while pending:
+        size = sizer.next(len(pending))
+        chunk, pending = pending[:size], pending[size:]
+        scratch = Path(cluster.workspace) / "frames" / str(len(units))
+        units.append(
+            chunk_unit(
+                spec, cluster, plan, chunk, len(units), free[len(units) % len(free)], scratch
+            )
+        )
+    return units

@@ -1,0 +1,87 @@
+"""Kind `train`: PyTorch training on webdataset shards, one torchrun per node.
+
+Each node runs tasks.training.launch, which starts one rank per GPU it sees (or
+`cpu_processes` CPU ranks). On one node torchrun is standalone; on N nodes every node's
+torchrun meets at the cluster's one rendezvous address, so N nodes x G GPUs is one job.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from tasks.compute.base import Cluster, WorkUnit
+from tasks.errors import InvalidSpec
+from tasks.jobs.base import JobKind, Report
+from tasks.spec import JobSpec, TrainJob
+from tasks.storage import s3_settings
+
+RENDEZVOUS_PORT = 29400
+
+
+class TrainKind(JobKind):
+    name = "train"
+    model = TrainJob
+    flow = None  # `gpuflow run` trains inside gpu_pipeline; deployments use flows.train
+
+    def check(self, spec: JobSpec) -> None:
+        from tasks.storage import StorageError
+        from tasks.training.validate import check_train
+
+        try:
+            settings = s3_settings(spec)
+        except StorageError as exc:
+            raise InvalidSpec(str(exc)) from None
+        check_train(spec, settings)
+
+    def units(self, spec: JobSpec, cluster: Cluster) -> list[WorkUnit]:
+        job = spec.job
+        assert isinstance(job, TrainJob)
+        per_node = cluster.gpus_per_node or job.cpu_processes
+        command = [sys.executable, "-m", "tasks.training.launch", "--job-json"]
+        command += [job.model_dump_json(), "--run-name", spec.name]
+        if cluster.nodes == 1:
+            return [WorkUnit(name="main", command=command, world_size=per_node)]
+        rendezvous = cluster.rendezvous or f"{cluster.hosts()[0]}:{RENDEZVOUS_PORT}"
+        return [
+            WorkUnit(
+                name=f"node-{node}",
+                command=[
+                    *command,
+                    "--nnodes",
+                    str(cluster.nodes),
+                    "--node-rank",
+                    str(node),
+                    "--rendezvous",
+                    rendezvous,
+                    "--rendezvous-id",
+                    cluster.name,
+                ],
+                node=node,
+                world_size=cluster.nodes * per_node,
+            )
+            for node in range(cluster.nodes)
+        ]
+
+    def report(self, spec: JobSpec, cluster: Cluster, artifacts: Path, title: str) -> Report:
+        from tasks.training.report import summary
+
+        rows, lines = summary(Path(cluster.workspace) / "outputs", artifacts, title)
+        return Report(rows=rows, lines=lines)
+
+    def summary(self, job: dict[str, Any]) -> list[str]:
+        if "world_size" not in job:
+            return []
+        speed = job.get("images_per_s") or job.get("tokens_per_s")
+        unit = "images/s" if "images_per_s" in job else "tokens/s"
+        lines = [
+            f"  trained {job['steps']} steps on {job['world_size']} rank(s) ({job['device']}):"
+            f" {job['samples_per_s']} samples/s, {speed} {unit}"
+        ]
+        if "eval_loss" in job:
+            accuracy = job.get("eval_accuracy")
+            top1 = f", top-1 accuracy {100 * accuracy:.1f}%" if accuracy is not None else ""
+            lines.append(f"  eval at step {job['eval_step']}: loss {job['eval_loss']:.4f}{top1}")
+        lines.append(f"  weights: {job['weights']}")
+        return lines
