@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from tasks import compat, nvml
+from tasks.jobs import kind_of
 from tasks.spec import JobSpec
 from tasks.units import format_bytes
 
@@ -126,7 +127,7 @@ def verdict(spec: JobSpec, facts: HostFacts, reserved: list[int]) -> PreflightRe
     """Return pass/warn/fail findings for running `spec` with `reserved` GPUs on this host."""
     checks: list[Check] = []
     res = spec.resources
-    uses_torch = spec.job.torch
+    uses_torch = kind_of(spec).uses_torch(spec)
     wants_gpu = res.gpus > 0
     gpus = [g for g in facts.nvml.gpus if g.index in reserved] if reserved else []
 

@@ -371,6 +371,7 @@ JOB_MODELS: dict[str, type[BaseModel]] = {
     "render": RenderJob,
     "hpc": HpcJob,
 }
+BUILT_IN_KINDS = tuple(JOB_MODELS)
 Job = Annotated[CommandJob | MatmulJob | TrainJob | RenderJob | HpcJob, Field(discriminator="kind")]
 
 
@@ -573,9 +574,19 @@ def _sentence(error: dict[str, Any]) -> str:
 def add_job_model(model: type[BaseModel]) -> None:
     """Accept `job: {kind: ...}` sections of `model`'s kind in every JobSpec from now on."""
     kind = model.model_fields["kind"].default
-    if JOB_MODELS.get(kind) is model:
-        return
-    JOB_MODELS[kind] = model
+    if JOB_MODELS.get(kind) is not model:
+        JOB_MODELS[kind] = model
+        _rebuild_job_union()
+
+
+def remove_job_model(kind: str) -> None:
+    """Stop accepting job sections of `kind` (the built-in kinds stay)."""
+    if kind in JOB_MODELS and kind not in BUILT_IN_KINDS:
+        del JOB_MODELS[kind]
+        _rebuild_job_union()
+
+
+def _rebuild_job_union() -> None:
     union = Union[tuple(JOB_MODELS.values())]  # noqa: UP007 - built at run time
     JobSpec.__pydantic_fields__["job"] = FieldInfo.from_annotation(
         Annotated[union, Field(discriminator="kind")]

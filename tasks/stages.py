@@ -90,7 +90,7 @@ def provision(spec: JobSpec, owner: dict[str, str]) -> Cluster:
 @task(name="preflight", cache_policy=None)
 def preflight(spec: JobSpec, cluster: Cluster) -> preflight_checks.PreflightReport:
     """Return the preflight report; raise PreflightFailed when the verdict is fail."""
-    facts = preflight_checks.inspect(cluster.workspace, spec.job.torch)
+    facts = preflight_checks.inspect(cluster.workspace, kind_of(spec).uses_torch(spec))
     report = preflight_checks.verdict(spec, facts, cluster.gpu_indices)
     extra = kind_of(spec).preflight_rows(spec, cluster)
     if extra:

@@ -7,7 +7,7 @@ from importlib import import_module
 
 from tasks.errors import InvalidSpec
 from tasks.jobs.base import JobKind, Report, WorkUnit
-from tasks.spec import JobSpec, add_job_model
+from tasks.spec import JobSpec, add_job_model, remove_job_model
 
 # job.kind -> "module:class" of its implementation, imported when first used
 BUILT_IN = {
@@ -25,6 +25,13 @@ def register(kind: JobKind) -> JobKind:
     add_job_model(kind.model)
     _KINDS[kind.name] = kind
     return kind
+
+
+def unregister(name: str) -> None:
+    """Remove a kind `register` added; built-in kinds stay."""
+    if name not in BUILT_IN:
+        _KINDS.pop(name, None)
+        remove_job_model(name)
 
 
 def get_kind(name: str) -> JobKind:
@@ -63,4 +70,5 @@ __all__ = [
     "get_kind",
     "kind_of",
     "register",
+    "unregister",
 ]

@@ -46,6 +46,10 @@ class JobKind:
         """Raise InvalidSpec when the job cannot run as written; makes nothing. Runs
         before anything is provisioned, after the spec itself was validated."""
 
+    def uses_torch(self, spec: JobSpec) -> bool:
+        """Return True when preflight should check torch and its CUDA for this job."""
+        return bool(getattr(spec.job, "torch", False))
+
     def programs(self, spec: JobSpec) -> dict[str, str]:
         """Return the programs the job's units start, by the spec field that names each,
         for backends that can look them up before provisioning (local checks PATH)."""

@@ -1,0 +1,48 @@
+"""What every command shares: exit codes, the one-sentence error, the run's UI link, and
+the job spec the job-making commands (render, hpc) build from their options."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
+EXIT_CODES = "Exit codes: 0 completed; 1 the job or its preflight failed; 2 invalid input."
+
+
+def invalid(exc: Exception) -> int:
+    """Say why the input is invalid, in one sentence; return the exit code for it."""
+    print(f"gpuflow: invalid input: {exc}", file=sys.stderr)
+    return EXIT_INVALID
+
+
+def print_link(api: Any, state: Any, failed: bool = False) -> None:
+    """Print the flow run's page in the UI, when the API has one."""
+    link = api.run_link(str(state.state_details.flow_run_id))
+    if link:
+        print(
+            f"{'gpuflow: ' if failed else '  '}flow run: {link}",
+            file=sys.stderr if failed else sys.stdout,
+        )
+
+
+def add_job_options(parser: argparse.ArgumentParser, name: str, gpus: int) -> None:
+    """Add the options every job-making command takes: name, GPUs, S3 credentials."""
+    parser.add_argument("--gpus", type=int, default=gpus, help="GPUs to use when there are any")
+    parser.add_argument("--name", default=name)
+    parser.add_argument("--aws-credentials", help="name of a prefect-aws AwsCredentials block")
+
+
+def spec_from(args: argparse.Namespace, job: dict, options: tuple[str, ...]) -> dict:
+    """Return a job spec: `job` plus the `options` given on the command line, with the
+    name, GPUs (CPU allowed) and S3 credentials block every job command takes."""
+    job = job | {o: getattr(args, o) for o in options if getattr(args, o) is not None}
+    spec: dict = {
+        "name": args.name,
+        "job": job,
+        "resources": {"gpus": args.gpus, "allow_cpu": True},
+    }
+    if args.aws_credentials:
+        spec["storage"] = {"aws_credentials": args.aws_credentials}
+    return spec

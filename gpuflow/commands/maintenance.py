@@ -1,0 +1,63 @@
+"""Maintenance: `preflight` (is this host fit for a job?) and `reap` (what killed runs left)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gpuflow.commands.common import EXIT_FAILED, EXIT_OK, invalid
+
+
+def add(commands: Any) -> list[tuple[str, str]]:
+    pre = commands.add_parser(
+        "preflight", description="Check this host: GPUs, driver, CUDA, torch, disk."
+    )
+    pre.add_argument("job", nargs="?", help="check for this job spec (default: a 1-GPU torch job)")
+    pre.add_argument("--json", action="store_true", help="print the report as JSON")
+    pre.set_defaults(handler=lambda args: preflight(args.job, args.json))
+    reap_parser = commands.add_parser(
+        "reap", description="Tear down what killed runs left on this host."
+    )
+    reap_parser.add_argument("--dry-run", action="store_true")
+    reap_parser.set_defaults(handler=lambda args: reap(args.dry_run))
+    return [
+        ("preflight", "check this host: GPUs, driver, CUDA, torch, disk"),
+        ("reap", "tear down what killed runs left on this host"),
+    ]
+
+
+def preflight(path: str | None, as_json: bool) -> int:
+    """Print this host's preflight report for the job at `path` (default: a 1-GPU job)."""
+    from tasks import preflight as checks
+    from tasks.errors import InvalidSpec
+    from tasks.jobs import kind_of
+    from tasks.spec import load_spec
+
+    default = {"job": {"kind": "matmul"}, "resources": {"gpus": 1, "allow_cpu": True}}
+    try:
+        spec = load_spec(path) if path else load_spec(default)
+    except InvalidSpec as exc:
+        return invalid(exc)
+    facts = checks.inspect(str(Path.cwd()), kind_of(spec).uses_torch(spec))
+    count = min(spec.resources.gpus, len(facts.nvml.gpus))
+    report = checks.verdict(spec, facts, [g.index for g in facts.nvml.gpus[:count]])
+    if as_json:
+        print(report.model_dump_json(indent=2))
+    else:
+        for check in report.checks:
+            print(f"[{check.level:4}] {check.name}: {check.message}")
+        print(f"verdict: {report.verdict}")
+    return EXIT_FAILED if report.verdict == "fail" else EXIT_OK
+
+
+def reap(dry_run: bool) -> int:
+    """Tear down clusters, servers and files that killed runs left; say how many."""
+    from tasks.platform.reap import reap as reap_leftovers
+
+    done = reap_leftovers(dry_run)
+    print(
+        f"{done['clusters']} leftover cluster(s), {done['servers']} temporary server(s),"
+        f" {done['flow_runs_crashed']} flow run(s) marked Crashed, {done['files']}"
+        " half-written file(s)"
+    )
+    return EXIT_OK

@@ -1,0 +1,149 @@
+"""Platform and deployments: `platform up|down|status`, `blocks init`, `deploy`, `submit`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from gpuflow import session
+from gpuflow.commands.common import EXIT_FAILED, EXIT_OK, invalid
+
+
+def add(commands: Any) -> list[tuple[str, str]]:
+    plat = commands.add_parser(
+        "platform", description="A local Prefect server, pools, blocks, deployments and a worker."
+    )
+    plat.add_argument("action", choices=["up", "down", "status"])
+    plat.add_argument("--port", type=int, default=4200, help="server port on 127.0.0.1")
+    plat.set_defaults(handler=lambda args: platform(args.action, args.port))
+    blk = commands.add_parser(
+        "blocks", description="Register gpuflow's block types and default blocks."
+    )
+    blk.add_argument(
+        "action", choices=["init"], help="init: register types, create what is missing"
+    )
+    blk.set_defaults(handler=lambda args: blocks_init())
+    deploy = commands.add_parser(
+        "deploy", description="Check prefect.yaml, then `prefect deploy --all`."
+    )
+    deploy.set_defaults(handler=lambda args: deploy_all())
+    sub = commands.add_parser(
+        "submit",
+        description="Run a deployment from CI.",
+        epilog="Exit codes: 0 completed; 1 failed, crashed or cancelled; 2 invalid input;"
+        " 3 still running when --timeout passed.",
+    )
+    sub.add_argument("deployment", help="flow-name/deployment-name")
+    sub.add_argument(
+        "--param", action="append", default=[], help="name=value (JSON, or @file.yaml)"
+    )
+    sub.add_argument("--wait", action="store_true", help="follow the run until it ends")
+    sub.add_argument("--timeout", type=float, default=3600, help="seconds to wait (with --wait)")
+    sub.set_defaults(
+        handler=lambda args: submit(args.deployment, args.param, args.wait, args.timeout)
+    )
+    return [
+        ("platform", "a local Prefect server, pools, blocks, deployments and a worker"),
+        ("blocks", "register gpuflow's block types and default blocks"),
+        ("deploy", "check prefect.yaml, then `prefect deploy --all`"),
+        ("submit", "run a deployment from CI"),
+    ]
+
+
+def platform(action: str, port: int) -> int:
+    """Bring the local platform up or down, or say whether it runs."""
+    from tasks.platform import local
+
+    if action == "down":
+        local.down()
+        return EXIT_OK
+    if action == "status":
+        return _status(local)
+    from tasks.errors import GpuflowError, InvalidSpec
+
+    try:
+        local.up(port)
+    except InvalidSpec as exc:
+        return invalid(exc)
+    except GpuflowError as exc:
+        print(f"gpuflow: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _status(local: Any) -> int:
+    from tasks.platform.api import health_error
+
+    state = local.read_state()
+    if state is None:
+        print("not running (`gpuflow platform up` starts it)")
+        return EXIT_FAILED
+    for name, entry in state["processes"].items():
+        print(f"{name}: pid {entry['pid']} {'running' if local.running(entry) else 'gone'}")
+    problem = health_error(state["api"], timeout_s=5)
+    running = problem is None and all(local.running(p) for p in state["processes"].values())
+    print(
+        f"running: UI {state['ui']}"
+        if running
+        else f"not healthy: {problem or 'a process is gone'}"
+    )
+    return EXIT_OK if running else EXIT_FAILED
+
+
+def blocks_init() -> int:
+    """Register gpuflow's block types and create the default documents that are missing."""
+    from tasks.platform.blocks_setup import init_blocks
+
+    def body(api: Any) -> int:
+        for slug, name, what in init_blocks():
+            print(f"{what:>10}  {slug}{'/' + name if name else ''}")
+        return EXIT_OK
+
+    return session.with_api(body)
+
+
+def deploy_all() -> int:
+    """Check prefect.yaml (pools, entrypoints, parameters, triggers, job variables), then
+    run `prefect deploy --all` against PREFECT_API_URL."""
+    from tasks.errors import InvalidSpec
+    from tasks.platform import deploy
+
+    root = Path.cwd() if (Path.cwd() / "prefect.yaml").is_file() else deploy_root()
+    try:
+        names = deploy.check_project(
+            deploy.load_project(root / "prefect.yaml"), root, deploy.pool_templates()
+        )
+    except InvalidSpec as exc:
+        return invalid(exc)
+
+    def body(api: Any) -> int:
+        done = deploy.prefect_deploy(root)
+        print(done.stdout[-3000:], end="")
+        if done.returncode != 0:
+            print(done.stderr[-3000:], file=sys.stderr)
+            return EXIT_FAILED
+        print(f"deployed {len(names)}: {', '.join(names)}")
+        return EXIT_OK
+
+    return session.with_api(body, temporary=False)
+
+
+def deploy_root() -> Path:
+    """Return the folder gpuflow's own prefect.yaml is in."""
+    return Path(__file__).resolve().parent.parent.parent
+
+
+def submit(name: str, pairs: list[str], wait: bool, timeout_s: float) -> int:
+    """Run deployment `name` with `pairs` as parameters; follow it with `wait`."""
+    from tasks.errors import InvalidSpec
+    from tasks.platform.submit import EXIT_INVALID as INVALID
+    from tasks.platform.submit import parse_params
+    from tasks.platform.submit import submit as submit_run
+
+    try:
+        params = parse_params(pairs)
+    except InvalidSpec as exc:
+        invalid(exc)
+        return INVALID
+    return session.with_api(lambda api: submit_run(name, params, wait, timeout_s), temporary=False)

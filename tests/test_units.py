@@ -1,0 +1,147 @@
+"""Work units per job kind: the table of what each kind hands a backend. Pure: no Prefect,
+no processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import UTC, datetime
+
+import pytest
+
+from tasks.compute.base import Cluster
+from tasks.jobs import get_kind
+from tasks.jobs.render import units_for
+from tasks.render.frames import blender_frames
+from tasks.render.scene import RenderPlan, SceneInfo
+from tasks.spec import load_spec
+
+TRAIN = {"kind": "train", "dataset": "file:///data", "output": "file:///models"}
+
+
+def cluster(nodes: int = 1, gpus: int = 0, **extra) -> Cluster:
+    names = [f"node-{i}" for i in range(nodes)]
+    return Cluster(
+        backend="test",
+        name="gpuflow-units",
+        owner={},
+        hostname="node-0",
+        workspace="/tmp/gpuflow-units",
+        gpu_indices=list(range(gpus)),
+        nodes=nodes,
+        node_names=names,
+        created_at=datetime.now(UTC),
+        **extra,
+    )
+
+
+def render_plan(frames: list[int]) -> RenderPlan:
+    info = SceneInfo(
+        blender="Blender 4.0",
+        scene="Scene",
+        frame_start=frames[0],
+        frame_end=frames[-1],
+        engine="CYCLES",
+        camera="Camera",
+        resolution=[64, 64],
+        file_format="PNG",
+        load_s=1.0,
+    )
+    return RenderPlan(
+        blend="/scenes/shot.blend", info=info, frames=frames, file_format="PNG", extension="png",
+        engine="CYCLES",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "frames, chunk, gpus, workers, expected",
+    [
+        (range(1, 11), 3, 0, None, [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10]]),
+        (range(1, 11), 5, 2, None, [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]),
+        (range(1, 4), 1, 1, 2, [[1], [2], [3]]),
+        ([1, 5, 9], 10, 0, None, [[1, 5, 9]]),
+    ],
+)
+def test_render_chunks_are_units_with_their_frames(frames, chunk, gpus, workers, expected):
+    job = {"kind": "render", "scene": "/scenes/shot.blend", "output": "file:///out", "chunk": chunk}
+    if workers:
+        job["max_workers"] = workers
+    spec = load_spec({"job": job, "resources": {"gpus": gpus, "allow_cpu": True}})
+    units = units_for(spec, cluster(gpus=gpus), render_plan(list(frames)))
+    assert [u.frames for u in units] == expected
+    assert all(u.judge == "frames" for u in units)
+    assert [u.name for u in units] == [f"chunk-{i}" for i in range(len(expected))]
+    for unit in units:  # Blender gets exactly the unit's frames
+        assert unit.command[unit.command.index("-f") + 1] == blender_frames(unit.frames)
+    held = [u.gpus for u in units]
+    if gpus:  # one GPU per chunk, taken in turn
+        assert held == [[i % gpus] for i in range(len(units))]
+    else:
+        assert held == [[]] * len(units)
+
+
+def test_render_chunks_spread_over_nodes():
+    spec = load_spec(
+        {
+            "job": {"kind": "render", "scene": "/s.blend", "output": "file:///o", "chunk": 2},
+            "resources": {"gpus": 1},
+        }
+    )
+    units = units_for(spec, cluster(nodes=2, gpus=1), render_plan(list(range(1, 9))))
+    assert [(u.node, u.gpus) for u in units] == [(0, [0]), (1, [0]), (0, [0]), (1, [0])]
+
+
+def test_train_runs_one_unit_per_node_meeting_at_one_rendezvous():
+    spec = load_spec({"name": "big", "job": TRAIN, "resources": {"gpus": 4}})
+    units = get_kind("train").units(spec, cluster(nodes=2, gpus=4, rendezvous="node-0:29400"))
+    assert [u.node for u in units] == [0, 1]
+    assert {u.world_size for u in units} == {8}
+    argvs = [u.command for u in units]
+    assert [a[a.index("--node-rank") + 1] for a in argvs] == ["0", "1"]
+    assert {a[a.index("--rendezvous") + 1] for a in argvs} == {"node-0:29400"}
+    assert {a[a.index("--nnodes") + 1] for a in argvs} == {"2"}
+    assert argvs[0][:3] == [sys.executable, "-m", "tasks.training.launch"]
+
+
+def test_train_on_one_node_is_standalone():
+    spec = load_spec({"job": {**TRAIN, "cpu_processes": 2}})
+    [unit] = get_kind("train").units(spec, cluster())
+    assert unit.world_size == 2 and "--rendezvous" not in unit.command
+
+
+def test_torchrun_options_for_one_node_and_many():
+    from tasks.training.launch import rendezvous_args
+
+    assert rendezvous_args(1, 0, None, "r") == ["--standalone"]
+    assert rendezvous_args(2, 1, "node-0:29400", "r") == [
+        "--nnodes=2",
+        "--node_rank=1",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=node-0:29400",
+        "--rdzv_id=r",
+    ]
+
+
+def test_hpc_is_one_launcher_over_the_hosts_slots():
+    spec = load_spec({"job": {"kind": "hpc", "ranks": 8, "slots": 4, "program": ["./sim"]}})
+    [unit] = get_kind("hpc").units(spec, cluster(nodes=2))
+    assert unit.name == "launcher" and unit.judge == "rank_status" and unit.node == 0
+    assert unit.hostfile == "node-0 slots=4\nnode-1 slots=4\n"
+    hosts = json.loads(unit.command[unit.command.index("--hosts-json") + 1])
+    assert [(h["name"], h["slots"]) for h in hosts] == [("node-0", 4), ("node-1", 4)]
+
+
+def test_hpc_slots_follow_gpus_per_rank():
+    spec = load_spec(
+        {"job": {"kind": "hpc", "ranks": 4, "gpus_per_rank": 2, "md": {}}, "resources": {"gpus": 4}}
+    )
+    [unit] = get_kind("hpc").units(spec, cluster(nodes=2, gpus=4))
+    assert unit.hostfile == "node-0 slots=2\nnode-1 slots=2\n"
+
+
+@pytest.mark.parametrize("kind", ["command", "matmul"])
+def test_single_command_kinds_are_one_unit_on_every_gpu(kind):
+    job = {"kind": kind, "command": ["echo", "hi"]} if kind == "command" else {"kind": kind}
+    [unit] = get_kind(kind).units(load_spec({"job": job}), cluster(gpus=2))
+    assert unit.node == 0 and unit.gpus is None and unit.judge == "exit_code"
+    assert unit.command[:1] == (["echo"] if kind == "command" else [sys.executable])
