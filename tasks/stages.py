@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -206,28 +207,50 @@ def run_units(
     should_stop: Callable[[], bool],
     grace_s: float,
 ) -> JobResult:
-    """Run every unit at once on the backend and return one result: the first unit that
-    failed (by exit code or signal) speaks for the job, else the last to end."""
+    """Run every unit at once on the backend and return one result for the job. The first
+    unit to fail speaks for the job, and the others are stopped (a job is all or nothing:
+    a training node left alone would wait at its rendezvous); else the last to end."""
     if len(units) == 1:
         [unit] = units
         return backend.run(cluster, unit, env, timeout_s, sink(unit), should_stop, grace_s)
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor, as_completed
 
+    failed = threading.Event()
+    cancelled = threading.Event()
+
+    def stop() -> bool:
+        if should_stop():
+            cancelled.set()
+        return cancelled.is_set() or failed.is_set()
+
+    def one(unit: WorkUnit) -> JobResult:
+        return backend.run(cluster, unit, env, timeout_s, sink(unit), stop, grace_s)
+
+    results: list[JobResult] = []
+    first_failure: JobResult | None = None
     with ThreadPoolExecutor(max_workers=len(units), thread_name_prefix="unit") as pool:
-        futures = [
-            pool.submit(backend.run, cluster, u, env, timeout_s, sink(u), should_stop, grace_s)
-            for u in units
-        ]
-        results = [f.result() for f in futures]
-    failed = [r for r in results if r.exit_code != 0 or r.signal is not None]
-    chosen = failed[0] if failed else max(results, key=lambda r: r.ended_at)
+        futures = [pool.submit(one, unit) for unit in units]
+        try:
+            for future in as_completed(futures):
+                result = future.result()
+                results.append(result)
+                broke = result.exit_code != 0 or result.signal is not None or result.timed_out
+                if broke and first_failure is None and not cancelled.is_set():
+                    first_failure = result
+                    failed.set()
+        except BaseException:
+            cancelled.set()  # interrupted here: every unit gets SIGTERM and its grace
+            raise
+    chosen = first_failure or max(results, key=lambda r: r.ended_at)
+    started = min(r.started_at for r in results)
+    ended = max(r.ended_at for r in results)
     return chosen.model_copy(
         update={
-            "started_at": min(r.started_at for r in results),
-            "duration_s": max(r.ended_at for r in results).timestamp()
-            - min(r.started_at for r in results).timestamp(),
+            "started_at": started,
+            "ended_at": ended,
+            "duration_s": (ended - started).total_seconds(),
             "timed_out": any(r.timed_out for r in results),
-            "cancelled": any(r.cancelled for r in results),
+            "cancelled": cancelled.is_set(),
         }
     )
 

@@ -15,6 +15,7 @@ from tasks.compute.base import WorkUnit, owner_labels
 from tasks.compute.local import LocalBackend
 from tasks.errors import InvalidSpec
 from tasks.spec import load_spec
+from tests.e2e.helpers import process_gone
 
 
 def spec_for(command, **extra):
@@ -283,3 +284,38 @@ def test_empty_cgroups_a_killed_process_left_are_swept_and_busy_ones_kept(tmp_pa
         sleeper.wait()
         cgroups.stop(busy, grace_s=1)
     assert not busy.exists()
+
+
+def test_units_run_at_once_and_the_first_failure_stops_the_rest(backend, tmp_path):
+    from tasks.stages import run_units
+
+    cluster = backend.provision(spec_for(["sh"]), owner_labels("run-9", "job"))
+    pidfile = tmp_path / "sleeper.pid"
+    units = [
+        WorkUnit(name="sleeper", command=["sh", "-c", f"echo $$ > {pidfile}; exec sleep 300"]),
+        WorkUnit(name="failer", command=["sh", "-c", "sleep 1; echo broken >&2; exit 7"]),
+    ]
+    seen: list[tuple[str, str, str]] = []
+
+    def sink(unit):
+        return lambda stream, line: seen.append((unit.name, stream, line))
+
+    result = run_units(backend, cluster, units, dict(os.environ), 120, sink, lambda: False, 5)
+    assert result.exit_code == 7 and not result.cancelled  # the failer speaks for the job
+    assert not result.timed_out  # the sleeper was stopped, not waited for until the timeout
+    assert ("failer", "stderr", "broken") in seen
+    assert process_gone(int(pidfile.read_text()))
+    backend.teardown(cluster)
+
+
+def test_units_all_succeeding_report_the_whole_span(backend):
+    from tasks.stages import run_units
+
+    cluster = backend.provision(spec_for(["sh"]), owner_labels("run-10", "job"))
+    units = [WorkUnit(name=f"u{i}", command=["sh", "-c", f"sleep 0.{i}"]) for i in (2, 5)]
+    result = run_units(
+        backend, cluster, units, dict(os.environ), 60, lambda u: print, lambda: False, 5
+    )
+    assert result.exit_code == 0 and not result.cancelled
+    assert result.duration_s >= 0.5 and result.ended_at >= result.started_at
+    backend.teardown(cluster)
