@@ -9,7 +9,7 @@ run's summary. Stages, flows and the CLI speak only this protocol.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
@@ -20,9 +20,7 @@ if TYPE_CHECKING:
     from tasks.metrics.cost import PriceTable
     from tasks.stages import RunOutcome
 
-__all__ = ["JobKind", "Judge", "Report", "WorkUnit"]
-
-Judge = Literal["exit_code", "frames", "rank_status"]
+__all__ = ["JobKind", "Report", "WorkUnit"]
 
 
 class Report(BaseModel):

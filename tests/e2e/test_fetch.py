@@ -42,11 +42,16 @@ def climbing_prefix(s3_server, request):
     return prefix
 
 
-def test_a_scene_prefix_with_a_climbing_key_is_refused_before_anything_is_written(
-    s3_server, climbing_prefix, gpuflow_home, monkeypatch
-):
+@pytest.fixture
+def aws_env(s3_server, monkeypatch) -> None:
+    """The test S3 server's settings as AWS_* variables, as a job without a block has them."""
     for name, value in s3_server.settings().child_env().items():
         monkeypatch.setenv(name, value)
+
+
+def test_a_scene_prefix_with_a_climbing_key_is_refused_before_anything_is_written(
+    s3_server, climbing_prefix, gpuflow_home, aws_env
+):
     spec = load_spec(
         {
             "job": {
@@ -67,10 +72,8 @@ def test_a_scene_prefix_with_a_climbing_key_is_refused_before_anything_is_writte
 
 
 def test_hpc_inputs_with_a_climbing_key_are_refused_before_provisioning(
-    s3_server, climbing_prefix, gpuflow_home, monkeypatch
+    s3_server, climbing_prefix, gpuflow_home, aws_env
 ):
-    for name, value in s3_server.settings().child_env().items():
-        monkeypatch.setenv(name, value)
     spec = load_spec(
         {
             "job": {
