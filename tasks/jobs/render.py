@@ -83,7 +83,6 @@ def chunk_unit(
     from tasks.render.argv import output_pattern, render_argv
     from tasks.render.frames import blender_frames
     from tasks.render.scene import blender_program
-    from tasks.render.stage import settings_of
 
     job = spec.job
     assert isinstance(job, RenderJob)
@@ -103,6 +102,23 @@ def chunk_unit(
         gpus=[gpu] if gpu is not None else [],
         judge="frames",
         frames=list(frames),
+    )
+
+
+def settings_of(job: RenderJob, device: str | None) -> Any:
+    """Return the RenderSettings a chunk passes Blender: the job's overrides, the device."""
+    from tasks.render.argv import RenderSettings
+
+    return RenderSettings(
+        engine=job.engine,
+        device=device,
+        samples=job.samples,
+        resolution_x=job.resolution_x,
+        resolution_y=job.resolution_y,
+        resolution_percentage=job.resolution_percentage,
+        threads=job.threads,
+        file_format=job.file_format,
+        denoise=job.denoise,
     )
 
 

@@ -32,7 +32,7 @@ from tasks.jobs.render import chunk_unit, slots
 from tasks.metrics.cost import PriceTable
 from tasks.render import logparse, report
 from tasks.render import scene as scenes
-from tasks.render.argv import RenderSettings, frame_filename, output_pattern
+from tasks.render.argv import frame_filename, output_pattern
 from tasks.render.frames import ChunkSizer, label
 from tasks.render.output import FrameRecord, Uploader, existing_frames
 from tasks.spec import JobSpec, RenderJob
@@ -235,20 +235,6 @@ def _chunk_error(
     last = " | ".join(line for line in lines[-3:] if line.strip()) or "nothing"
     return ChunkFailed(
         f"{where}: Blender exited {run.exit_code} without writing them; its last lines: {last}."
-    )
-
-
-def settings_of(job: RenderJob, device: str | None) -> RenderSettings:
-    return RenderSettings(
-        engine=job.engine,
-        device=device,
-        samples=job.samples,
-        resolution_x=job.resolution_x,
-        resolution_y=job.resolution_y,
-        resolution_percentage=job.resolution_percentage,
-        threads=job.threads,
-        file_format=job.file_format,
-        denoise=job.denoise,
     )
 
 
