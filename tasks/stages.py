@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import threading
 import time
@@ -149,7 +148,7 @@ def run(
     s3 = s3_settings(spec)  # the block's, else the AWS_* variables this process has
     storage_env = s3.child_env() if spec.storage.aws_credentials else {}
     redact = secrets.Redactor([*secret_values.values(), *s3.secrets()])
-    env = {**os.environ, **storage_env, **spec.env, **secret_values}
+    env = {**storage_env, **spec.env, **secret_values}  # the backend adds its own
     timeout, stopped_by = time_limit(spec, cluster, prices)
 
     with (

@@ -115,7 +115,8 @@ class Backend(Protocol):
         should_stop: StopCheck | None = None,
         grace_s: float = 30.0,
     ) -> JobResult:
-        """Run `unit` on its node with `env` (the run's environment; the unit's own env
+        """Run `unit` on its node with `env` (the job's variables: spec env, storage
+        credentials, secrets; the backend adds what its nodes need and the unit's own env
         over it) and its GPUs, streaming lines, and return its outcome. On timeout, or
         when `should_stop` says so, the unit is stopped and the result says which. On an
         interruption of this process the unit gets SIGTERM, `grace_s` to save its state,

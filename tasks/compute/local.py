@@ -272,7 +272,7 @@ class LocalBackend:
             raise InvalidSpec(
                 f"job.command: {command[0]!r} was not found; install it or give its full path."
             )
-        child_env = {**env, **unit.env}
+        child_env = {**os.environ, **env, **unit.env}
         gpus = cluster.gpu_indices if unit.gpus is None else unit.gpus
         child_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         child_env["GPUFLOW_WORKSPACE"] = cluster.workspace

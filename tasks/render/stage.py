@@ -10,7 +10,6 @@ its per-frame time (from its log), so that start-up costs about a tenth of a chu
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import statistics
 import threading
@@ -172,7 +171,7 @@ def render_chunk(
 
     secret_values = secrets.resolve(spec.secret_env)
     redact = secrets.Redactor(list(secret_values.values()))
-    env = {**os.environ, **spec.env, **secret_values}
+    env = {**spec.env, **secret_values}  # the backend adds its own
     try:
         run = get_backend(cluster.backend).run(
             cluster,
