@@ -376,7 +376,10 @@ Job = Annotated[CommandJob | MatmulJob | TrainJob | RenderJob | HpcJob, Field(di
 
 
 class Resources(_Model):
-    gpus: int = Field(0, ge=0, le=64, description="GPUs to reserve on one node.")
+    gpus: int = Field(0, ge=0, le=64, description="GPUs to reserve on each node.")
+    nodes: int = Field(
+        1, ge=1, le=256, description="Machines the job spans, each with resources.gpus GPUs."
+    )
     gpu_product: str | None = Field(None, description="e.g. NVIDIA-H100-80GB-HBM3 or H100.")
     allow_cpu: bool = Field(False, description="Run on CPU when no GPU is present.")
     cpu: float | None = Field(None, gt=0, description="CPU cores.")
@@ -400,10 +403,16 @@ class Resources(_Model):
 
 
 class Placement(_Model):
-    backend: Literal["local"] = Field("local", description="Where the job runs.")
+    backend: Literal["local", "kubernetes"] = Field("local", description="Where the job runs.")
     block: str | None = Field(
-        None, description="Name of a LocalGpuHost block to read settings from."
+        None,
+        description="Name of the block to read settings from: a LocalGpuHost (local) or a"
+        " KubernetesGpuPool (kubernetes).",
     )
+    namespace: str | None = Field(
+        None, description="Kubernetes namespace (default: the block's, else the kubeconfig's)."
+    )
+    image: str | None = Field(None, description="Kubernetes: the image the job's pods run.")
     price_table: str | None = Field(
         None, description="Name of a GpuPriceTable block whose prices cost reports use."
     )

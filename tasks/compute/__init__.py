@@ -6,11 +6,15 @@ from tasks.compute.base import Backend, Cluster, JobResult, TeardownReport, Work
 
 
 def get_backend(name: str) -> Backend:
-    """Return the backend registered under `name` ("local")."""
+    """Return the backend registered under `name` ("local", "kubernetes")."""
     if name == "local":
         from tasks.compute.local import LocalBackend
 
         return LocalBackend()
+    if name == "kubernetes":
+        from tasks.compute.kubernetes import KubernetesBackend
+
+        return KubernetesBackend()
     raise ValueError(f"unknown backend {name!r}")
 
 

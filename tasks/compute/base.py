@@ -37,6 +37,8 @@ class Cluster(BaseModel):
     node_names: list[str] = []  # as the nodes reach each other; empty: [hostname]
     cpus_per_node: int | None = None
     rendezvous: str | None = None  # host:port every node reaches (multi-node training)
+    # what a backend needs to find the cluster again (kubernetes: block, namespace)
+    backend_config: dict[str, str] = {}
     gpu_lease_id: str | None = None
     created_at: datetime
     adopted: bool = False

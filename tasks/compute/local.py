@@ -111,6 +111,11 @@ class LocalBackend:
         """Raise InvalidSpec if this host cannot run `spec`; makes nothing but a probe file."""
         from tasks.jobs import kind_of
 
+        if spec.resources.nodes > 1:
+            raise InvalidSpec(
+                f"resources.nodes: the local backend is this one machine, not"
+                f" {spec.resources.nodes}; set resources.nodes: 1 or placement.backend: kubernetes."
+            )
         for field, program in kind_of(spec).programs(spec).items():
             if resolve_program(program) is None:
                 raise InvalidSpec(

@@ -1,0 +1,236 @@
+#!/usr/bin/env bash
+# gpuflow's Kubernetes test cluster, on 127.0.0.1 only: a real control plane (etcd,
+# kube-apiserver, kube-controller-manager, kube-scheduler) with certificates,
+# service-account keys and RBAC on, and KWOK's simulated GPU nodes.
+#
+#   scripts/k8s-testbed.sh build             build what is missing into the cache
+#   scripts/k8s-testbed.sh up --dir DIR      build if needed, start, write DIR/kubeconfig
+#   scripts/k8s-testbed.sh down --dir DIR    stop what `up` started, by PID
+#
+# Binaries are built from the Go module proxy at the versions pinned below (and in
+# scripts/testbed/*/go.mod) into $GPUFLOW_TESTBED_CACHE (default ~/.cache/gpuflow/testbed);
+# Go keeps its module and build caches under $HOME too, so a second build takes seconds.
+set -euo pipefail
+
+K8S_VERSION=v1.36.3   # k8s.io/kubernetes; staging modules v0.36.3 (scripts/testbed/k8s/go.mod)
+ETCD_VERSION=v3.6.15  # go.etcd.io/etcd/server/v3 (scripts/testbed/etcd/go.mod)
+KWOK_VERSION=v0.8.0   # sigs.k8s.io/kwok
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+CACHE=${GPUFLOW_TESTBED_CACHE:-$HOME/.cache/gpuflow/testbed}
+BIN=$CACHE/bin
+export CGO_ENABLED=0 GOFLAGS=-buildvcs=false
+START=$SECONDS
+
+say() { printf '[testbed] %s (%ds)\n' "$*" $((SECONDS - START)) >&2; }
+die() { printf 'testbed: %s\n' "$*" >&2; exit 1; }
+
+build() {
+  mkdir -p "$BIN"
+  command -v go >/dev/null || die "Go is not installed; install Go 1.26 (it builds the test cluster)"
+  local stamp=$BIN/.versions want="k8s=$K8S_VERSION etcd=$ETCD_VERSION kwok=$KWOK_VERSION"
+  if [[ -f $stamp && $(cat "$stamp") == "$want" ]] &&
+    [[ -x $BIN/kube-apiserver && -x $BIN/kube-controller-manager && -x $BIN/kube-scheduler ]] &&
+    [[ -x $BIN/etcd && -x $BIN/kwok ]]; then
+    say "built already: $want in $BIN"
+    return
+  fi
+  rm -f "$stamp"
+  if [[ ! -x $BIN/kube-apiserver || ! -x $BIN/kube-controller-manager || ! -x $BIN/kube-scheduler ]]; then
+    say "building kube-apiserver, kube-controller-manager, kube-scheduler $K8S_VERSION (cold: tens of minutes on 2 cores)"
+    local pkg=k8s.io/component-base/version minor=${K8S_VERSION#v1.}
+    (cd "$HERE/testbed/k8s" && go build -trimpath -o "$BIN/" \
+      -ldflags "-s -w -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=${minor%%.*} -X $pkg.gitTreeState=clean" \
+      k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+      k8s.io/kubernetes/cmd/kube-scheduler)
+  fi
+  if [[ ! -x $BIN/etcd ]]; then
+    say "building etcd $ETCD_VERSION"
+    (cd "$HERE/testbed/etcd" && go build -trimpath -ldflags "-s -w" -o "$BIN/etcd" .)
+  fi
+  if [[ ! -x $BIN/kwok ]]; then
+    say "building kwok $KWOK_VERSION"
+    GOBIN=$BIN go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+  fi
+  echo "$want" >"$stamp"
+  say "built: $want in $BIN"
+}
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+start() { # start NAME ARGS...: in a session of its own, logging to DIR/logs/NAME.log
+  local name=$1
+  shift
+  setsid "$@" >"$DIR/logs/$name.log" 2>&1 </dev/null &
+  echo $! >"$DIR/pids/$name"
+}
+
+wait_for() { # wait_for WHAT SECONDS COMMAND...
+  local what=$1 limit=$2
+  shift 2
+  local until=$((SECONDS + limit))
+  until "$@" >/dev/null 2>&1; do
+    ((SECONDS < until)) || die "$what did not come up within ${limit}s; see $DIR/logs"
+    sleep 0.2
+  done
+}
+
+api() { # api METHOD PATH [YAML]: a request to the API server as the admin
+  curl -fsS --cacert "$DIR/pki/ca.crt" --cert "$DIR/pki/admin.crt" --key "$DIR/pki/admin.key" \
+    -X "$1" "https://127.0.0.1:$(cat "$DIR/ports/api")$2" ${3:+-H "Content-Type: application/yaml" --data-binary "$3"}
+}
+
+certificates() {
+  local pki=$DIR/pki
+  mkdir -p "$pki"
+  openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=gpuflow-testbed-ca" \
+    -keyout "$pki/ca.key" -out "$pki/ca.crt" 2>/dev/null
+  sign() { # sign NAME SUBJECT [SAN]
+    openssl req -newkey rsa:2048 -nodes -subj "$2" -keyout "$pki/$1.key" -out "$pki/$1.csr" 2>/dev/null
+    openssl x509 -req -in "$pki/$1.csr" -CA "$pki/ca.crt" -CAkey "$pki/ca.key" -CAcreateserial \
+      -days 30 -out "$pki/$1.crt" ${3:+-extfile <(printf 'subjectAltName=%s' "$3")} 2>/dev/null
+  }
+  sign apiserver "/CN=kube-apiserver" "IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc,IP:10.96.0.1"
+  sign admin "/O=system:masters/CN=gpuflow-testbed-admin"
+  openssl genrsa -out "$pki/sa.key" 2048 2>/dev/null
+  openssl rsa -in "$pki/sa.key" -pubout -out "$pki/sa.pub" 2>/dev/null
+}
+
+kubeconfig() { # the admin's kubeconfig, certificates inline
+  cat <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: gpuflow-testbed
+  cluster:
+    server: https://127.0.0.1:$(cat "$DIR/ports/api")
+    certificate-authority-data: $(base64 -w0 "$DIR/pki/ca.crt")
+users:
+- name: admin
+  user:
+    client-certificate-data: $(base64 -w0 "$DIR/pki/admin.crt")
+    client-key-data: $(base64 -w0 "$DIR/pki/admin.key")
+contexts:
+- name: gpuflow-testbed
+  context: {cluster: gpuflow-testbed, user: admin}
+current-context: gpuflow-testbed
+EOF
+}
+
+nodes() { # the simulated nodes: two 8 x H100, one 4 x L4, one CPU-only
+  node() { # node NAME GPUS PRODUCT
+    cat <<EOF
+apiVersion: v1
+kind: Node
+metadata:
+  name: $1
+  annotations: {kwok.x-k8s.io/node: fake}
+  labels:
+    kubernetes.io/hostname: $1
+    kubernetes.io/os: linux
+    kubernetes.io/arch: amd64
+    type: kwok
+$(if (($2)); then printf '    nvidia.com/gpu.present: "true"\n    nvidia.com/gpu.count: "%s"\n    nvidia.com/gpu.product: %s\n' "$2" "$3"; fi)
+spec:
+$(if (($2)); then printf '  taints:\n  - {key: nvidia.com/gpu, value: present, effect: NoSchedule}\n'; fi)
+status:
+  allocatable: {cpu: "64", memory: 512Gi, pods: "110", ephemeral-storage: 1Ti$( (($2)) && printf ', nvidia.com/gpu: "%s"' "$2")}
+  capacity: {cpu: "64", memory: 512Gi, pods: "110", ephemeral-storage: 1Ti$( (($2)) && printf ', nvidia.com/gpu: "%s"' "$2")}
+  nodeInfo: {kubeletVersion: fake, operatingSystem: linux, architecture: amd64}
+EOF
+  }
+  node gpu-h100-0 8 NVIDIA-H100-80GB-HBM3
+  echo ---
+  node gpu-h100-1 8 NVIDIA-H100-80GB-HBM3
+  echo ---
+  node gpu-l4-0 4 NVIDIA-L4
+  echo ---
+  node cpu-0 0 ""
+}
+
+up() {
+  build
+  [[ ! -f $DIR/pids/kube-apiserver ]] || die "$DIR holds a running test cluster; run down --dir $DIR first"
+  mkdir -p "$DIR"/{logs,pids,ports}
+  DIR=$(cd "$DIR" && pwd)
+  for name in etcd etcd-peer api kcm scheduler kwok; do free_port >"$DIR/ports/$name"; done
+  certificates
+  local etcd=http://127.0.0.1:$(cat "$DIR/ports/etcd")
+  start etcd "$BIN/etcd" --name testbed --data-dir "$DIR/etcd-data" \
+    --listen-client-urls "$etcd" --advertise-client-urls "$etcd" \
+    --listen-peer-urls "http://127.0.0.1:$(cat "$DIR/ports/etcd-peer")" \
+    --initial-advertise-peer-urls "http://127.0.0.1:$(cat "$DIR/ports/etcd-peer")" \
+    --initial-cluster "testbed=http://127.0.0.1:$(cat "$DIR/ports/etcd-peer")" \
+    --listen-metrics-urls "" --log-level warn --quota-backend-bytes 2147483648
+  wait_for etcd 60 curl -fsS "$etcd/health"
+  say "etcd up on $etcd"
+  start kube-apiserver "$BIN/kube-apiserver" --etcd-servers "$etcd" \
+    --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$(cat "$DIR/ports/api")" \
+    --tls-cert-file "$DIR/pki/apiserver.crt" --tls-private-key-file "$DIR/pki/apiserver.key" \
+    --client-ca-file "$DIR/pki/ca.crt" --authorization-mode RBAC \
+    --service-account-key-file "$DIR/pki/sa.pub" --service-account-signing-key-file "$DIR/pki/sa.key" \
+    --service-account-issuer https://kubernetes.default.svc.cluster.local \
+    --service-cluster-ip-range 10.96.0.0/16 --allow-privileged=true --cert-dir "$DIR/pki" \
+    --enable-priority-and-fairness=false --profiling=false
+  wait_for kube-apiserver 180 api GET /readyz
+  kubeconfig >"$DIR/kubeconfig"
+  chmod 600 "$DIR/kubeconfig"
+  say "kube-apiserver up on https://127.0.0.1:$(cat "$DIR/ports/api")"
+  start kube-controller-manager "$BIN/kube-controller-manager" --kubeconfig "$DIR/kubeconfig" \
+    --authentication-kubeconfig "$DIR/kubeconfig" --authorization-kubeconfig "$DIR/kubeconfig" \
+    --bind-address 127.0.0.1 --secure-port "$(cat "$DIR/ports/kcm")" --leader-elect=false \
+    --service-account-private-key-file "$DIR/pki/sa.key" --root-ca-file "$DIR/pki/ca.crt" \
+    --use-service-account-credentials=false --controllers '*,-nodeipam' \
+    --node-monitor-grace-period 20s --profiling=false
+  start kube-scheduler "$BIN/kube-scheduler" --kubeconfig "$DIR/kubeconfig" \
+    --authentication-kubeconfig "$DIR/kubeconfig" --authorization-kubeconfig "$DIR/kubeconfig" \
+    --bind-address 127.0.0.1 --secure-port "$(cat "$DIR/ports/scheduler")" --leader-elect=false \
+    --profiling=false
+  local stages
+  stages=$(go env GOMODCACHE)/sigs.k8s.io/kwok@$KWOK_VERSION/kustomize/stage
+  [[ -d $stages ]] || die "KWOK's stages are not in $stages; run build again"
+  start kwok "$BIN/kwok" --kubeconfig "$DIR/kubeconfig" --manage-all-nodes=false \
+    --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
+    --server-address "127.0.0.1:$(cat "$DIR/ports/kwok")" --node-ip 127.0.0.1 \
+    --config "$stages/node/fast/node-initialize.yaml" \
+    --config "$stages/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml" \
+    --config "$stages/pod/fast/pod-ready.yaml" --config "$stages/pod/general/pod-complete.yaml" \
+    --config "$stages/pod/fast/pod-delete.yaml" \
+    --config "$stages/pod/chaos/pod-container-running-failed.yaml"
+  nodes >"$DIR/nodes.yaml"
+  local doc
+  while IFS= read -r -d '' doc; do api POST /api/v1/nodes "$doc" >/dev/null; done < <(awk 'BEGIN{RS="---\n"; ORS="\0"} {print}' "$DIR/nodes.yaml")
+  wait_for "4 Ready nodes" 120 bash -c "[[ \$(curl -fsS --cacert '$DIR/pki/ca.crt' --cert '$DIR/pki/admin.crt' --key '$DIR/pki/admin.key' https://127.0.0.1:$(cat "$DIR/ports/api")/api/v1/nodes | grep -c '\"reason\": \"KubeletReady\"') -ge 4 ]]"
+  wait_for "the default service account" 60 api GET /api/v1/namespaces/default/serviceaccounts/default
+  say "up: 4 nodes (2 x 8 H100, 4 L4, 1 CPU); kubeconfig: $DIR/kubeconfig"
+}
+
+down() {
+  [[ -d $DIR/pids ]] || { say "nothing runs in $DIR"; return; }
+  local name pid
+  for name in kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
+    [[ -f $DIR/pids/$name ]] || continue
+    pid=$(cat "$DIR/pids/$name")
+    if kill -TERM "$pid" 2>/dev/null; then
+      for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+      kill -KILL "$pid" 2>/dev/null || true
+      say "stopped $name (pid $pid)"
+    fi
+    rm -f "$DIR/pids/$name"
+  done
+}
+
+command=${1:-}
+shift || true
+DIR=
+while (($#)); do
+  case $1 in
+  --dir) DIR=$2; shift 2 ;;
+  *) die "unknown option $1; use build, up --dir DIR or down --dir DIR" ;;
+  esac
+done
+case $command in
+build) build ;;
+up) [[ -n $DIR ]] || die "up needs --dir DIR"; up ;;
+down) [[ -n $DIR ]] || die "down needs --dir DIR"; down ;;
+*) die "use: $0 build | up --dir DIR | down --dir DIR" ;;
+esac

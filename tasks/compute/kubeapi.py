@@ -1,0 +1,254 @@
+"""A small synchronous client for the Kubernetes API: the credentials kubectl would use, and
+requests whose failures come back as one sentence (an RBAC refusal names the verb and the
+resource; an unreachable server names the address and the cause).
+
+Credentials, in kubectl's order: an explicit kubeconfig (a block's), else $KUBECONFIG (the
+first file that exists), else ~/.kube/config, else the pod's service account (in-cluster).
+Client certificates, bearer tokens and exec credential plugins (EKS, GKE) are supported.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import ssl
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from pydantic import BaseModel, SecretStr
+
+from tasks.errors import GpuflowError, InvalidSpec, TransientError
+
+IN_CLUSTER = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+VERBS = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
+
+
+class KubeError(GpuflowError):
+    """The API server refused a request; `status` and `reason` say how."""
+
+    def __init__(self, message: str, status: int = 0, reason: str = "") -> None:
+        super().__init__(message)
+        self.status, self.reason = status, reason
+
+
+class KubeUnreachable(TransientError):
+    """The API server did not answer."""
+
+
+class KubeConfig(BaseModel):
+    """Where the API server is and how to prove who we are."""
+
+    server: str
+    namespace: str = "default"
+    source: str  # where these credentials came from, for messages
+    ca_pem: str | None = None
+    insecure: bool = False
+    cert_pem: str | None = None
+    key_pem: SecretStr | None = None
+    token: SecretStr | None = None
+    exec_command: list[str] | None = None
+    exec_env: dict[str, str] = {}
+
+
+def load_config(kubeconfig: dict[str, Any] | None = None, context: str | None = None) -> KubeConfig:
+    """Return the credentials to use: `kubeconfig` (a parsed file, from a block), else
+    kubectl's own resolution. InvalidSpec says what is missing."""
+    if kubeconfig is not None:
+        return _from_kubeconfig(kubeconfig, context, "the cluster-config block")
+    paths = [p for p in os.environ.get("KUBECONFIG", "").split(os.pathsep) if p]
+    paths.append(str(Path.home() / ".kube" / "config"))
+    for path in paths:
+        if Path(path).is_file():
+            try:
+                loaded = yaml.safe_load(Path(path).read_text())
+            except (OSError, yaml.YAMLError) as exc:
+                raise InvalidSpec(f"the kubeconfig {path} cannot be read ({exc}); fix it") from None
+            return _from_kubeconfig(loaded or {}, context, path)
+    host, port = (
+        os.environ.get("KUBERNETES_SERVICE_HOST"),
+        os.environ.get("KUBERNETES_SERVICE_PORT"),
+    )
+    if host and port and (IN_CLUSTER / "token").is_file():
+        return KubeConfig(
+            server=f"https://{host}:{port}",
+            namespace=(IN_CLUSTER / "namespace").read_text().strip(),
+            source="this pod's service account",
+            ca_pem=(IN_CLUSTER / "ca.crt").read_text(),
+            token=SecretStr((IN_CLUSTER / "token").read_text().strip()),
+        )
+    raise InvalidSpec(
+        "placement: no Kubernetes credentials were found (no KUBECONFIG, no ~/.kube/config,"
+        " not in a pod); name a KubernetesGpuPool block in placement.block or set KUBECONFIG."
+    )
+
+
+def _from_kubeconfig(doc: dict[str, Any], context: str | None, source: str) -> KubeConfig:
+    def named(section: str, name: str | None) -> dict[str, Any]:
+        for entry in doc.get(section) or []:
+            if entry.get("name") == name:
+                return entry.get(section[:-1]) or {}
+        raise InvalidSpec(f"the kubeconfig {source} has no {section[:-1]} named {name!r}; fix it")
+
+    chosen = context or doc.get("current-context")
+    if not chosen:
+        raise InvalidSpec(f"the kubeconfig {source} names no current-context; set one")
+    ctx = named("contexts", chosen)
+    cluster, user = named("clusters", ctx.get("cluster")), named("users", ctx.get("user"))
+    if not cluster.get("server"):
+        raise InvalidSpec(f"the kubeconfig {source}: cluster of context {chosen!r} has no server")
+
+    def pem(data_key: str, file_key: str, where: dict[str, Any]) -> str | None:
+        if where.get(data_key):
+            return base64.b64decode(where[data_key]).decode()
+        return Path(where[file_key]).expanduser().read_text() if where.get(file_key) else None
+
+    exec_spec = user.get("exec") or {}
+    key = pem("client-key-data", "client-key", user)
+    token = user.get("token") or (
+        Path(user["tokenFile"]).read_text().strip() if user.get("tokenFile") else None
+    )
+    return KubeConfig(
+        server=cluster["server"].rstrip("/"),
+        namespace=ctx.get("namespace") or "default",
+        source=source,
+        ca_pem=pem("certificate-authority-data", "certificate-authority", cluster),
+        insecure=bool(cluster.get("insecure-skip-tls-verify")),
+        cert_pem=pem("client-certificate-data", "client-certificate", user),
+        key_pem=SecretStr(key) if key else None,
+        token=SecretStr(token) if token else None,
+        exec_command=[exec_spec["command"], *exec_spec.get("args", [])] if exec_spec else None,
+        exec_env={e["name"]: e["value"] for e in exec_spec.get("env") or []},
+    )
+
+
+class KubeApi:
+    """Requests to one API server, as one identity."""
+
+    def __init__(self, config: KubeConfig, timeout_s: float = 15.0) -> None:
+        self.config = config
+        self.namespace = config.namespace
+        headers = {"Accept": "application/json"}
+        token = config.token.get_secret_value() if config.token else None
+        cert_pem, key_pem = (
+            config.cert_pem,
+            config.key_pem.get_secret_value() if config.key_pem else None,
+        )
+        if config.exec_command:
+            token, cert_pem, key_pem = self._exec_credential(token, cert_pem, key_pem)
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        context = ssl.create_default_context()
+        if config.insecure:
+            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        elif config.ca_pem:
+            context = ssl.create_default_context(cadata=config.ca_pem)
+        if cert_pem and key_pem:
+            # ssl loads a client certificate only from files: private, removed at once
+            with tempfile.TemporaryDirectory(prefix="gpuflow-kube-") as folder:
+                cert, key = Path(folder) / "cert.pem", Path(folder) / "key.pem"
+                cert.write_text(cert_pem)
+                key.touch(mode=0o600)
+                key.write_text(key_pem)
+                context.load_cert_chain(cert, key)
+        self.http = httpx.Client(
+            base_url=config.server, headers=headers, verify=context, timeout=timeout_s
+        )
+
+    def _exec_credential(self, token, cert, key) -> tuple[Any, Any, Any]:
+        assert self.config.exec_command is not None
+        try:
+            done = subprocess.run(
+                self.config.exec_command,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env={**os.environ, **self.config.exec_env},
+            )
+            status = json.loads(done.stdout).get("status") or {}
+        except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+            raise InvalidSpec(
+                f"the kubeconfig's credential plugin {self.config.exec_command[0]!r} failed"
+                f" ({type(exc).__name__}); run it by hand to see why."
+            ) from None
+        return (
+            status.get("token", token),
+            status.get("clientCertificateData", cert),
+            status.get("clientKeyData", key),
+        )
+
+    def close(self) -> None:
+        self.http.close()
+
+    def request(
+        self, method: str, path: str, body: Any = None, params: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Return the decoded answer; KubeError (one sentence) when the server refuses,
+        KubeUnreachable when it does not answer."""
+        try:
+            answer = self.http.request(method, path, json=body, params=params)
+        except httpx.HTTPError as exc:
+            raise KubeUnreachable(
+                f"the Kubernetes API server {self.config.server} (from {self.config.source})"
+                f" did not answer: {exc or type(exc).__name__}."
+            ) from None
+        if answer.status_code < 400:
+            return answer.json() if answer.content else {}
+        raise refusal(method, path, answer)
+
+    def stream(self, path: str, params: dict[str, Any]) -> Iterator[str]:
+        """Yield the lines of a streamed answer (pod logs) until the server ends it."""
+        with self.http.stream("GET", path, params=params, timeout=None) as answer:
+            if answer.status_code >= 400:
+                answer.read()
+                raise refusal("GET", path, answer)
+            yield from answer.iter_lines()
+
+
+def refusal(method: str, path: str, answer: httpx.Response) -> KubeError:
+    """Return the API server's refusal as one sentence."""
+    try:
+        status = answer.json()
+    except ValueError:
+        status = {}
+    reason, message = status.get("reason", ""), status.get("message", answer.text[:300])
+    details = status.get("details") or {}
+    if answer.status_code == 403:
+        resource = details.get("kind") or _resource_of(path)
+        namespace = _namespace_of(path)
+        where = f" in namespace {namespace}" if namespace else ""
+        return KubeError(
+            f"Kubernetes refused to {VERBS.get(method, method.lower())} {resource}{where} for"
+            f" these credentials (RBAC: {message}); grant that verb in the Role gpuflow runs"
+            " with (infra/kubernetes) or use other credentials.",
+            403,
+            reason,
+        )
+    if answer.status_code == 401:
+        return KubeError(
+            f"Kubernetes did not accept these credentials ({message}); renew them.", 401, reason
+        )
+    return KubeError(
+        f"Kubernetes said {answer.status_code} {reason}: {message}", answer.status_code, reason
+    )
+
+
+def _resource_of(path: str) -> str:
+    parts = [p for p in path.split("?")[0].split("/") if p]
+    if "namespaces" in parts and len(parts) > parts.index("namespaces") + 2:
+        return parts[parts.index("namespaces") + 2]
+    return parts[-1] if parts else path
+
+
+def _namespace_of(path: str) -> str | None:
+    parts = [p for p in path.split("/") if p]
+    return (
+        parts[parts.index("namespaces") + 1]
+        if "namespaces" in parts and len(parts) > parts.index("namespaces") + 1
+        else None
+    )

@@ -1,0 +1,431 @@
+"""The Kubernetes backend: a run's cluster is a headless Service (one DNS name per node, the
+training rendezvous) plus a Secret with the job's variables; each work unit is a Job of one
+pod on its node's share of GPUs. Every object carries the run's owner labels, a deadline and
+a TTL of its own, so nothing outlives a dead orchestrator for long.
+
+Pending is never silent: a pod the scheduler cannot place is explained in one sentence from
+the scheduler's reason and the nodes' GPUs, waited for up to placement.gpu_wait when GPUs
+are only busy, and refused at once when no node could ever take it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from tasks.compute import k8s_objects as objects
+from tasks.compute.base import (
+    RUN_LABEL,
+    Cluster,
+    JobResult,
+    LineSink,
+    StopCheck,
+    TeardownReport,
+    WorkUnit,
+)
+from tasks.compute.k8s_pending import explain_pending, used_gpus
+from tasks.compute.kubeapi import KubeApi, KubeError, load_config
+from tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
+from tasks.spec import JobSpec
+
+POLL_S = 1.0
+
+
+class KubernetesBackend:
+    """provision -> a Service; run(unit) -> a Job; teardown -> every object of the run."""
+
+    name = "kubernetes"
+
+    def __init__(self, block: str | None = None, namespace: str | None = None) -> None:
+        self.block, self.namespace_wanted = block, namespace
+        self._api: KubeApi | None = None
+        self._settings: objects.KubeSettings | None = None
+
+    # -- where and how -----------------------------------------------------------------
+    def _pool(self) -> Any:
+        if not self.block:
+            return None
+        from blocks.kubernetes_pool import KubernetesGpuPool
+
+        try:
+            return KubernetesGpuPool.load(self.block)
+        except ValueError:
+            raise InvalidSpec(
+                f"placement.block: there is no KubernetesGpuPool block named {self.block!r};"
+                " create it or remove placement.block."
+            ) from None
+
+    def api(self) -> KubeApi:
+        """Return the API client: the block's cluster config, else kubectl's resolution."""
+        if self._api is None:
+            pool = self._pool()
+            kubeconfig = None
+            if pool is not None and pool.cluster_config is not None:
+                kubeconfig = pool.cluster_config.config
+            config = load_config(kubeconfig)
+            self._api = KubeApi(config)
+            self._api.namespace = (
+                self.namespace_wanted or (pool.namespace if pool else None) or config.namespace
+            )
+        return self._api
+
+    def settings(self, spec: JobSpec | None = None) -> objects.KubeSettings:
+        """Return how pods are made: spec over block over defaults."""
+        pool = self._pool()
+        values: dict[str, Any] = {"namespace": self.api().namespace}
+        if pool is not None:
+            values |= {
+                "image": pool.image,
+                "gpu_product": pool.gpu_product,
+                "tolerations": pool.tolerations,
+                "queue_name": pool.queue_name,
+                "priority_class_name": pool.priority_class_name,
+            }
+        if spec is not None:
+            values |= {
+                "image": spec.placement.image or values.get("image"),
+                "gpu_product": spec.resources.gpu_product or values.get("gpu_product"),
+                "shm_bytes": spec.resources.shm,
+                "cpu": spec.resources.cpu,
+                "memory_bytes": spec.resources.memory,
+            }
+        values = {k: v for k, v in values.items() if v is not None}
+        return objects.KubeSettings(**values)
+
+    def _use(self, block: str | None, namespace: str | None) -> None:
+        """Point this backend at `block`'s cluster and `namespace` (a spec's or a cluster's)."""
+        if (block, namespace) != (self.block, self.namespace_wanted):
+            self.block, self.namespace_wanted, self._api = block, namespace, None
+
+    def _use_cluster(self, cluster: Cluster) -> None:
+        config = cluster.backend_config
+        self._use(config.get("block") or None, config.get("namespace") or None)
+
+    # -- verbs -------------------------------------------------------------------------
+    def check(self, spec: JobSpec) -> None:
+        """Raise InvalidSpec when the namespace is missing or the credentials cannot read
+        it; makes nothing."""
+        self._use(spec.placement.block, spec.placement.namespace)
+        api = self.api()
+        try:
+            api.request("GET", f"/api/v1/namespaces/{api.namespace}")
+        except KubeError as exc:
+            if exc.status == 404:
+                raise InvalidSpec(
+                    f"placement.namespace: the namespace {api.namespace!r} does not exist on"
+                    f" {api.config.server}; create it or name another."
+                ) from None
+            if exc.status != 403:  # reading namespaces is not needed to run jobs
+                raise InvalidSpec(str(exc)) from None
+
+    def provision(self, spec: JobSpec, owner: Mapping[str, str]) -> Cluster:
+        """Return the run's cluster: its Service is the record. Idempotent: a retry adopts
+        the Service an earlier try made. Raises ProvisionError when the API refuses."""
+        self._use(spec.placement.block, spec.placement.namespace)
+        api = self.api()
+        name = objects.dns_name(f"gpuflow-{owner[RUN_LABEL]}")
+        path = f"/api/v1/namespaces/{api.namespace}/services"
+        existing = self._read(f"{path}/{name}")
+        if existing is not None:
+            return self._cluster_of(existing).model_copy(update={"adopted": True})
+        gpus, nodes = spec.resources.gpus, spec.resources.nodes
+        settings = self.settings(spec)
+        cluster = Cluster(
+            backend=self.name,
+            name=name,
+            owner=dict(owner),
+            hostname=objects.node_host_for(name, 0),
+            workspace=objects.WORKSPACE,
+            gpu_indices=list(range(gpus)),
+            gpu_products=[settings.gpu_product] * gpus if settings.gpu_product else [],
+            nodes=nodes,
+            node_names=[f"{objects.node_host_for(name, i)}.{name}" for i in range(nodes)],
+            rendezvous=f"{objects.node_host_for(name, 0)}.{name}:{objects.RENDEZVOUS_PORT}",
+            created_at=datetime.now(UTC),
+            backend_config={
+                "block": self.block or "",
+                "namespace": api.namespace,
+                "gpu_wait_s": str(spec.placement.gpu_wait),
+                "settings": settings.model_dump_json(),
+            },
+        )
+        try:
+            api.request("POST", path, objects.service(cluster, api.namespace))
+        except KubeError as exc:
+            if exc.status == 409:  # made meanwhile by a twin try: adopt it
+                return self._cluster_of(self._read(f"{path}/{name}") or {}).model_copy(
+                    update={"adopted": True}
+                )
+            raise ProvisionError(str(exc)) from None
+        return cluster
+
+    def run(
+        self,
+        cluster: Cluster,
+        unit: WorkUnit,
+        env: Mapping[str, str],
+        timeout_s: float,
+        on_line: LineSink,
+        should_stop: StopCheck | None = None,
+        grace_s: float = 30.0,
+    ) -> JobResult:
+        """Run `unit` as a Job of one pod and follow it to the end. A pod the scheduler
+        cannot place is explained; one evicted or whose node was lost is a preemption
+        (exit 75). On timeout, a stop or an interruption the Job is deleted (its pod gets
+        `grace_s`)."""
+        self._use_cluster(cluster)
+        api = self.api()
+        settings = objects.KubeSettings.model_validate_json(cluster.backend_config["settings"])
+        self._put_secret(cluster, dict(env))
+        job = objects.unit_job(cluster, unit, settings, int(timeout_s) + 1)
+        job_name = job["metadata"]["name"]
+        jobs = f"/apis/batch/v1/namespaces/{api.namespace}/jobs"
+        old = self._read(f"{jobs}/{job_name}")
+        if old is not None:  # an earlier try's Job: a retry starts afresh
+            self._delete(f"{jobs}/{job_name}", grace_s=0)
+            self._wait_gone(f"{jobs}/{job_name}")
+        try:
+            api.request("POST", jobs, job)
+        except KubeError as exc:
+            raise ProvisionError(f"could not create Job {job_name}: {exc}") from None
+        started = datetime.now(UTC)
+        follower = _LogFollower(api, on_line)
+        try:
+            outcome = self._follow(cluster, unit, job_name, timeout_s, should_stop, follower)
+        except BaseException:
+            self._delete(f"{jobs}/{job_name}", grace_s=grace_s)
+            raise
+        finally:
+            follower.stop()
+        if outcome.get("stop"):
+            self._delete(f"{jobs}/{job_name}", grace_s=grace_s)
+        ended = datetime.now(UTC)
+        return JobResult(
+            exit_code=outcome.get("exit_code"),
+            signal=outcome.get("signal"),
+            started_at=started,
+            ended_at=ended,
+            duration_s=(ended - started).total_seconds(),
+            timed_out=outcome.get("stop") == "timeout",
+            cancelled=outcome.get("stop") == "cancelled",
+            log_tail=list(follower.tail) or outcome.get("tail", []),
+        )
+
+    def _follow(
+        self,
+        cluster: Cluster,
+        unit: WorkUnit,
+        job_name: str,
+        timeout_s: float,
+        should_stop: StopCheck | None,
+        follower: _LogFollower,
+    ) -> dict[str, Any]:
+        api = self.api()
+        pods = f"/api/v1/namespaces/{api.namespace}/pods"
+        deadline = time.monotonic() + timeout_s
+        gpu_wait = float(cluster.backend_config.get("gpu_wait_s", "0"))
+        pending_since: float | None = None
+        seen: str | None = None
+        while True:
+            if time.monotonic() >= deadline:
+                return {"stop": "timeout", "exit_code": None}
+            if should_stop is not None and should_stop():
+                return {"stop": "cancelled", "exit_code": None}
+            found = api.request("GET", pods, params={"labelSelector": f"job-name={job_name}"})
+            pod = (found.get("items") or [None])[0]
+            if pod is None:
+                if seen is not None:  # its node went away and took the pod along
+                    return {"exit_code": PREEMPTED_EXIT_CODE, "tail": [f"pod {seen} was lost"]}
+                self._refused_creation(job_name)
+            else:
+                seen = pod["metadata"]["name"]
+                status = pod.get("status", {})
+                phase = status.get("phase")
+                if _disrupted(status):
+                    return {"exit_code": PREEMPTED_EXIT_CODE, "tail": [f"pod {seen} was disrupted"]}
+                if phase in ("Succeeded", "Failed"):
+                    return _terminated(status)
+                if phase == "Running":
+                    follower.start(f"{pods}/{seen}/log")
+                    pending_since = None
+                elif (why := _unschedulable(status)) is not None:
+                    pending_since = pending_since or time.monotonic()
+                    sentence, may_wait = self._explain(cluster, unit, why)
+                    if not may_wait:
+                        self._delete(
+                            f"/apis/batch/v1/namespaces/{api.namespace}/jobs/{job_name}", 0
+                        )
+                        raise ProvisionError(f"unit {unit.name} cannot be placed: {sentence}")
+                    if time.monotonic() - pending_since >= gpu_wait:
+                        self._delete(
+                            f"/apis/batch/v1/namespaces/{api.namespace}/jobs/{job_name}", 0
+                        )
+                        raise CapacityError(
+                            f"unit {unit.name} was not placed within placement.gpu_wait"
+                            f" ({gpu_wait:.0f} s): {sentence}"
+                        )
+            time.sleep(POLL_S)
+
+    def _refused_creation(self, job_name: str) -> None:
+        """Raise ProvisionError when the Job controller says it cannot make the pod (a
+        ResourceQuota, a policy); a pod still to come is no failure."""
+        api = self.api()
+        events = api.request(
+            "GET",
+            f"/api/v1/namespaces/{api.namespace}/events",
+            params={"fieldSelector": f"involvedObject.name={job_name},reason=FailedCreate"},
+        )
+        for event in events.get("items", []):
+            message = event.get("message", "")
+            if "exceeded quota" in message:
+                raise ProvisionError(
+                    f"the namespace's ResourceQuota refuses the pod ({message.split(': ', 1)[-1]});"
+                    " lower resources.gpus or ask for a larger quota."
+                )
+            raise ProvisionError(f"Kubernetes cannot create the pod: {message}")
+
+    def _explain(self, cluster: Cluster, unit: WorkUnit, why: str) -> tuple[str, bool]:
+        api = self.api()
+        settings = objects.KubeSettings.model_validate_json(cluster.backend_config["settings"])
+        gpus = cluster.gpus_per_node if unit.gpus is None else len(unit.gpus)
+        try:
+            nodes = api.request("GET", "/api/v1/nodes").get("items", [])
+            pods = api.request("GET", "/api/v1/pods").get("items", [])
+        except KubeError:  # may not list nodes: the scheduler's words are all there is
+            return f"the scheduler cannot place it yet: {why}.", True
+        return explain_pending(gpus, settings.gpu_product, nodes, used_gpus(pods), why)
+
+    def teardown(self, cluster: Cluster) -> TeardownReport:
+        """Delete every object of `cluster` (Jobs and their pods, the Secret, the Service).
+        Idempotent: objects already gone are no error."""
+        self._use_cluster(cluster)
+        api = self.api()
+        ns, selector = api.namespace, f"{objects.CLUSTER_LABEL}={cluster.name}"
+        service = self._read(f"/api/v1/namespaces/{ns}/services/{cluster.name}")
+        jobs = api.request(
+            "GET", f"/apis/batch/v1/namespaces/{ns}/jobs", params={"labelSelector": selector}
+        ).get("items", [])
+        for job in jobs:
+            self._delete(f"/apis/batch/v1/namespaces/{ns}/jobs/{job['metadata']['name']}", 0)
+        with contextlib.suppress(KubeError):  # pods go with their Jobs; this is quicker
+            api.request(
+                "DELETE", f"/api/v1/namespaces/{ns}/pods", params={"labelSelector": selector}
+            )
+        self._delete(f"/api/v1/namespaces/{ns}/secrets/{cluster.name}-env", 0)
+        self._delete(f"/api/v1/namespaces/{ns}/services/{cluster.name}", 0)
+        return TeardownReport(
+            name=cluster.name, already_gone=service is None and not jobs, killed_processes=len(jobs)
+        )
+
+    def list_owned(self, selector: Mapping[str, str]) -> list[Cluster]:
+        """Return the clusters (Services) whose labels include `selector`."""
+        api = self.api()
+        wanted = ",".join(f"{k}={objects.dns_name(v)}" for k, v in selector.items())
+        found = api.request(
+            "GET", f"/api/v1/namespaces/{api.namespace}/services", params={"labelSelector": wanted}
+        )
+        return [self._cluster_of(s) for s in found.get("items", [])]
+
+    # -- helpers -----------------------------------------------------------------------
+    def _cluster_of(self, service: dict[str, Any]) -> Cluster:
+        record = service.get("metadata", {}).get("annotations", {}).get(objects.CLUSTER_ANNOTATION)
+        if not record:
+            raise ProvisionError(
+                f"the Service {service.get('metadata', {}).get('name')} carries no gpuflow record"
+            )
+        return Cluster.model_validate_json(record)
+
+    def _read(self, path: str) -> dict[str, Any] | None:
+        try:
+            return self.api().request("GET", path)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def _delete(self, path: str, grace_s: float) -> None:
+        body = {"propagationPolicy": "Background", "gracePeriodSeconds": int(grace_s)}
+        try:
+            self.api().request("DELETE", path, body)
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+
+    def _wait_gone(self, path: str, limit_s: float = 30.0) -> None:
+        until = time.monotonic() + limit_s
+        while self._read(path) is not None and time.monotonic() < until:
+            time.sleep(0.2)
+
+    def _put_secret(self, cluster: Cluster, env: dict[str, str]) -> None:
+        api = self.api()
+        path = f"/api/v1/namespaces/{api.namespace}/secrets"
+        manifest = objects.secret(cluster, api.namespace, env)
+        try:
+            api.request("POST", path, manifest)
+        except KubeError as exc:
+            if exc.status != 409:
+                raise ProvisionError(f"could not store the job's variables: {exc}") from None
+            api.request("PUT", f"{path}/{cluster.name}-env", manifest)
+
+
+class _LogFollower:
+    """Streams a running pod's log lines to the sink in a thread of its own."""
+
+    def __init__(self, api: KubeApi, on_line: LineSink) -> None:
+        self.api, self.on_line = api, on_line
+        self.tail: deque[str] = deque(maxlen=40)
+        self.thread: threading.Thread | None = None
+        self.stopping = False
+
+    def start(self, path: str) -> None:
+        if self.thread is not None:
+            return
+        self.thread = threading.Thread(target=self._pump, args=(path,), daemon=True)
+        self.thread.start()
+
+    def _pump(self, path: str) -> None:
+        with contextlib.suppress(Exception):  # no logs (simulated pods) is no failure
+            for line in self.api.stream(path, {"follow": "true", "container": "unit"}):
+                if self.stopping:
+                    return
+                self.tail.append(line)
+                self.on_line("stdout", line)
+
+    def stop(self) -> None:
+        self.stopping = True
+        if self.thread is not None:
+            self.thread.join(timeout=2)
+
+
+def _unschedulable(status: dict[str, Any]) -> str | None:
+    for condition in status.get("conditions") or []:
+        scheduled = condition.get("type") == "PodScheduled" and condition.get("status") == "False"
+        if scheduled and condition.get("reason") == "Unschedulable":
+            return condition.get("message", "").strip().rstrip(".")
+    return None
+
+
+def _disrupted(status: dict[str, Any]) -> bool:
+    return (
+        any(
+            c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+            for c in status.get("conditions") or []
+        )
+        or status.get("reason") == "Evicted"
+    )
+
+
+def _terminated(status: dict[str, Any]) -> dict[str, Any]:
+    for container in status.get("containerStatuses") or []:
+        done = (container.get("state") or {}).get("terminated")
+        if done:
+            code = int(done.get("exitCode", 1))
+            if code > 128 and done.get("reason") != "Error":
+                return {"exit_code": None, "signal": code - 128}
+            return {"exit_code": code, "tail": [m] if (m := done.get("message")) else []}
+    return {"exit_code": 0 if status.get("phase") == "Succeeded" else 1}

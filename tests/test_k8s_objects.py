@@ -1,0 +1,184 @@
+"""The Kubernetes objects a run makes, why a pod is pending, and the API's refusals as one
+sentence. Pure: no API server."""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import UTC, datetime
+
+import httpx
+import pytest
+
+from tasks.compute.base import Cluster, WorkUnit, owner_labels
+from tasks.compute.k8s_objects import KubeSettings, secret, service, unit_job
+from tasks.compute.k8s_pending import explain_pending, used_gpus
+from tasks.compute.kubeapi import refusal
+
+RUN = "5b0c9c2e-58a4-4d43-9d7e-2f0f4a3a1b11"
+
+
+def cluster(gpus: int = 8, nodes: int = 2) -> Cluster:
+    name = f"gpuflow-{RUN}"
+    return Cluster(
+        backend="kubernetes",
+        name=name,
+        owner=owner_labels(RUN, "big-train"),
+        hostname=f"{name}-0",
+        workspace="/workspace",
+        gpu_indices=list(range(gpus)),
+        nodes=nodes,
+        created_at=datetime.now(UTC),
+    )
+
+
+def test_a_unit_job_asks_for_its_gpus_product_and_limits_on_the_object():
+    settings = KubeSettings(
+        namespace="ml",
+        image="registry.example/gpuflow:1.0",
+        gpu_product="NVIDIA-H100-80GB-HBM3",
+        queue_name="team-a",
+        priority_class_name="batch-high",
+        shm_bytes=8 * 2**30,
+    )
+    unit = WorkUnit(name="node-1", command=[sys.executable, "-m", "tasks.training.launch"], node=1)
+    job = unit_job(cluster(), unit, settings, deadline_s=3600)
+    pod = job["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    assert (
+        job["spec"]["activeDeadlineSeconds"] == 3600 and job["spec"]["ttlSecondsAfterFinished"] > 0
+    )
+    assert job["spec"]["backoffLimit"] == 0 and pod["restartPolicy"] == "Never"
+    assert pod["priorityClassName"] == "batch-high"
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert job["metadata"]["labels"]["gpuflow.io/flow-run-id"] == RUN
+    assert pod["hostname"] == f"gpuflow-{RUN}-1" and pod["subdomain"] == f"gpuflow-{RUN}"
+    assert container["command"][:3] == ["python", "-m", "tasks.training.launch"]  # the image's
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"]
+    assert shm == {"medium": "Memory", "sizeLimit": str(8 * 2**30)}
+    assert container["envFrom"] == [{"secretRef": {"name": f"gpuflow-{RUN}-env"}}]
+
+
+def test_a_cpu_unit_asks_for_no_gpu_and_tolerates_nothing():
+    unit = WorkUnit(name="main", command=["echo", "hi"], gpus=[])
+    pod = unit_job(cluster(gpus=0, nodes=1), unit, KubeSettings(gpu_product="NVIDIA-L4"), 60)
+    pod = pod["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in pod["containers"][0]["resources"]["limits"]
+    assert pod["tolerations"] == [] and "nodeSelector" not in pod
+
+
+def test_secrets_live_in_the_secret_never_in_a_manifest():
+    token = "s3cr3t-value-7f1e"
+    env = {"HF_TOKEN": token, "AWS_SECRET_ACCESS_KEY": token + "x"}
+    job = unit_job(cluster(), WorkUnit(name="main", command=["true"]), KubeSettings(), 60)
+    assert token not in json.dumps(job) and token not in json.dumps(service(cluster(), "ml"))
+    assert secret(cluster(), "ml", env)["stringData"] == env
+
+
+def test_the_service_is_headless_and_carries_the_cluster_record():
+    made = service(cluster(), "ml")
+    assert made["spec"]["clusterIP"] == "None" and made["spec"]["publishNotReadyAddresses"]
+    record = json.loads(made["metadata"]["annotations"]["gpuflow.io/cluster-json"])
+    assert record["nodes"] == 2 and record["name"] == f"gpuflow-{RUN}"
+
+
+def node(name: str, gpus: int, product: str | None) -> dict:
+    labels = {"nvidia.com/gpu.product": product} if product else {}
+    allocatable = {"cpu": "64", "nvidia.com/gpu": str(gpus)} if gpus else {"cpu": "64"}
+    return {"metadata": {"name": name, "labels": labels}, "status": {"allocatable": allocatable}}
+
+
+NODES = [
+    node("gpu-h100-0", 8, "NVIDIA-H100-80GB-HBM3"),
+    node("gpu-h100-1", 8, "NVIDIA-H100-80GB-HBM3"),
+    node("gpu-l4-0", 4, "NVIDIA-L4"),
+    node("cpu-0", 0, None),
+]
+SCHEDULER = (
+    "0/4 nodes are available: 1 node(s) didn't match Pod's node affinity/selector, 3 Insufficient"
+    " nvidia.com/gpu. preemption: 0/4 nodes are available: 4 No preemption victims found."
+)
+
+
+@pytest.mark.parametrize(
+    "gpus, product, used, expected, may_wait",
+    [
+        (
+            16,
+            "NVIDIA-H100-80GB-HBM3",
+            {},
+            "needs 16 x nvidia.com/gpu on NVIDIA-H100-80GB-HBM3; the largest node has 8 in all;"
+            " lower resources.gpus or use 2 nodes (resources.nodes) of 8 GPUs.",
+            False,
+        ),
+        (
+            1,
+            "NVIDIA-A100-SXM4-80GB",
+            {},
+            "no node has NVIDIA-A100-SXM4-80GB GPUs (the nodes offer: NVIDIA-H100-80GB-HBM3,"
+            " NVIDIA-L4); set resources.gpu_product to one of them or leave it out.",
+            False,
+        ),
+        (
+            8,
+            "NVIDIA-H100-80GB-HBM3",
+            {"gpu-h100-0": 8, "gpu-h100-1": 4},
+            "needs 8 x nvidia.com/gpu on NVIDIA-H100-80GB-HBM3; the most free on any such node"
+            " now is 4 (the rest are busy); waiting for GPUs to free up.",
+            True,
+        ),
+        (
+            2,
+            None,
+            {},
+            "the scheduler cannot place it yet: 0/4 nodes are available: 1 node(s) didn't match"
+            " Pod's node affinity/selector, 3 Insufficient nvidia.com/gpu.",
+            True,
+        ),
+    ],
+)
+def test_pending_is_explained_in_one_sentence(gpus, product, used, expected, may_wait):
+    assert explain_pending(gpus, product, NODES, used, SCHEDULER) == (expected, may_wait)
+
+
+def test_a_cluster_without_gpu_nodes_says_so():
+    sentence, may_wait = explain_pending(1, None, [node("cpu-0", 0, None)], {}, SCHEDULER)
+    assert sentence.startswith("the cluster has no node with nvidia.com/gpu") and not may_wait
+
+
+def test_gpus_in_use_count_bound_unfinished_pods_only():
+    def pod(node_name, gpus, phase):
+        limits = {"nvidia.com/gpu": str(gpus)}
+        return {
+            "spec": {"nodeName": node_name, "containers": [{"resources": {"limits": limits}}]},
+            "status": {"phase": phase},
+        }
+
+    pods = [
+        pod("a", 4, "Running"),
+        pod("a", 2, "Pending"),
+        pod("a", 8, "Succeeded"),
+        pod(None, 8, "Pending"),
+    ]
+    assert used_gpus(pods) == {"a": 6}
+
+
+def test_an_rbac_refusal_names_the_verb_the_resource_and_the_namespace():
+    body = {
+        "kind": "Status",
+        "reason": "Forbidden",
+        "message": 'jobs.batch is forbidden: User "system:serviceaccount:ml:gpuflow" cannot create'
+        ' resource "jobs" in API group "batch" in the namespace "ml"',
+        "details": {"group": "batch", "kind": "jobs"},
+    }
+    error = refusal("POST", "/apis/batch/v1/namespaces/ml/jobs", httpx.Response(403, json=body))
+    text = str(error)
+    assert text.startswith(
+        "Kubernetes refused to create jobs in namespace ml for these credentials"
+    )
+    assert error.status == 403 and text.count(". ") == 0
