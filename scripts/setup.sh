@@ -19,6 +19,8 @@ if $want_test; then
     command -v prometheus-pushgateway >/dev/null || apt_packages+=(prometheus-pushgateway)
     command -v promtool >/dev/null || apt_packages+=(prometheus)  # promtool checks infra/ rules
     command -v chromium >/dev/null || apt_packages+=(chromium)    # loads the Prefect UI headless
+    command -v curl >/dev/null || apt_packages+=(curl)            # the Kubernetes test cluster's
+    command -v openssl >/dev/null || apt_packages+=(openssl)      # certificates and first calls
 fi
 if $want_render; then
     command -v blender >/dev/null || apt_packages+=(blender)  # renders run the real Blender
@@ -56,4 +58,9 @@ extra=""
 $want_test && extra="[test]"
 step "installing gpuflow and its dependencies${extra:+ with the test tools} into .venv (pip: only what is missing)"
 $py -m pip install -q -e ".$extra"
+if $want_test; then
+    # The Kubernetes test cluster: built once from the Go module proxy, cached under $HOME.
+    step "building the Kubernetes test cluster (cold: about half an hour on 2 cores; cached after)"
+    bash scripts/k8s-testbed.sh build
+fi
 step "ready"

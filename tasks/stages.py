@@ -90,8 +90,22 @@ def provision(spec: JobSpec, owner: dict[str, str]) -> Cluster:
 @task(name="preflight", cache_policy=None)
 def preflight(spec: JobSpec, cluster: Cluster) -> preflight_checks.PreflightReport:
     """Return the preflight report; raise PreflightFailed when the verdict is fail."""
-    facts = preflight_checks.inspect(cluster.workspace, kind_of(spec).uses_torch(spec))
-    report = preflight_checks.verdict(spec, facts, cluster.gpu_indices)
+    backend = get_backend(cluster.backend)
+    if getattr(backend, "checks_host", False):
+        facts = preflight_checks.inspect(cluster.workspace, kind_of(spec).uses_torch(spec))
+        report = preflight_checks.verdict(spec, facts, cluster.gpu_indices)
+    else:  # the job's machines are elsewhere: the scheduler matches their GPUs
+        facts = preflight_checks.inspect(".", False)
+        where = preflight_checks.Check(
+            name="nodes",
+            level="pass",
+            message=f"{cluster.nodes} {cluster.backend} node(s) x {cluster.gpus_per_node} GPU(s)"
+            f"{' of ' + cluster.gpu_products[0] if cluster.gpu_products else ''}, placed by"
+            " the cluster's scheduler.",
+        )
+        report = preflight_checks.PreflightReport(
+            verdict="pass", checks=[where], facts=facts, gpus_reserved=cluster.gpu_indices
+        )
     extra = kind_of(spec).preflight_rows(spec, cluster)
     if extra:
         checks = [*report.checks, *(preflight_checks.Check(**c) for c in extra)]
@@ -284,7 +298,7 @@ def _priced(spec: JobSpec, cluster: Cluster) -> dict[str, Any]:
     """Return what is priced: the backend, the GPUs held, CPU cores and disk."""
     return {
         "backend": cluster.backend,
-        "products": cluster.gpu_products,
+        "products": cluster.gpu_products * cluster.nodes,
         "cpu_cores": spec.resources.cpu or 1.0,
         "disk_bytes": spec.resources.disk,
     }

@@ -99,6 +99,7 @@ class Backend(Protocol):
     """Every backend speaks these verbs; each says what it does on retry and when things are gone."""
 
     name: str
+    checks_host: bool  # True when the job runs on this machine (preflight inspects it)
 
     def check(self, spec: JobSpec) -> None:
         """Raise InvalidSpec if this backend cannot run `spec`; makes nothing."""

@@ -40,6 +40,7 @@ class KubernetesBackend:
     """provision -> a Service; run(unit) -> a Job; teardown -> every object of the run."""
 
     name = "kubernetes"
+    checks_host = False  # the scheduler matches nodes; the job's GPUs are not this machine's
 
     def __init__(self, block: str | None = None, namespace: str | None = None) -> None:
         self.block, self.namespace_wanted = block, namespace

@@ -76,6 +76,7 @@ class LocalBackend:
     """This host: GPUs by CUDA_VISIBLE_DEVICES, a workspace folder, process groups."""
 
     name = "local"
+    checks_host = True  # the job runs here: preflight inspects this machine's GPUs and disk
 
     def __init__(self, home: Path | None = None) -> None:
         self.home = (home or gpuflow_home()) / "local"

@@ -1,0 +1,211 @@
+"""The Kubernetes backend against a real control plane (etcd, kube-apiserver, scheduler,
+controller-manager on loopback) with KWOK's simulated GPU nodes: two 8 x H100, one 4 x L4,
+one CPU-only (scripts/k8s-testbed.sh). Faults are injected at the API server: a test
+labels a pod for KWOK's failure stage, or deletes a node."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.compute.base import WorkUnit, owner_labels
+from tasks.compute.kubeapi import KubeApi, load_config
+from tasks.compute.kubernetes import KubernetesBackend
+from tasks.errors import ProvisionError
+from tasks.spec import load_spec
+from tasks.stages import run_units
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+H100 = "NVIDIA-H100-80GB-HBM3"
+FAIL_LABEL = "pod-container-running-failed.stage.kwok.x-k8s.io"
+
+
+@pytest.fixture(scope="session")
+def testbed(tmp_path_factory):
+    """The test cluster, up for the whole session, stopped by PID at its end."""
+    folder = tmp_path_factory.mktemp("k8s-testbed")
+    script = ROOT / "scripts" / "k8s-testbed.sh"
+    subprocess.run(["bash", str(script), "up", "--dir", str(folder)], check=True, timeout=900)
+    yield folder / "kubeconfig"
+    subprocess.run(["bash", str(script), "down", "--dir", str(folder)], check=True, timeout=120)
+
+
+@pytest.fixture
+def kube(testbed, monkeypatch) -> KubeApi:
+    monkeypatch.setenv("KUBECONFIG", str(testbed))
+    return KubeApi(load_config())
+
+
+def spec_for(gpus: int = 1, product: str | None = H100, nodes: int = 1, **placement):
+    resources = {"gpus": gpus, "nodes": nodes, **({"gpu_product": product} if product else {})}
+    return load_spec(
+        {
+            "name": "k8s-test",
+            "job": {"kind": "command", "command": ["echo", "hello"]},
+            "resources": resources,
+            "placement": {"backend": "kubernetes", **placement},
+        }
+    )
+
+
+def owned(kube: KubeApi, run_id: str) -> list[str]:
+    """Return every object left in the namespace with this run's label, as kind/name."""
+    selector = {"labelSelector": f"gpuflow.io/flow-run-id={run_id}"}
+    left = []
+    for kind, path in [
+        ("service", "/api/v1/namespaces/default/services"),
+        ("secret", "/api/v1/namespaces/default/secrets"),
+        ("job", "/apis/batch/v1/namespaces/default/jobs"),
+        ("pod", "/api/v1/namespaces/default/pods"),
+    ]:
+        items = kube.request("GET", path, params=selector).get("items", [])
+        left += [f"{kind}/{i['metadata']['name']}" for i in items if not _terminating(i)]
+    return left
+
+
+def _terminating(item: dict) -> bool:
+    return bool(item["metadata"].get("deletionTimestamp"))
+
+
+def wait_gone(kube: KubeApi, run_id: str, seconds: float = 60) -> list[str]:
+    until = time.monotonic() + seconds
+    while (left := owned(kube, run_id)) and time.monotonic() < until:
+        time.sleep(0.5)
+    return left
+
+
+def test_a_unit_runs_as_a_job_on_a_node_of_the_product_and_teardown_leaves_nothing(kube):
+    backend = KubernetesBackend()
+    spec = spec_for(gpus=4, product="NVIDIA-L4")
+    backend.check(spec)
+    run_id = "run-l4-single"
+    cluster = backend.provision(spec, owner_labels(run_id, "k8s-test"))
+    again = backend.provision(spec, owner_labels(run_id, "k8s-test"))
+    assert again.adopted and again.name == cluster.name  # a retried provision adopts
+    [unit] = [WorkUnit(name="main", command=["echo", "hello"])]
+    result = backend.run(cluster, unit, {"TOKEN": "t0p-s3cret"}, 120, lambda *_: None)
+    assert result.exit_code == 0 and not result.timed_out
+    job = kube.request("GET", f"/apis/batch/v1/namespaces/default/jobs/{cluster.name}-main")
+    pod_spec = job["spec"]["template"]["spec"]
+    assert pod_spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert pod_spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-L4"}
+    assert job["spec"]["activeDeadlineSeconds"] >= 120
+    assert "t0p-s3cret" not in str(job)  # the variables are in the Secret
+    [pod] = kube.request(
+        "GET",
+        "/api/v1/namespaces/default/pods",
+        params={"labelSelector": f"job-name={cluster.name}-main"},
+    )["items"]
+    assert pod["spec"]["nodeName"] == "gpu-l4-0" and pod["status"]["phase"] == "Succeeded"
+    assert len(set(owned(kube, run_id))) == 4  # service, secret, job, pod
+    report = backend.teardown(cluster)
+    assert not report.already_gone
+    assert wait_gone(kube, run_id) == []
+    assert backend.teardown(cluster).already_gone
+    assert backend.list_owned({"gpuflow.io/flow-run-id": run_id}) == []
+
+
+def test_two_nodes_run_one_unit_each_with_stable_names(kube):
+    backend = KubernetesBackend()
+    spec = spec_for(gpus=8, nodes=2)
+    cluster = backend.provision(spec, owner_labels("run-two-nodes", "k8s-test"))
+    assert cluster.rendezvous == f"{cluster.name}-0.{cluster.name}:29400"
+    units = [WorkUnit(name=f"node-{i}", command=["true"], node=i) for i in (0, 1)]
+    result = run_units(
+        backend, cluster, units, {}, 120, lambda u: lambda *_: None, lambda: False, 5
+    )
+    assert result.exit_code == 0
+    pods = kube.request(
+        "GET",
+        "/api/v1/namespaces/default/pods",
+        params={"labelSelector": f"gpuflow.io/cluster={cluster.name}"},
+    )["items"]
+    assert sorted(p["spec"]["hostname"] for p in pods) == [f"{cluster.name}-0", f"{cluster.name}-1"]
+    assert {p["spec"]["nodeName"] for p in pods} <= {"gpu-h100-0", "gpu-h100-1"}
+    backend.teardown(cluster)
+    assert wait_gone(kube, "run-two-nodes") == []
+
+
+@pytest.mark.parametrize(
+    "gpus, product, expected",
+    [
+        (
+            16,
+            H100,
+            f"needs 16 x nvidia.com/gpu on {H100}; the largest node has 8 in all; lower resources.gpus or use 2 nodes",
+        ),
+        (
+            1,
+            "NVIDIA-A100-SXM4-80GB",
+            "no node has NVIDIA-A100-SXM4-80GB GPUs (the nodes offer: NVIDIA-H100-80GB-HBM3, NVIDIA-L4)",
+        ),
+    ],
+)
+def test_a_pod_no_node_can_take_is_refused_in_one_sentence(kube, gpus, product, expected):
+    backend = KubernetesBackend()
+    run_id = f"run-pending-{gpus}"
+    cluster = backend.provision(
+        spec_for(gpus=gpus, product=product), owner_labels(run_id, "k8s-test")
+    )
+    with pytest.raises(ProvisionError) as refused:
+        backend.run(cluster, WorkUnit(name="main", command=["true"]), {}, 120, lambda *_: None)
+    assert expected in str(refused.value)
+    backend.teardown(cluster)
+    assert wait_gone(kube, run_id) == []
+
+
+def test_a_unit_that_fails_reports_its_exit_code(kube):
+    backend = KubernetesBackend()
+    run_id = "run-fails"
+    cluster = backend.provision(spec_for(gpus=1), owner_labels(run_id, "k8s-test"))
+
+    def inject() -> None:  # at the API server: KWOK's failure stage, exit code 3
+        until = time.monotonic() + 60
+        while time.monotonic() < until:
+            pods = kube.request(
+                "GET",
+                "/api/v1/namespaces/default/pods",
+                params={"labelSelector": f"job-name={cluster.name}-main"},
+            )["items"]
+            if pods:
+                patch = {
+                    "metadata": {
+                        "labels": {FAIL_LABEL: "true"},
+                        "annotations": {
+                            f"{FAIL_LABEL}/exit-code": "3",
+                            "pod-complete.stage.kwok.x-k8s.io/delay": "60s",
+                        },
+                    }
+                }
+                kube.http.patch(
+                    f"/api/v1/namespaces/default/pods/{pods[0]['metadata']['name']}",
+                    json=patch,
+                    headers={"Content-Type": "application/strategic-merge-patch+json"},
+                ).raise_for_status()
+                return
+            time.sleep(0.05)
+
+    injector = threading.Thread(target=inject)
+    injector.start()
+    result = backend.run(cluster, WorkUnit(name="main", command=["true"]), {}, 120, lambda *_: None)
+    injector.join()
+    assert result.exit_code == 3
+    backend.teardown(cluster)
+
+
+def test_the_pipeline_runs_a_job_on_kubernetes_and_leaves_nothing(kube, prefect_api, gpuflow_home):
+    from flows.pipeline import gpu_pipeline
+    from tests.e2e.helpers import artifacts_of
+
+    state = gpu_pipeline(spec_for(gpus=8), return_state=True)
+    assert state.is_completed(), state.message
+    run_id = str(state.state_details.flow_run_id)
+    assert state.result().exit_code == 0
+    preflight = str(artifacts_of(run_id)["gpuflow-preflight"].data)
+    assert f"1 kubernetes node(s) x 8 GPU(s) of {H100}" in preflight
+    assert wait_gone(kube, run_id) == []
