@@ -193,7 +193,7 @@ up() {
     --server-address "127.0.0.1:$(cat "$DIR/ports/kwok")" --node-ip 127.0.0.1 \
     --config "$stages/node/fast/node-initialize.yaml" \
     --config "$stages/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml" \
-    --config "$stages/pod/fast/pod-ready.yaml" --config "$stages/pod/general/pod-complete.yaml" \
+    --config "$stages/pod/fast/pod-ready.yaml" --config "$HERE/testbed/kwok/pod-complete.yaml" \
     --config "$stages/pod/fast/pod-delete.yaml" \
     --config "$stages/pod/chaos/pod-container-running-failed.yaml"
   nodes >"$DIR/nodes.yaml"

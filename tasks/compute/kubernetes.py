@@ -254,6 +254,9 @@ class KubernetesBackend:
                 if phase == "Running":
                     follower.start(f"{pods}/{seen}/log")
                     pending_since = None
+                    node = pod["spec"].get("nodeName")
+                    if node and self._node_gone(node):  # lost with its node: no need to wait
+                        return {"exit_code": PREEMPTED_EXIT_CODE, "tail": [f"node {node} was lost"]}
                 elif (why := _unschedulable(status)) is not None:
                     pending_since = pending_since or time.monotonic()
                     sentence, may_wait = self._explain(cluster, unit, why)
@@ -271,6 +274,14 @@ class KubernetesBackend:
                             f" ({gpu_wait:.0f} s): {sentence}"
                         )
             time.sleep(POLL_S)
+
+    def _node_gone(self, node: str) -> bool:
+        """Return True when `node` no longer exists (credentials that may not read nodes
+        leave this to the pod garbage collector's DisruptionTarget)."""
+        try:
+            return self._read(f"/api/v1/nodes/{node}") is None
+        except KubeError:
+            return False
 
     def _refused_creation(self, job_name: str) -> None:
         """Raise ProvisionError when the Job controller says it cannot make the pod (a

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 H100 = "NVIDIA-H100-80GB-HBM3"
 FAIL_LABEL = "pod-container-running-failed.stage.kwok.x-k8s.io"
+SLEEPER = WorkUnit(name="main", command=["sleep", "300"])  # the testbed runs it for 300 s
 
 
 @pytest.fixture(scope="session")
@@ -176,10 +177,7 @@ def test_a_unit_that_fails_reports_its_exit_code(kube):
                 patch = {
                     "metadata": {
                         "labels": {FAIL_LABEL: "true"},
-                        "annotations": {
-                            f"{FAIL_LABEL}/exit-code": "3",
-                            "pod-complete.stage.kwok.x-k8s.io/delay": "60s",
-                        },
+                        "annotations": {f"{FAIL_LABEL}/exit-code": "3"},
                     }
                 }
                 kube.http.patch(
@@ -192,7 +190,7 @@ def test_a_unit_that_fails_reports_its_exit_code(kube):
 
     injector = threading.Thread(target=inject)
     injector.start()
-    result = backend.run(cluster, WorkUnit(name="main", command=["true"]), {}, 120, lambda *_: None)
+    result = backend.run(cluster, SLEEPER, {}, 600, lambda *_: None)
     injector.join()
     assert result.exit_code == 3
     backend.teardown(cluster)
@@ -209,3 +207,176 @@ def test_the_pipeline_runs_a_job_on_kubernetes_and_leaves_nothing(kube, prefect_
     preflight = str(artifacts_of(run_id)["gpuflow-preflight"].data)
     assert f"1 kubernetes node(s) x 8 GPU(s) of {H100}" in preflight
     assert wait_gone(kube, run_id) == []
+
+
+def pods_of(kube: KubeApi, selector: str, namespace: str = "default") -> list[dict]:
+    return kube.request(
+        "GET", f"/api/v1/namespaces/{namespace}/pods", params={"labelSelector": selector}
+    )["items"]
+
+
+def patch_pod(kube: KubeApi, name: str, patch: dict, namespace: str = "default") -> None:
+    kube.http.patch(
+        f"/api/v1/namespaces/{namespace}/pods/{name}",
+        json=patch,
+        headers={"Content-Type": "application/strategic-merge-patch+json"},
+    ).raise_for_status()
+
+
+def when_running(kube: KubeApi, selector: str, then, seconds: float = 60) -> threading.Thread:
+    """Call `then(pod)` once the first pod matching `selector` runs; in a thread."""
+
+    def watch() -> None:
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            pods = pods_of(kube, selector)
+            if pods and pods[0]["status"].get("phase") == "Running":
+                then(pods[0])
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    return thread
+
+
+def test_a_lost_node_is_a_preemption(kube, testbed):
+    backend = KubernetesBackend()
+    run_id = "run-node-lost"
+    cluster = backend.provision(spec_for(gpus=8), owner_labels(run_id, "k8s-test"))
+    lost: list[str] = []
+
+    def lose_node(pod: dict) -> None:
+        lost.append(pod["spec"]["nodeName"])
+        kube.request("DELETE", f"/api/v1/nodes/{lost[0]}")
+
+    watcher = when_running(kube, f"job-name={cluster.name}-main", lose_node)
+    try:
+        result = backend.run(
+            cluster, WorkUnit(name="main", command=["true"]), {}, 300, lambda *_: None
+        )
+        watcher.join()
+        assert result.exit_code == 75  # preempted: the run stage retries and resumes
+    finally:
+        backend.teardown(cluster)
+        nodes = (testbed.parent / "nodes.yaml").read_text().split("---\n")
+        for doc in nodes:
+            if lost and f"name: {lost[0]}\n" in doc:
+                kube.http.post(
+                    "/api/v1/nodes", content=doc, headers={"Content-Type": "application/yaml"}
+                ).raise_for_status()
+        wait_ready(kube, lost)
+
+
+def wait_ready(kube: KubeApi, names: list[str], seconds: float = 60) -> None:
+    until = time.monotonic() + seconds
+    for name in names:
+        while time.monotonic() < until:
+            node = kube.request("GET", f"/api/v1/nodes/{name}")
+            conditions = {c["type"]: c["status"] for c in node["status"].get("conditions", [])}
+            if conditions.get("Ready") == "True":
+                break
+            time.sleep(0.2)
+
+
+def test_busy_gpus_are_waited_for_then_a_retryable_capacity_error(kube):
+    from tasks.errors import CapacityError, is_retryable
+
+    blocker = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "l4-blocker"},  # owned by no Job: the testbed keeps it running
+        "spec": {
+            "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-L4"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+            "containers": [
+                {"name": "c", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "4"}}}
+            ],
+        },
+    }
+    kube.request("POST", "/api/v1/namespaces/default/pods", blocker)
+    backend = KubernetesBackend()
+    run_id = "run-busy"
+    spec = spec_for(gpus=4, product="NVIDIA-L4", gpu_wait="3s")
+    cluster = backend.provision(spec, owner_labels(run_id, "k8s-test"))
+    try:
+        with pytest.raises(CapacityError) as busy:
+            backend.run(cluster, WorkUnit(name="main", command=["true"]), {}, 120, lambda *_: None)
+        assert is_retryable(busy.value)
+        assert "not placed within placement.gpu_wait (3 s)" in str(busy.value)
+        assert (
+            "needs 4 x nvidia.com/gpu on NVIDIA-L4; the most free on any such node now is 0"
+            in str(busy.value)
+        )
+    finally:
+        kube.request(
+            "DELETE", "/api/v1/namespaces/default/pods/l4-blocker", {"gracePeriodSeconds": 0}
+        )
+        backend.teardown(cluster)
+    assert wait_gone(kube, run_id) == []
+
+
+def test_a_gpu_quota_is_named(kube):
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "quota-test"}}
+    kube.request("POST", "/api/v1/namespaces", namespace)
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "gpus"},
+        "spec": {"hard": {"requests.nvidia.com/gpu": "2"}},
+    }
+    kube.request("POST", "/api/v1/namespaces/quota-test/resourcequotas", quota)
+    backend = KubernetesBackend()
+    spec = spec_for(gpus=4, product="NVIDIA-L4", namespace="quota-test")
+    backend.check(spec)
+    cluster = backend.provision(spec, owner_labels("run-quota", "k8s-test"))
+    with pytest.raises(ProvisionError, match="the namespace's ResourceQuota refuses the pod"):
+        backend.run(cluster, WorkUnit(name="main", command=["true"]), {}, 120, lambda *_: None)
+    backend.teardown(cluster)
+
+
+def test_a_missing_namespace_is_named_before_anything_is_made(kube):
+    from tasks.errors import InvalidSpec
+
+    with pytest.raises(
+        InvalidSpec, match=r"placement\.namespace: the namespace 'no-such-team' does not exist"
+    ):
+        KubernetesBackend().check(spec_for(namespace="no-such-team"))
+
+
+def test_a_stopped_unit_is_deleted_and_teardown_leaves_nothing(kube):
+    backend = KubernetesBackend()
+    run_id = "run-cancelled"
+    cluster = backend.provision(spec_for(gpus=1), owner_labels(run_id, "k8s-test"))
+    running = threading.Event()
+    watcher = when_running(kube, f"job-name={cluster.name}-main", lambda pod: running.set())
+    result = backend.run(
+        cluster,
+        WorkUnit(name="main", command=["true"]),
+        {},
+        300,
+        lambda *_: None,
+        running.is_set,
+        1,
+    )
+    watcher.join()
+    assert result.cancelled and result.exit_code is None
+    jobs = f"/apis/batch/v1/namespaces/default/jobs/{cluster.name}-main"
+    until = time.monotonic() + 30
+    while _exists(kube, jobs) and time.monotonic() < until:
+        time.sleep(0.2)
+    assert not _exists(kube, jobs)  # the stopped unit's Job was deleted
+    backend.teardown(cluster)
+    assert wait_gone(kube, run_id) == []
+
+
+def _exists(kube: KubeApi, path: str) -> bool:
+    from tasks.compute.kubeapi import KubeError
+
+    try:
+        found = kube.request("GET", path)
+    except KubeError as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return not found["metadata"].get("deletionTimestamp")
