@@ -59,10 +59,10 @@ def owned(kube: KubeApi, run_id: str) -> list[str]:
     selector = {"labelSelector": f"gpuflow.io/flow-run-id={run_id}"}
     left = []
     for kind, path in [
-        ("service", "/api/v1/namespaces/default/services"),
-        ("secret", "/api/v1/namespaces/default/secrets"),
-        ("job", "/apis/batch/v1/namespaces/default/jobs"),
-        ("pod", "/api/v1/namespaces/default/pods"),
+        ("service", f"/api/v1/namespaces/{kube.namespace}/services"),
+        ("secret", f"/api/v1/namespaces/{kube.namespace}/secrets"),
+        ("job", f"/apis/batch/v1/namespaces/{kube.namespace}/jobs"),
+        ("pod", f"/api/v1/namespaces/{kube.namespace}/pods"),
     ]:
         items = kube.request("GET", path, params=selector).get("items", [])
         left += [f"{kind}/{i['metadata']['name']}" for i in items if not _terminating(i)]
@@ -380,3 +380,96 @@ def _exists(kube: KubeApi, path: str) -> bool:
             return False
         raise
     return not found["metadata"].get("deletionTimestamp")
+
+
+def apply(kube: KubeApi, doc: dict, namespace: str) -> None:
+    paths = {
+        "ServiceAccount": f"/api/v1/namespaces/{namespace}/serviceaccounts",
+        "Role": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/roles",
+        "RoleBinding": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings",
+        "ClusterRole": "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+    }
+    kube.request("POST", paths[doc["kind"]], doc)
+
+
+def test_the_backend_runs_with_exactly_its_role_and_one_verb_less_is_named(
+    kube, tmp_path, monkeypatch
+):
+    import yaml
+
+    namespace = "rbac-test"
+    kube.request(
+        "POST",
+        "/api/v1/namespaces",
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+    )
+    docs = list(
+        yaml.safe_load_all((ROOT / "infra" / "kubernetes" / "backend-rbac.yaml").read_text())
+    )
+    for doc in docs:
+        if doc["kind"] != "ClusterRole":  # the optional node reader stays unbound here
+            apply(kube, doc, namespace)
+    request = {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenRequest",
+        "spec": {"expirationSeconds": 3600},
+    }
+    token = kube.request(
+        "POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/gpuflow/token", request
+    )["status"]["token"]
+    admin = yaml.safe_load(Path(kube.config.source).read_text())
+    limited = {
+        **admin,
+        "users": [{"name": "gpuflow", "user": {"token": token}}],
+        "contexts": [
+            {
+                "name": "gpuflow",
+                "context": {
+                    "cluster": admin["clusters"][0]["name"],
+                    "user": "gpuflow",
+                    "namespace": namespace,
+                },
+            }
+        ],
+        "current-context": "gpuflow",
+    }
+    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(limited))
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
+
+    backend = KubernetesBackend()
+    spec = spec_for(gpus=1)
+    backend.check(spec)  # may not read namespaces: not needed, not an error
+    cluster = backend.provision(spec, owner_labels("run-rbac", "k8s-test"))
+    assert (
+        backend.run(
+            cluster, WorkUnit(name="main", command=["true"]), {"K": "v"}, 120, lambda *_: None
+        ).exit_code
+        == 0
+    )
+    assert backend.teardown(cluster).name == cluster.name
+    assert wait_gone(kube_in(kube, namespace), "run-rbac") == []
+
+    role = next(d for d in docs if d["kind"] == "Role")
+    for rule in role["rules"]:
+        if rule["resources"] == ["jobs"]:
+            rule["verbs"].remove("create")
+    kube.request(
+        "PUT",
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/roles/gpuflow-backend",
+        role,
+    )
+    time.sleep(1)  # the authorizer's cache
+    cluster = backend.provision(spec, owner_labels("run-rbac-2", "k8s-test"))
+    with pytest.raises(ProvisionError) as refused:
+        backend.run(cluster, WorkUnit(name="main", command=["true"]), {}, 120, lambda *_: None)
+    assert (
+        f"Kubernetes refused to create jobs in namespace {namespace} for these credentials"
+        in str(refused.value)
+    )
+    backend.teardown(cluster)
+
+
+def kube_in(kube: KubeApi, namespace: str) -> KubeApi:
+    """The admin's client, looking at `namespace`."""
+    kube.namespace = namespace
+    return kube
