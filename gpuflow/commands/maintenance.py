@@ -19,7 +19,16 @@ def add(commands: Any) -> list[tuple[str, str]]:
         "reap", description="Tear down what killed runs left on this host."
     )
     reap_parser.add_argument("--dry-run", action="store_true")
-    reap_parser.set_defaults(handler=lambda args: reap(args.dry_run))
+    reap_parser.add_argument(
+        "--backend",
+        choices=["local", "kubernetes"],
+        default="local",
+        help="local: this host's leftovers; kubernetes: objects of runs that are over",
+    )
+    reap_parser.add_argument(
+        "--namespace", help="kubernetes: the namespace (default: kubeconfig's)"
+    )
+    reap_parser.set_defaults(handler=lambda args: reap(args.dry_run, args.backend, args.namespace))
     return [
         ("preflight", "check this host: GPUs, driver, CUDA, torch, disk"),
         ("reap", "tear down what killed runs left on this host"),
@@ -50,11 +59,19 @@ def preflight(path: str | None, as_json: bool) -> int:
     return EXIT_FAILED if report.verdict == "fail" else EXIT_OK
 
 
-def reap(dry_run: bool) -> int:
+def reap(dry_run: bool, backend: str = "local", namespace: str | None = None) -> int:
     """Tear down clusters, servers and files that killed runs left; say how many."""
     from tasks.platform.reap import reap as reap_leftovers
+    from tasks.platform.reap import reap_kubernetes
 
-    done = reap_leftovers(dry_run)
+    if backend == "kubernetes":
+        from gpuflow import session
+
+        return session.with_api(lambda api: _said(reap_kubernetes(dry_run, namespace)))
+    return _said(reap_leftovers(dry_run))
+
+
+def _said(done: dict) -> int:
     print(
         f"{done['clusters']} leftover cluster(s), {done['servers']} temporary server(s),"
         f" {done['flow_runs_crashed']} flow run(s) marked Crashed, {done['files']}"

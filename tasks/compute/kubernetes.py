@@ -11,6 +11,9 @@ are only busy, and refused at once when no node could ever take it.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import socket
 import threading
 import time
 from collections import deque
@@ -151,6 +154,9 @@ class KubernetesBackend:
             backend_config={
                 "block": self.block or "",
                 "namespace": api.namespace,
+                # who runs it and where it is recorded, for `gpuflow reap --backend kubernetes`
+                "orchestrator": json.dumps(orchestrator()),
+                "api_url": os.environ.get("PREFECT_API_URL", ""),
                 "gpu_wait_s": str(spec.placement.gpu_wait),
                 "settings": settings.model_dump_json(),
             },
@@ -383,6 +389,17 @@ class KubernetesBackend:
             if exc.status != 409:
                 raise ProvisionError(f"could not store the job's variables: {exc}") from None
             api.request("PUT", f"{path}/{cluster.name}-env", manifest)
+
+
+def orchestrator() -> dict[str, Any]:
+    """Return this process as the reaper identifies it: host, pid and start time."""
+    import psutil
+
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": psutil.Process().create_time(),
+    }
 
 
 class _LogFollower:

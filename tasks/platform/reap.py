@@ -7,6 +7,7 @@ files half-written by a dead process are removed.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from typing import Any
 from uuid import UUID
@@ -55,6 +56,68 @@ def reap(dry_run: bool, say: Callable[[str], None] = print) -> dict[str, Any]:
     for path in cgroups.sweep_empty():
         say(f"removed the empty cgroup {path}")
     return done
+
+
+def reap_kubernetes(
+    dry_run: bool, namespace: str | None = None, say: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """Delete the objects of runs that are over: their flow run is finished, cancelled,
+    crashed or unknown to the API it was recorded in, or their gpuflow ran on this host
+    and is dead (its run is then marked Crashed). Runs still going are left alone; an API
+    that does not answer is named and its runs are left as they are."""
+    import json
+
+    from tasks.compute.kubernetes import KubernetesBackend
+
+    backend = KubernetesBackend(namespace=namespace)
+    done: dict[str, Any] = {"clusters": 0, "flow_runs_crashed": 0, "servers": 0, "files": 0}
+    crashed: list[tuple[str, str | None]] = []
+    for cluster in backend.list_owned({OWNER_LABEL: "gpuflow"}):
+        run_id, url = cluster.owner.get(RUN_LABEL, ""), cluster.backend_config.get("api_url")
+        owner = json.loads(cluster.backend_config.get("orchestrator") or "{}")
+        dead_here = owner.get("host") == socket.gethostname() and not alive(
+            owner.get("pid", 0), owner.get("started")
+        )
+        state = _run_state(run_id, url)
+        if state == "away" and not dead_here:
+            say(f"{cluster.name}: left as it is; the API at {url} that records its run is away")
+            continue
+        if state == "running" and not dead_here:
+            continue  # its run is still going
+        why = f"its flow run is {state}"
+        if state in ("running", "away"):
+            why = "its gpuflow died" + (f"; the API at {url} is away" if state == "away" else "")
+        say(f"{'would delete' if dry_run else 'deleting'} {cluster.name} ({why})")
+        done["clusters"] += 1
+        if not dry_run:
+            backend.teardown(cluster)
+            if state == "running":
+                crashed.append((run_id, url))
+    if not dry_run:
+        done["flow_runs_crashed"] = _mark_crashed(crashed, say)
+    return done
+
+
+def _run_state(run_id: str, url: str | None) -> str:
+    """Return "running", "away" (the API does not answer), "unknown" to the API, or the
+    final state's name in lower case."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    if url and prefect_api.health_error(url, timeout_s=5):
+        return "away"
+    try:
+        with (
+            temporary_settings({PREFECT_API_URL: url} if url else {}),
+            get_client(sync_client=True) as client,
+        ):
+            state = client.read_flow_run(UUID(run_id)).state
+    except (ObjectNotFound, ValueError):
+        return "unknown"
+    if state is None or not state.is_final():
+        return "running"
+    return state.name.lower()
 
 
 def _mark_crashed(runs: list[tuple[str, str | None]], say: Callable[[str], None]) -> int:

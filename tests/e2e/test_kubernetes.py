@@ -473,3 +473,74 @@ def kube_in(kube: KubeApi, namespace: str) -> KubeApi:
     """The admin's client, looking at `namespace`."""
     kube.namespace = namespace
     return kube
+
+
+def test_reap_deletes_what_a_killed_gpuflow_left_and_marks_its_run_crashed(
+    kube, testbed, prefect_api, gpuflow_home, tmp_path
+):
+    import os
+    import signal
+    import sys
+
+    from tests.conftest import subprocess_env
+    from tests.e2e.helpers import process_gone
+
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: reap-test\njob: {kind: command, command: [sleep, '300']}\n"
+        "resources: {gpus: 1}\nplacement: {backend: kubernetes}\n"
+    )
+    env = {**subprocess_env(prefect_api, gpuflow_home), "KUBECONFIG": str(testbed)}
+    gpuflow = [sys.executable, "-m", "gpuflow"]
+    orchestrator = subprocess.Popen(
+        [*gpuflow, "run", str(job)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    until, running = time.monotonic() + 120, []
+    while not running and time.monotonic() < until and orchestrator.poll() is None:
+        running = [
+            p
+            for p in pods_of(kube, "gpuflow.io/job=reap-test")
+            if p["status"].get("phase") == "Running"
+        ]
+        time.sleep(0.2)
+    assert running, "the job's pod never ran"
+    run_id = running[0]["metadata"]["labels"]["gpuflow.io/flow-run-id"]
+    os.kill(orchestrator.pid, signal.SIGKILL)
+    orchestrator.wait(timeout=30)
+    assert process_gone(orchestrator.pid)
+    assert owned(kube, run_id)  # the killed gpuflow could not tear down
+
+    looked = subprocess.run(
+        [*gpuflow, "reap", "--backend", "kubernetes", "--dry-run"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert looked.returncode == 0, looked.stderr
+    assert "would delete gpuflow-" in looked.stdout and "its gpuflow died" in looked.stdout
+    assert owned(kube, run_id)  # a dry run deletes nothing
+
+    reaped = subprocess.run(
+        [*gpuflow, "reap", "--backend", "kubernetes"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert reaped.returncode == 0, reaped.stderr
+    assert (
+        "1 leftover cluster(s)" in reaped.stdout and "1 flow run(s) marked Crashed" in reaped.stdout
+    )
+    assert wait_gone(kube, run_id) == []
+
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(run_id).state.type.value == "CRASHED"
