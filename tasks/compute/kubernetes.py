@@ -36,7 +36,7 @@ from tasks.compute.kubeapi import KubeApi, KubeError, load_config
 from tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
 from tasks.spec import JobSpec
 
-POLL_S = 1.0
+POLL_S = 0.5
 
 
 class KubernetesBackend:
@@ -48,7 +48,7 @@ class KubernetesBackend:
     def __init__(self, block: str | None = None, namespace: str | None = None) -> None:
         self.block, self.namespace_wanted = block, namespace
         self._api: KubeApi | None = None
-        self._settings: objects.KubeSettings | None = None
+        self._lock = threading.RLock()  # units of one job run in threads of their own
 
     # -- where and how -----------------------------------------------------------------
     def _pool(self) -> Any:
@@ -66,6 +66,10 @@ class KubernetesBackend:
 
     def api(self) -> KubeApi:
         """Return the API client: the block's cluster config, else kubectl's resolution."""
+        with self._lock:
+            return self._api or self._connect()
+
+    def _connect(self) -> KubeApi:
         if self._api is None:
             pool = self._pool()
             kubeconfig = None
@@ -103,8 +107,12 @@ class KubernetesBackend:
 
     def _use(self, block: str | None, namespace: str | None) -> None:
         """Point this backend at `block`'s cluster and `namespace` (a spec's or a cluster's)."""
-        if (block, namespace) != (self.block, self.namespace_wanted):
-            self.block, self.namespace_wanted, self._api = block, namespace, None
+        with self._lock:
+            same_namespace = namespace in (None, self.namespace_wanted) or (
+                self._api is not None and self._api.namespace == namespace
+            )
+            if block != self.block or not same_namespace:
+                self.block, self.namespace_wanted, self._api = block, namespace, None
 
     def _use_cluster(self, cluster: Cluster) -> None:
         config = cluster.backend_config

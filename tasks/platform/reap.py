@@ -8,6 +8,7 @@ files half-written by a dead process are removed.
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Callable
 from typing import Any
 from uuid import UUID
@@ -66,13 +67,16 @@ def reap_kubernetes(
     and is dead (its run is then marked Crashed). Runs still going are left alone; an API
     that does not answer is named and its runs are left as they are."""
     import json
+    from concurrent.futures import ThreadPoolExecutor
 
     from tasks.compute.kubernetes import KubernetesBackend
 
     backend = KubernetesBackend(namespace=namespace)
     done: dict[str, Any] = {"clusters": 0, "flow_runs_crashed": 0, "servers": 0, "files": 0}
     crashed: list[tuple[str, str | None]] = []
-    for cluster in backend.list_owned({OWNER_LABEL: "gpuflow"}):
+    lock = threading.Lock()
+
+    def one(cluster: Any) -> None:
         run_id, url = cluster.owner.get(RUN_LABEL, ""), cluster.backend_config.get("api_url")
         owner = json.loads(cluster.backend_config.get("orchestrator") or "{}")
         dead_here = owner.get("host") == socket.gethostname() and not alive(
@@ -81,18 +85,22 @@ def reap_kubernetes(
         state = _run_state(run_id, url)
         if state == "away" and not dead_here:
             say(f"{cluster.name}: left as it is; the API at {url} that records its run is away")
-            continue
+            return
         if state == "running" and not dead_here:
-            continue  # its run is still going
+            return  # its run is still going
         why = f"its flow run is {state}"
         if state in ("running", "away"):
             why = "its gpuflow died" + (f"; the API at {url} is away" if state == "away" else "")
         say(f"{'would delete' if dry_run else 'deleting'} {cluster.name} ({why})")
-        done["clusters"] += 1
         if not dry_run:
             backend.teardown(cluster)
-            if state == "running":
+        with lock:
+            done["clusters"] += 1
+            if state == "running" and not dry_run:
                 crashed.append((run_id, url))
+
+    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="reap") as pool:
+        list(pool.map(one, backend.list_owned({OWNER_LABEL: "gpuflow"})))
     if not dry_run:
         done["flow_runs_crashed"] = _mark_crashed(crashed, say)
     return done

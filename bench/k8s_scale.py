@@ -1,0 +1,149 @@
+"""Kubernetes backend at scale, on the test cluster (scripts/k8s-testbed.sh, KWOK nodes):
+
+- provision -> every pod Running, for 1, 8 and 64 pods (seconds and pods/s);
+- `reap --backend kubernetes` of 1,000 owned objects (500 runs' Service + Secret);
+- the same 10 s job through gpu_pipeline on the local backend and on Kubernetes (ratio).
+
+    python bench/k8s_scale.py [--pods 1,8,64] [--reap-runs 500] [--seconds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--pods", default="1,8,64")
+    parser.add_argument("--reap-runs", type=int, default=500)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    args = parser.parse_args()
+    os.environ.setdefault("GPUFLOW_HOME", tempfile.mkdtemp(prefix="gpuflow-bench-"))
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    folder = Path(tempfile.mkdtemp(prefix="k8s-bench-"))
+    script = ROOT / "scripts" / "k8s-testbed.sh"
+    subprocess.run(["bash", str(script), "up", "--dir", str(folder)], check=True)
+    os.environ["KUBECONFIG"] = str(folder / "kubeconfig")
+    try:
+        from prefect.testing.utilities import prefect_test_harness
+
+        with prefect_test_harness(server_startup_timeout=120):
+            print(f"{'pods':>6}{'to all Running s':>18}{'pods/s':>9}")
+            for count in [int(c) for c in args.pods.split(",")]:
+                seconds = pods_running(count)
+                print(f"{count:6}{seconds:18.2f}{count / seconds:9.1f}")
+            seconds = reap_objects(args.reap_runs)
+            print(f"reap of {2 * args.reap_runs} owned objects: {seconds:.2f} s")
+            local, kube = pipeline_pair(args.seconds)
+            print(
+                f"{args.seconds:.0f} s job through gpu_pipeline: local {local:.2f} s,"
+                f" kubernetes {kube:.2f} s, ratio kubernetes/local {kube / local:.3f}"
+            )
+    finally:
+        subprocess.run(["bash", str(script), "down", "--dir", str(folder)], check=False)
+
+
+def pods_running(count: int) -> float:
+    """Return seconds from provision to every one of `count` CPU pods Running."""
+    from tasks.compute.base import WorkUnit, owner_labels
+    from tasks.compute.kubernetes import KubernetesBackend
+    from tasks.spec import load_spec
+    from tasks.stages import run_units
+
+    backend = KubernetesBackend()
+    spec = load_spec(
+        {
+            "job": {"kind": "command", "command": ["sleep", "600"]},
+            "resources": {"nodes": count},
+            "placement": {"backend": "kubernetes"},
+        }
+    )
+    stop = threading.Event()
+    started = time.perf_counter()
+    cluster = backend.provision(spec, owner_labels(f"scale-{count}", "bench"))
+    units = [WorkUnit(name=f"n{i}", command=["sleep", "600"], node=i) for i in range(count)]
+    runner = threading.Thread(
+        target=run_units,
+        args=(backend, cluster, units, {}, 900, lambda u: lambda *_: None, stop.is_set, 0),
+    )
+    runner.start()
+    api = backend.api()
+    selector = {"labelSelector": f"gpuflow.io/cluster={cluster.name}"}
+    while True:
+        pods = api.request("GET", f"/api/v1/namespaces/{api.namespace}/pods", params=selector)
+        running = [p for p in pods["items"] if p["status"].get("phase") == "Running"]
+        if len(running) == count:
+            break
+        time.sleep(0.05)
+    seconds = time.perf_counter() - started
+    stop.set()
+    runner.join()
+    backend.teardown(cluster)
+    return seconds
+
+
+def reap_objects(runs: int) -> float:
+    """Return seconds `reap_kubernetes` takes over `runs` clusters (Service + Secret each)
+    whose flow runs the API does not know."""
+    import uuid
+
+    from tasks.compute.base import owner_labels
+    from tasks.compute.k8s_objects import secret
+    from tasks.compute.kubernetes import KubernetesBackend
+    from tasks.platform.reap import reap_kubernetes
+    from tasks.spec import load_spec
+
+    backend = KubernetesBackend()
+    api = backend.api()
+    spec = load_spec(
+        {"job": {"kind": "command", "command": ["true"]}, "placement": {"backend": "kubernetes"}}
+    )
+    for _ in range(runs):
+        cluster = backend.provision(spec, owner_labels(str(uuid.uuid4()), "bench"))
+        api.request(
+            "POST",
+            f"/api/v1/namespaces/{api.namespace}/secrets",
+            secret(cluster, api.namespace, {"A": "b"}),
+        )
+    started = time.perf_counter()
+    done = reap_kubernetes(False, say=lambda line: None)
+    seconds = time.perf_counter() - started
+    assert done["clusters"] == runs, done
+    return seconds
+
+
+def pipeline_pair(job_s: float) -> tuple[float, float]:
+    """Return the wall seconds of one `sleep job_s` run on each backend (warm API)."""
+    from flows.pipeline import gpu_pipeline
+    from tasks.spec import load_spec
+
+    timings = {}
+    for backend in ("local", "kubernetes", "local", "kubernetes"):  # second pass counts
+        spec = load_spec(
+            {
+                "name": "bench",
+                "job": {"kind": "command", "command": ["sleep", str(int(job_s))]},
+                "placement": {"backend": backend},
+                "metrics": {"plot": False},
+            }
+        )
+        started = time.perf_counter()
+        state = gpu_pipeline(spec, return_state=True)
+        assert state.is_completed(), state.message
+        timings[backend] = time.perf_counter() - started
+    return timings["local"], timings["kubernetes"]
+
+
+if __name__ == "__main__":
+    main()
