@@ -106,7 +106,7 @@ SCHEDULER = (
 
 
 @pytest.mark.parametrize(
-    "gpus, product, used, expected, may_wait",
+    "gpus, product, used, expected, verdict",
     [
         (
             16,
@@ -114,7 +114,7 @@ SCHEDULER = (
             {},
             "needs 16 x nvidia.com/gpu on NVIDIA-H100-80GB-HBM3; the largest node has 8 in all;"
             " lower resources.gpus or use 2 nodes (resources.nodes) of 8 GPUs.",
-            False,
+            "never",
         ),
         (
             1,
@@ -122,7 +122,7 @@ SCHEDULER = (
             {},
             "no node has NVIDIA-A100-SXM4-80GB GPUs (the nodes offer: NVIDIA-H100-80GB-HBM3,"
             " NVIDIA-L4); set resources.gpu_product to one of them or leave it out.",
-            False,
+            "never",
         ),
         (
             8,
@@ -130,7 +130,7 @@ SCHEDULER = (
             {"gpu-h100-0": 8, "gpu-h100-1": 4},
             "needs 8 x nvidia.com/gpu on NVIDIA-H100-80GB-HBM3; the most free on any such node"
             " now is 4 (the rest are busy); waiting for GPUs to free up.",
-            True,
+            "busy",
         ),
         (
             2,
@@ -138,17 +138,17 @@ SCHEDULER = (
             {},
             "the scheduler cannot place it yet: 0/4 nodes are available: 1 node(s) didn't match"
             " Pod's node affinity/selector, 3 Insufficient nvidia.com/gpu.",
-            True,
+            "unclear",
         ),
     ],
 )
-def test_pending_is_explained_in_one_sentence(gpus, product, used, expected, may_wait):
-    assert explain_pending(gpus, product, NODES, used, SCHEDULER) == (expected, may_wait)
+def test_pending_is_explained_in_one_sentence(gpus, product, used, expected, verdict):
+    assert explain_pending(gpus, product, NODES, used, SCHEDULER) == (expected, verdict)
 
 
 def test_a_cluster_without_gpu_nodes_says_so():
-    sentence, may_wait = explain_pending(1, None, [node("cpu-0", 0, None)], {}, SCHEDULER)
-    assert sentence.startswith("the cluster has no node with nvidia.com/gpu") and not may_wait
+    sentence, verdict = explain_pending(1, None, [node("cpu-0", 0, None)], {}, SCHEDULER)
+    assert sentence.startswith("the cluster has no node with nvidia.com/gpu") and verdict == "never"
 
 
 def test_gpus_in_use_count_bound_unfinished_pods_only():

@@ -33,9 +33,10 @@ def explain_pending(
     nodes: list[dict[str, Any]],
     used: dict[str, int],
     scheduler_message: str,
-) -> tuple[str, bool]:
-    """Return why a pod asking `gpus` GPUs of `product` is not scheduled, and whether
-    waiting may help (GPUs busy now) or not (no node could ever take it)."""
+) -> tuple[str, str]:
+    """Return why a pod asking `gpus` GPUs of `product` is not scheduled, and what waiting
+    can do: "never" (no node could ever take it), "busy" (GPUs are held by others now) or
+    "unclear" (only the scheduler's words: a node not ready yet, a taint)."""
 
     def product_of(node: dict[str, Any]) -> str | None:
         return node.get("metadata", {}).get("labels", {}).get(PRODUCT_LABEL)
@@ -47,7 +48,7 @@ def explain_pending(
     if gpus and not gpu_nodes:
         return (
             "the cluster has no node with nvidia.com/gpu; add GPU nodes or run on another backend.",
-            False,
+            "never",
         )
     where = f"on {product}" if product else "on one node"
     if gpus and product:
@@ -56,7 +57,7 @@ def explain_pending(
             return (
                 f"no node has {product} GPUs (the nodes offer: {', '.join(offered) or 'unlabelled GPUs'});"
                 " set resources.gpu_product to one of them or leave it out.",
-                False,
+                "never",
             )
         gpu_nodes = [n for n in gpu_nodes if product_of(n) == product]
     if gpus:
@@ -66,14 +67,14 @@ def explain_pending(
                 f"needs {gpus} x {GPU} {where}; the largest node has {largest} in all; lower"
                 f" resources.gpus or use {math.ceil(gpus / largest)} nodes"
                 f" (resources.nodes) of {largest} GPUs.",
-                False,
+                "never",
             )
         free = max(allocatable(n) - used.get(n["metadata"]["name"], 0) for n in gpu_nodes)
         if gpus > free:
             return (
                 f"needs {gpus} x {GPU} {where}; the most free on any such node now is {free}"
                 " (the rest are busy); waiting for GPUs to free up.",
-                True,
+                "busy",
             )
     reason = scheduler_message.split(". preemption:")[0].strip() or "no reason given yet"
-    return f"the scheduler cannot place it yet: {reason}.", True
+    return f"the scheduler cannot place it yet: {reason}.", "unclear"

@@ -36,7 +36,8 @@ from tasks.compute.kubeapi import KubeApi, KubeError, load_config
 from tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
 from tasks.spec import JobSpec
 
-POLL_S = 0.5
+POLL_S = 1.0
+UNCLEAR_WAIT_S = 30.0  # pending for a reason gpuflow cannot weigh: wait at least this
 
 
 class KubernetesBackend:
@@ -273,19 +274,18 @@ class KubernetesBackend:
                         return {"exit_code": PREEMPTED_EXIT_CODE, "tail": [f"node {node} was lost"]}
                 elif (why := _unschedulable(status)) is not None:
                     pending_since = pending_since or time.monotonic()
-                    sentence, may_wait = self._explain(cluster, unit, why)
-                    if not may_wait:
-                        self._delete(
-                            f"/apis/batch/v1/namespaces/{api.namespace}/jobs/{job_name}", 0
-                        )
+                    sentence, verdict = self._explain(cluster, unit, why)
+                    job_path = f"/apis/batch/v1/namespaces/{api.namespace}/jobs/{job_name}"
+                    if verdict == "never":
+                        self._delete(job_path, 0)
                         raise ProvisionError(f"unit {unit.name} cannot be placed: {sentence}")
-                    if time.monotonic() - pending_since >= gpu_wait:
-                        self._delete(
-                            f"/apis/batch/v1/namespaces/{api.namespace}/jobs/{job_name}", 0
-                        )
+                    # the scheduler's words alone (a node not ready yet) get a moment more
+                    patience = gpu_wait if verdict == "busy" else max(gpu_wait, UNCLEAR_WAIT_S)
+                    if time.monotonic() - pending_since >= patience:
+                        self._delete(job_path, 0)
                         raise CapacityError(
-                            f"unit {unit.name} was not placed within placement.gpu_wait"
-                            f" ({gpu_wait:.0f} s): {sentence}"
+                            f"unit {unit.name} was not placed within {patience:.0f} s"
+                            f" (placement.gpu_wait): {sentence}"
                         )
             time.sleep(POLL_S)
 
@@ -315,7 +315,7 @@ class KubernetesBackend:
                 )
             raise ProvisionError(f"Kubernetes cannot create the pod: {message}")
 
-    def _explain(self, cluster: Cluster, unit: WorkUnit, why: str) -> tuple[str, bool]:
+    def _explain(self, cluster: Cluster, unit: WorkUnit, why: str) -> tuple[str, str]:
         api = self.api()
         settings = objects.KubeSettings.model_validate_json(cluster.backend_config["settings"])
         gpus = cluster.gpus_per_node if unit.gpus is None else len(unit.gpus)
@@ -323,7 +323,7 @@ class KubernetesBackend:
             nodes = api.request("GET", "/api/v1/nodes").get("items", [])
             pods = api.request("GET", "/api/v1/pods").get("items", [])
         except KubeError:  # may not list nodes: the scheduler's words are all there is
-            return f"the scheduler cannot place it yet: {why}.", True
+            return f"the scheduler cannot place it yet: {why}.", "unclear"
         return explain_pending(gpus, settings.gpu_product, nodes, used_gpus(pods), why)
 
     def teardown(self, cluster: Cluster) -> TeardownReport:

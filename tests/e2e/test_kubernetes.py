@@ -303,7 +303,7 @@ def test_busy_gpus_are_waited_for_then_a_retryable_capacity_error(kube):
         with pytest.raises(CapacityError) as busy:
             backend.run(cluster, WorkUnit(name="main", command=["true"]), {}, 120, lambda *_: None)
         assert is_retryable(busy.value)
-        assert "not placed within placement.gpu_wait (3 s)" in str(busy.value)
+        assert "not placed within 3 s (placement.gpu_wait)" in str(busy.value)
         assert (
             "needs 4 x nvidia.com/gpu on NVIDIA-L4; the most free on any such node now is 0"
             in str(busy.value)
