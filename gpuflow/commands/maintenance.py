@@ -47,6 +47,19 @@ def preflight(path: str | None, as_json: bool) -> int:
         spec = load_spec(path) if path else load_spec(default)
     except InvalidSpec as exc:
         return invalid(exc)
+    from tasks.compute import get_backend
+
+    backend = get_backend(spec.placement.backend)
+    if not backend.checks_host:  # the job's machines are elsewhere: say where and how
+        try:
+            rows = backend.describe(spec)
+        except InvalidSpec as exc:
+            return invalid(exc)
+        for row in rows:
+            print(f"[{row['level']:4}] {row['name']}: {row['message']}")
+        verdict = "fail" if any(r["level"] == "fail" for r in rows) else "pass"
+        print(f"verdict: {verdict}")
+        return EXIT_FAILED if verdict == "fail" else EXIT_OK
     facts = checks.inspect(str(Path.cwd()), kind_of(spec).uses_torch(spec))
     count = min(spec.resources.gpus, len(facts.nvml.gpus))
     report = checks.verdict(spec, facts, [g.index for g in facts.nvml.gpus[:count]])

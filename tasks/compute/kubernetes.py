@@ -136,6 +136,36 @@ class KubernetesBackend:
             if exc.status != 403:  # reading namespaces is not needed to run jobs
                 raise InvalidSpec(str(exc)) from None
 
+    def describe(self, spec: JobSpec) -> list[dict[str, str]]:
+        """Return preflight rows for `spec`: the cluster, namespace, image and GPUs its pods
+        would use (defaults shown), and whether the namespace is there."""
+        self._use(spec.placement.block, spec.placement.namespace)
+        api, settings = self.api(), self.settings(spec)
+        rows = [
+            {
+                "name": "cluster",
+                "level": "pass",
+                "message": f"{api.config.server} (credentials from {api.config.source})",
+            },
+            {"name": "image", "level": "pass", "message": settings.image},
+        ]
+        try:
+            self.check(spec)
+            rows.append({"name": "namespace", "level": "pass", "message": api.namespace})
+        except InvalidSpec as exc:
+            rows.append({"name": "namespace", "level": "fail", "message": str(exc)})
+        gpus = spec.resources.gpus
+        product = f" of {settings.gpu_product}" if settings.gpu_product else ""
+        rows.append(
+            {
+                "name": "gpus",
+                "level": "pass",
+                "message": f"{spec.resources.nodes} node(s) x {gpus} nvidia.com/gpu{product};"
+                f" tolerations {[t.get('key') for t in settings.tolerations] if gpus else 'none'}",
+            }
+        )
+        return rows
+
     def provision(self, spec: JobSpec, owner: Mapping[str, str]) -> Cluster:
         """Return the run's cluster: its Service is the record. Idempotent: a retry adopts
         the Service an earlier try made. Raises ProvisionError when the API refuses."""
@@ -206,13 +236,17 @@ class KubernetesBackend:
             self._delete(f"{jobs}/{job_name}", grace_s=0)
             self._wait_gone(f"{jobs}/{job_name}")
         try:
-            api.request("POST", jobs, job)
+            made = api.request("POST", jobs, job)
         except KubeError as exc:
             raise ProvisionError(f"could not create Job {job_name}: {exc}") from None
         started = datetime.now(UTC)
         follower = _LogFollower(api, on_line)
+        # this Job's pods only: an earlier try's pod may linger (Terminating on a lost node)
+        selector = f"batch.kubernetes.io/controller-uid={made['metadata']['uid']}"
         try:
-            outcome = self._follow(cluster, unit, job_name, timeout_s, should_stop, follower)
+            outcome = self._follow(
+                cluster, unit, job_name, selector, timeout_s, should_stop, follower
+            )
         except BaseException:
             self._delete(f"{jobs}/{job_name}", grace_s=grace_s)
             raise
@@ -237,6 +271,7 @@ class KubernetesBackend:
         cluster: Cluster,
         unit: WorkUnit,
         job_name: str,
+        selector: str,
         timeout_s: float,
         should_stop: StopCheck | None,
         follower: _LogFollower,
@@ -252,7 +287,7 @@ class KubernetesBackend:
                 return {"stop": "timeout", "exit_code": None}
             if should_stop is not None and should_stop():
                 return {"stop": "cancelled", "exit_code": None}
-            found = api.request("GET", pods, params={"labelSelector": f"job-name={job_name}"})
+            found = api.request("GET", pods, params={"labelSelector": selector})
             pod = (found.get("items") or [None])[0]
             if pod is None:
                 if seen is not None:  # its node went away and took the pod along

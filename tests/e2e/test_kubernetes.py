@@ -259,13 +259,17 @@ def test_a_lost_node_is_a_preemption(kube, testbed):
         assert result.exit_code == 75  # preempted: the run stage retries and resumes
     finally:
         backend.teardown(cluster)
-        nodes = (testbed.parent / "nodes.yaml").read_text().split("---\n")
-        for doc in nodes:
-            if lost and f"name: {lost[0]}\n" in doc:
-                kube.http.post(
-                    "/api/v1/nodes", content=doc, headers={"Content-Type": "application/yaml"}
-                ).raise_for_status()
-        wait_ready(kube, lost)
+        restore_nodes(kube, testbed, lost)
+
+
+def restore_nodes(kube: KubeApi, testbed: Path, names: list[str]) -> None:
+    """Create the testbed's nodes `names` again (from the testbed's nodes.yaml)."""
+    for doc in (testbed.parent / "nodes.yaml").read_text().split("---\n"):
+        if any(f"name: {name}\n" in doc for name in names):
+            kube.http.post(
+                "/api/v1/nodes", content=doc, headers={"Content-Type": "application/yaml"}
+            ).raise_for_status()
+    wait_ready(kube, names)
 
 
 def wait_ready(kube: KubeApi, names: list[str], seconds: float = 60) -> None:
@@ -544,3 +548,60 @@ def test_reap_deletes_what_a_killed_gpuflow_left_and_marks_its_run_crashed(
 
     with get_client(sync_client=True) as client:
         assert client.read_flow_run(run_id).state.type.value == "CRASHED"
+
+
+def test_preflight_shows_where_a_kubernetes_job_would_run(kube, testbed, tmp_path, capsys):
+    from gpuflow.cli import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "job: {kind: command, command: [nvidia-smi]}\n"
+        "resources: {gpus: 8, gpu_product: H100}\nplacement: {backend: kubernetes}\n"
+    )
+    assert main(["preflight", str(job)]) == 0
+    out = capsys.readouterr().out
+    assert f"cluster: {kube.config.server} (credentials from {testbed})" in out
+    assert "image: ghcr.io/gpuflow/gpuflow-job:0.1" in out and "namespace: default" in out
+    assert f"gpus: 1 node(s) x 8 nvidia.com/gpu of {H100}" in out
+    job.write_text(
+        job.read_text().replace("backend: kubernetes", "backend: kubernetes, namespace: nope")
+    )
+    assert main(["preflight", str(job)]) == 1
+    assert (
+        "[fail] namespace: placement.namespace: the namespace 'nope' does not exist"
+        in capsys.readouterr().out
+    )
+
+
+def test_the_pipeline_retries_a_unit_whose_node_was_lost_and_completes(
+    kube, testbed, prefect_api, gpuflow_home
+):
+    from flows.pipeline import gpu_pipeline
+    from tests.e2e.helpers import logs_of
+
+    spec = load_spec(
+        {
+            "name": "node-lost",
+            "job": {"kind": "command", "command": ["sleep", "20"]},
+            "resources": {"gpus": 8, "gpu_product": H100},
+            "placement": {"backend": "kubernetes"},
+            "retry": {"run": {"retries": 2, "delay_s": 0}},
+        }
+    )
+    lost: list[str] = []
+
+    def lose_node(pod: dict) -> None:
+        lost.append(pod["spec"]["nodeName"])
+        kube.request("DELETE", f"/api/v1/nodes/{lost[0]}")
+
+    watcher = when_running(kube, "gpuflow.io/job=node-lost", lose_node, seconds=120)
+    try:
+        state = gpu_pipeline(spec, return_state=True)
+        watcher.join()
+    finally:
+        restore_nodes(kube, testbed, lost)
+    assert state.is_completed(), state.message
+    assert lost, "the first pod never ran"
+    run_id = str(state.state_details.flow_run_id)
+    assert any("interrupted and saved its state (exit 75)" in line for line in logs_of(run_id))
+    assert wait_gone(kube, run_id) == []
