@@ -605,3 +605,24 @@ def test_the_pipeline_retries_a_unit_whose_node_was_lost_and_completes(
     run_id = str(state.state_details.flow_run_id)
     assert any("interrupted and saved its state (exit 75)" in line for line in logs_of(run_id))
     assert wait_gone(kube, run_id) == []
+
+
+def test_the_job_network_policy_is_accepted_and_selects_gpuflows_pods(kube):
+    import yaml
+
+    from tasks.compute.k8s_objects import labels
+
+    policy = yaml.safe_load((ROOT / "infra" / "kubernetes" / "job-networkpolicy.yaml").read_text())
+    path = "/apis/networking.k8s.io/v1/namespaces/default/networkpolicies"
+    made = kube.request("POST", path, policy)
+    try:
+        selected = made["spec"]["podSelector"]["matchLabels"]
+        pod_labels = labels(
+            KubernetesBackend().provision(spec_for(), owner_labels("run-netpol", "k8s-test"))
+        )
+        assert selected.items() <= pod_labels.items()  # every gpuflow job pod is covered
+    finally:
+        kube.request("DELETE", f"{path}/{policy['metadata']['name']}")
+        KubernetesBackend().teardown(
+            KubernetesBackend().list_owned({"gpuflow.io/flow-run-id": "run-netpol"})[0]
+        )
