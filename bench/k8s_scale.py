@@ -123,26 +123,31 @@ def reap_objects(runs: int) -> float:
     return seconds
 
 
-def pipeline_pair(job_s: float) -> tuple[float, float]:
-    """Return the wall seconds of one `sleep job_s` run on each backend (warm API)."""
+def pipeline_pair(job_s: float, rounds: int = 3) -> tuple[float, float]:
+    """Return the median wall seconds of a `sleep job_s` run on each backend, the two
+    alternating so that machine noise hits both (a first, warm-up pair is not counted)."""
+    import statistics
+
     from flows.pipeline import gpu_pipeline
     from tasks.spec import load_spec
 
-    timings = {}
-    for backend in ("local", "kubernetes", "local", "kubernetes"):  # second pass counts
-        spec = load_spec(
-            {
-                "name": "bench",
-                "job": {"kind": "command", "command": ["sleep", str(int(job_s))]},
-                "placement": {"backend": backend},
-                "metrics": {"plot": False},
-            }
-        )
-        started = time.perf_counter()
-        state = gpu_pipeline(spec, return_state=True)
-        assert state.is_completed(), state.message
-        timings[backend] = time.perf_counter() - started
-    return timings["local"], timings["kubernetes"]
+    timings: dict[str, list[float]] = {"local": [], "kubernetes": []}
+    for round_ in range(rounds + 1):
+        for backend in ("local", "kubernetes"):
+            spec = load_spec(
+                {
+                    "name": "bench",
+                    "job": {"kind": "command", "command": ["sleep", str(int(job_s))]},
+                    "placement": {"backend": backend},
+                    "metrics": {"plot": False},
+                }
+            )
+            started = time.perf_counter()
+            state = gpu_pipeline(spec, return_state=True)
+            assert state.is_completed(), state.message
+            if round_:
+                timings[backend].append(time.perf_counter() - started)
+    return statistics.median(timings["local"]), statistics.median(timings["kubernetes"])
 
 
 if __name__ == "__main__":
