@@ -66,8 +66,10 @@ def check_train(spec: JobSpec, s3: S3Settings | None) -> None:
     """Raise InvalidSpec when the train job cannot run as written; makes nothing but a probe."""
     job = spec.job
     assert isinstance(job, TrainJob)
-    host_gpus = len(nvml.query().gpus)
-    ranks = ranks_for(spec, job, host_gpus)
+    # on this host, its GPUs; elsewhere (kubernetes) each node has the GPUs asked for
+    here = spec.placement.backend == "local"
+    host_gpus = len(nvml.query().gpus) if here else spec.resources.gpus
+    ranks = ranks_for(spec, job, host_gpus) * spec.resources.nodes
     if job.strategy == "fsdp" and not (spec.resources.gpus and host_gpus):
         raise InvalidSpec(
             "job.strategy: fsdp shards the model across GPUs and there is none here; use"

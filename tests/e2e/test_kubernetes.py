@@ -626,3 +626,63 @@ def test_the_job_network_policy_is_accepted_and_selects_gpuflows_pods(kube):
         KubernetesBackend().teardown(
             KubernetesBackend().list_owned({"gpuflow.io/flow-run-id": "run-netpol"})[0]
         )
+
+
+def test_training_on_two_nodes_is_one_torchrun_per_node_meeting_at_one_address(
+    kube, prefect_api, gpuflow_home, tmp_path
+):
+    from flows.pipeline import gpu_pipeline
+    from tasks.storage import FileStore
+    from tasks.training.prepare import prepare
+
+    dataset = f"file://{tmp_path}/data"
+    prepare("synthetic:classify?samples=64", dataset, 4_096, FileStore())
+    spec = load_spec(
+        {
+            "name": "ddp-2x8",
+            "job": {
+                "kind": "train",
+                "dataset": dataset,
+                "output": f"file://{tmp_path}/out",
+                "num_workers": 1,
+            },
+            "resources": {"gpus": 8, "nodes": 2, "gpu_product": H100},
+            "placement": {"backend": "kubernetes"},
+        }
+    )
+    seen: dict[str, dict] = {}
+    stop = threading.Event()
+
+    def record() -> None:  # the Jobs live only while the run does: note them as they come
+        while not stop.is_set():
+            found = kube.request(
+                "GET",
+                "/apis/batch/v1/namespaces/default/jobs",
+                params={"labelSelector": "gpuflow.io/job=ddp-2x8"},
+            )["items"]
+            seen.update({j["metadata"]["name"]: j for j in found})
+            time.sleep(0.1)
+
+    recorder = threading.Thread(target=record)
+    recorder.start()
+    try:
+        state = gpu_pipeline(spec, return_state=True)
+    finally:
+        stop.set()
+        recorder.join()
+    assert state.is_completed(), state.message
+    assert len(seen) == 2
+    commands = sorted(
+        j["spec"]["template"]["spec"]["containers"][0]["command"] for j in seen.values()
+    )
+    ranks = [c[c.index("--node-rank") + 1] for c in commands]
+    assert sorted(ranks) == ["0", "1"]
+    assert {c[c.index("--nnodes") + 1] for c in commands} == {"2"}
+    [rendezvous] = {c[c.index("--rendezvous") + 1] for c in commands}
+    hosts = sorted(j["spec"]["template"]["spec"]["hostname"] for j in seen.values())
+    assert rendezvous == f"{hosts[0]}.{hosts[0][:-2]}:29400"  # node 0's stable name
+    for job in seen.values():
+        pod = job["spec"]["template"]["spec"]
+        assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+        assert pod["containers"][0]["command"][:3] == ["python", "-m", "tasks.training.launch"]
+    assert wait_gone(kube, str(state.state_details.flow_run_id)) == []
