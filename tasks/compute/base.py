@@ -99,7 +99,9 @@ class Backend(Protocol):
     """Every backend speaks these verbs; each says what it does on retry and when things are gone."""
 
     name: str
-    checks_host: bool  # True when the job runs on this machine (preflight inspects it)
+    # True when the job runs on this machine (preflight inspects it); a backend whose jobs
+    # run elsewhere also gives `describe(spec)`: preflight rows saying where and how
+    checks_host: bool
 
     def check(self, spec: JobSpec) -> None:
         """Raise InvalidSpec if this backend cannot run `spec`; makes nothing."""

@@ -518,26 +518,18 @@ def test_reap_deletes_what_a_killed_gpuflow_left_and_marks_its_run_crashed(
     assert process_gone(orchestrator.pid)
     assert owned(kube, run_id)  # the killed gpuflow could not tear down
 
-    looked = subprocess.run(
-        [*gpuflow, "reap", "--backend", "kubernetes", "--dry-run"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    def reap(*options: str) -> subprocess.CompletedProcess:
+        command = [*gpuflow, "reap", "--backend", "kubernetes", *options]
+        return subprocess.run(
+            command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+
+    looked = reap("--dry-run")
     assert looked.returncode == 0, looked.stderr
     assert "would delete gpuflow-" in looked.stdout and "its gpuflow died" in looked.stdout
     assert owned(kube, run_id)  # a dry run deletes nothing
 
-    reaped = subprocess.run(
-        [*gpuflow, "reap", "--backend", "kubernetes"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    reaped = reap()
     assert reaped.returncode == 0, reaped.stderr
     assert (
         "1 leftover cluster(s)" in reaped.stdout and "1 flow run(s) marked Crashed" in reaped.stdout
