@@ -36,7 +36,7 @@ build() {
   fi
   rm -f "$stamp"
   if [[ ! -x $BIN/kube-apiserver || ! -x $BIN/kube-controller-manager || ! -x $BIN/kube-scheduler ]]; then
-    say "building kube-apiserver, kube-controller-manager, kube-scheduler $K8S_VERSION (cold: tens of minutes on 2 cores)"
+    say "building kube-apiserver, kube-controller-manager, kube-scheduler $K8S_VERSION (cold: about 7 minutes on 2 cores)"
     local pkg=k8s.io/component-base/version minor=${K8S_VERSION#v1.}
     (cd "$HERE/testbed/k8s" && go build -trimpath -o "$BIN/" \
       -ldflags "-s -w -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=${minor%%.*} -X $pkg.gitTreeState=clean" \

@@ -60,7 +60,7 @@ step "installing gpuflow and its dependencies${extra:+ with the test tools} into
 $py -m pip install -q -e ".$extra"
 if $want_test; then
     # The Kubernetes test cluster: built once from the Go module proxy, cached under $HOME.
-    step "building the Kubernetes test cluster (cold: about half an hour on 2 cores; cached after)"
+    step "building the Kubernetes test cluster (cold: about 8 minutes on 2 cores; cached after)"
     bash scripts/k8s-testbed.sh build
 fi
 step "ready"
