@@ -678,3 +678,42 @@ def test_training_on_two_nodes_is_one_torchrun_per_node_meeting_at_one_address(
         assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
         assert pod["containers"][0]["command"][:3] == ["python", "-m", "tasks.training.launch"]
     assert wait_gone(kube, str(state.state_details.flow_run_id)) == []
+
+
+def test_a_kubernetes_gpu_pool_block_names_the_cluster_and_how_pods_are_made(
+    kube, testbed, prefect_api, monkeypatch
+):
+    import yaml
+    from prefect_kubernetes.credentials import KubernetesClusterConfig
+
+    from blocks.kubernetes_pool import KubernetesGpuPool
+
+    config = KubernetesClusterConfig(
+        config=yaml.safe_load(testbed.read_text()), context_name="gpuflow-testbed"
+    )
+    KubernetesGpuPool(
+        cluster_config=config,
+        namespace="default",
+        image="registry.example/gpuflow:2.0",
+        gpu_product="NVIDIA-L4",
+        queue_name="team-a",
+    ).save("testbed-l4", overwrite=True)
+    monkeypatch.delenv("KUBECONFIG")  # the block alone says where the cluster is
+    monkeypatch.setenv("HOME", str(testbed.parent))  # and no ~/.kube/config stands in
+    backend = KubernetesBackend()
+    spec = spec_for(gpus=2, product=None, block="testbed-l4")
+    cluster = backend.provision(spec, owner_labels("run-block", "k8s-test"))
+    try:
+        assert (
+            backend.run(
+                cluster, WorkUnit(name="main", command=["true"]), {}, 120, lambda *_: None
+            ).exit_code
+            == 0
+        )
+        job = kube.request("GET", f"/apis/batch/v1/namespaces/default/jobs/{cluster.name}-main")
+        pod = job["spec"]["template"]["spec"]
+        assert pod["containers"][0]["image"] == "registry.example/gpuflow:2.0"
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-L4"}
+        assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    finally:
+        backend.teardown(cluster)
