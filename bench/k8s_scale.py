@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,8 @@ def main() -> None:
     os.environ.setdefault("GPUFLOW_HOME", tempfile.mkdtemp(prefix="gpuflow-bench-"))
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # a timeout's SIGTERM still stops the test cluster (the `finally` below runs)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     folder = Path(tempfile.mkdtemp(prefix="k8s-bench-"))
     script = ROOT / "scripts" / "k8s-testbed.sh"
     subprocess.run(["bash", str(script), "up", "--dir", str(folder)], check=True)
@@ -85,6 +88,8 @@ def pods_running(count: int) -> float:
         running = [p for p in pods["items"] if p["status"].get("phase") == "Running"]
         if len(running) == count:
             break
+        if not runner.is_alive():
+            raise SystemExit(f"the {count} units ended before all ran; see the lines above")
         time.sleep(0.05)
     seconds = time.perf_counter() - started
     stop.set()
