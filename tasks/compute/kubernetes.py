@@ -49,16 +49,22 @@ class KubernetesBackend:
     def __init__(self, block: str | None = None, namespace: str | None = None) -> None:
         self.block, self.namespace_wanted = block, namespace
         self._api: KubeApi | None = None
+        self._loaded: tuple[str, Any] | None = None  # (block name, the block)
         self._lock = threading.RLock()  # units of one job run in threads of their own
 
     # -- where and how -----------------------------------------------------------------
     def _pool(self) -> Any:
+        """Return the KubernetesGpuPool block named, read once (api() and settings() both
+        need it)."""
         if not self.block:
             return None
+        if self._loaded is not None and self._loaded[0] == self.block:
+            return self._loaded[1]
         from blocks.kubernetes_pool import KubernetesGpuPool
 
         try:
-            return KubernetesGpuPool.load(self.block)
+            self._loaded = (self.block, KubernetesGpuPool.load(self.block))
+            return self._loaded[1]
         except ValueError:
             raise InvalidSpec(
                 f"placement.block: there is no KubernetesGpuPool block named {self.block!r};"
