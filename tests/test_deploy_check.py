@@ -14,6 +14,7 @@ from tasks.platform.deploy import check_project, load_project, pool_templates
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = load_project(ROOT / "prefect.yaml")
 POOLS = pool_templates()
+ENV = {"GPUFLOW_IMAGE": "registry.internal/ml/gpuflow-job:0.1"}
 
 
 def deployment(project: dict, name: str) -> dict:
@@ -21,7 +22,7 @@ def deployment(project: dict, name: str) -> dict:
 
 
 def test_the_projects_prefect_yaml_passes():
-    names = check_project(copy.deepcopy(PROJECT), ROOT, POOLS)
+    names = check_project(copy.deepcopy(PROJECT), ROOT, POOLS, env=ENV)
     for flow in ("command", "train", "render", "hpc"):
         assert {f"{flow}-local", f"{flow}-k8s"} <= set(names)
     assert "prepare-dataset-local" in names
@@ -95,8 +96,61 @@ BAD = {
 def test_bad_deployments_are_named(case):
     change, sentence = BAD[case]
     with pytest.raises(InvalidSpec) as caught:
-        check_project(broken(change), ROOT, POOLS)
+        check_project(broken(change), ROOT, POOLS, env=ENV)
     assert sentence in str(caught.value)
+
+
+FIX = (
+    "set GPUFLOW_IMAGE to a registry path and tag you can push to (the image is built from"
+    " infra/docker/Dockerfile), or deploy only the local pool with"
+    " `gpuflow deploy --pool gpuflow-local`"
+)
+BAD_IMAGES = {
+    "unset": ({}, None, "GPUFLOW_IMAGE is not set; " + FIX),
+    "empty": ({"GPUFLOW_IMAGE": "  "}, None, "GPUFLOW_IMAGE is not set"),
+    "the old placeholder": (
+        ENV,
+        "ghcr.io/example/gpuflow:latest",
+        "'ghcr.io/example/gpuflow:latest' is a placeholder, not an image; " + FIX,
+    ),
+    "an example registry": (
+        {"GPUFLOW_IMAGE": "registry.example.com/ml/job:1"},
+        None,
+        "'registry.example.com/ml/job:1' is a placeholder",
+    ),
+    "angle brackets": ({"GPUFLOW_IMAGE": "<your-registry>/job:1"}, None, "is a placeholder"),
+    "missing": (ENV, "", "the job image is missing; " + FIX),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_IMAGES))
+def test_a_kubernetes_deployment_without_a_real_image_is_refused(case):
+    env, image, sentence = BAD_IMAGES[case]
+    project = copy.deepcopy(PROJECT)
+    if image is not None:
+        k8s_vars(project)["image"] = image
+    with pytest.raises(InvalidSpec) as caught:
+        check_project(project, ROOT, POOLS, env=env)
+    assert str(caught.value).startswith("deployments[")
+    assert sentence in str(caught.value)
+
+
+def test_the_local_pool_alone_needs_no_image():
+    names = check_project(copy.deepcopy(PROJECT), ROOT, POOLS, only={"gpuflow-local"}, env={})
+    assert names and all(name.endswith("-local") for name in names)
+
+
+def test_kubernetes_deployments_build_and_push_the_image_they_run():
+    for name in ("command-k8s", "train-k8s", "render-k8s", "hpc-k8s"):
+        found = deployment(PROJECT, name)
+        assert found["work_pool"]["job_variables"]["image"] == "{{ $GPUFLOW_IMAGE }}"
+        (build,) = found["build"]
+        (push,) = found["push"]
+        step = "prefect.deployments.steps.run_shell_script"
+        assert "--file infra/docker/Dockerfile" in build[step]["script"]
+        assert "{{ $GPUFLOW_IMAGE }}" in build[step]["script"]
+        assert push[step]["script"] == "docker push {{ $GPUFLOW_IMAGE }}"
+    assert "build" not in deployment(PROJECT, "command-local")
 
 
 def test_the_cli_refuses_a_bad_prefect_yaml_with_exit_2(tmp_path, monkeypatch, capsys):
@@ -109,5 +163,57 @@ def test_the_cli_refuses_a_bad_prefect_yaml_with_exit_2(tmp_path, monkeypatch, c
     for folder in ("flows", "tasks"):
         (tmp_path / folder).symlink_to(ROOT / folder)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GPUFLOW_IMAGE", ENV["GPUFLOW_IMAGE"])
     assert main(["deploy"]) == 2
     assert "gpu_cout: not a variable of this work pool" in capsys.readouterr().err
+
+
+def test_the_cli_refuses_kubernetes_deployments_without_an_image_before_deploying(
+    monkeypatch, capsys
+):
+    from gpuflow.cli import main
+
+    monkeypatch.delenv("GPUFLOW_IMAGE", raising=False)
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # never reached
+    monkeypatch.chdir(ROOT)
+    assert main(["deploy"]) == 2
+    err = capsys.readouterr().err
+    assert "work_pool.job_variables.image: GPUFLOW_IMAGE is not set" in err
+    assert err.count("\n") == 1
+
+
+def _kubeconfig(path: Path, server: str) -> Path:
+    import yaml
+
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "current-context": "c",
+                "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+                "clusters": [{"name": "k", "cluster": {"server": server}}],
+                "users": [{"name": "u", "user": {"token": "t0ken-never-shown"}}],
+            }
+        )
+    )
+    return path
+
+
+def test_platform_up_with_a_cluster_checks_it_before_starting_anything(
+    tmp_path, monkeypatch, capsys, gpuflow_home
+):
+    from gpuflow.cli import main
+    from tests.conftest import free_port
+
+    monkeypatch.delenv("GPUFLOW_IMAGE", raising=False)
+    port = str(free_port())
+    assert main(["platform", "up", "--port", port, "--kubeconfig", str(tmp_path / "no")]) == 2
+    assert f"--kubeconfig: {tmp_path / 'no'} is not a file" in capsys.readouterr().err
+    unreachable = _kubeconfig(tmp_path / "kc", f"https://127.0.0.1:{free_port()}")
+    assert main(["platform", "up", "--port", port, "--kubeconfig", str(unreachable)]) == 2
+    assert "--image: name the job image" in capsys.readouterr().err
+    argv = ["platform", "up", "--port", port, "--kubeconfig", str(unreachable), "--image", "r/j:1"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"the cluster in {unreachable} cannot be used: the Kubernetes API server" in err
+    assert "did not answer" in err and "t0ken" not in err
+    assert not (gpuflow_home / "platform" / "state.json").exists()  # nothing was started

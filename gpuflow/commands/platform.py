@@ -16,7 +16,20 @@ def add(commands: Any) -> list[tuple[str, str]]:
     )
     plat.add_argument("action", choices=["up", "down", "status"])
     plat.add_argument("--port", type=int, default=4200, help="server port on 127.0.0.1")
-    plat.set_defaults(handler=lambda args: platform(args.action, args.port))
+    plat.add_argument(
+        "--kubeconfig",
+        type=Path,
+        help="also start a Kubernetes worker for the gpuflow-gpu-k8s pool on this cluster"
+        " and deploy the Kubernetes deployments",
+    )
+    plat.add_argument(
+        "--image",
+        help="job image the Kubernetes deployments run, already pushed (default:"
+        " $GPUFLOW_IMAGE); nothing is built",
+    )
+    plat.set_defaults(
+        handler=lambda args: platform(args.action, args.port, args.kubeconfig, args.image)
+    )
     blk = commands.add_parser(
         "blocks", description="Register gpuflow's block types and default blocks."
     )
@@ -25,9 +38,17 @@ def add(commands: Any) -> list[tuple[str, str]]:
     )
     blk.set_defaults(handler=lambda args: blocks_init())
     deploy = commands.add_parser(
-        "deploy", description="Check prefect.yaml, then `prefect deploy --all`."
+        "deploy",
+        description="Check prefect.yaml, then `prefect deploy` (Kubernetes deployments build"
+        " and push $GPUFLOW_IMAGE first).",
     )
-    deploy.set_defaults(handler=lambda args: deploy_all())
+    deploy.add_argument(
+        "--pool",
+        action="append",
+        choices=["gpuflow-local", "gpuflow-gpu-k8s"],
+        help="deploy only the deployments on this pool (repeatable; default: all)",
+    )
+    deploy.set_defaults(handler=lambda args: deploy_all(args.pool))
     sub = commands.add_parser(
         "submit",
         description="Run a deployment from CI.",
@@ -46,12 +67,14 @@ def add(commands: Any) -> list[tuple[str, str]]:
     return [
         ("platform", "a local Prefect server, pools, blocks, deployments and a worker"),
         ("blocks", "register gpuflow's block types and default blocks"),
-        ("deploy", "check prefect.yaml, then `prefect deploy --all`"),
+        ("deploy", "check prefect.yaml, then `prefect deploy`"),
         ("submit", "run a deployment from CI"),
     ]
 
 
-def platform(action: str, port: int) -> int:
+def platform(
+    action: str, port: int, kubeconfig: Path | None = None, image: str | None = None
+) -> int:
     """Bring the local platform up or down, or say whether it runs."""
     from tasks.platform import local
 
@@ -63,7 +86,7 @@ def platform(action: str, port: int) -> int:
     from tasks.errors import GpuflowError, InvalidSpec
 
     try:
-        local.up(port)
+        local.up(port, kubeconfig=kubeconfig, image=image)
     except InvalidSpec as exc:
         return invalid(exc)
     except GpuflowError as exc:
@@ -103,22 +126,25 @@ def blocks_init() -> int:
     return session.with_api(body)
 
 
-def deploy_all() -> int:
-    """Check prefect.yaml (pools, entrypoints, parameters, triggers, job variables), then
-    run `prefect deploy --all` against PREFECT_API_URL."""
+def deploy_all(pools: list[str] | None = None) -> int:
+    """Check prefect.yaml (pools, entrypoints, parameters, triggers, job variables, the job
+    image), then run `prefect deploy` for the deployments on `pools` against PREFECT_API_URL."""
     from tasks.errors import InvalidSpec
     from tasks.platform import deploy
 
     root = Path.cwd() if (Path.cwd() / "prefect.yaml").is_file() else deploy_root()
     try:
         names = deploy.check_project(
-            deploy.load_project(root / "prefect.yaml"), root, deploy.pool_templates()
+            deploy.load_project(root / "prefect.yaml"),
+            root,
+            deploy.pool_templates(),
+            only=set(pools) if pools else None,
         )
     except InvalidSpec as exc:
         return invalid(exc)
 
     def body(api: Any) -> int:
-        done = deploy.prefect_deploy(root)
+        done = deploy.prefect_deploy(root, names=names if pools else None)
         print(done.stdout[-3000:], end="")
         if done.returncode != 0:
             print(done.stderr[-3000:], file=sys.stderr)

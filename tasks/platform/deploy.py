@@ -10,6 +10,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,17 +23,20 @@ from tasks.platform.pool_template import check_job_variables
 
 LOCAL_POOL = "gpuflow-local"
 GPU_K8S_POOL = "gpuflow-gpu-k8s"
+IMAGE_VARIABLE = "GPUFLOW_IMAGE"
+_ENV_PLACEHOLDER = re.compile(r"\{\{\s*\$(\w+)\s*\}\}")
 
 
 def pool_templates() -> dict[str, tuple[str, dict[str, Any]]]:
     """Return gpuflow's pools: name -> (worker type, base job template)."""
     from prefect.workers.process import ProcessWorker
 
+    from tasks.platform.k8s_worker import WORKER_TYPE
     from tasks.platform.pool_template import default_gpu_template
 
     return {
         LOCAL_POOL: ("process", ProcessWorker.get_default_base_job_template()),
-        GPU_K8S_POOL: ("kubernetes", default_gpu_template()),
+        GPU_K8S_POOL: (WORKER_TYPE, default_gpu_template()),
     }
 
 
@@ -70,11 +74,17 @@ def flow_parameters(root: Path, entrypoint: str, where: str) -> inspect.Signatur
 
 
 def check_project(
-    project: dict[str, Any], root: Path, pools: dict[str, tuple[str, dict[str, Any]]]
+    project: dict[str, Any],
+    root: Path,
+    pools: dict[str, tuple[str, dict[str, Any]]],
+    only: set[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> list[str]:
-    """Return the deployment names after checking each; InvalidSpec on the first problem."""
+    """Return the names of the deployments on the pools in `only` (default: all) after
+    checking each; InvalidSpec on the first problem. `env` resolves {{ $NAME }} in images."""
     from tasks.spec import load_spec
 
+    env = dict(os.environ) if env is None else env
     names = []
     for i, deployment in enumerate(project["deployments"]):
         name = deployment.get("name") or f"#{i}"
@@ -89,11 +99,12 @@ def check_project(
                 f"{where}.work_pool.name: {pool!r} is not a pool gpuflow knows; use one of"
                 f" {', '.join(pools)} or create it first"
             )
-        check_job_variables(
-            pools[pool][1],
-            deployment["work_pool"].get("job_variables") or {},
-            f"{where}.work_pool.job_variables",
-        )
+        if only is not None and pool not in only:
+            continue
+        variables = deployment["work_pool"].get("job_variables") or {}
+        check_job_variables(pools[pool][1], variables, f"{where}.work_pool.job_variables")
+        if pool == GPU_K8S_POOL:
+            check_image(f"{where}.work_pool.job_variables.image", variables.get("image"), env)
         signature = flow_parameters(root, str(deployment.get("entrypoint", "")), where)
         accepted = set(signature.parameters)
         parameters = deployment.get("parameters") or {}
@@ -119,6 +130,26 @@ def check_project(
     return names
 
 
+def check_image(where: str, image: Any, env: dict[str, str]) -> str:
+    """Return the job image a Kubernetes deployment names, its {{ $NAME }} resolved from
+    `env`; InvalidSpec when it is missing, unset or a placeholder."""
+    fix = (
+        f"set {IMAGE_VARIABLE} to a registry path and tag you can push to (the image is built"
+        " from infra/docker/Dockerfile), or deploy only the local pool with"
+        f" `gpuflow deploy --pool {LOCAL_POOL}`"
+    )
+    if not isinstance(image, str) or not image.strip():
+        raise InvalidSpec(f"{where}: the job image is missing; {fix}")
+    unset = [n for n in _ENV_PLACEHOLDER.findall(image) if not env.get(n, "").strip()]
+    if unset:
+        raise InvalidSpec(f"{where}: {unset[0]} is not set; {fix}")
+    resolved = _ENV_PLACEHOLDER.sub(lambda m: env[m.group(1)].strip(), image)
+    repository = resolved.rsplit("@", 1)[0]
+    if "example" in re.split(r"[/.:]", repository) or any(c in resolved for c in "<>{} "):
+        raise InvalidSpec(f"{where}: {resolved!r} is a placeholder, not an image; {fix}")
+    return resolved
+
+
 def _known_parameters(where: str, parameters: dict[str, Any], accepted: set[str]) -> None:
     unknown = sorted(set(parameters) - accepted)
     if unknown:
@@ -128,10 +159,18 @@ def _known_parameters(where: str, parameters: dict[str, Any], accepted: set[str]
         )
 
 
-def prefect_deploy(root: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run `prefect deploy --all` in `root` (after check_project); return the finished call."""
+def prefect_deploy(
+    root: Path,
+    env: dict[str, str] | None = None,
+    names: list[str] | None = None,
+    prefect_file: Path | None = None,
+) -> subprocess.CompletedProcess:
+    """Run `prefect deploy` in `root` for `names` (default: all), after check_project;
+    return the finished call."""
+    which = [a for n in names for a in ("--name", n)] if names is not None else ["--all"]
+    file = ["--prefect-file", str(prefect_file)] if prefect_file else []
     return subprocess.run(
-        [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"],
+        [sys.executable, "-m", "prefect", "--no-prompt", "deploy", *which, *file],
         cwd=root,
         env=env or dict(os.environ),
         capture_output=True,

@@ -1,6 +1,10 @@
 """The local platform: a Prefect server on 127.0.0.1 (SQLite under $GPUFLOW_HOME/platform),
 gpuflow's work pools, a `gpu` concurrency limit sized to this host's GPUs, the blocks, the
 deployments of prefect.yaml and a process worker; `down` stops what `up` started, by PID.
+
+Given a kubeconfig, `up` also deploys the Kubernetes deployments (with an image already
+pushed: nothing is built) and starts gpuflow's Kubernetes worker for the gpuflow-gpu-k8s
+pool on that cluster.
 """
 
 from __future__ import annotations
@@ -16,10 +20,18 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import yaml
 
 from tasks.compute.local import alive, gpuflow_home, stop_group, write_atomic
-from tasks.errors import GpuflowError
-from tasks.platform.deploy import LOCAL_POOL, check_project, load_project, pool_templates
+from tasks.errors import GpuflowError, InvalidSpec
+from tasks.platform.deploy import (
+    GPU_K8S_POOL,
+    IMAGE_VARIABLE,
+    LOCAL_POOL,
+    check_project,
+    load_project,
+    pool_templates,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,12 +106,21 @@ def platform_env(api: str) -> dict[str, str]:
     return env
 
 
-def up(port: int = 4200, say=print) -> dict[str, Any]:
-    """Start (or find running) the local platform; return its state: api, ui, processes."""
+def up(
+    port: int = 4200, say=print, kubeconfig: Path | None = None, image: str | None = None
+) -> dict[str, Any]:
+    """Start (or find running) the local platform; return its state: api, ui, processes.
+    With `kubeconfig`, also a Kubernetes worker on that cluster running `image`."""
     state = read_state()
     if state and all(running(p) for p in state["processes"].values()):
+        if kubeconfig and "k8s-worker" not in state["processes"]:
+            raise PlatformError(
+                "the platform already runs without a Kubernetes worker; run `gpuflow platform"
+                " down`, then `up` again with --kubeconfig"
+            )
         say(f"already running: UI {state['ui']}")
         return state
+    cluster = _cluster(kubeconfig, image) if kubeconfig else None
     if state:
         down(say=lambda *_: None)  # a half-dead platform: clear it first
     started = time.monotonic()
@@ -131,13 +152,26 @@ def up(port: int = 4200, say=print) -> dict[str, Any]:
             f"started the Prefect server (pid {processes['server']['pid']}) at {ui} in"
             f" {time.monotonic() - started:.1f} s; log {processes['server']['log']}"
         )
-        _configure(api, env, say)
+        _configure(api, env, say, cluster)
         processes["worker"] = _start(
             [python, "-m", "prefect", "worker", "start", "--pool", LOCAL_POOL, "--type", "process"],
             env,
             platform_dir() / "worker.log",
         )
         _write_state(state)
+        if cluster:
+            worker = ["worker", "start", "--pool", GPU_K8S_POOL]
+            worker += ["--type", pool_templates()[GPU_K8S_POOL][0]]
+            processes["k8s-worker"] = _start(
+                [python, "-m", "prefect", *worker],
+                {**env, "KUBECONFIG": str(cluster["kubeconfig"])},
+                platform_dir() / "k8s-worker.log",
+            )
+            _write_state(state)
+            say(
+                f"started a Kubernetes worker (pid {processes['k8s-worker']['pid']}) on the pool"
+                f" {GPU_K8S_POOL} for {cluster['server']}; jobs run {cluster['image']}"
+            )
     except BaseException:
         down(say=lambda *_: None)
         raise
@@ -151,14 +185,51 @@ def up(port: int = 4200, say=print) -> dict[str, Any]:
     return state
 
 
-def _configure(api: str, env: dict[str, str], say) -> None:
-    """Create the pools, the `gpu` limit and the blocks, then deploy prefect.yaml."""
+def _cluster(kubeconfig: Path, image: str | None) -> dict[str, Any]:
+    """Return the cluster a Kubernetes worker would use, after checking the kubeconfig loads,
+    its API server answers and a job image is named; InvalidSpec/PlatformError otherwise."""
+    from tasks.compute.kubeapi import KubeApi, KubeError, KubeUnreachable, load_config
+
+    if not kubeconfig.is_file():
+        raise InvalidSpec(f"--kubeconfig: {kubeconfig} is not a file; name your kubeconfig")
+    image = image or os.environ.get(IMAGE_VARIABLE, "")
+    if not image.strip():
+        raise InvalidSpec(
+            f"--image: name the job image the Kubernetes pods run (already pushed), or set"
+            f" {IMAGE_VARIABLE}; infra/docker/Dockerfile builds it"
+        )
+    try:
+        config = load_config(yaml.safe_load(kubeconfig.read_text()) or {})
+    except yaml.YAMLError:
+        raise InvalidSpec(f"--kubeconfig: {kubeconfig} is not YAML; name your kubeconfig") from None
+    api = KubeApi(config.model_copy(update={"source": str(kubeconfig)}))
+    try:
+        api.request("GET", "/version")
+    except (KubeError, KubeUnreachable) as exc:
+        raise PlatformError(f"the cluster in {kubeconfig} cannot be used: {exc}") from None
+    finally:
+        api.close()
+    return {"kubeconfig": kubeconfig.resolve(), "server": config.server, "image": image.strip()}
+
+
+def _configure(api: str, env: dict[str, str], say, cluster: dict[str, Any] | None) -> None:
+    """Create the pools, the `gpu` limit and the blocks, then deploy prefect.yaml (its
+    Kubernetes deployments only with a cluster, running its image as given)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from tasks.platform.deploy import prefect_deploy
 
     pools = pool_templates()
-    check_project(load_project(ROOT / "prefect.yaml"), ROOT, pools)
+    project = load_project(ROOT / "prefect.yaml")
+    only = {LOCAL_POOL, GPU_K8S_POOL} if cluster else {LOCAL_POOL}
+    deploy_env = {**env, IMAGE_VARIABLE: cluster["image"]} if cluster else env
+    names = check_project(project, ROOT, pools, only=only, env=deploy_env)
+    prefect_file = None
+    if cluster:  # the image is given: deploy without the build and push steps
+        for deployment in project["deployments"]:
+            deployment.pop("build", None), deployment.pop("push", None)
+        prefect_file = platform_dir() / "prefect.yaml"
+        write_atomic(prefect_file, yaml.safe_dump(project, sort_keys=False))
     with temporary_settings({PREFECT_API_URL: api}):
         _pools(pools)
         gpus = _gpu_limit()
@@ -166,10 +237,10 @@ def _configure(api: str, env: dict[str, str], say) -> None:
 
         init_blocks()
     say(f"pools {', '.join(pools)}; concurrency limit gpu = {gpus}; blocks registered")
-    done = prefect_deploy(ROOT, env)
+    done = prefect_deploy(ROOT, deploy_env, names=names, prefect_file=prefect_file)
     if done.returncode != 0:
         raise PlatformError(f"prefect deploy failed: {(done.stdout + done.stderr)[-1500:]}")
-    say("deployments created from prefect.yaml")
+    say(f"{len(names)} deployments created from prefect.yaml")
 
 
 def _pools(pools: dict[str, tuple[str, dict[str, Any]]]) -> None:
@@ -226,7 +297,7 @@ def down(say=print) -> list[str]:
     if state is None:
         say("nothing is running")
         return stopped
-    for name in ("worker", "server"):
+    for name in ("k8s-worker", "worker", "server"):
         entry = state["processes"].get(name)
         if entry and running(entry):
             stop_group(entry["pid"], None, grace_s=15.0)

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from uuid import UUID
 
 import psutil
 
 from tasks.compute import gpu_slots
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def leftovers(home: Path) -> dict[str, list[str]]:
@@ -79,3 +85,41 @@ def task_runs_of(flow_run_id: UUID | str):
         return client.read_task_runs(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[UUID(str(flow_run_id))]))
         )
+
+
+class Platform:
+    def __init__(self, home: Path, port: int) -> None:
+        self.home, self.port = home, port
+        self.api, self.ui = f"http://127.0.0.1:{port}/api", f"http://127.0.0.1:{port}"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        self.env.update(GPUFLOW_HOME=str(home), PREFECT_API_URL=self.api)
+        self.env.update(PREFECT_UI_URL=self.ui, PREFECT_SERVER_ANALYTICS_ENABLED="false")
+        self.env.pop("CUDA_VISIBLE_DEVICES", None)
+
+    def run(self, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            list(argv), env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        )
+
+    def gpuflow(self, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return self.run(sys.executable, "-m", "gpuflow", *argv, timeout=timeout)
+
+    def client(self):
+        from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        class _Client:
+            def __enter__(inner):
+                inner.settings = temporary_settings({PREFECT_API_URL: self.api})
+                inner.settings.__enter__()
+                inner.client = get_client(sync_client=True)
+                return inner.client.__enter__()
+
+            def __exit__(inner, *exc):
+                inner.client.__exit__(*exc)
+                inner.settings.__exit__(*exc)
+
+        return _Client()
+
+    def state(self) -> dict:
+        return json.loads((self.home / "platform" / "state.json").read_text())

@@ -5,10 +5,13 @@ labels a pod for KWOK's failure stage, or deletes a node."""
 
 from __future__ import annotations
 
+import re
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 
@@ -717,3 +720,84 @@ def test_a_kubernetes_gpu_pool_block_names_the_cluster_and_how_pods_are_made(
         assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
     finally:
         backend.teardown(cluster)
+
+
+def test_the_prefect_worker_runs_a_deployment_as_a_gpu_job_on_a_node_of_the_runs_product(
+    kube, testbed, tmp_path
+):
+    """`gpuflow platform up --kubeconfig` starts gpuflow's Kubernetes worker; a run of a
+    deployment whose GPU product and count come only from the run's job variables (what the
+    UI's run form sends) becomes a Job with those on the real API server, and its pod lands on
+    a node of that product. A bad job variable fails the run with one sentence, nothing made."""
+    from tests.conftest import free_port
+    from tests.e2e.helpers import Platform
+
+    namespace = "worker-e2e"
+    kube.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace}})
+    platform = Platform(tmp_path / "home", free_port())
+    platform.env["KUBECONFIG"] = "/nonexistent"  # the worker must use --kubeconfig's cluster
+    image = "registry.internal/ml/gpuflow-job:0.1"
+    try:
+        up = platform.gpuflow(
+            "platform", "up", "--port", str(platform.port),
+            "--kubeconfig", str(testbed), "--image", image,
+        )  # fmt: skip
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "started a Kubernetes worker" in up.stdout
+        with platform.client() as client:
+            pool = client.read_work_pool("gpuflow-gpu-k8s")
+            assert pool.type == "gpuflow-kubernetes"
+            deployment = client.read_deployment_by_name("gpu-pipeline/command-k8s")
+            assert deployment.job_variables["image"] == image
+
+        def start(*variables: str) -> str:
+            argv = ["deployment", "run", "gpu-pipeline/command-k8s"]
+            for pair in (f"namespace={namespace}", *variables):
+                argv += ["--job-variable", pair]
+            ran = platform.run(sys.executable, "-m", "prefect", *argv)
+            assert ran.returncode == 0, ran.stdout + ran.stderr
+            return re.search(r"UUID: ([0-9a-f-]{36})", ran.stdout).group(1)
+
+        run_id = start("gpu_product=NVIDIA-L4", "gpu_count=2", "queue_name=team-a")
+        jobs_path = f"/apis/batch/v1/namespaces/{namespace}/jobs"
+        selector = {"labelSelector": f"prefect.io/flow-run-id={run_id}"}
+        until, jobs = time.monotonic() + 120, []
+        while not jobs and time.monotonic() < until:
+            jobs = kube.request("GET", jobs_path, params=selector)["items"]
+            time.sleep(0.5)
+        assert len(jobs) == 1, (platform.home / "platform" / "k8s-worker.log").read_text()[-3000:]
+        job = jobs[0]
+        pod = job["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert container["image"] == image
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-L4"}
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+            "tolerations"
+        ]
+        assert job["spec"]["activeDeadlineSeconds"] == 86400
+        assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+        pods_path = f"/api/v1/namespaces/{namespace}/pods"
+        until, node = time.monotonic() + 60, None
+        while not node and time.monotonic() < until:
+            pods = kube.request("GET", pods_path, params=selector)["items"]
+            node = next((p["spec"].get("nodeName") for p in pods), None)
+            time.sleep(0.5)
+        assert node == "gpu-l4-0"  # the only node of that product
+
+        bad = start("shm_size=lots")
+        until, state = time.monotonic() + 60, None
+        while time.monotonic() < until:
+            with platform.client() as client:
+                state = client.read_flow_run(UUID(bad)).state
+            if state.is_final():
+                break
+            time.sleep(0.5)
+        assert state.is_crashed()
+        assert "job_variables.shm_size: 'lots' is not a size; write e.g. 8Gi" in state.message
+        bad_selector = {"labelSelector": f"prefect.io/flow-run-id={bad}"}
+        assert kube.request("GET", jobs_path, params=bad_selector)["items"] == []
+    finally:
+        down = platform.gpuflow("platform", "down", timeout=120)
+        kube.request("DELETE", f"/api/v1/namespaces/{namespace}")
+    assert down.returncode == 0 and "stopped the k8s-worker" in down.stdout

@@ -18,49 +18,11 @@ import psutil
 import pytest
 
 from tests.conftest import free_port
-from tests.e2e.helpers import nothing_left
+from tests.e2e.helpers import Platform, nothing_left
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-class Platform:
-    def __init__(self, home: Path, port: int) -> None:
-        self.home, self.port = home, port
-        self.api, self.ui = f"http://127.0.0.1:{port}/api", f"http://127.0.0.1:{port}"
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-        self.env.update(GPUFLOW_HOME=str(home), PREFECT_API_URL=self.api)
-        self.env.update(PREFECT_UI_URL=self.ui, PREFECT_SERVER_ANALYTICS_ENABLED="false")
-        self.env.pop("CUDA_VISIBLE_DEVICES", None)
-
-    def run(self, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            list(argv), env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
-        )
-
-    def gpuflow(self, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        return self.run(sys.executable, "-m", "gpuflow", *argv, timeout=timeout)
-
-    def client(self):
-        from prefect.client.orchestration import get_client
-        from prefect.settings import PREFECT_API_URL, temporary_settings
-
-        class _Client:
-            def __enter__(inner):
-                inner.settings = temporary_settings({PREFECT_API_URL: self.api})
-                inner.settings.__enter__()
-                inner.client = get_client(sync_client=True)
-                return inner.client.__enter__()
-
-            def __exit__(inner, *exc):
-                inner.client.__exit__(*exc)
-                inner.settings.__exit__(*exc)
-
-        return _Client()
-
-    def state(self) -> dict:
-        return json.loads((self.home / "platform" / "state.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +45,15 @@ def test_up_brings_server_pools_limit_blocks_deployments_and_worker(platform):
     with platform.client() as client:
         pools = {p.name: p.type for p in client.read_work_pools()}
         assert pools["gpuflow-local"] == "process"
-        assert pools["gpuflow-gpu-k8s"] == "kubernetes"
+        assert pools["gpuflow-gpu-k8s"] == "gpuflow-kubernetes"
         limit = client.read_global_concurrency_limit_by_name("gpu")
         from tasks import nvml
 
         assert limit.limit == len(nvml.query().gpus)
         deployments = {d.name for d in client.read_deployments()}
-        assert {"command-local", "render-local", "hpc-k8s", "prepare-dataset-local"} <= deployments
+        assert {"command-local", "render-local", "prepare-dataset-local"} <= deployments
+        # no cluster was named: the Kubernetes deployments wait for `up --kubeconfig`
+        assert not {d for d in deployments if d.endswith("-k8s")}
         types = {b.slug for b in client.read_block_types()}
         assert {"gpuflow-local-gpu-host", "gpuflow-gpu-price-table"} <= types
     again = platform.gpuflow("platform", "up", "--port", str(platform.port))
