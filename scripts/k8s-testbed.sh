@@ -15,6 +15,7 @@ set -euo pipefail
 K8S_VERSION=v1.36.3   # k8s.io/kubernetes; staging modules v0.36.3 (scripts/testbed/k8s/go.mod)
 ETCD_VERSION=v3.6.15  # go.etcd.io/etcd/server/v3 (scripts/testbed/etcd/go.mod)
 KWOK_VERSION=v0.8.0   # sigs.k8s.io/kwok
+KUEUE_VERSION=v0.17.0 # sigs.k8s.io/kueue: its CRDs only (the API of infra/kubernetes/kueue-*.yaml)
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CACHE=${GPUFLOW_TESTBED_CACHE:-$HOME/.cache/gpuflow/testbed}
 BIN=$CACHE/bin
@@ -27,10 +28,10 @@ die() { printf 'testbed: %s\n' "$*" >&2; exit 1; }
 build() {
   mkdir -p "$BIN"
   command -v go >/dev/null || die "Go is not installed; install Go 1.26 (it builds the test cluster)"
-  local stamp=$BIN/.versions want="k8s=$K8S_VERSION etcd=$ETCD_VERSION kwok=$KWOK_VERSION"
+  local stamp=$BIN/.versions want="k8s=$K8S_VERSION etcd=$ETCD_VERSION kwok=$KWOK_VERSION kueue=$KUEUE_VERSION"
   if [[ -f $stamp && $(cat "$stamp") == "$want" ]] &&
     [[ -x $BIN/kube-apiserver && -x $BIN/kube-controller-manager && -x $BIN/kube-scheduler ]] &&
-    [[ -x $BIN/etcd && -x $BIN/kwok ]]; then
+    [[ -x $BIN/etcd && -x $BIN/kwok && -f $CACHE/crds/kueue.x-k8s.io_clusterqueues.yaml ]]; then
     say "built already: $want in $BIN"
     return
   fi
@@ -51,6 +52,13 @@ build() {
     say "building kwok $KWOK_VERSION"
     GOBIN=$BIN go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
   fi
+  say "fetching Kueue $KUEUE_VERSION's CRDs"
+  local kueue
+  kueue=$(go mod download -json "sigs.k8s.io/kueue@$KUEUE_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
+  mkdir -p "$CACHE/crds"
+  for kind in resourceflavors clusterqueues localqueues workloadpriorityclasses; do
+    cp "$kueue/config/components/crd/bases/kueue.x-k8s.io_$kind.yaml" "$CACHE/crds/"
+  done
   echo "$want" >"$stamp"
   say "built: $want in $BIN"
 }
@@ -200,8 +208,13 @@ up() {
   local doc
   while IFS= read -r -d '' doc; do api POST /api/v1/nodes "$doc" >/dev/null; done < <(awk 'BEGIN{RS="---\n"; ORS="\0"} {print}' "$DIR/nodes.yaml")
   wait_for "4 Ready nodes" 120 bash -c "[[ \$(curl -fsS --cacert '$DIR/pki/ca.crt' --cert '$DIR/pki/admin.crt' --key '$DIR/pki/admin.key' https://127.0.0.1:$(cat "$DIR/ports/api")/api/v1/nodes | grep -c '\"reason\": \"KubeletReady\"') -ge 4 ]]"
+  local crd
+  for crd in "$CACHE"/crds/*.yaml; do
+    api POST /apis/apiextensions.k8s.io/v1/customresourcedefinitions "$(cat "$crd")" >/dev/null
+  done
   wait_for "the default service account" 60 api GET /api/v1/namespaces/default/serviceaccounts/default
-  say "up: 4 nodes (2 x 8 H100, 4 L4, 1 CPU); kubeconfig: $DIR/kubeconfig"
+  wait_for "Kueue's API" 60 api GET /apis/kueue.x-k8s.io/v1beta2/clusterqueues
+  say "up: 4 nodes (2 x 8 H100, 4 L4, 1 CPU), Kueue's CRDs; kubeconfig: $DIR/kubeconfig"
 }
 
 down() {

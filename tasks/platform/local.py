@@ -164,13 +164,19 @@ def up(
             worker += ["--type", pool_templates()[GPU_K8S_POOL][0]]
             processes["k8s-worker"] = _start(
                 [python, "-m", "prefect", *worker],
-                {**env, "KUBECONFIG": str(cluster["kubeconfig"])},
+                {
+                    **env,
+                    "KUBECONFIG": str(cluster["kubeconfig"]),
+                    # watch the jobs' namespace only: what worker-rbac.yaml grants
+                    "PREFECT_INTEGRATIONS_KUBERNETES_OBSERVER_NAMESPACES": cluster["namespace"],
+                },
                 platform_dir() / "k8s-worker.log",
             )
             _write_state(state)
             say(
                 f"started a Kubernetes worker (pid {processes['k8s-worker']['pid']}) on the pool"
-                f" {GPU_K8S_POOL} for {cluster['server']}; jobs run {cluster['image']}"
+                f" {GPU_K8S_POOL} for {cluster['server']}, namespace {cluster['namespace']};"
+                f" jobs run {cluster['image']}"
             )
     except BaseException:
         down(say=lambda *_: None)
@@ -203,13 +209,28 @@ def _cluster(kubeconfig: Path, image: str | None) -> dict[str, Any]:
     except yaml.YAMLError:
         raise InvalidSpec(f"--kubeconfig: {kubeconfig} is not YAML; name your kubeconfig") from None
     api = KubeApi(config.model_copy(update={"source": str(kubeconfig)}))
+    namespace = config.namespace
     try:
         api.request("GET", "/version")
-    except (KubeError, KubeUnreachable) as exc:
+        api.request("GET", f"/api/v1/namespaces/{namespace}")
+    except KubeUnreachable as exc:
         raise PlatformError(f"the cluster in {kubeconfig} cannot be used: {exc}") from None
+    except KubeError as exc:
+        if exc.status == 404:
+            raise InvalidSpec(
+                f"--kubeconfig: the namespace {namespace!r} its context names does not exist on"
+                f" {config.server}; create it or name another in the context"
+            ) from None
+        if exc.status != 403:  # a worker need not read namespaces
+            raise PlatformError(f"the cluster in {kubeconfig} cannot be used: {exc}") from None
     finally:
         api.close()
-    return {"kubeconfig": kubeconfig.resolve(), "server": config.server, "image": image.strip()}
+    return {
+        "kubeconfig": kubeconfig.resolve(),
+        "server": config.server,
+        "namespace": namespace,
+        "image": image.strip(),
+    }
 
 
 def _configure(api: str, env: dict[str, str], say, cluster: dict[str, Any] | None) -> None:
@@ -228,6 +249,9 @@ def _configure(api: str, env: dict[str, str], say, cluster: dict[str, Any] | Non
     if cluster:  # the image is given: deploy without the build and push steps
         for deployment in project["deployments"]:
             deployment.pop("build", None), deployment.pop("push", None)
+            if deployment["work_pool"]["name"] == GPU_K8S_POOL:
+                variables = deployment["work_pool"].setdefault("job_variables", {})
+                variables.setdefault("namespace", cluster["namespace"])
         prefect_file = platform_dir() / "prefect.yaml"
         write_atomic(prefect_file, yaml.safe_dump(project, sort_keys=False))
     with temporary_settings({PREFECT_API_URL: api}):

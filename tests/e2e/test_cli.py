@@ -354,7 +354,7 @@ def test_a_temporary_api_that_cannot_start_is_named_with_its_cause(tmp_path, gpu
 def test_submit_and_deploy_need_a_lasting_server(gpuflow_home):
     env = subprocess_env("", gpuflow_home)
     env.pop("PREFECT_API_URL")
-    for argv in (["submit", "command/command-local"], ["deploy"]):
+    for argv in (["submit", "command/command-local"], ["deploy", "--pool", "gpuflow-local"]):
         out = gpuflow(argv, env)
         assert out.returncode == 1 and "Traceback" not in out.stderr
         assert out.stderr.strip().endswith(

@@ -399,6 +399,27 @@ def apply(kube: KubeApi, doc: dict, namespace: str) -> None:
     kube.request("POST", paths[doc["kind"]], doc)
 
 
+def token_kubeconfig(kube: KubeApi, namespace: str, account: str, path: Path) -> Path:
+    """Write a kubeconfig for the testbed that authenticates as service account `account` of
+    `namespace` (a token from the TokenRequest API), its context in that namespace."""
+    import yaml
+
+    request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {}}
+    token = kube.request(
+        "POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token", request
+    )["status"]["token"]
+    admin = yaml.safe_load(Path(kube.config.source).read_text())
+    context = {"cluster": admin["clusters"][0]["name"], "user": account, "namespace": namespace}
+    limited = {
+        **admin,
+        "users": [{"name": account, "user": {"token": token}}],
+        "contexts": [{"name": account, "context": context}],
+        "current-context": account,
+    }
+    path.write_text(yaml.safe_dump(limited))
+    return path
+
+
 def test_the_backend_runs_with_exactly_its_role_and_one_verb_less_is_named(
     kube, tmp_path, monkeypatch
 ):
@@ -416,31 +437,7 @@ def test_the_backend_runs_with_exactly_its_role_and_one_verb_less_is_named(
     for doc in docs:
         if doc["kind"] != "ClusterRole":  # the optional node reader stays unbound here
             apply(kube, doc, namespace)
-    request = {
-        "apiVersion": "authentication.k8s.io/v1",
-        "kind": "TokenRequest",
-        "spec": {"expirationSeconds": 3600},
-    }
-    token = kube.request(
-        "POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/gpuflow/token", request
-    )["status"]["token"]
-    admin = yaml.safe_load(Path(kube.config.source).read_text())
-    limited = {
-        **admin,
-        "users": [{"name": "gpuflow", "user": {"token": token}}],
-        "contexts": [
-            {
-                "name": "gpuflow",
-                "context": {
-                    "cluster": admin["clusters"][0]["name"],
-                    "user": "gpuflow",
-                    "namespace": namespace,
-                },
-            }
-        ],
-        "current-context": "gpuflow",
-    }
-    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(limited))
+    token_kubeconfig(kube, namespace, "gpuflow", tmp_path / "kubeconfig")
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
 
     backend = KubernetesBackend()
@@ -729,18 +726,23 @@ def test_the_prefect_worker_runs_a_deployment_as_a_gpu_job_on_a_node_of_the_runs
     deployment whose GPU product and count come only from the run's job variables (what the
     UI's run form sends) becomes a Job with those on the real API server, and its pod lands on
     a node of that product. A bad job variable fails the run with one sentence, nothing made."""
+    import yaml
+
     from tests.conftest import free_port
     from tests.e2e.helpers import Platform
 
     namespace = "worker-e2e"
     kube.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace}})
+    for doc in yaml.safe_load_all((ROOT / "infra/kubernetes/worker-rbac.yaml").read_text()):
+        apply(kube, doc, namespace)  # the worker runs with exactly this Role
+    kubeconfig = token_kubeconfig(kube, namespace, "prefect-worker", tmp_path / "kubeconfig")
     platform = Platform(tmp_path / "home", free_port())
     platform.env["KUBECONFIG"] = "/nonexistent"  # the worker must use --kubeconfig's cluster
     image = "registry.internal/ml/gpuflow-job:0.1"
     try:
         up = platform.gpuflow(
             "platform", "up", "--port", str(platform.port),
-            "--kubeconfig", str(testbed), "--image", image,
+            "--kubeconfig", str(kubeconfig), "--image", image,
         )  # fmt: skip
         assert up.returncode == 0, up.stdout + up.stderr
         assert "started a Kubernetes worker" in up.stdout
@@ -749,10 +751,11 @@ def test_the_prefect_worker_runs_a_deployment_as_a_gpu_job_on_a_node_of_the_runs
             assert pool.type == "gpuflow-kubernetes"
             deployment = client.read_deployment_by_name("gpu-pipeline/command-k8s")
             assert deployment.job_variables["image"] == image
+            assert deployment.job_variables["namespace"] == namespace
 
         def start(*variables: str) -> str:
             argv = ["deployment", "run", "gpu-pipeline/command-k8s"]
-            for pair in (f"namespace={namespace}", *variables):
+            for pair in variables:  # the namespace is the kubeconfig's
                 argv += ["--job-variable", pair]
             ran = platform.run(sys.executable, "-m", "prefect", *argv)
             assert ran.returncode == 0, ran.stdout + ran.stderr
@@ -801,3 +804,50 @@ def test_the_prefect_worker_runs_a_deployment_as_a_gpu_job_on_a_node_of_the_runs
         down = platform.gpuflow("platform", "down", timeout=120)
         kube.request("DELETE", f"/api/v1/namespaces/{namespace}")
     assert down.returncode == 0 and "stopped the k8s-worker" in down.stdout
+
+
+def test_the_kueue_gpu_queue_examples_are_accepted_by_kueues_own_api(kube):
+    """infra/kubernetes/kueue-gpu-queues.yaml against Kueue's CRDs (with their validation
+    rules) on the API server, strictly (an unknown field fails); its flavors are the
+    products the GPU nodes carry."""
+    import yaml
+
+    docs = list(yaml.safe_load_all((ROOT / "infra/kubernetes/kueue-gpu-queues.yaml").read_text()))
+    plural = {
+        "ResourceFlavor": "resourceflavors",
+        "ClusterQueue": "clusterqueues",
+        "LocalQueue": "localqueues",
+        "WorkloadPriorityClass": "workloadpriorityclasses",
+    }
+    made = []
+    try:
+        for doc in docs:
+            namespace = doc["metadata"].get("namespace")
+            where = f"namespaces/{namespace}/" if namespace else ""
+            path = f"/apis/{doc['apiVersion']}/{where}{plural[doc['kind']]}"
+            kube.request("POST", path, doc, params={"fieldValidation": "Strict"})
+            made.append(f"{path}/{doc['metadata']['name']}")
+        bad = next(d for d in docs if d["kind"] == "ClusterQueue")
+        bad = {**bad, "metadata": {"name": "bad"}, "spec": {**bad["spec"], "gpuQuota": 8}}
+        from tasks.compute.kubeapi import KubeError
+
+        with pytest.raises(KubeError, match="gpuQuota"):  # strict: a field Kueue lacks fails
+            kube.request(
+                "POST",
+                f"/apis/{bad['apiVersion']}/clusterqueues",
+                bad,
+                {"fieldValidation": "Strict"},
+            )
+    finally:
+        for path in reversed(made):
+            kube.request("DELETE", path)
+    products = {
+        n["metadata"]["labels"].get("nvidia.com/gpu.product")
+        for n in kube.request("GET", "/api/v1/nodes")["items"]
+    }
+    flavors = [d for d in docs if d["kind"] == "ResourceFlavor"]
+    assert {f["spec"]["nodeLabels"]["nvidia.com/gpu.product"] for f in flavors} <= products
+    queue = next(d for d in docs if d["kind"] == "ClusterQueue")
+    (group,) = queue["spec"]["resourceGroups"]
+    assert "nvidia.com/gpu" in group["coveredResources"]
+    assert {f["name"] for f in group["flavors"]} == {f["metadata"]["name"] for f in flavors}
