@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # gpuflow's Kubernetes test cluster, on 127.0.0.1 only: a real control plane (etcd,
 # kube-apiserver, kube-controller-manager, kube-scheduler) with certificates,
-# service-account keys and RBAC on, and KWOK's simulated GPU nodes.
+# service-account keys and RBAC on, KWOK's simulated GPU nodes, the Kubeflow MPI Operator
+# (MPIJobs) and Kueue's CRDs (its API, no controller).
 #
 #   scripts/k8s-testbed.sh build             build what is missing into the cache
 #   scripts/k8s-testbed.sh up --dir DIR      build if needed, start, write DIR/kubeconfig
@@ -16,6 +17,7 @@ K8S_VERSION=v1.36.3   # k8s.io/kubernetes; staging modules v0.36.3 (scripts/test
 ETCD_VERSION=v3.6.15  # go.etcd.io/etcd/server/v3 (scripts/testbed/etcd/go.mod)
 KWOK_VERSION=v0.8.0   # sigs.k8s.io/kwok
 KUEUE_VERSION=v0.17.0 # sigs.k8s.io/kueue: its CRDs only (the API of infra/kubernetes/kueue-*.yaml)
+MPI_OPERATOR_VERSION=v0.6.0 # github.com/kubeflow/mpi-operator (scripts/testbed/mpi-operator/go.mod)
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CACHE=${GPUFLOW_TESTBED_CACHE:-$HOME/.cache/gpuflow/testbed}
 BIN=$CACHE/bin
@@ -28,10 +30,11 @@ die() { printf 'testbed: %s\n' "$*" >&2; exit 1; }
 build() {
   mkdir -p "$BIN"
   command -v go >/dev/null || die "Go is not installed; install Go 1.26 (it builds the test cluster)"
-  local stamp=$BIN/.versions want="k8s=$K8S_VERSION etcd=$ETCD_VERSION kwok=$KWOK_VERSION kueue=$KUEUE_VERSION"
+  local stamp=$BIN/.versions want="k8s=$K8S_VERSION etcd=$ETCD_VERSION kwok=$KWOK_VERSION kueue=$KUEUE_VERSION mpi-operator=$MPI_OPERATOR_VERSION"
   if [[ -f $stamp && $(cat "$stamp") == "$want" ]] &&
     [[ -x $BIN/kube-apiserver && -x $BIN/kube-controller-manager && -x $BIN/kube-scheduler ]] &&
-    [[ -x $BIN/etcd && -x $BIN/kwok && -f $CACHE/crds/kueue.x-k8s.io_clusterqueues.yaml ]]; then
+    [[ -x $BIN/etcd && -x $BIN/kwok && -x $BIN/mpi-operator ]] &&
+    [[ -f $CACHE/crds/kueue.x-k8s.io_clusterqueues.yaml && -f $CACHE/crds/kubeflow.org_mpijobs.yaml ]]; then
     say "built already: $want in $BIN"
     return
   fi
@@ -52,6 +55,11 @@ build() {
     say "building kwok $KWOK_VERSION"
     GOBIN=$BIN go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
   fi
+  if [[ ! -x $BIN/mpi-operator ]]; then
+    say "building mpi-operator $MPI_OPERATOR_VERSION (cold: about 5 minutes on 2 cores)"
+    (cd "$HERE/testbed/mpi-operator" && go build -trimpath -ldflags "-s -w" -o "$BIN/mpi-operator" \
+      github.com/kubeflow/mpi-operator/cmd/mpi-operator)
+  fi
   say "fetching Kueue $KUEUE_VERSION's CRDs"
   local kueue
   kueue=$(go mod download -json "sigs.k8s.io/kueue@$KUEUE_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
@@ -59,6 +67,9 @@ build() {
   for kind in resourceflavors clusterqueues localqueues workloadpriorityclasses; do
     cp "$kueue/config/components/crd/bases/kueue.x-k8s.io_$kind.yaml" "$CACHE/crds/"
   done
+  local mpi
+  mpi=$(cd "$HERE/testbed/mpi-operator" && go list -m -f '{{.Dir}}' github.com/kubeflow/mpi-operator)
+  cp "$mpi/manifests/base/kubeflow.org_mpijobs.yaml" "$CACHE/crds/"
   echo "$want" >"$stamp"
   say "built: $want in $BIN"
 }
@@ -85,6 +96,10 @@ wait_for() { # wait_for WHAT SECONDS COMMAND...
 api() { # api METHOD PATH [YAML]: a request to the API server as the admin
   curl -fsS --cacert "$DIR/pki/ca.crt" --cert "$DIR/pki/admin.crt" --key "$DIR/pki/admin.key" \
     -X "$1" "https://127.0.0.1:$(cat "$DIR/ports/api")$2" ${3:+-H "Content-Type: application/yaml" --data-binary "$3"}
+}
+
+api_file() { # api_file METHOD PATH FILE: the same, the YAML body read from FILE
+  api "$1" "$2" "@$3"
 }
 
 certificates() {
@@ -210,17 +225,23 @@ up() {
   wait_for "4 Ready nodes" 120 bash -c "[[ \$(curl -fsS --cacert '$DIR/pki/ca.crt' --cert '$DIR/pki/admin.crt' --key '$DIR/pki/admin.key' https://127.0.0.1:$(cat "$DIR/ports/api")/api/v1/nodes | grep -c '\"reason\": \"KubeletReady\"') -ge 4 ]]"
   local crd
   for crd in "$CACHE"/crds/*.yaml; do
-    api POST /apis/apiextensions.k8s.io/v1/customresourcedefinitions "$(cat "$crd")" >/dev/null
+    api_file POST /apis/apiextensions.k8s.io/v1/customresourcedefinitions "$crd" >/dev/null
   done
   wait_for "the default service account" 60 api GET /api/v1/namespaces/default/serviceaccounts/default
   wait_for "Kueue's API" 60 api GET /apis/kueue.x-k8s.io/v1beta2/clusterqueues
-  say "up: 4 nodes (2 x 8 H100, 4 L4, 1 CPU), Kueue's CRDs; kubeconfig: $DIR/kubeconfig"
+  wait_for "the MPIJob API" 60 api GET /apis/kubeflow.org/v2beta1/mpijobs
+  api POST /api/v1/namespaces 'apiVersion: v1
+kind: Namespace
+metadata: {name: mpi-operator}' >/dev/null
+  start mpi-operator "$BIN/mpi-operator" -kubeConfig "$DIR/kubeconfig" -lock-namespace mpi-operator \
+    -monitoring-port 0 -threadiness 4 -kube-api-qps 50 -kube-api-burst 100
+  say "up: 4 nodes (2 x 8 H100, 4 L4, 1 CPU), the MPI Operator, Kueue's CRDs; kubeconfig: $DIR/kubeconfig"
 }
 
 down() {
   [[ -d $DIR/pids ]] || { say "nothing runs in $DIR"; return; }
   local name pid
-  for name in kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
+  for name in mpi-operator kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
     [[ -f $DIR/pids/$name ]] || continue
     pid=$(cat "$DIR/pids/$name")
     if kill -TERM "$pid" 2>/dev/null; then

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tasks.compute.base import Cluster, WorkUnit, owner_labels
-from tasks.compute.k8s_objects import KubeSettings, secret, service, unit_job
+from tasks.compute.k8s_objects import KubeSettings, mpi_job, secret, service, unit_job
 from tasks.compute.k8s_pending import explain_pending, used_gpus
 from tasks.compute.kubeapi import refusal
 
@@ -182,3 +182,40 @@ def test_an_rbac_refusal_names_the_verb_the_resource_and_the_namespace():
         "Kubernetes refused to create jobs in namespace ml for these credentials"
     )
     assert error.status == 403 and text.count(". ") == 0
+
+
+def test_an_mpi_launcher_becomes_an_mpijob_of_one_worker_per_node():
+    from tasks.hpc.mpijob import problems
+
+    settings = KubeSettings(
+        namespace="ml", gpu_product="NVIDIA-H100-80GB-HBM3", queue_name="team-a", shm_bytes=2**30
+    )
+    launcher = WorkUnit(
+        name="launcher",
+        command=[sys.executable, "-m", "tasks.hpc.launch", "--job-json", "{}"],
+        judge="rank_status",
+        hostfile="a slots=8\nb slots=8\n",
+    )
+    job = mpi_job(cluster(gpus=8, nodes=2), launcher, settings, deadline_s=600, slots=8)
+    assert problems(job) == []
+    assert len(job["metadata"]["name"]) + len("-launcher-xxxxx") <= 63
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert job["metadata"]["labels"]["gpuflow.io/flow-run-id"] == RUN
+    assert job["spec"]["slotsPerWorker"] == 8
+    assert job["spec"]["runPolicy"]["activeDeadlineSeconds"] == 600
+    replicas = job["spec"]["mpiReplicaSpecs"]
+    worker, head = replicas["Worker"]["template"]["spec"], replicas["Launcher"]["template"]["spec"]
+    assert replicas["Worker"]["replicas"] == 2 and replicas["Launcher"]["replicas"] == 1
+    assert worker["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert worker["containers"][0]["command"] == ["/usr/sbin/sshd", "-De"]
+    assert worker["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert {v["name"]: v for v in worker["volumes"]}["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert head["containers"][0]["command"][:3] == ["python", "-m", "tasks.hpc.launch"]
+    assert "nvidia.com/gpu" not in head["containers"][0]["resources"]["limits"]
+    assert {"name": "GPUFLOW_MPI_HOSTFILE", "value": "/etc/mpi/hostfile"} in head["containers"][0][
+        "env"
+    ]
+    for pod in (worker, head):  # the operator names the pods and mounts root's SSH keys
+        assert "hostname" not in pod and "subdomain" not in pod
+        assert pod["securityContext"] == {"runAsUser": 0}
+        assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": f"gpuflow-{RUN}-env"}}]

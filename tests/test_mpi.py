@@ -125,3 +125,18 @@ def test_local_gpus(local_rank, per_rank, visible, owned):
 def test_local_gpus_too_few():
     with pytest.raises(ValueError, match="local rank 2 needs GPUs 2-2 but only 2 are visible"):
         local_gpus(2, 1, ["0", "1"])
+
+
+def test_hosts_take_the_names_of_an_operators_hostfile_in_order():
+    from tasks.hpc.mpi import renamed
+
+    hosts = [Host(name="node-0", slots=4, gpus=4), Host(name="node-1", slots=4, gpus=4)]
+    text = "md-mpi-worker-0.md-mpi.ml.svc slots=4\nmd-mpi-worker-1.md-mpi.ml.svc slots=4\n"
+    assert [(h.name, h.slots, h.gpus) for h in renamed(hosts, text)] == [
+        ("md-mpi-worker-0.md-mpi.ml.svc", 4, 4),
+        ("md-mpi-worker-1.md-mpi.ml.svc", 4, 4),
+    ]
+    with pytest.raises(LayoutError, match="the hostfile names 1 host"):
+        renamed(hosts, "a slots=4\n")
+    with pytest.raises(LayoutError, match="gives b 2 slot"):
+        renamed(hosts, "a slots=4\nb slots=2\n")

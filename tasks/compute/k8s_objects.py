@@ -174,3 +174,47 @@ def unit_job(
 
 def unit_job_name(cluster: Cluster, unit: WorkUnit) -> str:
     return dns_name(f"{cluster.name}-{unit.name}")
+
+
+MPI_HOSTFILE_ENV = "GPUFLOW_MPI_HOSTFILE"
+MPI_HOSTFILE = "/etc/mpi/hostfile"  # where the MPI Operator mounts the workers' hostfile
+
+
+def mpi_job_name(cluster: Cluster) -> str:
+    """Return the MPIJob's name: its pods are <name>-launcher-* and <name>-worker-<i>."""
+    return dns_name(f"{cluster.name}-mpi", limit=63 - len("-launcher-xxxxx"))
+
+
+def mpi_job(
+    cluster: Cluster, unit: WorkUnit, settings: KubeSettings, deadline_s: int, slots: int
+) -> dict[str, Any]:
+    """Return the Kubeflow MPIJob that runs the MPI launcher `unit` over the cluster's
+    nodes: one Worker pod per node (its GPUs, product, tolerations, /dev/shm, running the
+    operator's sshd), `slots` ranks each, and a Launcher pod without GPUs running `unit`,
+    which reads the workers' host names from the operator's hostfile
+    ($GPUFLOW_MPI_HOSTFILE). Both run as root: the operator's SSH keys are root's."""
+    from tasks.hpc.mpijob import manifest
+
+    def pod(of: WorkUnit) -> dict[str, Any]:
+        spec = unit_job(cluster, of, settings, deadline_s)["spec"]["template"]["spec"]
+        del spec["hostname"], spec["subdomain"]  # the operator names its pods
+        spec["securityContext"] = {"runAsUser": 0}
+        for container in spec["containers"]:
+            limits = container["resources"]["limits"]
+            if GPU in limits:
+                limits[GPU] = int(limits[GPU])
+        return spec
+
+    launcher = pod(unit.model_copy(update={"gpus": [], "node": 0}))
+    launcher["containers"][0]["env"].append({"name": MPI_HOSTFILE_ENV, "value": MPI_HOSTFILE})
+    launcher.pop("tolerations", None)
+    launcher.pop("nodeSelector", None)
+    worker = pod(WorkUnit(name="worker", command=["/usr/sbin/sshd", "-De"]))
+    owner = {**labels(cluster), UNIT_LABEL: dns_name(unit.name)}
+    made = manifest(
+        mpi_job_name(cluster), settings.namespace, owner, slots, cluster.nodes,
+        launcher, worker, deadline_s=deadline_s, ttl_s=settings.ttl_after_finished_s,
+    )  # fmt: skip
+    if settings.queue_name:  # Kueue admits the MPIJob as a whole
+        made["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = settings.queue_name
+    return made

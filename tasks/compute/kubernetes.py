@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -37,6 +38,9 @@ from tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, Provis
 from tasks.spec import JobSpec
 
 POLL_S = 1.0
+MPIJOB_API = "kubeflow.org/v2beta1"  # the Kubeflow MPI Operator's
+MPI_JOB_LABEL = "training.kubeflow.org/job-name"
+MPI_ROLE_LABEL = "training.kubeflow.org/job-role"
 UNCLEAR_WAIT_S = 30.0  # pending for a reason gpuflow cannot weigh: wait at least this
 
 
@@ -141,6 +145,12 @@ class KubernetesBackend:
                 ) from None
             if exc.status != 403:  # reading namespaces is not needed to run jobs
                 raise InvalidSpec(str(exc)) from None
+        if spec.job.kind == "hpc" and spec.resources.nodes > 1 and not self._serves_mpijobs():
+            raise InvalidSpec(
+                f"resources.nodes: MPI ranks on {spec.resources.nodes} nodes run as an MPIJob,"
+                f" and {api.config.server} does not serve {MPIJOB_API} MPIJobs; install the"
+                " Kubeflow MPI Operator there or use 1 node"
+            )
 
     def describe(self, spec: JobSpec) -> list[dict[str, str]]:
         """Return preflight rows for `spec`: the cluster, namespace, image and GPUs its pods
@@ -226,40 +236,48 @@ class KubernetesBackend:
         should_stop: StopCheck | None = None,
         grace_s: float = 30.0,
     ) -> JobResult:
-        """Run `unit` as a Job of one pod and follow it to the end. A pod the scheduler
-        cannot place is explained; one evicted or whose node was lost is a preemption
-        (exit 75). On timeout, a stop or an interruption the Job is deleted (its pod gets
-        `grace_s`)."""
+        """Run `unit` as a Job of one pod (an MPI launcher: as an MPIJob over every node,
+        where the cluster runs the MPI Operator) and follow it to the end. A pod the
+        scheduler cannot place is explained; one evicted or whose node was lost is a
+        preemption (exit 75). On timeout, a stop or an interruption the object is deleted
+        (its pods get `grace_s`)."""
         self._use_cluster(cluster)
         api = self.api()
         settings = objects.KubeSettings.model_validate_json(cluster.backend_config["settings"])
         self._put_secret(cluster, dict(env))
-        job = objects.unit_job(cluster, unit, settings, int(timeout_s) + 1)
-        job_name = job["metadata"]["name"]
-        jobs = f"/apis/batch/v1/namespaces/{api.namespace}/jobs"
-        old = self._read(f"{jobs}/{job_name}")
-        if old is not None:  # an earlier try's Job: a retry starts afresh
-            self._delete(f"{jobs}/{job_name}", grace_s=0)
-            self._wait_gone(f"{jobs}/{job_name}")
+        deadline_s = int(timeout_s) + 1
+        if unit.judge == "rank_status" and self._serves_mpijobs():
+            manifest = objects.mpi_job(cluster, unit, settings, deadline_s, _slots(unit))
+            kind_path = f"/apis/{MPIJOB_API}/namespaces/{api.namespace}/mpijobs"
+        else:
+            manifest = objects.unit_job(cluster, unit, settings, deadline_s)
+            kind_path = f"/apis/batch/v1/namespaces/{api.namespace}/jobs"
+        name = manifest["metadata"]["name"]
+        path = f"{kind_path}/{name}"
+        if self._read(path) is not None:  # an earlier try's object: a retry starts afresh
+            self._delete(path, grace_s=0)
+            self._wait_gone(path)
         try:
-            made = api.request("POST", jobs, job)
+            made = api.request("POST", kind_path, manifest)
         except KubeError as exc:
-            raise ProvisionError(f"could not create Job {job_name}: {exc}") from None
+            raise ProvisionError(f"could not create {manifest['kind']} {name}: {exc}") from None
         started = datetime.now(UTC)
         follower = _LogFollower(api, on_line)
-        # this Job's pods only: an earlier try's pod may linger (Terminating on a lost node)
-        selector = f"batch.kubernetes.io/controller-uid={made['metadata']['uid']}"
+        # this object's pods only: an earlier try's pod may linger (Terminating on a lost node)
+        selector = (
+            f"{MPI_JOB_LABEL}={name}"
+            if manifest["kind"] == "MPIJob"
+            else f"batch.kubernetes.io/controller-uid={made['metadata']['uid']}"
+        )
         try:
-            outcome = self._follow(
-                cluster, unit, job_name, selector, timeout_s, should_stop, follower
-            )
+            outcome = self._follow(cluster, unit, path, selector, timeout_s, should_stop, follower)
         except BaseException:
-            self._delete(f"{jobs}/{job_name}", grace_s=grace_s)
+            self._delete(path, grace_s=grace_s)
             raise
         finally:
             follower.stop()
         if outcome.get("stop"):
-            self._delete(f"{jobs}/{job_name}", grace_s=grace_s)
+            self._delete(path, grace_s=grace_s)
         ended = datetime.now(UTC)
         return JobResult(
             exit_code=outcome.get("exit_code"),
@@ -272,16 +290,25 @@ class KubernetesBackend:
             log_tail=list(follower.tail) or outcome.get("tail", []),
         )
 
+    def _serves_mpijobs(self) -> bool:
+        """Return True when the cluster serves Kubeflow's MPIJob API (the MPI Operator)."""
+        try:
+            return self._read(f"/apis/{MPIJOB_API}") is not None
+        except KubeError:
+            return False
+
     def _follow(
         self,
         cluster: Cluster,
         unit: WorkUnit,
-        job_name: str,
+        path: str,
         selector: str,
         timeout_s: float,
         should_stop: StopCheck | None,
         follower: _LogFollower,
     ) -> dict[str, Any]:
+        """Follow the pods of the object at `path` (a Job, or an MPIJob: its launcher is the
+        pod whose end is the unit's, its workers are watched for placement and loss)."""
         api = self.api()
         pods = f"/api/v1/namespaces/{api.namespace}/pods"
         deadline = time.monotonic() + timeout_s
@@ -293,41 +320,46 @@ class KubernetesBackend:
                 return {"stop": "timeout", "exit_code": None}
             if should_stop is not None and should_stop():
                 return {"stop": "cancelled", "exit_code": None}
-            found = api.request("GET", pods, params={"labelSelector": selector})
-            pod = (found.get("items") or [None])[0]
+            found = api.request("GET", pods, params={"labelSelector": selector}).get("items")
+            workers = [p for p in found or [] if _role(p) == "worker"]
+            pod = next((p for p in found or [] if _role(p) != "worker"), None)
+            unplaced: str | None = None
+            for each in [p for p in (pod, *workers) if p is not None]:
+                status, name = each.get("status", {}), each["metadata"]["name"]
+                if _disrupted(status):
+                    return {"exit_code": PREEMPTED_EXIT_CODE, "tail": [f"pod {name} was disrupted"]}
+                node = each["spec"].get("nodeName")
+                if status.get("phase") == "Running" and node and self._node_gone(node):
+                    # lost with its node: no need to wait for the pod garbage collector
+                    return {"exit_code": PREEMPTED_EXIT_CODE, "tail": [f"node {node} was lost"]}
+                unplaced = unplaced or _unschedulable(status)
             if pod is None:
                 if seen is not None:  # its node went away and took the pod along
                     return {"exit_code": PREEMPTED_EXIT_CODE, "tail": [f"pod {seen} was lost"]}
-                self._refused_creation(job_name)
+                self._refused_creation(path)
             else:
                 seen = pod["metadata"]["name"]
                 status = pod.get("status", {})
-                phase = status.get("phase")
-                if _disrupted(status):
-                    return {"exit_code": PREEMPTED_EXIT_CODE, "tail": [f"pod {seen} was disrupted"]}
-                if phase in ("Succeeded", "Failed"):
+                if status.get("phase") in ("Succeeded", "Failed"):
                     return _terminated(status)
-                if phase == "Running":
+                if status.get("phase") == "Running":
                     follower.start(f"{pods}/{seen}/log")
-                    pending_since = None
-                    node = pod["spec"].get("nodeName")
-                    if node and self._node_gone(node):  # lost with its node: no need to wait
-                        return {"exit_code": PREEMPTED_EXIT_CODE, "tail": [f"node {node} was lost"]}
-                elif (why := _unschedulable(status)) is not None:
-                    pending_since = pending_since or time.monotonic()
-                    sentence, verdict = self._explain(cluster, unit, why)
-                    job_path = f"/apis/batch/v1/namespaces/{api.namespace}/jobs/{job_name}"
-                    if verdict == "never":
-                        self._delete(job_path, 0)
-                        raise ProvisionError(f"unit {unit.name} cannot be placed: {sentence}")
-                    # the scheduler's words alone (a node not ready yet) get a moment more
-                    patience = gpu_wait if verdict == "busy" else max(gpu_wait, UNCLEAR_WAIT_S)
-                    if time.monotonic() - pending_since >= patience:
-                        self._delete(job_path, 0)
-                        raise CapacityError(
-                            f"unit {unit.name} was not placed within {patience:.0f} s"
-                            f" (placement.gpu_wait): {sentence}"
-                        )
+            if unplaced is None:
+                pending_since = None
+            else:
+                pending_since = pending_since or time.monotonic()
+                sentence, verdict = self._explain(cluster, unit, unplaced)
+                if verdict == "never":
+                    self._delete(path, 0)
+                    raise ProvisionError(f"unit {unit.name} cannot be placed: {sentence}")
+                # the scheduler's words alone (a node not ready yet) get a moment more
+                patience = gpu_wait if verdict == "busy" else max(gpu_wait, UNCLEAR_WAIT_S)
+                if time.monotonic() - pending_since >= patience:
+                    self._delete(path, 0)
+                    raise CapacityError(
+                        f"unit {unit.name} was not placed within {patience:.0f} s"
+                        f" (placement.gpu_wait): {sentence}"
+                    )
             time.sleep(POLL_S)
 
     def _node_gone(self, node: str) -> bool:
@@ -338,14 +370,15 @@ class KubernetesBackend:
         except KubeError:
             return False
 
-    def _refused_creation(self, job_name: str) -> None:
+    def _refused_creation(self, path: str) -> None:
         """Raise ProvisionError when the Job controller says it cannot make the pod (a
         ResourceQuota, a policy); a pod still to come is no failure."""
         api = self.api()
+        name = path.rsplit("/", 1)[-1]
         events = api.request(
             "GET",
             f"/api/v1/namespaces/{api.namespace}/events",
-            params={"fieldSelector": f"involvedObject.name={job_name},reason=FailedCreate"},
+            params={"fieldSelector": f"involvedObject.name={name},reason=FailedCreate"},
         )
         for event in events.get("items", []):
             message = event.get("message", "")
@@ -379,6 +412,12 @@ class KubernetesBackend:
         ).get("items", [])
         for job in jobs:
             self._delete(f"/apis/batch/v1/namespaces/{ns}/jobs/{job['metadata']['name']}", 0)
+        mpijobs = f"/apis/{MPIJOB_API}/namespaces/{ns}/mpijobs"
+        if self._serves_mpijobs():  # the operator's launcher Job and workers go with them
+            found = api.request("GET", mpijobs, params={"labelSelector": selector})
+            for item in found.get("items", []):
+                self._delete(f"{mpijobs}/{item['metadata']['name']}", 0)
+                jobs.append(item)
         with contextlib.suppress(KubeError):  # pods go with their Jobs; this is quicker
             api.request(
                 "DELETE", f"/api/v1/namespaces/{ns}/pods", params={"labelSelector": selector}
@@ -478,6 +517,17 @@ class _LogFollower:
         self.stopping = True
         if self.thread is not None:
             self.thread.join(timeout=2)
+
+
+def _role(pod: dict[str, Any]) -> str:
+    """Return an MPIJob pod's role (launcher, worker); "" for a unit Job's pod."""
+    return pod["metadata"].get("labels", {}).get(MPI_ROLE_LABEL, "")
+
+
+def _slots(unit: WorkUnit) -> int:
+    """Return the ranks per node of an MPI launcher unit, from its hostfile."""
+    found = re.findall(r"slots=(\d+)", unit.hostfile or "")
+    return int(found[0]) if found else 1
 
 
 def _unschedulable(status: dict[str, Any]) -> str | None:

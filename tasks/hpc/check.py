@@ -18,7 +18,10 @@ def check_hpc(spec: JobSpec, s3: S3Settings | None) -> None:
     """Raise InvalidSpec, one sentence naming the field and the fix, for the first problem."""
     job = spec.job
     assert isinstance(job, HpcJob)
-    hosts = hosts_for(job, spec.resources.gpus)
+    nodes = spec.resources.nodes
+    hosts = hosts_for(
+        job, spec.resources.gpus, [f"node-{i}" for i in range(nodes)] if nodes > 1 else None
+    )
     if job.gpus_per_rank and not job.hosts and spec.resources.gpus == 0:
         raise InvalidSpec(
             f"job.gpus_per_rank: {job.gpus_per_rank} GPU(s) per rank but resources.gpus is 0;"
@@ -28,19 +31,22 @@ def check_hpc(spec: JobSpec, s3: S3Settings | None) -> None:
         mpi.check_layout(job.ranks, hosts, job.gpus_per_rank, job.oversubscribe)
     except mpi.LayoutError as exc:
         raise InvalidSpec(str(exc)) from None
-    if shutil.which(job.mpirun) is None:
+    # mpirun, mpi4py and the program are this host's only on the local backend (else the
+    # job image's)
+    on_host = spec.placement.backend == "local"
+    if on_host and shutil.which(job.mpirun) is None:
         raise InvalidSpec(
             f"job.mpirun: {job.mpirun!r} was not found; install Open MPI (Debian: apt-get"
             " install openmpi-bin) or give the path of mpirun"
         )
-    if job.md is not None and job.ranks > 1:
+    if on_host and job.md is not None and job.ranks > 1:
         try:
             import mpi4py  # noqa: F401
         except ImportError:
             raise InvalidSpec(
                 "job.md: the MD workload needs mpi4py for several ranks; pip install mpi4py"
             ) from None
-    if job.program and not _built_here(job):
+    if on_host and job.program and not _built_here(job):
         program = job.program[0]
         if "/" not in program and shutil.which(program) is None:
             raise InvalidSpec(

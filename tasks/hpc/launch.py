@@ -253,11 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     (outputs / ERROR_FILE).unlink(missing_ok=True)
     code = 0
     try:
+        if hosts and os.environ.get("GPUFLOW_MPI_HOSTFILE"):
+            # a backend that places the nodes itself (the MPI Operator) names them in a hostfile
+            hosts = mpi.renamed(hosts, Path(os.environ["GPUFLOW_MPI_HOSTFILE"]).read_text())
         if job.inputs:
             print(f"inputs: {fetch_inputs(job, workspace)} file(s) fetched", flush=True)
         build(job, workspace)
         code = run_mpi(job, workspace, hosts)
-    except (JobError, StorageError) as exc:
+    except (JobError, StorageError, mpi.LayoutError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         (outputs / ERROR_FILE).write_text(str(exc))
         code = exc.code if isinstance(exc, JobError) else 2

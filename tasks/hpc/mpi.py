@@ -43,6 +43,21 @@ def hostfile(hosts: list[Host]) -> str:
     return "".join(f"{h.name} slots={h.slots}\n" for h in hosts)
 
 
+def renamed(hosts: list[Host], hostfile_text: str) -> list[Host]:
+    """Return `hosts` under the names a hostfile gives, in order (node i is line i); its
+    slots must match, or the ranks would not be placed as planned."""
+    lines = [line.split() for line in hostfile_text.splitlines() if line.strip()]
+    if len(lines) != len(hosts):
+        raise LayoutError(f"the hostfile names {len(lines)} host(s), the job has {len(hosts)}")
+    renamed = []
+    for host, (name, *rest) in zip(hosts, lines, strict=True):
+        slots = next((int(w.split("=")[1]) for w in rest if w.startswith("slots=")), host.slots)
+        if slots != host.slots:
+            raise LayoutError(f"the hostfile gives {name} {slots} slot(s), the job {host.slots}")
+        renamed.append(host.model_copy(update={"name": name}))
+    return renamed
+
+
 def check_layout(
     ranks: int, hosts: list[Host], gpus_per_rank: int, oversubscribe: bool = False
 ) -> None:

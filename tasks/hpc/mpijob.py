@@ -118,6 +118,26 @@ def build(
             }
         ]
     }
+    return manifest(
+        name, namespace, labels, slots, workers, launcher_pod, worker_pod,
+        deadline_s=int(spec.limits.max_duration), ttl_s=ttl_s,
+    )  # fmt: skip
+
+
+def manifest(
+    name: str,
+    namespace: str,
+    labels: dict[str, str],
+    slots: int,
+    workers: int,
+    launcher_pod: dict[str, Any],
+    worker_pod: dict[str, Any],
+    deadline_s: int,
+    ttl_s: int,
+) -> dict[str, Any]:
+    """Return an MPIJob of one Launcher and `workers` Workers of `slots` ranks each, as
+    gpuflow makes them (printed by `gpuflow hpc --mpijob`, submitted by the Kubernetes
+    backend): never restarted by the operator, since gpuflow's run stage decides retries."""
     return {
         "apiVersion": API_VERSION,
         "kind": "MPIJob",
@@ -129,7 +149,7 @@ def build(
                 "cleanPodPolicy": "Running",
                 "ttlSecondsAfterFinished": ttl_s,
                 # the pods' own deadline: a hung or unschedulable job does not hold GPUs forever
-                "activeDeadlineSeconds": max(1, int(spec.limits.max_duration)),
+                "activeDeadlineSeconds": max(1, deadline_s),
                 "backoffLimit": 0,  # gpuflow's run stage decides about retries
             },
             "mpiReplicaSpecs": {

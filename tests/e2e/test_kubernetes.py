@@ -66,6 +66,7 @@ def owned(kube: KubeApi, run_id: str) -> list[str]:
         ("secret", f"/api/v1/namespaces/{kube.namespace}/secrets"),
         ("job", f"/apis/batch/v1/namespaces/{kube.namespace}/jobs"),
         ("pod", f"/api/v1/namespaces/{kube.namespace}/pods"),
+        ("mpijob", f"/apis/kubeflow.org/v2beta1/namespaces/{kube.namespace}/mpijobs"),
     ]:
         items = kube.request("GET", path, params=selector).get("items", [])
         left += [f"{kind}/{i['metadata']['name']}" for i in items if not _terminating(i)]
@@ -851,3 +852,95 @@ def test_the_kueue_gpu_queue_examples_are_accepted_by_kueues_own_api(kube):
     (group,) = queue["spec"]["resourceGroups"]
     assert "nvidia.com/gpu" in group["coveredResources"]
     assert {f["name"] for f in group["flavors"]} == {f["metadata"]["name"] for f in flavors}
+
+
+def test_an_hpc_job_on_two_nodes_is_an_mpijob_run_by_the_mpi_operator(
+    kube, prefect_api, gpuflow_home
+):
+    """8 ranks on 2 nodes x 4 H100: gpuflow submits a Kubeflow MPIJob (the testbed runs the
+    real MPI Operator), whose worker pods hold the GPUs on nodes of the product and whose
+    launcher runs gpuflow's MPI launcher over the operator's hostfile; nothing is left."""
+    from flows.pipeline import gpu_pipeline
+    from tasks.hpc.mpijob import problems
+
+    spec = load_spec(
+        {
+            "name": "md-2x4",
+            "job": {"kind": "hpc", "ranks": 8, "gpus_per_rank": 1, "md": {"atoms": 256}},
+            "resources": {"gpus": 4, "nodes": 2, "gpu_product": H100},
+            "placement": {"backend": "kubernetes"},
+        }
+    )
+    mpijobs: dict[str, dict] = {}
+    pods: dict[str, dict] = {}
+    stop = threading.Event()
+
+    def record() -> None:  # the objects live only while the run does: note them as they come
+        while not stop.is_set():
+            found = kube.request(
+                "GET",
+                "/apis/kubeflow.org/v2beta1/namespaces/default/mpijobs",
+                params={"labelSelector": "gpuflow.io/job=md-2x4"},
+            )["items"]
+            mpijobs.update({j["metadata"]["name"]: j for j in found})
+            for name in mpijobs:
+                for pod in pods_of(kube, f"training.kubeflow.org/job-name={name}"):
+                    if pod["spec"].get("nodeName"):
+                        pods[pod["metadata"]["name"]] = pod
+            time.sleep(0.1)
+
+    recorder = threading.Thread(target=record)
+    recorder.start()
+    try:
+        state = gpu_pipeline(spec, return_state=True)
+    finally:
+        stop.set()
+        recorder.join()
+    assert state.is_completed(), state.message
+    (job,) = mpijobs.values()
+    assert problems(job) == []
+    assert job["spec"]["slotsPerWorker"] == 4
+    worker = job["spec"]["mpiReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == 2
+    container = worker["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert worker["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": H100}
+    launcher = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
+    assert launcher["command"][:3] == ["python", "-m", "tasks.hpc.launch"]
+    assert {"name": "GPUFLOW_MPI_HOSTFILE", "value": "/etc/mpi/hostfile"} in launcher["env"]
+    assert "nvidia.com/gpu" not in launcher["resources"].get("limits", {})
+    roles = {
+        name: (p["metadata"]["labels"]["training.kubeflow.org/job-role"], p["spec"]["nodeName"])
+        for name, p in pods.items()
+    }
+    workers = sorted(node for role, node in roles.values() if role == "worker")
+    assert workers == ["gpu-h100-0", "gpu-h100-1"]  # one worker on each node of the product
+    assert any(role == "launcher" for role, _ in roles.values())
+    assert wait_gone(kube, str(state.state_details.flow_run_id)) == []
+
+
+def test_a_lost_mpi_worker_node_is_a_preemption(kube, testbed):
+    backend = KubernetesBackend()
+    cluster = backend.provision(spec_for(gpus=8, nodes=2), owner_labels("run-mpi-lost", "k8s-test"))
+    lost: list[str] = []
+
+    def lose_node(pod: dict) -> None:
+        lost.append(pod["spec"]["nodeName"])
+        kube.request("DELETE", f"/api/v1/nodes/{lost[0]}")
+
+    selector = "training.kubeflow.org/job-role=worker,training.kubeflow.org/replica-index=1"
+    watcher = when_running(kube, selector, lose_node)
+    launcher = WorkUnit(
+        name="launcher",
+        command=["sleep", "300"],  # the testbed runs it for 300 s
+        judge="rank_status",
+        hostfile="node-0 slots=8\nnode-1 slots=8\n",
+    )
+    try:
+        result = backend.run(cluster, launcher, {}, 300, lambda *_: None)
+        watcher.join()
+        assert lost and result.exit_code == 75  # preempted: the run stage retries
+    finally:
+        backend.teardown(cluster)
+        restore_nodes(kube, testbed, lost)
+    assert wait_gone(kube, "run-mpi-lost") == []
