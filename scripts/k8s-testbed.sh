@@ -114,6 +114,8 @@ certificates() {
   }
   sign apiserver "/CN=kube-apiserver" "IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc,IP:10.96.0.1"
   sign admin "/O=system:masters/CN=gpuflow-testbed-admin"
+  sign kwok "/CN=gpuflow-testbed-kubelet" "IP:127.0.0.1"  # KWOK's kubelet endpoint (pod logs)
+  sign apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client"
   openssl genrsa -out "$pki/sa.key" 2048 2>/dev/null
   openssl rsa -in "$pki/sa.key" -pubout -out "$pki/sa.pub" 2>/dev/null
 }
@@ -193,7 +195,10 @@ up() {
     --service-account-key-file "$DIR/pki/sa.pub" --service-account-signing-key-file "$DIR/pki/sa.key" \
     --service-account-issuer https://kubernetes.default.svc.cluster.local \
     --service-cluster-ip-range 10.96.0.0/16 --allow-privileged=true --cert-dir "$DIR/pki" \
-    --enable-priority-and-fairness=false --profiling=false
+    --enable-priority-and-fairness=false --profiling=false \
+    --kubelet-preferred-address-types InternalIP --kubelet-certificate-authority "$DIR/pki/ca.crt" \
+    --kubelet-client-certificate "$DIR/pki/apiserver-kubelet-client.crt" \
+    --kubelet-client-key "$DIR/pki/apiserver-kubelet-client.key"
   wait_for kube-apiserver 180 api GET /readyz
   kubeconfig >"$DIR/kubeconfig"
   chmod 600 "$DIR/kubeconfig"
@@ -208,12 +213,29 @@ up() {
     --authentication-kubeconfig "$DIR/kubeconfig" --authorization-kubeconfig "$DIR/kubeconfig" \
     --bind-address 127.0.0.1 --secure-port "$(cat "$DIR/ports/scheduler")" --leader-elect=false \
     --profiling=false
+  mkdir -p "$DIR/pod-logs"
+  cat >"$DIR/pod-logs.yaml" <<EOF
+# Pods in the namespace gpuflow-logs show DIR/pod-logs/unit.log as their container unit's
+# log (followed): e2e tests write there what the container would print.
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: ClusterLogs
+metadata: {name: gpuflow-pod-logs}
+spec:
+  selector: {matchNamespaces: [gpuflow-logs]}
+  logs:
+  - containers: [unit]
+    logsFile: $DIR/pod-logs/unit.log
+    follow: true
+EOF
   local stages
   stages=$(go env GOMODCACHE)/sigs.k8s.io/kwok@$KWOK_VERSION/kustomize/stage
   [[ -d $stages ]] || die "KWOK's stages are not in $stages; run build again"
   start kwok "$BIN/kwok" --kubeconfig "$DIR/kubeconfig" --manage-all-nodes=false \
     --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
     --server-address "127.0.0.1:$(cat "$DIR/ports/kwok")" --node-ip 127.0.0.1 \
+    --node-port "$(cat "$DIR/ports/kwok")" \
+    --tls-cert-file "$DIR/pki/kwok.crt" --tls-private-key-file "$DIR/pki/kwok.key" \
+    --config "$DIR/pod-logs.yaml" \
     --config "$stages/node/fast/node-initialize.yaml" \
     --config "$stages/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml" \
     --config "$stages/pod/fast/pod-ready.yaml" --config "$HERE/testbed/kwok/pod-complete.yaml" \

@@ -41,6 +41,7 @@ POLL_S = 1.0
 MPIJOB_API = "kubeflow.org/v2beta1"  # the Kubeflow MPI Operator's
 MPI_JOB_LABEL = "training.kubeflow.org/job-name"
 MPI_ROLE_LABEL = "training.kubeflow.org/job-role"
+LOG_DRAIN_S = 5.0  # how long an ended pod's last log lines may take to arrive
 UNCLEAR_WAIT_S = 30.0  # pending for a reason gpuflow cannot weigh: wait at least this
 
 
@@ -272,10 +273,11 @@ class KubernetesBackend:
         try:
             outcome = self._follow(cluster, unit, path, selector, timeout_s, should_stop, follower)
         except BaseException:
+            follower.stop()
             self._delete(path, grace_s=grace_s)
             raise
-        finally:
-            follower.stop()
+        # a pod that ended has its last lines still on the way: let them arrive
+        follower.stop(drain_s=0 if outcome.get("stop") else LOG_DRAIN_S)
         if outcome.get("stop"):
             self._delete(path, grace_s=grace_s)
         ended = datetime.now(UTC)
@@ -341,6 +343,7 @@ class KubernetesBackend:
                 seen = pod["metadata"]["name"]
                 status = pod.get("status", {})
                 if status.get("phase") in ("Succeeded", "Failed"):
+                    follower.start(f"{pods}/{seen}/log", follow=False)  # ended before seen
                     return _terminated(status)
                 if status.get("phase") == "Running":
                     follower.start(f"{pods}/{seen}/log")
@@ -499,21 +502,26 @@ class _LogFollower:
         self.thread: threading.Thread | None = None
         self.stopping = False
 
-    def start(self, path: str) -> None:
+    def start(self, path: str, follow: bool = True) -> None:
+        """Stream the log at `path` (once: a second call changes nothing)."""
         if self.thread is not None:
             return
-        self.thread = threading.Thread(target=self._pump, args=(path,), daemon=True)
+        self.thread = threading.Thread(target=self._pump, args=(path, follow), daemon=True)
         self.thread.start()
 
-    def _pump(self, path: str) -> None:
+    def _pump(self, path: str, follow: bool) -> None:
+        params = {"follow": "true" if follow else "false", "container": "unit"}
         with contextlib.suppress(Exception):  # no logs (simulated pods) is no failure
-            for line in self.api.stream(path, {"follow": "true", "container": "unit"}):
+            for line in self.api.stream(path, params):
                 if self.stopping:
                     return
                 self.tail.append(line)
                 self.on_line("stdout", line)
 
-    def stop(self) -> None:
+    def stop(self, drain_s: float = 0.0) -> None:
+        """Stop streaming, after up to `drain_s` for a log whose pod ended to be read out."""
+        if self.thread is not None and drain_s:
+            self.thread.join(timeout=drain_s)
         self.stopping = True
         if self.thread is not None:
             self.thread.join(timeout=2)

@@ -944,3 +944,37 @@ def test_a_lost_mpi_worker_node_is_a_preemption(kube, testbed):
         backend.teardown(cluster)
         restore_nodes(kube, testbed, lost)
     assert wait_gone(kube, "run-mpi-lost") == []
+
+
+def test_a_units_log_lines_stream_to_the_run_as_the_pod_prints_them(kube, testbed):
+    """The pod's log (KWOK serves it through the real kubelet API path: API server -> the
+    node's endpoint) reaches `on_line` line by line, in order, and ends the result's tail."""
+    from datetime import UTC, datetime
+
+    namespace = "gpuflow-logs"  # where the testbed's ClusterLogs serves pod-logs/unit.log
+    kube.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace}})
+    printed = [f"step {i}: loss {1 / (i + 1):.3f}" for i in range(5)] + ["done"]
+    stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    log = testbed.parent / "pod-logs" / "unit.log"  # CRI's format, as a kubelet keeps it
+    log.write_text("".join(f"{stamp} stdout F {line}\n" for line in printed[:2]))
+    backend = KubernetesBackend()
+    spec = spec_for(gpus=1, product="NVIDIA-L4", namespace=namespace)
+    cluster = backend.provision(spec, owner_labels("run-logs", "k8s-test"))
+    lines: list[tuple[str, str]] = []
+
+    def on_line(stream: str, line: str) -> None:
+        lines.append((stream, line))
+        if len(lines) == 2:  # the pod prints the rest while it runs: they follow
+            with log.open("a") as more:
+                more.write("".join(f"{stamp} stdout F {line}\n" for line in printed[2:]))
+
+    try:
+        result = backend.run(
+            cluster, WorkUnit(name="main", command=["sleep", "4"]), {}, 120, on_line
+        )
+    finally:
+        backend.teardown(cluster)
+        kube.request("DELETE", f"/api/v1/namespaces/{namespace}")
+    assert result.exit_code == 0
+    assert [line for _, line in lines] == printed
+    assert result.log_tail[-1] == "done"
