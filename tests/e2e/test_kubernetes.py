@@ -6,6 +6,7 @@ labels a pod for KWOK's failure stage, or deletes a node."""
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -978,3 +979,45 @@ def test_a_units_log_lines_stream_to_the_run_as_the_pod_prints_them(kube, testbe
     assert result.exit_code == 0
     assert [line for _, line in lines] == printed
     assert result.log_tail[-1] == "done"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stopping_gpuflow_during_a_kubernetes_run_deletes_everything(
+    sig, kube, testbed, tmp_path, prefect_api, gpuflow_home
+):
+    """`gpuflow run` stopped (SIGTERM, or Ctrl-C's SIGINT) while its unit runs on the
+    cluster: the unit's Job and every object of the run are deleted, the run is Crashed."""
+    from tests.conftest import subprocess_env
+
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: k8s-stop\n"
+        "job: {kind: command, command: [sleep, '300']}\n"
+        "resources: {gpus: 2, gpu_product: NVIDIA-H100-80GB-HBM3}\n"
+        "placement: {backend: kubernetes}\n"
+    )
+    env = {**subprocess_env(prefect_api, gpuflow_home), "KUBECONFIG": str(testbed)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuflow", "run", str(job)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    selector = "gpuflow.io/job=k8s-stop"
+    until, running = time.monotonic() + 120, []
+    while not running and time.monotonic() < until and proc.poll() is None:
+        running = [p for p in pods_of(kube, selector) if p["status"].get("phase") == "Running"]
+        time.sleep(0.2)
+    assert running, proc.stdout.read() if proc.poll() is not None else "no pod ran"
+    run_id = running[0]["metadata"]["labels"]["gpuflow.io/flow-run-id"]
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, out[-3000:]
+    assert "Traceback" not in out
+    assert f"gpuflow: stopped by {signal.Signals(sig).name}" in out
+    assert wait_gone(kube, run_id) == []  # Job, pod, Secret and Service: all gone
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(UUID(run_id)).state.is_crashed()
