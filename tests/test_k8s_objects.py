@@ -4,6 +4,9 @@ sentence. Pure: no API server."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 from datetime import UTC, datetime
 
@@ -58,7 +61,7 @@ def test_a_unit_job_asks_for_its_gpus_product_and_limits_on_the_object():
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
     assert job["metadata"]["labels"]["gpuflow.io/flow-run-id"] == RUN
     assert pod["hostname"] == f"gpuflow-{RUN}-1" and pod["subdomain"] == f"gpuflow-{RUN}"
-    assert container["command"][:3] == ["python", "-m", "tasks.training.launch"]  # the image's
+    assert container["args"][:3] == ["python", "-m", "tasks.training.launch"]  # the image's
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"]
     assert shm == {"medium": "Memory", "sizeLimit": str(8 * 2**30)}
     assert container["envFrom"] == [{"secretRef": {"name": f"gpuflow-{RUN}-env"}}]
@@ -210,7 +213,7 @@ def test_an_mpi_launcher_becomes_an_mpijob_of_one_worker_per_node():
     assert worker["containers"][0]["command"] == ["/usr/sbin/sshd", "-De"]
     assert worker["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert {v["name"]: v for v in worker["volumes"]}["dshm"]["emptyDir"]["medium"] == "Memory"
-    assert head["containers"][0]["command"][:3] == ["python", "-m", "tasks.hpc.launch"]
+    assert head["containers"][0]["args"][:3] == ["python", "-m", "tasks.hpc.launch"]
     assert "nvidia.com/gpu" not in head["containers"][0]["resources"]["limits"]
     assert {"name": "GPUFLOW_MPI_HOSTFILE", "value": "/etc/mpi/hostfile"} in head["containers"][0][
         "env"
@@ -219,3 +222,69 @@ def test_an_mpi_launcher_becomes_an_mpijob_of_one_worker_per_node():
         assert "hostname" not in pod and "subdomain" not in pod
         assert pod["securityContext"] == {"runAsUser": 0}
         assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": f"gpuflow-{RUN}-env"}}]
+
+
+def _wrapped(tmp_path, *program: str) -> subprocess.Popen:
+    from tasks.compute.k8s_objects import UNIT_WRAPPER
+
+    return subprocess.Popen(
+        ["/bin/sh", "-c", UNIT_WRAPPER, "gpuflow-unit", *program],
+        env={"PATH": os.environ["PATH"], "GPUFLOW_OUTPUT_DIR": str(tmp_path / "out")},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_the_unit_wrapper_keeps_the_exit_code_and_sends_the_outputs_back(tmp_path):
+    """What every pod runs around its unit, run here with this host's sh: the unit's lines,
+    then its output files as lines the orchestrator turns back into files."""
+    from tasks.compute.kubernetes import _LogFollower
+
+    out = tmp_path / "out"
+    (out / "sub dir").mkdir(parents=True)
+    (out / "result.json").write_text('{"samples_per_s": 812.5}')
+    (out / "sub dir" / "error.txt").write_text("CUDA out of memory at step 3\n")
+    (out / "weights.bin").write_bytes(bytes(range(256)) * 4097)  # just over 1 MiB
+    proc = _wrapped(tmp_path, "sh", "-c", "echo training; exit 3")
+    lines = proc.communicate(timeout=60)[0].splitlines()
+    assert proc.returncode == 3  # the unit's own code
+    assert lines[0] == "training"
+    said: list[tuple[str, str]] = []
+    follower = _LogFollower(
+        None, lambda stream, line: said.append((stream, line)), tmp_path / "back"
+    )
+    for line in lines[1:]:
+        follower._receive(line)
+    back = tmp_path / "back"
+    assert (back / "result.json").read_text() == '{"samples_per_s": 812.5}'
+    assert (back / "sub dir" / "error.txt").read_text() == "CUDA out of memory at step 3\n"
+    assert not (back / "weights.bin").exists()
+    assert said == [
+        (
+            "stderr",
+            "outputs/weights.bin (1.0 MiB) stayed in the pod: files over 1024 KiB come back"
+            " only from storage (write them to your job's output URL)",
+        )
+    ]
+    follower._receive("@@gpuflow-output ../../etc/cron.d/x aGk=")  # a name that climbs out
+    assert said[-1] == (
+        "stderr",
+        "outputs/../../etc/cron.d/x was not taken: it would land outside outputs",
+    )
+    assert not (tmp_path / "etc").exists()
+
+
+def test_the_unit_wrapper_passes_sigterm_to_the_unit(tmp_path):
+    """A pod's SIGTERM (preemption, deletion) reaches the unit, which checkpoints and exits
+    75; the wrapper exits with that code."""
+    proc = _wrapped(
+        tmp_path,
+        "sh",
+        "-c",
+        "trap 'echo saving; exit 75' TERM; echo started; while :; do sleep 0.1; done",
+    )
+    assert proc.stdout.readline() == "started\n"
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 75
+    assert rest.splitlines() == ["saving"]

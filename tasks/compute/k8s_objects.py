@@ -20,6 +20,33 @@ GPU = "nvidia.com/gpu"
 PRODUCT_LABEL = "nvidia.com/gpu.product"
 RENDEZVOUS_PORT = 29400
 WORKSPACE = "/workspace"
+OUTPUT_MARK = "@@gpuflow-output"  # a log line carrying one of the unit's output files
+OUTPUT_LEFT_MARK = "@@gpuflow-output-left"  # one too large to come back through the log
+OUTPUT_MAX_KIB = 1024
+# Every unit runs under this POSIX sh (any image has one): it passes SIGTERM/SIGINT on to
+# the unit, and when the unit ends prints each file of $GPUFLOW_OUTPUT_DIR (error.txt,
+# result.json, ... up to OUTPUT_MAX_KIB each) as one base64 line the orchestrator takes out
+# of the log and writes to the run's outputs, as the job contract says. Then it exits with
+# the unit's code.
+UNIT_WRAPPER = f"""\
+child= stopping=
+trap 'stopping=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null' TERM INT
+"$@" &
+child=$!
+[ -n "$stopping" ] && kill -TERM "$child" 2>/dev/null
+wait "$child"; code=$?
+while kill -0 "$child" 2>/dev/null; do wait "$child"; code=$?; done
+if [ -d "$GPUFLOW_OUTPUT_DIR" ] && cd "$GPUFLOW_OUTPUT_DIR"; then
+  find . -type f | head -n 200 | while IFS= read -r f; do
+    if [ "$(wc -c < "$f")" -le {OUTPUT_MAX_KIB * 1024} ]; then
+      printf '{OUTPUT_MARK} %s ' "${{f#./}}"; base64 < "$f" | tr -d '\\n'; echo
+    else
+      printf '{OUTPUT_LEFT_MARK} %s %s\\n' "$(wc -c < "$f")" "${{f#./}}"
+    fi
+  done
+fi
+exit "$code"
+"""
 
 
 class KubeSettings(BaseModel):
@@ -138,7 +165,8 @@ def unit_job(
             {
                 "name": "unit",
                 "image": settings.image,
-                "command": command,
+                "command": ["/bin/sh", "-c", UNIT_WRAPPER, "gpuflow-unit"],
+                "args": command,
                 "workingDir": WORKSPACE,
                 "env": env,
                 "envFrom": [{"secretRef": {"name": f"{cluster.name}-env"}}],
@@ -209,7 +237,8 @@ def mpi_job(
     launcher["containers"][0]["env"].append({"name": MPI_HOSTFILE_ENV, "value": MPI_HOSTFILE})
     launcher.pop("tolerations", None)
     launcher.pop("nodeSelector", None)
-    worker = pod(WorkUnit(name="worker", command=["/usr/sbin/sshd", "-De"]))
+    worker = pod(WorkUnit(name="worker", command=[]))
+    worker["containers"][0].update(command=["/usr/sbin/sshd", "-De"], args=[])
     owner = {**labels(cluster), UNIT_LABEL: dns_name(unit.name)}
     made = manifest(
         mpi_job_name(cluster), settings.namespace, owner, slots, cluster.nodes,

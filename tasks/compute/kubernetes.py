@@ -10,16 +10,19 @@ are only busy, and refused at once when no node could ever take it.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
 import re
+import shutil
 import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Mapping
 from datetime import UTC, datetime
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from tasks.compute import k8s_objects as objects
@@ -191,6 +194,7 @@ class KubernetesBackend:
         name = objects.dns_name(f"gpuflow-{owner[RUN_LABEL]}")
         path = f"/api/v1/namespaces/{api.namespace}/services"
         existing = self._read(f"{path}/{name}")
+        local_folder(name).mkdir(parents=True, exist_ok=True)
         if existing is not None:
             return self._cluster_of(existing).model_copy(update={"adopted": True})
         gpus, nodes = spec.resources.gpus, spec.resources.nodes
@@ -200,7 +204,8 @@ class KubernetesBackend:
             name=name,
             owner=dict(owner),
             hostname=objects.node_host_for(name, 0),
-            workspace=objects.WORKSPACE,
+            # this host's side of the run: outputs the units send back, metric samples
+            workspace=str(local_folder(name)),
             gpu_indices=list(range(gpus)),
             gpu_products=[settings.gpu_product] * gpus if settings.gpu_product else [],
             nodes=nodes,
@@ -263,7 +268,7 @@ class KubernetesBackend:
         except KubeError as exc:
             raise ProvisionError(f"could not create {manifest['kind']} {name}: {exc}") from None
         started = datetime.now(UTC)
-        follower = _LogFollower(api, on_line)
+        follower = _LogFollower(api, on_line, Path(cluster.workspace) / "outputs")
         # this object's pods only: an earlier try's pod may linger (Terminating on a lost node)
         selector = (
             f"{MPI_JOB_LABEL}={name}"
@@ -427,6 +432,7 @@ class KubernetesBackend:
             )
         self._delete(f"/api/v1/namespaces/{ns}/secrets/{cluster.name}-env", 0)
         self._delete(f"/api/v1/namespaces/{ns}/services/{cluster.name}", 0)
+        shutil.rmtree(local_folder(cluster.name), ignore_errors=True)
         return TeardownReport(
             name=cluster.name, already_gone=service is None and not jobs, killed_processes=len(jobs)
         )
@@ -482,6 +488,14 @@ class KubernetesBackend:
             api.request("PUT", f"{path}/{cluster.name}-env", manifest)
 
 
+def local_folder(cluster_name: str) -> Path:
+    """Return this host's folder for a Kubernetes cluster: the outputs its units send back
+    (copied to the run's artifacts by collect) and metric samples; gone at teardown."""
+    from tasks.compute.local import gpuflow_home
+
+    return gpuflow_home() / "kubernetes" / objects.dns_name(cluster_name)
+
+
 def orchestrator() -> dict[str, Any]:
     """Return this process as the reaper identifies it: host, pid and start time."""
     import psutil
@@ -494,10 +508,11 @@ def orchestrator() -> dict[str, Any]:
 
 
 class _LogFollower:
-    """Streams a running pod's log lines to the sink in a thread of its own."""
+    """Streams a running pod's log lines to the sink in a thread of its own, and writes the
+    output files the unit's wrapper prints at its end into `outputs` (not to the sink)."""
 
-    def __init__(self, api: KubeApi, on_line: LineSink) -> None:
-        self.api, self.on_line = api, on_line
+    def __init__(self, api: KubeApi, on_line: LineSink, outputs: Path) -> None:
+        self.api, self.on_line, self.outputs = api, on_line, outputs
         self.tail: deque[str] = deque(maxlen=40)
         self.thread: threading.Thread | None = None
         self.stopping = False
@@ -515,8 +530,37 @@ class _LogFollower:
             for line in self.api.stream(path, params):
                 if self.stopping:
                     return
+                if line.startswith((objects.OUTPUT_MARK + " ", objects.OUTPUT_LEFT_MARK + " ")):
+                    self._receive(line)
+                    continue
                 self.tail.append(line)
                 self.on_line("stdout", line)
+
+    def _receive(self, line: str) -> None:
+        """Write one output file the unit sent back, or say why one stayed in the pod."""
+        mark, rest = line.split(" ", 1)
+        if mark == objects.OUTPUT_LEFT_MARK:
+            size, name = rest.split(" ", 1)
+            self.on_line(
+                "stderr",
+                f"outputs/{name} ({int(size) / 2**20:.1f} MiB) stayed in the pod: files over"
+                f" {objects.OUTPUT_MAX_KIB} KiB come back only from storage (write them to"
+                " your job's output URL)",
+            )
+            return
+        name, data = rest.rsplit(" ", 1)
+        relative = PurePosixPath(name)
+        if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+            self.on_line("stderr", f"outputs/{name} was not taken: it would land outside outputs")
+            return
+        try:
+            content = base64.b64decode(data, validate=True)
+        except ValueError:
+            self.on_line("stderr", f"outputs/{name} arrived damaged and was not kept")
+            return
+        target = self.outputs.joinpath(*relative.parts)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(content)
 
     def stop(self, drain_s: float = 0.0) -> None:
         """Stop streaming, after up to `drain_s` for a log whose pod ended to be read out."""

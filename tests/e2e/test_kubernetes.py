@@ -5,6 +5,7 @@ labels a pod for KWOK's failure stage, or deletes a node."""
 
 from __future__ import annotations
 
+import base64
 import re
 import signal
 import subprocess
@@ -666,9 +667,7 @@ def test_training_on_two_nodes_is_one_torchrun_per_node_meeting_at_one_address(
         recorder.join()
     assert state.is_completed(), state.message
     assert len(seen) == 2
-    commands = sorted(
-        j["spec"]["template"]["spec"]["containers"][0]["command"] for j in seen.values()
-    )
+    commands = sorted(j["spec"]["template"]["spec"]["containers"][0]["args"] for j in seen.values())
     ranks = [c[c.index("--node-rank") + 1] for c in commands]
     assert sorted(ranks) == ["0", "1"]
     assert {c[c.index("--nnodes") + 1] for c in commands} == {"2"}
@@ -678,7 +677,7 @@ def test_training_on_two_nodes_is_one_torchrun_per_node_meeting_at_one_address(
     for job in seen.values():
         pod = job["spec"]["template"]["spec"]
         assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
-        assert pod["containers"][0]["command"][:3] == ["python", "-m", "tasks.training.launch"]
+        assert pod["containers"][0]["args"][:3] == ["python", "-m", "tasks.training.launch"]
     assert wait_gone(kube, str(state.state_details.flow_run_id)) == []
 
 
@@ -907,7 +906,7 @@ def test_an_hpc_job_on_two_nodes_is_an_mpijob_run_by_the_mpi_operator(
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
     assert worker["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": H100}
     launcher = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
-    assert launcher["command"][:3] == ["python", "-m", "tasks.hpc.launch"]
+    assert launcher["args"][:3] == ["python", "-m", "tasks.hpc.launch"]
     assert {"name": "GPUFLOW_MPI_HOSTFILE", "value": "/etc/mpi/hostfile"} in launcher["env"]
     assert "nvidia.com/gpu" not in launcher["resources"].get("limits", {})
     roles = {
@@ -969,15 +968,31 @@ def test_a_units_log_lines_stream_to_the_run_as_the_pod_prints_them(kube, testbe
             with log.open("a") as more:
                 more.write("".join(f"{stamp} stdout F {line}\n" for line in printed[2:]))
 
+    # what the unit wrapper prints at the end: the unit's output files, sent back
+    result_json = base64.b64encode(b'{"loss": 0.167}').decode()
+    printed += [
+        f"@@gpuflow-output result.json {result_json}",
+        "@@gpuflow-output-left 3221225472 model.safetensors",
+    ]
     try:
         result = backend.run(
             cluster, WorkUnit(name="main", command=["sleep", "4"]), {}, 120, on_line
         )
+        outputs = Path(cluster.workspace) / "outputs"  # this host's side, for collect
+        assert (outputs / "result.json").read_text() == '{"loss": 0.167}'
     finally:
         backend.teardown(cluster)
         kube.request("DELETE", f"/api/v1/namespaces/{namespace}")
+    assert not Path(cluster.workspace).exists()  # gone with the cluster
     assert result.exit_code == 0
-    assert [line for _, line in lines] == printed
+    assert [line for _, line in lines[:6]] == printed[:6]
+    assert lines[6:] == [  # the output lines are taken out of the log
+        (
+            "stderr",
+            "outputs/model.safetensors (3072.0 MiB) stayed in the pod: files over 1024 KiB"
+            " come back only from storage (write them to your job's output URL)",
+        )
+    ]
     assert result.log_tail[-1] == "done"
 
 
