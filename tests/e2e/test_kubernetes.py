@@ -1036,3 +1036,29 @@ def test_stopping_gpuflow_during_a_kubernetes_run_deletes_everything(
 
     with get_client(sync_client=True) as client:
         assert client.read_flow_run(UUID(run_id)).state.is_crashed()
+
+
+def test_a_render_job_is_refused_on_kubernetes_before_anything_is_made(kube, tmp_path):
+    from tasks.errors import InvalidSpec
+
+    spec = load_spec(
+        {
+            "name": "shot",
+            "job": {"kind": "render", "scene": str(tmp_path / "shot.blend"), "output": "file:///x"},
+            "resources": {"gpus": 1},
+            "placement": {"backend": "kubernetes"},
+        }
+    )
+    with pytest.raises(InvalidSpec) as refused:
+        KubernetesBackend().check(spec)
+    assert str(refused.value).startswith(
+        "placement.backend: render jobs do not run on Kubernetes yet"
+    )
+    assert (
+        kube.request(
+            "GET",
+            "/api/v1/namespaces/default/services",
+            params={"labelSelector": "gpuflow.io/job=shot"},
+        )["items"]
+        == []
+    )
