@@ -15,6 +15,7 @@ import os
 import ssl
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from pydantic import BaseModel, SecretStr
 from tasks.errors import GpuflowError, InvalidSpec, TransientError
 
 IN_CLUSTER = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+IDEMPOTENT = {"GET", "PUT", "DELETE"}
 VERBS = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
 
 
@@ -157,7 +159,12 @@ class KubeApi:
                 key.write_text(key_pem)
                 context.load_cert_chain(cert, key)
         self.http = httpx.Client(
-            base_url=config.server, headers=headers, verify=context, timeout=timeout_s
+            base_url=config.server,
+            headers=headers,
+            verify=context,
+            timeout=timeout_s,
+            # one log stream per running unit on top of the requests: room for many units
+            limits=httpx.Limits(max_connections=400, max_keepalive_connections=50),
         )
 
     def _exec_credential(self, token, cert, key) -> tuple[Any, Any, Any]:
@@ -190,16 +197,27 @@ class KubeApi:
     ) -> dict[str, Any]:
         """Return the decoded answer; KubeError (one sentence) when the server refuses,
         KubeUnreachable when it does not answer."""
-        try:
-            answer = self.http.request(method, path, json=body, params=params)
-        except httpx.HTTPError as exc:
-            raise KubeUnreachable(
-                f"the Kubernetes API server {self.config.server} (from {self.config.source})"
-                f" did not answer: {exc or type(exc).__name__}."
-            ) from None
+        attempts = 3 if method in IDEMPOTENT else 1
+        for attempt in range(attempts):
+            try:
+                answer = self.http.request(method, path, json=body, params=params)
+            except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
+                if attempt + 1 < attempts:  # a kept-alive connection the server just closed
+                    time.sleep(0.2 * (attempt + 1))
+                    continue
+                raise self._unreachable(exc) from None
+            except httpx.HTTPError as exc:
+                raise self._unreachable(exc) from None
+            break
         if answer.status_code < 400:
             return answer.json() if answer.content else {}
         raise refusal(method, path, answer)
+
+    def _unreachable(self, exc: httpx.HTTPError) -> KubeUnreachable:
+        return KubeUnreachable(
+            f"the Kubernetes API server {self.config.server} (from {self.config.source})"
+            f" did not answer: {exc or type(exc).__name__}."
+        )
 
     def stream(self, path: str, params: dict[str, Any]) -> Iterator[str]:
         """Yield the lines of a streamed answer (pod logs) until the server ends it."""

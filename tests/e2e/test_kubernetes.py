@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
 import pytest
@@ -623,10 +624,30 @@ def test_the_job_network_policy_is_accepted_and_selects_gpuflows_pods(kube):
         )
 
 
+def pipeline_noting(spec, note) -> Any:
+    """Run `spec` through gpu_pipeline while `note()` is called every 0.1 s in a thread:
+    the objects live only while the run does, so tests note them as they come."""
+    from flows.pipeline import gpu_pipeline
+
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            note()
+            time.sleep(0.1)
+
+    recorder = threading.Thread(target=loop)
+    recorder.start()
+    try:
+        return gpu_pipeline(spec, return_state=True)
+    finally:
+        stop.set()
+        recorder.join()
+
+
 def test_training_on_two_nodes_is_one_torchrun_per_node_meeting_at_one_address(
     kube, prefect_api, gpuflow_home, tmp_path
 ):
-    from flows.pipeline import gpu_pipeline
     from tasks.storage import FileStore
     from tasks.training.prepare import prepare
 
@@ -646,25 +667,16 @@ def test_training_on_two_nodes_is_one_torchrun_per_node_meeting_at_one_address(
         }
     )
     seen: dict[str, dict] = {}
-    stop = threading.Event()
 
-    def record() -> None:  # the Jobs live only while the run does: note them as they come
-        while not stop.is_set():
-            found = kube.request(
-                "GET",
-                "/apis/batch/v1/namespaces/default/jobs",
-                params={"labelSelector": "gpuflow.io/job=ddp-2x8"},
-            )["items"]
-            seen.update({j["metadata"]["name"]: j for j in found})
-            time.sleep(0.1)
+    def record() -> None:
+        found = kube.request(
+            "GET",
+            "/apis/batch/v1/namespaces/default/jobs",
+            params={"labelSelector": "gpuflow.io/job=ddp-2x8"},
+        )["items"]
+        seen.update({j["metadata"]["name"]: j for j in found})
 
-    recorder = threading.Thread(target=record)
-    recorder.start()
-    try:
-        state = gpu_pipeline(spec, return_state=True)
-    finally:
-        stop.set()
-        recorder.join()
+    state = pipeline_noting(spec, record)
     assert state.is_completed(), state.message
     assert len(seen) == 2
     commands = sorted(j["spec"]["template"]["spec"]["containers"][0]["args"] for j in seen.values())
@@ -860,7 +872,6 @@ def test_an_hpc_job_on_two_nodes_is_an_mpijob_run_by_the_mpi_operator(
     """8 ranks on 2 nodes x 4 H100: gpuflow submits a Kubeflow MPIJob (the testbed runs the
     real MPI Operator), whose worker pods hold the GPUs on nodes of the product and whose
     launcher runs gpuflow's MPI launcher over the operator's hostfile; nothing is left."""
-    from flows.pipeline import gpu_pipeline
     from tasks.hpc.mpijob import problems
 
     spec = load_spec(
@@ -873,29 +884,20 @@ def test_an_hpc_job_on_two_nodes_is_an_mpijob_run_by_the_mpi_operator(
     )
     mpijobs: dict[str, dict] = {}
     pods: dict[str, dict] = {}
-    stop = threading.Event()
 
-    def record() -> None:  # the objects live only while the run does: note them as they come
-        while not stop.is_set():
-            found = kube.request(
-                "GET",
-                "/apis/kubeflow.org/v2beta1/namespaces/default/mpijobs",
-                params={"labelSelector": "gpuflow.io/job=md-2x4"},
-            )["items"]
-            mpijobs.update({j["metadata"]["name"]: j for j in found})
-            for name in mpijobs:
-                for pod in pods_of(kube, f"training.kubeflow.org/job-name={name}"):
-                    if pod["spec"].get("nodeName"):
-                        pods[pod["metadata"]["name"]] = pod
-            time.sleep(0.1)
+    def record() -> None:
+        found = kube.request(
+            "GET",
+            "/apis/kubeflow.org/v2beta1/namespaces/default/mpijobs",
+            params={"labelSelector": "gpuflow.io/job=md-2x4"},
+        )["items"]
+        mpijobs.update({j["metadata"]["name"]: j for j in found})
+        for name in mpijobs:
+            for pod in pods_of(kube, f"training.kubeflow.org/job-name={name}"):
+                if pod["spec"].get("nodeName"):
+                    pods[pod["metadata"]["name"]] = pod
 
-    recorder = threading.Thread(target=record)
-    recorder.start()
-    try:
-        state = gpu_pipeline(spec, return_state=True)
-    finally:
-        stop.set()
-        recorder.join()
+    state = pipeline_noting(spec, record)
     assert state.is_completed(), state.message
     (job,) = mpijobs.values()
     assert problems(job) == []
