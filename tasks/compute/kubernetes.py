@@ -521,7 +521,9 @@ class _LogFollower:
         self.api, self.on_line, self.outputs = api, on_line, outputs
         self.tail: deque[str] = deque(maxlen=40)
         self.thread: threading.Thread | None = None
-        self.stopping = False
+        self.stopping = False  # stop now
+        self.ended = False  # the pod ended: read what is left, then stop
+        self.wake = threading.Event()
 
     def start(self, path: str, follow: bool = True) -> None:
         """Stream the log at `path` (once: a second call changes nothing)."""
@@ -531,16 +533,32 @@ class _LogFollower:
         self.thread.start()
 
     def _pump(self, path: str, follow: bool) -> None:
+        """Read the log; a stream that fails or ends while the pod may still run is opened
+        again (lines already seen are skipped), waiting longer each time it yields nothing."""
         params = {"follow": "true" if follow else "false", "container": "unit"}
-        with contextlib.suppress(Exception):  # no logs (simulated pods) is no failure
-            for line in self.api.stream(path, params):
-                if self.stopping:
-                    return
-                if line.startswith((objects.OUTPUT_MARK + " ", objects.OUTPUT_LEFT_MARK + " ")):
-                    self._receive(line)
-                    continue
-                self.tail.append(line)
-                self.on_line("stdout", line)
+        seen, pause = 0, 1.0
+        while not self.stopping:
+            count = 0
+            with contextlib.suppress(Exception):  # no log yet, a dropped stream: read on
+                for line in self.api.stream(path, params):
+                    if self.stopping:
+                        return
+                    count += 1
+                    if count > seen:
+                        seen = count
+                        pause = 1.0
+                        self._line(line)
+            if not follow or self.ended:
+                return
+            self.wake.wait(pause)  # the pod ending wakes it for one last read
+            pause = min(pause * 2, 10.0)
+
+    def _line(self, line: str) -> None:
+        if line.startswith((objects.OUTPUT_MARK + " ", objects.OUTPUT_LEFT_MARK + " ")):
+            self._receive(line)
+            return
+        self.tail.append(line)
+        self.on_line("stdout", line)
 
     def _receive(self, line: str) -> None:
         """Write one output file the unit sent back, or say why one stayed in the pod."""
@@ -570,6 +588,8 @@ class _LogFollower:
 
     def stop(self, drain_s: float = 0.0) -> None:
         """Stop streaming, after up to `drain_s` for a log whose pod ended to be read out."""
+        self.ended = True
+        self.wake.set()
         if self.thread is not None and drain_s:
             self.thread.join(timeout=drain_s)
         self.stopping = True

@@ -230,13 +230,15 @@ def patch_pod(kube: KubeApi, name: str, patch: dict, namespace: str = "default")
     ).raise_for_status()
 
 
-def when_running(kube: KubeApi, selector: str, then, seconds: float = 60) -> threading.Thread:
+def when_running(
+    kube: KubeApi, selector: str, then, seconds: float = 60, namespace: str = "default"
+) -> threading.Thread:
     """Call `then(pod)` once the first pod matching `selector` runs; in a thread."""
 
     def watch() -> None:
         until = time.monotonic() + seconds
         while time.monotonic() < until:
-            pods = pods_of(kube, selector)
+            pods = pods_of(kube, selector, namespace)
             if pods and pods[0]["status"].get("phase") == "Running":
                 then(pods[0])
                 return
@@ -958,7 +960,13 @@ def test_a_units_log_lines_stream_to_the_run_as_the_pod_prints_them(kube, testbe
     printed = [f"step {i}: loss {1 / (i + 1):.3f}" for i in range(5)] + ["done"]
     stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     log = testbed.parent / "pod-logs" / "unit.log"  # CRI's format, as a kubelet keeps it
-    log.write_text("".join(f"{stamp} stdout F {line}\n" for line in printed[:2]))
+    log.unlink(missing_ok=True)  # no log yet: the first requests fail, gpuflow asks again
+
+    def first_lines(pod: dict) -> None:
+        time.sleep(1.5)
+        log.write_text("".join(f"{stamp} stdout F {line}\n" for line in printed[:2]))
+
+    writer = when_running(kube, "gpuflow.io/job=k8s-test", first_lines, namespace=namespace)
     backend = KubernetesBackend()
     spec = spec_for(gpus=1, product="NVIDIA-L4", namespace=namespace)
     cluster = backend.provision(spec, owner_labels("run-logs", "k8s-test"))
@@ -978,8 +986,9 @@ def test_a_units_log_lines_stream_to_the_run_as_the_pod_prints_them(kube, testbe
     ]
     try:
         result = backend.run(
-            cluster, WorkUnit(name="main", command=["sleep", "4"]), {}, 120, on_line
+            cluster, WorkUnit(name="main", command=["sleep", "6"]), {}, 120, on_line
         )
+        writer.join()
         outputs = Path(cluster.workspace) / "outputs"  # this host's side, for collect
         assert (outputs / "result.json").read_text() == '{"loss": 0.167}'
     finally:
