@@ -1073,3 +1073,58 @@ def test_a_render_job_is_refused_on_kubernetes_before_anything_is_made(kube, tmp
         )["items"]
         == []
     )
+
+
+def test_hpc_on_several_nodes_without_the_mpi_operator_is_refused_before_anything_is_made(
+    kube, testbed
+):
+    """The cluster stops serving MPIJobs (the CRD removed; put back afterwards): an hpc job
+    on 2 nodes is refused by `check` in one sentence, one node still passes."""
+    from tasks.compute.kubeapi import KubeError
+    from tasks.errors import InvalidSpec
+
+    crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+    saved = kube.request("GET", f"{crds}/mpijobs.kubeflow.org")
+    kube.request("DELETE", f"{crds}/mpijobs.kubeflow.org")
+
+    def served() -> bool:  # answered, not 404 nor 429 "storage is (re)initializing"
+        try:
+            kube.request("GET", "/apis/kubeflow.org/v2beta1/mpijobs")
+        except KubeError:
+            return False
+        return True
+
+    def hpc(nodes: int):
+        return load_spec(
+            {
+                "name": "md",
+                "job": {"kind": "hpc", "ranks": 2 * nodes, "gpus_per_rank": 1, "md": {}},
+                "resources": {"gpus": 2, "nodes": nodes},
+                "placement": {"backend": "kubernetes"},
+            }
+        )
+
+    try:
+        until = time.monotonic() + 60
+        while served() and time.monotonic() < until:
+            time.sleep(0.2)
+        with pytest.raises(InvalidSpec) as refused:
+            KubernetesBackend().check(hpc(nodes=2))
+        assert str(refused.value).startswith(
+            "resources.nodes: MPI ranks on 2 nodes run as an MPIJob, and"
+        )
+        assert "install the Kubeflow MPI Operator there or use 1 node" in str(refused.value)
+        KubernetesBackend().check(hpc(nodes=1))  # one pod runs mpirun itself
+    finally:
+        for key in ("resourceVersion", "uid", "creationTimestamp", "managedFields"):
+            saved["metadata"].pop(key, None)
+        saved.pop("status", None)
+        until = time.monotonic() + 60
+        while time.monotonic() < until:  # the old one may still be terminating
+            try:
+                kube.request("POST", crds, saved)
+                break
+            except KubeError:  # 409 while the old one is still terminating
+                time.sleep(0.5)
+        while not served() and time.monotonic() < until:
+            time.sleep(0.2)
