@@ -238,7 +238,7 @@ def _wrapped(tmp_path, *program: str) -> subprocess.Popen:
 def test_the_unit_wrapper_keeps_the_exit_code_and_sends_the_outputs_back(tmp_path):
     """What every pod runs around its unit, run here with this host's sh: the unit's lines,
     then its output files as lines the orchestrator turns back into files."""
-    from tasks.compute.kubernetes import _LogFollower
+    from tasks.compute.k8s_logs import LogFollower
 
     out = tmp_path / "out"
     (out / "sub dir").mkdir(parents=True)
@@ -250,7 +250,7 @@ def test_the_unit_wrapper_keeps_the_exit_code_and_sends_the_outputs_back(tmp_pat
     assert proc.returncode == 3  # the unit's own code
     assert lines[0] == "training"
     said: list[tuple[str, str]] = []
-    follower = _LogFollower(
+    follower = LogFollower(
         None, lambda stream, line: said.append((stream, line)), tmp_path / "back"
     )
     for line in lines[1:]:

@@ -10,7 +10,6 @@ are only busy, and refused at once when no node could ever take it.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
@@ -19,10 +18,9 @@ import shutil
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from tasks.compute import k8s_objects as objects
@@ -35,6 +33,7 @@ from tasks.compute.base import (
     TeardownReport,
     WorkUnit,
 )
+from tasks.compute.k8s_logs import LogFollower
 from tasks.compute.k8s_pending import explain_pending, used_gpus
 from tasks.compute.kubeapi import KubeApi, KubeError, load_config
 from tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
@@ -274,7 +273,7 @@ class KubernetesBackend:
         except KubeError as exc:
             raise ProvisionError(f"could not create {manifest['kind']} {name}: {exc}") from None
         started = datetime.now(UTC)
-        follower = _LogFollower(api, on_line, Path(cluster.workspace) / "outputs")
+        follower = LogFollower(api, on_line, Path(cluster.workspace) / "outputs")
         # this object's pods only: an earlier try's pod may linger (Terminating on a lost node)
         selector = (
             f"{MPI_JOB_LABEL}={name}"
@@ -318,7 +317,7 @@ class KubernetesBackend:
         selector: str,
         timeout_s: float,
         should_stop: StopCheck | None,
-        follower: _LogFollower,
+        follower: LogFollower,
     ) -> dict[str, Any]:
         """Follow the pods of the object at `path` (a Job, or an MPIJob: its launcher is the
         pod whose end is the unit's, its workers are watched for placement and loss)."""
@@ -511,90 +510,6 @@ def orchestrator() -> dict[str, Any]:
         "pid": os.getpid(),
         "started": psutil.Process().create_time(),
     }
-
-
-class _LogFollower:
-    """Streams a running pod's log lines to the sink in a thread of its own, and writes the
-    output files the unit's wrapper prints at its end into `outputs` (not to the sink)."""
-
-    def __init__(self, api: KubeApi, on_line: LineSink, outputs: Path) -> None:
-        self.api, self.on_line, self.outputs = api, on_line, outputs
-        self.tail: deque[str] = deque(maxlen=40)
-        self.thread: threading.Thread | None = None
-        self.stopping = False  # stop now
-        self.ended = False  # the pod ended: read what is left, then stop
-        self.wake = threading.Event()
-
-    def start(self, path: str, follow: bool = True) -> None:
-        """Stream the log at `path` (once: a second call changes nothing)."""
-        if self.thread is not None:
-            return
-        self.thread = threading.Thread(target=self._pump, args=(path, follow), daemon=True)
-        self.thread.start()
-
-    def _pump(self, path: str, follow: bool) -> None:
-        """Read the log; a stream that fails or ends while the pod may still run is opened
-        again (lines already seen are skipped), waiting longer each time it yields nothing."""
-        params = {"follow": "true" if follow else "false", "container": "unit"}
-        seen, pause = 0, 1.0
-        while not self.stopping:
-            count = 0
-            with contextlib.suppress(Exception):  # no log yet, a dropped stream: read on
-                for line in self.api.stream(path, params):
-                    if self.stopping:
-                        return
-                    count += 1
-                    if count > seen:
-                        seen = count
-                        pause = 1.0
-                        self._line(line)
-            if not follow or self.ended:
-                return
-            self.wake.wait(pause)  # the pod ending wakes it for one last read
-            pause = min(pause * 2, 10.0)
-
-    def _line(self, line: str) -> None:
-        if line.startswith((objects.OUTPUT_MARK + " ", objects.OUTPUT_LEFT_MARK + " ")):
-            self._receive(line)
-            return
-        self.tail.append(line)
-        self.on_line("stdout", line)
-
-    def _receive(self, line: str) -> None:
-        """Write one output file the unit sent back, or say why one stayed in the pod."""
-        mark, rest = line.split(" ", 1)
-        if mark == objects.OUTPUT_LEFT_MARK:
-            size, name = rest.split(" ", 1)
-            self.on_line(
-                "stderr",
-                f"outputs/{name} ({int(size) / 2**20:.1f} MiB) stayed in the pod: files over"
-                f" {objects.OUTPUT_MAX_KIB} KiB come back only from storage (write them to"
-                " your job's output URL)",
-            )
-            return
-        name, data = rest.rsplit(" ", 1)
-        relative = PurePosixPath(name)
-        if relative.is_absolute() or ".." in relative.parts or not relative.parts:
-            self.on_line("stderr", f"outputs/{name} was not taken: it would land outside outputs")
-            return
-        try:
-            content = base64.b64decode(data, validate=True)
-        except ValueError:
-            self.on_line("stderr", f"outputs/{name} arrived damaged and was not kept")
-            return
-        target = self.outputs.joinpath(*relative.parts)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(content)
-
-    def stop(self, drain_s: float = 0.0) -> None:
-        """Stop streaming, after up to `drain_s` for a log whose pod ended to be read out."""
-        self.ended = True
-        self.wake.set()
-        if self.thread is not None and drain_s:
-            self.thread.join(timeout=drain_s)
-        self.stopping = True
-        if self.thread is not None:
-            self.thread.join(timeout=2)
 
 
 def _role(pod: dict[str, Any]) -> str:
