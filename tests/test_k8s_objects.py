@@ -231,6 +231,7 @@ def _wrapped(tmp_path, *program: str) -> subprocess.Popen:
         ["/bin/sh", "-c", UNIT_WRAPPER, "gpuflow-unit", *program],
         env={"PATH": os.environ["PATH"], "GPUFLOW_OUTPUT_DIR": str(tmp_path / "out")},
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
     )
 
@@ -288,3 +289,31 @@ def test_the_unit_wrapper_passes_sigterm_to_the_unit(tmp_path):
     rest = proc.communicate(timeout=30)[0]
     assert proc.returncode == 75
     assert rest.splitlines() == ["saving"]
+
+
+def test_output_lines_of_the_wrong_shape_and_odd_file_names_lose_nothing(tmp_path):
+    """A unit printing marker-like lines of its own, or an output whose name holds a
+    newline: those lines stay ordinary log lines, the good files still come back, and the
+    wrapper says nothing on stderr."""
+    from tasks.compute.k8s_logs import LogFollower
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a\nb").write_text("x")
+    (out / "result.json").write_text('{"k": 1}')
+    proc = _wrapped(
+        tmp_path, "sh", "-c", "echo '@@gpuflow-output justaname'; echo '@@gpuflow-output-left n x'"
+    )
+    stdout, stderr = proc.communicate(timeout=60)
+    assert stderr == ""
+    said: list[tuple[str, str]] = []
+    follower = LogFollower(
+        None, lambda stream, line: said.append((stream, line)), tmp_path / "back"
+    )
+    for line in stdout.splitlines():
+        follower._line(line)
+    assert said == [
+        ("stdout", "@@gpuflow-output justaname"),
+        ("stdout", "@@gpuflow-output-left n x"),
+    ]
+    assert [p.name for p in (tmp_path / "back").iterdir()] == ["result.json"]

@@ -57,19 +57,22 @@ class LogFollower:
 
     def _line(self, line: str) -> None:
         if line.startswith((objects.OUTPUT_MARK + " ", objects.OUTPUT_LEFT_MARK + " ")):
-            self._receive(line)
-            return
+            with contextlib.suppress(ValueError):  # not the wrapper's shape: an ordinary line
+                self._receive(line)
+                return
         self.tail.append(line)
         self.on_line("stdout", line)
 
     def _receive(self, line: str) -> None:
-        """Write one output file the unit sent back, or say why one stayed in the pod."""
+        """Write one output file the unit sent back, or say why one stayed in the pod; raise
+        ValueError, nothing written, for a line not in the wrapper's shape."""
         mark, rest = line.split(" ", 1)
         if mark == objects.OUTPUT_LEFT_MARK:
             size, name = rest.split(" ", 1)
+            size_mib = int(size) / 2**20
             self.on_line(
                 "stderr",
-                f"outputs/{name} ({int(size) / 2**20:.1f} MiB) stayed in the pod: files over"
+                f"outputs/{name} ({size_mib:.1f} MiB) stayed in the pod: files over"
                 f" {objects.OUTPUT_MAX_KIB} KiB come back only from storage (write them to"
                 " your job's output URL)",
             )

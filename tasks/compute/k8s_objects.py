@@ -38,6 +38,7 @@ wait "$child"; code=$?
 while kill -0 "$child" 2>/dev/null; do wait "$child"; code=$?; done
 if [ -d "$GPUFLOW_OUTPUT_DIR" ] && cd "$GPUFLOW_OUTPUT_DIR"; then
   find . -type f | head -n 200 | while IFS= read -r f; do
+    [ -f "$f" ] || continue  # a name with a newline in it: not sent
     if [ "$(wc -c < "$f")" -le {OUTPUT_MAX_KIB * 1024} ]; then
       printf '{OUTPUT_MARK} %s ' "${{f#./}}"; base64 < "$f" | tr -d '\\n'; echo
     else

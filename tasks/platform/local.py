@@ -248,7 +248,8 @@ def _configure(api: str, env: dict[str, str], say, cluster: dict[str, Any] | Non
     prefect_file = None
     if cluster:  # the image is given: deploy without the build and push steps
         for deployment in project["deployments"]:
-            deployment.pop("build", None), deployment.pop("push", None)
+            for steps in ("build", "push"):
+                deployment.pop(steps, None)
             if deployment["work_pool"]["name"] == GPU_K8S_POOL:
                 variables = deployment["work_pool"].setdefault("job_variables", {})
                 variables.setdefault("namespace", cluster["namespace"])
