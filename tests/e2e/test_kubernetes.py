@@ -986,7 +986,7 @@ def test_a_units_log_lines_stream_to_the_run_as_the_pod_prints_them(kube, testbe
     ]
     try:
         result = backend.run(
-            cluster, WorkUnit(name="main", command=["sleep", "6"]), {}, 120, on_line
+            cluster, WorkUnit(name="main", command=["sleep", "15"]), {}, 120, on_line
         )
         writer.join()
         outputs = Path(cluster.workspace) / "outputs"  # this host's side, for collect
