@@ -23,6 +23,9 @@ class LogFollower:
         self.api, self.on_line, self.outputs = api, on_line, outputs
         self.tail: deque[str] = deque(maxlen=40)
         self.thread: threading.Thread | None = None
+        self.path: str | None = None
+        self.seen = 0  # lines of the log taken so far (every read starts at its first line)
+        self.lock = threading.Lock()  # one reader takes lines at a time
         self.stopping = False  # stop now
         self.ended = False  # the pod ended: read what is left, then stop
         self.wake = threading.Event()
@@ -31,29 +34,37 @@ class LogFollower:
         """Stream the log at `path` (once: a second call changes nothing)."""
         if self.thread is not None:
             return
+        self.path = path
         self.thread = threading.Thread(target=self._pump, args=(path, follow), daemon=True)
         self.thread.start()
 
     def _pump(self, path: str, follow: bool) -> None:
         """Read the log; a stream that fails or ends while the pod may still run is opened
-        again (lines already seen are skipped), waiting longer each time it yields nothing."""
-        params = {"follow": "true" if follow else "false", "container": "unit"}
-        seen, pause = 0, 1.0
+        again (lines already seen are skipped), waiting longer each time it yields nothing.
+        Once the pod ended the log is read to its end without following, then it stops."""
+        pause = 1.0
         while not self.stopping:
-            count = 0
+            last = not follow or self.ended
             with contextlib.suppress(Exception):  # no log yet, a dropped stream: read on
-                for line in self.api.stream(path, params):
-                    if self.stopping:
-                        return
-                    count += 1
-                    if count > seen:
-                        seen = count
-                        pause = 1.0
-                        self._line(line)
-            if not follow or self.ended:
+                if self._read(path, follow=not last):
+                    pause = 1.0
+            if last:
                 return
             self.wake.wait(pause)  # the pod ending wakes it for one last read
             pause = min(pause * 2, 10.0)
+
+    def _read(self, path: str, follow: bool, final: bool = False) -> bool:
+        """Take the lines of one read of the log past those seen; say whether any came."""
+        params = {"follow": "true" if follow else "false", "container": "unit"}
+        taken = False
+        for count, line in enumerate(self.api.stream(path, params), start=1):
+            with self.lock:
+                if self.stopping and not final:
+                    return taken
+                if count > self.seen:
+                    self.seen, taken = count, True
+                    self._line(line)
+        return taken
 
     def _line(self, line: str) -> None:
         if line.startswith((objects.OUTPUT_MARK + " ", objects.OUTPUT_LEFT_MARK + " ")):
@@ -92,11 +103,18 @@ class LogFollower:
         target.write_bytes(content)
 
     def stop(self, drain_s: float = 0.0) -> None:
-        """Stop streaming, after up to `drain_s` for a log whose pod ended to be read out."""
+        """Stop streaming, after up to `drain_s` for a log whose pod ended to be read out. A
+        stream still open then (a kubelet that keeps following an ended container's log) is
+        left, and the log is read once more to its end here: its last lines are not lost."""
         self.ended = True
         self.wake.set()
         if self.thread is not None and drain_s:
             self.thread.join(timeout=drain_s)
-        self.stopping = True
-        if self.thread is not None:
-            self.thread.join(timeout=2)
+        with self.lock:
+            self.stopping = True
+        if self.thread is None:
+            return
+        self.thread.join(timeout=2)
+        if drain_s and self.thread.is_alive() and self.path is not None:
+            with contextlib.suppress(Exception):  # the log is gone with its pod: nothing left
+                self._read(self.path, follow=False, final=True)

@@ -220,8 +220,10 @@ class KubeApi:
         )
 
     def stream(self, path: str, params: dict[str, Any]) -> Iterator[str]:
-        """Yield the lines of a streamed answer (pod logs) until the server ends it."""
-        with self.http.stream("GET", path, params=params, timeout=None) as answer:
+        """Yield the lines of a streamed answer (pod logs) until the server ends it; one that
+        follows may be quiet for as long as its pod is, one that does not may not."""
+        timeout = None if params.get("follow") == "true" else self.http.timeout
+        with self.http.stream("GET", path, params=params, timeout=timeout) as answer:
             if answer.status_code >= 400:
                 answer.read()
                 raise refusal("GET", path, answer)
