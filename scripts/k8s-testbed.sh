@@ -161,6 +161,10 @@ status:
   allocatable: {cpu: "64", memory: 512Gi, pods: "110", ephemeral-storage: 1Ti$( (($2)) && printf ', nvidia.com/gpu: "%s"' "$2")}
   capacity: {cpu: "64", memory: 512Gi, pods: "110", ephemeral-storage: 1Ti$( (($2)) && printf ', nvidia.com/gpu: "%s"' "$2")}
   nodeInfo: {kubeletVersion: fake, operatingSystem: linux, architecture: amd64}
+  # both kinds of address, or KWOK's node-initialize stage (its NodeName is empty here)
+  # writes an empty list over them every ~50 s: the API server could not reach the
+  # node's kubelet endpoint for pod logs half of the time
+  addresses: [{type: InternalIP, address: 127.0.0.1}, {type: Hostname, address: $1}]
 EOF
   }
   node gpu-h100-0 8 NVIDIA-H100-80GB-HBM3
@@ -227,15 +231,21 @@ spec:
     logsFile: $DIR/pod-logs/unit.log
     follow: true
 EOF
-  local stages
+  local stages kwok_crds
   stages=$(go env GOMODCACHE)/sigs.k8s.io/kwok@$KWOK_VERSION/kustomize/stage
-  [[ -d $stages ]] || die "KWOK's stages are not in $stages; run build again"
+  kwok_crds=$(go env GOMODCACHE)/sigs.k8s.io/kwok@$KWOK_VERSION/kustomize/crd/bases
+  [[ -d $stages && -d $kwok_crds ]] || die "KWOK's stages are not in $stages; run build again"
+  # per-pod logs (a Logs object named after the pod): a test that plays kubelet for the
+  # namespace gpuflow-kubelet runs a pod's program here and serves what it prints
+  api_file POST /apis/apiextensions.k8s.io/v1/customresourcedefinitions \
+    "$kwok_crds/kwok.x-k8s.io_logs.yaml" >/dev/null
+  wait_for "KWOK's Logs API" 60 api GET /apis/kwok.x-k8s.io/v1alpha1/logs
   start kwok "$BIN/kwok" --kubeconfig "$DIR/kubeconfig" --manage-all-nodes=false \
     --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
     --server-address "127.0.0.1:$(cat "$DIR/ports/kwok")" --node-ip 127.0.0.1 \
     --node-port "$(cat "$DIR/ports/kwok")" \
     --tls-cert-file "$DIR/pki/kwok.crt" --tls-private-key-file "$DIR/pki/kwok.key" \
-    --config "$DIR/pod-logs.yaml" \
+    --enable-crds Logs --config "$DIR/pod-logs.yaml" \
     --config "$stages/node/fast/node-initialize.yaml" \
     --config "$stages/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml" \
     --config "$stages/pod/fast/pod-ready.yaml" --config "$HERE/testbed/kwok/pod-complete.yaml" \

@@ -19,10 +19,10 @@ from tasks.spec import load_spec
 TRAIN = {"kind": "train", "dataset": "file:///data", "output": "file:///models"}
 
 
-def cluster(nodes: int = 1, gpus: int = 0, **extra) -> Cluster:
+def cluster(nodes: int = 1, gpus: int = 0, backend: str = "local", **extra) -> Cluster:
     names = [f"node-{i}" for i in range(nodes)]
     return Cluster(
-        backend="test",
+        backend=backend,
         name="gpuflow-units",
         owner={},
         hostname="node-0",
@@ -89,6 +89,44 @@ def test_render_chunks_spread_over_nodes():
     )
     units = units_for(spec, cluster(nodes=2, gpus=1), render_plan(list(range(1, 9))))
     assert [(u.node, u.gpus) for u in units] == [(0, [0]), (1, [0]), (0, [0]), (1, [0])]
+
+
+def test_render_chunks_in_pods_run_the_chunk_program_with_no_path_of_this_host():
+    """On Kubernetes a chunk is the pod's chunk program: the scene and output as storage
+    URLs, the chunk's frames and Blender's settings; nothing of the flow's host (its
+    scratch folder, its fetched .blend) is in the command."""
+    import json
+
+    from tasks.render.pod_chunk import PodChunk
+
+    spec = load_spec(
+        {
+            "job": {
+                "kind": "render",
+                "scene": "s3://scenes/shot.zip",
+                "blend": "shot/main.blend",
+                "output": "s3://frames/shot",
+                "chunk": 3,
+                "samples": 16,
+            },
+            "resources": {"gpus": 1},
+            "placement": {"backend": "kubernetes"},
+        }
+    )
+    units = units_for(spec, cluster(gpus=2, backend="kubernetes"), render_plan(list(range(1, 8))))
+    assert [u.frames for u in units] == [[1, 2, 3], [4, 5, 6], [7]]
+    assert [u.gpus for u in units] == [[0], [1], [0]]
+    for index, unit in enumerate(units):
+        assert unit.command[:4] == [sys.executable, "-m", "tasks.render.pod_chunk", "--chunk-json"]
+        chunk = PodChunk.model_validate_json(unit.command[4])
+        assert (chunk.scene, chunk.blend, chunk.output) == (
+            "s3://scenes/shot.zip",
+            "shot/main.blend",
+            "s3://frames/shot",
+        )
+        assert (chunk.frames, chunk.index, chunk.settings.samples) == (unit.frames, index, 16)
+        assert chunk.pattern == "frame_####"
+        assert "/tmp/gpuflow-units" not in json.dumps(unit.command)
 
 
 def test_train_runs_one_unit_per_node_meeting_at_one_rendezvous():

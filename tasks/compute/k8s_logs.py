@@ -42,14 +42,21 @@ class LogFollower:
         """Read the log; a stream that fails or ends while the pod may still run is opened
         again (lines already seen are skipped), waiting longer each time it yields nothing.
         Once the pod ended the log is read to its end without following, then it stops."""
-        pause = 1.0
+        pause, last_tries = 1.0, 3
         while not self.stopping:
             last = not follow or self.ended
-            with contextlib.suppress(Exception):  # no log yet, a dropped stream: read on
+            try:
                 if self._read(path, follow=not last):
                     pause = 1.0
-            if last:
-                return
+                if last:
+                    return
+            except Exception:  # no log yet, a dropped stream: read on
+                if last:  # the last read failed: try it again, a little later
+                    last_tries -= 1
+                    if not last_tries:
+                        return
+                    self.wake.clear()
+                    pause = 0.5
             self.wake.wait(pause)  # the pod ending wakes it for one last read
             pause = min(pause * 2, 10.0)
 

@@ -136,12 +136,6 @@ class KubernetesBackend:
     def check(self, spec: JobSpec) -> None:
         """Raise InvalidSpec when the namespace is missing or the credentials cannot read
         it; makes nothing."""
-        if spec.job.kind == "render":  # its stage probes scenes and uploads frames here
-            raise InvalidSpec(
-                "placement.backend: render jobs do not run on Kubernetes yet (Blender's frames"
-                " are checked and uploaded from the host that renders them); use"
-                " placement.backend: local"
-            )
         self._use(spec.placement.block, spec.placement.namespace)
         api = self.api()
         try:

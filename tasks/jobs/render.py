@@ -8,6 +8,7 @@ storage (tasks.render.stage).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,14 @@ class RenderKind(JobKind):
         from tasks.storage import StorageError, check_writable
 
         assert isinstance(spec.job, RenderJob)
+        if not renders_here(spec.placement.backend):
+            for field, url in (("job.scene", spec.job.scene), ("job.output", spec.job.output)):
+                if not url.startswith("s3://"):
+                    raise InvalidSpec(
+                        f"{field}: {url} is not in S3, and on {spec.placement.backend} chunks"
+                        " render in pods that read the scene and write frames there; upload"
+                        " it and give an s3:// URL."
+                    )
         try:
             settings = s3_settings(spec)
             check_writable(spec.job.output, settings)
@@ -70,6 +79,14 @@ def workers(spec: JobSpec, cluster: Cluster) -> int:
     return spec.job.max_workers or max(1, cluster.gpus_per_node * cluster.nodes)
 
 
+def renders_here(backend: str) -> bool:
+    """Say whether chunks render on this host (Blender's frames uploaded from here), rather
+    than in pods that fetch the scene and upload their frames themselves."""
+    from tasks.compute import get_backend
+
+    return bool(get_backend(backend).checks_host)
+
+
 def chunk_unit(
     spec: JobSpec,
     cluster: Cluster,
@@ -79,7 +96,8 @@ def chunk_unit(
     slot: tuple[int, int | None],
     scratch: Path,
 ) -> WorkUnit:
-    """Return the unit that renders `frames` into `scratch` on `slot` (node, GPU or None)."""
+    """Return the unit that renders `frames` on `slot` (node, GPU or None): Blender writing
+    into `scratch` on this host, or in a pod, the chunk program (tasks.render.pod_chunk)."""
     from tasks.render.argv import output_pattern, render_argv
     from tasks.render.frames import blender_frames
     from tasks.render.scene import blender_program
@@ -87,13 +105,32 @@ def chunk_unit(
     job = spec.job
     assert isinstance(job, RenderJob)
     pattern, _ = output_pattern(job.pattern)
-    argv = render_argv(
-        blender_program(job),
-        plan.blend,
-        str(scratch / pattern),
-        blender_frames(frames),
-        settings_of(job, plan.device),
-    )
+    settings = settings_of(job, plan.device)
+    if renders_here(cluster.backend):
+        argv = render_argv(
+            blender_program(job),
+            plan.blend,
+            str(scratch / pattern),
+            blender_frames(frames),
+            settings,
+        )
+    else:
+        from tasks.render.pod_chunk import PodChunk
+
+        chunk = PodChunk(
+            scene=job.scene,
+            blend=job.blend,
+            output=job.output,
+            pattern=pattern,
+            extension=plan.extension,
+            file_format=plan.file_format,
+            frames=list(frames),
+            index=index,
+            blender=job.blender,
+            settings=settings,
+        )
+        argv = [sys.executable, "-m", "tasks.render.pod_chunk", "--chunk-json"]
+        argv.append(chunk.model_dump_json(exclude_defaults=True))
     node, gpu = slot
     return WorkUnit(
         name=f"chunk-{index}",

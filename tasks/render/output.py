@@ -4,6 +4,7 @@ as Blender saves them (checked, checksummed, thumbnailed when the contact sheet 
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import struct
 import tempfile
@@ -18,6 +19,10 @@ from tasks.render.images import check_image
 from tasks.storage import FileStore, ObjectInfo, S3Store, join
 
 THUMB_PX = 160
+# What a chunk rendering in a pod prints for each frame it put in storage (a FrameRecord
+# as JSON), and for each frame it could not (the frame, then why): tasks.render.pod_chunk.
+FRAME_MARK = "@@gpuflow-frame"
+FRAME_PROBLEM_MARK = "@@gpuflow-frame-problem"
 
 
 class FrameRecord(BaseModel):
@@ -140,6 +145,46 @@ class Uploader:
                 thumbnail=thumbnail,
             )
         )
+
+
+class SavedFrames:
+    """Follows Blender's log: each frame of `frames` it saves under `scratch` goes to the
+    uploader with the render time its `Time:` line gives (Blender prints that after
+    Saved:). `saved_at` holds when each was saved (per-frame speed, start-up)."""
+
+    def __init__(
+        self, scratch: Path, pattern: str, extension: str, frames: list[int], uploader: Uploader
+    ) -> None:
+        from tasks.render import logparse
+
+        self.logparse = logparse
+        self.scratch, self.uploader = scratch, uploader
+        self.by_name = {frame_filename(pattern, f, extension): f for f in frames}
+        self.pending: list[tuple[int, Path]] = []  # saved, waiting for its Time line
+        self.saved_at: list[float] = []
+
+    def feed(self, line: str) -> bool:
+        """Take one line of Blender's; say whether it was about a saved frame."""
+        import time
+
+        if (saved := self.logparse.saved_path(line)) is not None:
+            self.hand_over(None)
+            self.saved_at.append(time.monotonic())
+            path = Path(saved)
+            with contextlib.suppress(ValueError):
+                frame = self.by_name.get(path.relative_to(self.scratch).as_posix())
+                if frame is not None:
+                    self.pending.append((frame, path))
+            return True
+        if self.pending and (seconds := self.logparse.frame_time(line)) is not None:
+            self.hand_over(seconds)
+            return True
+        return False
+
+    def hand_over(self, seconds: float | None) -> None:
+        while self.pending:
+            frame, path = self.pending.pop()
+            self.uploader.put(frame, path, seconds)
 
 
 def make_thumbnail(path: Path, target: Path) -> str | None:

@@ -255,10 +255,13 @@ def _plan(spec: JobSpec, s3: S3Settings | None) -> RenderPlan:
     program = blender_program(job)
     blend = find_blend(fetch(job.scene, s3), job.blend)
     from tasks import nvml
+    from tasks.jobs.render import renders_here
 
-    host_gpus = bool(spec.resources.gpus) and bool(nvml.query().gpus)
+    # in pods, the GPUs are not this host's: Blender here reads the scene, not the devices
+    here = renders_here(spec.placement.backend)
+    host_gpus = here and bool(spec.resources.gpus) and bool(nvml.query().gpus)
     gpu_devices = ["OPTIX", "CUDA", "HIP", "ONEAPI"] if host_gpus else []
-    wanted = [job.device] if job.device and job.device != "CPU" else gpu_devices
+    wanted = [job.device] if here and job.device and job.device != "CPU" else gpu_devices
     info = inspect(program, blend, wanted)
     warnings: list[str] = []
     if info.camera is None:
@@ -298,8 +301,7 @@ def _plan(spec: JobSpec, s3: S3Settings | None) -> RenderPlan:
         warnings.append(f"{text}; they will render as magenta or be left out.")
     engine = _engine(job, info)
     if job.device and job.device != "CPU":
-        found = info.devices.get(job.device, [])
-        if not found:
+        if here and not info.devices.get(job.device):  # a pod's Blender is judged by its log
             raise InvalidSpec(
                 f"job.device: Blender sees no {job.device} device on this host; run on a host"
                 f" with one, choose another device, or set job.device: CPU."
@@ -307,6 +309,8 @@ def _plan(spec: JobSpec, s3: S3Settings | None) -> RenderPlan:
         if engine != "CYCLES":
             warnings.append(f"job.device {job.device} applies to Cycles only; {engine} ignores it.")
     device = job.device
+    if device is None and not here and spec.resources.gpus and engine == "CYCLES":
+        device = "CUDA"  # pods get NVIDIA GPUs (nvidia.com/gpu); OPTIX when job.device says
     if device is None and host_gpus and engine == "CYCLES":
         # Blender's command line renders Cycles on the CPU unless told otherwise.
         device = next((d for d in gpu_devices if info.devices.get(d)), None)
@@ -358,16 +362,21 @@ def preflight_checks(spec: JobSpec, s3: S3Settings | None) -> list[dict[str, str
     devices = ", ".join(
         f"{kind}: {', '.join(names) or 'none'}" for kind, names in found.info.devices.items()
     )
+    from tasks.jobs.render import renders_here
+
+    here = renders_here(spec.placement.backend)
+    where = "" if here else f" (here it reads the scene; {job.blender} in the pods renders)"
     checks = [
         {
             "name": "blender",
             "level": "pass",
-            "message": f"Blender {found.info.blender} at {blender_program(job)};"
+            "message": f"Blender {found.info.blender} at {blender_program(job)}{where};"
             f" {found.engine} on {found.device or 'the CPU'}"
             + (f"; Cycles devices seen: {devices}." if devices else "."),
         }
     ]
-    if found.device and found.device != "CPU" and not found.info.devices.get(found.device):
+    wants_gpu = found.device and found.device != "CPU"
+    if here and wants_gpu and not found.info.devices.get(found.device):
         checks.append(
             {
                 "name": "cycles-device",

@@ -27,13 +27,13 @@ from pydantic import BaseModel
 from tasks import secrets
 from tasks.compute import Cluster, JobResult, get_backend
 from tasks.errors import JobCancelled, JobFailed, TransientError
-from tasks.jobs.render import chunk_unit, slots
+from tasks.jobs.render import chunk_unit, renders_here, slots
 from tasks.metrics.cost import PriceTable
-from tasks.render import logparse, report
+from tasks.render import logparse, pod_chunk, report
 from tasks.render import scene as scenes
-from tasks.render.argv import frame_filename, output_pattern
+from tasks.render.argv import output_pattern
 from tasks.render.frames import ChunkSizer, label
-from tasks.render.output import FrameRecord, Uploader, existing_frames
+from tasks.render.output import FrameRecord, SavedFrames, Uploader, existing_frames
 from tasks.spec import JobSpec, RenderJob
 from tasks.stages import RunOutcome, cancel_requested, retry_when_retryable, sampling, time_limit
 from tasks.storage import s3_settings, store_for
@@ -123,14 +123,16 @@ def render_chunk(
     result = ChunkResult(index=index, frames=frames)
     if not todo:
         return result
+    here = renders_here(cluster.backend)  # else in a pod, which uploads its own frames
     attempt = f"{index}-{time.monotonic_ns()}"
     scratch = Path(cluster.workspace) / "frames" / attempt
-    scratch.mkdir(parents=True, exist_ok=True)
+    if here:
+        scratch.mkdir(parents=True, exist_ok=True)
     pattern, _ = output_pattern(job.pattern)
     unit = chunk_unit(spec, cluster, plan, todo, index, slot, scratch)
-    store = store_for(job.output, s3_settings(spec))
+    s3 = s3_settings(spec)
     uploader = Uploader(
-        store,
+        store_for(job.output, s3),
         job.output,
         pattern,
         plan.extension,
@@ -140,38 +142,39 @@ def render_chunk(
         set(thumb_frames),
         progress.add,
     )
+    saved = SavedFrames(scratch, pattern, plan.extension, todo, uploader)
+    problems: dict[int, str] = {}  # what the pod said of frames it could not upload
     log = logparse.RenderLog()
     lines: deque[str] = deque(maxlen=20)
-    saved_at: list[float] = []
     started = time.monotonic()
-    by_name = {frame_filename(pattern, f, plan.extension): f for f in todo}
-    pending: list[tuple[int, Path]] = []  # saved, waiting for its Time line
 
-    def hand_over(seconds: float | None) -> None:
-        while pending:
-            frame, path = pending.pop()
-            uploader.put(frame, path, seconds)
+    def from_pod(line: str) -> bool:
+        said = pod_chunk.record_of(line)
+        if isinstance(said, FrameRecord):
+            if said.frame in todo:  # the chunk's own frames only
+                progress.add(said)
+        elif said is not None:
+            problems[said[0]] = said[1]
+        return said is not None
 
     def on_line(stream: str, line: str) -> None:
+        if not here and from_pod(line):
+            return
         log.feed(line)
-        if (saved := logparse.saved_path(line)) is not None:
-            hand_over(None)
-            saved_at.append(time.monotonic())
-            path = Path(saved)
-            with contextlib.suppress(ValueError):
-                frame = by_name.get(path.relative_to(scratch).as_posix())
-                if frame is not None:
-                    pending.append((frame, path))
-        elif pending and (seconds := logparse.frame_time(line)) is not None:
-            hand_over(seconds)
+        if here and saved.feed(line):
+            return
+        if not here and logparse.saved_path(line) is not None:
+            saved.saved_at.append(time.monotonic())
         elif "Fra:" not in line:
             lines.append(redact(line))
             if line.strip():
                 logger.info("chunk %d: %s", index, redact(line))
 
     secret_values = secrets.resolve(spec.secret_env)
-    redact = secrets.Redactor(list(secret_values.values()))
-    env = {**spec.env, **secret_values}  # the backend adds its own
+    # a pod uploads its frames itself: it gets this host's access to storage
+    storage_env = {} if here else s3.child_env()
+    redact = secrets.Redactor([*secret_values.values(), *s3.secrets()])
+    env = {**storage_env, **spec.env, **secret_values}  # the backend adds its own
     try:
         run = get_backend(cluster.backend).run(
             cluster,
@@ -183,11 +186,12 @@ def render_chunk(
             grace_s=spec.limits.stop_grace_s,
         )
     finally:
-        hand_over(None)
+        saved.hand_over(None)
         uploader.finish()  # frames Blender saved are uploaded even when we are interrupted
         shutil.rmtree(scratch, ignore_errors=True)
     result.invocations = 1
     result.wall_s = run.duration_s
+    saved_at = saved.saved_at
     if len(saved_at) >= 2:
         result.per_frame_s = (saved_at[-1] - saved_at[0]) / (len(saved_at) - 1)
         result.startup_s = max(0.0, saved_at[0] - started - result.per_frame_s)
@@ -208,7 +212,7 @@ def render_chunk(
     )
     if not missing:
         return result
-    raise _chunk_error(index, missing, log, run, uploader.problems, list(lines))
+    raise _chunk_error(index, missing, log, run, {**problems, **uploader.problems}, list(lines))
 
 
 def _chunk_error(
@@ -394,11 +398,16 @@ def _write_report(
         json.dumps([r.model_dump() for r in sorted(records, key=lambda r: r.frame)], indent=1)
     )
     thumbnails = {r.frame: Path(r.thumbnail) for r in records if r.thumbnail}
+    wanted = (
+        set(report.sheet_frames(sorted(r.frame for r in records))) if job.contact_sheet else set()
+    )
+    fetch = set(wanted)  # frames from an earlier run: fetch the few the sheet shows
+    if job.preview_video and shutil.which("ffmpeg") and len(records) <= PREVIEW_MAX_FRAMES:
+        fetch |= {r.frame for r in records if r.chunk is not None}  # rendered in pods
+    for record in records:
+        if record.frame in fetch and record.frame not in thumbnails:
+            thumbnails.update(_thumbnail_from_store(store, record, thumbs_dir))
     if job.contact_sheet:
-        wanted = report.sheet_frames(sorted(r.frame for r in records))
-        for record in records:  # frames from an earlier run: fetch the few the sheet shows
-            if record.frame in wanted and record.frame not in thumbnails:
-                thumbnails.update(_thumbnail_from_store(store, record, thumbs_dir))
         sheet = {f: p for f, p in thumbnails.items() if f in wanted}
         report.contact_sheet(
             sheet, outputs / "contact-sheet.png", f"{spec.name}: {len(records)} frames"

@@ -6,6 +6,7 @@ labels a pod for KWOK's failure stage, or deletes a node."""
 from __future__ import annotations
 
 import base64
+import json
 import re
 import signal
 import subprocess
@@ -24,6 +25,8 @@ from tasks.compute.kubernetes import KubernetesBackend
 from tasks.errors import ProvisionError
 from tasks.spec import load_spec
 from tasks.stages import run_units
+from tests.e2e.kubelet import NAMESPACE as KUBELET_NS
+from tests.e2e.kubelet import PlayedKubelet
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -1049,28 +1052,107 @@ def test_stopping_gpuflow_during_a_kubernetes_run_deletes_everything(
         assert client.read_flow_run(UUID(run_id)).state.is_crashed()
 
 
-def test_a_render_job_is_refused_on_kubernetes_before_anything_is_made(kube, tmp_path):
-    from tasks.errors import InvalidSpec
+def render_on_kubernetes(scene: str, output: str, **job) -> dict:
+    return {
+        "name": "k8s-render",
+        "job": {"kind": "render", "scene": scene, "output": output, **job},
+        "resources": {"gpus": 4, "gpu_product": "NVIDIA-L4"},
+        "placement": {"backend": "kubernetes", "namespace": KUBELET_NS},
+        "metrics": {"plot": False},
+    }
 
-    spec = load_spec(
-        {
-            "name": "shot",
-            "job": {"kind": "render", "scene": str(tmp_path / "shot.blend"), "output": "file:///x"},
-            "resources": {"gpus": 1},
-            "placement": {"backend": "kubernetes"},
-        }
-    )
-    with pytest.raises(InvalidSpec) as refused:
-        KubernetesBackend().check(spec)
-    assert str(refused.value).startswith(
-        "placement.backend: render jobs do not run on Kubernetes yet"
-    )
+
+@pytest.fixture
+def s3_scene(s3_server, tmp_path, monkeypatch) -> str:
+    """The demo scene (a moving cube, 8 frames) in moto's S3; this process (and so the
+    pods, through the run's Secret) has the bucket's credentials as AWS_* variables."""
+    import shutil as sh
+
+    from tasks.render.scene import demo_scene
+    from tasks.storage import store_for
+
+    blender = sh.which("blender")
+    assert blender, "blender is not installed; the test command installs it"
+    blend = demo_scene(blender, tmp_path / "cube.blend", 8, 32, None)
+    url = s3_server.url("k8s-scenes/cube.blend")
+    store_for(url, s3_server.settings()).upload_file(url, blend)
+    for key, value in s3_server.settings().child_env().items():
+        monkeypatch.setenv(key, value)
+    return url
+
+
+def test_render_chunks_spread_over_gpu_pods_that_upload_their_own_frames(
+    kube, testbed, prefect_api, s3_server, s3_scene, tmp_path, gpuflow_home
+):
+    """A render on Kubernetes: 8 frames in chunks of 2 over 4 GPUs are 4 Jobs of one GPU
+    each on the L4 node; in each pod (run here by a played kubelet: the container's real
+    command, env and Secret) the chunk program fetches the scene from S3, runs Blender and
+    uploads its frames; the run counts them from the pods' logs, writes its contact sheet
+    from storage, and leaves no object. A rerun renders nothing."""
+    from PIL import Image
+
+    from flows.render import render
+    from tasks.storage import store_for
+    from tests.e2e.helpers import logs_of
+
+    output = s3_server.url("k8s-renders/cube")
+    # the played kubelet's machine has no GPU: Blender in the "pods" renders on its CPU
+    spec = render_on_kubernetes(s3_scene, output, chunk=2, device="CPU")
+    with PlayedKubelet(kube, tmp_path / "kubelet") as kubelet:
+        state = render(spec, return_state=True)
+    assert state.is_completed(), state.message
+    run_id = str(state.state_details.flow_run_id)
+    pods = kubelet.pods.values()
+    assert sorted(p["metadata"]["labels"]["gpuflow.io/unit"] for p in pods) == [
+        f"chunk-{i}" for i in range(4)
+    ]
+    for pod in pods:  # one GPU each, on the product's node
+        assert pod["spec"]["nodeName"] == "gpu-l4-0"
+        limits = pod["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == "1"
+    assert set(kubelet.exits.values()) == {0}
+    store = store_for(output, s3_server.settings())
+    listed = sorted(o.url for o in store.list(output))
+    assert listed == [f"{output}/frame_{i:04d}.png" for i in range(1, 9)]
+    job = state.result().metrics.job
+    assert (job["frames_rendered"], job["frames_missing"], job["chunks"]) == (8, 0, 4)
+    sheet = Path(state.result().artifacts_dir) / "outputs" / "contact-sheet.png"
+    with Image.open(sheet) as image:  # thumbnails made from the frames in storage
+        assert image.getextrema() != ((0, 0), (0, 0), (0, 0))
+    secret = s3_server.settings().secret_access_key.get_secret_value()
+    for pod in pods:  # the credentials reached the pods through the Secret only
+        assert secret not in json.dumps(pod)
+    assert not any(secret in line for line in logs_of(run_id))
+    assert wait_gone(kube_in(kube, KUBELET_NS), run_id) == []
+    with PlayedKubelet(kube, tmp_path / "kubelet-again") as again:
+        rerun = render(spec, return_state=True)
+    assert rerun.is_completed(), rerun.message
+    assert rerun.result().metrics.job["frames_skipped"] == 8
+    assert again.pods == {}  # nothing left to render: no pod
+
+
+@pytest.mark.parametrize(
+    ("where", "field"),
+    [("scene", "job.scene"), ("output", "job.output")],
+)
+def test_a_render_whose_scene_or_output_pods_cannot_reach_is_refused_before_anything_is_made(
+    kube, prefect_api, s3_scene, tmp_path, gpuflow_home, where, field
+):
+    """A scene on this host's disk, or frames to a local folder: pods cannot read or write
+    there, so the run fails in one sentence naming the field, and makes nothing."""
+    from flows.render import render
+
+    local = {"scene": str(tmp_path / "cube.blend"), "output": (tmp_path / "out").as_uri()}
+    places = {"scene": s3_scene, "output": "s3://gpuflow-test/k8s-renders/refused"}
+    places[where] = local[where]
+    (tmp_path / "cube.blend").write_bytes(b"BLENDER")
+    state = render(render_on_kubernetes(places["scene"], places["output"]), return_state=True)
+    assert state.is_failed()
+    assert state.message.startswith(f"{field}: {local[where]} is not in S3, and on kubernetes")
+    assert "give an s3:// URL" in state.message
+    selector = {"labelSelector": "gpuflow.io/job=k8s-render"}
     assert (
-        kube.request(
-            "GET",
-            "/api/v1/namespaces/default/services",
-            params={"labelSelector": "gpuflow.io/job=shot"},
-        )["items"]
+        kube.request("GET", f"/api/v1/namespaces/{KUBELET_NS}/services", params=selector)["items"]
         == []
     )
 
