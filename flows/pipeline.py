@@ -17,7 +17,7 @@ from tasks.compute.local import gpuflow_home
 from tasks.errors import InvalidSpec, JobCancelled, JobFailed
 from tasks.jobs import check_job, kind_of
 from tasks.metrics.summary import RunMetrics
-from tasks.spec import JobSpec, load_spec
+from tasks.spec import JobSpec, Placement, load_spec
 from tasks.stages import collect, preflight, provision, retrying, teardown, teardown_owned
 
 
@@ -41,19 +41,22 @@ def artifacts_dir(spec: JobSpec, flow_run_id: str) -> Path:
 def _teardown_hook(flow: Any, flow_run: Any, state: Any) -> None:
     """on_crashed / on_cancellation: release whatever this run owns, found by its labels."""
     spec = flow_run.parameters.get("spec") if flow_run.parameters else None
-    backend = (
-        (spec or {}).get("placement", {}).get("backend", "local")
-        if isinstance(spec, dict)
-        else "local"
-    )
-    teardown_owned(backend, str(flow_run.id))
+    if isinstance(spec, JobSpec):
+        where = spec.placement
+    else:
+        given = (spec or {}).get("placement") if isinstance(spec, dict) else None
+        try:
+            where = Placement.model_validate(given or {})
+        except ValueError:  # a spec that never got past validation provisioned nothing
+            return
+    teardown_owned(where, str(flow_run.id))
 
 
-def _teardown(backend: str, flow_run_id: str) -> None:
+def _teardown(where: Placement, flow_run_id: str) -> None:
     try:
-        teardown(backend, flow_run_id)
+        teardown(where, flow_run_id)
     except Exception:
-        teardown_owned(backend, flow_run_id)  # the task machinery failed: do it plainly
+        teardown_owned(where, flow_run_id)  # the task machinery failed: do it plainly
 
 
 # Every flow that runs the stages carries these, so teardown runs however the run ends.
@@ -85,8 +88,8 @@ def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
     runs the run stage (its units); nothing here depends on which kind it is."""
     job = load_spec(spec.model_dump() if isinstance(spec, JobSpec) else spec)
     job, prices = placement.resolve(job)
-    backend = job.placement.backend
-    get_backend(backend).check(job)
+    where = job.placement
+    get_backend(where.backend).check(job)
     check_job(job)
     secrets.resolve(job.secret_env)  # a missing secret block fails here, before provisioning
     run_id = str(current_run.id)
@@ -99,15 +102,15 @@ def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
             job, cluster, outcome, prices, run_id, str(out)
         )
     except JobCancelled as exc:
-        _teardown(backend, run_id)
+        _teardown(where, run_id)
         return Cancelled(message=str(exc))
     except Exception:
-        _teardown(backend, run_id)
+        _teardown(where, run_id)
         raise
     except BaseException:
-        teardown_owned(backend, run_id)  # interrupted: the engine may be going down
+        teardown_owned(where, run_id)  # interrupted: the engine may be going down
         raise
-    _teardown(backend, run_id)
+    _teardown(where, run_id)
     if outcome.failure:
         raise JobFailed(outcome.failure)
     get_run_logger().info("artifacts: %s", out)

@@ -42,7 +42,7 @@ from tasks.metrics.prometheus import LivePush, delete, exposition, push
 from tasks.metrics.sampler import Sampler, read_samples
 from tasks.metrics.summary import RunMetrics, summarise
 from tasks.outputs import copy_outputs
-from tasks.spec import JobSpec, StageRetry
+from tasks.spec import JobSpec, Placement, StageRetry
 from tasks.storage import s3_settings
 
 SAMPLES = ".gpuflow-samples.jsonl"
@@ -401,12 +401,13 @@ def collect(
 
 
 @task(name="teardown", cache_policy=None, retries=2, retry_delay_seconds=2)
-def teardown(backend: str, flow_run_id: str) -> list[TeardownReport]:
+def teardown(placement: Placement, flow_run_id: str) -> list[TeardownReport]:
     """Return what was released for every resource this flow run owns. Idempotent."""
-    return teardown_owned(backend, flow_run_id)
+    return teardown_owned(placement, flow_run_id)
 
 
-def teardown_owned(backend: str, flow_run_id: str) -> list[TeardownReport]:
-    """Tear down every cluster labelled with `flow_run_id`; plain function for hooks and reapers."""
-    compute = get_backend(backend)
+def teardown_owned(placement: Placement, flow_run_id: str) -> list[TeardownReport]:
+    """Tear down every cluster labelled with `flow_run_id` where `placement` put it (a
+    Kubernetes namespace other than the kubeconfig's included); for hooks and reapers too."""
+    compute = get_backend(placement.backend, placement)
     return [compute.teardown(c) for c in compute.list_owned({RUN_LABEL: flow_run_id})]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from tasks.compute.base import Backend, Cluster, JobResult, TeardownReport, WorkUnit
 
 
-def get_backend(name: str) -> Backend:
-    """Return the backend registered under `name` ("local", "kubernetes")."""
+def get_backend(name: str, placement: Any = None) -> Backend:
+    """Return the backend registered under `name` ("local", "kubernetes"), looking where
+    `placement` (a spec's) says: for Kubernetes, its block's cluster and its namespace."""
     if name == "local":
         from tasks.compute.local import LocalBackend
 
@@ -14,7 +17,9 @@ def get_backend(name: str) -> Backend:
     if name == "kubernetes":
         from tasks.compute.kubernetes import KubernetesBackend
 
-        return KubernetesBackend()
+        if placement is None:
+            return KubernetesBackend()
+        return KubernetesBackend(placement.block, placement.namespace)
     raise ValueError(f"unknown backend {name!r}")
 
 

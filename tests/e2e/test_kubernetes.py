@@ -1148,7 +1148,7 @@ def test_a_render_whose_scene_or_output_pods_cannot_reach_is_refused_before_anyt
     (tmp_path / "cube.blend").write_bytes(b"BLENDER")
     state = render(render_on_kubernetes(places["scene"], places["output"]), return_state=True)
     assert state.is_failed()
-    assert state.message.startswith(f"{field}: {local[where]} is not in S3, and on kubernetes")
+    assert f"InvalidSpec: {field}: {local[where]} is not in S3, and on kubernetes" in state.message
     assert "give an s3:// URL" in state.message
     selector = {"labelSelector": "gpuflow.io/job=k8s-render"}
     assert (
