@@ -451,3 +451,80 @@ def test_render_command_rejects_bad_input_with_exit_2(prefect_api, scene, tmp_pa
         assert done.returncode == 2, done.stderr[-1000:]
         assert sentence in done.stderr and "Traceback" not in done.stderr
     assert nothing_left(gpuflow_home)
+
+
+def pod_chunk(tmp_path: Path, s3_server, **chunk) -> subprocess.Popen:
+    """The chunk program as a pod runs it: its own GPUFLOW_HOME, storage access from AWS_*
+    variables only (as the run's Secret gives them)."""
+    root = Path(__file__).resolve().parents[2]
+    body = {
+        "output": s3_server.url("pod-renders", tmp_path.name),
+        "pattern": "frame_####",
+        "extension": ".png",
+        "file_format": "PNG",
+        "index": 0,
+        "blender": BLENDER,
+        "settings": {"device": "CPU"},
+        **chunk,
+    }
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "GPUFLOW_HOME": str(tmp_path / "pod-home"),
+        **s3_server.settings().child_env(),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "tasks.render.pod_chunk", "--chunk-json", json.dumps(body)],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_the_pod_chunk_program_says_in_one_line_when_its_scene_is_gone(s3_server, tmp_path):
+    """The scene was removed from storage after the run checked it: the pod's program
+    exits 2 with one sentence naming the field and the URL, no traceback, nothing uploaded."""
+    from tasks.storage import store_for
+
+    missing = s3_server.url("pod-scenes", "gone.blend")
+    proc = pod_chunk(tmp_path, s3_server, scene=missing, frames=[1, 2])
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert stderr.strip() == (
+        f"gpuflow: chunk 0: job.scene: {missing} does not exist; upload the scene there or"
+        " fix the URL."
+    )
+    assert stdout == ""
+    store = store_for(missing, s3_server.settings())
+    assert store.list(s3_server.url("pod-renders", tmp_path.name)) == []
+
+
+def test_a_stopped_pod_chunk_keeps_the_frames_blender_saved(s3_server, tmp_path):
+    """SIGTERM (the pod stopped) after the first frame is in storage: Blender is stopped,
+    every frame it saved is uploaded and reported, each report matching the object."""
+    from tasks.render.output import FrameRecord
+    from tasks.render.pod_chunk import record_of
+    from tasks.storage import store_for
+
+    blend = make_scene(tmp_path / "long.blend", frames=400, size=96)
+    scene = s3_server.url("pod-scenes", f"{tmp_path.name}.blend")
+    store = store_for(scene, s3_server.settings())
+    store.upload_file(scene, blend)
+    proc = pod_chunk(tmp_path, s3_server, scene=scene, frames=list(range(1, 401)))
+    assert proc.stdout is not None
+    records: list[FrameRecord] = []
+    for line in proc.stdout:
+        said = record_of(line.rstrip("\n"))
+        if isinstance(said, FrameRecord):
+            records.append(said)
+            if len(records) == 1:
+                proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) != 0
+    assert 1 <= len(records) < 400
+    stored = {o.url: o for o in store.list(s3_server.url("pod-renders", tmp_path.name))}
+    assert sorted(stored) == sorted(r.url for r in records)
+    for record in records:
+        assert record.size == stored[record.url].size
+        assert record.sha256 == store.checksum(record.url)
