@@ -4,8 +4,9 @@ Register them with `prefect block register -m blocks` (or `gpuflow blocks init`,
 creates the documents a fresh setup needs).
 """
 
+from blocks.ec2_fleet import Ec2GpuFleet
 from blocks.kubernetes_pool import KubernetesGpuPool
 from blocks.local_host import LocalGpuHost
 from blocks.prices import GpuPriceTable
 
-__all__ = ["GpuPriceTable", "KubernetesGpuPool", "LocalGpuHost"]
+__all__ = ["Ec2GpuFleet", "GpuPriceTable", "KubernetesGpuPool", "LocalGpuHost"]

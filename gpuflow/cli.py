@@ -12,12 +12,12 @@ import sys
 from typing import Any
 
 from gpuflow import session
-from gpuflow.commands import datasets, hpc, maintenance, platform, render, run
+from gpuflow.commands import datasets, hpc, maintenance, offers, platform, render, run
 from gpuflow.commands.common import EXIT_CODES, EXIT_FAILED, EXIT_INVALID, EXIT_OK
 
 # (title, the modules whose commands it lists, in this order)
 GROUPS: list[tuple[str, list[Any]]] = [
-    ("run work", [run, render, hpc, datasets]),
+    ("run work", [run, render, hpc, datasets, offers]),
     ("platform and deployments", [platform]),
     ("maintenance", [maintenance]),
 ]

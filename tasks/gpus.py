@@ -49,3 +49,14 @@ def product_from_nvml_name(nvml_name: str) -> str:
         return canonical_product(label)
     except ValueError:
         return label
+
+
+def product_from_ec2(name: str, memory_mib: int, manufacturer: str = "NVIDIA") -> str:
+    """Return the label for a GPU EC2 describes (GpuInfo: Name, MemoryInfo, Manufacturer):
+    the memory picks between sizes of one product (V100 16/32 GB, A100 40/80 GB)."""
+    size = f"{name}-{round(memory_mib / 1024)}GB".replace(" ", "-")
+    for candidate in (size, name.replace(" ", "-")):
+        found = _LOOKUP.get(candidate.lower())
+        if found:
+            return found
+    return f"{manufacturer}-{name}".replace(" ", "-")

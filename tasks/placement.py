@@ -15,7 +15,7 @@ def resolve(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
     prices = _price_table(spec.placement.price_table)
     name = spec.placement.block
     if name is None or spec.placement.backend != "local":
-        return spec, prices  # other backends read their own block (KubernetesGpuPool)
+        return spec, prices  # other backends read their own block (KubernetesGpuPool, ...)
     from blocks.local_host import LocalGpuHost
 
     try:

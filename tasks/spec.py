@@ -403,11 +403,17 @@ class Resources(_Model):
 
 
 class Placement(_Model):
-    backend: Literal["local", "kubernetes"] = Field("local", description="Where the job runs.")
+    backend: Literal["local", "kubernetes", "ec2"] = Field(
+        "local", description="Where the job runs."
+    )
     block: str | None = Field(
         None,
-        description="Name of the block to read settings from: a LocalGpuHost (local) or a"
-        " KubernetesGpuPool (kubernetes).",
+        description="Name of the block to read settings from: a LocalGpuHost (local), a"
+        " KubernetesGpuPool (kubernetes) or an Ec2GpuFleet (ec2).",
+    )
+    market: Literal["spot", "on-demand", "spot-then-on-demand"] = Field(
+        "spot-then-on-demand",
+        description="ec2: rent spot instances, on-demand ones, or spot first then on-demand.",
     )
     namespace: str | None = Field(
         None, description="Kubernetes namespace (default: the block's, else the kubeconfig's)."

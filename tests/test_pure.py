@@ -6,7 +6,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tasks import compat
-from tasks.gpus import canonical_product, product_from_nvml_name
+from tasks.gpus import canonical_product, product_from_ec2, product_from_nvml_name
 from tasks.metrics.cost import PriceTable, budget_seconds, run_cost
 from tasks.metrics.prometheus import exposition
 from tasks.metrics.summary import summarise
@@ -164,3 +164,21 @@ def test_exposition_is_valid_prometheus_text_with_dcgm_names_and_labels():
     }
     assert families["DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"].type == "counter"
     assert families["gpuflow_run_duration_seconds"].samples[0].value == 10
+
+
+@pytest.mark.parametrize(
+    ("name", "memory_mib", "label"),
+    [
+        ("T4", 16384, "Tesla-T4"),
+        ("A10G", 22888, "NVIDIA-A10G"),
+        ("V100", 16384, "Tesla-V100-SXM2-16GB"),
+        ("V100", 32768, "Tesla-V100-SXM2-32GB"),  # p3dn: the 32 GB part
+        ("A100", 40960, "NVIDIA-A100-SXM4-40GB"),
+        ("A100", 81920, "NVIDIA-A100-SXM4-80GB"),  # p4de
+        ("H100", 81920, "NVIDIA-H100-80GB-HBM3"),
+        ("H200", 144384, "NVIDIA-H200"),
+        ("RTX PRO 4500", 32768, "NVIDIA-RTX-PRO-4500"),  # not in the list: a label anyway
+    ],
+)
+def test_ec2_gpu_names_map_to_product_labels_by_name_and_memory(name, memory_mib, label):
+    assert product_from_ec2(name, memory_mib) == label

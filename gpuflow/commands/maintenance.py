@@ -49,7 +49,10 @@ def preflight(path: str | None, as_json: bool) -> int:
         return invalid(exc)
     from tasks.compute import get_backend
 
-    backend = get_backend(spec.placement.backend)
+    try:
+        backend = get_backend(spec.placement.backend)
+    except InvalidSpec as exc:
+        return invalid(exc)
     if not backend.checks_host:  # the job's machines are elsewhere: say where and how
         try:
             rows = backend.describe(spec)

@@ -20,6 +20,13 @@ def get_backend(name: str, placement: Any = None) -> Backend:
         if placement is None:
             return KubernetesBackend()
         return KubernetesBackend(placement.block, placement.namespace)
+    if name == "ec2":
+        from tasks.errors import InvalidSpec
+
+        raise InvalidSpec(
+            "placement.backend: ec2 ranks offers (gpuflow offers JOB.yaml) but does not launch"
+            " instances in this version; use local or kubernetes to run the job."
+        )
     raise ValueError(f"unknown backend {name!r}")
 
 

@@ -12,12 +12,13 @@ DEFAULT_PRICES = "default"
 
 
 def defaults() -> list[tuple[type[Block], str, Callable[[], Block]]]:
-    from blocks import GpuPriceTable, KubernetesGpuPool, LocalGpuHost
+    from blocks import Ec2GpuFleet, GpuPriceTable, KubernetesGpuPool, LocalGpuHost
 
     return [
         (LocalGpuHost, DEFAULT_LOCAL_HOST, LocalGpuHost),
         (GpuPriceTable, DEFAULT_PRICES, GpuPriceTable),
         (KubernetesGpuPool, "", KubernetesGpuPool),  # type only: a cluster needs its own
+        (Ec2GpuFleet, "", Ec2GpuFleet),  # type only: an account needs its own
     ]
 
 

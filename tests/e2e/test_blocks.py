@@ -22,6 +22,7 @@ def test_blocks_init_creates_once_and_keeps_edits(prefect_api, gpuflow_home, cap
     assert main(["blocks", "init"]) == 0
     first = capsys.readouterr().out
     assert "gpuflow-local-gpu-host/local" in first and "gpuflow-gpu-price-table/default" in first
+    assert "gpuflow-ec2-gpu-fleet" in first  # the type, for the UI's block forms
     host = LocalGpuHost.load("local")
     host.gpu_hourly_usd = 2.5
     host.save("local", overwrite=True)  # an edit made after the first init
@@ -45,6 +46,7 @@ def test_prefect_block_register_finds_the_module(prefect_api, gpuflow_home):
         "gpuflow Local GPU Host",
         "gpuflow GPU Price Table",
         "gpuflow Kubernetes GPU Pool",
+        "gpuflow EC2 GPU Fleet",
     ):
         assert name in done.stdout
 

@@ -1,0 +1,46 @@
+"""Ec2GpuFleet: where and what gpuflow may rent on AWS EC2 (`placement.backend: ec2`)."""
+
+from __future__ import annotations
+
+from prefect.blocks.core import Block
+from pydantic import Field
+
+
+class Ec2GpuFleet(Block):
+    """The region, zones and instance families a job may use, and whose credentials.
+
+    Examples:
+        Rent L4s and A10Gs in two zones of us-east-1:
+        ```python
+        from blocks import Ec2GpuFleet
+        Ec2GpuFleet(region="us-east-1", zones=["us-east-1a", "us-east-1b"],
+                    families=["g6", "g5"], aws_credentials="aws").save("gpus")
+        ```
+        then `placement: {backend: ec2, block: gpus}` in a job spec; `gpuflow offers JOB.yaml`
+        ranks what it would rent.
+    """
+
+    _block_type_name = "gpuflow EC2 GPU Fleet"
+    _block_type_slug = "gpuflow-ec2-gpu-fleet"
+    _description = "Region, zones, instance families and credentials for gpuflow's EC2 backend."
+
+    region: str = Field("us-east-1", title="Region", description="e.g. us-east-1.")
+    zones: list[str] = Field(
+        default_factory=list,
+        title="Availability zones",
+        description="Zones to launch in (e.g. us-east-1a); empty: every zone of the region.",
+    )
+    families: list[str] = Field(
+        default_factory=list,
+        title="Instance families",
+        description="Families allowed (e.g. g6, g5, p5); empty: every GPU family.",
+    )
+    aws_credentials: str | None = Field(
+        None,
+        title="AwsCredentials block",
+        description="Name of a prefect-aws AwsCredentials block; empty: the AWS_* variables"
+        " (or the instance profile where the flow runs).",
+    )
+    instance_profile: str | None = Field(
+        None, title="Instance profile", description="IAM instance profile the instances get."
+    )
