@@ -62,5 +62,6 @@ if $want_test; then
     # The Kubernetes test cluster: built once from the Go module proxy, cached under $HOME.
     step "building the Kubernetes test cluster (cold: about 8 minutes on 2 cores; cached after)"
     bash scripts/k8s-testbed.sh build
+    bash scripts/imds-mock.sh build  # AWS's instance metadata mock (seconds)
 fi
 step "ready"
