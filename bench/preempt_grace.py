@@ -29,7 +29,9 @@ MODELS = {
 }
 
 
-def one(work: Path, model: str, ranks: int) -> tuple[float, int, int]:
+def start_training(work: Path, model: str, ranks: int) -> tuple[subprocess.Popen, int]:
+    """Start the training launcher on `model` in a session of its own; return it once it
+    has logged 5 steps, with the model's parameter count."""
     task, args, source = MODELS[model]
     from tasks.storage import FileStore
     from tasks.training.prepare import prepare
@@ -66,16 +68,26 @@ def one(work: Path, model: str, ranks: int) -> tuple[float, int, int]:
     metrics = workspace / "outputs" / "train_metrics.jsonl"
     while not metrics.exists() or len(metrics.read_text().splitlines()) < 5:
         time.sleep(0.05)
-    start = time.perf_counter()
-    os.killpg(proc.pid, signal.SIGTERM)
-    code = proc.wait(timeout=300)
-    seconds = time.perf_counter() - start
     params = sum(
         p.numel()
         for p in __import__("tasks.training.models", fromlist=[model])
         .__dict__[model]()
         .parameters()
     )
+    return proc, params
+
+
+def stop(proc: subprocess.Popen) -> tuple[float, int]:
+    """SIGTERM the training's process group; return seconds until it exited, and its code."""
+    start = time.perf_counter()
+    os.killpg(proc.pid, signal.SIGTERM)
+    code = proc.wait(timeout=300)
+    return time.perf_counter() - start, code
+
+
+def one(work: Path, model: str, ranks: int) -> tuple[float, int, int]:
+    proc, params = start_training(work, model, ranks)
+    seconds, code = stop(proc)
     return seconds, code, params
 
 
