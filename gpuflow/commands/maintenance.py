@@ -21,14 +21,20 @@ def add(commands: Any) -> list[tuple[str, str]]:
     reap_parser.add_argument("--dry-run", action="store_true")
     reap_parser.add_argument(
         "--backend",
-        choices=["local", "kubernetes"],
+        choices=["local", "kubernetes", "ec2"],
         default="local",
-        help="local: this host's leftovers; kubernetes: objects of runs that are over",
+        help="local: this host's leftovers; kubernetes: objects of runs that are over;"
+        " ec2: instances of runs that are over",
     )
     reap_parser.add_argument(
         "--namespace", help="kubernetes: the namespace (default: kubeconfig's)"
     )
-    reap_parser.set_defaults(handler=lambda args: reap(args.dry_run, args.backend, args.namespace))
+    reap_parser.add_argument(
+        "--block", help="ec2: the Ec2GpuFleet block (region, credentials; default: AWS_*)"
+    )
+    reap_parser.set_defaults(
+        handler=lambda args: reap(args.dry_run, args.backend, args.namespace, args.block)
+    )
     return [
         ("preflight", "check this host: GPUs, driver, CUDA, torch, disk"),
         ("reap", "tear down what killed runs left on this host"),
@@ -75,11 +81,17 @@ def preflight(path: str | None, as_json: bool) -> int:
     return EXIT_FAILED if report.verdict == "fail" else EXIT_OK
 
 
-def reap(dry_run: bool, backend: str = "local", namespace: str | None = None) -> int:
+def reap(
+    dry_run: bool, backend: str = "local", namespace: str | None = None, block: str | None = None
+) -> int:
     """Tear down clusters, servers and files that killed runs left; say how many."""
     from tasks.platform.reap import reap as reap_leftovers
-    from tasks.platform.reap import reap_kubernetes
+    from tasks.platform.reap import reap_ec2, reap_kubernetes
 
+    if backend == "ec2":
+        from gpuflow import session
+
+        return session.with_api(lambda api: _said_ec2(dry_run, reap_ec2, block))
     if backend == "kubernetes":
         from gpuflow import session
 
@@ -92,5 +104,20 @@ def _said(done: dict) -> int:
         f"{done['clusters']} leftover cluster(s), {done['servers']} temporary server(s),"
         f" {done['flow_runs_crashed']} flow run(s) marked Crashed, {done['files']}"
         " half-written file(s)"
+    )
+    return EXIT_OK
+
+
+def _said_ec2(dry_run: bool, reap_ec2: Any, block: str | None) -> int:
+    from tasks.errors import InvalidSpec
+
+    try:
+        done = reap_ec2(dry_run, block)
+    except InvalidSpec as exc:
+        return invalid(exc)
+    verb = "would terminate" if dry_run else "terminated"
+    print(
+        f"{verb} {done['instances']} instance(s) of {done['runs']} run(s) that are over,"
+        f" ${done['hourly_usd']:.2f}/h at on-demand prices"
     )
     return EXIT_OK

@@ -80,7 +80,11 @@ class Fleet(BaseModel):
 def fleet_of(spec: JobSpec) -> Fleet:
     """Return the fleet settings `placement.block` names (an Ec2GpuFleet), else defaults
     with the region of AWS_DEFAULT_REGION / AWS_REGION."""
-    name = spec.placement.block
+    return fleet_named(spec.placement.block)
+
+
+def fleet_named(name: str | None, field: str = "placement.block") -> Fleet:
+    """Return the Ec2GpuFleet block `name`'s settings (defaults for None)."""
     if name is None:
         region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
         return Fleet(region=region or "us-east-1")
@@ -90,8 +94,8 @@ def fleet_of(spec: JobSpec) -> Fleet:
         block = Ec2GpuFleet.load(name)
     except ValueError:
         raise InvalidSpec(
-            f"placement.block: there is no Ec2GpuFleet block named {name!r}; create it"
-            " (blocks.Ec2GpuFleet(...).save(name)) or remove placement.block."
+            f"{field}: there is no Ec2GpuFleet block named {name!r}; create it"
+            f" (blocks.Ec2GpuFleet(...).save(name)) or remove {field}."
         ) from None
     return Fleet(
         name=name,

@@ -106,6 +106,68 @@ def reap_kubernetes(
     return done
 
 
+def reap_ec2(
+    dry_run: bool, block: str | None = None, say: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """Terminate the EC2 instances (and placement groups) of runs that are over: tagged
+    as gpuflow's, their flow run finished, cancelled, crashed or unknown to the API. Runs
+    still going are left alone. With `dry_run`, say what would go and what it costs an
+    hour (on-demand prices from the price table: what is saved at most)."""
+    from tasks.compute.base import OWNER_LABEL
+    from tasks.compute.ec2_catalog import BACKEND, aws_error, ec2_client, fleet_named, gpu_types
+    from tasks.compute.ec2_launch import LIVE, remove
+    from tasks.metrics.cost import PriceTable
+
+    fleet = fleet_named(block, "--block")
+    ec2 = ec2_client(fleet)
+    done: dict[str, Any] = {"instances": 0, "runs": 0, "hourly_usd": 0.0}
+    try:
+        found = []
+        filters = [
+            {"Name": f"tag:{OWNER_LABEL}", "Values": ["gpuflow"]},
+            {"Name": "instance-state-name", "Values": LIVE},
+        ]
+        for page in ec2.get_paginator("describe_instances").paginate(Filters=filters):
+            for reservation in page["Reservations"]:
+                found += reservation["Instances"]
+        kinds = {i["InstanceType"] for i in found}
+        types = {t.instance_type: t for t in gpu_types(ec2)} if kinds else {}
+    except Exception as exc:
+        raise aws_error(exc, fleet, "list gpuflow's instances") from None
+    prices = PriceTable()
+    runs: dict[str, list[dict]] = {}
+    for instance in found:
+        tags = {t["Key"]: t["Value"] for t in instance.get("Tags", [])}
+        runs.setdefault(tags.get(RUN_LABEL, ""), []).append(instance)
+    for run_id, instances in sorted(runs.items()):
+        state = _run_state(run_id, None) if run_id else "unknown"
+        if state == "away":
+            say(f"run {run_id}: left as it is; the Prefect API that records it is away")
+            continue
+        if state == "running":
+            continue
+        hourly = 0.0
+        for instance in instances:
+            kind = types.get(instance["InstanceType"])
+            if kind is not None:
+                hourly += prices.gpu_hourly(BACKEND, kind.product) * kind.gpus
+        ids = ", ".join(i["InstanceId"] for i in instances)
+        say(
+            f"{'would terminate' if dry_run else 'terminating'} {len(instances)} instance(s)"
+            f" of run {run_id or '(untagged)'} ({ids}; its flow run is {state};"
+            f" ${hourly:.2f}/h)"
+        )
+        if not dry_run:
+            if run_id:
+                remove(ec2, run_id, say)
+            else:
+                ec2.terminate_instances(InstanceIds=[i["InstanceId"] for i in instances])
+        done["instances"] += len(instances)
+        done["runs"] += 1
+        done["hourly_usd"] += hourly
+    return done
+
+
 def _run_state(run_id: str, url: str | None) -> str:
     """Return "running", "away" (the API does not answer), "unknown" to the API, or the
     final state's name in lower case."""

@@ -129,3 +129,46 @@ def test_a_capacity_error_moves_to_the_next_offer_and_says_so(ec2):
         launch(ec2, [offer("g6.xlarge")], 1, 50, image(ec2), USER_DATA, owner, said.append)
     assert "g6.xlarge on-demand in us-east-1a: InsufficientInstanceCapacity" in str(none_left.value)
     assert owned_instances(ec2, "run-ec2-capacity") == []
+
+
+def test_reap_terminates_only_the_instances_of_runs_that_are_over(
+    ec2, prefect_api, gpuflow_home, capsys
+):
+    """Three runs' instances: one whose flow run completed, one still running, one the API
+    never heard of. --dry-run lists the two that are over with what they cost an hour and
+    touches nothing; reap then terminates exactly those."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.states import Running
+
+    from gpuflow.cli import main
+
+    @flow(name="ec2-reap-done")
+    def done_flow() -> None:
+        pass
+
+    finished = str(done_flow(return_state=True).state_details.flow_run_id)
+    with get_client(sync_client=True) as client:
+        running = str(client.create_flow_run(done_flow, state=Running()).id)
+    unknown = "6f1c54d2-9b8e-4c53-8f3a-2d2b9c1e0a77"
+    made = {}
+    for run_id, kind in ((finished, "g6.xlarge"), (running, "g6.xlarge"), (unknown, "p5.48xlarge")):
+        made[run_id] = launch(
+            ec2, [offer(kind)], 1, 50, image(ec2), USER_DATA, owner_labels(run_id, "reap"), print
+        ).instance_ids
+    capsys.readouterr()
+    assert main(["reap", "--backend", "ec2", "--dry-run"]) == 0
+    said = capsys.readouterr().out
+    assert (
+        f"would terminate 1 instance(s) of run {finished} ({made[finished][0]}; its flow run is completed; $0.81/h)"
+        in said
+    )
+    assert f"of run {unknown} ({made[unknown][0]}; its flow run is unknown; $98.32/h)" in said
+    assert running not in said
+    assert "would terminate 2 instance(s) of 2 run(s) that are over, $99.12/h" in said
+    for run_id in made:  # a dry run touches nothing
+        assert owned_instances(ec2, run_id) != []
+    assert main(["reap", "--backend", "ec2"]) == 0
+    assert owned_instances(ec2, finished) == [] and owned_instances(ec2, unknown) == []
+    assert [i["InstanceId"] for i in owned_instances(ec2, running)] == made[running]
+    remove(ec2, running, print)
