@@ -89,6 +89,20 @@ class S3Settings(BaseModel):
         }
         return {k: v for k, v in env.items() if v}
 
+    def client_kwargs(self) -> dict[str, str]:
+        """Return the endpoint and keys as boto3.client's keyword arguments (those set)."""
+        kwargs = {
+            "endpoint_url": self.endpoint_url,
+            "aws_access_key_id": self.access_key_id,
+            "aws_secret_access_key": self.secret_access_key.get_secret_value()
+            if self.secret_access_key
+            else None,
+            "aws_session_token": self.session_token.get_secret_value()
+            if self.session_token
+            else None,
+        }
+        return {k: v for k, v in kwargs.items() if v}
+
     def secrets(self) -> list[str]:
         return [s.get_secret_value() for s in (self.secret_access_key, self.session_token) if s]
 
@@ -204,13 +218,8 @@ class S3Store:
         s = self.settings
         self.client = boto3.client(
             "s3",
-            endpoint_url=s.endpoint_url,
             region_name=s.region or "us-east-1",
-            aws_access_key_id=s.access_key_id,
-            aws_secret_access_key=s.secret_access_key.get_secret_value()
-            if s.secret_access_key
-            else None,
-            aws_session_token=s.session_token.get_secret_value() if s.session_token else None,
+            **s.client_kwargs(),
             config=Config(
                 retries={"max_attempts": 5, "mode": "standard"}, connect_timeout=10, read_timeout=60
             ),

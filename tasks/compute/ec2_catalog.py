@@ -133,17 +133,8 @@ def ec2_client(fleet: Fleet) -> Any:
             raise InvalidSpec(
                 str(exc).replace("storage.aws_credentials", fleet.field("aws_credentials"))
             ) from None
-        params |= {
-            "endpoint_url": settings.endpoint_url,
-            "aws_access_key_id": settings.access_key_id,
-            "aws_secret_access_key": settings.secret_access_key.get_secret_value()
-            if settings.secret_access_key
-            else None,
-            "aws_session_token": settings.session_token.get_secret_value()
-            if settings.session_token
-            else None,
-        }
-    return boto3.client("ec2", **{k: v for k, v in params.items() if v})
+        params |= settings.client_kwargs()
+    return boto3.client("ec2", **params)
 
 
 def aws_error(exc: Exception, fleet: Fleet, doing: str) -> InvalidSpec:

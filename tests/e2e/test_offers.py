@@ -53,6 +53,7 @@ def offers(
 
 
 def instances(s3_server) -> list[str]:
+    """Every instance moto holds (other tests' terminated ones included)."""
     import boto3
 
     ec2 = boto3.client(
@@ -68,6 +69,7 @@ def instances(s3_server) -> list[str]:
 
 
 def test_offers_rank_spot_before_on_demand_cheapest_and_smallest_first(s3_server, tmp_path):
+    before = instances(s3_server)
     done = offers(s3_server, tmp_path, job(tmp_path), "--json")
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout)
@@ -85,7 +87,7 @@ def test_offers_rank_spot_before_on_demand_cheapest_and_smallest_first(s3_server
     assert on_demand[0]["hourly_usd"] == pytest.approx(0.805 + disk_hourly, abs=1e-6)
     assert on_demand[0]["job_usd"] == pytest.approx((0.805 + disk_hourly) * 2, abs=0.01)
     assert {o["zone"] for o in found} <= {f"us-east-1{z}" for z in "abcdef"}
-    assert instances(s3_server) == []  # nothing launched
+    assert instances(s3_server) == before  # nothing launched
     table = offers(s3_server, tmp_path, job(tmp_path), "--top", "3")
     assert table.returncode == 0, table.stderr
     assert "g6.xlarge" in table.stdout.splitlines()[2]
@@ -184,12 +186,13 @@ def test_a_fleet_block_limits_zones_and_families_with_its_own_credentials(
 def test_bad_input_is_one_sentence_and_nothing_is_launched(
     s3_server, tmp_path, sections, env, expected
 ):
+    before = instances(s3_server)
     done = offers(s3_server, tmp_path, job(tmp_path, **sections), env=env)
     assert done.returncode == 2, done.stdout
     assert done.stderr.startswith(f"gpuflow: invalid input: {expected}"), done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
     assert "not-the-secret-7d1f" not in done.stderr and s3_server.secret not in done.stderr
-    assert instances(s3_server) == []
+    assert instances(s3_server) == before
 
 
 def test_a_job_on_ec2_is_refused_in_one_sentence_until_the_backend_launches(tmp_path):
