@@ -9,11 +9,13 @@ import queue
 import struct
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import BaseModel
 
+from tasks.render import logparse
 from tasks.render.argv import frame_filename
 from tasks.render.images import check_image
 from tasks.storage import FileStore, ObjectInfo, S3Store, join
@@ -155,9 +157,6 @@ class SavedFrames:
     def __init__(
         self, scratch: Path, pattern: str, extension: str, frames: list[int], uploader: Uploader
     ) -> None:
-        from tasks.render import logparse
-
-        self.logparse = logparse
         self.scratch, self.uploader = scratch, uploader
         self.by_name = {frame_filename(pattern, f, extension): f for f in frames}
         self.pending: list[tuple[int, Path]] = []  # saved, waiting for its Time line
@@ -165,9 +164,7 @@ class SavedFrames:
 
     def feed(self, line: str) -> bool:
         """Take one line of Blender's; say whether it was about a saved frame."""
-        import time
-
-        if (saved := self.logparse.saved_path(line)) is not None:
+        if (saved := logparse.saved_path(line)) is not None:
             self.hand_over(None)
             self.saved_at.append(time.monotonic())
             path = Path(saved)
@@ -176,7 +173,7 @@ class SavedFrames:
                 if frame is not None:
                     self.pending.append((frame, path))
             return True
-        if self.pending and (seconds := self.logparse.frame_time(line)) is not None:
+        if self.pending and (seconds := logparse.frame_time(line)) is not None:
             self.hand_over(seconds)
             return True
         return False

@@ -33,7 +33,7 @@ from tasks.render import logparse, pod_chunk, report
 from tasks.render import scene as scenes
 from tasks.render.argv import output_pattern
 from tasks.render.frames import ChunkSizer, label
-from tasks.render.output import FrameRecord, SavedFrames, Uploader, existing_frames
+from tasks.render.output import FrameRecord, SavedFrames, Uploader, existing_frames, frame_url
 from tasks.spec import JobSpec, RenderJob
 from tasks.stages import RunOutcome, cancel_requested, retry_when_retryable, sampling, time_limit
 from tasks.storage import s3_settings, store_for
@@ -151,7 +151,10 @@ def render_chunk(
     def from_pod(line: str) -> bool:
         said = pod_chunk.record_of(line)
         if isinstance(said, FrameRecord):
-            if said.frame in todo:  # the chunk's own frames only
+            # the chunk's own frames, where they belong (not a look-alike line of the scene's)
+            if said.frame in todo and said.url == frame_url(
+                job.output, pattern, said.frame, plan.extension
+            ):
                 progress.add(said)
         elif said is not None:
             problems[said[0]] = said[1]
