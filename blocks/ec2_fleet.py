@@ -44,3 +44,28 @@ class Ec2GpuFleet(Block):
     instance_profile: str | None = Field(
         None, title="Instance profile", description="IAM instance profile the instances get."
     )
+    image_id: str | None = Field(
+        None,
+        title="Machine image",
+        description="AMI the instances boot (one with NVIDIA's driver and Python 3.11+, e.g. an"
+        " AWS Deep Learning AMI); needed to launch, not to rank offers.",
+    )
+    control_prefix: str | None = Field(
+        None,
+        title="Control prefix",
+        description="s3:// prefix where gpuflow and its instances' agents exchange work, log"
+        " lines, results and heartbeats; needed to launch.",
+    )
+    install: str = Field(
+        "python3 -m venv /opt/gpuflow && /opt/gpuflow/bin/pip install --quiet gpuflow"
+        " && GPUFLOW_PYTHON=/opt/gpuflow/bin/python",
+        title="Install step",
+        description="The user-data's shell step that installs gpuflow on the instance and sets"
+        " GPUFLOW_PYTHON to the interpreter that runs its agent.",
+    )
+    boot_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        title="Boot timeout",
+        description="Seconds from launch until every instance's agent must have said it is ready.",
+    )

@@ -89,7 +89,7 @@ def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
     job = load_spec(spec.model_dump() if isinstance(spec, JobSpec) else spec)
     job, prices = placement.resolve(job)
     where = job.placement
-    get_backend(where.backend).check(job)
+    get_backend(where.backend, where).check(job)
     check_job(job)
     secrets.resolve(job.secret_env)  # a missing secret block fails here, before provisioning
     run_id = str(current_run.id)

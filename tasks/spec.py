@@ -415,6 +415,12 @@ class Placement(_Model):
         "spot-then-on-demand",
         description="ec2: rent spot instances, on-demand ones, or spot first then on-demand.",
     )
+    on_demand_after: int = Field(
+        2,
+        ge=1,
+        le=100,
+        description="ec2, spot-then-on-demand: rent on-demand after this many spot interruptions.",
+    )
     namespace: str | None = Field(
         None, description="Kubernetes namespace (default: the block's, else the kubeconfig's)."
     )
@@ -456,6 +462,12 @@ class Limits(_Model):
     max_cost_usd: float | None = Field(None, gt=0, description="Stop the job before it costs more.")
     stop_grace_s: float = Field(
         30.0, ge=1, le=3600, description="Between SIGTERM and SIGKILL when the job is stopped."
+    )
+    orphan_after: Seconds = Field(
+        900.0,
+        ge=10,
+        description="ec2: an instance whose orchestrator has been silent this long stops its"
+        " job and terminates itself, e.g. 15m.",
     )
 
 

@@ -79,7 +79,7 @@ def retrying(stage: Any, policy: StageRetry) -> Any:
 @task(name="provision", cache_policy=None)
 def provision(spec: JobSpec, owner: dict[str, str]) -> Cluster:
     """Return the cluster for this run; a retry adopts what an earlier try made."""
-    cluster = get_backend(spec.placement.backend).provision(spec, owner)
+    cluster = get_backend(spec.placement.backend, spec.placement).provision(spec, owner)
     logger = get_run_logger()
     verb = "adopted" if cluster.adopted else "provisioned"
     gpus = ",".join(map(str, cluster.gpu_indices)) or "none"

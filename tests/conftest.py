@@ -200,3 +200,18 @@ def s3_server(tmp_path_factory) -> Iterator[S3Server]:
 def aws_block(s3_server, prefect_api) -> str:
     """A prefect-aws AwsCredentials block pointing at the test S3 server."""
     return save_aws_block(s3_server, "gpuflow-test-s3")
+
+
+@pytest.fixture(scope="session")
+def mock_binary() -> str:
+    """AWS's instance metadata mock, built by scripts/imds-mock.sh (cached)."""
+    import subprocess
+
+    done = subprocess.run(
+        ["bash", str(Path(__file__).resolve().parents[1] / "scripts" / "imds-mock.sh"), "path"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    return done.stdout.strip().splitlines()[-1]

@@ -56,7 +56,7 @@ def preflight(path: str | None, as_json: bool) -> int:
     from tasks.compute import get_backend
 
     try:
-        backend = get_backend(spec.placement.backend)
+        backend = get_backend(spec.placement.backend, spec.placement)
     except InvalidSpec as exc:
         return invalid(exc)
     if not backend.checks_host:  # the job's machines are elsewhere: say where and how

@@ -75,7 +75,7 @@ def checked_spec(spec: Any) -> Any:
     from tasks.jobs import check_job
 
     spec, _ = placement.resolve(spec)
-    get_backend(spec.placement.backend).check(spec)
+    get_backend(spec.placement.backend, spec.placement).check(spec)
     check_job(spec)
     secrets.resolve(spec.secret_env)
     return spec

@@ -8,8 +8,8 @@ from tasks.compute.base import Backend, Cluster, JobResult, TeardownReport, Work
 
 
 def get_backend(name: str, placement: Any = None) -> Backend:
-    """Return the backend registered under `name` ("local", "kubernetes"), looking where
-    `placement` (a spec's) says: for Kubernetes, its block's cluster and its namespace."""
+    """Return the backend registered under `name` ("local", "kubernetes", "ec2"), looking where
+    `placement` (a spec's) says: for Kubernetes, its block's cluster and its namespace; for EC2, its fleet block."""
     if name == "local":
         from tasks.compute.local import LocalBackend
 
@@ -21,12 +21,9 @@ def get_backend(name: str, placement: Any = None) -> Backend:
             return KubernetesBackend()
         return KubernetesBackend(placement.block, placement.namespace)
     if name == "ec2":
-        from tasks.errors import InvalidSpec
+        from tasks.compute.ec2 import Ec2Backend
 
-        raise InvalidSpec(
-            "placement.backend: ec2 ranks offers (gpuflow offers JOB.yaml) but does not launch"
-            " instances in this version; use local or kubernetes to run the job."
-        )
+        return Ec2Backend(placement.block if placement is not None else None)
     raise ValueError(f"unknown backend {name!r}")
 
 

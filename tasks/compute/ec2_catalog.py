@@ -70,6 +70,11 @@ class Fleet(BaseModel):
     zones: list[str] = []
     families: list[str] = []
     aws_credentials: str | None = None
+    instance_profile: str | None = None
+    image_id: str | None = None
+    control_prefix: str | None = None
+    install: str = ""
+    boot_timeout_s: float = 900.0
 
     def field(self, setting: str) -> str:
         if self.name:
@@ -103,7 +108,25 @@ def fleet_named(name: str | None, field: str = "placement.block") -> Fleet:
         zones=list(block.zones),
         families=list(block.families),
         aws_credentials=block.aws_credentials,
+        instance_profile=block.instance_profile,
+        image_id=block.image_id,
+        control_prefix=block.control_prefix,
+        install=block.install,
+        boot_timeout_s=block.boot_timeout_s,
     )
+
+
+def aws_client(fleet: Fleet, service: str) -> Any:
+    """Return a boto3 client of `service` for the fleet (see ec2_client)."""
+    import boto3
+
+    ec2_client(fleet)  # the region's check
+    params: dict[str, Any] = {"region_name": fleet.region}
+    if fleet.aws_credentials:
+        from tasks.storage import S3Settings
+
+        params |= S3Settings.from_block(fleet.aws_credentials).client_kwargs()
+    return boto3.client(service, **params)
 
 
 def ec2_client(fleet: Fleet) -> Any:

@@ -70,6 +70,7 @@ def launch(
     owner: Mapping[str, str],
     say: Callable[[str], None],
     instance_profile: str | None = None,
+    security_groups: list[str] | None = None,
 ) -> Launched:
     """Return the run's `nodes` instances: adopted when they exist, else launched from the
     first offer that has capacity. CapacityError (retryable) when none has."""
@@ -90,6 +91,8 @@ def launch(
         request = _request(offer, nodes, disk_gib, image_id, user_data, owner, group)
         if instance_profile:
             request["IamInstanceProfile"] = {"Name": instance_profile}
+        if security_groups:
+            request["SecurityGroupIds"] = security_groups
         try:
             made = ec2.run_instances(**request)
         except ClientError as exc:

@@ -26,18 +26,6 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="session")
-def mock_binary() -> str:
-    done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "imds-mock.sh"), "path"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
-    return done.stdout.strip().splitlines()[-1]
-
-
 @pytest.fixture
 def metadata_mock(mock_binary, tmp_path) -> Iterator:
     """Start the mock with the given arguments (IMDSv2 only, loopback); yield its URL."""

@@ -1,0 +1,78 @@
+"""A run's mailbox in S3: how gpuflow and the agents on its EC2 instances talk.
+
+The agents pull (no inbound port, no SSH). Under `<control prefix>/<run id>/`:
+
+    heartbeat                              the orchestrator's, rewritten every few seconds
+    nodes/<instance>/ready                 the agent is up: address, GPUs, CPUs
+    nodes/<instance>/units/<unit>/unit.json    what to run (no secrets: those are in
+                                           Secrets Manager, named by the unit)
+    nodes/<instance>/units/<unit>/stop     stop it: why, and the grace before SIGKILL
+    nodes/<instance>/units/<unit>/log/<n>  its output lines, in order, a batch per object
+    nodes/<instance>/units/<unit>/outputs/...  its output files, after it ended
+    nodes/<instance>/units/<unit>/result.json  how it ended (written last)
+    notices/<instance>                     a spot interruption notice the agent saw
+    gone/<instance>                        the agent terminated its own instance, and why
+
+Every object is small JSON or text; the keys alone say where a run stands.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+HEARTBEAT = "heartbeat"
+
+
+class Mailbox:
+    """One run's prefix in a bucket, read and written with a boto3 S3 client."""
+
+    def __init__(self, s3: Any, url: str, run_id: str) -> None:
+        bucket, _, prefix = url.removeprefix("s3://").partition("/")
+        self.s3, self.bucket = s3, bucket
+        self.prefix = "/".join(p for p in (prefix.strip("/"), run_id) if p) + "/"
+        self.url = f"s3://{bucket}/{self.prefix}"
+
+    def put(self, key: str, data: bytes | str) -> None:
+        body = data.encode() if isinstance(data, str) else data
+        self.s3.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=body)
+
+    def put_json(self, key: str, value: Any) -> None:
+        self.put(key, json.dumps(value, sort_keys=True))
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            return self.s3.get_object(Bucket=self.bucket, Key=self.prefix + key)["Body"].read()
+        except self.s3.exceptions.NoSuchKey:
+            return None
+
+    def get_json(self, key: str) -> Any:
+        data = self.get(key)
+        return None if data is None else json.loads(data)
+
+    def keys(self, under: str = "", after: str = "") -> list[str]:
+        """Return the keys under `under` (relative to the run's prefix), in order, those
+        after `after` only when given."""
+        found: list[str] = []
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix + under}
+        if after:
+            kwargs["StartAfter"] = self.prefix + after
+        for page in self.s3.get_paginator("list_objects_v2").paginate(**kwargs):
+            found += [o["Key"][len(self.prefix) :] for o in page.get("Contents", [])]
+        return found
+
+    def delete_all(self) -> int:
+        """Delete everything the run's prefix holds; return how many objects went."""
+        keys = self.keys()
+        for start in range(0, len(keys), 1000):
+            batch = [{"Key": self.prefix + k} for k in keys[start : start + 1000]]
+            self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+        return len(keys)
+
+
+def unit_key(instance: str, unit: str, leaf: str = "") -> str:
+    return f"nodes/{instance}/units/{unit}/{leaf}"
+
+
+def log_key(instance: str, unit: str, seq: int) -> str:
+    return unit_key(instance, unit, f"log/{seq:08d}")

@@ -1,0 +1,141 @@
+"""The EC2 backend end to end, against moto's EC2, S3 and Secrets Manager (server mode on
+loopback, credentials checked) and AWS's instance metadata mock: each instance gpuflow
+launches is booted here by running its real user-data (tests/e2e/instances.py), which
+starts gpuflow's agent as the instance would; the agent pulls the run's units from S3."""
+
+from __future__ import annotations
+
+import base64
+import sys
+from pathlib import Path
+
+import boto3
+import pytest
+
+from tests.conftest import save_aws_block
+from tests.e2e.instances import PlayedInstances
+
+pytestmark = pytest.mark.e2e
+FLEET = "gpuflow-test-fleet"
+
+
+def clients(s3_server) -> dict:
+    params = {
+        "endpoint_url": s3_server.endpoint,
+        "region_name": "us-east-1",
+        "aws_access_key_id": s3_server.key_id,
+        "aws_secret_access_key": s3_server.secret,
+    }
+    return {name: boto3.client(name, **params) for name in ("ec2", "s3", "secretsmanager")}
+
+
+@pytest.fixture
+def aws(s3_server, prefect_api, gpuflow_home, monkeypatch) -> dict:
+    """An Ec2GpuFleet block for moto (the local build as the install step) and clients."""
+    from blocks.ec2_fleet import Ec2GpuFleet
+
+    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(key, raising=False)
+    found = clients(s3_server)
+    image = found["ec2"].describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    Ec2GpuFleet(
+        region="us-east-1",
+        families=["g6"],
+        aws_credentials=save_aws_block(s3_server, "gpuflow-test-aws"),
+        image_id=image,
+        control_prefix=f"s3://{s3_server.bucket}/control",
+        install=f"GPUFLOW_PYTHON={sys.executable}  # the local build",
+        boot_timeout_s=60,
+    ).save(FLEET, overwrite=True)
+    return found
+
+
+@pytest.fixture
+def played(aws, s3_server, mock_binary, tmp_path):
+    profile = {
+        "AWS_ACCESS_KEY_ID": s3_server.key_id,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    with PlayedInstances(aws["ec2"], mock_binary, tmp_path / "instances", profile) as instances:
+        yield instances
+
+
+def spec(command: list[str], **sections) -> dict:
+    job = {
+        "name": "ec2-test",
+        "job": {"kind": "command", "command": command},
+        "resources": {"gpus": 1, "gpu_product": "L4", "disk": "50Gi"},
+        "limits": {"max_duration": "10m", "stop_grace_s": 5},
+        "placement": {"backend": "ec2", "block": FLEET, "market": "on-demand"},
+        "storage": {"aws_credentials": "gpuflow-test-aws"},
+    }
+    for name, values in sections.items():
+        job[name] = {**job.get(name, {}), **values}
+    return job
+
+
+def left_of(aws: dict, s3_server, run_id: str) -> dict[str, list[str]]:
+    """Return what EC2, Secrets Manager and S3 still hold of the run."""
+    ec2 = aws["ec2"]
+    run = [{"Name": "tag:gpuflow.io/flow-run-id", "Values": [run_id]}]
+    live = [
+        i["InstanceId"]
+        for r in ec2.describe_instances(Filters=run)["Reservations"]
+        for i in r["Instances"]
+        if i["State"]["Name"] != "terminated"
+    ]
+    secrets = [
+        s["Name"] for s in aws["secretsmanager"].list_secrets()["SecretList"] if run_id in s["Name"]
+    ]
+    listed = aws["s3"].list_objects_v2(Bucket=s3_server.bucket, Prefix=f"control/{run_id}/")
+    return {
+        "instances": live,
+        "volumes": [v["VolumeId"] for v in ec2.describe_volumes(Filters=run)["Volumes"]],
+        "security_groups": [
+            g["GroupId"] for g in ec2.describe_security_groups(Filters=run)["SecurityGroups"]
+        ],
+        "secrets": secrets,
+        "mailbox": [o["Key"] for o in listed.get("Contents", [])],
+    }
+
+
+HELLO = (
+    "import os, pathlib;"
+    "print('hello from node', os.environ['GPUFLOW_NODE_RANK'], flush=True);"
+    "print('storage key given:', bool(os.environ.get('AWS_SECRET_ACCESS_KEY')));"
+    "out = pathlib.Path(os.environ['GPUFLOW_OUTPUT_DIR']); out.mkdir(exist_ok=True);"
+    "(out / 'answer.txt').write_text('42')"
+)
+
+
+def test_one_instance_boots_its_user_data_runs_the_job_and_teardown_leaves_nothing(
+    aws, played, s3_server
+):
+    from flows.pipeline import gpu_pipeline
+    from tasks.spec import load_spec
+    from tests.e2e.helpers import logs_of
+
+    state = gpu_pipeline(load_spec(spec([sys.executable, "-c", HELLO])), return_state=True)
+    assert state.is_completed(), state.message
+    run_id = str(state.state_details.flow_run_id)
+    result = state.result()
+    assert result.exit_code == 0
+    [instance] = played.instances.values()
+    logs = "\n".join(logs_of(run_id))
+    assert "hello from node 0" in logs and "storage key given: True" in logs
+    assert f"agent on {instance.id}: ready at 127.0.0.1" in logs  # the agent's own log line
+    assert Path(result.artifacts_dir, "outputs", "answer.txt").read_text() == "42"
+    # nothing secret went to the instance in clear: user-data, console, the run's log
+    described = aws["ec2"].describe_instance_attribute(InstanceId=instance.id, Attribute="userData")
+    sent = base64.b64decode(described["UserData"]["Value"]).decode()
+    assert sent == instance.user_data and "tasks.compute.ec2_agent" in sent
+    for text in (sent, instance.console(), logs):
+        assert s3_server.secret not in text
+    assert left_of(aws, s3_server, run_id) == {
+        "instances": [],
+        "volumes": [],
+        "security_groups": [],
+        "secrets": [],
+        "mailbox": [],
+    }
