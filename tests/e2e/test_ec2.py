@@ -139,3 +139,81 @@ def test_one_instance_boots_its_user_data_runs_the_job_and_teardown_leaves_nothi
         "secrets": [],
         "mailbox": [],
     }
+
+
+def checkpoints(aws: dict, s3_server, prefix: str) -> list[str]:
+    listed = aws["s3"].list_objects_v2(Bucket=s3_server.bucket, Prefix=prefix)
+    return [o["Key"] for o in listed.get("Contents", []) if "/checkpoints/" in o["Key"]]
+
+
+def test_a_spot_notice_checkpoints_and_the_run_resumes_on_a_new_instance_exactly(
+    aws, played, s3_server, tmp_path
+):
+    """The metadata mock serves a spot interruption notice during training: the agent sends
+    SIGTERM, the job checkpoints to S3 and exits 75, the run stage retries on a new spot
+    instance and resumes; the final weights equal those of an uninterrupted run."""
+    import threading
+    import time
+
+    from flows.pipeline import gpu_pipeline
+    from flows.train import train
+    from tasks.spec import load_spec
+    from tasks.storage import S3Store
+    from tests.e2e.helpers import logs_of, task_runs_of
+    from tests.e2e.test_training import _weights, train_spec
+
+    dataset = s3_server.url("datasets/ec2-cnn")
+    from flows.datasets import prepare_dataset
+
+    prepare_dataset("synthetic:classify?samples=256", dataset, "40KB", "gpuflow-test-aws")
+    job = {"max_steps": 120, "cpu_processes": 1, "log_every": 10, "checkpoint": {"every_steps": 10}}
+    straight = train_spec(dataset, s3_server.url("runs/ec2-straight"), **job)
+    straight["storage"] = {"aws_credentials": "gpuflow-test-aws"}
+    done = train(load_spec(straight), return_state=True)
+    assert done.is_completed(), done.message
+
+    raw = train_spec(dataset, s3_server.url("runs/ec2-spot"), **job)
+    raw["storage"] = {"aws_credentials": "gpuflow-test-aws"}
+    raw |= {k: v for k, v in spec([]).items() if k in ("resources", "limits", "placement")}
+    raw["placement"] = {**raw["placement"], "market": "spot-then-on-demand"}
+    interrupted: list[str] = []
+
+    def reclaim() -> None:  # the first checkpoint is in S3: EC2 wants the instance back
+        until = time.monotonic() + 240
+        while time.monotonic() < until:
+            if checkpoints(aws, s3_server, "runs/ec2-spot/") and played.instances:
+                [first] = played.instances
+                interrupted.append(first)
+                played.interrupt(first, warning_s=30)
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=reclaim, daemon=True)
+    watcher.start()
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    watcher.join(5)
+    assert state.is_completed(), state.message
+    run_id = str(state.state_details.flow_run_id)
+    logs = "\n".join(logs_of(run_id))
+    assert interrupted and "spot interruption notice" in logs
+    assert "preempted at step" in logs and "resumed from checkpoint step" in logs
+    run_task = next(t for t in task_runs_of(run_id) if t.name.startswith("run"))
+    assert run_task.run_count == 2  # preempted once, retried on a new instance
+    assert len(played.instances) == 2
+    markets = {
+        i["InstanceId"]: i.get("InstanceLifecycle", "on-demand")
+        for r in aws["ec2"].describe_instances(InstanceIds=list(played.instances))["Reservations"]
+        for i in r["Instances"]
+    }
+    assert set(markets.values()) == {"spot"}  # one interruption: still spot (on_demand_after 2)
+    store = S3Store(s3_server.settings())
+    a = _weights(store, done.result().metrics.job["weights"])
+    b = _weights(store, state.result().metrics.job["weights"])
+    assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
+    assert not any(left_of(aws, s3_server, run_id).values())
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
