@@ -217,3 +217,48 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
+
+
+def test_after_two_spot_interruptions_the_run_rents_on_demand(aws, played, s3_server):
+    """Two instances in a row get a spot notice as they boot; the third launch is on-demand
+    (placement.on_demand_after: 2) and the job completes there."""
+    import threading
+    import time
+
+    from flows.pipeline import gpu_pipeline
+    from tasks.spec import load_spec
+    from tests.e2e.helpers import logs_of
+
+    raw = spec(
+        [sys.executable, "-c", "import time; time.sleep(12); print('done')"],
+        placement={"market": "spot-then-on-demand", "on_demand_after": 2},
+        retry={"run": {"retries": 3, "delay_s": 0.01}},
+    )
+    struck: list[str] = []
+
+    def reclaim() -> None:
+        until = time.monotonic() + 240
+        while time.monotonic() < until and len(struck) < 2:
+            for instance in list(played.instances):
+                if instance not in struck and len(struck) < 2:
+                    struck.append(instance)
+                    played.interrupt(instance, warning_s=20)
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=reclaim, daemon=True)
+    watcher.start()
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    watcher.join(5)
+    assert state.is_completed(), state.message
+    run_id = str(state.state_details.flow_run_id)
+    launched = sorted(
+        (i["LaunchTime"], i["InstanceId"], i.get("InstanceLifecycle", "on-demand"))
+        for r in aws["ec2"].describe_instances(InstanceIds=list(played.instances))["Reservations"]
+        for i in r["Instances"]
+    )
+    assert [market for _, _, market in launched] == ["spot", "spot", "on-demand"]
+    assert [iid for _, iid, _ in launched][:2] == struck
+    logs = "\n".join(logs_of(run_id))
+    assert "2 spot interruption(s) so far (placement.on_demand_after 2): renting on-demand" in logs
+    assert "done" in logs
+    assert not any(left_of(aws, s3_server, run_id).values())
