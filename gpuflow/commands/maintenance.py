@@ -118,6 +118,7 @@ def _said_ec2(dry_run: bool, reap_ec2: Any, block: str | None) -> int:
     verb = "would terminate" if dry_run else "terminated"
     print(
         f"{verb} {done['instances']} instance(s) of {done['runs']} run(s) that are over,"
-        f" ${done['hourly_usd']:.2f}/h at on-demand prices"
+        f" ${done['hourly_usd']:.2f}/h at on-demand prices, and {done['leftovers']} other"
+        " resource(s) they left (security groups, secrets)"
     )
     return EXIT_OK

@@ -109,63 +109,139 @@ def reap_kubernetes(
 def reap_ec2(
     dry_run: bool, block: str | None = None, say: Callable[[str], None] = print
 ) -> dict[str, Any]:
-    """Terminate the EC2 instances (and placement groups) of runs that are over: tagged
-    as gpuflow's, their flow run finished, cancelled, crashed or unknown to the API. Runs
-    still going are left alone. With `dry_run`, say what would go and what it costs an
-    hour (on-demand prices from the price table: what is saved at most)."""
-    from tasks.compute.base import OWNER_LABEL
+    """Remove what gpuflow's EC2 runs left: instances, volumes, security groups, secrets
+    and mailboxes tagged with a run whose flow run is finished, cancelled, crashed or
+    unknown to the API, or still Running but orphaned (its gpuflow stopped writing the
+    heartbeat more than limits.orphan_after ago; such a run is marked Crashed). Runs still
+    going are left alone. With `dry_run`, say what would go and what it costs an hour
+    (on-demand prices from the price table: what is saved at most)."""
+    from tasks.compute.ec2 import remove_leftovers
     from tasks.compute.ec2_catalog import BACKEND, aws_error, ec2_client, fleet_named, gpu_types
-    from tasks.compute.ec2_launch import LIVE, remove
+    from tasks.compute.ec2_launch import remove
     from tasks.metrics.cost import PriceTable
 
     fleet = fleet_named(block, "--block")
     ec2 = ec2_client(fleet)
-    done: dict[str, Any] = {"instances": 0, "runs": 0, "hourly_usd": 0.0}
+    done: dict[str, Any] = {"instances": 0, "runs": 0, "hourly_usd": 0.0, "leftovers": 0}
     try:
-        found = []
-        filters = [
-            {"Name": f"tag:{OWNER_LABEL}", "Values": ["gpuflow"]},
-            {"Name": "instance-state-name", "Values": LIVE},
-        ]
-        for page in ec2.get_paginator("describe_instances").paginate(Filters=filters):
-            for reservation in page["Reservations"]:
-                found += reservation["Instances"]
-        kinds = {i["InstanceType"] for i in found}
+        runs = _ec2_runs(fleet, ec2)
+        kinds = {i["InstanceType"] for run in runs.values() for i in run["instances"]}
         types = {t.instance_type: t for t in gpu_types(ec2)} if kinds else {}
     except Exception as exc:
         raise aws_error(exc, fleet, "list gpuflow's instances") from None
     prices = PriceTable()
-    runs: dict[str, list[dict]] = {}
-    for instance in found:
-        tags = {t["Key"]: t["Value"] for t in instance.get("Tags", [])}
-        runs.setdefault(tags.get(RUN_LABEL, ""), []).append(instance)
-    for run_id, instances in sorted(runs.items()):
+    orphans: list[tuple[str, str | None]] = []
+    for run_id, run in sorted(runs.items()):
         state = _run_state(run_id, None) if run_id else "unknown"
         if state == "away":
             say(f"run {run_id}: left as it is; the Prefect API that records it is away")
             continue
         if state == "running":
-            continue
+            why = _orphaned(fleet, run["tags"])
+            if why is None:
+                continue
+            state = f"running, but {why}"
+            orphans.append((run_id, _api_url()))
+        instances = run["instances"]
         hourly = 0.0
         for instance in instances:
             kind = types.get(instance["InstanceType"])
             if kind is not None:
                 hourly += prices.gpu_hourly(BACKEND, kind.product) * kind.gpus
-        ids = ", ".join(i["InstanceId"] for i in instances)
-        say(
-            f"{'would terminate' if dry_run else 'terminating'} {len(instances)} instance(s)"
-            f" of run {run_id or '(untagged)'} ({ids}; its flow run is {state};"
-            f" ${hourly:.2f}/h)"
-        )
+        if instances:
+            ids = ", ".join(i["InstanceId"] for i in instances)
+            say(
+                f"{'would terminate' if dry_run else 'terminating'} {len(instances)} instance(s)"
+                f" of run {run_id or '(untagged)'} ({ids}; its flow run is {state};"
+                f" ${hourly:.2f}/h)"
+            )
+        else:
+            say(
+                f"{'would remove' if dry_run else 'removing'} what run {run_id} left"
+                f" ({', '.join(run['others'])}; its flow run is {state})"
+            )
         if not dry_run:
-            if run_id:
-                remove(ec2, run_id, say)
-            else:
-                ec2.terminate_instances(InstanceIds=[i["InstanceId"] for i in instances])
+            try:
+                if run_id:
+                    remove(ec2, run_id, say)
+                    remove_leftovers(fleet, run_id)
+                else:
+                    ec2.terminate_instances(InstanceIds=[i["InstanceId"] for i in instances])
+            except Exception as exc:
+                raise aws_error(exc, fleet, f"remove what run {run_id} left") from None
         done["instances"] += len(instances)
         done["runs"] += 1
         done["hourly_usd"] += hourly
+        done["leftovers"] += len(run["others"])
+    if not dry_run:
+        _mark_crashed(orphans, say)
     return done
+
+
+def _ec2_runs(fleet: Any, ec2: Any) -> dict[str, dict[str, Any]]:
+    """Return run id -> its live instances, the names of its other resources (security
+    groups, secrets) and the tags they carry, for everything tagged as gpuflow's."""
+    from tasks.compute.ec2_catalog import aws_client
+    from tasks.compute.ec2_launch import LIVE
+
+    runs: dict[str, dict[str, Any]] = {}
+
+    def entry(tags: dict[str, str]) -> dict[str, Any]:
+        run = runs.setdefault(tags.get(RUN_LABEL, ""), {"instances": [], "others": [], "tags": {}})
+        run["tags"] |= tags
+        return run
+
+    owned = [{"Name": f"tag:{OWNER_LABEL}", "Values": ["gpuflow"]}]
+    live = [*owned, {"Name": "instance-state-name", "Values": LIVE}]
+    for page in ec2.get_paginator("describe_instances").paginate(Filters=live):
+        for reservation in page["Reservations"]:
+            for instance in reservation["Instances"]:
+                entry(_tags(instance))["instances"].append(instance)
+    for group in ec2.describe_security_groups(Filters=owned)["SecurityGroups"]:
+        entry(_tags(group))["others"].append(f"security group {group['GroupId']}")
+    secrets = aws_client(fleet, "secretsmanager")
+    for page in secrets.get_paginator("list_secrets").paginate():
+        for secret in page["SecretList"]:
+            tags = _tags(secret)
+            if tags.get(OWNER_LABEL) == "gpuflow":
+                entry(tags)["others"].append(f"secret {secret['Name']}")
+    return runs
+
+
+def _tags(item: dict[str, Any]) -> dict[str, str]:
+    return {t["Key"]: t["Value"] for t in item.get("Tags", [])}
+
+
+def _orphaned(fleet: Any, tags: dict[str, str]) -> str | None:
+    """Return why a run that the API says is running is orphaned (its heartbeat stopped
+    more than its orphan_after ago, or is gone), None when its gpuflow is alive or the
+    run has no mailbox to tell."""
+    from datetime import UTC, datetime
+
+    from tasks.compute.ec2 import CONTROL_TAG, ORPHAN_TAG
+    from tasks.compute.ec2_catalog import aws_client
+    from tasks.compute.ec2_mailbox import HEARTBEAT, Mailbox
+
+    control = tags.get(CONTROL_TAG)
+    if not control:
+        return None
+    after = float(tags.get(ORPHAN_TAG, "900"))
+    url, _, run_id = control.rstrip("/").rpartition("/")
+    mailbox = Mailbox(aws_client(fleet, "s3"), url, run_id)
+    try:
+        head = mailbox.s3.head_object(Bucket=mailbox.bucket, Key=mailbox.prefix + HEARTBEAT)
+    except Exception:
+        return "its gpuflow left no heartbeat"
+    silent = (datetime.now(UTC) - head["LastModified"]).total_seconds()
+    if silent <= after:
+        return None
+    return f"its gpuflow has been silent for {silent:.0f} s (limits.orphan_after {after:.0f} s)"
+
+
+def _api_url() -> str | None:
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value() or None
 
 
 def _run_state(run_id: str, url: str | None) -> str:

@@ -262,3 +262,87 @@ def test_after_two_spot_interruptions_the_run_rents_on_demand(aws, played, s3_se
     assert "2 spot interruption(s) so far (placement.on_demand_after 2): renting on-demand" in logs
     assert "done" in logs
     assert not any(left_of(aws, s3_server, run_id).values())
+
+
+def test_an_orphaned_instance_terminates_itself_and_reap_removes_the_rest(
+    aws, played, s3_server, prefect_api, gpuflow_home, tmp_path
+):
+    """gpuflow is SIGKILLed while its job runs: the agent sees the heartbeat stop, stops
+    the job and terminates its own instance after limits.orphan_after; `gpuflow reap`
+    then finds no instance, removes the security group, secret and mailbox the dead run
+    left, and marks its flow run Crashed."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import yaml
+
+    from tests.conftest import subprocess_env
+    from tests.e2e.helpers import ROOT, flow_run, logs_of
+
+    raw = spec(
+        [sys.executable, "-c", "import time; print('working', flush=True); time.sleep(600)"],
+        limits={"orphan_after": "12s"},
+    )
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(raw))
+    env = subprocess_env(prefect_api, gpuflow_home)
+    env = {k: v for k, v in env.items() if not k.startswith("AWS_")}
+    gpuflow = [sys.executable, "-m", "gpuflow"]
+    orchestrator = subprocess.Popen(
+        [*gpuflow, "run", str(job)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    until, units = time.monotonic() + 120, []
+    while not units and time.monotonic() < until and orchestrator.poll() is None:
+        listed = aws["s3"].list_objects_v2(Bucket=s3_server.bucket, Prefix="control/")
+        units = [o["Key"] for o in listed.get("Contents", []) if "/log/" in o["Key"]]
+        time.sleep(0.2)
+    assert units, "the job never printed on its instance"
+    run_id, instance = units[0].split("/")[1], units[0].split("/")[3]
+    os.kill(orchestrator.pid, signal.SIGKILL)
+    orchestrator.wait(timeout=30)
+    killed_at = time.monotonic()
+
+    def state() -> str:
+        described = aws["ec2"].describe_instances(InstanceIds=[instance])
+        return described["Reservations"][0]["Instances"][0]["State"]["Name"]
+
+    while state() != "terminated" and time.monotonic() - killed_at < 120:
+        time.sleep(0.5)
+    assert state() == "terminated"
+    assert time.monotonic() - killed_at >= 12  # not before orphan_after
+    gone = json.loads(
+        aws["s3"]
+        .get_object(Bucket=s3_server.bucket, Key=f"control/{run_id}/gone/{instance}")["Body"]
+        .read()
+    )
+    assert "heartbeat has not changed" in gone["why"]
+    assert "terminating this instance: the orchestrator's heartbeat" in "\n".join(logs_of(run_id))
+
+    def reap(*options: str) -> subprocess.CompletedProcess:
+        command = [*gpuflow, "reap", "--backend", "ec2", "--block", FLEET, *options]
+        return subprocess.run(
+            command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+
+    looked = reap("--dry-run")
+    assert looked.returncode == 0, looked.stderr
+    assert f"would remove what run {run_id} left (security group sg-" in looked.stdout
+    assert (
+        f"secret gpuflow/{run_id}; its flow run is running, but its gpuflow has been silent"
+        in looked.stdout
+    )
+    assert "would terminate 0 instance(s) of 1 run(s)" in looked.stdout
+    assert left_of(aws, s3_server, run_id)["secrets"]  # a dry run removes nothing
+    reaped = reap()
+    assert reaped.returncode == 0, reaped.stderr
+    assert not any(left_of(aws, s3_server, run_id).values())
+    assert flow_run(run_id).state.type.value == "CRASHED"
+    again = reap("--dry-run")
+    assert "would terminate 0 instance(s) of 0 run(s)" in again.stdout
