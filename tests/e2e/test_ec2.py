@@ -346,3 +346,33 @@ def test_an_orphaned_instance_terminates_itself_and_reap_removes_the_rest(
     assert flow_run(run_id).state.type.value == "CRASHED"
     again = reap("--dry-run")
     assert "would terminate 0 instance(s) of 0 run(s)" in again.stdout
+
+
+def test_two_instances_train_one_job_and_teardown_leaves_nothing(aws, played, s3_server):
+    """resources.nodes: 2 launches two instances in one security group that lets only the
+    run's nodes in; one torchrun per instance meets at node 0's address (two ranks)."""
+    from flows.datasets import prepare_dataset
+    from flows.train import train
+    from tasks.spec import load_spec
+    from tests.e2e.test_training import train_spec
+
+    dataset = s3_server.url("datasets/ec2-two")
+    prepare_dataset("synthetic:classify?samples=128", dataset, "40KB", "gpuflow-test-aws")
+    raw = train_spec(dataset, s3_server.url("runs/ec2-two"), max_steps=10, cpu_processes=1)
+    raw["storage"] = {"aws_credentials": "gpuflow-test-aws"}
+    raw |= {k: v for k, v in spec([]).items() if k in ("resources", "limits", "placement")}
+    raw["resources"] = {**raw["resources"], "nodes": 2}
+    state = train(load_spec(raw), return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result.metrics.job["world_size"] == 2 and result.metrics.job["steps"] == 10
+    assert len(played.instances) == 2
+    run_id = result.flow_run_id
+    groups = {
+        g["GroupId"]
+        for r in aws["ec2"].describe_instances(InstanceIds=list(played.instances))["Reservations"]
+        for i in r["Instances"]
+        for g in i["SecurityGroups"]
+    }
+    assert len(groups) == 1  # both nodes in the run's own group
+    assert not any(left_of(aws, s3_server, run_id).values())
