@@ -57,7 +57,7 @@ from tasks.spec import JobSpec
 
 CONTROL_TAG = "gpuflow.io/control"  # the run's mailbox, for a reaper
 ORPHAN_TAG = "gpuflow.io/orphan-after"
-LOCAL_FIELDS = ("dataset", "eval_dataset", "output", "scene")
+LOCAL_FIELDS = ("scene", "dataset", "eval_dataset", "output")
 STATE_EVERY_S = 5.0
 _heartbeats: dict[str, Heartbeat] = {}
 _locks: dict[str, threading.Lock] = {}

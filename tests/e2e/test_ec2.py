@@ -376,3 +376,79 @@ def test_two_instances_train_one_job_and_teardown_leaves_nothing(aws, played, s3
     }
     assert len(groups) == 1  # both nodes in the run's own group
     assert not any(left_of(aws, s3_server, run_id).values())
+
+
+@pytest.mark.parametrize(
+    ("fleet", "job", "expected"),
+    [
+        (
+            {"image_id": None},
+            {},
+            "Ec2GpuFleet 'gpuflow-test-bad' image_id: no machine image is set; set it to an AMI"
+            " with NVIDIA's driver and Python 3.11+ in the fleet's region.",
+        ),
+        (
+            {"control_prefix": "/tmp/control"},
+            {},
+            "Ec2GpuFleet 'gpuflow-test-bad' control_prefix: /tmp/control is not an s3:// prefix;"
+            " set it to a bucket and prefix the instances can read and write.",
+        ),
+        (
+            {"control_prefix": "s3://no-such-bucket/control"},
+            {},
+            "reach the control bucket no-such-bucket",
+        ),
+        (
+            {"region": "mars-1"},
+            {},
+            "Ec2GpuFleet 'gpuflow-test-bad' region: 'mars-1' is not an AWS region; use one such"
+            " as us-east-1, us-west-2 or eu-west-1.",
+        ),
+        (
+            {},
+            {"resources": {"gpus": 1, "gpu_product": "A100-80GB"}},
+            "resources.gpu_product: no EC2 instance type in us-east-1 (families g6) has"
+            " NVIDIA-A100-SXM4-80GB; types there have NVIDIA-L4; pick one of those.",
+        ),
+        (
+            {},
+            {"limits": {"max_cost_usd": 0.01}},
+            "limits.max_cost_usd: $0.01 buys less than one hour of the cheapest fitting offer",
+        ),
+        (
+            {},
+            {"job": {"kind": "render", "scene": "file:///tmp/a.blend", "output": "file:///tmp/f"}},
+            "job.scene: file:///tmp/a.blend is on this machine, and on ec2 the job runs on"
+            " rented instances that cannot read it; upload it and give an s3:// URL.",
+        ),
+    ],
+)
+def test_bad_input_is_one_sentence_and_nothing_is_launched(
+    aws, s3_server, tmp_path, capsys, fleet, job, expected
+):
+    import yaml
+
+    from blocks.ec2_fleet import Ec2GpuFleet
+    from gpuflow.cli import main
+
+    settings = Ec2GpuFleet.load(FLEET).model_dump(exclude={"block_type_slug"}) | fleet
+    Ec2GpuFleet(**settings).save("gpuflow-test-bad", overwrite=True)
+    raw = spec(["true"], placement={"block": "gpuflow-test-bad"})
+    for name, values in job.items():
+        raw[name] = values if name == "job" else {**raw[name], **values}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    before = left_count(aws)
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    [said] = [line for line in err.splitlines() if line.startswith("gpuflow: ")]
+    assert said.startswith("gpuflow: invalid input: ") and expected in said, err
+    assert "Traceback" not in err
+    assert left_count(aws) == before  # nothing launched or made
+
+
+def left_count(aws: dict) -> tuple[int, int, int]:
+    ec2 = aws["ec2"]
+    instances = sum(len(r["Instances"]) for r in ec2.describe_instances()["Reservations"])
+    groups = len(ec2.describe_security_groups()["SecurityGroups"])
+    return instances, groups, len(aws["secretsmanager"].list_secrets()["SecretList"])

@@ -195,7 +195,7 @@ def test_bad_input_is_one_sentence_and_nothing_is_launched(
     assert instances(s3_server) == before
 
 
-def test_a_job_on_ec2_is_refused_in_one_sentence_until_the_backend_launches(tmp_path):
+def test_a_job_on_ec2_without_a_fleet_block_is_refused_in_one_sentence(tmp_path):
     done = subprocess.run(
         [*GPUFLOW, "run", str(job(tmp_path))],
         env={**os.environ, "GPUFLOW_HOME": str(tmp_path / "home")},
@@ -205,6 +205,7 @@ def test_a_job_on_ec2_is_refused_in_one_sentence_until_the_backend_launches(tmp_
     )
     assert done.returncode == 2
     assert done.stderr.strip() == (
-        "gpuflow: invalid input: placement.backend: ec2 ranks offers (gpuflow offers JOB.yaml)"
-        " but does not launch instances in this version; use local or kubernetes to run the job."
+        "gpuflow: invalid input: placement.block: launching on ec2 needs an Ec2GpuFleet block"
+        " (its image_id and control_prefix); create one with blocks.Ec2GpuFleet(...).save(name)"
+        " and name it here (gpuflow offers ranks without one)."
     )
