@@ -344,8 +344,16 @@ def test_an_orphaned_instance_terminates_itself_and_reap_removes_the_rest(
     assert reaped.returncode == 0, reaped.stderr
     assert not any(left_of(aws, s3_server, run_id).values())
     assert flow_run(run_id).state.type.value == "CRASHED"
-    again = reap("--dry-run")
-    assert "would terminate 0 instance(s) of 0 run(s)" in again.stdout
+    from flows.reap import reap as reap_flow  # the scheduled deployment's flow
+
+    state = reap_flow(backend="ec2", block=FLEET, dry_run=True, return_state=True)
+    assert state.is_completed(), state.message
+    assert state.result()["runs"] == 0 and state.result()["instances"] == 0
+    from tests.e2e.helpers import artifacts_of
+
+    assert "reap ec2 (dry run)" in str(
+        artifacts_of(state.state_details.flow_run_id)["gpuflow-reap-ec2"].data
+    )
 
 
 def test_two_instances_train_one_job_and_teardown_leaves_nothing(aws, played, s3_server):

@@ -1,0 +1,52 @@
+"""reap: remove what gpuflow runs left on a backend once their flow run is over (or their
+gpuflow is gone), on a schedule; the same as `gpuflow reap --backend ...`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+
+
+@flow(name="reap")
+def reap(
+    backend: Literal["local", "kubernetes", "ec2"] = "ec2",
+    block: str | None = None,
+    namespace: str | None = None,
+    dry_run: bool = False,
+) -> dict[str, Any]:
+    """Reap one backend's leftovers and publish what went (or would go) as an artifact.
+    `block`: the Ec2GpuFleet (ec2); `namespace`: the Kubernetes namespace."""
+    from tasks.platform import reap as reaping
+
+    logger = get_run_logger()
+    said: list[str] = []
+
+    def say(line: str) -> None:
+        said.append(line)
+        logger.info(line)
+
+    if backend == "ec2":
+        done = reaping.reap_ec2(dry_run, block, say)
+    elif backend == "kubernetes":
+        done = reaping.reap_kubernetes(dry_run, namespace, say)
+    else:
+        done = reaping.reap(dry_run, say)
+    counts = ", ".join(
+        f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in done.items()
+    )
+    create_markdown_artifact(
+        key=f"gpuflow-reap-{backend}",
+        markdown="\n".join(
+            [
+                f"# reap {backend}{' (dry run)' if dry_run else ''}",
+                "",
+                *(f"- {s}" for s in said),
+                "",
+                counts,
+            ]
+        ),
+        description=f"What gpuflow's reaper {'would remove' if dry_run else 'removed'} on {backend}",
+    )
+    return done
