@@ -85,7 +85,8 @@ def launch(
         try:
             group = _placement_group(ec2, run_id, owner)
         except Exception as exc:
-            say(f"no cluster placement group ({type(exc).__name__}: {exc}); launching without")
+            why = (str(exc).splitlines() or [""])[0][:160]
+            say(f"no cluster placement group ({type(exc).__name__}: {why}); launching without")
     tried: list[str] = []
     for offer in offers:
         request = _request(offer, nodes, disk_gib, image_id, user_data, owner, group)
