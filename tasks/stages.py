@@ -39,13 +39,11 @@ from tasks.logstream import LineBatcher, job_output_sink
 from tasks.metrics import cost as pricing
 from tasks.metrics.plot import utilisation_png
 from tasks.metrics.prometheus import LivePush, delete, exposition, push
-from tasks.metrics.sampler import Sampler, read_samples
+from tasks.metrics.sampler import SAMPLES, Sampler, read_samples
 from tasks.metrics.summary import RunMetrics, summarise
 from tasks.outputs import copy_outputs
 from tasks.spec import JobSpec, Placement, StageRetry
 from tasks.storage import s3_settings
-
-SAMPLES = ".gpuflow-samples.jsonl"
 
 
 class RunOutcome(BaseModel):
@@ -284,6 +282,9 @@ def sampling(
 ) -> Iterator[None]:
     """Sample GPU/host metrics into the workspace (and push them live when a Pushgateway
     is configured) while the body runs."""
+    if getattr(get_backend(cluster.backend), "samples_nodes", False):
+        yield  # the backend's nodes sample themselves (EC2's agents)
+        return
     live = None
     if spec.metrics.pushgateway:
         live = LivePush(

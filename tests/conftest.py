@@ -215,3 +215,28 @@ def mock_binary() -> str:
         check=True,
     )
     return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture
+def pushgateway(tmp_path):
+    """A Prometheus Pushgateway on loopback, stopped by PID; yields its URL."""
+    import shutil
+    import signal
+    import subprocess
+
+    binary = shutil.which("prometheus-pushgateway") or shutil.which("pushgateway")
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("prometheus-pushgateway is not installed; scripts/test.sh installs it")
+        pytest.skip("prometheus-pushgateway is not installed (scripts/test.sh installs it)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_until_serving(f"{url}/-/ready")
+    yield url
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=10)

@@ -53,6 +53,7 @@ from tasks.compute.ec2_catalog import (
 )
 from tasks.compute.ec2_mailbox import HEARTBEAT, Mailbox, unit_key
 from tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
+from tasks.metrics.sampler import SAMPLES
 from tasks.spec import JobSpec
 
 CONTROL_TAG = "gpuflow.io/control"  # the run's mailbox, for a reaper
@@ -62,6 +63,7 @@ STATE_EVERY_S = 5.0
 _heartbeats: dict[str, Heartbeat] = {}
 _locks: dict[str, threading.Lock] = {}
 _guard = threading.Lock()
+_samples_lock = threading.Lock()
 
 
 def secret_name(run_id: str) -> str:
@@ -124,6 +126,7 @@ def user_data(fleet: Fleet, config: AgentConfig) -> str:
 class Ec2Backend:
     name = "ec2"
     checks_host = False
+    samples_nodes = True  # each agent samples its instance; the run stage samples nothing here
 
     def __init__(self, block: str | None = None) -> None:
         self.block = block
@@ -373,6 +376,12 @@ class Ec2Backend:
             gpus=unit.gpus,
             node=unit.node,
             timeout_s=timeout_s + grace_s + 60,  # the agent's own guard; this side stops first
+            metrics={
+                "interval_s": spec.metrics.interval_s,
+                "pushgateway": spec.metrics.pushgateway,
+                "push_interval_s": spec.metrics.push_interval_s,
+                "job": spec.name,
+            },
         )
         mailbox.put(unit_key(instance, name, "unit.json"), spec_unit.model_dump_json())
         started = datetime.now(UTC)
@@ -387,6 +396,7 @@ class Ec2Backend:
             raise
         follower.read()
         follower.outputs(Path(cluster.workspace) / "outputs")
+        follower.samples(Path(cluster.workspace) / SAMPLES)
         ended = datetime.now(UTC)
         return JobResult(
             exit_code=end.get("exit_code"),
@@ -623,6 +633,13 @@ class _Follower:
     def note(self, line: str) -> None:
         self.on_line("stderr", line)
         self.tail.append(line)
+
+    def samples(self, path: Path) -> None:
+        """Append the unit's metric samples (taken on its instance) to the run's."""
+        data = self.mailbox.get(unit_key(self.instance, self.unit, "samples.jsonl"))
+        if data:
+            with _samples_lock, path.open("ab") as out:
+                out.write(data if data.endswith(b"\n") else data + b"\n")
 
     def outputs(self, folder: Path) -> None:
         under = unit_key(self.instance, self.unit, "outputs/")

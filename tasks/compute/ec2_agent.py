@@ -75,6 +75,9 @@ class UnitSpec(BaseModel):
     gpus: list[int] | None = None
     node: int = 0
     timeout_s: float
+    # sample this node's GPUs while it runs: interval_s, and pushgateway / push_interval_s
+    # / job when the run pushes live metrics
+    metrics: dict[str, Any] | None = None
 
 
 def now() -> str:
@@ -336,15 +339,43 @@ class UnitRun:
         timer = threading.Timer(spec.timeout_s, self.stop, args=("timeout", 30.0))
         timer.daemon = True
         timer.start()
-        while self.proc.poll() is None:
-            time.sleep(FLUSH_S)
-            self._flush()
+        with self._sampling():
+            while self.proc.poll() is None:
+                time.sleep(FLUSH_S)
+                self._flush()
         timer.cancel()
         for reader in readers:
             reader.join(10)
         self._flush()
         code = self.proc.returncode
         self._finish(started, code if code >= 0 else None, -code if code < 0 else None)
+
+    def _samples(self) -> Path:
+        return self.agent.workspace / f".gpuflow-samples-{self.spec.name}.jsonl"
+
+    @contextlib.contextmanager
+    def _sampling(self) -> Any:
+        """Sample this node's GPUs and host while the unit runs (pushing them live when the
+        run names a Pushgateway); the samples go to the mailbox when it ends."""
+        metrics = self.spec.metrics
+        if not metrics:
+            yield
+            return
+        from tasks.metrics.prometheus import LivePush
+        from tasks.metrics.sampler import Sampler
+
+        live = None
+        if metrics.get("pushgateway"):
+            live = LivePush(
+                metrics["pushgateway"],
+                self.agent.config.run_id,
+                str(metrics.get("job", "gpuflow")),
+                float(metrics.get("push_interval_s", 15.0)),
+                lambda text, *args: self.agent.say(text % args, 30),
+            )
+        gpus = self.spec.gpus if self.spec.gpus is not None else list(range(gpu_count()))
+        with Sampler(self._samples(), gpus, float(metrics.get("interval_s", 1.0)), on_sample=live):
+            yield
 
     def _read(self, stream: Any, name: str) -> None:
         for raw in iter(stream.readline, b""):
@@ -374,6 +405,13 @@ class UnitRun:
                 key = unit_key(agent.instance_id, self.spec.name, f"outputs/{relative}")
                 with contextlib.suppress(Exception):
                     agent.mailbox.put(key, path.read_bytes())
+        samples = self._samples()
+        if samples.is_file():
+            with contextlib.suppress(Exception):
+                agent.mailbox.put(
+                    unit_key(agent.instance_id, self.spec.name, "samples.jsonl"),
+                    samples.read_bytes(),
+                )
         result = {
             "exit_code": code,
             "signal": sig,

@@ -32,6 +32,9 @@ GPU_FIELDS = (
 )
 
 
+SAMPLES = ".gpuflow-samples.jsonl"  # a run's samples, in its cluster's workspace
+
+
 class Sampler:
     """Samples every `interval_s` into `path` until stopped; use as a context manager."""
 

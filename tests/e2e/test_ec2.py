@@ -105,18 +105,30 @@ HELLO = (
     "print('hello from node', os.environ['GPUFLOW_NODE_RANK'], flush=True);"
     "print('storage key given:', bool(os.environ.get('AWS_SECRET_ACCESS_KEY')));"
     "out = pathlib.Path(os.environ['GPUFLOW_OUTPUT_DIR']); out.mkdir(exist_ok=True);"
-    "(out / 'answer.txt').write_text('42')"
+    "(out / 'answer.txt').write_text('42')\n"
+    # the agent samples this instance and pushes live: the job waits to see it pushed
+    "import sys, time, urllib.request\n"
+    "deadline = time.time() + 30\n"
+    "while time.time() < deadline:\n"
+    "    text = urllib.request.urlopen(sys.argv[1] + '/metrics', timeout=5).read().decode()\n"
+    "    if any('job=\"ec2-test\"' in l and 'stage=\"run\"' in l for l in text.splitlines()"
+    " if l.startswith('gpuflow_host_cpu_percent')):\n"
+    "        print('live metrics seen'); sys.exit(0)\n"
+    "    time.sleep(0.2)\n"
+    "sys.exit(1)\n"
 )
 
 
 def test_one_instance_boots_its_user_data_runs_the_job_and_teardown_leaves_nothing(
-    aws, played, s3_server
+    aws, played, s3_server, pushgateway
 ):
     from flows.pipeline import gpu_pipeline
     from tasks.spec import load_spec
     from tests.e2e.helpers import logs_of
 
-    state = gpu_pipeline(load_spec(spec([sys.executable, "-c", HELLO])), return_state=True)
+    metrics = {"pushgateway": pushgateway, "interval_s": 0.2, "push_interval_s": 0.2}
+    raw = spec([sys.executable, "-c", HELLO, pushgateway], metrics=metrics)
+    state = gpu_pipeline(load_spec(raw), return_state=True)
     assert state.is_completed(), state.message
     run_id = str(state.state_details.flow_run_id)
     result = state.result()
@@ -124,6 +136,8 @@ def test_one_instance_boots_its_user_data_runs_the_job_and_teardown_leaves_nothi
     [instance] = played.instances.values()
     logs = "\n".join(logs_of(run_id))
     assert "hello from node 0" in logs and "storage key given: True" in logs
+    assert "live metrics seen" in logs
+    assert result.metrics.samples > 0  # taken on the instance by its agent
     assert f"agent on {instance.id}: ready at 127.0.0.1" in logs  # the agent's own log line
     assert Path(result.artifacts_dir, "outputs", "answer.txt").read_text() == "42"
     # nothing secret went to the instance in clear: user-data, console, the run's log

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import subprocess
 import sys
 import urllib.request
 
@@ -14,29 +10,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flows.pipeline import gpu_pipeline
 from tasks.spec import load_spec
-from tests.conftest import free_port, wait_until_serving
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def pushgateway(tmp_path):
-    binary = shutil.which("prometheus-pushgateway") or shutil.which("pushgateway")
-    if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail("prometheus-pushgateway is not installed; scripts/test.sh installs it")
-        pytest.skip("prometheus-pushgateway is not installed (scripts/test.sh installs it)")
-    port = free_port()
-    proc = subprocess.Popen(
-        [binary, f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    wait_until_serving(f"{url}/-/ready")
-    yield url
-    os.kill(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=10)
 
 
 LIVE_CHECK = """
