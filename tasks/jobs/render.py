@@ -34,8 +34,8 @@ class RenderKind(JobKind):
                 if not url.startswith("s3://"):
                     raise InvalidSpec(
                         f"{field}: {url} is not in S3, and on {spec.placement.backend} chunks"
-                        " render in pods that read the scene and write frames there; upload"
-                        " it and give an s3:// URL."
+                        " render on the cluster's nodes, which read the scene and write frames"
+                        " there; upload it and give an s3:// URL."
                     )
         try:
             settings = s3_settings(spec)

@@ -122,13 +122,17 @@ HELLO = (
 def test_one_instance_boots_its_user_data_runs_the_job_and_teardown_leaves_nothing(
     aws, played, s3_server, pushgateway
 ):
+    from prefect.settings import PREFECT_API_KEY, temporary_settings
+
     from flows.pipeline import gpu_pipeline
     from tasks.spec import load_spec
     from tests.e2e.helpers import logs_of
 
     metrics = {"pushgateway": pushgateway, "interval_s": 0.2, "push_interval_s": 0.2}
     raw = spec([sys.executable, "-c", HELLO, pushgateway], metrics=metrics)
-    state = gpu_pipeline(load_spec(raw), return_state=True)
+    api_key = "pnu_gpuflowTestAgentKey0123456789abcdef"  # the agents' token, via Secrets Manager
+    with temporary_settings({PREFECT_API_KEY: api_key}):
+        state = gpu_pipeline(load_spec(raw), return_state=True)
     assert state.is_completed(), state.message
     run_id = str(state.state_details.flow_run_id)
     result = state.result()
@@ -145,7 +149,7 @@ def test_one_instance_boots_its_user_data_runs_the_job_and_teardown_leaves_nothi
     sent = base64.b64decode(described["UserData"]["Value"]).decode()
     assert sent == instance.user_data and "tasks.compute.ec2_agent" in sent
     for text in (sent, instance.console(), logs):
-        assert s3_server.secret not in text
+        assert s3_server.secret not in text and api_key not in text
     assert left_of(aws, s3_server, run_id) == {
         "instances": [],
         "volumes": [],
@@ -474,3 +478,43 @@ def left_count(aws: dict) -> tuple[int, int, int]:
     instances = sum(len(r["Instances"]) for r in ec2.describe_instances()["Reservations"])
     groups = len(ec2.describe_security_groups()["SecurityGroups"])
     return instances, groups, len(aws["secretsmanager"].list_secrets()["SecretList"])
+
+
+def test_render_chunks_run_side_by_side_on_an_instance_that_uploads_its_frames(
+    aws, played, s3_server, tmp_path
+):
+    """8 frames in chunks of 2 on a 4-GPU instance: four units at once on one agent, each
+    fetching the scene from S3, running Blender (its CPU: no GPU here) and uploading its
+    frames; the run counts them from the units' lines. A rerun renders nothing."""
+    import shutil as sh
+
+    from flows.render import render
+    from tasks.render.scene import demo_scene
+    from tasks.spec import load_spec
+    from tasks.storage import store_for
+
+    blender = sh.which("blender")
+    assert blender, "blender is not installed; the test command installs it"
+    scene = s3_server.url("ec2-scenes/cube.blend")
+    store = store_for(scene, s3_server.settings())
+    store.upload_file(scene, demo_scene(blender, tmp_path / "cube.blend", 8, 32, None))
+    output = s3_server.url("ec2-renders/cube")
+    raw = spec([])
+    raw["job"] = {"kind": "render", "scene": scene, "output": output, "chunk": 2, "device": "CPU"}
+    raw["resources"] = {"gpus": 4, "gpu_product": "L4", "disk": "50Gi"}
+    raw["metrics"] = {"plot": False}
+    state = render(load_spec(raw), return_state=True)
+    assert state.is_completed(), state.message
+    [instance] = played.instances.values()
+    assert sorted(o.url for o in store.list(output)) == [
+        f"{output}/frame_{i:04d}.png" for i in range(1, 9)
+    ]
+    job = state.result().metrics.job
+    assert (job["frames_rendered"], job["frames_missing"], job["chunks"]) == (8, 0, 4)
+    [described] = aws["ec2"].describe_instances(InstanceIds=[instance.id])["Reservations"]
+    assert described["Instances"][0]["InstanceType"] == "g6.12xlarge"  # 4 L4s, the smallest
+    assert not any(left_of(aws, s3_server, str(state.state_details.flow_run_id)).values())
+    rerun = render(load_spec(raw), return_state=True)
+    assert rerun.is_completed(), rerun.message
+    assert rerun.result().metrics.job["frames_skipped"] == 8
+    assert not any(left_of(aws, s3_server, str(rerun.state_details.flow_run_id)).values())
