@@ -15,36 +15,16 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-
-def start_s3() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    binary = shutil.which("moto_server", path=str(Path(sys.executable).parent)) or "moto_server"
-    proc = subprocess.Popen(
-        [binary, "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1)
-            return proc, endpoint
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("moto_server did not start")
+from moto_server import start_moto  # noqa: E402
 
 
 def main() -> None:
@@ -61,7 +41,7 @@ def main() -> None:
     from tasks.training.prepare import prepare
     from tasks.training.shards import synthetic_samples
 
-    proc, endpoint = start_s3()
+    proc, endpoint = start_moto()
     os.environ.update(
         AWS_ENDPOINT_URL=endpoint,
         AWS_ACCESS_KEY_ID="bench",

@@ -159,6 +159,32 @@ def test_one_instance_boots_its_user_data_runs_the_job_and_teardown_leaves_nothi
     }
 
 
+def pipeline_while(raw: dict, meanwhile) -> tuple:
+    """Run the pipeline on `raw` while `meanwhile` runs in a thread; return its completed
+    state and flow run id."""
+    import threading
+
+    from flows.pipeline import gpu_pipeline
+    from tasks.spec import load_spec
+
+    watcher = threading.Thread(target=meanwhile, daemon=True)
+    watcher.start()
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    watcher.join(5)
+    assert state.is_completed(), state.message
+    return state, str(state.state_details.flow_run_id)
+
+
+def train_on_ec2(dataset: str, output: str, **job) -> dict:
+    """A train spec for the test fleet (one L4 instance by default)."""
+    from tests.e2e.test_training import train_spec
+
+    raw = train_spec(dataset, output, **job)
+    raw["storage"] = {"aws_credentials": "gpuflow-test-aws"}
+    raw |= {k: v for k, v in spec([]).items() if k in ("resources", "limits", "placement")}
+    return raw
+
+
 def checkpoints(aws: dict, s3_server, prefix: str) -> list[str]:
     listed = aws["s3"].list_objects_v2(Bucket=s3_server.bucket, Prefix=prefix)
     return [o["Key"] for o in listed.get("Contents", []) if "/checkpoints/" in o["Key"]]
@@ -170,10 +196,9 @@ def test_a_spot_notice_checkpoints_and_the_run_resumes_on_a_new_instance_exactly
     """The metadata mock serves a spot interruption notice during training: the agent sends
     SIGTERM, the job checkpoints to S3 and exits 75, the run stage retries on a new spot
     instance and resumes; the final weights equal those of an uninterrupted run."""
-    import threading
     import time
 
-    from flows.pipeline import gpu_pipeline
+    from flows.datasets import prepare_dataset
     from flows.train import train
     from tasks.spec import load_spec
     from tasks.storage import S3Store
@@ -181,8 +206,6 @@ def test_a_spot_notice_checkpoints_and_the_run_resumes_on_a_new_instance_exactly
     from tests.e2e.test_training import _weights, train_spec
 
     dataset = s3_server.url("datasets/ec2-cnn")
-    from flows.datasets import prepare_dataset
-
     prepare_dataset("synthetic:classify?samples=256", dataset, "40KB", "gpuflow-test-aws")
     job = {"max_steps": 120, "cpu_processes": 1, "log_every": 10, "checkpoint": {"every_steps": 10}}
     straight = train_spec(dataset, s3_server.url("runs/ec2-straight"), **job)
@@ -190,9 +213,7 @@ def test_a_spot_notice_checkpoints_and_the_run_resumes_on_a_new_instance_exactly
     done = train(load_spec(straight), return_state=True)
     assert done.is_completed(), done.message
 
-    raw = train_spec(dataset, s3_server.url("runs/ec2-spot"), **job)
-    raw["storage"] = {"aws_credentials": "gpuflow-test-aws"}
-    raw |= {k: v for k, v in spec([]).items() if k in ("resources", "limits", "placement")}
+    raw = train_on_ec2(dataset, s3_server.url("runs/ec2-spot"), **job)
     raw["placement"] = {**raw["placement"], "market": "spot-then-on-demand"}
     interrupted: list[str] = []
 
@@ -206,12 +227,7 @@ def test_a_spot_notice_checkpoints_and_the_run_resumes_on_a_new_instance_exactly
                 return
             time.sleep(0.2)
 
-    watcher = threading.Thread(target=reclaim, daemon=True)
-    watcher.start()
-    state = gpu_pipeline(load_spec(raw), return_state=True)
-    watcher.join(5)
-    assert state.is_completed(), state.message
-    run_id = str(state.state_details.flow_run_id)
+    state, run_id = pipeline_while(raw, reclaim)
     logs = "\n".join(logs_of(run_id))
     assert interrupted and "spot interruption notice" in logs
     assert "preempted at step" in logs and "resumed from checkpoint step" in logs
@@ -240,11 +256,8 @@ def torch_equal(a, b) -> bool:
 def test_after_two_spot_interruptions_the_run_rents_on_demand(aws, played, s3_server):
     """Two instances in a row get a spot notice as they boot; the third launch is on-demand
     (placement.on_demand_after: 2) and the job completes there."""
-    import threading
     import time
 
-    from flows.pipeline import gpu_pipeline
-    from tasks.spec import load_spec
     from tests.e2e.helpers import logs_of
 
     raw = spec(
@@ -263,12 +276,7 @@ def test_after_two_spot_interruptions_the_run_rents_on_demand(aws, played, s3_se
                     played.interrupt(instance, warning_s=20)
             time.sleep(0.1)
 
-    watcher = threading.Thread(target=reclaim, daemon=True)
-    watcher.start()
-    state = gpu_pipeline(load_spec(raw), return_state=True)
-    watcher.join(5)
-    assert state.is_completed(), state.message
-    run_id = str(state.state_details.flow_run_id)
+    _, run_id = pipeline_while(raw, reclaim)
     launched = sorted(
         (i["LaunchTime"], i["InstanceId"], i.get("InstanceLifecycle", "on-demand"))
         for r in aws["ec2"].describe_instances(InstanceIds=list(played.instances))["Reservations"]
@@ -380,13 +388,10 @@ def test_two_instances_train_one_job_and_teardown_leaves_nothing(aws, played, s3
     from flows.datasets import prepare_dataset
     from flows.train import train
     from tasks.spec import load_spec
-    from tests.e2e.test_training import train_spec
 
     dataset = s3_server.url("datasets/ec2-two")
     prepare_dataset("synthetic:classify?samples=128", dataset, "40KB", "gpuflow-test-aws")
-    raw = train_spec(dataset, s3_server.url("runs/ec2-two"), max_steps=10, cpu_processes=1)
-    raw["storage"] = {"aws_credentials": "gpuflow-test-aws"}
-    raw |= {k: v for k, v in spec([]).items() if k in ("resources", "limits", "placement")}
+    raw = train_on_ec2(dataset, s3_server.url("runs/ec2-two"), max_steps=10, cpu_processes=1)
     raw["resources"] = {**raw["resources"], "nodes": 2}
     state = train(load_spec(raw), return_state=True)
     assert state.is_completed(), state.message
@@ -518,3 +523,87 @@ def test_render_chunks_run_side_by_side_on_an_instance_that_uploads_its_frames(
     assert rerun.is_completed(), rerun.message
     assert rerun.result().metrics.job["frames_skipped"] == 8
     assert not any(left_of(aws, s3_server, str(rerun.state_details.flow_run_id)).values())
+
+
+def test_an_agent_whose_job_outlives_max_duration_terminates_its_instance(
+    aws, s3_server, mock_binary, tmp_path
+):
+    """The agent's own deadline (max_duration plus grace), with the orchestrator's heartbeat
+    still beating: the running unit is stopped and the instance terminates itself."""
+    import json
+    import time
+
+    from tasks.compute.ec2 import Heartbeat
+    from tasks.compute.ec2_agent import AgentConfig, UnitSpec
+    from tasks.compute.ec2_mailbox import Mailbox, unit_key
+
+    ec2 = aws["ec2"]
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    run_id = "deadline-run"
+    tags = [
+        {"Key": "gpuflow.io/owner", "Value": "gpuflow"},
+        {"Key": "gpuflow.io/flow-run-id", "Value": run_id},
+    ]
+    config = AgentConfig(
+        run_id=run_id,
+        control=f"s3://{s3_server.bucket}/control",
+        region="us-east-1",
+        endpoint_url=s3_server.endpoint,
+        secret_id=f"gpuflow/{run_id}",
+        orphan_after_s=600,
+        deadline_s=8,
+    )
+    aws["secretsmanager"].create_secret(
+        Name=config.secret_id, SecretString=json.dumps({"env": {}}), Tags=tags
+    )
+    mailbox = Mailbox(aws["s3"], config.control, run_id)
+    beat = Heartbeat(mailbox, 1.0)
+    played = PlayedInstances(
+        ec2,
+        mock_binary,
+        tmp_path / "instances",
+        {
+            "AWS_ACCESS_KEY_ID": s3_server.key_id,
+            "AWS_SECRET_ACCESS_KEY": s3_server.secret,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        },
+    )
+    user_data = (
+        "#!/bin/bash\nexec "
+        f"{sys.executable} -m tasks.compute.ec2_agent --config {config.encode()}\n"
+    )
+    try:
+        with played:
+            [made] = ec2.run_instances(
+                ImageId=image,
+                InstanceType="g6.xlarge",
+                MinCount=1,
+                MaxCount=1,
+                UserData=user_data,
+                TagSpecifications=[{"ResourceType": "instance", "Tags": tags}],
+            )["Instances"]
+            instance = made["InstanceId"]
+            until = time.monotonic() + 60
+            while mailbox.get(f"nodes/{instance}/ready") is None:
+                assert time.monotonic() < until, played.instances[instance].console()
+                time.sleep(0.2)
+            sleeper = UnitSpec(name="main-1", command=["sleep", "600"], timeout_s=600)
+            mailbox.put(unit_key(instance, "main-1", "unit.json"), sleeper.model_dump_json())
+
+            def state() -> str:
+                [r] = ec2.describe_instances(InstanceIds=[instance])["Reservations"]
+                return r["Instances"][0]["State"]["Name"]
+
+            while state() != "terminated":
+                assert time.monotonic() < until, played.instances[instance].console()
+                time.sleep(0.3)
+            result = json.loads(mailbox.get(unit_key(instance, "main-1", "result.json")))
+            assert result["signal"] == 15 and "time is up" in result["stopped"]
+            gone = json.loads(mailbox.get(f"gone/{instance}"))
+            assert gone["why"] == "the job's time is up (limits.max_duration plus grace, 8 s)"
+    finally:
+        beat.stop()
+        mailbox.delete_all()
+        aws["secretsmanager"].delete_secret(
+            SecretId=config.secret_id, ForceDeleteWithoutRecovery=True
+        )
