@@ -24,6 +24,7 @@ from tasks import preflight as preflight_checks
 from tasks import secrets
 from tasks.compute import Cluster, JobResult, TeardownReport, WorkUnit, get_backend
 from tasks.compute.base import RUN_LABEL
+from tasks.diagnose import diagnose
 from tasks.errors import (
     ERROR_FILE,
     PREEMPTED_EXIT_CODE,
@@ -203,7 +204,7 @@ def run(
     )
     return RunOutcome(
         result=result,
-        failure=_failure(result, timeout, stopped_by, reason),
+        failure=_failure(result, timeout, stopped_by, reason, failure_context(spec, cluster)),
         stopped_by=stopped_by if result.timed_out else None,
     )
 
@@ -305,12 +306,39 @@ def _priced(spec: JobSpec, cluster: Cluster) -> dict[str, Any]:
     }
 
 
-def _failure(result: JobResult, timeout: float, stopped_by: str, reason: str | None) -> str | None:
+def failure_context(spec: JobSpec, cluster: Cluster) -> dict[str, Any]:
+    """Return what makes a diagnosis precise: the GPU memory peak the samples saw and the
+    job's batch size."""
+    peaks = [
+        gpu.get("DCGM_FI_DEV_FB_USED") or 0.0
+        for sample in read_samples(Path(cluster.workspace) / SAMPLES)
+        for gpu in sample.get("gpus", [])
+    ]
+    return {
+        "peak_gpu_memory_mib": max(peaks, default=0.0),
+        "batch_size": getattr(spec.job, "batch_size", None),
+    }
+
+
+def _failure(
+    result: JobResult,
+    timeout: float,
+    stopped_by: str,
+    reason: str | None,
+    context: dict[str, Any] | None = None,
+) -> str | None:
     if result.timed_out:
         return (
             f"the job ran past limits.{stopped_by} ({timeout:.0f} s) and was stopped;"
             f" raise limits.{stopped_by} or make the job shorter."
         )
+    lines = [*result.log_tail, reason] if reason else result.log_tail
+    known = diagnose(result.exit_code, result.signal, lines, context)
+    if known is not None:
+        code = (
+            f"signal {result.signal}" if result.signal is not None else f"exit {result.exit_code}"
+        )
+        return f"the job failed ({code}): {known.message}"
     if result.signal is not None:
         hint = " (SIGKILL often means the out-of-memory killer)" if result.signal == 9 else ""
         return f"the job was killed by signal {result.signal}{hint}; see the last lines of its log."

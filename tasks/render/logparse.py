@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from tasks import diagnose
+
 _FRA = re.compile(r"\bFra:(\d+)\b")
 _CYCLES = re.compile(r"\| Sample (\d+)/(\d+)")
 _EEVEE = re.compile(r"\| Rendering (\d+) / (\d+) samples")
@@ -91,62 +93,12 @@ class Failure:
     transient: bool = False
 
 
-_KNOWN = [
-    (
-        "missing_file",
-        re.compile(r"Cannot read file '(.+?)': No such file"),
-        "the scene {0} does not exist; check the path or URL",
-    ),
-    (
-        "not_a_blend",
-        re.compile(r"File format is not supported in file '(.+?)'"),
-        "{0} is not a .blend file; upload the scene itself",
-    ),
-    (
-        "corrupt_blend",
-        re.compile(r"Failed to read blend file '(.+?)': (.+)"),
-        "{0} is damaged ({1}); upload it again, it may have been cut short",
-    ),
-    (
-        "bad_frame_argument",
-        re.compile(r"not a number '-f / --render-frame (.+?)'"),
-        "Blender did not understand the frames {0}; this is a gpuflow bug, please report it",
-    ),
-    (
-        "no_denoiser",
-        re.compile(r"Build without OpenImageDenoiser"),
-        "this Blender has no OpenImageDenoise but the scene denoises; set denoise: false or use a Blender build with it",
-    ),
-    (
-        "device_absent",
-        re.compile(r"Found no Cycles device of the specified type"),
-        "Blender found no GPU of the requested Cycles device type here; run on a host with one, or set device: CPU",
-    ),
-    (
-        "device_unknown",
-        re.compile(r"(\S+) is not a valid Cycles device"),
-        "{0} is not a Cycles device name; use CPU, CUDA, OPTIX, HIP, ONEAPI or METAL",
-    ),
-    (
-        "no_camera",
-        re.compile(r"no camera", re.IGNORECASE),
-        "the scene has no active camera; set one in the .blend",
-    ),
-    (
-        "out_of_memory",
-        re.compile(r"out of memory", re.IGNORECASE),
-        "the render ran out of memory; lower the resolution or samples, or use a GPU with more memory",
-    ),
-]
-
-
 def classify(log: RenderLog, exit_code: int | None, signal: int | None = None) -> Failure | None:
     """Return why a Blender run failed, in a sentence, or None when its log shows no failure
     (the frames' files are still to be checked)."""
-    for error in log.errors:
-        for kind, pattern, sentence in _KNOWN:
-            if match := pattern.search(error):
-                return Failure(kind, sentence.format(*match.groups()))
+    for error in log.errors:  # Blender's rows of gpuflow's one table of causes
+        if known := diagnose.match([error], "blender"):
+            return Failure(known.kind, known.message)
     if log.python_error:
         return Failure(
             "python_error",

@@ -342,3 +342,31 @@ def test_crash_hook_tears_down_by_labels(gpuflow_home, tmp_path):
     flow_run = types.SimpleNamespace(id=uuid.UUID(run_id), parameters={"spec": spec.model_dump()})
     _teardown_hook(None, flow_run, None)
     assert leftovers(gpuflow_home)["workspaces"] == [Path(other.workspace).name]  # only its own
+
+
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [
+        (  # a real segmentation fault
+            [sys.executable, "-c", "import ctypes; ctypes.string_at(0)"],
+            "the job failed (signal 11): the program crashed (segmentation fault)",
+        ),
+        (  # a real missing module
+            [sys.executable, "-c", "import gpuflow_no_such_module"],
+            "the job failed (exit 1): Python module gpuflow_no_such_module is not installed"
+            " where the job runs; add it to the job's image or environment",
+        ),
+        (  # a real "no space left" from the kernel (/dev/full always is)
+            [sys.executable, "-c", "f = open('/dev/full', 'w'); f.write('checkpoint'); f.flush()"],
+            "the job failed (exit 1): the disk filled up; raise resources.disk",
+        ),
+    ],
+    ids=["segfault", "missing-module", "disk-full"],
+)
+def test_a_failure_is_explained_with_its_cause_and_fix(prefect_api, gpuflow_home, command, said):
+    from tests.e2e.helpers import artifacts_of
+
+    state, run_id = run_pipeline({"job": {"kind": "command", "command": command}})
+    assert state.is_failed()
+    assert said in state.message  # the run's state message
+    assert said in str(artifacts_of(run_id)["gpuflow-summary"].data)  # the summary artifact
