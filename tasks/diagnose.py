@@ -42,14 +42,14 @@ CAUSES: list[Cause] = [
         "cuda_out_of_memory",
         r"CUDA out of memory\. Tried to allocate ([\d.]+ [KMGT]i?B)",
         "the GPU ran out of memory (it tried to allocate {0} more{context}); lower"
-        " job.batch_size, turn on job.amp or job.activation_checkpointing, or ask for a GPU"
-        " with more memory (resources.gpu_product).",
+        " job.batch_size, keep job.amp: auto, turn on job.activation_checkpointing, or ask"
+        " for a GPU with more memory (resources.gpu_product).",
     ),
     _c(
         "cuda_out_of_memory",
         r"OutOfMemoryError: CUDA out of memory|CUBLAS_STATUS_ALLOC_FAILED",
-        "the GPU ran out of memory{context}; lower job.batch_size, turn on job.amp or"
-        " job.activation_checkpointing, or ask for a GPU with more memory.",
+        "the GPU ran out of memory{context}; lower job.batch_size, keep job.amp: auto, turn"
+        " on job.activation_checkpointing, or ask for a GPU with more memory.",
     ),
     _c(
         "collective_timeout",

@@ -101,6 +101,14 @@ class CheckpointSettings(_Model):
     keep: int = Field(3, ge=1, le=1000, description="How many checkpoints to keep.")
 
 
+class ProfileSettings(_Model):
+    """torch.profiler's schedule: skip `wait` steps, warm up `warmup`, record `active`."""
+
+    wait: int = Field(1, ge=0, le=10_000)
+    warmup: int = Field(1, ge=0, le=10_000)
+    active: int = Field(3, ge=1, le=100)
+
+
 class TrainJob(_Model):
     """Train a model on webdataset shards with torchrun: DDP or FSDP, AMP, checkpoints."""
 
@@ -133,7 +141,23 @@ class TrainJob(_Model):
         False, description="Write each rank's (epoch, sample key) pairs to outputs/keys-rankN.txt."
     )
     checkpoint: CheckpointSettings = CheckpointSettings()
+    profile: ProfileSettings | None = Field(
+        None,
+        description="Record a torch.profiler trace (Chrome trace JSON) of these steps on rank 0,"
+        " with the top operators and each step's data wait vs compute.",
+    )
     torch: bool = True
+
+    @model_validator(mode="after")
+    def _profile_fits(self) -> TrainJob:
+        if self.profile is not None:
+            steps = self.profile.wait + self.profile.warmup + self.profile.active
+            if steps > self.max_steps:
+                raise ValueError(
+                    f"profile: wait + warmup + active is {steps} steps but job.max_steps is"
+                    f" {self.max_steps}; profile fewer steps or train longer"
+                )
+        return self
 
 
 def _chunk(value: Any) -> Any:

@@ -67,7 +67,9 @@ class TrainKind(JobKind):
     def report(self, spec: JobSpec, cluster: Cluster, artifacts: Path, title: str) -> Report:
         from tasks.training.report import summary
 
-        rows, lines = summary(Path(cluster.workspace) / "outputs", artifacts, title)
+        outputs = Path(cluster.workspace) / "outputs"
+        rows, lines = summary(outputs, artifacts, title)
+        _profile_artifacts(outputs, title)
         return Report(rows=rows, lines=lines)
 
     def summary(self, job: dict[str, Any]) -> list[str]:
@@ -85,3 +87,25 @@ class TrainKind(JobKind):
             lines.append(f"  eval at step {job['eval_step']}: loss {job['eval_loss']:.4f}{top1}")
         lines.append(f"  weights: {job['weights']}")
         return lines
+
+
+def _profile_artifacts(outputs: Path, title: str) -> None:
+    """Publish a profiled run's top operators and per-step split as table artifacts."""
+    from prefect.artifacts import create_table_artifact
+
+    from tasks.training.profile import read
+
+    profiled = read(outputs)
+    if profiled is None:
+        return
+    ops, steps = profiled
+    create_table_artifact(
+        key="gpuflow-profile-operators",
+        table=ops,
+        description=f"{title}: operators by self time over the profiled steps",
+    )
+    create_table_artifact(
+        key="gpuflow-profile-steps",
+        table=steps,
+        description=f"{title}: each profiled step, waiting for data vs computing (ms)",
+    )

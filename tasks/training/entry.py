@@ -229,14 +229,45 @@ class Trainer:
         stream = self._stream(urls)
         metrics_log = (self.outputs / "train_metrics.jsonl").open("a") if self.rank == 0 else None
         last_ckpt = time.monotonic()
-        window_start, window_samples, window_tokens = time.perf_counter(), 0, 0
+        window_start = time.perf_counter()
         self.model.train()
+        with self._profiling() as profiler:
+            return self._loop(
+                job, stream, eval_urls, metrics_log, profiler, last_ckpt, window_start
+            )
+
+    def _profiling(self) -> Any:
+        """Return torch.profiler over job.profile's steps on rank 0, else a null context."""
+        settings = self.job.profile
+        if settings is None or self.rank != 0:
+            return contextlib.nullcontext()
+        from tasks.training.profile import StepProfiler
+
+        return StepProfiler(
+            settings.wait, settings.warmup, settings.active, self.outputs, torch.cuda.is_available()
+        )
+
+    def _loop(
+        self,
+        job: TrainJob,
+        stream: Any,
+        eval_urls: list[str] | None,
+        metrics_log: Any,
+        profiler: Any,
+        last_ckpt: float,
+        window_start: float,
+    ) -> int:
+        window_samples, window_tokens = 0, 0
         while self.step < job.max_steps:
+            step_start = time.perf_counter()
+            data_wait = 0.0
             self.optimizer.zero_grad(set_to_none=True)
             total = 0.0
             step_samples = 0
             for micro in range(job.grad_accum):
+                waited = time.perf_counter()
                 batch = next(stream)
+                data_wait += time.perf_counter() - waited
                 self.skipped += batch["skipped"]
                 if self.keys_file:
                     self.keys_file.write("".join(f"{self.epoch}\t{key}\n" for key in batch["keys"]))
@@ -253,6 +284,10 @@ class Trainer:
             self.scaler.update()
             self.scheduler.step()
             self.step += 1
+            if profiler is not None:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()  # the step's kernels belong to its compute time
+                profiler.step(self.step, data_wait, time.perf_counter() - step_start)
             window_samples += step_samples
             self.samples_seen += step_samples
             if self.step % job.log_every == 0 or self.step == job.max_steps:

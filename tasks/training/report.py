@@ -87,4 +87,30 @@ def summary(outputs: Path, out_dir: Path, title: str) -> tuple[list[dict[str, An
             f"- final weights: {result['weights']} (manifest {result['weights_manifest']})"
         )
         lines.append(f"- checkpoints: {result['checkpoints']}")
+    lines += profile_lines(outputs, out_dir)
     return rows, lines
+
+
+def profile_lines(outputs: Path, out_dir: Path) -> list[str]:
+    """Return what a profiled run's summary says: the steps' split and where the trace is."""
+    from tasks.training.profile import PROFILE_DIR, read
+
+    profiled = read(outputs)
+    if profiled is None:
+        return []
+    ops, steps = profiled
+    trace = out_dir / "outputs" / PROFILE_DIR / "trace.json"
+    if not trace.is_file():
+        trace = outputs / PROFILE_DIR / "trace.json"
+    wait = sum(s["data_wait_ms"] for s in steps)
+    compute = sum(s["compute_ms"] for s in steps)
+    share = 100 * wait / (wait + compute) if wait + compute else 0.0
+    lines = [
+        f"- profile of {len(steps)} step(s): data wait {wait:.1f} ms ({share:.0f}%), compute"
+        f" {compute:.1f} ms; trace `{trace}` (open it in Perfetto)"
+    ]
+    if ops:
+        lines.append(
+            f"- top operator by self time: {ops[0]['operator']} ({ops[0]['self_cpu_ms']} ms CPU)"
+        )
+    return lines

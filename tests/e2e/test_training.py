@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import tarfile
 import threading
@@ -302,3 +303,42 @@ def test_bad_inputs_are_refused_before_provisioning(
 def test_batch_size_zero_is_refused():
     with pytest.raises(InvalidSpec, match=r"job\.batch_size must be at least 1"):
         load_spec(train_spec("file:///d", "file:///o", batch_size=0))
+
+
+def test_a_profiled_run_leaves_a_trace_of_its_active_steps_and_tables(
+    s3_dataset, s3_server, gpuflow_home
+):
+    """job.profile {wait 1, warmup 1, active 3}: a Chrome trace of exactly three steps
+    (torch.profiler's ProfilerStep#N marks), the top operators and each step's data wait vs
+    compute as table artifacts; on CPU it works the same."""
+    from tests.e2e.helpers import artifacts_of
+
+    raw = train_spec(
+        s3_dataset,
+        s3_server.url("runs/profiled"),
+        max_steps=8,
+        profile={"wait": 1, "warmup": 1, "active": 3},
+    )
+    state, _ = run(raw)
+    assert state.is_completed(), state.message
+    result = state.result()
+    trace = Path(result.artifacts_dir) / "outputs" / "profile" / "trace.json"
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = {e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"}
+    found = artifacts_of(result.flow_run_id)
+    split = json.loads(found["gpuflow-profile-steps"].data)
+    assert [row["step"] for row in split] == [3, 4, 5]
+    assert all(row["compute_ms"] > 0 and row["data_wait_ms"] >= 0 for row in split)
+    operators = json.loads(found["gpuflow-profile-operators"].data)
+    assert operators and all(row["self_cpu_ms"] >= 0 for row in operators)
+    assert any("aten::" in row["operator"] for row in operators)
+    summary = str(found["gpuflow-summary"].data)
+    assert "profile of 3 step(s): data wait" in summary and "open it in Perfetto" in summary
+
+
+def test_a_profile_longer_than_the_run_is_refused():
+    with pytest.raises(
+        InvalidSpec, match=re.escape("wait + warmup + active is 5 steps but job.max_steps is 4")
+    ):
+        load_spec(train_spec("file:///d", "file:///o", max_steps=4, profile={}))
