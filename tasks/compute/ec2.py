@@ -229,7 +229,7 @@ class Ec2Backend:
                 "tags": json.dumps(tags),
             },
         )
-        nodes, offer, adopted = self._nodes(cluster, ec2, mailbox)
+        nodes, offer, adopted = self._nodes(cluster, fleet, ec2, mailbox)
         return self._with_nodes(cluster, nodes, offer).model_copy(update={"adopted": adopted})
 
     def _with_nodes(self, cluster: Cluster, nodes: list[dict], offer: Offer | None) -> Cluster:
@@ -250,14 +250,13 @@ class Ec2Backend:
         )
 
     def _nodes(
-        self, cluster: Cluster, ec2: Any, mailbox: Mailbox
+        self, cluster: Cluster, fleet: Fleet, ec2: Any, mailbox: Mailbox
     ) -> tuple[list[dict], Offer | None, bool]:
         """Return the run's live nodes (instance and address, node 0 first), the offer
         they were launched from (None when adopted) and whether they were adopted. Nodes
         lost or told of an interruption are terminated and replaced (all of them: a job
         is all or nothing)."""
         spec = JobSpec.model_validate_json(cluster.backend_config["spec"])
-        fleet = self.fleet()
         run_id = cluster.owner[RUN_LABEL]
         with _lock(run_id):
             live = launching.owned_instances(ec2, run_id, ["pending", "running"])
@@ -364,7 +363,7 @@ class Ec2Backend:
         self._beat(mailbox, spec.limits.orphan_after)
         tags = json.loads(cluster.backend_config["tags"])
         self._put_secret(secrets, run_id, tags, dict(env))
-        nodes, _, _ = self._nodes(cluster, ec2, mailbox)
+        nodes, _, _ = self._nodes(cluster, fleet, ec2, mailbox)
         instance = nodes[unit.node]["instance_id"]
         name = f"{unit.name}-{uuid.uuid4().hex[:6]}"  # each try a unit of its own
         command = _moved(list(unit.command), cluster.hosts(), [n["address"] for n in nodes])

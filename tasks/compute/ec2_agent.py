@@ -104,7 +104,6 @@ class Agent:
         self.interrupted: Notice | None = None
         self.api_key: str | None = None
         self.env: dict[str, str] = {}
-        self.ending = threading.Event()
 
     # -- what the run hears ------------------------------------------------------------
 
@@ -165,7 +164,7 @@ class Agent:
             self.imds, self._notice, self.config.notice_every_s, lambda why: self.say(why, 30)
         )
         with watcher:
-            while not self.ending.is_set():
+            while True:  # until it ends its instance (end_self returns)
                 if time.monotonic() - beat_read >= HEARTBEAT_READ_S:
                     beat_read = time.monotonic()
                     with contextlib.suppress(Exception):  # S3 away: the clock runs on
@@ -190,8 +189,7 @@ class Agent:
                     if trouble != type(exc).__name__:
                         self.say(f"could not read the mailbox ({type(exc).__name__}: {exc})", 30)
                     trouble = type(exc).__name__
-                self.ending.wait(self.config.poll_s)
-        return 0
+                time.sleep(self.config.poll_s)
 
     def _take_units(self) -> None:
         under = f"nodes/{self.instance_id}/units/"

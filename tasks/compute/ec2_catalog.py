@@ -117,22 +117,10 @@ def fleet_named(name: str | None, field: str = "placement.block") -> Fleet:
 
 
 def aws_client(fleet: Fleet, service: str) -> Any:
-    """Return a boto3 client of `service` for the fleet (see ec2_client)."""
-    import boto3
-
-    ec2_client(fleet)  # the region's check
-    params: dict[str, Any] = {"region_name": fleet.region}
-    if fleet.aws_credentials:
-        from tasks.storage import S3Settings
-
-        params |= S3Settings.from_block(fleet.aws_credentials).client_kwargs()
-    return boto3.client(service, **params)
-
-
-def ec2_client(fleet: Fleet) -> Any:
-    """Return an EC2 client for the fleet's region: the AwsCredentials block's keys and
-    endpoint, else boto3's own chain (AWS_* variables incl. AWS_ENDPOINT_URL, profile,
-    instance profile). InvalidSpec for a region AWS does not have."""
+    """Return a boto3 client of `service` for the fleet's region: the AwsCredentials
+    block's keys and endpoint, else boto3's own chain (AWS_* variables incl.
+    AWS_ENDPOINT_URL, profile, instance profile). InvalidSpec for a region AWS does not
+    have, or a credentials block that does not exist."""
     import boto3
 
     session = boto3.session.Session()
@@ -157,7 +145,12 @@ def ec2_client(fleet: Fleet) -> Any:
                 str(exc).replace("storage.aws_credentials", fleet.field("aws_credentials"))
             ) from None
         params |= settings.client_kwargs()
-    return boto3.client("ec2", **params)
+    return boto3.client(service, **params)
+
+
+def ec2_client(fleet: Fleet) -> Any:
+    """Return an EC2 client for the fleet (see aws_client)."""
+    return aws_client(fleet, "ec2")
 
 
 def aws_error(exc: Exception, fleet: Fleet, doing: str) -> InvalidSpec:
