@@ -479,6 +479,27 @@ class Storage(_Model):
         return value
 
 
+class IdleGpu(_Model):
+    """Give back GPUs a job holds but does not use: every GPU it holds under `below_pct`
+    for `for` in a row is idle."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, populate_by_name=True, serialize_by_alias=True
+    )
+
+    below_pct: float = Field(
+        5.0, gt=0, le=100, description="A GPU under this utilisation (in %) is idle."
+    )
+    for_: Seconds = Field(
+        900.0, alias="for", ge=1, description="How long the GPUs must stay idle, e.g. 15m."
+    )
+    action: Literal["warn", "stop"] = Field(
+        "warn",
+        description="warn: a log line and the event gpuflow.gpu.idle; stop: those, then the"
+        " job is stopped (SIGTERM first: training checkpoints) and the run fails saying why.",
+    )
+
+
 class Limits(_Model):
     max_duration: Seconds = Field(
         24 * 3600.0, gt=0, description="Longest the job may run, e.g. 2h; it is stopped after."
@@ -492,6 +513,9 @@ class Limits(_Model):
         ge=10,
         description="ec2: an instance whose orchestrator has been silent this long stops its"
         " job and terminates itself, e.g. 15m.",
+    )
+    idle_gpu: IdleGpu | None = Field(
+        None, description="Warn about, or stop, a job whose GPUs stay idle, e.g. {for: 15m}."
     )
 
 
@@ -567,6 +591,24 @@ class JobSpec(_Model):
             raise ValueError(f"{both[0]} is in both env and secret_env; keep it in one of them")
         return self
 
+    @model_validator(mode="after")
+    def _idle_gpu_watchable(self) -> JobSpec:
+        idle = self.limits.idle_gpu
+        if idle is None:
+            return self
+        if self.resources.gpus == 0:
+            raise ValueError(
+                "limits.idle_gpu watches the job's GPUs but resources.gpus is 0;"
+                " ask for GPUs or remove limits.idle_gpu"
+            )
+        if idle.for_ < 2 * self.metrics.interval_s:
+            raise ValueError(
+                f"limits.idle_gpu.for ({idle.for_:g} s) is shorter than two samples"
+                f" (metrics.interval_s is {self.metrics.interval_s:g} s); make it at least"
+                f" {2 * self.metrics.interval_s:g} s"
+            )
+        return self
+
 
 def _field_names(loc: tuple[Any, ...]) -> list[str]:
     """Return the field names allowed where `loc` points, for 'did you mean' hints."""
@@ -583,7 +625,7 @@ def _field_names(loc: tuple[Any, ...]) -> list[str]:
         if annotation is None:
             return []
         model = annotation
-    return list(model.model_fields)
+    return [field.alias or name for name, field in model.model_fields.items()]
 
 
 def _sentence(error: dict[str, Any]) -> str:
@@ -609,7 +651,10 @@ def _sentence(error: dict[str, Any]) -> str:
     msg = error["msg"].removeprefix("Value error, ")
     if kind == "value_error":
         # model-level checks already name their fields in full
-        return msg if msg.startswith(where + ".") else f"{where}: {msg}"
+        named = msg.startswith(where + ".") or (
+            where == "spec" and msg.split(".", 1)[0] in JobSpec.model_fields
+        )
+        return msg if named else f"{where}: {msg}"
     bound = {"greater_than_equal": "ge", "greater_than": "gt", "less_than_equal": "le"}.get(kind)
     if bound:
         limit = error["ctx"][bound]

@@ -38,6 +38,7 @@ from tasks.errors import (
 from tasks.jobs import kind_of
 from tasks.logstream import LineBatcher, job_output_sink
 from tasks.metrics import cost as pricing
+from tasks.metrics.idle import IdleWatch, watch_of
 from tasks.metrics.plot import utilisation_png
 from tasks.metrics.prometheus import LivePush, delete, exposition, push
 from tasks.metrics.sampler import SAMPLES, Sampler, read_samples
@@ -50,7 +51,7 @@ from tasks.storage import s3_settings
 class RunOutcome(BaseModel):
     result: JobResult
     failure: str | None = None  # one sentence when the job failed deterministically
-    stopped_by: str | None = None  # "max_duration" or "max_cost_usd" when a limit stopped it
+    stopped_by: str | None = None  # the limit that stopped it: max_duration, max_cost_usd, idle_gpu
 
 
 def retry_when_retryable(task: Any, task_run: Any, state: Any) -> bool:
@@ -166,7 +167,7 @@ def run(
 
     with (
         LineBatcher(job_output_sink(logger)) as lines,
-        sampling(spec, cluster, flow_run_id, logger.warning),
+        sampling(spec, cluster, flow_run_id, logger.warning) as idle,
     ):
         units = kind_of(spec).units(spec, cluster)
 
@@ -186,10 +187,12 @@ def run(
             env,
             timeout,
             sink,
-            cancel_requested(flow_run_id),
+            stop_check(flow_run_id),
             spec.limits.stop_grace_s,
         )
     result = result.model_copy(update={"log_tail": [redact(line) for line in result.log_tail]})
+    if idle is not None and idle.stopped():  # stopped for idling, not cancelled or preempted
+        return RunOutcome(result=result, failure=idle.sentence(), stopped_by="idle_gpu")
     if result.cancelled:
         raise JobCancelled("the run was cancelled while the job ran; the job was stopped")
     if result.exit_code == PREEMPTED_EXIT_CODE:
@@ -280,20 +283,58 @@ def time_limit(spec: JobSpec, cluster: Cluster, prices: pricing.PriceTable) -> t
 @contextlib.contextmanager
 def sampling(
     spec: JobSpec, cluster: Cluster, flow_run_id: str, warn: Callable[..., None]
-) -> Iterator[None]:
+) -> Iterator[IdleWatch | None]:
     """Sample GPU/host metrics into the workspace (and push them live when a Pushgateway
-    is configured) while the body runs."""
+    is configured) while the body runs; yield the idle watch when limits.idle_gpu is set."""
+    idle = spec.limits.idle_gpu
     if getattr(get_backend(cluster.backend), "samples_nodes", False):
-        yield  # the backend's nodes sample themselves (EC2's agents)
+        if idle is not None:
+            warn(
+                "limits.idle_gpu is not enforced on %s: its nodes sample themselves; the"
+                " reclaim flow watches them through the Pushgateway",
+                cluster.backend,
+            )
+        yield None  # the backend's nodes sample themselves (EC2's agents)
         return
-    live = None
+    consumers: list[Callable[[dict[str, Any]], None]] = []
     if spec.metrics.pushgateway:
-        live = LivePush(
-            spec.metrics.pushgateway, flow_run_id, spec.name, spec.metrics.push_interval_s, warn
+        consumers.append(
+            LivePush(
+                spec.metrics.pushgateway, flow_run_id, spec.name, spec.metrics.push_interval_s, warn
+            )
         )
+    watch = IdleWatch(idle, flow_run_id, spec.name, warn) if idle is not None else None
+    if watch is not None:
+        consumers.append(watch)
+
+    def on_sample(sample: dict[str, Any]) -> None:
+        for consume in consumers:
+            consume(sample)
+
     samples = Path(cluster.workspace) / SAMPLES
-    with Sampler(samples, cluster.gpu_indices, spec.metrics.interval_s, on_sample=live):
-        yield
+    with (
+        Sampler(samples, cluster.gpu_indices, spec.metrics.interval_s, on_sample=on_sample),
+        watch if watch is not None else contextlib.nullcontext(),
+    ):
+        yield watch
+
+
+def stop_check(flow_run_id: str) -> Callable[[], bool]:
+    """Return the run stage's stop check: the run was cancelled in the API, or its idle
+    watch (limits.idle_gpu with action stop) says so."""
+    cancelled = cancel_requested(flow_run_id)
+
+    def check() -> bool:
+        watch = watch_of(flow_run_id)
+        return (watch is not None and watch.stopped()) or cancelled()
+
+    return check
+
+
+def idle_stop(flow_run_id: str) -> str | None:
+    """Return why the idle watch stopped this run's job, if it did."""
+    watch = watch_of(flow_run_id)
+    return watch.sentence() if watch is not None and watch.stopped() else None
 
 
 def _priced(spec: JobSpec, cluster: Cluster) -> dict[str, Any]:

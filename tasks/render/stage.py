@@ -35,7 +35,14 @@ from tasks.render.argv import output_pattern
 from tasks.render.frames import ChunkSizer, label
 from tasks.render.output import FrameRecord, SavedFrames, Uploader, existing_frames, frame_url
 from tasks.spec import JobSpec, RenderJob
-from tasks.stages import RunOutcome, cancel_requested, retry_when_retryable, sampling, time_limit
+from tasks.stages import (
+    RunOutcome,
+    idle_stop,
+    retry_when_retryable,
+    sampling,
+    stop_check,
+    time_limit,
+)
 from tasks.storage import s3_settings, store_for
 
 # Failures after which Blender still renders every frame, but not as asked.
@@ -185,7 +192,7 @@ def render_chunk(
             env,
             max(1.0, deadline - time.time()),
             on_line,
-            cancel_requested(flow_run_id),
+            stop_check(flow_run_id),
             grace_s=spec.limits.stop_grace_s,
         )
     finally:
@@ -199,6 +206,9 @@ def render_chunk(
         result.per_frame_s = (saved_at[-1] - saved_at[0]) / (len(saved_at) - 1)
         result.startup_s = max(0.0, saved_at[0] - started - result.per_frame_s)
     result.rendered = sorted(progress.done(todo))
+    idled = idle_stop(flow_run_id)
+    if run.cancelled and idled:
+        raise ChunkFailed(f"chunk {index} (frames {label(todo)}): {idled.rstrip('.')}.")
     if run.cancelled:
         raise JobCancelled("the run was cancelled while frames rendered; Blender was stopped")
     missing = [f for f in todo if f not in result.rendered]

@@ -123,3 +123,31 @@ class Platform:
 
     def state(self) -> dict:
         return json.loads((self.home / "platform" / "state.json").read_text())
+
+
+def events_named(name: str, resource_id: str, wait_s: float = 30.0) -> list[dict]:
+    """Return the events called `name` about `resource_id` the Prefect server holds, once
+    at least one has arrived (events travel through a background worker)."""
+    import time
+
+    import httpx
+    from prefect.events.worker import EventsWorker
+    from prefect.settings import PREFECT_API_URL
+
+    EventsWorker.drain_all()
+    body = {
+        "filter": {
+            "event": {"name": [name]},
+            "any_resource": {"id": [resource_id]},
+            "occurred": {"since": "2000-01-01T00:00:00Z"},
+        },
+        "limit": 50,
+    }
+    deadline = time.monotonic() + wait_s
+    while True:
+        answer = httpx.post(f"{PREFECT_API_URL.value()}/events/filter", json=body, timeout=10)
+        answer.raise_for_status()
+        found = answer.json()["events"]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)

@@ -370,3 +370,61 @@ def test_a_failure_is_explained_with_its_cause_and_fix(prefect_api, gpuflow_home
     assert state.is_failed()
     assert said in state.message  # the run's state message
     assert said in str(artifacts_of(run_id)["gpuflow-summary"].data)  # the summary artifact
+
+
+SAVES_ON_SIGTERM = """
+import os, signal, sys, time
+def save(*_):
+    with open(os.path.join(os.environ["GPUFLOW_OUTPUT_DIR"], "saved.txt"), "w") as f:
+        f.write("checkpoint")
+    sys.exit(75)
+signal.signal(signal.SIGTERM, save)
+print("working", flush=True)
+time.sleep(120)
+"""
+
+
+def _idle_spec(command: list[str], action: str) -> dict:
+    return {
+        "name": "idler",
+        "job": {"kind": "command", "command": command},
+        "resources": {"gpus": 1},
+        "metrics": {"interval_s": 0.1},
+        "limits": {"idle_gpu": {"below_pct": 5, "for": "1s", "action": action}},
+        "retry": {"run": {"retries": 2, "delay_s": 0.01}},
+    }
+
+
+def test_idle_gpus_stop_the_job_which_saves_first(prefect_api, gpuflow_home, fake_nvml):
+    """A job holding a GPU at 0 % is warned about, gets SIGTERM (it saves), and the run
+    ends saying why; the exit 75 of its save is not taken for a preemption to retry."""
+    from tests.e2e.helpers import artifacts_of, events_named, logs_of, task_runs_of
+
+    fake_nvml.config["util"] = 0
+    state, run_id = run_pipeline(_idle_spec([sys.executable, "-c", SAVES_ON_SIGTERM], "stop"))
+    assert state.is_failed()
+    assert "the job was stopped because its GPUs (0) were under 5% busy" in state.message
+    assert "raise limits.idle_gpu.for" in state.message
+    assert "was stopped because" in str(artifacts_of(run_id)["gpuflow-summary"].data)
+    [run_task] = [t for t in task_runs_of(run_id) if t.name.startswith("run")]
+    assert run_task.run_count == 1  # not retried
+    saved = list((gpuflow_home / "runs").glob("idler-*/outputs/saved.txt"))
+    assert [p.read_text() for p in saved] == ["checkpoint"]
+    assert any("idle GPUs:" in line and "stopping the job" in line for line in logs_of(run_id))
+    [event] = events_named("gpuflow.gpu.idle", f"gpuflow.run.{run_id}")
+    assert event["payload"]["action"] == "stop" and event["payload"]["gpus"] == [0]
+    assert event["payload"]["idle_s"] >= 1
+    assert nothing_left(gpuflow_home)
+
+
+def test_idle_gpus_with_action_warn_only_warn(prefect_api, gpuflow_home, fake_nvml):
+    from tests.e2e.helpers import events_named, logs_of
+
+    fake_nvml.config["util"] = 0
+    state, run_id = run_pipeline(
+        _idle_spec([sys.executable, "-c", "import time; time.sleep(2)"], "warn")
+    )
+    assert state.is_completed(), state.message
+    assert any("the job goes on (action: warn)" in line for line in logs_of(run_id))
+    [event] = events_named("gpuflow.gpu.idle", f"gpuflow.run.{run_id}")
+    assert event["payload"]["action"] == "warn" and event["payload"]["job"] == "idler"

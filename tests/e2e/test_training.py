@@ -342,3 +342,26 @@ def test_a_profile_longer_than_the_run_is_refused():
         InvalidSpec, match=re.escape("wait + warmup + active is 5 steps but job.max_steps is 4")
     ):
         load_spec(train_spec("file:///d", "file:///o", max_steps=4, profile={}))
+
+
+def test_idle_gpus_stop_training_after_a_checkpoint(
+    s3_dataset, s3_server, gpuflow_home, aws_block, fake_nvml
+):
+    """limits.idle_gpu with action stop: the trainer gets SIGTERM, saves a checkpoint, and
+    the run fails saying why instead of being retried as a preemption."""
+    fake_nvml.config["util"] = 0  # the GPUs it holds do nothing
+    raw = train_spec(s3_dataset, s3_server.url("runs/idle"), max_steps=100000)
+    raw |= {
+        "resources": {"gpus": 1, "allow_cpu": True},
+        "metrics": {"interval_s": 0.2},
+        "limits": {"idle_gpu": {"for": "15s", "action": "stop"}},  # after start-up
+    }
+    state, run_id = run(raw)
+    assert state.is_failed()
+    assert "limits.idle_gpu" in state.message and "was stopped because" in state.message
+    [run_task] = [t for t in task_runs_of(run_id) if t.name.startswith("run")]
+    assert run_task.run_count == 1
+    assert "preempted at step" in "\n".join(logs_of(run_id))  # it saved on SIGTERM
+    store = S3Store(s3_server.settings())
+    assert store.list(s3_server.url("runs/idle/checkpoints"))
+    assert nothing_left(gpuflow_home)

@@ -7,6 +7,7 @@ FAKE_NVML_NAME      device name                       (default "NVIDIA H100 80GB
 FAKE_NVML_DRIVER    driver version                    (default 550.54.14)
 FAKE_NVML_CUDA      CUDA driver version as NVML gives it (default 12040)
 FAKE_NVML_FREE_MIB  free memory per GPU               (default 80000)
+FAKE_NVML_UTIL      GPU utilisation in %              (default 87 + the GPU's index)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ config = {
     "driver": os.environ.get("FAKE_NVML_DRIVER", "550.54.14"),
     "cuda": int(os.environ.get("FAKE_NVML_CUDA", "12040")),
     "free_mib": float(os.environ.get("FAKE_NVML_FREE_MIB", "80000")),
+    "util": float(os.environ["FAKE_NVML_UTIL"]) if "FAKE_NVML_UTIL" in os.environ else None,
 }
 calls = {"init": 0, "shutdown": 0}
 _energy = {}
@@ -87,7 +89,8 @@ def nvmlDeviceGetMemoryInfo(handle: int) -> SimpleNamespace:
 
 
 def nvmlDeviceGetUtilizationRates(handle: int) -> SimpleNamespace:
-    return SimpleNamespace(gpu=87 + handle, memory=40)
+    util = config["util"]
+    return SimpleNamespace(gpu=87 + handle if util is None else util, memory=40)
 
 
 def nvmlDeviceGetPowerUsage(handle: int) -> int:
