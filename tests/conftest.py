@@ -240,3 +240,63 @@ def pushgateway(tmp_path):
     yield url
     os.kill(proc.pid, signal.SIGTERM)
     proc.wait(timeout=10)
+
+
+class PrometheusServer:
+    def __init__(self, url: str, gateway: str) -> None:
+        self.url, self.gateway = url, gateway
+
+    def query(self, promql: str) -> list[dict]:
+        import json
+        import urllib.parse
+        import urllib.request
+
+        address = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+        with urllib.request.urlopen(address, timeout=10) as answer:
+            return json.load(answer)["data"]["result"]
+
+
+@pytest.fixture
+def prometheus(pushgateway, tmp_path) -> Iterator[PrometheusServer]:
+    """A real Prometheus on loopback scraping the Pushgateway every second (honor_labels,
+    as infra/prometheus says), with gpuflow's rules loaded; stopped by PID."""
+    import shutil
+    import signal
+    import subprocess
+
+    binary = shutil.which("prometheus")
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("prometheus is not installed; scripts/test.sh installs it")
+        pytest.skip("prometheus is not installed (scripts/test.sh installs it)")
+    rules = Path(__file__).resolve().parents[1] / "infra" / "prometheus" / "gpuflow-rules.yml"
+    config = tmp_path / "prometheus.yml"
+    target = pushgateway.removeprefix("http://")
+    config.write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: [{rules}]\n"
+        "scrape_configs:\n"
+        "  - job_name: pushgateway\n"
+        "    honor_labels: true\n"
+        f"    static_configs: [{{targets: ['{target}']}}]\n"
+    )
+    port = free_port()
+    log = (tmp_path / "prometheus.log").open("w")
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'prometheus-data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=log,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_serving(f"{url}/-/ready", seconds=60)
+        yield PrometheusServer(url, pushgateway)
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        log.close()

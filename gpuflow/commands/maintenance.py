@@ -35,10 +35,48 @@ def add(commands: Any) -> list[tuple[str, str]]:
     reap_parser.set_defaults(
         handler=lambda args: reap(args.dry_run, args.backend, args.namespace, args.block)
     )
+    recl = commands.add_parser(
+        "reclaim",
+        description="Cancel runs whose GPUs stayed idle, from what Prometheus holds of their"
+        " live samples (runs tagged gpuflow.io/keep are spared).",
+    )
+    recl.add_argument("--prometheus", required=True, help="e.g. http://127.0.0.1:9090")
+    recl.add_argument("--below-pct", type=float, default=5.0, help="idle under this %% (5)")
+    recl.add_argument("--window", default="15m", help="idle this long: warned (15m)")
+    recl.add_argument("--grace", default="10m", help="then this much longer: cancelled (10m)")
+    recl.add_argument("--dry-run", action="store_true", help="say what would go; cancel nothing")
+    recl.set_defaults(
+        handler=lambda args: reclaim(
+            args.prometheus, args.below_pct, args.window, args.grace, args.dry_run
+        )
+    )
     return [
         ("preflight", "check this host: GPUs, driver, CUDA, torch, disk"),
         ("reap", "tear down what killed runs left on this host"),
+        ("reclaim", "cancel runs whose GPUs stayed idle (from Prometheus)"),
     ]
+
+
+def reclaim(prometheus: str, below_pct: float, window: str, grace: str, dry_run: bool) -> int:
+    """Print what one reclaim pass found, and what it cancelled (or would)."""
+    from gpuflow import session
+    from tasks.errors import InvalidSpec, TransientError
+    from tasks.platform import reclaim as reclaiming
+
+    try:
+        settings = reclaiming.check(prometheus, below_pct, window, grace)
+    except InvalidSpec as exc:
+        return invalid(exc)
+
+    def one_pass(api: Any) -> int:
+        try:
+            reclaiming.reclaim_pass(settings, dry_run, print)
+        except TransientError as exc:
+            session.fail(str(exc))
+            return EXIT_FAILED
+        return EXIT_OK
+
+    return session.with_api(one_pass, temporary=False)
 
 
 def preflight(path: str | None, as_json: bool) -> int:
