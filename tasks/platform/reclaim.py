@@ -13,6 +13,7 @@ Each pass decides from what Prometheus holds now, so no state is kept between pa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import urllib.error
@@ -106,10 +107,8 @@ def query(prometheus_url: str, promql: str, timeout_s: float = 30.0) -> list[dic
             body = json.load(answer)
     except urllib.error.HTTPError as exc:
         detail = exc.read()[:300].decode(errors="replace")
-        try:
+        with contextlib.suppress(ValueError, AttributeError):
             detail = json.loads(detail).get("error", detail)
-        except ValueError:
-            pass
         raise TransientError(
             f"Prometheus at {prometheus_url} refused {promql!r}: {detail}"
         ) from None
