@@ -42,7 +42,7 @@ from tasks.metrics.idle import IdleWatch, watch_of
 from tasks.metrics.plot import utilisation_png
 from tasks.metrics.prometheus import LivePush, delete, exposition, push
 from tasks.metrics.sampler import SAMPLES, Sampler, read_samples
-from tasks.metrics.summary import RunMetrics, summarise
+from tasks.metrics.summary import IDLE_PCT, RunMetrics, summarise
 from tasks.outputs import copy_outputs
 from tasks.spec import JobSpec, Placement, StageRetry
 from tasks.storage import s3_settings
@@ -347,6 +347,12 @@ def _priced(spec: JobSpec, cluster: Cluster) -> dict[str, Any]:
     }
 
 
+def _product(cluster: Cluster) -> str:
+    """Return the GPU product the run held ("none" for CPU only, "mixed" for several)."""
+    products = sorted(set(cluster.gpu_products))
+    return "none" if not cluster.gpu_indices or not products else " + ".join(products)
+
+
 def failure_context(spec: JobSpec, cluster: Cluster) -> dict[str, Any]:
     """Return what makes a diagnosis precise: the GPU memory peak the samples saw and the
     job's batch size."""
@@ -422,7 +428,14 @@ def collect(
         except json.JSONDecodeError as exc:
             raise CollectError(f"the job wrote an unreadable result.json: {exc}") from None
     run_cost = pricing.run_cost(prices, **_priced(spec, cluster), seconds=outcome.result.duration_s)
-    metrics = summarise(samples, outcome.result.duration_s, len(cluster.gpu_indices), run_cost)
+    idle = spec.limits.idle_gpu
+    metrics = summarise(
+        samples,
+        outcome.result.duration_s,
+        len(cluster.gpu_indices),
+        run_cost,
+        idle_pct=idle.below_pct if idle is not None else IDLE_PCT,
+    )
     metrics = metrics.model_copy(update={"job": job_result})
     (out / "metrics.json").write_text(metrics.model_dump_json(indent=2))
     text = exposition(samples[-1] if samples else None, metrics, flow_run_id, spec.name)
@@ -446,6 +459,12 @@ def collect(
         for k, v in metrics.model_dump(exclude={"job", "cost_breakdown"}).items()
     ]
     rows += [{"metric": f"job.{k}", "value": v} for k, v in job_result.items()]
+    rows += [  # what the cost report groups by
+        {"metric": "run.job", "value": spec.name},
+        {"metric": "run.backend", "value": cluster.backend},
+        {"metric": "run.gpu_product", "value": _product(cluster)},
+        {"metric": "run.outcome", "value": "failed" if outcome.failure else "completed"},
+    ]
     rows += kind_report.rows
     create_table_artifact(key="gpuflow-metrics", table=rows, description=f"Metrics for {spec.name}")
     lines = [

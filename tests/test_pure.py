@@ -138,6 +138,13 @@ def test_summary_uses_energy_counter_and_gpu_hours():
     assert metrics.cost_usd == pytest.approx(12.29)
 
 
+def test_idle_gpu_hours_are_the_share_of_readings_under_the_threshold():
+    samples = [_sample(t, util, 1_000_000 + t) for t, util in enumerate([0, 2, 50, 90])]
+    cost = run_cost(PriceTable(), "local", [], 0, 0, 7200)
+    assert summarise(samples, 7200, 2, cost).gpu_hours_idle == pytest.approx(2.0)  # 2 of 4
+    assert summarise(samples, 7200, 2, cost, idle_pct=60).gpu_hours_idle == pytest.approx(3.0)
+
+
 def test_summary_without_gpus_says_so():
     samples = [
         {"t": 0, "Hostname": "h", "host": {"cpu_percent": 10.0, "memory_used_bytes": 5}, "gpus": []}

@@ -33,6 +33,7 @@ _HOST = {
 _SUMMARY = {
     "gpuflow_run_duration_seconds": ("duration_s", "Wall time of the job."),
     "gpuflow_run_gpu_hours": ("gpu_hours", "GPUs held times hours."),
+    "gpuflow_run_gpu_hours_idle": ("gpu_hours_idle", "GPU-hours held under 5% utilization."),
     "gpuflow_run_cost_usd": ("cost_usd", "Cost of the resources held for the job."),
     "gpuflow_run_gpu_util_mean": ("gpu_util_mean", "Mean GPU utilization over the run (in %)."),
     "gpuflow_run_gpu_memory_peak_mib": ("gpu_memory_peak_mib", "Peak framebuffer used (in MiB)."),

@@ -10,6 +10,8 @@ from pydantic import BaseModel
 
 from tasks.metrics.cost import Cost
 
+IDLE_PCT = 5.0  # a GPU under this utilisation (in %) is idle, unless limits.idle_gpu says
+
 
 class RunMetrics(BaseModel):
     samples: int
@@ -23,6 +25,7 @@ class RunMetrics(BaseModel):
     gpu_power_mean_w: float | None = None
     energy_j: float | None = None
     gpu_hours: float = 0.0
+    gpu_hours_idle: float = 0.0  # the share of gpu_hours its GPUs sat under IDLE_PCT
     host_cpu_mean: float | None = None
     host_memory_peak_bytes: int | None = None
     cost_usd: float = 0.0
@@ -56,6 +59,7 @@ def summarise(
     gpu_count: int,
     cost: Cost,
     gpu_note: str = "",
+    idle_pct: float = IDLE_PCT,
 ) -> RunMetrics:
     """Return the run's summary: utilisation, memory, energy, GPU-hours and cost."""
     gpus = [g for s in samples for g in s["gpus"]]
@@ -65,6 +69,8 @@ def summarise(
     cpus = [s["host"]["cpu_percent"] for s in samples]
     host_mem = [s["host"]["memory_used_bytes"] for s in samples]
     seen = bool(gpus)
+    gpu_hours = gpu_count * duration_s / 3600.0
+    idle_share = sum(u < idle_pct for u in utils) / len(utils) if utils else 0.0
     note = gpu_note or ("" if seen else "no GPU was seen: host CPU and memory only")
     return RunMetrics(
         samples=len(samples),
@@ -77,7 +83,8 @@ def summarise(
         gpu_memory_peak_mib=max(mems) if mems else None,
         gpu_power_mean_w=fmean(powers) if powers else None,
         energy_j=_energy_j(samples),
-        gpu_hours=gpu_count * duration_s / 3600.0,
+        gpu_hours=gpu_hours,
+        gpu_hours_idle=gpu_hours * idle_share,
         host_cpu_mean=fmean(cpus) if cpus else None,
         host_memory_peak_bytes=max(host_mem) if host_mem else None,
         cost_usd=cost.usd,
