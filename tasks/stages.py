@@ -438,7 +438,8 @@ def collect(
     )
     metrics = metrics.model_copy(update={"job": job_result})
     (out / "metrics.json").write_text(metrics.model_dump_json(indent=2))
-    text = exposition(samples[-1] if samples else None, metrics, flow_run_id, spec.name)
+    ended = "failed" if outcome.failure else "completed"
+    text = exposition(samples[-1] if samples else None, metrics, flow_run_id, spec.name, ended)
     (out / "metrics.prom").write_text(text)
     png = (
         utilisation_png(samples, out / "utilisation.png", f"{spec.name} {flow_run_id[:8]}")
@@ -448,7 +449,7 @@ def collect(
     pushed = None
     if spec.metrics.pushgateway:
         try:
-            totals = exposition(None, metrics, flow_run_id, spec.name)  # no stale GPU gauges
+            totals = exposition(None, metrics, flow_run_id, spec.name, ended)  # no GPU gauges
             pushed = push(spec.metrics.pushgateway, totals, flow_run_id, spec.name)
             delete(spec.metrics.pushgateway, flow_run_id, spec.name, "run")
         except TransientError as exc:
@@ -463,7 +464,7 @@ def collect(
         {"metric": "run.job", "value": spec.name},
         {"metric": "run.backend", "value": cluster.backend},
         {"metric": "run.gpu_product", "value": _product(cluster)},
-        {"metric": "run.outcome", "value": "failed" if outcome.failure else "completed"},
+        {"metric": "run.outcome", "value": ended},
     ]
     rows += kind_report.rows
     create_table_artifact(key="gpuflow-metrics", table=rows, description=f"Metrics for {spec.name}")

@@ -231,7 +231,9 @@ def pushgateway(tmp_path):
         pytest.skip("prometheus-pushgateway is not installed (scripts/test.sh installs it)")
     port = free_port()
     proc = subprocess.Popen(
-        [binary, f"--web.listen-address=127.0.0.1:{port}"],
+        # Debian's build persists every group to one file in /var/lib by default: groups
+        # from another test (or session) would come back; this one keeps them in memory.
+        [binary, f"--web.listen-address=127.0.0.1:{port}", "--persistence.file="],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -254,6 +256,14 @@ class PrometheusServer:
         address = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
         with urllib.request.urlopen(address, timeout=10) as answer:
             return json.load(answer)["data"]["result"]
+
+    def query_names(self) -> list[str]:
+        """Return the names of every metric Prometheus holds."""
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.url}/api/v1/label/__name__/values", timeout=10) as a:
+            return json.load(a)["data"]
 
 
 @pytest.fixture

@@ -60,8 +60,10 @@ def exposition(
     summary: RunMetrics | None,
     flow_run_id: str,
     job: str,
+    outcome: str | None = None,
 ) -> str:
-    """Return the Prometheus text format for a sample (GPUs and host) and/or a run summary."""
+    """Return the Prometheus text format for a sample (GPUs and host) and/or a run summary
+    (with `outcome`, "completed" or "failed", as gpuflow_run_outcome)."""
     lines: list[str] = []
     run = {"flow_run_id": flow_run_id, "job": job}
     if sample:
@@ -92,6 +94,13 @@ def exposition(
             value = getattr(summary, attr)
             if value is not None:
                 lines += _family(name, help_text, "gauge", [(run, value)])
+        if outcome is not None:
+            lines += _family(
+                "gpuflow_run_outcome",
+                "1 for the way the run ended (label outcome: completed or failed).",
+                "gauge",
+                [(run | {"outcome": outcome}, 1)],
+            )
     return "\n".join(lines) + "\n"
 
 
