@@ -207,7 +207,13 @@ def run(
     )
     return RunOutcome(
         result=result,
-        failure=_failure(result, timeout, stopped_by, reason, failure_context(spec, cluster)),
+        failure=_failure(
+            result,
+            timeout,
+            stopped_by,
+            reason,
+            failure_context(spec, cluster) | {"memory_events": result.memory_events},
+        ),
         stopped_by=stopped_by if result.timed_out else None,
     )
 

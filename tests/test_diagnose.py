@@ -146,3 +146,18 @@ def test_blender_rows_read_blenders_errors_only():
     assert match(["Error: out of memory"], "blender").kind == "out_of_memory"
     assert match(["no camera here"]) is None  # Blender's rows do not read other logs
     assert {c.program for c in CAUSES} == {"any", "blender"}
+
+
+def test_a_pod_the_kubelet_oom_killed_is_diagnosed_from_its_status():
+    from tasks.compute.kubernetes import _terminated
+
+    status = {
+        "phase": "Failed",
+        "containerStatuses": [
+            {"name": "job", "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}
+        ],
+    }
+    ended = _terminated(status)
+    assert ended["signal"] == 9 and ended["memory_events"] == {"oom_kill": 1}
+    found = diagnose(None, ended["signal"], [], {"memory_events": ended["memory_events"]})
+    assert found is not None and found.kind == "oom_killed"

@@ -77,6 +77,8 @@ class JobResult(BaseModel):
     timed_out: bool = False
     cancelled: bool = False
     log_tail: list[str] = []
+    # counts from the job's memory cgroup over this run (oom_kill: out-of-memory kills)
+    memory_events: dict[str, int] = {}
 
 
 class TeardownReport(BaseModel):

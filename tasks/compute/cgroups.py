@@ -63,6 +63,77 @@ def create(name: str) -> Path | None:
     return path
 
 
+def _v1_memory() -> tuple[Path, str] | None:
+    """Return where cgroup v1's memory hierarchy is mounted and this process's place in it,
+    or None (a pure cgroup v2 machine, or none)."""
+    mount = None
+    with contextlib.suppress(OSError), open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            if len(fields) > 3 and fields[2] == "cgroup" and "memory" in fields[3].split(","):
+                mount = Path(fields[1])
+    if mount is None:
+        return None
+    own = "/"
+    with contextlib.suppress(OSError), open("/proc/self/cgroup") as lines:
+        for line in lines:
+            number, controllers, path = line.rstrip("\n").split(":", 2)
+            if "memory" in controllers.split(","):
+                own = path
+    return mount, own
+
+
+def limit_memory(name: str, v2_cgroup: str | None, limit_bytes: int) -> str | None:
+    """Hold a job to `limit_bytes` of memory (no swap beyond it) and return the cgroup
+    whose events count its out-of-memory kills: the job's v2 cgroup where its hierarchy
+    has the memory controller, else a v1 memory cgroup named `name` (the job joins it
+    too); None where neither can be made."""
+    if v2_cgroup and (Path(v2_cgroup) / "memory.max").exists():
+        try:
+            (Path(v2_cgroup) / "memory.max").write_text(str(limit_bytes))
+            with contextlib.suppress(OSError):
+                (Path(v2_cgroup) / "memory.swap.max").write_text("0")
+            return v2_cgroup
+        except OSError:
+            return None
+    found = _v1_memory()
+    if found is None:
+        return None
+    mount, own = found
+    path = mount / own.lstrip("/") / name
+    try:
+        path.mkdir(exist_ok=True)
+        (path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        with contextlib.suppress(OSError):
+            (path / "memory.swappiness").write_text("0")
+        if not os.access(path / "cgroup.procs", os.W_OK):
+            raise PermissionError(path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            path.rmdir()
+        return None
+    return str(path)
+
+
+def memory_events(path: str | Path | None) -> dict[str, int]:
+    """Return a cgroup's memory event counts (v2 memory.events, v1 memory.oom_control):
+    `oom_kill` is how many of its processes the out-of-memory killer ended."""
+    if not path:
+        return {}
+    for name in ("memory.events", "memory.oom_control"):
+        try:
+            text = (Path(path) / name).read_text()
+        except OSError:
+            continue
+        events = {}
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                events[key] = int(value)
+        return events
+    return {}
+
+
 def join(path: str) -> None:
     """Move the calling process into the cgroup at `path` (for a child, before exec)."""
     with open(Path(path) / "cgroup.procs", "w") as procs:

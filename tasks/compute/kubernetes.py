@@ -294,6 +294,7 @@ class KubernetesBackend:
             timed_out=outcome.get("stop") == "timeout",
             cancelled=outcome.get("stop") == "cancelled",
             log_tail=list(follower.tail) or outcome.get("tail", []),
+            memory_events=outcome.get("memory_events", {}),
         )
 
     def _serves_mpijobs(self) -> bool:
@@ -540,6 +541,8 @@ def _terminated(status: dict[str, Any]) -> dict[str, Any]:
         done = (container.get("state") or {}).get("terminated")
         if done:
             code = int(done.get("exitCode", 1))
+            if done.get("reason") == "OOMKilled":  # the kubelet saw the container's cgroup
+                return {"exit_code": None, "signal": 9, "memory_events": {"oom_kill": 1}}
             if code > 128 and done.get("reason") != "Error":
                 return {"exit_code": None, "signal": code - 128}
             return {"exit_code": code, "tail": [m] if (m := done.get("message")) else []}

@@ -182,6 +182,10 @@ class LocalBackend:
                 cpus_per_node=os.cpu_count() or 1,
                 workspace=str(workspace_root(spec) / name),
                 created_at=datetime.now(UTC),
+                # resources.memory holds the job to that much, where a memory cgroup can be made
+                backend_config=(
+                    {"memory_bytes": str(spec.resources.memory)} if spec.resources.memory else {}
+                ),
             )
         # Record first: whatever happens next, teardown and the reaper can find it.
         self._save(cluster, complete=False)
@@ -283,7 +287,9 @@ class LocalBackend:
         child_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         child_env["GPUFLOW_WORKSPACE"] = cluster.workspace
         child_env["GPUFLOW_OUTPUT_DIR"] = str(Path(cluster.workspace) / "outputs")
-        cgroup = self._cgroup(cluster)
+        cgroup, memory = self._cgroup(cluster)
+        groups = [g for g in dict.fromkeys([cgroup, memory]) if g]
+        oom_before = cgroups.memory_events(memory).get("oom_kill", 0)
         started = datetime.now(UTC)
         proc = subprocess.Popen(
             [program, *command[1:]],
@@ -293,8 +299,8 @@ class LocalBackend:
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            # In its cgroup before exec: nothing it starts can leave it.
-            preexec_fn=(lambda: cgroups.join(cgroup)) if cgroup else None,
+            # In its cgroup(s) before exec: nothing it starts can leave them.
+            preexec_fn=(lambda: [cgroups.join(g) for g in groups]) if groups else None,
         )
         self._note_job(cluster, proc.pid, psutil.Process(proc.pid).create_time())
         tail: deque[str] = deque(maxlen=40)
@@ -356,10 +362,16 @@ class LocalBackend:
             timed_out=timed_out,
             cancelled=cancelled,
             log_tail=list(tail),
+            memory_events=(
+                {"oom_kill": cgroups.memory_events(memory).get("oom_kill", 0) - oom_before}
+                if memory
+                else {}
+            ),
         )
 
-    def _cgroup(self, cluster: Cluster) -> str | None:
-        """Return the cluster's cgroup (made on first use and recorded), or None where this
+    def _cgroup(self, cluster: Cluster) -> tuple[str | None, str | None]:
+        """Return the cluster's cgroup and, when resources.memory asked for a limit, the
+        cgroup holding it to that (made on first use and recorded); None where this
         machine allows none."""
         with _RECORD_LOCK:
             record = self._read_record(cluster.name) or {
@@ -374,7 +386,17 @@ class LocalBackend:
                 path = cgroups.create(f"{cluster.name}-{home}")
                 record["cgroup"] = str(path) if path else None
                 self._write_record(record)
-            return record["cgroup"]
+            limit = cluster.backend_config.get("memory_bytes")
+            if limit and (
+                "memory_cgroup" not in record
+                or (record["memory_cgroup"] and not Path(record["memory_cgroup"]).is_dir())
+            ):
+                home = hashlib.sha256(str(self.home).encode()).hexdigest()[:8]
+                record["memory_cgroup"] = cgroups.limit_memory(
+                    f"{cluster.name}-{home}", record["cgroup"], int(limit)
+                )
+                self._write_record(record)
+            return record["cgroup"], record.get("memory_cgroup")
 
     def _note_job(self, cluster: Cluster, pgid: int, started: float | None) -> None:
         """Record a running job's process group (started is its create time), or forget it
@@ -402,6 +424,9 @@ class LocalBackend:
             for pgid, started in record.get("jobs", {}).items():
                 if alive(int(pgid), started):
                     report.killed_processes += stop_group(int(pgid), started)
+            memory = record.get("memory_cgroup")
+            if memory and memory != record.get("cgroup"):  # a v1 memory cgroup of its own
+                report.killed_processes += cgroups.stop(memory, grace_s=5.0)
             if record.get("cgroup"):
                 report.killed_processes += cgroups.stop(record["cgroup"], grace_s=5.0)
                 report.process_tracking = "cgroup"

@@ -428,3 +428,30 @@ def test_idle_gpus_with_action_warn_only_warn(prefect_api, gpuflow_home, fake_nv
     assert any("the job goes on (action: warn)" in line for line in logs_of(run_id))
     [event] = events_named("gpuflow.gpu.idle", f"gpuflow.run.{run_id}")
     assert event["payload"]["action"] == "warn" and event["payload"]["job"] == "idler"
+
+
+def _memory_cgroups_here() -> bool:
+    from tasks.compute import cgroups
+
+    probe = cgroups.limit_memory(f"gpuflow-probe-{time.time_ns()}", None, 1 << 30)
+    if probe is None:
+        return False
+    Path(probe).rmdir()
+    return True
+
+
+def test_the_oom_killer_in_the_jobs_memory_cgroup_is_named(prefect_api, gpuflow_home):
+    """resources.memory holds the job to 100 MiB in a memory cgroup; the job takes 400 MiB,
+    the kernel's OOM killer ends it, and the run says so from the cgroup's own count."""
+    if not _memory_cgroups_here():
+        pytest.skip("this machine lets no memory cgroup be made (no memory controller)")
+    raw = {
+        "job": {"kind": "command", "command": [sys.executable, "-c", "x = bytearray(400 << 20)"]},
+        "resources": {"memory": "100Mi"},
+    }
+    state, _ = run_pipeline(raw)
+    assert state.is_failed()
+    assert "the kernel's out-of-memory killer stopped the job (1 kill(s) in its memory cgroup)" in (
+        state.message
+    )
+    assert nothing_left(gpuflow_home)
