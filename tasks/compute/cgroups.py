@@ -77,9 +77,9 @@ def _v1_memory() -> tuple[Path, str] | None:
     own = "/"
     with contextlib.suppress(OSError), open("/proc/self/cgroup") as lines:
         for line in lines:
-            number, controllers, path = line.rstrip("\n").split(":", 2)
-            if "memory" in controllers.split(","):
-                own = path
+            parts = line.rstrip("\n").split(":", 2)
+            if len(parts) == 3 and "memory" in parts[1].split(","):
+                own = parts[2]
     return mount, own
 
 
