@@ -51,9 +51,17 @@ def create(name: str) -> Path | None:
     parent = _parent()
     if parent is None:
         return None
-    path = parent / name
+    return _make(parent / name, {})
+
+
+def _make(path: Path, settings: dict[str, str]) -> Path | None:
+    """Make the cgroup at `path` with `settings` (file -> value; a file this kernel lacks
+    is skipped) and return it, or None (removed again) when this process may not use it."""
     try:
         path.mkdir(exist_ok=True)
+        for file, value in settings.items():
+            with contextlib.suppress(FileNotFoundError):
+                (path / file).write_text(value)
         if not os.access(path / "cgroup.procs", os.W_OK):
             raise PermissionError(path)
     except OSError:
@@ -100,19 +108,14 @@ def limit_memory(name: str, v2_cgroup: str | None, limit_bytes: int) -> str | No
     if found is None:
         return None
     mount, own = found
-    path = mount / own.lstrip("/") / name
-    try:
-        path.mkdir(exist_ok=True)
-        (path / "memory.limit_in_bytes").write_text(str(limit_bytes))
-        with contextlib.suppress(OSError):
-            (path / "memory.swappiness").write_text("0")
-        if not os.access(path / "cgroup.procs", os.W_OK):
-            raise PermissionError(path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            path.rmdir()
+    if not (mount / own.lstrip("/")).is_dir():
         return None
-    return str(path)
+    settings = {"memory.limit_in_bytes": str(limit_bytes), "memory.swappiness": "0"}
+    path = _make(mount / own.lstrip("/") / name, settings)
+    if path is not None and not (path / "memory.limit_in_bytes").is_file():
+        path.rmdir()  # no such limit here: a cgroup that would not hold the job
+        return None
+    return str(path) if path else None
 
 
 def memory_events(path: str | Path | None) -> dict[str, int]:
