@@ -229,8 +229,8 @@ def reclaim_pass(
     say: Callable[[str], None],
     warn_event: Callable[[IdleRun], None] | None = None,
 ) -> list[IdleRun]:
-    """Run one pass: warn about idle runs, cancel the overdue ones (not on a dry run);
-    return what was decided."""
+    """Run one pass: warn about idle runs and cancel the overdue ones (a dry run only says
+    so: no event, no cancel); return what was decided."""
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 
@@ -238,7 +238,7 @@ def reclaim_pass(
     with get_client(sync_client=True) as client:
         decided = decide(settings, client)
         for idle in decided:
-            if idle.action in ("warn", "cancel") and warn_event is not None:
+            if idle.action in ("warn", "cancel") and warn_event is not None and not dry_run:
                 warn_event(idle)
             if idle.action == "cancel" and not dry_run:
                 client.set_flow_run_state(
