@@ -546,7 +546,8 @@ class MetricsSettings(_Model):
     @classmethod
     def _http(cls, value: str | None) -> str | None:
         if value is not None and not re.match(r"^https?://[^/\s]+", value):
-            raise ValueError(f"{value!r} is not an http(s) URL; write e.g. http://127.0.0.1:9091")
+            shown = "the value given" if "@" in value else repr(value)  # it may hold a password
+            raise ValueError(f"{shown} is not an http(s) URL; write e.g. http://127.0.0.1:9091")
         return value
 
 

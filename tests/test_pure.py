@@ -189,3 +189,15 @@ def test_exposition_is_valid_prometheus_text_with_dcgm_names_and_labels():
 )
 def test_ec2_gpu_names_map_to_product_labels_by_name_and_memory(name, memory_mib, label):
     assert product_from_ec2(name, memory_mib) == label
+
+
+def test_credentials_in_a_metrics_url_become_a_basic_auth_header():
+    import base64
+
+    from tasks.metrics.prometheus import without_credentials
+
+    bare, headers = without_credentials("http://ops:s3cr%40t@prom.example:9090/api")
+    assert bare == "http://prom.example:9090/api"
+    scheme, token = headers["Authorization"].split()
+    assert scheme == "Basic" and base64.b64decode(token) == b"ops:s3cr@t"
+    assert without_credentials("http://prom:9090") == ("http://prom:9090", {})

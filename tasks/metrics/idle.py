@@ -34,7 +34,7 @@ class IdleWatch:
         self.flow_run_id = flow_run_id
         self.job = job
         self.warn = warn
-        self.emit = emit if emit is not None else _emit
+        self.emit = emit if emit is not None else send_idle_event
         self.idle_since: float | None = None
         self.warnings = 0
         self.stop_requested = threading.Event()
@@ -108,8 +108,9 @@ def watch_of(flow_run_id: str) -> IdleWatch | None:
         return _WATCHES.get(flow_run_id)
 
 
-def _emit(payload: dict[str, Any]) -> None:
-    """Send gpuflow.gpu.idle about the run to Prefect; an API away costs only the event."""
+def send_idle_event(payload: dict[str, Any]) -> None:
+    """Send gpuflow.gpu.idle about the run in `payload` (flow_run_id, job, ...) to Prefect,
+    from a run's own watch or the fleet's reclaim; an API away costs only the event."""
     from prefect.events import emit_event
 
     try:

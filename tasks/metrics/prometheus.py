@@ -7,6 +7,7 @@ A stage="run" group that stops being pushed means a run died without teardown.
 
 from __future__ import annotations
 
+import base64
 import time
 import urllib.error
 import urllib.parse
@@ -113,9 +114,27 @@ def group_url(gateway: str, job: str, flow_run_id: str, stage: str) -> str:
     )
 
 
+def without_credentials(url: str) -> tuple[str, dict[str, str]]:
+    """Return `url` without a user:password part, and the Basic authorization header that
+    carries it instead (none without one): error text names the bare URL only."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None:
+        return url, {}
+    host = parts.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    user = urllib.parse.unquote(parts.username)
+    password = urllib.parse.unquote(parts.password or "")
+    token = base64.b64encode(f"{user}:{password}".encode()).decode()
+    bare = urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    return bare, {"Authorization": f"Basic {token}"}
+
+
 def _send(url: str, method: str, body: bytes | None, timeout_s: float) -> None:
+    url, auth = without_credentials(url)
     headers = {"Content-Type": "text/plain; version=0.0.4"} if body is not None else {}
-    request = urllib.request.Request(url, data=body, method=method, headers=headers)
+    request = urllib.request.Request(url, data=body, method=method, headers=headers | auth)
     gateway = url.split("/metrics/", 1)[0]
     try:
         with urllib.request.urlopen(request, timeout=timeout_s):

@@ -27,6 +27,8 @@ from uuid import UUID
 from pydantic import BaseModel
 
 from tasks.errors import InvalidSpec, TransientError
+from tasks.metrics.idle import send_idle_event
+from tasks.metrics.prometheus import without_credentials
 from tasks.units import parse_duration
 
 KEEP = "gpuflow.io/keep"
@@ -73,11 +75,17 @@ class Settings(BaseModel):
 
 def check(prometheus_url: str, below_pct: float, window: str, grace: str) -> Settings:
     """Return the pass's settings; InvalidSpec naming the parameter when one is wrong."""
-    parts = urllib.parse.urlsplit(prometheus_url or "")
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    try:
+        parts = urllib.parse.urlsplit(prometheus_url or "")
+        bare, _ = without_credentials(prometheus_url or "")
+        host = parts.hostname
+    except ValueError:  # e.g. a port that is not a number
+        parts, bare, host = None, "", None
+    if parts is None or parts.scheme not in ("http", "https") or not host:
+        shown = f"{bare!r}" if bare and "@" not in bare else "the value given"
         raise InvalidSpec(
-            f"prometheus_url: {prometheus_url!r} is not an http(s) URL; give Prometheus's"
-            " address, e.g. http://prometheus:9090"
+            f"prometheus_url: {shown} is not an http(s) URL; give Prometheus's address,"
+            " e.g. http://prometheus:9090"
         )
     if not 0 < below_pct <= 100:
         raise InvalidSpec(f"below_pct must be over 0 and at most 100 (got {below_pct}); change it")
@@ -100,10 +108,14 @@ def check(prometheus_url: str, below_pct: float, window: str, grace: str) -> Set
 
 
 def query(prometheus_url: str, promql: str, timeout_s: float = 30.0) -> list[dict[str, Any]]:
-    """Return an instant query's vector; TransientError naming Prometheus and the cause."""
+    """Return an instant query's vector; TransientError naming Prometheus (without any
+    credentials its URL carries) and the cause."""
+    prometheus_url, auth = without_credentials(prometheus_url)
     url = f"{prometheus_url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as answer:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=auth), timeout=timeout_s
+        ) as answer:
             body = json.load(answer)
     except urllib.error.HTTPError as exc:
         detail = exc.read()[:300].decode(errors="replace")
@@ -260,15 +272,8 @@ def reclaim_pass(
 
 def emit_idle(idle: IdleRun, settings: Settings) -> None:
     """Send gpuflow.gpu.idle about a run the reclaim pass found idle."""
-    from prefect.events import emit_event
-
-    emit_event(
-        event="gpuflow.gpu.idle",
-        resource={
-            "prefect.resource.id": f"gpuflow.run.{idle.flow_run_id}",
-            "prefect.resource.name": idle.job,
-        },
-        payload={
+    send_idle_event(
+        {
             "flow_run_id": idle.flow_run_id,
             "job": idle.job,
             "gpus": idle.gpus,
@@ -277,5 +282,5 @@ def emit_idle(idle: IdleRun, settings: Settings) -> None:
             "below_pct": settings.below_pct,
             "action": idle.action,
             "source": "reclaim",
-        },
+        }
     )

@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from flows.pipeline import gpu_pipeline
 from tasks.spec import load_spec
 from tests.conftest import free_port
+from tests.e2e.helpers import logs_of
 
 pytestmark = pytest.mark.e2e
 
@@ -56,11 +57,32 @@ def test_run_metrics_reach_the_pushgateway(prefect_api, gpuflow_home, pushgatewa
 
 
 def test_unreachable_pushgateway_does_not_fail_the_run(prefect_api, gpuflow_home):
+    """The warning names the gateway without the password its URL carries."""
     spec = load_spec(
         {
             "job": {"kind": "command", "command": ["true"]},
-            "metrics": {"pushgateway": f"http://127.0.0.1:{free_port()}"},
+            "metrics": {"pushgateway": f"http://ops:hunter2@127.0.0.1:{free_port()}"},
         }
     )
     state = gpu_pipeline(spec, return_state=True)
     assert state.is_completed(), state.message
+    said = "\n".join(logs_of(state.state_details.flow_run_id))
+    assert "metrics not pushed: could not reach the Pushgateway at http://127.0.0.1:" in said
+    assert "hunter2" not in said
+
+
+def test_a_pushgateway_url_with_credentials_is_pushed_to(prefect_api, gpuflow_home, pushgateway):
+    gateway = pushgateway.replace("http://", "http://ops:hunter2@")
+    state = gpu_pipeline(
+        load_spec(
+            {
+                "name": "authed",
+                "job": {"kind": "command", "command": ["true"]},
+                "metrics": {"pushgateway": gateway},
+            }
+        ),
+        return_state=True,
+    )
+    assert state.is_completed(), state.message
+    text = urllib.request.urlopen(f"{pushgateway}/metrics", timeout=5).read().decode()
+    assert 'job="authed"' in text and "gpuflow_run_duration_seconds" in text

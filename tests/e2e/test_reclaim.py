@@ -139,7 +139,9 @@ def test_bad_reclaim_settings_are_refused_by_name(args, said):
     assert said in str(caught.value)
 
 
-def test_unreachable_prometheus_is_named_with_its_cause(prefect_api, tmp_path):
+@pytest.mark.parametrize("credentials", ["", "ops:hunter2@"])
+def test_unreachable_prometheus_is_named_with_its_cause(prefect_api, tmp_path, credentials):
+    """Named with its cause, and without the password a URL may carry."""
     port = free_port()
     done = subprocess.run(
         [
@@ -148,7 +150,7 @@ def test_unreachable_prometheus_is_named_with_its_cause(prefect_api, tmp_path):
             "gpuflow",
             "reclaim",
             "--prometheus",
-            f"http://127.0.0.1:{port}",
+            f"http://{credentials}127.0.0.1:{port}",
             "--dry-run",
         ],
         env=subprocess_env(prefect_api, tmp_path / "home"),
@@ -162,3 +164,4 @@ def test_unreachable_prometheus_is_named_with_its_cause(prefect_api, tmp_path):
         in (done.stdout + done.stderr)
     )
     assert "Traceback" not in done.stderr
+    assert "hunter2" not in done.stdout + done.stderr
