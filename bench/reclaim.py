@@ -129,7 +129,7 @@ def report(args: argparse.Namespace, gateway: str, prometheus: str) -> None:
             walls, found = [], []
             for _ in range(args.rounds):
                 started = time.perf_counter()
-                decided = reclaiming.reclaim_pass(settings, True, lambda line: None)
+                decided = reclaiming.reclaim_pass(settings, True, lambda line, loud: None)
                 walls.append(time.perf_counter() - started)
                 found.append(sum(d.action == "cancel" for d in decided))
             results[count] = (statistics.median(walls), found[-1], push_s)

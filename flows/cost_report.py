@@ -77,7 +77,7 @@ def cost_report(
     for day, usd in spend.daily(runs).items():
         if budget_usd_per_day is not None and usd > budget_usd_per_day:
             over[str(day)] = usd
-            top = spend.group_by([r for r in runs if r.ended.date() == day], "job")[:3]
+            top = spend.group_by([r for r in runs if spend.day_of(r) == day], "job")[:3]
             logger.warning(
                 "%s: spent $%.2f, over the budget of $%.2f a day (most: %s)",
                 day,

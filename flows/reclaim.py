@@ -26,13 +26,11 @@ def reclaim(
     logger = get_run_logger()
     said: list[str] = []
 
-    def say(line: str) -> None:
+    def say(line: str, loud: bool) -> None:
         said.append(line)
-        (logger.warning if line.startswith(("warned", "cancelled")) else logger.info)(line)
+        (logger.warning if loud else logger.info)(line)
 
-    decided = reclaiming.reclaim_pass(
-        settings, dry_run, say, lambda idle: reclaiming.emit_idle(idle, settings)
-    )
+    decided = reclaiming.reclaim_pass(settings, dry_run, say)
     cancelled = [r for r in decided if r.action == "cancel"]
     create_markdown_artifact(
         key="gpuflow-reclaim",

@@ -70,7 +70,7 @@ def reclaim(prometheus: str, below_pct: float, window: str, grace: str, dry_run:
 
     def one_pass(api: Any) -> int:
         try:
-            reclaiming.reclaim_pass(settings, dry_run, print)
+            reclaiming.reclaim_pass(settings, dry_run, lambda line, _loud: print(line))
         except TransientError as exc:
             session.fail(str(exc))
             return EXIT_FAILED

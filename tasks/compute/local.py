@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -373,28 +374,24 @@ class LocalBackend:
         """Return the cluster's cgroup and, when resources.memory asked for a limit, the
         cgroup holding it to that (made on first use and recorded); None where this
         machine allows none."""
+        # Named after this state folder too: two GPUFLOW_HOMEs on one machine may use the
+        # same flow-run id (tests do), and must not share a cgroup.
+        name = f"{cluster.name}-{hashlib.sha256(str(self.home).encode()).hexdigest()[:8]}"
+        limit = cluster.backend_config.get("memory_bytes")
+
+        def wanted(record: dict[str, Any], key: str) -> bool:  # not made, or swept while empty
+            return key not in record or bool(record[key] and not Path(record[key]).is_dir())
+
         with _RECORD_LOCK:
             record = self._read_record(cluster.name) or {
                 "cluster": cluster.model_dump(mode="json", exclude={"adopted"})
             }
-            if "cgroup" not in record or (
-                record["cgroup"] and not Path(record["cgroup"]).is_dir()  # swept while empty
-            ):
-                # Named after this state folder too: two GPUFLOW_HOMEs on one machine may
-                # use the same flow-run id (tests do), and must not share a cgroup.
-                home = hashlib.sha256(str(self.home).encode()).hexdigest()[:8]
-                path = cgroups.create(f"{cluster.name}-{home}")
+            if wanted(record, "cgroup"):
+                path = cgroups.create(name)
                 record["cgroup"] = str(path) if path else None
                 self._write_record(record)
-            limit = cluster.backend_config.get("memory_bytes")
-            if limit and (
-                "memory_cgroup" not in record
-                or (record["memory_cgroup"] and not Path(record["memory_cgroup"]).is_dir())
-            ):
-                home = hashlib.sha256(str(self.home).encode()).hexdigest()[:8]
-                record["memory_cgroup"] = cgroups.limit_memory(
-                    f"{cluster.name}-{home}", record["cgroup"], int(limit)
-                )
+            if limit and wanted(record, "memory_cgroup"):
+                record["memory_cgroup"] = cgroups.limit_memory(name, record["cgroup"], int(limit))
                 self._write_record(record)
             return record["cgroup"], record.get("memory_cgroup")
 

@@ -88,11 +88,16 @@ def group_by(runs: Iterable[RunCost], field: str) -> list[Group]:
     return sorted(groups, key=lambda g: (-g.cost_usd, -g.gpu_hours, g.key))
 
 
+def day_of(run: RunCost) -> date:
+    """Return the UTC day a run counts for: the day it ended."""
+    return run.ended.astimezone(UTC).date()
+
+
 def daily(runs: Iterable[RunCost]) -> dict[date, float]:
-    """Return each UTC day's spend (by the day a run ended)."""
+    """Return each UTC day's spend."""
     days: dict[date, float] = defaultdict(float)
     for run in runs:
-        days[run.ended.astimezone(UTC).date()] += run.cost_usd
+        days[day_of(run)] += run.cost_usd
     return dict(sorted(days.items()))
 
 

@@ -236,13 +236,11 @@ def decide(settings: Settings, client: Any) -> list[IdleRun]:
 
 
 def reclaim_pass(
-    settings: Settings,
-    dry_run: bool,
-    say: Callable[[str], None],
-    warn_event: Callable[[IdleRun], None] | None = None,
+    settings: Settings, dry_run: bool, say: Callable[[str, bool], None]
 ) -> list[IdleRun]:
-    """Run one pass: warn about idle runs and cancel the overdue ones (a dry run only says
-    so: no event, no cancel); return what was decided."""
+    """Run one pass: warn about idle runs (gpuflow.gpu.idle) and cancel the overdue ones (a
+    dry run only says so: no event, no cancel); return what was decided. `say(line, loud)`:
+    loud lines are about runs warned or cancelled."""
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 
@@ -250,8 +248,9 @@ def reclaim_pass(
     with get_client(sync_client=True) as client:
         decided = decide(settings, client)
         for idle in decided:
-            if idle.action in ("warn", "cancel") and warn_event is not None and not dry_run:
-                warn_event(idle)
+            acted = idle.action in ("warn", "cancel")
+            if acted and not dry_run:
+                _emit_idle(idle, settings)
             if idle.action == "cancel" and not dry_run:
                 client.set_flow_run_state(
                     UUID(idle.flow_run_id),
@@ -260,17 +259,18 @@ def reclaim_pass(
                         f" for {idle.idle_s:.0f} s"
                     ),
                 )
-            say(idle.line(dry_run))
+            say(idle.line(dry_run), acted and not dry_run)
     cancelled = [r for r in decided if r.action == "cancel"]
     say(
         f"{len(decided)} idle run(s) in {time.monotonic() - started:.1f} s;"
         f" {'would cancel' if dry_run else 'cancelled'} {len(cancelled)},"
-        f" saving up to {sum(r.gpu_hours_saved for r in cancelled):.2f} GPU-hours"
+        f" saving up to {sum(r.gpu_hours_saved for r in cancelled):.2f} GPU-hours",
+        False,
     )
     return decided
 
 
-def emit_idle(idle: IdleRun, settings: Settings) -> None:
+def _emit_idle(idle: IdleRun, settings: Settings) -> None:
     """Send gpuflow.gpu.idle about a run the reclaim pass found idle."""
     send_idle_event(
         {

@@ -455,3 +455,28 @@ def test_the_oom_killer_in_the_jobs_memory_cgroup_is_named(prefect_api, gpuflow_
         state.message
     )
     assert nothing_left(gpuflow_home)
+
+
+ESCAPES_AND_FLOODS = """
+import os, signal, subprocess, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ignores the polite stop
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                         start_new_session=True)  # leaves the job's session and group
+open(sys.argv[1], "w").write(str(child.pid))
+while True:
+    print("x" * 200, flush=True)  # floods stdout
+"""
+
+
+def test_an_idle_job_that_ignores_sigterm_escapes_and_floods_is_still_stopped(
+    prefect_api, gpuflow_home, fake_nvml, tmp_path
+):
+    fake_nvml.config["util"] = 0
+    pidfile = tmp_path / "escaped.pid"
+    raw = _idle_spec([sys.executable, "-c", ESCAPES_AND_FLOODS, str(pidfile)], "stop")
+    raw["limits"] |= {"stop_grace_s": 1}
+    state, _ = run_pipeline(raw)
+    assert state.is_failed()
+    assert "the job was stopped because its GPUs (0) were under 5% busy" in state.message
+    assert process_gone(int(pidfile.read_text()))
+    assert nothing_left(gpuflow_home)
