@@ -354,7 +354,7 @@ def _priced(spec: JobSpec, cluster: Cluster) -> dict[str, Any]:
 
 
 def _product(cluster: Cluster) -> str:
-    """Return the GPU product the run held ("none" for CPU only, "mixed" for several)."""
+    """Return the GPU product the run held ("none" for CPU only, "A + B" for several)."""
     products = sorted(set(cluster.gpu_products))
     return "none" if not cluster.gpu_indices or not products else " + ".join(products)
 
