@@ -30,6 +30,12 @@ def _run(name: str, gpus: int, seconds: float) -> object:
     return state.result()
 
 
+def _window(since: datetime, until: datetime) -> str:
+    """The window from `since` to `until`, never wider: a run of an earlier test that ended
+    just before `since` is not this test's."""
+    return f"{int((until - since).total_seconds() * 1000) / 1000:.3f}s"
+
+
 def test_the_report_adds_up_the_runs_own_summaries(prefect_api, gpuflow_home, fake_nvml):
     from blocks import LocalGpuHost
 
@@ -41,7 +47,7 @@ def test_the_report_adds_up_the_runs_own_summaries(prefect_api, gpuflow_home, fa
     busy = [_run("render-b", 1, 1.0)]
     until = datetime.now(UTC)
     runs = idle + busy
-    window = f"{(until - since).total_seconds() + 1:.0f}s"
+    window = _window(since, until)
 
     report = cost_report(window=window, until=until.isoformat(), budget_usd_per_day=0.001)
 
@@ -76,7 +82,7 @@ def test_the_markdown_lists_every_group(prefect_api, gpuflow_home, fake_nvml):
     since = datetime.now(UTC)
     result = _run("sweep-c", 1, 0.3)
     until = datetime.now(UTC)
-    window = f"{(until - since).total_seconds() + 1:.0f}s"
+    window = _window(since, until)
     state = cost_report(window=window, until=until.isoformat(), return_state=True)
     text = str(artifacts_of(state.state_details.flow_run_id)["gpuflow-cost-report"].data)
     assert "## by job" in text and "## by backend" in text and "## by GPU product" in text
