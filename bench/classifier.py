@@ -59,9 +59,8 @@ def write_log(path: Path, megabytes: int) -> int:
 
 def stream(log: Path, per_line) -> tuple[float, object]:
     """Run `cat log` as a job on the local backend; return the wall time and the diagnosis."""
-    from tasks.compute import WorkUnit
-    from tasks.compute.base import owner_labels
-    from tasks.compute.local import LocalBackend
+    from tasks.backends.local.backend import LocalBackend
+    from tasks.contract import WorkUnit, owner_labels
     from tasks.diagnose import diagnose
     from tasks.spec import load_spec
 

@@ -71,8 +71,8 @@ def measure(endpoint: str, mock: str, counts: list[int], rounds: int) -> list[tu
     from prefect_aws.client_parameters import AwsClientParameters
 
     from blocks.ec2_fleet import Ec2GpuFleet
-    from tasks.compute.base import owner_labels
-    from tasks.compute.ec2 import Ec2Backend
+    from tasks.backends.ec2.backend import Ec2Backend
+    from tasks.contract import owner_labels
     from tasks.spec import load_spec
     from tests.e2e.instances import PlayedInstances
 

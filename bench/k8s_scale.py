@@ -59,10 +59,10 @@ def main() -> None:
 
 def pods_running(count: int) -> float:
     """Return seconds from provision to every one of `count` CPU pods Running."""
-    from tasks.compute.base import WorkUnit, owner_labels
-    from tasks.compute.kubernetes import KubernetesBackend
+    from tasks.backends.kubernetes.backend import KubernetesBackend
+    from tasks.contract import WorkUnit, owner_labels
+    from tasks.pipeline.stages import run_units
     from tasks.spec import load_spec
-    from tasks.stages import run_units
 
     backend = KubernetesBackend()
     spec = load_spec(
@@ -103,9 +103,9 @@ def reap_objects(runs: int) -> float:
     whose flow runs the API does not know."""
     import uuid
 
-    from tasks.compute.base import owner_labels
-    from tasks.compute.k8s_objects import secret
-    from tasks.compute.kubernetes import KubernetesBackend
+    from tasks.backends.kubernetes.backend import KubernetesBackend
+    from tasks.backends.kubernetes.manifests import secret
+    from tasks.contract import owner_labels
     from tasks.platform.reap import reap_kubernetes
     from tasks.spec import load_spec
 

@@ -9,7 +9,7 @@ from prefect.blocks.core import Block
 from prefect_kubernetes.credentials import KubernetesClusterConfig
 from pydantic import Field
 
-from tasks.platform.pool_template import GPU
+from tasks.gpus import GPU_RESOURCE as GPU
 
 
 class KubernetesGpuPool(Block):

@@ -12,6 +12,9 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from tasks.errors import InvalidSpec
+from tasks.host import gpuflow_home
+from tasks.metrics import spend
+from tasks.units import parse_duration
 
 BUDGET_EVENT = "gpuflow.budget.exceeded"
 
@@ -19,7 +22,6 @@ BUDGET_EVENT = "gpuflow.budget.exceeded"
 def _settings(
     window: str, until: str | None, budget_usd_per_day: float | None
 ) -> tuple[datetime, datetime]:
-    from tasks.units import parse_duration
 
     try:
         span = parse_duration(window)
@@ -54,9 +56,6 @@ def cost_report(
     the folder for the PNG (default GPUFLOW_HOME/reports)."""
     from prefect.client.orchestration import get_client
     from prefect.events import emit_event
-
-    from tasks.compute.local import gpuflow_home
-    from tasks.metrics import spend
 
     since, end = _settings(window, until, budget_usd_per_day)
     logger = get_run_logger()

@@ -6,7 +6,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from tasks.errors import InvalidSpec
-from tasks.stages import retry_when_retryable
+from tasks.pipeline.stages import retry_when_retryable
 from tasks.storage import S3Settings, StorageError, store_for
 from tasks.training.prepare import PrepareResult, check_request, prepare
 from tasks.units import format_bytes

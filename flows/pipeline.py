@@ -10,15 +10,21 @@ from prefect.runtime import flow_run as current_run
 from prefect.states import Cancelled, State
 from pydantic import BaseModel
 
-from tasks import placement, secrets
-from tasks.compute import Cluster, get_backend
-from tasks.compute.base import owner_labels
-from tasks.compute.local import gpuflow_home
+from tasks.contract import Cluster, owner_labels
 from tasks.errors import InvalidSpec, JobCancelled, JobFailed
-from tasks.jobs import check_job, kind_of
+from tasks.host import gpuflow_home
 from tasks.metrics.summary import RunMetrics
+from tasks.pipeline.checks import check_spec
+from tasks.pipeline.stages import (
+    collect,
+    preflight,
+    provision,
+    retrying,
+    run_stage,
+    teardown,
+    teardown_owned,
+)
 from tasks.spec import JobSpec, Placement, load_spec
-from tasks.stages import collect, preflight, provision, retrying, teardown, teardown_owned
 
 
 class PipelineResult(BaseModel):
@@ -87,17 +93,14 @@ def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
     rather than as a subflow: one flow run less to create and finish. The job's kind
     runs the run stage (its units); nothing here depends on which kind it is."""
     job = load_spec(spec.model_dump() if isinstance(spec, JobSpec) else spec)
-    job, prices = placement.resolve(job)
+    job, prices = check_spec(job)  # before anything is provisioned
     where = job.placement
-    get_backend(where.backend, where).check(job)
-    check_job(job)
-    secrets.resolve(job.secret_env)  # a missing secret block fails here, before provisioning
     run_id = str(current_run.id)
     out = artifacts_dir(job, run_id)
     try:
         cluster = retrying(provision, job.retry.provision)(job, owner_labels(run_id, job.name))
         report = retrying(preflight, job.retry.preflight)(job, cluster)
-        outcome = kind_of(job).run_stage(job, cluster, prices, run_id)
+        outcome = run_stage(job, cluster, prices, run_id)
         metrics = retrying(collect, job.retry.collect)(
             job, cluster, outcome, prices, run_id, str(out)
         )

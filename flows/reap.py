@@ -8,6 +8,8 @@ from typing import Any, Literal
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
+from tasks.platform import reap as reaping
+
 
 @flow(name="reap")
 def reap(
@@ -18,7 +20,6 @@ def reap(
 ) -> dict[str, Any]:
     """Reap one backend's leftovers and publish what went (or would go) as an artifact.
     `block`: the Ec2GpuFleet (ec2); `namespace`: the Kubernetes namespace."""
-    from tasks.platform import reap as reaping
 
     logger = get_run_logger()
     said: list[str] = []

@@ -8,6 +8,8 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
+from tasks.platform import reclaim as reclaiming
+
 
 @flow(name="reclaim")
 def reclaim(
@@ -20,7 +22,6 @@ def reclaim(
     """Warn about runs whose every GPU stayed under `below_pct` for `window`; cancel those
     idle for `window` + `grace` (their own teardown runs) unless tagged gpuflow.io/keep.
     `dry_run`: say what would be cancelled and the GPU-hours it would save; cancel nothing."""
-    from tasks.platform import reclaim as reclaiming
 
     settings = reclaiming.check(prometheus_url, below_pct, window, grace)
     logger = get_run_logger()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 # A job that saved its state and exited because it was told to stop (SIGTERM,
 # spot notice) exits with this code; the pipeline retries it instead of failing.
 PREEMPTED_EXIT_CODE = 75
@@ -61,3 +63,13 @@ class CollectError(GpuflowError):
 def is_retryable(exc: BaseException | None) -> bool:
     """Return True when the error class says a retry may succeed."""
     return isinstance(exc, GpuflowError) and exc.retryable
+
+
+def retry_when_retryable(task: Any, task_run: Any, state: Any) -> bool:
+    """A Prefect retry condition: retry a task only when its exception says a retry may
+    succeed (`is_retryable`)."""
+    try:
+        state.result()
+    except Exception as exc:
+        return is_retryable(exc)
+    return False

@@ -60,3 +60,9 @@ def product_from_ec2(name: str, memory_mib: int, manufacturer: str = "NVIDIA") -
         if found:
             return found
     return f"{manufacturer}-{name}".replace(" ", "-")
+
+
+# Kubernetes' names for NVIDIA GPUs: the device plugin's resource and GPU feature
+# discovery's product label
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from blocks.local_host import LocalGpuHost
+from blocks.prices import GpuPriceTable
 from tasks.errors import InvalidSpec
 from tasks.metrics.cost import PriceTable
 from tasks.spec import JobSpec
@@ -16,7 +18,6 @@ def resolve(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
     name = spec.placement.block
     if name is None or spec.placement.backend != "local":
         return spec, prices  # other backends read their own block (KubernetesGpuPool, ...)
-    from blocks.local_host import LocalGpuHost
 
     try:
         host = LocalGpuHost.load(name)
@@ -55,7 +56,6 @@ def _price_table(name: str | None) -> PriceTable:
     """Return the prices of the GpuPriceTable block `name` over the defaults (defaults for None)."""
     if name is None:
         return PriceTable()
-    from blocks.prices import GpuPriceTable
 
     try:
         return GpuPriceTable.load(name).table()

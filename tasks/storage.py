@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, SecretStr
 
-from tasks.errors import GpuflowError, TransientError
+from tasks.errors import GpuflowError, InvalidSpec, TransientError
 
 CHUNK = 8 * 2**20
 
@@ -372,7 +372,6 @@ def store_for(url: str, s3: S3Settings | None = None) -> FileStore | S3Store:
 
 def check_writable(url: str, s3: S3Settings | None, field: str = "job.output") -> None:
     """Raise InvalidSpec unless the prefix `url` can be written (a probe object, removed)."""
-    from tasks.errors import InvalidSpec
 
     store = store_for(url, s3)
     probe = join(url, f".gpuflow-probe-{os.getpid()}")

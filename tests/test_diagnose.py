@@ -149,7 +149,7 @@ def test_blender_rows_read_blenders_errors_only():
 
 
 def test_a_pod_the_kubelet_oom_killed_is_diagnosed_from_its_status():
-    from tasks.compute.kubernetes import _terminated
+    from tasks.backends.kubernetes.backend import _terminated
 
     status = {
         "phase": "Failed",

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tasks.hpc.launch import JobError, describe, first_failure, hosts_for, program_argv, resolve
-from tasks.spec import HpcJob
+from tasks.hpc.model import HpcJob
 
 
 def write(folder, **ranks):

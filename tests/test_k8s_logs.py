@@ -12,8 +12,8 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from tasks.compute.k8s_logs import LogFollower
-from tasks.compute.kubeapi import KubeApi, load_config
+from tasks.backends.kubernetes.kubeapi import KubeApi, load_config
+from tasks.backends.kubernetes.logs import LogFollower
 
 LOG_PATH = "/api/v1/namespaces/ns/pods/unit-0/log"
 

@@ -13,10 +13,10 @@ from datetime import UTC, datetime
 import httpx
 import pytest
 
-from tasks.compute.base import Cluster, WorkUnit, owner_labels
-from tasks.compute.k8s_objects import KubeSettings, mpi_job, secret, service, unit_job
-from tasks.compute.k8s_pending import explain_pending, used_gpus
-from tasks.compute.kubeapi import refusal
+from tasks.backends.kubernetes.kubeapi import refusal
+from tasks.backends.kubernetes.manifests import KubeSettings, mpi_job, secret, service, unit_job
+from tasks.backends.kubernetes.pending import explain_pending, used_gpus
+from tasks.contract import Cluster, WorkUnit, owner_labels
 
 RUN = "5b0c9c2e-58a4-4d43-9d7e-2f0f4a3a1b11"
 
@@ -188,7 +188,7 @@ def test_an_rbac_refusal_names_the_verb_the_resource_and_the_namespace():
 
 
 def test_an_mpi_launcher_becomes_an_mpijob_of_one_worker_per_node():
-    from tasks.hpc.mpijob import problems
+    from tasks.backends.kubernetes.mpijob import problems
 
     settings = KubeSettings(
         namespace="ml", gpu_product="NVIDIA-H100-80GB-HBM3", queue_name="team-a", shm_bytes=2**30
@@ -225,7 +225,7 @@ def test_an_mpi_launcher_becomes_an_mpijob_of_one_worker_per_node():
 
 
 def _wrapped(tmp_path, *program: str) -> subprocess.Popen:
-    from tasks.compute.k8s_objects import UNIT_WRAPPER
+    from tasks.backends.kubernetes.manifests import UNIT_WRAPPER
 
     return subprocess.Popen(
         ["/bin/sh", "-c", UNIT_WRAPPER, "gpuflow-unit", *program],
@@ -239,7 +239,7 @@ def _wrapped(tmp_path, *program: str) -> subprocess.Popen:
 def test_the_unit_wrapper_keeps_the_exit_code_and_sends_the_outputs_back(tmp_path):
     """What every pod runs around its unit, run here with this host's sh: the unit's lines,
     then its output files as lines the orchestrator turns back into files."""
-    from tasks.compute.k8s_logs import LogFollower
+    from tasks.backends.kubernetes.logs import LogFollower
 
     out = tmp_path / "out"
     (out / "sub dir").mkdir(parents=True)
@@ -295,7 +295,7 @@ def test_output_lines_of_the_wrong_shape_and_odd_file_names_lose_nothing(tmp_pat
     """A unit printing marker-like lines of its own, or an output whose name holds a
     newline: those lines stay ordinary log lines, the good files still come back, and the
     wrapper says nothing on stderr."""
-    from tasks.compute.k8s_logs import LogFollower
+    from tasks.backends.kubernetes.logs import LogFollower
 
     out = tmp_path / "out"
     out.mkdir()

@@ -11,9 +11,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.compute.base import WorkUnit, owner_labels
-from tasks.compute.local import LocalBackend
+from tasks.backends.local.backend import LocalBackend
+from tasks.contract import WorkUnit, owner_labels
 from tasks.errors import InvalidSpec
+from tasks.pipeline.checks import check_job
 from tasks.spec import load_spec
 from tests.e2e.helpers import process_gone
 
@@ -118,7 +119,7 @@ def test_teardown_kills_a_running_job_from_another_handle(backend, tmp_path):
 
 def test_check_command_not_found(backend):
     with pytest.raises(InvalidSpec, match=r"job.command: 'no-such-program-xyz' was not found"):
-        backend.check(spec_for(["no-such-program-xyz", "--flag"]))
+        check_job(spec_for(["no-such-program-xyz", "--flag"]))
 
 
 def test_check_unwritable_workspace_root(backend, tmp_path):
@@ -241,7 +242,7 @@ def test_strays_are_found_by_working_directory_without_a_cgroup(tmp_path):
     working directory is in the workspace is stopped; one elsewhere is spared."""
     import subprocess
 
-    from tasks.compute.local import _stop_strays
+    from tasks.backends.local.backend import _stop_strays
 
     workspace = tmp_path / "ws"
     (workspace / "sub").mkdir(parents=True)
@@ -267,7 +268,7 @@ def test_empty_cgroups_a_killed_process_left_are_swept_and_busy_ones_kept(tmp_pa
     import subprocess
     import uuid
 
-    from tasks.compute import cgroups
+    from tasks.backends.local import cgroups
 
     prefix = f"gpuflow-sweep-{uuid.uuid4().hex[:8]}-"
     empty, busy = cgroups.create(f"{prefix}empty"), cgroups.create(f"{prefix}busy")
@@ -287,7 +288,7 @@ def test_empty_cgroups_a_killed_process_left_are_swept_and_busy_ones_kept(tmp_pa
 
 
 def test_units_run_at_once_and_the_first_failure_stops_the_rest(backend, tmp_path):
-    from tasks.stages import run_units
+    from tasks.pipeline.stages import run_units
 
     cluster = backend.provision(spec_for(["sh"]), owner_labels("run-9", "job"))
     pidfile = tmp_path / "sleeper.pid"
@@ -309,7 +310,7 @@ def test_units_run_at_once_and_the_first_failure_stops_the_rest(backend, tmp_pat
 
 
 def test_units_all_succeeding_report_the_whole_span(backend):
-    from tasks.stages import run_units
+    from tasks.pipeline.stages import run_units
 
     cluster = backend.provision(spec_for(["sh"]), owner_labels("run-10", "job"))
     units = [WorkUnit(name=f"u{i}", command=["sh", "-c", f"sleep 0.{i}"]) for i in (2, 5)]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tasks import nvml, preflight
+from tasks import nvml
+from tasks.pipeline import preflight
 from tasks.spec import load_spec
 from tests.conftest import load_fake_nvml
 

@@ -9,9 +9,10 @@ from datetime import UTC, datetime
 
 import pytest
 
-from tasks.compute.base import Cluster
-from tasks.jobs import get_kind
-from tasks.jobs.render import units_for
+from tasks.backends.registry import get_backend
+from tasks.contract import Cluster
+from tasks.kinds.registry import get_kind
+from tasks.kinds.render import units_for
 from tasks.render.frames import blender_frames
 from tasks.render.scene import RenderPlan, SceneInfo
 from tasks.spec import load_spec
@@ -23,6 +24,7 @@ def cluster(nodes: int = 1, gpus: int = 0, backend: str = "local", **extra) -> C
     names = [f"node-{i}" for i in range(nodes)]
     return Cluster(
         backend=backend,
+        capabilities=get_backend(backend).capabilities,
         name="gpuflow-units",
         owner={},
         hostname="node-0",

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from gpuflow.commands.common import EXIT_OK, add_job_options, invalid, spec_from
-from gpuflow.commands.run import run_job
+from gpuflow.commands.jobs import run_job
 
 HELP = "run an MPI program across ranks (default: the built-in molecular dynamics)"
 
@@ -68,8 +68,8 @@ def mpijob(spec: dict, image: str) -> int:
 
     import yaml
 
+    from gpuflow.commands.mpijob import MpiJobError, build
     from tasks.errors import InvalidSpec
-    from tasks.hpc.mpijob import MpiJobError, build
     from tasks.spec import load_spec
 
     try:

@@ -81,9 +81,9 @@ def reclaim(prometheus: str, below_pct: float, window: str, grace: str, dry_run:
 
 def preflight(path: str | None, as_json: bool) -> int:
     """Print this host's preflight report for the job at `path` (default: a 1-GPU job)."""
-    from tasks import preflight as checks
     from tasks.errors import InvalidSpec
-    from tasks.jobs import kind_of
+    from tasks.kinds.registry import kind_of
+    from tasks.pipeline import preflight as checks
     from tasks.spec import load_spec
 
     default = {"job": {"kind": "matmul"}, "resources": {"gpus": 1, "allow_cpu": True}}
@@ -91,13 +91,13 @@ def preflight(path: str | None, as_json: bool) -> int:
         spec = load_spec(path) if path else load_spec(default)
     except InvalidSpec as exc:
         return invalid(exc)
-    from tasks.compute import get_backend
+    from tasks.backends.registry import get_backend
 
     try:
         backend = get_backend(spec.placement.backend, spec.placement)
     except InvalidSpec as exc:
         return invalid(exc)
-    if not backend.checks_host:  # the job's machines are elsewhere: say where and how
+    if not backend.capabilities.runs_here:  # the job's machines are elsewhere: say where and how
         try:
             rows = backend.describe(spec)
         except InvalidSpec as exc:

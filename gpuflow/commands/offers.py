@@ -45,7 +45,7 @@ def offers(path: str, top: int = 15, as_json: bool = False) -> int:
 
 def _print(spec: Any, top: int, as_json: bool) -> int:
     from tasks import placement
-    from tasks.compute.ec2_catalog import find_offers
+    from tasks.backends.ec2.catalog import find_offers
     from tasks.errors import InvalidSpec
 
     try:

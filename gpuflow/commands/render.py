@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuflow.commands.common import EXIT_INVALID, add_job_options, spec_from
-from gpuflow.commands.run import run_job
+from gpuflow.commands.jobs import run_job
 
 HELP = "render a Blender scene's frames to storage"
 
@@ -51,7 +51,7 @@ def render_spec(args: argparse.Namespace) -> dict:
 
 def render_demo() -> int:
     """Build a small animated scene with Blender and render it to $GPUFLOW_HOME/renders."""
-    from tasks.compute.local import gpuflow_home, resolve_program
+    from tasks.host import gpuflow_home, resolve_program
 
     blender = resolve_program("blender")
     if blender is None:

@@ -1,19 +1,14 @@
-"""`gpuflow run JOB.yaml` and `gpuflow demo`: a job spec through its kind's flow.
-
-Everything a run needs is checked before any Prefect API is started when the checks
-need none; the kind says which flow runs it and what its summary prints.
-"""
+"""`gpuflow run JOB.yaml` and `gpuflow demo`: a job spec through its kind's flow."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from importlib import import_module
 from pathlib import Path
 from typing import Any
 
-from gpuflow import session
-from gpuflow.commands.common import EXIT_FAILED, EXIT_OK, invalid, print_link
+from gpuflow.commands.hpc import hpc_demo
+from gpuflow.commands.jobs import run_job
+from gpuflow.commands.render import render_demo
 
 SMOKE_JOB = Path(__file__).resolve().parent.parent / "smoke.yaml"
 
@@ -40,90 +35,7 @@ def add(commands: Any) -> list[tuple[str, str]]:
 
 def _demo(args: argparse.Namespace) -> int:
     if args.which == "render":
-        from gpuflow.commands.render import render_demo
-
         return render_demo()
     if args.which == "hpc":
-        from gpuflow.commands.hpc import hpc_demo
-
         return hpc_demo()
     return run_job(str(SMOKE_JOB))
-
-
-def run_job(path: str | dict) -> int:
-    """Run a job spec (a path or a dict) through its flow; read and check it first, before
-    any API is started when the checks need none."""
-    from tasks import placement
-    from tasks.errors import InvalidSpec
-    from tasks.spec import load_spec
-
-    try:
-        spec = load_spec(path)
-        checked = not placement.needs_api(spec)
-        if checked:
-            spec = checked_spec(spec)
-    except InvalidSpec as exc:
-        return invalid(exc)
-    return session.with_api(lambda api: _run_spec(spec, api, checked))
-
-
-def checked_spec(spec: Any) -> Any:
-    """Return the spec with its placement applied, once every check before provisioning
-    passed (InvalidSpec otherwise)."""
-    from tasks import placement, secrets
-    from tasks.compute import get_backend
-    from tasks.jobs import check_job
-
-    spec, _ = placement.resolve(spec)
-    get_backend(spec.placement.backend, spec.placement).check(spec)
-    check_job(spec)
-    secrets.resolve(spec.secret_env)
-    return spec
-
-
-def flow_for(spec: Any) -> Any:
-    """Return the Prefect flow that runs the spec's kind: its own, else gpu_pipeline."""
-    from tasks.jobs import kind_of
-
-    where = kind_of(spec).flow or "flows.pipeline:gpu_pipeline"
-    module, name = where.split(":")
-    return getattr(import_module(module), name)
-
-
-def _run_spec(spec: Any, api: Any, checked: bool) -> int:
-    from tasks.errors import GpuflowError, InvalidSpec
-
-    try:
-        spec = spec if checked else checked_spec(spec)
-    except InvalidSpec as exc:
-        return invalid(exc)
-    state = flow_for(spec)(spec, return_state=True)
-    if state.is_completed():
-        _print_summary(spec, state.result())
-        print_link(api, state)
-        return EXIT_OK
-    exc = state.result(raise_on_failure=False)
-    if isinstance(exc, InvalidSpec):
-        return invalid(exc)
-    if state.is_cancelled():
-        print(f"gpuflow: cancelled: {state.message}", file=sys.stderr)
-    else:
-        reason = str(exc) if isinstance(exc, GpuflowError) else (state.message or state.name)
-        print(f"gpuflow: {state.name.lower()}: {reason}", file=sys.stderr)
-    print_link(api, state, failed=True)
-    return EXIT_FAILED
-
-
-def _print_summary(spec: Any, result: Any) -> None:
-    from tasks.jobs import kind_of
-
-    metrics = result.metrics
-    print(f"\n{result.name}: completed (preflight {result.preflight})")
-    for line in kind_of(spec).summary(metrics.job):
-        print(line)
-    print(
-        f"  duration {metrics.duration_s:.1f} s, {metrics.samples} samples, cost ${metrics.cost_usd:.4f}"
-    )
-    if metrics.note:
-        print(f"  note: {metrics.note}")
-    print(f"  artifacts: {result.artifacts_dir}")

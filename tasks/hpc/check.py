@@ -10,12 +10,14 @@ from tasks.errors import InvalidSpec
 from tasks.fetching import relative_names
 from tasks.hpc import mpi
 from tasks.hpc.launch import hosts_for
-from tasks.spec import HpcJob, JobSpec
+from tasks.hpc.model import HpcJob
+from tasks.spec import JobSpec
 from tasks.storage import S3Settings, StorageError, check_writable, store_for
 
 
-def check_hpc(spec: JobSpec, s3: S3Settings | None) -> None:
-    """Raise InvalidSpec, one sentence naming the field and the fix, for the first problem."""
+def check_hpc(spec: JobSpec, s3: S3Settings | None, on_host: bool) -> None:
+    """Raise InvalidSpec, one sentence naming the field and the fix, for the first problem;
+    with `on_host`, the ranks run on this machine, whose mpirun and programs are checked."""
     job = spec.job
     assert isinstance(job, HpcJob)
     nodes = spec.resources.nodes
@@ -31,9 +33,8 @@ def check_hpc(spec: JobSpec, s3: S3Settings | None) -> None:
         mpi.check_layout(job.ranks, hosts, job.gpus_per_rank, job.oversubscribe)
     except mpi.LayoutError as exc:
         raise InvalidSpec(str(exc)) from None
-    # mpirun, mpi4py and the program are this host's only on the local backend (else the
+    # mpirun, mpi4py and the program are this host's only where units run here (else the
     # job image's)
-    on_host = spec.placement.backend == "local"
     if on_host and shutil.which(job.mpirun) is None:
         raise InvalidSpec(
             f"job.mpirun: {job.mpirun!r} was not found; install Open MPI (Debian: apt-get"

@@ -20,9 +20,10 @@ from collections import deque
 from pathlib import Path
 
 from tasks.errors import ERROR_FILE
+from tasks.fetching import UnsafeKey, fetch_prefix, relative_names
 from tasks.hpc import mpi
-from tasks.spec import HpcJob
-from tasks.storage import StorageError
+from tasks.hpc.model import HpcJob
+from tasks.storage import S3Settings, StorageError, join, store_for
 
 STATUS_DIR = "ranks"
 BUILD_TAIL = 15  # lines of a failed build shown in the error
@@ -63,8 +64,6 @@ def program_argv(job: HpcJob) -> list[str]:
 def fetch_inputs(job: HpcJob, workspace: Path) -> int:
     """Download each input (an object, or every object under a prefix) into the workspace;
     return how many files arrived."""
-    from tasks.fetching import UnsafeKey, fetch_prefix, relative_names
-    from tasks.storage import S3Settings, store_for
 
     count = 0
     for url in job.inputs:
@@ -227,7 +226,6 @@ def upload_outputs(job: HpcJob, outputs: Path) -> int:
     """Upload everything under the outputs folder to job.output; return how many files."""
     if not job.output or not outputs.is_dir():
         return 0
-    from tasks.storage import S3Settings, join, store_for
 
     store = store_for(job.output, S3Settings.from_env())
     files = [p for p in sorted(outputs.rglob("*")) if p.is_file()]

@@ -17,6 +17,8 @@ from uuid import UUID
 
 from pydantic import BaseModel
 
+from tasks.metrics.plot import pyplot
+
 METRICS_KEY = "gpuflow-metrics"  # the table artifact collect writes for every run
 
 
@@ -198,7 +200,6 @@ def chart_png(runs: list[RunCost], path: Path, title: str) -> Path | None:
     """Draw cost and GPU-hours (idle part hatched) per job, backend and GPU product."""
     if not runs:
         return None
-    from tasks.metrics.plot import pyplot
 
     plt = pyplot()
     fields = (("job", "job"), ("backend", "backend"), ("GPU product", "gpu_product"))

@@ -28,8 +28,9 @@ from typing import Any
 
 import psutil
 
-from tasks.compute.local import alive, gpuflow_home, stop_group, write_atomic
 from tasks.errors import GpuflowError
+from tasks.host import alive, gpuflow_home, stop_group, write_atomic
+from tasks.platform import state as platform_state
 
 # A cold first start (no bytecode yet, a new SQLite database) took 34 s on a busy
 # 2-core machine; Prefect's own ephemeral start gives up after 20 s.
@@ -112,10 +113,8 @@ def choose(say: Callable[[str], None], temporary: bool = True) -> Api:
         from prefect.settings import PREFECT_UI_URL
 
         return Api(url, "configured", ui=PREFECT_UI_URL.value() or None)
-    from tasks.platform import local
-
-    state = local.read_state()
-    if state and all(local.running(p) for p in state["processes"].values()):
+    state = platform_state.read_state()
+    if state and all(platform_state.running(p) for p in state["processes"].values()):
         problem = health_error(state["api"], timeout_s=5)
         if problem is None:
             return Api(state["api"], "platform", ui=state["ui"])

@@ -7,12 +7,13 @@ from collections.abc import Callable
 
 from prefect.blocks.core import Block
 
+from blocks import Ec2GpuFleet, GpuPriceTable, KubernetesGpuPool, LocalGpuHost
+
 DEFAULT_LOCAL_HOST = "local"
 DEFAULT_PRICES = "default"
 
 
 def defaults() -> list[tuple[type[Block], str, Callable[[], Block]]]:
-    from blocks import Ec2GpuFleet, GpuPriceTable, KubernetesGpuPool, LocalGpuHost
 
     return [
         (LocalGpuHost, DEFAULT_LOCAL_HOST, LocalGpuHost),

@@ -19,7 +19,9 @@ from typing import Any
 import yaml
 
 from tasks.errors import InvalidSpec
-from tasks.platform.pool_template import check_job_variables
+from tasks.platform.k8s_worker import WORKER_TYPE
+from tasks.platform.pool_template import check_job_variables, default_gpu_template
+from tasks.spec import load_spec
 
 LOCAL_POOL = "gpuflow-local"
 GPU_K8S_POOL = "gpuflow-gpu-k8s"
@@ -30,9 +32,6 @@ _ENV_PLACEHOLDER = re.compile(r"\{\{\s*\$(\w+)\s*\}\}")
 def pool_templates() -> dict[str, tuple[str, dict[str, Any]]]:
     """Return gpuflow's pools: name -> (worker type, base job template)."""
     from prefect.workers.process import ProcessWorker
-
-    from tasks.platform.k8s_worker import WORKER_TYPE
-    from tasks.platform.pool_template import default_gpu_template
 
     return {
         LOCAL_POOL: ("process", ProcessWorker.get_default_base_job_template()),
@@ -82,7 +81,6 @@ def check_project(
 ) -> list[str]:
     """Return the names of the deployments on the pools in `only` (default: all) after
     checking each; InvalidSpec on the first problem. `env` resolves {{ $NAME }} in images."""
-    from tasks.spec import load_spec
 
     env = dict(os.environ) if env is None else env
     names = []

@@ -22,8 +22,12 @@ from typing import Any
 import psutil
 import yaml
 
-from tasks.compute.local import alive, gpuflow_home, stop_group, write_atomic
+from tasks import nvml
+from tasks.backends.kubernetes.kubeapi import KubeApi, KubeError, KubeUnreachable, load_config
+from tasks.backends.local.gpu_slots import LIMIT_NAME
 from tasks.errors import GpuflowError, InvalidSpec
+from tasks.host import stop_group, write_atomic
+from tasks.platform.blocks_setup import init_blocks
 from tasks.platform.deploy import (
     GPU_K8S_POOL,
     IMAGE_VARIABLE,
@@ -31,33 +35,16 @@ from tasks.platform.deploy import (
     check_project,
     load_project,
     pool_templates,
+    prefect_deploy,
 )
+from tasks.platform.reap import reap
+from tasks.platform.state import platform_dir, read_state, running, state_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 class PlatformError(GpuflowError):
     """The platform could not start; the message says what to look at."""
-
-
-def platform_dir() -> Path:
-    return gpuflow_home() / "platform"
-
-
-def state_path() -> Path:
-    return platform_dir() / "state.json"
-
-
-def read_state() -> dict[str, Any] | None:
-    try:
-        return json.loads(state_path().read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-def running(entry: dict[str, Any]) -> bool:
-    """Return True while the process `up` recorded still runs (not a reused PID)."""
-    return alive(entry["pid"], entry["started"])
 
 
 def _start(argv: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
@@ -194,7 +181,6 @@ def up(
 def _cluster(kubeconfig: Path, image: str | None) -> dict[str, Any]:
     """Return the cluster a Kubernetes worker would use, after checking the kubeconfig loads,
     its API server answers and a job image is named; InvalidSpec/PlatformError otherwise."""
-    from tasks.compute.kubeapi import KubeApi, KubeError, KubeUnreachable, load_config
 
     if not kubeconfig.is_file():
         raise InvalidSpec(f"--kubeconfig: {kubeconfig} is not a file; name your kubeconfig")
@@ -238,8 +224,6 @@ def _configure(api: str, env: dict[str, str], say, cluster: dict[str, Any] | Non
     Kubernetes deployments only with a cluster, running its image as given)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tasks.platform.deploy import prefect_deploy
-
     pools = pool_templates()
     project = load_project(ROOT / "prefect.yaml")
     only = {LOCAL_POOL, GPU_K8S_POOL} if cluster else {LOCAL_POOL}
@@ -258,7 +242,6 @@ def _configure(api: str, env: dict[str, str], say, cluster: dict[str, Any] | Non
     with temporary_settings({PREFECT_API_URL: api}):
         _pools(pools)
         gpus = _gpu_limit()
-        from tasks.platform.blocks_setup import init_blocks
 
         init_blocks()
     say(f"pools {', '.join(pools)}; concurrency limit gpu = {gpus}; blocks registered")
@@ -292,9 +275,6 @@ def _gpu_limit() -> int:
         GlobalConcurrencyLimitUpdate,
     )
     from prefect.exceptions import ObjectNotFound
-
-    from tasks import nvml
-    from tasks.compute.gpu_slots import LIMIT_NAME
 
     gpus = len(nvml.query().gpus)
     with get_client(sync_client=True) as client:
@@ -330,8 +310,6 @@ def down(say=print) -> list[str]:
             say(f"stopped the {name} (pid {entry['pid']})")
         if name == "worker":
             # Runs the worker still had: torn down and marked Crashed while the server is up.
-            from tasks.platform.reap import reap
-
             reap(dry_run=False, say=lambda line: say(f"  {line}"))
     state_path().unlink(missing_ok=True)
     say(

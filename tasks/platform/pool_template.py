@@ -14,9 +14,9 @@ import re
 from typing import Any
 
 from tasks.errors import InvalidSpec
+from tasks.gpus import GPU_PRODUCT_LABEL
+from tasks.gpus import GPU_RESOURCE as GPU
 
-GPU = "nvidia.com/gpu"
-GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 TOLERATION_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 TOLERATION_OPERATORS = ("Exists", "Equal")

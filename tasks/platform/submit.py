@@ -14,6 +14,7 @@ from typing import Any
 
 from tasks import yamlfile
 from tasks.errors import InvalidSpec
+from tasks.spec import load_spec
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_TIMEOUT = 0, 1, 2, 3
 
@@ -81,8 +82,6 @@ def submit(
             )
             return EXIT_INVALID
         if "spec" in params:
-            from tasks.spec import load_spec
-
             try:
                 load_spec(params["spec"])
             except InvalidSpec as exc:

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from tasks.render import logparse
 from tasks.render.argv import frame_filename
 from tasks.render.images import check_image
+from tasks.render.thumbs import thumbnail_rgb
 from tasks.storage import FileStore, ObjectInfo, S3Store, join
 
 THUMB_PX = 160
@@ -188,8 +189,6 @@ def make_thumbnail(path: Path, target: Path) -> str | None:
     """Return the path of a small PNG of the frame (OpenEXR and Radiance HDR tone-mapped),
     or None when it cannot be decoded."""
     from PIL import Image, UnidentifiedImageError
-
-    from tasks.render.thumbs import thumbnail_rgb
 
     target.parent.mkdir(parents=True, exist_ok=True)
     try:

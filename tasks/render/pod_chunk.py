@@ -25,7 +25,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from tasks.errors import InvalidSpec
 from tasks.render.argv import RenderSettings, render_argv
+from tasks.render.frames import blender_frames
 from tasks.render.output import (
     FRAME_MARK,
     FRAME_PROBLEM_MARK,
@@ -33,6 +35,8 @@ from tasks.render.output import (
     SavedFrames,
     Uploader,
 )
+from tasks.render.scene import fetch, find_blend
+from tasks.storage import S3Settings, StorageError, store_for
 
 
 class PodChunk(BaseModel):
@@ -54,10 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tasks.render.pod_chunk")
     parser.add_argument("--chunk-json", required=True)
     chunk = PodChunk.model_validate_json(parser.parse_args(argv).chunk_json)
-    from tasks.errors import InvalidSpec
-    from tasks.render.frames import blender_frames
-    from tasks.render.scene import fetch, find_blend
-    from tasks.storage import S3Settings, StorageError, store_for
 
     printing = threading.Lock()
 

@@ -19,12 +19,15 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel
 
+from tasks import nvml
 from tasks.errors import InvalidSpec, TransientError
 from tasks.fetching import fetch_prefix, relative_names
+from tasks.host import gpuflow_home, resolve_program
 from tasks.render import logparse
-from tasks.render.argv import EXTENSIONS, FORMATS, MOVIE_FORMATS, safe_path
+from tasks.render.argv import ENGINES, EXTENSIONS, FORMATS, MOVIE_FORMATS, safe_path
 from tasks.render.frames import label, outside, parse_frames
-from tasks.spec import JobSpec, RenderJob
+from tasks.render.model import RenderJob
+from tasks.spec import JobSpec
 from tasks.storage import ObjectMissing, S3Settings, StorageError, store_for
 
 INSPECT_SCRIPT = Path(__file__).with_name("blender_inspect.py")
@@ -75,7 +78,6 @@ class RenderPlan(BaseModel):
 
 
 def cache_root() -> Path:
-    from tasks.compute.local import gpuflow_home
 
     return gpuflow_home() / "cache" / "scenes"
 
@@ -216,7 +218,6 @@ def inspect(blender: str, blend: Path, devices: list[str]) -> SceneInfo:
 
 
 def blender_program(job: RenderJob) -> str:
-    from tasks.compute.local import resolve_program
 
     program = resolve_program(job.blender)
     if program is None:
@@ -228,20 +229,21 @@ def blender_program(job: RenderJob) -> str:
 
 
 # -- the plan ----------------------------------------------------------------------------
-_PLANS: dict[tuple[str, str], RenderPlan] = {}  # (flow run id, spec) -> plan, this process
+_PLANS: dict[tuple[str, str, bool], RenderPlan] = {}  # (flow run id, spec) -> plan, this process
 
 
-def plan(spec: JobSpec, s3: S3Settings | None) -> RenderPlan:
+def plan(spec: JobSpec, s3: S3Settings | None, here: bool) -> RenderPlan:
     """Return what will be rendered, after every check that needs the scene; InvalidSpec
-    (one sentence naming the field and the fix) for anything that would fail later.
+    (one sentence naming the field and the fix) for anything that would fail later. With
+    `here`, chunks render on this host (its GPUs are the job's); else on other nodes.
     Worked out once per flow run (validation, preflight and the render stage all ask)."""
     from prefect.runtime import flow_run
 
     run_id = flow_run.id
-    key = (str(run_id), spec.model_dump_json())
+    key = (str(run_id), spec.model_dump_json(), here)
     if run_id and key in _PLANS:
         return _PLANS[key]
-    found = _plan(spec, s3)
+    found = _plan(spec, s3, here)
     if run_id:
         if len(_PLANS) >= 32:
             _PLANS.pop(next(iter(_PLANS)))
@@ -249,16 +251,12 @@ def plan(spec: JobSpec, s3: S3Settings | None) -> RenderPlan:
     return found
 
 
-def _plan(spec: JobSpec, s3: S3Settings | None) -> RenderPlan:
+def _plan(spec: JobSpec, s3: S3Settings | None, here: bool) -> RenderPlan:
     job = spec.job
     assert isinstance(job, RenderJob)
     program = blender_program(job)
     blend = find_blend(fetch(job.scene, s3), job.blend)
-    from tasks import nvml
-    from tasks.jobs.render import renders_here
-
     # in pods, the GPUs are not this host's: Blender here reads the scene, not the devices
-    here = renders_here(spec.placement.backend)
     host_gpus = here and bool(spec.resources.gpus) and bool(nvml.query().gpus)
     gpu_devices = ["OPTIX", "CUDA", "HIP", "ONEAPI"] if host_gpus else []
     wanted = [job.device] if here and job.device and job.device != "CPU" else gpu_devices
@@ -343,7 +341,6 @@ def _plan(spec: JobSpec, s3: S3Settings | None) -> RenderPlan:
 
 
 def _engine(job: RenderJob, info: SceneInfo) -> str:
-    from tasks.render.argv import ENGINES
 
     engine = ENGINES[job.engine] if job.engine else info.engine
     return {
@@ -353,18 +350,15 @@ def _engine(job: RenderJob, info: SceneInfo) -> str:
     }.get(engine, engine)
 
 
-def preflight_checks(spec: JobSpec, s3: S3Settings | None) -> list[dict[str, str]]:
+def preflight_checks(spec: JobSpec, s3: S3Settings | None, here: bool) -> list[dict[str, str]]:
     """Return preflight findings for a render: Blender's version and its Cycles devices
     (from the cached inspection), each as {name, level, message}."""
     job = spec.job
     assert isinstance(job, RenderJob)
-    found = plan(spec, s3)
+    found = plan(spec, s3, here)
     devices = ", ".join(
         f"{kind}: {', '.join(names) or 'none'}" for kind, names in found.info.devices.items()
     )
-    from tasks.jobs.render import renders_here
-
-    here = renders_here(spec.placement.backend)
     where = "" if here else f" (here it reads the scene; {job.blender} in the pods renders)"
     checks = [
         {

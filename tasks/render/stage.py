@@ -10,6 +10,7 @@ its per-frame time (from its log), so that start-up costs about a tenth of a chu
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import statistics
 import threading
@@ -24,31 +25,29 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.futures import as_completed
 from pydantic import BaseModel
 
-from tasks import secrets
-from tasks.compute import Cluster, JobResult, get_backend
-from tasks.errors import JobCancelled, JobFailed, TransientError
-from tasks.jobs.render import chunk_unit, renders_here, slots
-from tasks.metrics.cost import PriceTable
+from tasks.contract import JobResult, RunOutcome, UnitRunner
+from tasks.errors import JobCancelled, JobFailed, TransientError, retry_when_retryable
 from tasks.render import logparse, pod_chunk, report
 from tasks.render import scene as scenes
 from tasks.render.argv import output_pattern
 from tasks.render.frames import ChunkSizer, label
-from tasks.render.output import FrameRecord, SavedFrames, Uploader, existing_frames, frame_url
-from tasks.spec import JobSpec, RenderJob
-from tasks.stages import (
-    RunOutcome,
-    idle_stop,
-    retry_when_retryable,
-    sampling,
-    stop_check,
-    time_limit,
+from tasks.render.model import RenderJob
+from tasks.render.output import (
+    FrameRecord,
+    SavedFrames,
+    Uploader,
+    existing_frames,
+    frame_url,
+    make_thumbnail,
 )
+from tasks.render.units import chunk_unit, slots
+from tasks.spec import JobSpec
 from tasks.storage import s3_settings, store_for
 
 # Failures after which Blender still renders every frame, but not as asked.
 WRONG_SETTINGS = ("device_unknown", "device_absent", "python_error")
 PREVIEW_MAX_FRAMES = 2000
-_RUNS: dict[str, _Progress] = {}  # flow run id -> its progress, shared with chunk threads
+_RUNS: dict[str, _Progress] = {}  # cluster name -> the run's progress, shared with chunk threads
 
 
 class ChunkFailed(JobFailed):
@@ -74,7 +73,10 @@ class _Progress:
     """Frames done so far for one run, and its progress artifact, updated at most every
     `every_s` seconds (the API is not told about each of thousands of frames)."""
 
-    def __init__(self, total: int, done: dict[int, FrameRecord], every_s: float = 1.0) -> None:
+    def __init__(
+        self, runner: UnitRunner, total: int, done: dict[int, FrameRecord], every_s: float = 1.0
+    ) -> None:
+        self.runner = runner  # runs the chunks on the run's backend, under its limits
         self.total = total
         self.records = dict(done)
         self.skipped = len(done)
@@ -110,13 +112,12 @@ class _Progress:
 @task(name="render-chunk", cache_policy=None)
 def render_chunk(
     spec: JobSpec,
-    cluster: Cluster,
+    run_key: str,
     plan: scenes.RenderPlan,
     frames: list[int],
     index: int,
     slot: tuple[int, int | None],
     deadline: float,
-    flow_run_id: str,
     thumb_frames: list[int],
 ) -> ChunkResult:
     """Render those of `frames` not yet in storage on `slot` (node, GPU); raise
@@ -125,12 +126,14 @@ def render_chunk(
     job = spec.job
     assert isinstance(job, RenderJob)
     logger = get_run_logger()
-    progress = _RUNS[flow_run_id]
+    progress = _RUNS[run_key]
+    runner = progress.runner
+    cluster = runner.cluster
     todo = [f for f in frames if f not in progress.done(frames)]
     result = ChunkResult(index=index, frames=frames)
     if not todo:
         return result
-    here = renders_here(cluster.backend)  # else in a pod, which uploads its own frames
+    here = cluster.capabilities.runs_here  # else in a pod, which uploads its own frames
     attempt = f"{index}-{time.monotonic_ns()}"
     scratch = Path(cluster.workspace) / "frames" / attempt
     if here:
@@ -176,25 +179,14 @@ def render_chunk(
         if not here and logparse.saved_path(line) is not None:
             saved.saved_at.append(time.monotonic())
         elif "Fra:" not in line:
-            lines.append(redact(line))
+            lines.append(runner.redact(line))
             if line.strip():
-                logger.info("chunk %d: %s", index, redact(line))
+                logger.info("chunk %d: %s", index, runner.redact(line))
 
-    secret_values = secrets.resolve(spec.secret_env)
     # a pod uploads its frames itself: it gets this host's access to storage
     storage_env = {} if here else s3.child_env()
-    redact = secrets.Redactor([*secret_values.values(), *s3.secrets()])
-    env = {**storage_env, **spec.env, **secret_values}  # the backend adds its own
     try:
-        run = get_backend(cluster.backend).run(
-            cluster,
-            unit,
-            env,
-            max(1.0, deadline - time.time()),
-            on_line,
-            stop_check(flow_run_id),
-            grace_s=spec.limits.stop_grace_s,
-        )
+        run = runner.run(unit, on_line, storage_env, deadline)
     finally:
         saved.hand_over(None)
         uploader.finish()  # frames Blender saved are uploaded even when we are interrupted
@@ -206,7 +198,7 @@ def render_chunk(
         result.per_frame_s = (saved_at[-1] - saved_at[0]) / (len(saved_at) - 1)
         result.startup_s = max(0.0, saved_at[0] - started - result.per_frame_s)
     result.rendered = sorted(progress.done(todo))
-    idled = idle_stop(flow_run_id)
+    idled = runner.idle_stop()
     if run.cancelled and idled:
         raise ChunkFailed(f"chunk {index} (frames {label(todo)}): {idled.rstrip('.')}.")
     if run.cancelled:
@@ -254,43 +246,27 @@ def _chunk_error(
     )
 
 
-def render_stage(
-    spec: JobSpec, cluster: Cluster, prices: PriceTable, flow_run_id: str
-) -> RunOutcome:
-    """The run stage of a render job: chunks under the spec's limits, with the sampler on;
-    writes outputs/result.json with the render's figures for collect."""
-    import json
-
-    logger = get_run_logger()
-    timeout, stopped_by = time_limit(spec, cluster, prices)
-    with sampling(spec, cluster, flow_run_id, logger.warning):
-        outcome, figures = render_frames(spec, cluster, flow_run_id, time.time() + timeout)
-    outputs = Path(cluster.workspace) / "outputs"
+def schedule(spec: JobSpec, runner: UnitRunner, deadline: float) -> RunOutcome:
+    """The run stage of a render job: chunks until `deadline` (time.time()); writes
+    outputs/result.json with the render's figures for collect."""
+    outcome, figures = render_frames(spec, runner, deadline)
+    outputs = Path(runner.cluster.workspace) / "outputs"
     outputs.mkdir(parents=True, exist_ok=True)
     (outputs / "result.json").write_text(json.dumps(figures, indent=1))
-    if (
-        outcome.failure
-        and "limits.max_duration" in outcome.failure
-        and stopped_by != "max_duration"
-    ):
-        outcome = outcome.model_copy(
-            update={
-                "failure": outcome.failure.replace("limits.max_duration", f"limits.{stopped_by}")
-            }
-        )
     return outcome
 
 
 def render_frames(
-    spec: JobSpec, cluster: Cluster, flow_run_id: str, deadline: float
+    spec: JobSpec, runner: UnitRunner, deadline: float
 ) -> tuple[RunOutcome, dict[str, Any]]:
     """Render every planned frame not yet in storage; return the outcome (a failure
     sentence when a chunk failed for good) and the figures for result.json."""
     job = spec.job
     assert isinstance(job, RenderJob)
     logger = get_run_logger()
+    cluster = runner.cluster
     s3 = s3_settings(spec)
-    plan = scenes.plan(spec, s3)
+    plan = scenes.plan(spec, s3, cluster.capabilities.runs_here)
     pattern, note = output_pattern(job.pattern)
     for warning in [*([note] if note else []), *plan.warnings]:
         logger.warning("%s", warning)
@@ -312,13 +288,13 @@ def render_frames(
         len(todo),
         workers,
     )
-    progress = _Progress(len(plan.frames), found)
+    progress = _Progress(runner, len(plan.frames), found)
     progress.artifact_id = create_progress_artifact(
         100.0 * len(found) / len(plan.frames),
         key="gpuflow-render-progress",
         description=f"{len(found)} of {len(plan.frames)} frames in storage",
     )
-    _RUNS[flow_run_id] = progress
+    _RUNS[cluster.name] = progress
     thumbs = set(report.sheet_frames(plan.frames)) if job.contact_sheet else set()
     if job.preview_video and shutil.which("ffmpeg") and len(plan.frames) <= PREVIEW_MAX_FRAMES:
         thumbs = set(plan.frames)
@@ -341,7 +317,7 @@ def render_frames(
                 frames, pending = pending[:size], pending[size:]
                 slot = free_slots.pop(0)
                 future = chunk_task.submit(
-                    spec, cluster, plan, frames, submitted, slot, deadline, flow_run_id,
+                    spec, cluster.name, plan, frames, submitted, slot, deadline,
                     sorted(thumbs & set(frames)),
                 )  # fmt: skip
                 in_flight[future] = slot
@@ -363,7 +339,7 @@ def render_frames(
                 sizer.learn(chunk_result.per_frame_s, chunk_result.startup_s)
     finally:
         progress.publish(force=True)
-        _RUNS.pop(flow_run_id, None)
+        _RUNS.pop(cluster.name, None)
     ended = datetime.now(UTC)
     records = list(progress.records.values())
     rendered = sum(len(r.rendered) for r in results)
@@ -402,8 +378,6 @@ def _write_report(
     spec: JobSpec,
     store: Any,
 ) -> None:
-    import json
-
     job = spec.job
     assert isinstance(job, RenderJob)
     outputs.mkdir(parents=True, exist_ok=True)
@@ -430,8 +404,6 @@ def _write_report(
 
 
 def _thumbnail_from_store(store: Any, record: FrameRecord, thumbs_dir: Path) -> dict[int, Path]:
-    from tasks.render.output import make_thumbnail
-
     scratch = thumbs_dir / f"fetched-{record.frame}{Path(record.url).suffix}"
     scratch.parent.mkdir(parents=True, exist_ok=True)
     try:

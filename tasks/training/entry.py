@@ -26,10 +26,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from tasks.errors import ERROR_FILE, PREEMPTED_EXIT_CODE, GpuflowError
-from tasks.spec import TrainJob
 from tasks.storage import join, store_for
 from tasks.training import checkpoint as ckpt
 from tasks.training import data as wdata
+from tasks.training.model import TrainJob
+from tasks.training.profile import StepProfiler
 from tasks.training.shards import sha256
 
 PREEMPTED_MARKER = ".gpuflow-preempted-rank{rank}"
@@ -241,7 +242,6 @@ class Trainer:
         settings = self.job.profile
         if settings is None or self.rank != 0:
             return contextlib.nullcontext()
-        from tasks.training.profile import StepProfiler
 
         return StepProfiler(
             settings.wait, settings.warmup, settings.active, self.outputs, torch.cuda.is_available()

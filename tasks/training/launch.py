@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 from tasks.errors import PREEMPTED_EXIT_CODE
-from tasks.spec import TrainJob
 from tasks.training.entry import PREEMPTED_MARKER
+from tasks.training.model import TrainJob
 
 
 def ranks(job: TrainJob) -> int:

@@ -15,7 +15,7 @@ from urllib.parse import parse_qs, urlparse
 from pydantic import BaseModel
 
 from tasks.errors import InvalidSpec
-from tasks.storage import FileStore, S3Store, join
+from tasks.storage import FileStore, S3Store, StorageError, join, store_for
 from tasks.training.shards import (
     DatasetIndex,
     Sample,
@@ -26,6 +26,7 @@ from tasks.training.shards import (
     shard_name,
     synthetic_samples,
 )
+from tasks.units import parse_size
 
 INDEX = "index.json"
 _SHARD_RE = re.compile(r"shard-\d{6}\.tar$")
@@ -82,8 +83,6 @@ def open_source(source: str) -> tuple[Iterator[Sample], str]:
 def check_request(source: str, output: str, shard_size: str) -> int:
     """Return the shard size in bytes; InvalidSpec names the first input that is wrong.
     Reads no credentials and writes nothing, so it runs before any API or flow run."""
-    from tasks.storage import StorageError, store_for
-    from tasks.units import parse_size
 
     try:
         shard_bytes = parse_size(shard_size)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.metrics.plot import pyplot
+from tasks.training.profile import PROFILE_DIR, read
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -93,7 +94,6 @@ def summary(outputs: Path, out_dir: Path, title: str) -> tuple[list[dict[str, An
 
 def profile_lines(outputs: Path, out_dir: Path) -> list[str]:
     """Return what a profiled run's summary says: the steps' split and where the trace is."""
-    from tasks.training.profile import PROFILE_DIR, read
 
     profiled = read(outputs)
     if profiled is None:

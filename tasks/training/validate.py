@@ -7,9 +7,10 @@ import uuid
 
 from tasks import nvml
 from tasks.errors import InvalidSpec
-from tasks.spec import JobSpec, TrainJob
+from tasks.spec import JobSpec
 from tasks.storage import S3Settings, StorageError, join, store_for
 from tasks.training import data
+from tasks.training.model import TrainJob
 
 
 def ranks_for(spec: JobSpec, job: TrainJob, host_gpus: int) -> int:
@@ -62,12 +63,12 @@ def check_model(job: TrainJob) -> None:
         )
 
 
-def check_train(spec: JobSpec, s3: S3Settings | None) -> None:
-    """Raise InvalidSpec when the train job cannot run as written; makes nothing but a probe."""
+def check_train(spec: JobSpec, s3: S3Settings | None, here: bool) -> None:
+    """Raise InvalidSpec when the train job cannot run as written; makes nothing but a
+    probe. With `here`, ranks run on this host and its GPUs count; elsewhere each node has
+    the GPUs asked for."""
     job = spec.job
     assert isinstance(job, TrainJob)
-    # on this host, its GPUs; elsewhere (kubernetes) each node has the GPUs asked for
-    here = spec.placement.backend == "local"
     host_gpus = len(nvml.query().gpus) if here else spec.resources.gpus
     ranks = ranks_for(spec, job, host_gpus) * spec.resources.nodes
     if job.strategy == "fsdp" and not (spec.resources.gpus and host_gpus):

@@ -11,7 +11,7 @@ from uuid import UUID
 
 import psutil
 
-from tasks.compute import gpu_slots
+from tasks.backends.local import gpu_slots
 
 ROOT = Path(__file__).resolve().parents[2]
 

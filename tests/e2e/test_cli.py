@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.compute import gpu_slots
+from tasks.backends.local import gpu_slots
 from tests.conftest import subprocess_env
 from tests.e2e.helpers import flow_run, leftovers, nothing_left, process_gone
 

@@ -147,7 +147,7 @@ def test_one_instance_boots_its_user_data_runs_the_job_and_teardown_leaves_nothi
     # nothing secret went to the instance in clear: user-data, console, the run's log
     described = aws["ec2"].describe_instance_attribute(InstanceId=instance.id, Attribute="userData")
     sent = base64.b64decode(described["UserData"]["Value"]).decode()
-    assert sent == instance.user_data and "tasks.compute.ec2_agent" in sent
+    assert sent == instance.user_data and "tasks.backends.ec2.agent" in sent
     for text in (sent, instance.console(), logs):
         assert s3_server.secret not in text and api_key not in text
     assert left_of(aws, s3_server, run_id) == {
@@ -533,9 +533,9 @@ def test_an_agent_whose_job_outlives_max_duration_terminates_its_instance(
     import json
     import time
 
-    from tasks.compute.ec2 import Heartbeat
-    from tasks.compute.ec2_agent import AgentConfig, UnitSpec
-    from tasks.compute.ec2_mailbox import Mailbox, unit_key
+    from tasks.backends.ec2.agent import AgentConfig, UnitSpec
+    from tasks.backends.ec2.backend import Heartbeat
+    from tasks.backends.ec2.mailbox import Mailbox, unit_key
 
     ec2 = aws["ec2"]
     image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
@@ -570,7 +570,7 @@ def test_an_agent_whose_job_outlives_max_duration_terminates_its_instance(
     )
     user_data = (
         "#!/bin/bash\nexec "
-        f"{sys.executable} -m tasks.compute.ec2_agent --config {config.encode()}\n"
+        f"{sys.executable} -m tasks.backends.ec2.agent --config {config.encode()}\n"
     )
     try:
         with played:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.compute.base import owner_labels
-from tasks.compute.ec2_catalog import Fleet, Offer, ec2_client
-from tasks.compute.ec2_launch import launch, owned_instances, remove
+from tasks.backends.ec2.catalog import Fleet, Offer, ec2_client
+from tasks.backends.ec2.launch import launch, owned_instances, remove
+from tasks.contract import owner_labels
 from tasks.errors import CapacityError
 
 pytestmark = pytest.mark.e2e

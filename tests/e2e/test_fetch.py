@@ -8,7 +8,7 @@ import pytest
 
 from tasks.errors import InvalidSpec
 from tasks.fetching import UnsafeKey, fetch_prefix
-from tasks.jobs import check_job
+from tasks.kinds.registry import check_job
 from tasks.spec import load_spec
 from tasks.storage import store_for
 

@@ -45,7 +45,7 @@ def run_hpc(spec: dict):
 
 def launch(tmp_path: Path, name: str, **job) -> tuple[subprocess.CompletedProcess, Path]:
     """Run the launcher as the backend would, without Prefect; return it and its workspace."""
-    from tasks.spec import HpcJob
+    from tasks.hpc.model import HpcJob
 
     workspace = tmp_path / name
     (workspace / "outputs").mkdir(parents=True)

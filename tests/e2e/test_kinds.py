@@ -11,9 +11,10 @@ from typing import Any, Literal
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from tasks.compute.base import Cluster, WorkUnit
+from tasks.contract import Cluster, WorkUnit
 from tasks.errors import InvalidSpec
-from tasks.jobs import JobKind, Report, register, unregister
+from tasks.kinds.base import JobKind, Report
+from tasks.kinds.registry import register, unregister
 from tasks.spec import JobSpec
 from tests.e2e.helpers import artifacts_of, logs_of, nothing_left
 

@@ -19,12 +19,13 @@ from uuid import UUID
 
 import pytest
 
-from tasks.compute.base import WorkUnit, owner_labels
-from tasks.compute.kubeapi import KubeApi, load_config
-from tasks.compute.kubernetes import KubernetesBackend
+from tasks.backends.kubernetes.backend import KubernetesBackend
+from tasks.backends.kubernetes.kubeapi import KubeApi, load_config
+from tasks.contract import WorkUnit, owner_labels
 from tasks.errors import ProvisionError
+from tasks.kinds.registry import get_kind
+from tasks.pipeline.stages import run_units
 from tasks.spec import load_spec
-from tasks.stages import run_units
 from tests.e2e.kubelet import NAMESPACE as KUBELET_NS
 from tests.e2e.kubelet import PlayedKubelet
 
@@ -387,7 +388,7 @@ def test_a_stopped_unit_is_deleted_and_teardown_leaves_nothing(kube):
 
 
 def _exists(kube: KubeApi, path: str) -> bool:
-    from tasks.compute.kubeapi import KubeError
+    from tasks.backends.kubernetes.kubeapi import KubeError
 
     try:
         found = kube.request("GET", path)
@@ -611,7 +612,7 @@ def test_the_pipeline_retries_a_unit_whose_node_was_lost_and_completes(
 def test_the_job_network_policy_is_accepted_and_selects_gpuflows_pods(kube):
     import yaml
 
-    from tasks.compute.k8s_objects import labels
+    from tasks.backends.kubernetes.manifests import labels
 
     policy = yaml.safe_load((ROOT / "infra" / "kubernetes" / "job-networkpolicy.yaml").read_text())
     path = "/apis/networking.k8s.io/v1/namespaces/default/networkpolicies"
@@ -847,7 +848,7 @@ def test_the_kueue_gpu_queue_examples_are_accepted_by_kueues_own_api(kube):
             made.append(f"{path}/{doc['metadata']['name']}")
         bad = next(d for d in docs if d["kind"] == "ClusterQueue")
         bad = {**bad, "metadata": {"name": "bad"}, "spec": {**bad["spec"], "gpuQuota": 8}}
-        from tasks.compute.kubeapi import KubeError
+        from tasks.backends.kubernetes.kubeapi import KubeError
 
         with pytest.raises(KubeError, match="gpuQuota"):  # strict: a field Kueue lacks fails
             kube.request(
@@ -877,7 +878,7 @@ def test_an_hpc_job_on_two_nodes_is_an_mpijob_run_by_the_mpi_operator(
     """8 ranks on 2 nodes x 4 H100: gpuflow submits a Kubeflow MPIJob (the testbed runs the
     real MPI Operator), whose worker pods hold the GPUs on nodes of the product and whose
     launcher runs gpuflow's MPI launcher over the operator's hostfile; nothing is left."""
-    from tasks.hpc.mpijob import problems
+    from tasks.backends.kubernetes.mpijob import problems
 
     spec = load_spec(
         {
@@ -1162,7 +1163,7 @@ def test_hpc_on_several_nodes_without_the_mpi_operator_is_refused_before_anythin
 ):
     """The cluster stops serving MPIJobs (the CRD removed; put back afterwards): an hpc job
     on 2 nodes is refused by `check` in one sentence, one node still passes."""
-    from tasks.compute.kubeapi import KubeError
+    from tasks.backends.kubernetes.kubeapi import KubeError
     from tasks.errors import InvalidSpec
 
     crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
@@ -1191,12 +1192,12 @@ def test_hpc_on_several_nodes_without_the_mpi_operator_is_refused_before_anythin
         while served() and time.monotonic() < until:
             time.sleep(0.2)
         with pytest.raises(InvalidSpec) as refused:
-            KubernetesBackend().check(hpc(nodes=2))
+            KubernetesBackend().check(hpc(nodes=2), get_kind("hpc").needs(hpc(nodes=2)))
         assert str(refused.value).startswith(
             "resources.nodes: MPI ranks on 2 nodes run as an MPIJob, and"
         )
         assert "install the Kubeflow MPI Operator there or use 1 node" in str(refused.value)
-        KubernetesBackend().check(hpc(nodes=1))  # one pod runs mpirun itself
+        KubernetesBackend().check(hpc(nodes=1), get_kind("hpc").needs(hpc(nodes=1)))  # one pod
     finally:
         for key in ("resourceVersion", "uid", "creationTimestamp", "managedFields"):
             saved["metadata"].pop(key, None)

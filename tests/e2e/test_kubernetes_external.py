@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from tasks.compute.base import WorkUnit, owner_labels
-from tasks.compute.kubernetes import KubernetesBackend
+from tasks.backends.kubernetes.backend import KubernetesBackend
+from tasks.contract import WorkUnit, owner_labels
 from tasks.errors import ProvisionError
 from tasks.spec import load_spec
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from flows.pipeline import gpu_pipeline
-from tasks import stages
-from tasks.compute import gpu_slots
-from tasks.compute.local import LocalBackend
+from tasks.backends.local import gpu_slots
+from tasks.backends.local.backend import LocalBackend
 from tasks.errors import CapacityError, CollectError, JobFailed, PreflightFailed, ProvisionError
+from tasks.pipeline import stages
 from tasks.spec import load_spec
 from tests.e2e.helpers import (
     artifacts_of,
@@ -333,7 +333,7 @@ def test_crash_hook_tears_down_by_labels(gpuflow_home, tmp_path):
     import uuid
 
     from flows.pipeline import _teardown_hook
-    from tasks.compute.base import owner_labels
+    from tasks.contract import owner_labels
 
     run_id = str(uuid.uuid4())
     spec = load_spec({"job": {"kind": "command", "command": ["true"]}})
@@ -431,7 +431,7 @@ def test_idle_gpus_with_action_warn_only_warn(prefect_api, gpuflow_home, fake_nv
 
 
 def _memory_cgroups_here() -> bool:
-    from tasks.compute import cgroups
+    from tasks.backends.local import cgroups
 
     probe = cgroups.limit_memory(f"gpuflow-probe-{time.time_ns()}", None, 1 << 30)
     if probe is None:

@@ -1,0 +1,677 @@
+"""The EC2 backend: a run rents GPU instances, whose agents pull its units from S3.
+
+- `provision` ranks the offers (tasks.backends.ec2.catalog), keeps the run's variables and
+  the agent's Prefect token in a Secrets Manager secret (never in user-data), makes a
+  security group with no inbound rule from outside (nodes of one run reach each other),
+  launches (tasks.backends.ec2.launch) with user-data that installs gpuflow and starts its
+  agent, and waits until every agent says it is ready. From then until teardown this
+  process rewrites the run's heartbeat; agents that stop seeing it terminate themselves.
+- `run` writes the unit into the node's mailbox and follows its log lines, its end and its
+  instance. A spot interruption (the agent saw the notice, or the instance is gone) is a
+  preemption (exit 75): the run stage retries, and the retry finds the instances lost,
+  launches new ones (on-demand after `placement.on_demand_after` interruptions when the
+  market allows) and resumes the job from its checkpoint.
+- `teardown` terminates the instances, deletes their volumes, the security group, the
+  placement group, the secret and the mailbox, and confirms by describing them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from tasks.backends.ec2 import launch as launching
+from tasks.backends.ec2 import reap as reaping
+from tasks.backends.ec2.agent import PYTHON, AgentConfig, UnitSpec
+from tasks.backends.ec2.catalog import (
+    Fleet,
+    Offer,
+    aws_client,
+    aws_error,
+    ec2_client,
+    find_offers,
+    fleet_named,
+)
+from tasks.backends.ec2.mailbox import HEARTBEAT, Mailbox, unit_key
+from tasks.backends.ec2.reap import (
+    CONTROL_TAG,
+    ORPHAN_TAG,
+    prefect_api_url,
+    remove_leftovers,
+    secret_name,
+)
+from tasks.contract import (
+    RUN_LABEL,
+    Capabilities,
+    Cluster,
+    JobResult,
+    LineSink,
+    Needs,
+    ReapReport,
+    RunStates,
+    StopCheck,
+    TeardownReport,
+    WorkUnit,
+    state_of,
+)
+from tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
+from tasks.host import gpuflow_home
+from tasks.metrics.sampler import SAMPLES
+from tasks.placement import resolve
+from tasks.spec import JobSpec, Placement
+from tasks.storage import S3Settings
+
+STATE_EVERY_S = 5.0
+_heartbeats: dict[str, Heartbeat] = {}
+_locks: dict[str, threading.Lock] = {}
+_guard = threading.Lock()
+_samples_lock = threading.Lock()
+
+
+def group_name(run_id: str) -> str:
+    return f"gpuflow-{run_id}"
+
+
+def local_folder(run_id: str) -> Path:
+    """Return this host's folder for the run: outputs its units send back, samples."""
+    return gpuflow_home() / "ec2" / run_id
+
+
+class Heartbeat:
+    """Rewrites the run's heartbeat in its mailbox every `every_s` in a thread, until
+    stopped; the agents terminate their instances when it stops changing."""
+
+    def __init__(self, mailbox: Mailbox, every_s: float) -> None:
+        self.mailbox, self.every_s = mailbox, every_s
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._beat, daemon=True, name="gpuflow-heartbeat")
+        self.thread.start()
+
+    def _beat(self) -> None:
+        seq = 0
+        while not self.stopping.is_set():
+            seq += 1
+            with contextlib.suppress(Exception):  # S3 away for a moment: the next beat
+                self.mailbox.put_json(
+                    HEARTBEAT, {"seq": seq, "at": datetime.now(UTC).isoformat(), "pid": os.getpid()}
+                )
+            self.stopping.wait(self.every_s)
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+
+def user_data(fleet: Fleet, config: AgentConfig) -> str:
+    """Return the instance's boot script: the fleet's install step, then the agent. Its
+    settings are base64 JSON with nothing secret in them."""
+    return "\n".join(
+        [
+            "#!/bin/bash",
+            f"# gpuflow: the agent of run {config.run_id}; it pulls the run's work from"
+            f" {config.control}",
+            "set -euo pipefail",
+            "GPUFLOW_PYTHON=python3",
+            "# install gpuflow (sets GPUFLOW_PYTHON)",
+            fleet.install or ":",
+            'exec "$GPUFLOW_PYTHON" -m tasks.backends.ec2.agent --config ' + config.encode(),
+            "",
+        ]
+    )
+
+
+class Ec2State(BaseModel):
+    """What the EC2 backend keeps on its cluster record."""
+
+    block: str | None = None
+    control: str = ""  # the run's mailbox
+    security_group: str | None = None
+    spec: dict[str, Any] = {}  # the run's spec as JSON (JobSpec.model_validate reads it)
+    tags: dict[str, str] = {}  # put on everything the run makes
+    instances: list[dict[str, Any]] = []  # node 0 first: instance_id, address
+    offer: Offer | None = None  # what the instances were launched from
+
+
+class Ec2Backend:
+    name = "ec2"
+    # each agent samples its instance; the run stage samples nothing here
+    capabilities = Capabilities(
+        runs_here=False, where="rented instances", local_files=False, samples_nodes=True
+    )
+
+    @classmethod
+    def at(cls, placement: Placement | None = None) -> Ec2Backend:
+        """Return the backend for the placement's fleet block (else the default one)."""
+        return cls(placement.block if placement is not None else None)
+
+    def __init__(self, block: str | None = None) -> None:
+        self.block = block
+
+    # -- settings ----------------------------------------------------------------------
+
+    def fleet(self) -> Fleet:
+        fleet = fleet_named(self.block)
+        if self.block is None:
+            raise InvalidSpec(
+                "placement.block: launching on ec2 needs an Ec2GpuFleet block (its image_id"
+                " and control_prefix); create one with blocks.Ec2GpuFleet(...).save(name) and"
+                " name it here (gpuflow offers ranks without one)."
+            )
+        if not fleet.image_id:
+            raise InvalidSpec(
+                f"{fleet.field('image_id')}: no machine image is set; set it to an AMI with"
+                " NVIDIA's driver and Python 3.11+ in the fleet's region."
+            )
+        control = fleet.control_prefix or ""
+        if not control.startswith("s3://") or len(control) <= len("s3://"):
+            raise InvalidSpec(
+                f"{fleet.field('control_prefix')}: {control or 'nothing'} is not an s3:// prefix;"
+                " set it to a bucket and prefix the instances can read and write."
+            )
+        return fleet
+
+    def _clients(self, fleet: Fleet) -> tuple[Any, Any, Any]:
+        return ec2_client(fleet), aws_client(fleet, "s3"), aws_client(fleet, "secretsmanager")
+
+    def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
+        self.block = spec.placement.block
+        fleet = self.fleet()
+
+        _, prices = resolve(spec)
+        find_offers(spec, prices)  # region, product, budget, credentials: said here
+        _, s3, _ = self._clients(fleet)
+        bucket = fleet.control_prefix.removeprefix("s3://").split("/")[0]  # type: ignore[union-attr]
+        try:
+            s3.head_bucket(Bucket=bucket)
+        except Exception as exc:
+            raise aws_error(exc, fleet, f"reach the control bucket {bucket}") from None
+
+    def describe(self, spec: JobSpec) -> list[dict[str, str]]:
+        self.block = spec.placement.block
+        fleet = self.fleet()
+        return [
+            {
+                "name": "instances",
+                "level": "pass",
+                "message": f"{spec.resources.nodes} instance(s) with {spec.resources.gpus} GPU(s)"
+                f" in {fleet.region}, {spec.placement.market}; agents pull work from"
+                f" {fleet.control_prefix}",
+            }
+        ]
+
+    # -- provision -----------------------------------------------------------------------
+
+    def provision(self, spec: JobSpec, owner: Mapping[str, str]) -> Cluster:
+        """Return the run's cluster of ready instances; a retry adopts them."""
+        self.block = spec.placement.block
+        fleet = self.fleet()
+        run_id = owner[RUN_LABEL]
+        ec2, s3, secrets = self._clients(fleet)
+        mailbox = Mailbox(s3, fleet.control_prefix or "", run_id)
+        tags = {
+            **owner,
+            CONTROL_TAG: mailbox.url,
+            ORPHAN_TAG: str(int(spec.limits.orphan_after)),
+        }
+        self._beat(mailbox, spec.limits.orphan_after)
+        try:
+            self._put_secret(secrets, run_id, tags, {})
+            group = self._security_group(ec2, run_id, tags, spec.resources.nodes)
+        except Exception as exc:
+            raise aws_error(exc, fleet, "prepare the run's secret and security group") from None
+        local_folder(run_id).joinpath("outputs").mkdir(parents=True, exist_ok=True)
+        cluster = Cluster(
+            backend=self.name,
+            name=group_name(run_id),
+            owner=dict(owner),
+            hostname="",
+            workspace=str(local_folder(run_id)),
+            gpu_indices=list(range(spec.resources.gpus)),
+            nodes=spec.resources.nodes,
+            created_at=datetime.now(UTC),
+            capabilities=self.capabilities,
+            state=Ec2State(
+                block=self.block,
+                control=mailbox.url,
+                security_group=group or None,
+                spec=spec.model_dump(mode="json"),
+                tags=tags,
+            ).model_dump(mode="json"),
+        )
+        nodes, offer, adopted = self._nodes(cluster, fleet, ec2, mailbox)
+        return self._with_nodes(cluster, nodes, offer).model_copy(update={"adopted": adopted})
+
+    def _with_nodes(self, cluster: Cluster, nodes: list[dict], offer: Offer | None) -> Cluster:
+        state = state_of(cluster, Ec2State)
+        state.instances = nodes
+        if offer is not None:
+            state.offer = offer
+        known = state.offer
+        addresses = [n["address"] for n in nodes]
+        return cluster.model_copy(
+            update={
+                "hostname": addresses[0],
+                "node_names": addresses,
+                "gpu_products": [known.product] * known.gpus if known else [],
+                "cpus_per_node": known.vcpus if known else None,
+                "state": state.model_dump(mode="json"),
+            }
+        )
+
+    def _nodes(
+        self, cluster: Cluster, fleet: Fleet, ec2: Any, mailbox: Mailbox
+    ) -> tuple[list[dict], Offer | None, bool]:
+        """Return the run's live nodes (instance and address, node 0 first), the offer
+        they were launched from (None when adopted) and whether they were adopted. Nodes
+        lost or told of an interruption are terminated and replaced (all of them: a job
+        is all or nothing)."""
+        state = state_of(cluster, Ec2State)
+        spec = JobSpec.model_validate(state.spec)
+        run_id = cluster.owner[RUN_LABEL]
+        with _lock(run_id):
+            live = launching.owned_instances(ec2, run_id, ["pending", "running"])
+            noticed = {k.split("/", 1)[1] for k in mailbox.keys("notices/")}
+            known = state.instances
+            vanished = {n["instance_id"] for n in known} - {i["InstanceId"] for i in live}
+            lost = sorted(vanished | ({i["InstanceId"] for i in live} & noticed))
+            if live and len(live) == spec.resources.nodes and not lost:
+                return self._ready(fleet, mailbox, live, spec), None, True
+            for instance in lost:
+                mailbox.put_json(f"lost/{instance}", {"at": datetime.now(UTC).isoformat()})
+            if live:  # a partial set, or one that was warned: replace them all
+                launching.remove(ec2, run_id, _say, group=None)
+            losses = len(mailbox.keys("lost/"))
+            offers = self._offers(spec, losses)
+            config = AgentConfig(
+                run_id=run_id,
+                control=fleet.control_prefix or "",
+                region=fleet.region,
+                endpoint_url=_endpoint(fleet),
+                secret_id=secret_name(run_id),
+                orphan_after_s=spec.limits.orphan_after,
+                deadline_s=spec.limits.max_duration + spec.limits.stop_grace_s + 300,
+                prefect_api_url=prefect_api_url(),
+            )
+            tags, group = state.tags, state.security_group
+            try:
+                made = launching.launch(
+                    ec2,
+                    offers,
+                    spec.resources.nodes,
+                    max(8, int(spec.resources.disk / 2**30)),
+                    fleet.image_id or "",
+                    user_data(fleet, config),
+                    tags,
+                    _say,
+                    fleet.instance_profile,
+                    [group] if group else None,
+                )
+            except CapacityError:
+                raise
+            except Exception as exc:
+                raise aws_error(exc, fleet, "launch the run's instances") from None
+            live = launching.owned_instances(ec2, run_id, ["pending", "running"])
+            return self._ready(fleet, mailbox, live, spec), made.offer, made.adopted
+
+    def _offers(self, spec: JobSpec, losses: int) -> list[Offer]:
+
+        _, prices = resolve(spec)
+        _, offers = find_offers(spec, prices)
+        market = spec.placement.market
+        if market == "spot-then-on-demand" and losses >= spec.placement.on_demand_after:
+            _say(
+                f"{losses} spot interruption(s) so far (placement.on_demand_after"
+                f" {spec.placement.on_demand_after}): renting on-demand"
+            )
+            offers = [o for o in offers if o.market == "on-demand"]
+        return offers
+
+    def _ready(self, fleet: Fleet, mailbox: Mailbox, live: list[dict], spec: JobSpec) -> list[dict]:
+        """Wait until every instance's agent said it is ready; return the nodes in launch
+        order. ProvisionError when one is not ready within the fleet's boot timeout."""
+        order = sorted(live, key=lambda i: (i.get("AmiLaunchIndex", 0), i["InstanceId"]))
+        until = time.monotonic() + fleet.boot_timeout_s
+        nodes: list[dict] = []
+        for instance in order:
+            iid = instance["InstanceId"]
+            while True:
+                ready = mailbox.get_json(f"nodes/{iid}/ready")
+                if ready:
+                    nodes.append({"instance_id": iid, "address": ready["address"]})
+                    break
+                if time.monotonic() > until:
+                    raise ProvisionError(
+                        f"instance {iid} did not start gpuflow's agent within"
+                        f" {fleet.boot_timeout_s:.0f} s ({fleet.field('boot_timeout_s')}); read"
+                        " its console output (aws ec2 get-console-output) for the install step"
+                    )
+                time.sleep(0.5)
+        return nodes
+
+    # -- run -----------------------------------------------------------------------------
+
+    def run(
+        self,
+        cluster: Cluster,
+        unit: WorkUnit,
+        env: Mapping[str, str],
+        timeout_s: float,
+        on_line: LineSink,
+        should_stop: StopCheck | None = None,
+        grace_s: float = 30.0,
+    ) -> JobResult:
+        """Run `unit` on its node's instance through the mailbox and follow it to its end.
+        An interruption notice or a lost instance ends it as a preemption (exit 75)."""
+        state = state_of(cluster, Ec2State)
+        self.block = state.block
+        fleet = self.fleet()
+        ec2, s3, secrets = self._clients(fleet)
+        run_id = cluster.owner[RUN_LABEL]
+        mailbox = Mailbox(s3, fleet.control_prefix or "", run_id)
+        spec = JobSpec.model_validate(state.spec)
+        self._beat(mailbox, spec.limits.orphan_after)
+        self._put_secret(secrets, run_id, state.tags, dict(env))
+        nodes, _, _ = self._nodes(cluster, fleet, ec2, mailbox)
+        instance = nodes[unit.node]["instance_id"]
+        name = f"{unit.name}-{uuid.uuid4().hex[:6]}"  # each try a unit of its own
+        command = _moved(list(unit.command), cluster.hosts(), [n["address"] for n in nodes])
+        command = [PYTHON if c == sys.executable else c for c in command]
+        spec_unit = UnitSpec(
+            name=name,
+            command=command,
+            env=unit.env,
+            gpus=unit.gpus,
+            node=unit.node,
+            nodes=cluster.nodes,
+            timeout_s=timeout_s + grace_s + 60,  # the agent's own guard; this side stops first
+            metrics={
+                "interval_s": spec.metrics.interval_s,
+                "pushgateway": spec.metrics.pushgateway,
+                "push_interval_s": spec.metrics.push_interval_s,
+                "job": spec.name,
+            },
+        )
+        mailbox.put(unit_key(instance, name, "unit.json"), spec_unit.model_dump_json())
+        started = datetime.now(UTC)
+        follower = _Follower(mailbox, instance, name, on_line)
+        try:
+            end = self._follow(ec2, run_id, instance, follower, timeout_s, should_stop, grace_s)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                mailbox.put_json(
+                    unit_key(instance, name, "stop"), {"why": "interrupted", "grace_s": grace_s}
+                )
+            raise
+        follower.read()
+        follower.outputs(Path(cluster.workspace) / "outputs")
+        follower.samples(Path(cluster.workspace) / SAMPLES)
+        ended = datetime.now(UTC)
+        return JobResult(
+            exit_code=end.get("exit_code"),
+            signal=end.get("signal"),
+            started_at=started,
+            ended_at=ended,
+            duration_s=(ended - started).total_seconds(),
+            timed_out=end.get("stop") == "timeout",
+            cancelled=end.get("stop") == "cancelled",
+            log_tail=list(follower.tail),
+        )
+
+    def _follow(
+        self,
+        ec2: Any,
+        run_id: str,
+        instance: str,
+        follower: _Follower,
+        timeout_s: float,
+        should_stop: StopCheck | None,
+        grace_s: float,
+    ) -> dict[str, Any]:
+        mailbox, name = follower.mailbox, follower.unit
+        deadline = time.monotonic() + timeout_s
+        stop: str | None = None
+        stop_until = 0.0
+        state_at = time.monotonic()
+        while True:
+            follower.read()
+            result = mailbox.get_json(unit_key(instance, name, "result.json"))
+            if result is not None:
+                code = result.get("exit_code")
+                if result.get("interrupted") and code != 0:
+                    code = PREEMPTED_EXIT_CODE
+                    follower.note(f"instance {instance} got a spot interruption notice")
+                return {"exit_code": code, "signal": result.get("signal"), "stop": stop}
+            if stop is None:
+                if should_stop is not None and should_stop():
+                    stop = "cancelled"
+                elif time.monotonic() > deadline:
+                    stop = "timeout"
+                if stop is not None:
+                    mailbox.put_json(
+                        unit_key(instance, name, "stop"), {"why": stop, "grace_s": grace_s}
+                    )
+                    stop_until = time.monotonic() + grace_s + 60
+            elif time.monotonic() > stop_until:
+                follower.note(f"the agent on {instance} did not confirm the stop")
+                return {"exit_code": None, "signal": 9, "stop": stop}
+            if time.monotonic() - state_at > STATE_EVERY_S:
+                state_at = time.monotonic()
+                live = {i["InstanceId"] for i in launching.owned_instances(ec2, run_id)}
+                if instance not in live:
+                    follower.read()
+                    gone = mailbox.get_json(f"gone/{instance}")
+                    why = gone["why"] if gone else "terminated by EC2 (a spot interruption?)"
+                    follower.note(f"instance {instance} is gone: {why}")
+                    return {"exit_code": PREEMPTED_EXIT_CODE, "signal": None, "stop": stop}
+            time.sleep(0.5)
+
+    # -- teardown ------------------------------------------------------------------------
+
+    def reap(self, dry_run: bool, say: Callable[[str], None], runs: RunStates) -> ReapReport:
+        """Remove what runs that are over, or orphaned, left (instances, volumes, groups,
+        secrets, mailboxes); with `dry_run`, say what would go and its hourly price."""
+        return reaping.reap(fleet_named(self.block, "--block"), dry_run, say, runs)
+
+    def teardown(self, cluster: Cluster) -> TeardownReport:
+        self.block = state_of(cluster, Ec2State).block
+        return self.remove_run(cluster.owner[RUN_LABEL], cluster.name)
+
+    def remove_run(self, run_id: str, name: str | None = None) -> TeardownReport:
+        """Remove everything the run made: instances, their volumes, the security group,
+        the placement group, the secret and the mailbox; idempotent."""
+        fleet = fleet_named(self.block)
+        beat = _heartbeats.pop(run_id, None)
+        if beat is not None:
+            beat.stop()
+        ec2 = ec2_client(fleet)
+        try:
+            gone = launching.remove(ec2, run_id, _say)
+            removed = remove_leftovers(fleet, run_id)
+        except Exception as exc:
+            raise aws_error(exc, fleet, "remove the run's instances") from None
+        shutil.rmtree(local_folder(run_id), ignore_errors=True)
+        return TeardownReport(
+            name=name or group_name(run_id),
+            already_gone=not gone and not removed,
+            killed_processes=len(gone),
+            removed_workspace=True,
+        )
+
+    def list_owned(self, selector: Mapping[str, str]) -> list[Cluster]:
+        """Return a cluster per run with live instances; asked for one run, that run's
+        cluster even when only its secret, group or mailbox is left (teardown removes
+        whatever there is)."""
+        fleet = fleet_named(self.block)
+        ec2 = ec2_client(fleet)
+        filters = [{"Name": f"tag:{k}", "Values": [v]} for k, v in selector.items()]
+        filters.append({"Name": "instance-state-name", "Values": launching.LIVE})
+        runs: dict[str, list[dict]] = {}
+        for page in ec2.get_paginator("describe_instances").paginate(Filters=filters):
+            for reservation in page["Reservations"]:
+                for i in reservation["Instances"]:
+                    tags = {t["Key"]: t["Value"] for t in i.get("Tags", [])}
+                    runs.setdefault(tags.get(RUN_LABEL, ""), []).append(i | {"tags": tags})
+        one = selector.get(RUN_LABEL)
+        if one and one not in runs:
+            runs[one] = [{"tags": {**selector}, "LaunchTime": datetime.now(UTC)}]
+        return [
+            Cluster(
+                backend=self.name,
+                name=group_name(run_id),
+                owner={k: v for k, v in found[0]["tags"].items() if k.startswith("gpuflow.io/")},
+                hostname=found[0].get("PrivateIpAddress", ""),
+                workspace=str(local_folder(run_id)),
+                nodes=len(found),
+                created_at=found[0]["LaunchTime"],
+                capabilities=self.capabilities,
+                state=Ec2State(block=self.block).model_dump(mode="json"),
+            )
+            for run_id, found in runs.items()
+            if run_id
+        ]
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _beat(self, mailbox: Mailbox, orphan_after: float) -> None:
+        run_id = mailbox.prefix.rstrip("/").rsplit("/", 1)[-1]
+        with _guard:
+            if run_id not in _heartbeats:
+                _heartbeats[run_id] = Heartbeat(mailbox, max(1.0, min(30.0, orphan_after / 5)))
+
+    def _put_secret(
+        self, secrets: Any, run_id: str, tags: Mapping[str, str], env: dict[str, str]
+    ) -> None:
+        """Keep the agent's Prefect token and the run's variables in the run's secret."""
+        from prefect.settings import PREFECT_API_KEY
+
+        value = json.dumps({"prefect_api_key": PREFECT_API_KEY.value() or "", "env": env})
+        try:
+            secrets.put_secret_value(SecretId=secret_name(run_id), SecretString=value)
+        except secrets.exceptions.ResourceNotFoundException:
+            secrets.create_secret(
+                Name=secret_name(run_id),
+                SecretString=value,
+                Description="gpuflow: the run's variables and its agents' Prefect API key",
+                Tags=launching.tags_of(tags),
+            )
+
+    def _security_group(
+        self, ec2: Any, run_id: str, tags: Mapping[str, str], nodes: int
+    ) -> str | None:
+        """Return the run's security group: no inbound rule from outside; the run's own
+        nodes reach each other (rendezvous, NCCL). None where there is no default VPC."""
+        vpcs = ec2.describe_vpcs(Filters=[{"Name": "isDefault", "Values": ["true"]}])["Vpcs"]
+        if not vpcs:
+            _say("no default VPC: the instances get the default security group")
+            return None
+        vpc = vpcs[0]["VpcId"]
+        found = ec2.describe_security_groups(
+            Filters=[
+                {"Name": "group-name", "Values": [group_name(run_id)]},
+                {"Name": "vpc-id", "Values": [vpc]},
+            ]
+        )["SecurityGroups"]
+        if found:
+            return found[0]["GroupId"]
+        group = ec2.create_security_group(
+            GroupName=group_name(run_id),
+            Description="gpuflow run: no inbound from outside; the run's nodes reach each other",
+            VpcId=vpc,
+            TagSpecifications=[{"ResourceType": "security-group", "Tags": launching.tags_of(tags)}],
+        )["GroupId"]
+        if nodes > 1:
+            ec2.authorize_security_group_ingress(
+                GroupId=group,
+                IpPermissions=[{"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": group}]}],
+            )
+        return group
+
+
+class _Follower:
+    """Reads a unit's log batches from the mailbox in order, once each."""
+
+    def __init__(self, mailbox: Mailbox, instance: str, unit: str, on_line: LineSink) -> None:
+        self.mailbox, self.instance, self.unit, self.on_line = mailbox, instance, unit, on_line
+        self.last = ""
+        self.tail: deque[str] = deque(maxlen=40)
+
+    def read(self) -> None:
+        under = unit_key(self.instance, self.unit, "log/")
+        for key in self.mailbox.keys(under, after=self.last):
+            for raw in (self.mailbox.get(key) or b"").decode(errors="replace").splitlines():
+                stream, line = json.loads(raw)
+                self.on_line(stream, line)
+                self.tail.append(line)
+            self.last = key
+
+    def note(self, line: str) -> None:
+        self.on_line("stderr", line)
+        self.tail.append(line)
+
+    def samples(self, path: Path) -> None:
+        """Append the unit's metric samples (taken on its instance) to the run's."""
+        data = self.mailbox.get(unit_key(self.instance, self.unit, "samples.jsonl"))
+        if data:
+            with _samples_lock, path.open("ab") as out:
+                out.write(data if data.endswith(b"\n") else data + b"\n")
+
+    def outputs(self, folder: Path) -> None:
+        under = unit_key(self.instance, self.unit, "outputs/")
+        for key in self.mailbox.keys(under):
+            relative = key[len(under) :]
+            path = (folder / relative).resolve()
+            if folder.resolve() not in path.parents:
+                continue  # a name climbing out of the folder: not written
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(self.mailbox.get(key) or b"")
+
+
+def _moved(command: list[str], old: list[str], new: list[str]) -> list[str]:
+    """Return `command` with the cluster's first node addresses replaced by the current
+    ones (instances launched again after an interruption have new addresses)."""
+    mapping = {o: n for o, n in zip(old, new, strict=False) if o and o != n}
+    if not mapping:
+        return command
+    moved = []
+    for arg in command:
+        host, sep, port = arg.partition(":")
+        if host in mapping and (not sep or port.isdigit()):
+            arg = mapping[host] + sep + port
+        moved.append(arg)
+    return moved
+
+
+def _lock(run_id: str) -> threading.Lock:
+    with _guard:
+        return _locks.setdefault(run_id, threading.Lock())
+
+
+def _endpoint(fleet: Fleet) -> str | None:
+    if fleet.aws_credentials:
+        return S3Settings.from_block(fleet.aws_credentials).endpoint_url
+    return os.environ.get("AWS_ENDPOINT_URL")
+
+
+def _say(message: str) -> None:
+    """Say `message` in the run's log (the Prefect run logger when there is one)."""
+    try:
+        from prefect import get_run_logger
+
+        get_run_logger().info(message)
+    except Exception:
+        print(message, flush=True)
+
+
+__all__ = ["Ec2Backend", "Heartbeat", "remove_leftovers", "user_data"]

@@ -1,0 +1,382 @@
+"""EC2's GPU instance types, where they are offered, what they cost, and which fit a job.
+
+The types come from DescribeInstanceTypes (GPU product, count and memory, vCPUs, RAM), the
+zones from DescribeInstanceTypeOfferings, spot prices from DescribeSpotPriceHistory;
+on-demand and EBS prices from the run's price table. `rank` is pure: the offers that fit
+`resources`, in the order a launch would try them (spot first when the market allows it,
+cheapest first). Every failure is one sentence naming the setting and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import BaseModel
+
+from blocks.ec2_fleet import Ec2GpuFleet
+from tasks.errors import InvalidSpec
+from tasks.gpus import canonical_product, product_from_ec2
+from tasks.metrics.cost import HOURS_PER_MONTH, PriceTable
+from tasks.spec import JobSpec
+from tasks.storage import S3Settings, StorageError
+
+BACKEND = "ec2"
+REFUSED = {
+    "AuthFailure",
+    "UnrecognizedClientException",
+    "InvalidClientTokenId",
+    "SignatureDoesNotMatch",
+    "UnauthorizedOperation",
+    "AccessDenied",
+    "ExpiredToken",
+}
+
+
+class GpuType(BaseModel):
+    instance_type: str
+    product: str
+    gpus: int
+    gpu_memory_mib: int
+    vcpus: int
+    memory_mib: int
+    placement_group: bool = False  # supports a cluster placement group
+
+
+class Offer(BaseModel):
+    instance_type: str
+    zone: str
+    market: str  # spot | on-demand
+    product: str
+    gpus: int
+    vcpus: int
+    memory_mib: int
+    hourly_usd: float  # one instance and its root volume
+    job_usd: float  # every node for limits.max_duration
+
+    def line(self, nodes: int) -> str:
+        count = f"{nodes} x " if nodes > 1 else ""
+        return (
+            f"{count}{self.instance_type} ({self.gpus} x {self.product}) {self.market} in"
+            f" {self.zone}: ${self.hourly_usd * nodes:.3f}/h"
+        )
+
+
+class Fleet(BaseModel):
+    """Where a job may rent: an Ec2GpuFleet block's settings (defaults without one)."""
+
+    name: str | None = None
+    region: str = "us-east-1"
+    zones: list[str] = []
+    families: list[str] = []
+    aws_credentials: str | None = None
+    instance_profile: str | None = None
+    image_id: str | None = None
+    control_prefix: str | None = None
+    install: str = ""
+    boot_timeout_s: float = 900.0
+
+    def field(self, setting: str) -> str:
+        if self.name:
+            return f"Ec2GpuFleet {self.name!r} {setting}"
+        return f"{setting} (no Ec2GpuFleet in placement.block: AWS_* variables and defaults)"
+
+
+def fleet_of(spec: JobSpec) -> Fleet:
+    """Return the fleet settings `placement.block` names (an Ec2GpuFleet), else defaults
+    with the region of AWS_DEFAULT_REGION / AWS_REGION."""
+    return fleet_named(spec.placement.block)
+
+
+def fleet_named(name: str | None, field: str = "placement.block") -> Fleet:
+    """Return the Ec2GpuFleet block `name`'s settings (defaults for None)."""
+    if name is None:
+        region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
+        return Fleet(region=region or "us-east-1")
+
+    try:
+        block = Ec2GpuFleet.load(name)
+    except ValueError:
+        raise InvalidSpec(
+            f"{field}: there is no Ec2GpuFleet block named {name!r}; create it"
+            f" (blocks.Ec2GpuFleet(...).save(name)) or remove {field}."
+        ) from None
+    return Fleet(
+        name=name,
+        region=block.region,
+        zones=list(block.zones),
+        families=list(block.families),
+        aws_credentials=block.aws_credentials,
+        instance_profile=block.instance_profile,
+        image_id=block.image_id,
+        control_prefix=block.control_prefix,
+        install=block.install,
+        boot_timeout_s=block.boot_timeout_s,
+    )
+
+
+def aws_client(fleet: Fleet, service: str) -> Any:
+    """Return a boto3 client of `service` for the fleet's region: the AwsCredentials
+    block's keys and endpoint, else boto3's own chain (AWS_* variables incl.
+    AWS_ENDPOINT_URL, profile, instance profile). InvalidSpec for a region AWS does not
+    have, or a credentials block that does not exist."""
+    import boto3
+
+    session = boto3.session.Session()
+    regions = {
+        r
+        for p in session.get_available_partitions()
+        for r in session.get_available_regions("ec2", p)
+    }
+    if fleet.region not in regions:
+        raise InvalidSpec(
+            f"{fleet.field('region')}: {fleet.region!r} is not an AWS region; use one such as"
+            " us-east-1, us-west-2 or eu-west-1."
+        )
+    params: dict[str, Any] = {"region_name": fleet.region}
+    if fleet.aws_credentials:
+        try:
+            settings = S3Settings.from_block(fleet.aws_credentials)
+        except StorageError as exc:
+            raise InvalidSpec(
+                str(exc).replace("storage.aws_credentials", fleet.field("aws_credentials"))
+            ) from None
+        params |= settings.client_kwargs()
+    return boto3.client(service, **params)
+
+
+def ec2_client(fleet: Fleet) -> Any:
+    """Return an EC2 client for the fleet (see aws_client)."""
+    return aws_client(fleet, "ec2")
+
+
+def aws_error(exc: Exception, fleet: Fleet, doing: str) -> InvalidSpec:
+    """Return what went wrong talking to EC2 as one sentence with its real cause."""
+    from botocore.exceptions import (
+        ClientError,
+        EndpointConnectionError,
+        NoCredentialsError,
+        ReadTimeoutError,
+    )
+
+    where = f"EC2 in {fleet.region}"
+    if isinstance(exc, NoCredentialsError):
+        return InvalidSpec(
+            f"no AWS credentials to {doing}: name an AwsCredentials block in"
+            f" {fleet.field('aws_credentials')} or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY."
+        )
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        code, message = error.get("Code", "?"), error.get("Message", "")
+        if code in REFUSED:
+            source = (
+                f"the AwsCredentials block {fleet.aws_credentials!r}"
+                if fleet.aws_credentials
+                else "the AWS_* variables"
+            )
+            return InvalidSpec(
+                f"{where} refused the credentials from {source} ({code}: {message}); fix them"
+                f" or grant ec2:Describe* to {doing}."
+            )
+        return InvalidSpec(f"{where} said {code} ({message}) when asked to {doing}.")
+    if isinstance(exc, EndpointConnectionError | ReadTimeoutError):
+        return InvalidSpec(f"{where} did not answer when asked to {doing}: {exc}.")
+    return InvalidSpec(f"{where} could not {doing}: {type(exc).__name__}: {exc}.")
+
+
+def gpu_types(ec2: Any, families: Iterable[str] = ()) -> list[GpuType]:
+    """Return every instance type with whole GPUs (of `families`, when given)."""
+    wanted = {f.lower() for f in families}
+    found = []
+    for page in ec2.get_paginator("describe_instance_types").paginate():
+        for item in page["InstanceTypes"]:
+            name = item["InstanceType"]
+            gpus = (item.get("GpuInfo") or {}).get("Gpus") or []
+            if not gpus or (wanted and name.split(".")[0].lower() not in wanted):
+                continue
+            gpu = gpus[0]
+            count = sum(g.get("Count", 0) for g in gpus)
+            if count < 1:  # fractional GPUs (g6f): not a GPU a job can hold
+                continue
+            memory = (gpu.get("MemoryInfo") or {}).get("SizeInMiB", 0)
+            strategies = (item.get("PlacementGroupInfo") or {}).get("SupportedStrategies", [])
+            found.append(
+                GpuType(
+                    instance_type=name,
+                    product=product_from_ec2(
+                        gpu["Name"], memory, gpu.get("Manufacturer", "NVIDIA")
+                    ),
+                    gpus=count,
+                    gpu_memory_mib=memory,
+                    vcpus=item["VCpuInfo"]["DefaultVCpus"],
+                    memory_mib=item["MemoryInfo"]["SizeInMiB"],
+                    placement_group="cluster" in strategies,
+                )
+            )
+    return found
+
+
+def zones_offering(ec2: Any, types: list[str]) -> dict[str, list[str]]:
+    """Return instance type -> the zones of the region that offer it."""
+    zones: dict[str, list[str]] = {}
+    for start in range(0, len(types), 100):  # the filter takes at most 200 values
+        pages = ec2.get_paginator("describe_instance_type_offerings").paginate(
+            LocationType="availability-zone",
+            Filters=[{"Name": "instance-type", "Values": types[start : start + 100]}],
+        )
+        for page in pages:
+            for offer in page["InstanceTypeOfferings"]:
+                zones.setdefault(offer["InstanceType"], []).append(offer["Location"])
+    return {t: sorted(z) for t, z in zones.items()}
+
+
+def spot_prices(ec2: Any, types: list[str]) -> dict[tuple[str, str], float]:
+    """Return (instance type, zone) -> the latest Linux spot price; none where EC2 has none."""
+    latest: dict[tuple[str, str], tuple[datetime, float]] = {}
+    for start in range(0, len(types), 100):
+        pages = ec2.get_paginator("describe_spot_price_history").paginate(
+            InstanceTypes=types[start : start + 100],
+            ProductDescriptions=["Linux/UNIX", "Linux/UNIX (Amazon VPC)"],
+            StartTime=datetime.now(UTC),
+        )
+        for page in pages:
+            for item in page["SpotPriceHistory"]:
+                key = (item["InstanceType"], item["AvailabilityZone"])
+                stamp = item["Timestamp"]
+                if key not in latest or stamp > latest[key][0]:
+                    latest[key] = (stamp, float(item["SpotPrice"]))
+    return {key: price for key, (_, price) in latest.items()}
+
+
+def rank(
+    spec: JobSpec,
+    types: list[GpuType],
+    zones: dict[str, list[str]],
+    spot: dict[tuple[str, str], float],
+    prices: PriceTable,
+    fleet: Fleet,
+) -> list[Offer]:
+    """Return the offers that fit `spec.resources`, in launch order (pure). InvalidSpec when
+    none fits (naming what the region has) or the budget buys less than an hour."""
+    res, market = spec.resources, spec.placement.market
+    if res.gpus < 1:
+        raise InvalidSpec(
+            "resources.gpus: the ec2 backend rents GPU instances; ask for at least 1 GPU or"
+            " use placement.backend: local."
+        )
+    product = canonical_product(res.gpu_product) if res.gpu_product else None
+    if fleet.zones:
+        known = {z for each in zones.values() for z in each}
+        stray = [z for z in fleet.zones if z not in known]
+        if stray and known:
+            raise InvalidSpec(
+                f"{fleet.field('zones')}: {', '.join(stray)} offer no GPU type in {fleet.region}"
+                f" (zones that do: {', '.join(sorted(known))}); fix the block."
+            )
+    disk_hourly = res.disk / 2**30 * prices.disk_gb_month_usd.get(BACKEND, 0.0) / HOURS_PER_MONTH
+    hours = spec.limits.max_duration / 3600.0
+    fitting = [
+        t
+        for t in types
+        if (product is None or t.product == product)
+        and t.gpus >= res.gpus
+        and (res.memory is None or t.memory_mib * 2**20 >= res.memory)
+        and (res.cpu is None or t.vcpus >= res.cpu)
+    ]
+    if not fitting:
+        raise InvalidSpec(_nothing_fits(spec, types, product, fleet))
+    offers: list[Offer] = []
+    unpriced = set()
+    for kind in fitting:
+        on_demand = prices.gpu_hourly(BACKEND, kind.product) * kind.gpus
+        if on_demand <= 0:
+            unpriced.add(kind.product)
+            continue
+        for zone in zones.get(kind.instance_type, []):
+            if fleet.zones and zone not in fleet.zones:
+                continue
+            choices = []
+            if market != "on-demand":
+                price = spot.get((kind.instance_type, zone))
+                if price is not None and price < on_demand:  # the cap: never over on-demand
+                    choices.append(("spot", price))
+            if market != "spot":
+                choices.append(("on-demand", on_demand))
+            for name, hourly in choices:
+                total = hourly + disk_hourly
+                offers.append(
+                    Offer(
+                        instance_type=kind.instance_type,
+                        zone=zone,
+                        market=name,
+                        product=kind.product,
+                        gpus=kind.gpus,
+                        vcpus=kind.vcpus,
+                        memory_mib=kind.memory_mib,
+                        hourly_usd=round(total, 6),
+                        job_usd=round(total * res.nodes * hours, 2),
+                    )
+                )
+    if not offers:
+        why = (
+            f"no price for {', '.join(sorted(unpriced))} in the price table; add it to a"
+            " GpuPriceTable block (placement.price_table)"
+            if unpriced
+            else f"no zone{' of ' + fleet.field('zones') if fleet.zones else ''} offers them"
+            f" on the {market} market; allow other zones or placement.market: spot-then-on-demand"
+        )
+        raise InvalidSpec(f"resources: types fit this job in {fleet.region}, but {why}.")
+    # at one price (prices are per GPU), the smallest machine that fits
+    offers.sort(key=lambda o: (o.market != "spot", o.hourly_usd, o.vcpus, o.memory_mib, o.zone))
+    budget = spec.limits.max_cost_usd
+    cheapest = min(offers, key=lambda o: o.hourly_usd)
+    if budget is not None and cheapest.hourly_usd * res.nodes > budget:
+        raise InvalidSpec(
+            f"limits.max_cost_usd: ${budget:g} buys less than one hour of the cheapest fitting"
+            f" offer ({cheapest.line(res.nodes)}); raise it or ask for less."
+        )
+    return offers
+
+
+def _nothing_fits(spec: JobSpec, types: list[GpuType], product: str | None, fleet: Fleet) -> str:
+    res = spec.resources
+    families = f" (families {', '.join(fleet.families)})" if fleet.families else ""
+    if product and not any(t.product == product for t in types):
+        have = sorted({t.product for t in types})
+        return (
+            f"resources.gpu_product: no EC2 instance type in {fleet.region}{families} has"
+            f" {product}; types there have {', '.join(have) or 'no GPUs'}; pick one of those."
+        )
+    same = [t for t in types if product is None or t.product == product]
+    most = max((t.gpus for t in same), default=0)
+    if most < res.gpus:
+        return (
+            f"resources.gpus: the largest {product or 'GPU'} type in {fleet.region}{families}"
+            f" has {most} GPUs; ask for at most {most} per node and use more nodes."
+        )
+    return (
+        f"resources: no {product or 'GPU'} type in {fleet.region}{families} has"
+        f" {res.gpus} GPUs with {res.cpu or 'any'} vCPUs and"
+        f" {(res.memory or 0) / 2**30:g} GiB of memory; ask for less."
+    )
+
+
+def find_offers(spec: JobSpec, prices: PriceTable) -> tuple[Fleet, list[Offer]]:
+    """Return the fleet and the ranked offers for `spec`, read from EC2 (nothing launched)."""
+    fleet = fleet_of(spec)
+    ec2 = ec2_client(fleet)
+    try:
+        types = gpu_types(ec2, fleet.families)
+        names = [t.instance_type for t in types]
+        zones = zones_offering(ec2, names) if names else {}
+        spot = spot_prices(ec2, names) if names and spec.placement.market != "on-demand" else {}
+    except Exception as exc:
+        raise aws_error(exc, fleet, "list GPU instance types") from None
+    if fleet.families and not types:
+        raise InvalidSpec(
+            f"{fleet.field('families')}: {', '.join(fleet.families)} hold no GPU instance type"
+            f" in {fleet.region}; name GPU families such as g6, g5, p5."
+        )
+    return fleet, rank(spec, types, zones, spot, prices, fleet)

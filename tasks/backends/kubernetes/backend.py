@@ -1,0 +1,564 @@
+"""The Kubernetes backend: a run's cluster is a headless Service (one DNS name per node, the
+training rendezvous) plus a Secret with the job's variables; each work unit is a Job of one
+pod on its node's share of GPUs. Every object carries the run's owner labels, a deadline and
+a TTL of its own, so nothing outlives a dead orchestrator for long.
+
+Pending is never silent: a pod the scheduler cannot place is explained in one sentence from
+the scheduler's reason and the nodes' GPUs, waited for up to placement.gpu_wait when GPUs
+are only busy, and refused at once when no node could ever take it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from blocks.kubernetes_pool import KubernetesGpuPool
+from tasks.backends.kubernetes import manifests as objects
+from tasks.backends.kubernetes import reap as reaping
+from tasks.backends.kubernetes.kubeapi import KubeApi, KubeError, load_config
+from tasks.backends.kubernetes.logs import LogFollower
+from tasks.backends.kubernetes.pending import explain_pending, used_gpus
+from tasks.backends.kubernetes.state import KubeState
+from tasks.contract import (
+    RUN_LABEL,
+    Capabilities,
+    Cluster,
+    JobResult,
+    LineSink,
+    Needs,
+    ReapReport,
+    RunStates,
+    StopCheck,
+    TeardownReport,
+    WorkUnit,
+    state_of,
+)
+from tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
+from tasks.host import gpuflow_home, this_process
+from tasks.spec import JobSpec, Placement
+
+POLL_S = 1.0
+MPIJOB_API = "kubeflow.org/v2beta1"  # the Kubeflow MPI Operator's
+MPI_JOB_LABEL = "training.kubeflow.org/job-name"
+MPI_ROLE_LABEL = "training.kubeflow.org/job-role"
+LOG_DRAIN_S = 5.0  # how long an ended pod's last log lines may take to arrive
+UNCLEAR_WAIT_S = 30.0  # pending for a reason gpuflow cannot weigh: wait at least this
+
+
+class KubernetesBackend:
+    """provision -> a Service; run(unit) -> a Job; teardown -> every object of the run."""
+
+    name = "kubernetes"
+    # the scheduler matches nodes; the job's GPUs are not this machine's. file:// URLs are
+    # not refused: they reach pods whose nodes share those paths with this host
+    capabilities = Capabilities(
+        runs_here=False, where="the cluster's nodes", local_files=True, native_mpi=True
+    )
+
+    @classmethod
+    def at(cls, placement: Placement | None = None) -> KubernetesBackend:
+        """Return the backend for the placement's block and namespace (else the defaults)."""
+        if placement is None:
+            return cls()
+        return cls(placement.block, placement.namespace)
+
+    def __init__(self, block: str | None = None, namespace: str | None = None) -> None:
+        self.block, self.namespace_wanted = block, namespace
+        self._api: KubeApi | None = None
+        self._loaded: tuple[str, Any] | None = None  # (block name, the block)
+        self._lock = threading.RLock()  # units of one job run in threads of their own
+
+    # -- where and how -----------------------------------------------------------------
+    def _pool(self) -> Any:
+        """Return the KubernetesGpuPool block named, read once (api() and settings() both
+        need it)."""
+        if not self.block:
+            return None
+        if self._loaded is not None and self._loaded[0] == self.block:
+            return self._loaded[1]
+
+        try:
+            self._loaded = (self.block, KubernetesGpuPool.load(self.block))
+            return self._loaded[1]
+        except ValueError:
+            raise InvalidSpec(
+                f"placement.block: there is no KubernetesGpuPool block named {self.block!r};"
+                " create it or remove placement.block."
+            ) from None
+
+    def api(self) -> KubeApi:
+        """Return the API client: the block's cluster config, else kubectl's resolution."""
+        with self._lock:
+            return self._api or self._connect()
+
+    def _connect(self) -> KubeApi:
+        if self._api is None:
+            pool = self._pool()
+            kubeconfig = None
+            if pool is not None and pool.cluster_config is not None:
+                kubeconfig = pool.cluster_config.config
+            config = load_config(kubeconfig)
+            self._api = KubeApi(config)
+            self._api.namespace = (
+                self.namespace_wanted or (pool.namespace if pool else None) or config.namespace
+            )
+        return self._api
+
+    def settings(self, spec: JobSpec | None = None) -> objects.KubeSettings:
+        """Return how pods are made: spec over block over defaults."""
+        pool = self._pool()
+        values: dict[str, Any] = {"namespace": self.api().namespace}
+        if pool is not None:
+            values |= {
+                "image": pool.image,
+                "gpu_product": pool.gpu_product,
+                "tolerations": pool.tolerations,
+                "queue_name": pool.queue_name,
+                "priority_class_name": pool.priority_class_name,
+            }
+        if spec is not None:
+            values |= {
+                "image": spec.placement.image or values.get("image"),
+                "gpu_product": spec.resources.gpu_product or values.get("gpu_product"),
+                "shm_bytes": spec.resources.shm,
+                "cpu": spec.resources.cpu,
+                "memory_bytes": spec.resources.memory,
+            }
+        values = {k: v for k, v in values.items() if v is not None}
+        return objects.KubeSettings(**values)
+
+    def _use(self, block: str | None, namespace: str | None) -> None:
+        """Point this backend at `block`'s cluster and `namespace` (a spec's or a cluster's)."""
+        with self._lock:
+            same_namespace = namespace in (None, self.namespace_wanted) or (
+                self._api is not None and self._api.namespace == namespace
+            )
+            if block != self.block or not same_namespace:
+                self.block, self.namespace_wanted, self._api = block, namespace, None
+
+    def _use_cluster(self, cluster: Cluster) -> None:
+        state = state_of(cluster, KubeState)
+        self._use(state.block, state.namespace)
+
+    # -- verbs -------------------------------------------------------------------------
+    def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
+        """Raise InvalidSpec when the namespace is missing or the credentials cannot read
+        it; makes nothing."""
+        self._use(spec.placement.block, spec.placement.namespace)
+        api = self.api()
+        try:
+            api.request("GET", f"/api/v1/namespaces/{api.namespace}")
+        except KubeError as exc:
+            if exc.status == 404:
+                raise InvalidSpec(
+                    f"placement.namespace: the namespace {api.namespace!r} does not exist on"
+                    f" {api.config.server}; create it or name another."
+                ) from None
+            if exc.status != 403:  # reading namespaces is not needed to run jobs
+                raise InvalidSpec(str(exc)) from None
+        if (
+            needs is not None
+            and needs.mpi_launcher
+            and spec.resources.nodes > 1
+            and not self._serves_mpijobs()
+        ):
+            raise InvalidSpec(
+                f"resources.nodes: MPI ranks on {spec.resources.nodes} nodes run as an MPIJob,"
+                f" and {api.config.server} does not serve {MPIJOB_API} MPIJobs; install the"
+                " Kubeflow MPI Operator there or use 1 node"
+            )
+
+    def describe(self, spec: JobSpec) -> list[dict[str, str]]:
+        """Return preflight rows for `spec`: the cluster, namespace, image and GPUs its pods
+        would use (defaults shown), and whether the namespace is there."""
+        self._use(spec.placement.block, spec.placement.namespace)
+        api, settings = self.api(), self.settings(spec)
+        rows = [
+            {
+                "name": "cluster",
+                "level": "pass",
+                "message": f"{api.config.server} (credentials from {api.config.source})",
+            },
+            {"name": "image", "level": "pass", "message": settings.image},
+        ]
+        try:
+            self.check(spec)
+            rows.append({"name": "namespace", "level": "pass", "message": api.namespace})
+        except InvalidSpec as exc:
+            rows.append({"name": "namespace", "level": "fail", "message": str(exc)})
+        gpus = spec.resources.gpus
+        product = f" of {settings.gpu_product}" if settings.gpu_product else ""
+        rows.append(
+            {
+                "name": "gpus",
+                "level": "pass",
+                "message": f"{spec.resources.nodes} node(s) x {gpus} nvidia.com/gpu{product};"
+                f" tolerations {[t.get('key') for t in settings.tolerations] if gpus else 'none'}",
+            }
+        )
+        return rows
+
+    def provision(self, spec: JobSpec, owner: Mapping[str, str]) -> Cluster:
+        """Return the run's cluster: its Service is the record. Idempotent: a retry adopts
+        the Service an earlier try made. Raises ProvisionError when the API refuses."""
+        self._use(spec.placement.block, spec.placement.namespace)
+        api = self.api()
+        name = objects.dns_name(f"gpuflow-{owner[RUN_LABEL]}")
+        path = f"/api/v1/namespaces/{api.namespace}/services"
+        existing = self._read(f"{path}/{name}")
+        local_folder(name).mkdir(parents=True, exist_ok=True)
+        if existing is not None:
+            return self._cluster_of(existing).model_copy(update={"adopted": True})
+        gpus, nodes = spec.resources.gpus, spec.resources.nodes
+        settings = self.settings(spec)
+        cluster = Cluster(
+            backend=self.name,
+            name=name,
+            owner=dict(owner),
+            hostname=objects.node_host_for(name, 0),
+            # this host's side of the run: outputs the units send back, metric samples
+            workspace=str(local_folder(name)),
+            gpu_indices=list(range(gpus)),
+            gpu_products=[settings.gpu_product] * gpus if settings.gpu_product else [],
+            nodes=nodes,
+            node_names=[f"{objects.node_host_for(name, i)}.{name}" for i in range(nodes)],
+            rendezvous=f"{objects.node_host_for(name, 0)}.{name}:{objects.RENDEZVOUS_PORT}",
+            created_at=datetime.now(UTC),
+            capabilities=self.capabilities,
+            state=KubeState(
+                block=self.block,
+                namespace=api.namespace,
+                orchestrator=this_process(),
+                api_url=os.environ.get("PREFECT_API_URL") or None,
+                gpu_wait_s=spec.placement.gpu_wait,
+                settings=settings,
+            ).model_dump(mode="json"),
+        )
+        try:
+            api.request("POST", path, objects.service(cluster, api.namespace))
+        except KubeError as exc:
+            if exc.status == 409:  # made meanwhile by a twin try: adopt it
+                return self._cluster_of(self._read(f"{path}/{name}") or {}).model_copy(
+                    update={"adopted": True}
+                )
+            raise ProvisionError(str(exc)) from None
+        return cluster
+
+    def run(
+        self,
+        cluster: Cluster,
+        unit: WorkUnit,
+        env: Mapping[str, str],
+        timeout_s: float,
+        on_line: LineSink,
+        should_stop: StopCheck | None = None,
+        grace_s: float = 30.0,
+    ) -> JobResult:
+        """Run `unit` as a Job of one pod (an MPI launcher: as an MPIJob over every node,
+        where the cluster runs the MPI Operator) and follow it to the end. A pod the
+        scheduler cannot place is explained; one evicted or whose node was lost is a
+        preemption (exit 75). On timeout, a stop or an interruption the object is deleted
+        (its pods get `grace_s`)."""
+        self._use_cluster(cluster)
+        api = self.api()
+        settings = state_of(cluster, KubeState).settings
+        self._put_secret(cluster, dict(env))
+        deadline_s = int(timeout_s) + 1
+        if unit.judge == "rank_status" and self._serves_mpijobs():
+            manifest = objects.mpi_job(cluster, unit, settings, deadline_s, _slots(unit))
+            kind_path = f"/apis/{MPIJOB_API}/namespaces/{api.namespace}/mpijobs"
+        else:
+            manifest = objects.unit_job(cluster, unit, settings, deadline_s)
+            kind_path = f"/apis/batch/v1/namespaces/{api.namespace}/jobs"
+        name = manifest["metadata"]["name"]
+        path = f"{kind_path}/{name}"
+        if self._read(path) is not None:  # an earlier try's object: a retry starts afresh
+            self._delete(path, grace_s=0)
+            self._wait_gone(path)
+        try:
+            made = api.request("POST", kind_path, manifest)
+        except KubeError as exc:
+            raise ProvisionError(f"could not create {manifest['kind']} {name}: {exc}") from None
+        started = datetime.now(UTC)
+        follower = LogFollower(api, on_line, Path(cluster.workspace) / "outputs")
+        # this object's pods only: an earlier try's pod may linger (Terminating on a lost node)
+        selector = (
+            f"{MPI_JOB_LABEL}={name}"
+            if manifest["kind"] == "MPIJob"
+            else f"batch.kubernetes.io/controller-uid={made['metadata']['uid']}"
+        )
+        try:
+            outcome = self._follow(cluster, unit, path, selector, timeout_s, should_stop, follower)
+        except BaseException:
+            follower.stop()
+            self._delete(path, grace_s=grace_s)
+            raise
+        # a pod that ended has its last lines still on the way: let them arrive
+        follower.stop(drain_s=0 if outcome.get("stop") else LOG_DRAIN_S)
+        if outcome.get("stop"):
+            self._delete(path, grace_s=grace_s)
+        ended = datetime.now(UTC)
+        return JobResult(
+            exit_code=outcome.get("exit_code"),
+            signal=outcome.get("signal"),
+            started_at=started,
+            ended_at=ended,
+            duration_s=(ended - started).total_seconds(),
+            timed_out=outcome.get("stop") == "timeout",
+            cancelled=outcome.get("stop") == "cancelled",
+            log_tail=list(follower.tail) or outcome.get("tail", []),
+            memory_events=outcome.get("memory_events", {}),
+        )
+
+    def _serves_mpijobs(self) -> bool:
+        """Return True when the cluster serves Kubeflow's MPIJob API (the MPI Operator)."""
+        try:
+            return self._read(f"/apis/{MPIJOB_API}") is not None
+        except KubeError:
+            return False
+
+    def _follow(
+        self,
+        cluster: Cluster,
+        unit: WorkUnit,
+        path: str,
+        selector: str,
+        timeout_s: float,
+        should_stop: StopCheck | None,
+        follower: LogFollower,
+    ) -> dict[str, Any]:
+        """Follow the pods of the object at `path` (a Job, or an MPIJob: its launcher is the
+        pod whose end is the unit's, its workers are watched for placement and loss)."""
+        api = self.api()
+        pods = f"/api/v1/namespaces/{api.namespace}/pods"
+        deadline = time.monotonic() + timeout_s
+        gpu_wait = state_of(cluster, KubeState).gpu_wait_s
+        pending_since: float | None = None
+        seen: str | None = None
+        while True:
+            if time.monotonic() >= deadline:
+                return {"stop": "timeout", "exit_code": None}
+            if should_stop is not None and should_stop():
+                return {"stop": "cancelled", "exit_code": None}
+            found = api.request("GET", pods, params={"labelSelector": selector}).get("items")
+            workers = [p for p in found or [] if _role(p) == "worker"]
+            pod = next((p for p in found or [] if _role(p) != "worker"), None)
+            unplaced: str | None = None
+            for each in [p for p in (pod, *workers) if p is not None]:
+                status, name = each.get("status", {}), each["metadata"]["name"]
+                if _disrupted(status):
+                    return {"exit_code": PREEMPTED_EXIT_CODE, "tail": [f"pod {name} was disrupted"]}
+                node = each["spec"].get("nodeName")
+                if status.get("phase") == "Running" and node and self._node_gone(node):
+                    # lost with its node: no need to wait for the pod garbage collector
+                    return {"exit_code": PREEMPTED_EXIT_CODE, "tail": [f"node {node} was lost"]}
+                unplaced = unplaced or _unschedulable(status)
+            if pod is None:
+                if seen is not None:  # its node went away and took the pod along
+                    return {"exit_code": PREEMPTED_EXIT_CODE, "tail": [f"pod {seen} was lost"]}
+                self._refused_creation(path)
+            else:
+                seen = pod["metadata"]["name"]
+                status = pod.get("status", {})
+                if status.get("phase") in ("Succeeded", "Failed"):
+                    follower.start(f"{pods}/{seen}/log", follow=False)  # ended before seen
+                    return _terminated(status)
+                if status.get("phase") == "Running":
+                    follower.start(f"{pods}/{seen}/log")
+            if unplaced is None:
+                pending_since = None
+            else:
+                pending_since = pending_since or time.monotonic()
+                sentence, verdict = self._explain(cluster, unit, unplaced)
+                if verdict == "never":
+                    self._delete(path, 0)
+                    raise ProvisionError(f"unit {unit.name} cannot be placed: {sentence}")
+                # the scheduler's words alone (a node not ready yet) get a moment more
+                patience = gpu_wait if verdict == "busy" else max(gpu_wait, UNCLEAR_WAIT_S)
+                if time.monotonic() - pending_since >= patience:
+                    self._delete(path, 0)
+                    raise CapacityError(
+                        f"unit {unit.name} was not placed within {patience:.0f} s"
+                        f" (placement.gpu_wait): {sentence}"
+                    )
+            time.sleep(POLL_S)
+
+    def _node_gone(self, node: str) -> bool:
+        """Return True when `node` no longer exists (credentials that may not read nodes
+        leave this to the pod garbage collector's DisruptionTarget)."""
+        try:
+            return self._read(f"/api/v1/nodes/{node}") is None
+        except KubeError:
+            return False
+
+    def _refused_creation(self, path: str) -> None:
+        """Raise ProvisionError when the Job controller says it cannot make the pod (a
+        ResourceQuota, a policy); a pod still to come is no failure."""
+        api = self.api()
+        name = path.rsplit("/", 1)[-1]
+        events = api.request(
+            "GET",
+            f"/api/v1/namespaces/{api.namespace}/events",
+            params={"fieldSelector": f"involvedObject.name={name},reason=FailedCreate"},
+        )
+        for event in events.get("items", []):
+            message = event.get("message", "")
+            if "exceeded quota" in message:
+                raise ProvisionError(
+                    f"the namespace's ResourceQuota refuses the pod ({message.split(': ', 1)[-1]});"
+                    " lower resources.gpus or ask for a larger quota."
+                )
+            raise ProvisionError(f"Kubernetes cannot create the pod: {message}")
+
+    def _explain(self, cluster: Cluster, unit: WorkUnit, why: str) -> tuple[str, str]:
+        api = self.api()
+        settings = state_of(cluster, KubeState).settings
+        gpus = cluster.gpus_per_node if unit.gpus is None else len(unit.gpus)
+        try:
+            nodes = api.request("GET", "/api/v1/nodes").get("items", [])
+            pods = api.request("GET", "/api/v1/pods").get("items", [])
+        except KubeError:  # may not list nodes: the scheduler's words are all there is
+            return f"the scheduler cannot place it yet: {why}.", "unclear"
+        return explain_pending(gpus, settings.gpu_product, nodes, used_gpus(pods), why)
+
+    def teardown(self, cluster: Cluster) -> TeardownReport:
+        """Delete every object of `cluster` (Jobs and their pods, the Secret, the Service).
+        Idempotent: objects already gone are no error."""
+        self._use_cluster(cluster)
+        api = self.api()
+        ns, selector = api.namespace, f"{objects.CLUSTER_LABEL}={cluster.name}"
+        service = self._read(f"/api/v1/namespaces/{ns}/services/{cluster.name}")
+        jobs = api.request(
+            "GET", f"/apis/batch/v1/namespaces/{ns}/jobs", params={"labelSelector": selector}
+        ).get("items", [])
+        for job in jobs:
+            self._delete(f"/apis/batch/v1/namespaces/{ns}/jobs/{job['metadata']['name']}", 0)
+        mpijobs = f"/apis/{MPIJOB_API}/namespaces/{ns}/mpijobs"
+        if self._serves_mpijobs():  # the operator's launcher Job and workers go with them
+            found = api.request("GET", mpijobs, params={"labelSelector": selector})
+            for item in found.get("items", []):
+                self._delete(f"{mpijobs}/{item['metadata']['name']}", 0)
+                jobs.append(item)
+        with contextlib.suppress(KubeError):  # pods go with their Jobs; this is quicker
+            api.request(
+                "DELETE", f"/api/v1/namespaces/{ns}/pods", params={"labelSelector": selector}
+            )
+        self._delete(f"/api/v1/namespaces/{ns}/secrets/{cluster.name}-env", 0)
+        self._delete(f"/api/v1/namespaces/{ns}/services/{cluster.name}", 0)
+        shutil.rmtree(local_folder(cluster.name), ignore_errors=True)
+        return TeardownReport(
+            name=cluster.name, already_gone=service is None and not jobs, killed_processes=len(jobs)
+        )
+
+    def reap(self, dry_run: bool, say: Callable[[str], None], runs: RunStates) -> ReapReport:
+        """Delete the objects of runs that are over, or whose gpuflow died on this host;
+        with `dry_run`, only say which. Idempotent."""
+        return reaping.reap(self, dry_run, say, runs)
+
+    def list_owned(self, selector: Mapping[str, str]) -> list[Cluster]:
+        """Return the clusters (Services) whose labels include `selector`."""
+        api = self.api()
+        wanted = ",".join(f"{k}={objects.dns_name(v)}" for k, v in selector.items())
+        found = api.request(
+            "GET", f"/api/v1/namespaces/{api.namespace}/services", params={"labelSelector": wanted}
+        )
+        return [self._cluster_of(s) for s in found.get("items", [])]
+
+    # -- helpers -----------------------------------------------------------------------
+    def _cluster_of(self, service: dict[str, Any]) -> Cluster:
+        record = service.get("metadata", {}).get("annotations", {}).get(objects.CLUSTER_ANNOTATION)
+        if not record:
+            raise ProvisionError(
+                f"the Service {service.get('metadata', {}).get('name')} carries no gpuflow record"
+            )
+        return Cluster.model_validate_json(record)
+
+    def _read(self, path: str) -> dict[str, Any] | None:
+        try:
+            return self.api().request("GET", path)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def _delete(self, path: str, grace_s: float) -> None:
+        body = {"propagationPolicy": "Background", "gracePeriodSeconds": int(grace_s)}
+        try:
+            self.api().request("DELETE", path, body)
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+
+    def _wait_gone(self, path: str, limit_s: float = 30.0) -> None:
+        until = time.monotonic() + limit_s
+        while self._read(path) is not None and time.monotonic() < until:
+            time.sleep(0.2)
+
+    def _put_secret(self, cluster: Cluster, env: dict[str, str]) -> None:
+        api = self.api()
+        path = f"/api/v1/namespaces/{api.namespace}/secrets"
+        manifest = objects.secret(cluster, api.namespace, env)
+        try:
+            api.request("POST", path, manifest)
+        except KubeError as exc:
+            if exc.status != 409:
+                raise ProvisionError(f"could not store the job's variables: {exc}") from None
+            api.request("PUT", f"{path}/{cluster.name}-env", manifest)
+
+
+def local_folder(cluster_name: str) -> Path:
+    """Return this host's folder for a Kubernetes cluster: the outputs its units send back
+    (copied to the run's artifacts by collect) and metric samples; gone at teardown."""
+
+    return gpuflow_home() / "kubernetes" / objects.dns_name(cluster_name)
+
+
+def _role(pod: dict[str, Any]) -> str:
+    """Return an MPIJob pod's role (launcher, worker); "" for a unit Job's pod."""
+    return pod["metadata"].get("labels", {}).get(MPI_ROLE_LABEL, "")
+
+
+def _slots(unit: WorkUnit) -> int:
+    """Return the ranks per node of an MPI launcher unit, from its hostfile."""
+    found = re.findall(r"slots=(\d+)", unit.hostfile or "")
+    return int(found[0]) if found else 1
+
+
+def _unschedulable(status: dict[str, Any]) -> str | None:
+    for condition in status.get("conditions") or []:
+        scheduled = condition.get("type") == "PodScheduled" and condition.get("status") == "False"
+        if scheduled and condition.get("reason") == "Unschedulable":
+            return condition.get("message", "").strip().rstrip(".")
+    return None
+
+
+def _disrupted(status: dict[str, Any]) -> bool:
+    return (
+        any(
+            c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+            for c in status.get("conditions") or []
+        )
+        or status.get("reason") == "Evicted"
+    )
+
+
+def _terminated(status: dict[str, Any]) -> dict[str, Any]:
+    for container in status.get("containerStatuses") or []:
+        done = (container.get("state") or {}).get("terminated")
+        if done:
+            code = int(done.get("exitCode", 1))
+            if done.get("reason") == "OOMKilled":  # the kubelet saw the container's cgroup
+                return {"exit_code": None, "signal": 9, "memory_events": {"oom_kill": 1}}
+            if code > 128 and done.get("reason") != "Error":
+                return {"exit_code": None, "signal": code - 128}
+            return {"exit_code": code, "tail": [m] if (m := done.get("message")) else []}
+    return {"exit_code": 0 if status.get("phase") == "Succeeded" else 1}

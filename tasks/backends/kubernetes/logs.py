@@ -1,0 +1,127 @@
+"""A Kubernetes unit's log, followed: its lines to the run as the pod prints them, and the
+output files the unit wrapper (k8s_objects.UNIT_WRAPPER) prints at its end written into the
+run's outputs instead."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import threading
+from collections import deque
+from pathlib import Path, PurePosixPath
+
+from tasks.backends.kubernetes import manifests as objects
+from tasks.backends.kubernetes.kubeapi import KubeApi
+from tasks.contract import LineSink
+
+
+class LogFollower:
+    """Streams a running pod's log lines to the sink in a thread of its own, and writes the
+    output files the unit's wrapper prints at its end into `outputs` (not to the sink)."""
+
+    def __init__(self, api: KubeApi, on_line: LineSink, outputs: Path) -> None:
+        self.api, self.on_line, self.outputs = api, on_line, outputs
+        self.tail: deque[str] = deque(maxlen=40)
+        self.thread: threading.Thread | None = None
+        self.path: str | None = None
+        self.seen = 0  # lines of the log taken so far (every read starts at its first line)
+        self.lock = threading.Lock()  # one reader takes lines at a time
+        self.stopping = False  # stop now
+        self.ended = False  # the pod ended: read what is left, then stop
+        self.wake = threading.Event()
+
+    def start(self, path: str, follow: bool = True) -> None:
+        """Stream the log at `path` (once: a second call changes nothing)."""
+        if self.thread is not None:
+            return
+        self.path = path
+        self.thread = threading.Thread(target=self._pump, args=(path, follow), daemon=True)
+        self.thread.start()
+
+    def _pump(self, path: str, follow: bool) -> None:
+        """Read the log; a stream that fails or ends while the pod may still run is opened
+        again (lines already seen are skipped), waiting longer each time it yields nothing.
+        Once the pod ended the log is read to its end without following, then it stops."""
+        pause, last_tries = 1.0, 3
+        while not self.stopping:
+            last = not follow or self.ended
+            try:
+                if self._read(path, follow=not last):
+                    pause = 1.0
+                if last:
+                    return
+            except Exception:  # no log yet, a dropped stream: read on
+                if last:  # the last read failed: try it again, a little later
+                    last_tries -= 1
+                    if not last_tries:
+                        return
+                    self.wake.clear()
+                    pause = 0.5
+            self.wake.wait(pause)  # the pod ending wakes it for one last read
+            pause = min(pause * 2, 10.0)
+
+    def _read(self, path: str, follow: bool, final: bool = False) -> bool:
+        """Take the lines of one read of the log past those seen; say whether any came."""
+        params = {"follow": "true" if follow else "false", "container": "unit"}
+        taken = False
+        for count, line in enumerate(self.api.stream(path, params), start=1):
+            with self.lock:
+                if self.stopping and not final:
+                    return taken
+                if count > self.seen:
+                    self.seen, taken = count, True
+                    self._line(line)
+        return taken
+
+    def _line(self, line: str) -> None:
+        if line.startswith((objects.OUTPUT_MARK + " ", objects.OUTPUT_LEFT_MARK + " ")):
+            with contextlib.suppress(ValueError):  # not the wrapper's shape: an ordinary line
+                self._receive(line)
+                return
+        self.tail.append(line)
+        self.on_line("stdout", line)
+
+    def _receive(self, line: str) -> None:
+        """Write one output file the unit sent back, or say why one stayed in the pod; raise
+        ValueError, nothing written, for a line not in the wrapper's shape."""
+        mark, rest = line.split(" ", 1)
+        if mark == objects.OUTPUT_LEFT_MARK:
+            size, name = rest.split(" ", 1)
+            size_mib = int(size) / 2**20
+            self.on_line(
+                "stderr",
+                f"outputs/{name} ({size_mib:.1f} MiB) stayed in the pod: files over"
+                f" {objects.OUTPUT_MAX_KIB} KiB come back only from storage (write them to"
+                " your job's output URL)",
+            )
+            return
+        name, data = rest.rsplit(" ", 1)
+        relative = PurePosixPath(name)
+        if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+            self.on_line("stderr", f"outputs/{name} was not taken: it would land outside outputs")
+            return
+        try:
+            content = base64.b64decode(data, validate=True)
+        except ValueError:
+            self.on_line("stderr", f"outputs/{name} arrived damaged and was not kept")
+            return
+        target = self.outputs.joinpath(*relative.parts)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(content)
+
+    def stop(self, drain_s: float = 0.0) -> None:
+        """Stop streaming, after up to `drain_s` for a log whose pod ended to be read out. A
+        stream still open then (a kubelet that keeps following an ended container's log) is
+        left, and the log is read once more to its end here: its last lines are not lost."""
+        self.ended = True
+        self.wake.set()
+        if self.thread is not None and drain_s:
+            self.thread.join(timeout=drain_s)
+        with self.lock:
+            self.stopping = True
+        if self.thread is None:
+            return
+        self.thread.join(timeout=2)
+        if drain_s and self.thread.is_alive() and self.path is not None:
+            with contextlib.suppress(Exception):  # the log is gone with its pod: nothing left
+                self._read(self.path, follow=False, final=True)

@@ -1,0 +1,501 @@
+"""The local backend: GPUs, a workspace and child processes on this host (the embedded default).
+
+State lives on disk under $GPUFLOW_HOME/local so that teardown and the reaper work
+from any process: clusters/<name>.json describes each cluster (and the job's
+process group once it runs), gpus/<index>.json claims a device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+from pydantic import BaseModel
+
+from tasks import nvml
+from tasks.backends.local import cgroups, gpu_slots
+from tasks.backends.local import reap as reaping
+from tasks.contract import (
+    RUN_LABEL,
+    Capabilities,
+    Cluster,
+    JobResult,
+    LineSink,
+    Needs,
+    ReapReport,
+    RunStates,
+    StopCheck,
+    TeardownReport,
+    WorkUnit,
+    state_of,
+    unit_env,
+)
+from tasks.errors import CapacityError, InvalidSpec, ProvisionError
+from tasks.host import (
+    STOP_GRACE_S,
+    alive,
+    gpuflow_home,
+    resolve_program,
+    start_time,
+    stop_group,
+    sweep_partial_writes,
+    write_atomic,
+)
+from tasks.spec import JobSpec, Placement
+from tasks.units import format_bytes
+
+# Chunks of a render run side by side on one cluster: their records must not race.
+_RECORD_LOCK = threading.Lock()
+
+
+def workspace_root(spec: JobSpec) -> Path:
+    """Return where this spec's workspaces go."""
+    root = spec.placement.workspace_root
+    return Path(root).expanduser() if root else gpuflow_home() / "workspaces"
+
+
+class LocalState(BaseModel):
+    """What the local backend keeps on its cluster record."""
+
+    # resources.memory holds the job to that much, where a memory cgroup can be made
+    memory_bytes: int | None = None
+
+
+class LocalBackend:
+    """This host: GPUs by CUDA_VISIBLE_DEVICES, a workspace folder, process groups."""
+
+    name = "local"
+    # the job runs here: preflight inspects this machine's GPUs and disk
+    capabilities = Capabilities(runs_here=True, where="this machine", max_nodes=1)
+
+    @classmethod
+    def at(cls, placement: Placement | None = None) -> LocalBackend:
+        """Return the backend for this host (the placement's settings are in the spec)."""
+        return cls()
+
+    def __init__(self, home: Path | None = None) -> None:
+        self.home = (home or gpuflow_home()) / "local"
+
+    # -- state on disk -------------------------------------------------------
+    def _record_path(self, name: str) -> Path:
+        return self.home / "clusters" / f"{name}.json"
+
+    def _read_record(self, name: str) -> dict | None:
+        try:
+            return json.loads(self._record_path(name).read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def _write_record(self, record: dict) -> None:
+        write_atomic(self._record_path(record["cluster"]["name"]), json.dumps(record, default=str))
+
+    def orchestrator(self, cluster: Cluster) -> dict:
+        """Return who runs `cluster`: the gpuflow process (pid, create time) and its API."""
+        record = self._read_record(cluster.name) or {}
+        return {k: record.get(k) for k in ("orchestrator_pid", "orchestrator_started", "api_url")}
+
+    def sweep_partial_writes(self) -> list[str]:
+        """Remove state files half-written by a process that died mid-write; return them."""
+        return [
+            str(path)
+            for folder in (self.home / "clusters", self.home / "gpus")
+            for path in sweep_partial_writes(folder)
+        ]
+
+    # -- verbs ---------------------------------------------------------------
+    def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
+        """Raise InvalidSpec if this host cannot run `spec`; makes nothing but a probe file."""
+        if spec.resources.nodes > 1:
+            raise InvalidSpec(
+                f"resources.nodes: the local backend is this one machine, not"
+                f" {spec.resources.nodes}; set resources.nodes: 1 or placement.backend: kubernetes."
+            )
+        root = workspace_root(spec)
+        probe = root / f".gpuflow-probe-{os.getpid()}"
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"ok")
+        except OSError as exc:
+            raise InvalidSpec(
+                f"placement.workspace_root: cannot write to {root} ({exc.strerror});"
+                " choose a writable folder or fix its permissions."
+            ) from None
+        finally:
+            with contextlib.suppress(OSError):
+                probe.unlink()
+        free = shutil.disk_usage(root).free
+        if free < spec.resources.disk:
+            raise InvalidSpec(
+                f"placement.workspace_root: {root} has {format_bytes(free)} free but resources.disk"
+                f" asks for {format_bytes(spec.resources.disk)}; free space, lower resources.disk"
+                " or choose another workspace_root."
+            )
+        wanted = spec.resources.gpus
+        if wanted and not spec.resources.allow_cpu:
+            status = nvml.query()
+            matching = [g for g in status.gpus if spec.resources.gpu_product in (None, g.product)]
+            if len(matching) < wanted:
+                seen = status.reason or f"{len(matching)} matching GPU(s)"
+                raise InvalidSpec(
+                    f"resources.gpus: this host cannot give {wanted} GPU(s)"
+                    f"{' of ' + spec.resources.gpu_product if spec.resources.gpu_product else ''}"
+                    f" ({seen}); lower resources.gpus, set resources.allow_cpu: true, or run on"
+                    " a GPU host."
+                )
+        if wanted and spec.placement.strict_gpu_limit and not gpu_slots.limit_exists():
+            raise InvalidSpec(
+                "placement.strict_gpu_limit: the Prefect concurrency limit 'gpu' does not exist;"
+                " create it with `prefect gcl create gpu --limit N` or set strict_gpu_limit: false."
+            )
+
+    def provision(self, spec: JobSpec, owner: Mapping[str, str]) -> Cluster:
+        """Reserve GPUs and make the workspace. Retried with the same owner, it adopts what
+        an earlier try made (workspace, GPU claims, lease) instead of making twins.
+        Raises CapacityError when the GPUs or `gpu` slots are busy."""
+        name = f"gpuflow-{owner[RUN_LABEL]}"
+        self.sweep_partial_writes()
+        record = self._read_record(name)
+        if record is not None:
+            cluster = Cluster.model_validate(record["cluster"]).model_copy(update={"adopted": True})
+            if record.get("complete") and Path(cluster.workspace).is_dir():
+                return cluster
+        else:
+            cluster = Cluster(
+                backend=self.name,
+                name=name,
+                owner=dict(owner),
+                hostname=socket.gethostname(),
+                node_names=["localhost"],
+                cpus_per_node=os.cpu_count() or 1,
+                workspace=str(workspace_root(spec) / name),
+                created_at=datetime.now(UTC),
+                # resources.memory holds the job to that much, where a memory cgroup can be made
+                capabilities=self.capabilities,
+                state=LocalState(memory_bytes=spec.resources.memory).model_dump(),
+            )
+        # Record first: whatever happens next, teardown and the reaper can find it.
+        self._save(cluster, complete=False)
+        workspace = Path(cluster.workspace)
+        try:
+            (workspace / "outputs").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ProvisionError(
+                f"could not create the workspace {workspace}: {exc.strerror}"
+            ) from None
+        indices, products = self._claim_gpus(spec, name)
+        cluster = cluster.model_copy(update={"gpu_indices": indices, "gpu_products": products})
+        self._save(cluster, complete=False)
+        if indices and cluster.gpu_lease_id is None:
+            lease = gpu_slots.acquire(
+                len(indices),
+                spec.placement.gpu_wait,
+                spec.placement.strict_gpu_limit,
+                owner.get(RUN_LABEL),
+            )
+            cluster = cluster.model_copy(update={"gpu_lease_id": lease})
+        self._save(cluster, complete=True)
+        return cluster
+
+    def _save(self, cluster: Cluster, complete: bool) -> None:
+        self._write_record(
+            {
+                "cluster": cluster.model_dump(mode="json", exclude={"adopted"}),
+                "orchestrator_pid": os.getpid(),
+                "orchestrator_started": psutil.Process().create_time(),
+                "api_url": os.environ.get("PREFECT_API_URL"),
+                "complete": complete,
+            }
+        )
+
+    def _claim_gpus(self, spec: JobSpec, name: str) -> tuple[list[int], list[str]]:
+        wanted = spec.resources.gpus
+        if not wanted:
+            return [], []
+        gpus = [g for g in nvml.query().gpus if spec.resources.gpu_product in (None, g.product)]
+        if not gpus and spec.resources.allow_cpu:
+            return [], []
+        claims = self.home / "gpus"
+        claims.mkdir(parents=True, exist_ok=True)
+        taken: list[tuple[int, str]] = []
+        for gpu in gpus:
+            if len(taken) == wanted:
+                break
+            path = claims / f"{gpu.index}.json"
+            self._drop_stale_claim(path)
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                if _claim_owner(path) == name:  # claimed by an earlier try of this run
+                    taken.append((gpu.index, gpu.product))
+                continue
+            with os.fdopen(fd, "w") as handle:
+                json.dump({"cluster": name, "pid": os.getpid()}, handle)
+            taken.append((gpu.index, gpu.product))
+        if len(taken) < wanted:
+            for index, _ in taken:
+                (claims / f"{index}.json").unlink(missing_ok=True)
+            raise CapacityError(
+                f"only {len(taken)} of the {wanted} GPU(s) asked for are free on this host;"
+                " other gpuflow runs hold the rest"
+            )
+        return [i for i, _ in taken], [p for _, p in taken]
+
+    def _drop_stale_claim(self, path: Path) -> None:
+        try:
+            claim = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return
+        if self._read_record(claim.get("cluster", "")) is None:
+            path.unlink(missing_ok=True)
+
+    def run(
+        self,
+        cluster: Cluster,
+        unit: WorkUnit,
+        env: Mapping[str, str],
+        timeout_s: float,
+        on_line: LineSink,
+        should_stop: StopCheck | None = None,
+        grace_s: float = STOP_GRACE_S,
+    ) -> JobResult:
+        """Run the unit's command in its own process group, pinned to the unit's GPUs;
+        stop it (SIGTERM, then SIGKILL) after `timeout_s` or when `should_stop()` is true,
+        and say so; on interruption of this process forward SIGTERM to the group and
+        re-raise."""
+        command = unit.command
+        program = resolve_program(command[0], env.get("PATH"))
+        if program is None:
+            raise InvalidSpec(
+                f"job.command: {command[0]!r} was not found; install it or give its full path."
+            )
+        gpus = cluster.gpu_indices if unit.gpus is None else unit.gpus
+        child_env = {
+            **os.environ,
+            **env,
+            **unit.env,
+            **unit_env(unit.node, cluster.nodes, cluster.workspace, gpus),
+        }
+        cgroup, memory = self._cgroup(cluster)
+        groups = [g for g in dict.fromkeys([cgroup, memory]) if g]
+        oom_before = cgroups.memory_events(memory).get("oom_kill", 0)
+        started = datetime.now(UTC)
+        proc = subprocess.Popen(
+            [program, *command[1:]],
+            cwd=cluster.workspace,
+            env=child_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            # In its cgroup(s) before exec: nothing it starts can leave them.
+            preexec_fn=(lambda: [cgroups.join(g) for g in groups]) if groups else None,
+        )
+        self._note_job(cluster, proc.pid, psutil.Process(proc.pid).create_time())
+        tail: deque[str] = deque(maxlen=40)
+
+        def pump(stream, label: str) -> None:
+            # Blocks, not lines: a chatty job's pipe is drained as fast as it fills.
+            partial = b""
+            for block in iter(lambda: stream.read1(1 << 16), b""):
+                *lines, partial = (partial + block).split(b"\n")
+                for raw in lines:
+                    line = raw.decode(errors="replace")
+                    tail.append(line)
+                    on_line(label, line)
+            if partial:
+                tail.append(partial.decode(errors="replace"))
+                on_line(label, tail[-1])
+            stream.close()
+
+        pumps = [
+            threading.Thread(target=pump, args=(proc.stdout, "stdout"), daemon=True),
+            threading.Thread(target=pump, args=(proc.stderr, "stderr"), daemon=True),
+        ]
+        for thread in pumps:
+            thread.start()
+        deadline = time.monotonic() + timeout_s
+        timed_out = cancelled = False
+        try:
+            while proc.poll() is None:
+                if time.monotonic() >= deadline:
+                    timed_out = True
+                    stop_group(proc.pid, None, grace_s)
+                    break
+                if should_stop is not None and should_stop():
+                    cancelled = True
+                    stop_group(proc.pid, None, grace_s)
+                    break
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=0.1)
+        except BaseException:
+            # Cancellation, Ctrl-C, SIGTERM from a worker: the job gets SIGTERM to save state.
+            stop_group(proc.pid, None, grace_s)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)  # reaped: an unreaped child keeps its cgroup busy
+            raise
+        proc.wait()
+        self._note_job(cluster, proc.pid, None)
+        for thread in pumps:
+            # Every line the job wrote is read before the result; only a process that
+            # left the job's group and keeps the pipe open can hold this up.
+            thread.join(timeout=60)
+        ended = datetime.now(UTC)
+        code = proc.returncode
+        return JobResult(
+            exit_code=code if code >= 0 else None,
+            signal=-code if code < 0 else None,
+            started_at=started,
+            ended_at=ended,
+            duration_s=(ended - started).total_seconds(),
+            timed_out=timed_out,
+            cancelled=cancelled,
+            log_tail=list(tail),
+            memory_events=(
+                {"oom_kill": cgroups.memory_events(memory).get("oom_kill", 0) - oom_before}
+                if memory
+                else {}
+            ),
+        )
+
+    def _cgroup(self, cluster: Cluster) -> tuple[str | None, str | None]:
+        """Return the cluster's cgroup and, when resources.memory asked for a limit, the
+        cgroup holding it to that (made on first use and recorded); None where this
+        machine allows none."""
+        # Named after this state folder too: two GPUFLOW_HOMEs on one machine may use the
+        # same flow-run id (tests do), and must not share a cgroup.
+        name = f"{cluster.name}-{hashlib.sha256(str(self.home).encode()).hexdigest()[:8]}"
+        limit = state_of(cluster, LocalState).memory_bytes
+
+        def wanted(record: dict[str, Any], key: str) -> bool:  # not made, or swept while empty
+            return key not in record or bool(record[key] and not Path(record[key]).is_dir())
+
+        with _RECORD_LOCK:
+            record = self._read_record(cluster.name) or {
+                "cluster": cluster.model_dump(mode="json", exclude={"adopted"})
+            }
+            if wanted(record, "cgroup"):
+                path = cgroups.create(name)
+                record["cgroup"] = str(path) if path else None
+                self._write_record(record)
+            if limit and wanted(record, "memory_cgroup"):
+                record["memory_cgroup"] = cgroups.limit_memory(name, record["cgroup"], int(limit))
+                self._write_record(record)
+            return record["cgroup"], record.get("memory_cgroup")
+
+    def _note_job(self, cluster: Cluster, pgid: int, started: float | None) -> None:
+        """Record a running job's process group (started is its create time), or forget it
+        (started None). Several jobs may run on one cluster at once (render chunks)."""
+        with _RECORD_LOCK:
+            record = self._read_record(cluster.name)
+            if record is None:
+                if started is None:
+                    return
+                record = {"cluster": cluster.model_dump(mode="json", exclude={"adopted"})}
+            jobs = record.setdefault("jobs", {})
+            if started is None:
+                jobs.pop(str(pgid), None)
+            else:
+                jobs[str(pgid)] = started
+            self._write_record(record)
+
+    def teardown(self, cluster: Cluster) -> TeardownReport:
+        """Kill the job's process group, release GPUs and slots, remove the workspace.
+        Idempotent: a cluster that is already gone gives a report with already_gone."""
+        record = self._read_record(cluster.name)
+        report = TeardownReport(name=cluster.name, already_gone=record is None)
+        if record is not None:
+            cluster = Cluster.model_validate(record["cluster"])
+            for pgid, started in record.get("jobs", {}).items():
+                if alive(int(pgid), started):
+                    report.killed_processes += stop_group(int(pgid), started)
+            memory = record.get("memory_cgroup")
+            if memory and memory != record.get("cgroup"):  # a v1 memory cgroup of its own
+                report.killed_processes += cgroups.stop(memory, grace_s=5.0)
+            if record.get("cgroup"):
+                report.killed_processes += cgroups.stop(record["cgroup"], grace_s=5.0)
+                report.process_tracking = "cgroup"
+                report.killed_processes += _stop_strays(cluster.workspace)
+            else:
+                report.process_tracking = "process groups, environment, working directory"
+                since = cluster.created_at.timestamp()
+                report.killed_processes += _stop_strays(cluster.workspace, cwd_since=since)
+        claims = self.home / "gpus"
+        for index in cluster.gpu_indices:
+            path = claims / f"{index}.json"
+            with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+                if json.loads(path.read_text()).get("cluster") == cluster.name:
+                    path.unlink(missing_ok=True)
+                    report.released_gpus.append(index)
+        if cluster.gpu_lease_id:
+            report.released_lease = gpu_slots.release(cluster.gpu_lease_id)
+        workspace = Path(cluster.workspace)
+        if workspace.exists():
+            shutil.rmtree(workspace, ignore_errors=True)
+            report.removed_workspace = not workspace.exists()
+        self._record_path(cluster.name).unlink(missing_ok=True)
+        return report
+
+    def reap(self, dry_run: bool, say: Callable[[str], None], runs: RunStates) -> ReapReport:
+        """Tear down clusters whose gpuflow process died (their runs are to be marked
+        Crashed) and remove what dead processes half-wrote; with `dry_run`, only say which."""
+        return reaping.reap(self, dry_run, say)
+
+    def list_owned(self, selector: Mapping[str, str]) -> list[Cluster]:
+        """Return clusters recorded on this host whose owner labels include `selector`."""
+        found = []
+        for path in sorted((self.home / "clusters").glob("*.json")):
+            record = self._read_record(path.stem)
+            if record is None:
+                continue
+            cluster = Cluster.model_validate(record["cluster"])
+            if all(cluster.owner.get(k) == v for k, v in selector.items()):
+                found.append(cluster)
+        return found
+
+
+def _stop_strays(workspace: str, grace_s: float = 5.0, cwd_since: float | None = None) -> int:
+    """Stop processes of this job that left its process groups (MPI ranks each get a group
+    of their own; daemons call setsid): those whose environment names its workspace and,
+    with `cwd_since` (where no cgroup holds the job, which may clear its environment),
+    those started since then whose working directory is in it. A shell someone opened in
+    the workspace before the job started is spared."""
+    strays = []
+    root = Path(workspace)
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.pid == os.getpid():
+                continue
+            if proc.environ().get("GPUFLOW_WORKSPACE") == workspace or (
+                cwd_since is not None
+                and start_time(proc) >= cwd_since
+                and Path(proc.cwd().removesuffix(" (deleted)")).is_relative_to(root)
+            ):
+                strays.append(proc)
+    for proc in strays:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(strays, timeout=grace_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    return len(strays)
+
+
+def _claim_owner(path: Path) -> str | None:
+    try:
+        return json.loads(path.read_text()).get("cluster")
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None

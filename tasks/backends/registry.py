@@ -1,0 +1,44 @@
+"""Backends by name. Every backend implements tasks.backends.base.Backend; adding one is a
+package with a class that has `name`, `capabilities` and the verbs, plus a `register` call."""
+
+from __future__ import annotations
+
+from tasks.backends.base import Backend
+from tasks.backends.ec2.backend import Ec2Backend
+from tasks.backends.kubernetes.backend import KubernetesBackend
+from tasks.backends.local.backend import LocalBackend
+from tasks.spec import Placement, add_backend_name, remove_backend_name
+
+_BACKENDS: dict[str, type[Backend]] = {}
+BUILT_IN = ("local", "kubernetes", "ec2")
+
+
+def register(backend: type[Backend]) -> type[Backend]:
+    """Add a backend class under its `name` (and the name to what placement.backend
+    accepts); return it."""
+    _BACKENDS[backend.name] = backend
+    add_backend_name(backend.name)
+    return backend
+
+
+def unregister(name: str) -> None:
+    """Remove a backend `register` added; built-in backends stay."""
+    if name not in BUILT_IN and _BACKENDS.pop(name, None) is not None:
+        remove_backend_name(name)
+
+
+def names() -> list[str]:
+    """Return the names of the registered backends."""
+    return list(_BACKENDS)
+
+
+def get_backend(name: str, placement: Placement | None = None) -> Backend:
+    """Return the backend registered under `name`, looking where `placement` (a spec's) says:
+    its block and, for Kubernetes, its namespace."""
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown backend {name!r}")
+    return _BACKENDS[name].at(placement)
+
+
+for _builtin in (LocalBackend, KubernetesBackend, Ec2Backend):
+    register(_builtin)

@@ -1,0 +1,189 @@
+"""What kinds, backends and the pipeline agree on: the cluster a backend provisions, the
+work units a kind hands it, a unit's result, what a kind needs and what a backend can do,
+and the environment every unit starts with.
+
+Kinds and backends both import this module and never each other; the pipeline matches a
+kind's `Needs` with a backend's `Capabilities` before anything is provisioned."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any, Literal, Protocol, TypeVar
+
+from pydantic import BaseModel
+
+OWNER_LABEL = "gpuflow.io/owner"
+RUN_LABEL = "gpuflow.io/flow-run-id"
+JOB_LABEL = "gpuflow.io/job"
+
+
+def owner_labels(flow_run_id: str, job_name: str) -> dict[str, str]:
+    """Return the labels put on every resource a run makes, so a reaper can find them."""
+    return {OWNER_LABEL: "gpuflow", RUN_LABEL: flow_run_id, JOB_LABEL: job_name}
+
+
+class Capabilities(BaseModel):
+    """What a backend can do, as data: the pipeline matches it with a kind's `Needs`, and
+    kinds read it from the cluster (never a backend's name)."""
+
+    runs_here: bool = False  # units run on this machine: preflight inspects it
+    where: str = "this machine"  # where units run, in a user's words ("the cluster's nodes")
+    local_files: bool = True  # units can read and write this machine's files (file:// URLs)
+    samples_nodes: bool = False  # its nodes sample their own GPUs; the run stage samples nothing
+    native_mpi: bool = False  # an MPI launcher unit may span nodes (ranks placed by the cluster)
+    max_nodes: int | None = None  # None: as many as the spec asks for
+
+
+class Needs(BaseModel):
+    """What a kind needs from the backend that runs it, as data."""
+
+    # spec field -> program the units start; looked up before provisioning where units run here
+    programs: dict[str, str] = {}
+    # spec field -> URL the units read or write; units that do not run here need them in S3
+    inputs: dict[str, str] = {}
+    mpi_launcher: bool = False  # one unit launches ranks on every node (mpirun)
+
+
+class Cluster(BaseModel):
+    """Everything teardown needs; teardown never depends on in-memory state.
+
+    A cluster is `nodes` machines with the same GPUs each: `gpu_indices` are the GPUs held
+    on every node, so the job has nodes x len(gpu_indices) GPUs in all."""
+
+    backend: str
+    name: str
+    owner: dict[str, str]
+    hostname: str
+    workspace: str
+    gpu_indices: list[int] = []
+    gpu_products: list[str] = []
+    nodes: int = 1
+    node_names: list[str] = []  # as the nodes reach each other; empty: [hostname]
+    cpus_per_node: int | None = None
+    rendezvous: str | None = None  # host:port every node reaches (multi-node training)
+    capabilities: Capabilities = Capabilities()
+    # the backend's own state, a JSON object its typed model reads (`state_of`)
+    state: dict[str, Any] = {}
+    gpu_lease_id: str | None = None
+    created_at: datetime
+    adopted: bool = False
+
+    @property
+    def gpus_per_node(self) -> int:
+        return len(self.gpu_indices)
+
+    def hosts(self) -> list[str]:
+        """Return each node's name, node 0 first."""
+        return list(self.node_names) or [self.hostname] * self.nodes
+
+
+class WorkUnit(BaseModel):
+    """One command a backend runs on one node of its cluster, and how its success is
+    judged: by its exit code, by the frames it leaves in storage, or by the status files
+    of the MPI ranks it launches."""
+
+    name: str  # "main", "chunk-3", "node-1", "launcher": named so in logs
+    command: list[str]
+    env: dict[str, str] = {}  # the kind's own variables, over the run's environment
+    node: int = 0
+    gpus: list[int] | None = None  # GPU indices on its node; None: every GPU the node holds
+    judge: Literal["exit_code", "frames", "rank_status"] = "exit_code"
+    frames: list[int] = []  # judge "frames": what must be in storage afterwards
+    world_size: int | None = None  # training: ranks over every node
+    hostfile: str | None = None  # an MPI launcher: the hosts and slots its ranks go to
+
+
+class JobResult(BaseModel):
+    exit_code: int | None
+    signal: int | None = None
+    started_at: datetime
+    ended_at: datetime
+    duration_s: float
+    timed_out: bool = False
+    cancelled: bool = False
+    log_tail: list[str] = []
+    # counts from the job's memory cgroup over this run (oom_kill: out-of-memory kills)
+    memory_events: dict[str, int] = {}
+
+
+class RunOutcome(BaseModel):
+    """The run stage's outcome: the job's result, a failure sentence, which limit stopped it."""
+
+    result: JobResult
+    failure: str | None = None  # one sentence when the job failed deterministically
+    stopped_by: str | None = None  # the limit that stopped it: max_duration, max_cost_usd, idle_gpu
+
+
+class TeardownReport(BaseModel):
+    name: str
+    already_gone: bool = False
+    killed_processes: int = 0
+    released_gpus: list[int] = []
+    released_lease: bool = False
+    removed_workspace: bool = False
+    # how the job's processes were found: "cgroup", or "process groups, environment,
+    # working directory" where this machine allows no cgroup
+    process_tracking: str = ""
+
+
+LineSink = Callable[[str, str], None]  # (stream name, line)
+StopCheck = Callable[[], bool]  # polled while the job runs; True stops it as cancelled
+
+
+class UnitRunner(Protocol):
+    """What the pipeline hands a kind that schedules its own units (render chunks): one
+    unit at a time on the run's backend, under the run's limits, stop checks and secrets."""
+
+    cluster: Cluster
+
+    def run(
+        self, unit: WorkUnit, on_line: LineSink, env: Mapping[str, str], deadline: float
+    ) -> JobResult:
+        """Run `unit` with the run's variables plus `env` until it ends or the wall-clock
+        `deadline` (time.time()) passes; lines go to `on_line` unredacted."""
+
+    def idle_stop(self) -> str | None:
+        """Return why limits.idle_gpu stopped the run, if it did."""
+
+    def redact(self, text: str) -> str:
+        """Return `text` with the run's secrets masked."""
+
+
+State = TypeVar("State", bound=BaseModel)
+
+
+def state_of(cluster: Cluster, model: type[State]) -> State:
+    """Return the backend's typed state stored on `cluster`."""
+    return model.model_validate(cluster.state)
+
+
+def unit_env(node: int, nodes: int, workspace: str, gpus: list[int] | None) -> dict[str, str]:
+    """Return what gpuflow sets for every unit on every backend: its workspace and output
+    folder, its node's rank and the number of nodes, and with `gpus` the devices it sees
+    (None where the node's device plugin chooses them)."""
+    env = {
+        "GPUFLOW_WORKSPACE": workspace,
+        "GPUFLOW_OUTPUT_DIR": f"{workspace.rstrip('/')}/outputs",
+        "GPUFLOW_NODE_RANK": str(node),
+        "GPUFLOW_NODES": str(nodes),
+    }
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    return env
+
+
+class RunStates(Protocol):
+    """What a reaper asks the Prefect API about a run (given by the caller)."""
+
+    def state(self, run_id: str, api_url: str | None) -> str:
+        """Return "running", "away" (the API does not answer), "unknown" to the API, or
+        the final state's name in lower case."""
+
+
+class ReapReport(BaseModel):
+    """What one backend's reaper found: counts by what they count, and the flow runs to
+    mark Crashed (id, the API that records it) because their gpuflow died."""
+
+    counts: dict[str, float] = {}
+    crashed: list[tuple[str, str | None]] = []

@@ -1,0 +1,76 @@
+"""What a job kind is: the protocol every kind implements, and the work units it hands to
+a backend.
+
+A kind turns a checked spec into work units; a backend places each unit on a node of its
+cluster and runs it; the kind judges the outcome and turns the job's outputs into the
+run's summary. Stages, flows and the CLI speak only this protocol.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
+
+from tasks.contract import Capabilities, Cluster, Needs, RunOutcome, UnitRunner, WorkUnit
+from tasks.spec import JobSpec
+
+__all__ = ["JobKind", "Report", "WorkUnit"]
+
+
+class Report(BaseModel):
+    """What a kind adds to the run's summary: table rows, markdown lines, and a headline
+    shown under the title."""
+
+    rows: list[dict[str, Any]] = []
+    lines: list[str] = []
+    headline: list[str] = []
+
+
+class JobKind:
+    """One job kind. Subclasses set `name` and `model` and override what they need."""
+
+    name: ClassVar[str]
+    model: ClassVar[type[BaseModel]]  # the `job:` section of a spec of this kind
+    # "module:flow" that runs this kind from the CLI; None runs it in gpu_pipeline
+    flow: ClassVar[str | None] = None
+
+    # True when the kind hands out its own units (`schedule`) instead of the run stage
+    # running every unit of `units` at once
+    schedules_units: ClassVar[bool] = False
+
+    def check(self, spec: JobSpec, where: Capabilities) -> None:
+        """Raise InvalidSpec when the job cannot run as written on a backend that can do
+        `where`; makes nothing. Runs before anything is provisioned, after the spec itself
+        was validated and the kind's `needs` were matched with the backend."""
+
+    def uses_torch(self, spec: JobSpec) -> bool:
+        """Return True when preflight should check torch and its CUDA for this job."""
+        return bool(getattr(spec.job, "torch", False))
+
+    def needs(self, spec: JobSpec) -> Needs:
+        """Return what the job needs from the backend: programs it starts, files it reads
+        or writes, an MPI launcher. The pipeline refuses a backend that cannot give them."""
+        return Needs()
+
+    def preflight_rows(self, spec: JobSpec, cluster: Cluster) -> list[dict[str, str]]:
+        """Return this kind's preflight checks ({name, level, message}) on `cluster`."""
+        return []
+
+    def units(self, spec: JobSpec, cluster: Cluster) -> list[WorkUnit]:
+        """Return the work units that run the job on `cluster`."""
+        raise NotImplementedError(f"job kind {self.name!r} has no units")
+
+    def schedule(self, spec: JobSpec, runner: UnitRunner, deadline: float) -> RunOutcome:
+        """Run the job's units one by one through `runner` until `deadline` (time.time());
+        only for kinds with `schedules_units` (render chunks as GPUs free up)."""
+        raise NotImplementedError(f"job kind {self.name!r} does not schedule its units")
+
+    def report(self, spec: JobSpec, cluster: Cluster, artifacts: Path, title: str) -> Report:
+        """Return what the job's outputs add to the summary; may write artifacts (plots)."""
+        return Report()
+
+    def summary(self, job: dict[str, Any]) -> list[str]:
+        """Return the lines the CLI prints about the job's result.json figures."""
+        return []

@@ -1,0 +1,80 @@
+"""Kind `hpc`: an MPI program (or the built-in molecular dynamics) across ranks.
+
+One launcher unit on the first node fetches the inputs, runs the build step and starts
+mpirun over the cluster's hosts and slots; each rank writes a status file the launcher
+reads to name the first rank that failed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tasks.contract import Capabilities, Cluster, Needs, WorkUnit
+from tasks.hpc.check import check_hpc, preflight_checks
+from tasks.hpc.launch import hosts_for
+from tasks.hpc.model import HpcJob
+from tasks.hpc.mpi import hostfile
+from tasks.hpc.report import summary
+from tasks.kinds.base import JobKind, Report
+from tasks.spec import JobSpec
+from tasks.storage import s3_settings
+
+
+class HpcKind(JobKind):
+    name = "hpc"
+    model = HpcJob
+    flow = "flows.hpc:hpc"
+
+    def needs(self, spec: JobSpec) -> Needs:
+        job = spec.job
+        assert isinstance(job, HpcJob)
+        inputs = {f"job.inputs[{i}]": url for i, url in enumerate(job.inputs)}
+        if job.output:
+            inputs["job.output"] = job.output
+        return Needs(inputs=inputs, mpi_launcher=True)
+
+    def check(self, spec: JobSpec, where: Capabilities) -> None:
+        check_hpc(spec, s3_settings(spec), on_host=where.runs_here)
+
+    def hosts(self, spec: JobSpec, cluster: Cluster) -> list[Any]:
+        """Return the hosts mpirun spreads the ranks over: the job's, else every node."""
+
+        assert isinstance(spec.job, HpcJob)
+        return hosts_for(spec.job, cluster.gpus_per_node, cluster.hosts(), cluster.cpus_per_node)
+
+    def preflight_rows(self, spec: JobSpec, cluster: Cluster) -> list[dict[str, str]]:
+
+        return preflight_checks(spec, self.hosts(spec, cluster))
+
+    def units(self, spec: JobSpec, cluster: Cluster) -> list[WorkUnit]:
+
+        hosts = self.hosts(spec, cluster)
+        command = [sys.executable, "-m", "tasks.hpc.launch", "--job-json"]
+        command += [spec.job.model_dump_json()]
+        command += ["--hosts-json", json.dumps([h.model_dump() for h in hosts])]
+        return [
+            WorkUnit(
+                name="launcher", command=command, judge="rank_status", hostfile=hostfile(hosts)
+            )
+        ]
+
+    def report(self, spec: JobSpec, cluster: Cluster, artifacts: Path, title: str) -> Report:
+
+        rows, lines = summary(Path(cluster.workspace), artifacts, title)
+        return Report(rows=rows, lines=lines)
+
+    def summary(self, job: dict[str, Any]) -> list[str]:
+        if "atom_steps_per_s" not in job:
+            return []
+        lines = [
+            f"  md: {job['atoms']} atoms x {job['steps']} steps on {job['ranks']} rank(s)"
+            f" ({job['device']}): {job['atom_steps_per_s']:.4g} atom-steps/s,"
+            f" {job['ns_per_day']:.4g} ns/day (argon), energy drift"
+            f" {job['energy_drift_per_atom']:.2e} per atom"
+        ]
+        if "gpu_vs_cpu_speedup" in job:
+            lines.append(f"  GPU vs CPU: {job['gpu_vs_cpu_speedup']:.1f}x on {job['gpu_name']}")
+        return lines

@@ -1,0 +1,71 @@
+"""Kind `render`: a Blender scene's frames rendered to storage in chunks.
+
+Each chunk is a work unit: one Blender process for a run of frames, on one GPU, judged
+by the frames it leaves (valid) in storage. The render stage hands chunks out as workers
+free up, sized from measured start-up and per-frame times, and skips frames already in
+storage (tasks.render.stage).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tasks.contract import Capabilities, Cluster, Needs, RunOutcome, UnitRunner, WorkUnit
+from tasks.errors import InvalidSpec
+from tasks.kinds.base import JobKind, Report
+from tasks.render import scene, stage
+from tasks.render.model import RenderJob
+from tasks.render.report import summary
+from tasks.render.units import units_for
+from tasks.spec import JobSpec
+from tasks.storage import StorageError, check_writable, s3_settings
+
+
+class RenderKind(JobKind):
+    name = "render"
+    model = RenderJob
+    flow = "flows.render:render"
+    schedules_units = True  # chunks are handed out as GPU slots free up
+
+    def needs(self, spec: JobSpec) -> Needs:
+        assert isinstance(spec.job, RenderJob)
+        return Needs(inputs={"job.scene": spec.job.scene, "job.output": spec.job.output})
+
+    def check(self, spec: JobSpec, where: Capabilities) -> None:
+        assert isinstance(spec.job, RenderJob)
+        if not where.runs_here:
+            for field, url in (("job.scene", spec.job.scene), ("job.output", spec.job.output)):
+                if not url.startswith("s3://"):
+                    raise InvalidSpec(
+                        f"{field}: {url} is not in S3, and on {spec.placement.backend} chunks"
+                        f" render on {where.where}, which read the scene and write frames"
+                        " there; upload it and give an s3:// URL."
+                    )
+        try:
+            settings = s3_settings(spec)
+            check_writable(spec.job.output, settings)
+            scene.plan(spec, settings, here=where.runs_here)
+        except StorageError as exc:
+            raise InvalidSpec(str(exc)) from None
+
+    def preflight_rows(self, spec: JobSpec, cluster: Cluster) -> list[dict[str, str]]:
+        return scene.preflight_checks(spec, s3_settings(spec), cluster.capabilities.runs_here)
+
+    def units(self, spec: JobSpec, cluster: Cluster) -> list[WorkUnit]:
+        plan = scene.plan(spec, s3_settings(spec), cluster.capabilities.runs_here)
+        return units_for(spec, cluster, plan)
+
+    def schedule(self, spec: JobSpec, runner: UnitRunner, deadline: float) -> RunOutcome:
+        return stage.schedule(spec, runner, deadline)
+
+    def report(self, spec: JobSpec, cluster: Cluster, artifacts: Path, title: str) -> Report:
+        return Report(lines=summary(Path(cluster.workspace) / "outputs", artifacts, spec.name))
+
+    def summary(self, job: dict[str, Any]) -> list[str]:
+        if "frames_rendered" not in job:
+            return []
+        return [
+            f"  rendered {job['frames_rendered']} frames ({job['frames_skipped']} already in"
+            f" storage) in {job['chunks']} chunk(s), {job['frames_per_s']} frames/s -> {job['output']}"
+        ]

@@ -1,0 +1,118 @@
+"""Kind `train`: PyTorch training on webdataset shards, one torchrun per node.
+
+Each node runs tasks.training.launch, which starts one rank per GPU it sees (or
+`cpu_processes` CPU ranks). On one node torchrun is standalone; on N nodes every node's
+torchrun meets at the cluster's one rendezvous address, so N nodes x G GPUs is one job.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from tasks.contract import Capabilities, Cluster, Needs, WorkUnit
+from tasks.errors import InvalidSpec
+from tasks.kinds.base import JobKind, Report
+from tasks.spec import JobSpec
+from tasks.storage import StorageError, s3_settings
+from tasks.training.model import TrainJob
+from tasks.training.profile import read
+from tasks.training.report import summary
+from tasks.training.validate import check_train
+
+RENDEZVOUS_PORT = 29400
+
+
+class TrainKind(JobKind):
+    name = "train"
+    model = TrainJob
+    flow = None  # `gpuflow run` trains inside gpu_pipeline; deployments use flows.train
+
+    def needs(self, spec: JobSpec) -> Needs:
+        job = spec.job
+        assert isinstance(job, TrainJob)
+        inputs = {"job.dataset": job.dataset, "job.output": job.output}
+        if job.eval_dataset:
+            inputs["job.eval_dataset"] = job.eval_dataset
+        return Needs(inputs=inputs)
+
+    def check(self, spec: JobSpec, where: Capabilities) -> None:
+
+        try:
+            settings = s3_settings(spec)
+        except StorageError as exc:
+            raise InvalidSpec(str(exc)) from None
+        check_train(spec, settings, where.runs_here)
+
+    def units(self, spec: JobSpec, cluster: Cluster) -> list[WorkUnit]:
+        job = spec.job
+        assert isinstance(job, TrainJob)
+        per_node = cluster.gpus_per_node or job.cpu_processes
+        command = [sys.executable, "-m", "tasks.training.launch", "--job-json"]
+        command += [job.model_dump_json(), "--run-name", spec.name]
+        if cluster.nodes == 1:
+            return [WorkUnit(name="main", command=command, world_size=per_node)]
+        rendezvous = cluster.rendezvous or f"{cluster.hosts()[0]}:{RENDEZVOUS_PORT}"
+        return [
+            WorkUnit(
+                name=f"node-{node}",
+                command=[
+                    *command,
+                    "--nnodes",
+                    str(cluster.nodes),
+                    "--node-rank",
+                    str(node),
+                    "--rendezvous",
+                    rendezvous,
+                    "--rendezvous-id",
+                    cluster.name,
+                ],
+                node=node,
+                world_size=cluster.nodes * per_node,
+            )
+            for node in range(cluster.nodes)
+        ]
+
+    def report(self, spec: JobSpec, cluster: Cluster, artifacts: Path, title: str) -> Report:
+
+        outputs = Path(cluster.workspace) / "outputs"
+        rows, lines = summary(outputs, artifacts, title)
+        _profile_artifacts(outputs, title)
+        return Report(rows=rows, lines=lines)
+
+    def summary(self, job: dict[str, Any]) -> list[str]:
+        if "world_size" not in job:
+            return []
+        speed = job.get("images_per_s") or job.get("tokens_per_s")
+        unit = "images/s" if "images_per_s" in job else "tokens/s"
+        lines = [
+            f"  trained {job['steps']} steps on {job['world_size']} rank(s) ({job['device']}):"
+            f" {job['samples_per_s']} samples/s, {speed} {unit}"
+        ]
+        if "eval_loss" in job:
+            accuracy = job.get("eval_accuracy")
+            top1 = f", top-1 accuracy {100 * accuracy:.1f}%" if accuracy is not None else ""
+            lines.append(f"  eval at step {job['eval_step']}: loss {job['eval_loss']:.4f}{top1}")
+        lines.append(f"  weights: {job['weights']}")
+        return lines
+
+
+def _profile_artifacts(outputs: Path, title: str) -> None:
+    """Publish a profiled run's top operators and per-step split as table artifacts."""
+    from prefect.artifacts import create_table_artifact
+
+    profiled = read(outputs)
+    if profiled is None:
+        return
+    ops, steps = profiled
+    create_table_artifact(
+        key="gpuflow-profile-operators",
+        table=ops,
+        description=f"{title}: operators by self time over the profiled steps",
+    )
+    create_table_artifact(
+        key="gpuflow-profile-steps",
+        table=steps,
+        description=f"{title}: each profiled step, waiting for data vs computing (ms)",
+    )

@@ -1,0 +1,56 @@
+"""Everything checked before anything is provisioned: the placement, the backend's own
+checks, what the job's kind needs matched with what the backend can do, the kind's checks,
+and the secrets. One sentence per problem (InvalidSpec), naming the field and the fix."""
+
+from __future__ import annotations
+
+from tasks import placement, secrets
+from tasks.backends.registry import get_backend
+from tasks.contract import Capabilities, Needs
+from tasks.errors import InvalidSpec
+from tasks.host import resolve_program
+from tasks.kinds.registry import kind_of
+from tasks.metrics.cost import PriceTable
+from tasks.spec import JobSpec
+from tasks.storage import StorageError, check_writable
+
+
+def check_spec(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
+    """Return the spec with its placement applied and the prices to use, once every check
+    before provisioning passed; InvalidSpec otherwise."""
+    spec, prices = placement.resolve(spec)
+    get_backend(spec.placement.backend, spec.placement).check(spec, kind_of(spec).needs(spec))
+    check_job(spec)
+    secrets.resolve(spec.secret_env)  # a missing secret block fails here
+    return spec, prices
+
+
+def check_job(spec: JobSpec) -> None:
+    """Raise InvalidSpec when the job itself (not the backend) cannot run as written."""
+    where = get_backend(spec.placement.backend, spec.placement).capabilities
+    match(spec, kind_of(spec).needs(spec), where)
+    try:
+        if spec.storage.artifacts:
+            check_writable(spec.storage.artifacts, None, "storage.artifacts")
+        kind_of(spec).check(spec, where)
+    except StorageError as exc:
+        raise InvalidSpec(str(exc)) from None
+
+
+def match(spec: JobSpec, needs: Needs, where: Capabilities) -> None:
+    """Raise InvalidSpec when the backend cannot give what the job needs: files on this
+    machine that its nodes cannot read, programs that are not on this machine's PATH."""
+    if not where.local_files:
+        for field, url in needs.inputs.items():
+            if not url.startswith("s3://"):
+                raise InvalidSpec(
+                    f"{field}: {url} is on this machine, and on {spec.placement.backend} the job"
+                    f" runs on {where.where} that cannot read it; upload it and give an s3:// URL."
+                )
+    if where.runs_here:
+        for field, program in needs.programs.items():
+            if resolve_program(program) is None:
+                raise InvalidSpec(
+                    f"{field}: {program!r} was not found on PATH or is not executable;"
+                    " install it or give its full path."
+                )

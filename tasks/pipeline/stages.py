@@ -1,0 +1,560 @@
+"""The pipeline's stages as Prefect tasks: thin wrappers over backends, preflight and metrics.
+
+Retries key on error classes: a task is retried only when its exception says a
+retry may succeed (CapacityError, TransientError, PreemptedError).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.tasks import exponential_backoff
+
+from tasks import secrets
+from tasks.backends.registry import get_backend
+from tasks.contract import (
+    RUN_LABEL,
+    Cluster,
+    JobResult,
+    LineSink,
+    RunOutcome,
+    TeardownReport,
+    WorkUnit,
+)
+from tasks.diagnose import diagnose
+from tasks.errors import (
+    ERROR_FILE,
+    PREEMPTED_EXIT_CODE,
+    CollectError,
+    JobCancelled,
+    PreemptedError,
+    PreflightFailed,
+    TransientError,
+    retry_when_retryable,
+)
+from tasks.kinds.registry import kind_of
+from tasks.logstream import LineBatcher, job_output_sink
+from tasks.metrics import cost as pricing
+from tasks.metrics.idle import IdleWatch, watch_of
+from tasks.metrics.plot import utilisation_png
+from tasks.metrics.prometheus import LivePush, delete, exposition, push
+from tasks.metrics.sampler import SAMPLES, Sampler, read_samples
+from tasks.metrics.summary import IDLE_PCT, RunMetrics, summarise
+from tasks.outputs import copy_outputs
+from tasks.pipeline import preflight as preflight_checks
+from tasks.spec import JobSpec, Placement, StageRetry
+from tasks.storage import s3_settings
+
+
+def retrying(stage: Any, policy: StageRetry) -> Any:
+    """Return `stage` with the policy's retries: exponential backoff with jitter."""
+    if policy.retries == 0:
+        return stage.with_options(retries=0)
+    return stage.with_options(
+        retries=policy.retries,
+        retry_delay_seconds=exponential_backoff(backoff_factor=max(policy.delay_s, 0.01))(
+            policy.retries
+        ),
+        retry_jitter_factor=policy.jitter or None,
+        retry_condition_fn=retry_when_retryable,
+    )
+
+
+@task(name="provision", cache_policy=None)
+def provision(spec: JobSpec, owner: dict[str, str]) -> Cluster:
+    """Return the cluster for this run; a retry adopts what an earlier try made."""
+    cluster = get_backend(spec.placement.backend, spec.placement).provision(spec, owner)
+    logger = get_run_logger()
+    verb = "adopted" if cluster.adopted else "provisioned"
+    gpus = ",".join(map(str, cluster.gpu_indices)) or "none"
+    logger.info("%s %s: workspace %s, GPUs %s", verb, cluster.name, cluster.workspace, gpus)
+    return cluster
+
+
+@task(name="preflight", cache_policy=None)
+def preflight(spec: JobSpec, cluster: Cluster) -> preflight_checks.PreflightReport:
+    """Return the preflight report; raise PreflightFailed when the verdict is fail."""
+    if cluster.capabilities.runs_here:
+        facts = preflight_checks.inspect(cluster.workspace, kind_of(spec).uses_torch(spec))
+        report = preflight_checks.verdict(spec, facts, cluster.gpu_indices)
+    else:  # the job's machines are elsewhere: the scheduler matches their GPUs
+        facts = preflight_checks.inspect(".", False)
+        where = preflight_checks.Check(
+            name="nodes",
+            level="pass",
+            message=f"{cluster.nodes} {cluster.backend} node(s) x {cluster.gpus_per_node} GPU(s)"
+            f"{' of ' + cluster.gpu_products[0] if cluster.gpu_products else ''}, placed by"
+            " the cluster's scheduler.",
+        )
+        report = preflight_checks.PreflightReport(
+            verdict="pass", checks=[where], facts=facts, gpus_reserved=cluster.gpu_indices
+        )
+    extra = kind_of(spec).preflight_rows(spec, cluster)
+    if extra:
+        checks = [*report.checks, *(preflight_checks.Check(**c) for c in extra)]
+        levels = {c.level for c in checks}
+        worst = "fail" if "fail" in levels else "warn" if "warn" in levels else "pass"
+        report = report.model_copy(update={"checks": checks, "verdict": worst})
+    create_table_artifact(
+        key="gpuflow-preflight",
+        table=[{"check": c.name, "level": c.level, "message": c.message} for c in report.checks],
+        description=f"Preflight for {spec.name}: {report.verdict}",
+    )
+    logger = get_run_logger()
+    for check in report.checks:
+        log = logger.warning if check.level != "pass" else logger.info
+        log("preflight %s [%s] %s", check.name, check.level, check.message)
+    if report.verdict == "fail":
+        raise PreflightFailed(" ".join(c.message for c in report.failures()))
+    return report
+
+
+def cancel_requested(flow_run_id: str, every_s: float = 2.0) -> Callable[[], bool]:
+    """Return a check, cheap to call often, that says whether the run was cancelled in the
+    API (UI, `prefect flow-run cancel`): a run started by `gpuflow run` has no worker to
+    kill it, so the run stage stops the job itself."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+
+    last = [time.monotonic()]
+
+    def check() -> bool:
+        if time.monotonic() - last[0] < every_s:
+            return False
+        last[0] = time.monotonic()
+        try:
+            with get_client(sync_client=True) as client:
+                state = client.read_flow_run(UUID(flow_run_id)).state
+        except Exception:  # the API being away is no reason to stop a job
+            return False
+        return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
+
+    return check
+
+
+@task(name="run", cache_policy=None)
+def run(
+    spec: JobSpec, cluster: Cluster, prices: pricing.PriceTable, flow_run_id: str
+) -> RunOutcome:
+    """Run the job's units with the sampler on; raise PreemptedError (retryable) when the
+    job says it was interrupted, return other failures in the outcome so collect still runs."""
+    logger = get_run_logger()
+    secret_values = secrets.resolve(spec.secret_env)
+    s3 = s3_settings(spec)  # the block's, else the AWS_* variables this process has
+    storage_env = s3.child_env() if spec.storage.aws_credentials else {}
+    redact = secrets.Redactor([*secret_values.values(), *s3.secrets()])
+    env = {**storage_env, **spec.env, **secret_values}  # the backend adds its own
+    timeout, stopped_by = time_limit(spec, cluster, prices)
+
+    with (
+        LineBatcher(job_output_sink(logger)) as lines,
+        sampling(spec, cluster, flow_run_id, logger.warning) as idle,
+    ):
+        units = kind_of(spec).units(spec, cluster)
+
+        def sink(unit: WorkUnit) -> Callable[[str, str], None]:
+            where = f"[{unit.name}] " if len(units) > 1 else ""
+
+            def on_line(stream: str, line: str) -> None:
+                tag = "[stderr] " if stream == "stderr" else ""
+                lines.add(redact(f"{where}{tag}{line}"))
+
+            return on_line
+
+        result = run_units(
+            get_backend(cluster.backend),
+            cluster,
+            units,
+            env,
+            timeout,
+            sink,
+            stop_check(flow_run_id),
+            spec.limits.stop_grace_s,
+        )
+    result = result.model_copy(update={"log_tail": [redact(line) for line in result.log_tail]})
+    if idle is not None and idle.stopped():  # stopped for idling, not cancelled or preempted
+        return RunOutcome(result=result, failure=idle.sentence(), stopped_by="idle_gpu")
+    if result.cancelled:
+        raise JobCancelled("the run was cancelled while the job ran; the job was stopped")
+    if result.exit_code == PREEMPTED_EXIT_CODE:
+        raise PreemptedError(
+            f"the job was interrupted and saved its state (exit {PREEMPTED_EXIT_CODE}); retrying resumes it"
+        )
+    error_file = Path(cluster.workspace) / "outputs" / ERROR_FILE
+    reason = (
+        redact(error_file.read_text(errors="replace").strip()[:2000])
+        if error_file.is_file()
+        else None
+    )
+    return RunOutcome(
+        result=result,
+        failure=_failure(
+            result,
+            timeout,
+            stopped_by,
+            reason,
+            failure_context(spec, cluster) | {"memory_events": result.memory_events},
+        ),
+        stopped_by=stopped_by if result.timed_out else None,
+    )
+
+
+def run_stage(
+    spec: JobSpec, cluster: Cluster, prices: pricing.PriceTable, flow_run_id: str
+) -> RunOutcome:
+    """The run stage: every unit of the job's kind at once (the `run` task, retried), or,
+    for a kind that hands out its own units (render chunks), the kind's schedule through a
+    UnitRunner, under the same limits, sampler and stop checks."""
+    kind = kind_of(spec)
+    if not kind.schedules_units:
+        return retrying(run, spec.retry.run)(spec, cluster, prices, flow_run_id)
+    logger = get_run_logger()
+    timeout, stopped_by = time_limit(spec, cluster, prices)
+    runner = PipelineRunner(spec, cluster, flow_run_id)
+    with sampling(spec, cluster, flow_run_id, logger.warning):
+        outcome = kind.schedule(spec, runner, time.time() + timeout)
+    if (
+        outcome.failure
+        and "limits.max_duration" in outcome.failure
+        and stopped_by != "max_duration"
+    ):
+        failure = outcome.failure.replace("limits.max_duration", f"limits.{stopped_by}")
+        outcome = outcome.model_copy(update={"failure": failure})
+    return outcome
+
+
+class PipelineRunner:
+    """Runs one unit at a time for a kind that schedules its own units: the run's backend,
+    its variables and secrets, its stop checks (cancelled in the API, idle) and grace."""
+
+    def __init__(self, spec: JobSpec, cluster: Cluster, flow_run_id: str) -> None:
+        self.cluster = cluster
+        self.spec = spec
+        self.flow_run_id = flow_run_id
+        self.backend = get_backend(cluster.backend)
+        secret_values = secrets.resolve(spec.secret_env)
+        self.env = {**spec.env, **secret_values}  # the backend adds its own
+        s3 = s3_settings(spec)
+        self.redactor = secrets.Redactor([*secret_values.values(), *s3.secrets()])
+
+    def run(
+        self, unit: WorkUnit, on_line: LineSink, env: Mapping[str, str], deadline: float
+    ) -> JobResult:
+        """Run `unit` with the run's variables over `env` until it ends or `deadline`."""
+        return self.backend.run(
+            self.cluster,
+            unit,
+            {**env, **self.env},
+            max(1.0, deadline - time.time()),
+            on_line,
+            stop_check(self.flow_run_id),
+            grace_s=self.spec.limits.stop_grace_s,
+        )
+
+    def idle_stop(self) -> str | None:
+        return idle_stop(self.flow_run_id)
+
+    def redact(self, text: str) -> str:
+        return self.redactor(text)
+
+
+def run_units(
+    backend: Any,
+    cluster: Cluster,
+    units: list[WorkUnit],
+    env: dict[str, str],
+    timeout_s: float,
+    sink: Callable[[WorkUnit], Callable[[str, str], None]],
+    should_stop: Callable[[], bool],
+    grace_s: float,
+) -> JobResult:
+    """Run every unit at once on the backend and return one result for the job. The first
+    unit to fail speaks for the job, and the others are stopped (a job is all or nothing:
+    a training node left alone would wait at its rendezvous); else the last to end."""
+    if len(units) == 1:
+        [unit] = units
+        return backend.run(cluster, unit, env, timeout_s, sink(unit), should_stop, grace_s)
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    failed = threading.Event()
+    cancelled = threading.Event()
+
+    def stop() -> bool:
+        if should_stop():
+            cancelled.set()
+        return cancelled.is_set() or failed.is_set()
+
+    def one(unit: WorkUnit) -> JobResult:
+        return backend.run(cluster, unit, env, timeout_s, sink(unit), stop, grace_s)
+
+    results: list[JobResult] = []
+    first_failure: JobResult | None = None
+    with ThreadPoolExecutor(max_workers=len(units), thread_name_prefix="unit") as pool:
+        futures = [pool.submit(one, unit) for unit in units]
+        try:
+            for future in as_completed(futures):
+                result = future.result()
+                results.append(result)
+                broke = result.exit_code != 0 or result.signal is not None or result.timed_out
+                if broke and first_failure is None and not cancelled.is_set():
+                    first_failure = result
+                    failed.set()
+        except BaseException:
+            cancelled.set()  # interrupted here: every unit gets SIGTERM and its grace
+            raise
+    chosen = first_failure or max(results, key=lambda r: r.ended_at)
+    started = min(r.started_at for r in results)
+    ended = max(r.ended_at for r in results)
+    return chosen.model_copy(
+        update={
+            "started_at": started,
+            "ended_at": ended,
+            "duration_s": (ended - started).total_seconds(),
+            "timed_out": any(r.timed_out for r in results),
+            "cancelled": cancelled.is_set(),
+        }
+    )
+
+
+def time_limit(spec: JobSpec, cluster: Cluster, prices: pricing.PriceTable) -> tuple[float, str]:
+    """Return how long the job may run and which limit says so (max_duration, or
+    max_cost_usd when the budget runs out first at this cluster's hourly rate)."""
+    hourly = pricing.hourly_rate(prices, **_priced(spec, cluster))
+    budget = pricing.budget_seconds(spec.limits.max_cost_usd, hourly)
+    if budget is not None and budget < spec.limits.max_duration:
+        return budget, "max_cost_usd"
+    return spec.limits.max_duration, "max_duration"
+
+
+@contextlib.contextmanager
+def sampling(
+    spec: JobSpec, cluster: Cluster, flow_run_id: str, warn: Callable[..., None]
+) -> Iterator[IdleWatch | None]:
+    """Sample GPU/host metrics into the workspace (and push them live when a Pushgateway
+    is configured) while the body runs; yield the idle watch when limits.idle_gpu is set."""
+    idle = spec.limits.idle_gpu
+    if cluster.capabilities.samples_nodes:
+        if idle is not None:
+            warn(
+                "limits.idle_gpu is not enforced on %s: its nodes sample themselves; the"
+                " reclaim flow watches them through the Pushgateway",
+                cluster.backend,
+            )
+        yield None  # the backend's nodes sample themselves (EC2's agents)
+        return
+    consumers: list[Callable[[dict[str, Any]], None]] = []
+    if spec.metrics.pushgateway:
+        consumers.append(
+            LivePush(
+                spec.metrics.pushgateway, flow_run_id, spec.name, spec.metrics.push_interval_s, warn
+            )
+        )
+    watch = IdleWatch(idle, flow_run_id, spec.name, warn) if idle is not None else None
+    if watch is not None:
+        consumers.append(watch)
+
+    def on_sample(sample: dict[str, Any]) -> None:
+        for consume in consumers:
+            consume(sample)
+
+    samples = Path(cluster.workspace) / SAMPLES
+    with (
+        Sampler(samples, cluster.gpu_indices, spec.metrics.interval_s, on_sample=on_sample),
+        watch if watch is not None else contextlib.nullcontext(),
+    ):
+        yield watch
+
+
+def stop_check(flow_run_id: str) -> Callable[[], bool]:
+    """Return the run stage's stop check: the run was cancelled in the API, or its idle
+    watch (limits.idle_gpu with action stop) says so."""
+    cancelled = cancel_requested(flow_run_id)
+
+    def check() -> bool:
+        watch = watch_of(flow_run_id)
+        return (watch is not None and watch.stopped()) or cancelled()
+
+    return check
+
+
+def idle_stop(flow_run_id: str) -> str | None:
+    """Return why the idle watch stopped this run's job, if it did."""
+    watch = watch_of(flow_run_id)
+    return watch.sentence() if watch is not None and watch.stopped() else None
+
+
+def _priced(spec: JobSpec, cluster: Cluster) -> dict[str, Any]:
+    """Return what is priced: the backend, the GPUs held, CPU cores and disk."""
+    return {
+        "backend": cluster.backend,
+        "products": cluster.gpu_products * cluster.nodes,
+        "cpu_cores": spec.resources.cpu or 1.0,
+        "disk_bytes": spec.resources.disk,
+    }
+
+
+def _product(cluster: Cluster) -> str:
+    """Return the GPU product the run held ("none" for CPU only, "A + B" for several)."""
+    products = sorted(set(cluster.gpu_products))
+    return "none" if not cluster.gpu_indices or not products else " + ".join(products)
+
+
+def failure_context(spec: JobSpec, cluster: Cluster) -> dict[str, Any]:
+    """Return what makes a diagnosis precise: the GPU memory peak the samples saw and the
+    job's batch size."""
+    peaks = [
+        gpu.get("DCGM_FI_DEV_FB_USED") or 0.0
+        for sample in read_samples(Path(cluster.workspace) / SAMPLES)
+        for gpu in sample.get("gpus", [])
+    ]
+    return {
+        "peak_gpu_memory_mib": max(peaks, default=0.0),
+        "batch_size": getattr(spec.job, "batch_size", None),
+    }
+
+
+def _failure(
+    result: JobResult,
+    timeout: float,
+    stopped_by: str,
+    reason: str | None,
+    context: dict[str, Any] | None = None,
+) -> str | None:
+    if result.timed_out:
+        return (
+            f"the job ran past limits.{stopped_by} ({timeout:.0f} s) and was stopped;"
+            f" raise limits.{stopped_by} or make the job shorter."
+        )
+    lines = [*result.log_tail, reason] if reason else result.log_tail
+    known = diagnose(result.exit_code, result.signal, lines, context)
+    if known is not None:
+        code = (
+            f"signal {result.signal}" if result.signal is not None else f"exit {result.exit_code}"
+        )
+        return f"the job failed ({code}): {known.message}"
+    if result.signal is not None:
+        hint = " (SIGKILL often means the out-of-memory killer)" if result.signal == 9 else ""
+        return f"the job was killed by signal {result.signal}{hint}; see the last lines of its log."
+    if result.exit_code and reason:
+        return f"the job failed (exit {result.exit_code}): {reason}"
+    if result.exit_code:
+        last = " | ".join(result.log_tail[-3:])
+        return f"the job exited with code {result.exit_code}; last lines: {last}"
+    return None
+
+
+@task(name="collect", cache_policy=None)
+def collect(
+    spec: JobSpec,
+    cluster: Cluster,
+    outcome: RunOutcome,
+    prices: pricing.PriceTable,
+    flow_run_id: str,
+    artifacts_dir: str,
+) -> RunMetrics:
+    """Return the run's metrics and write its artifacts: samples, PNG, Prometheus text,
+    the job's outputs; push to the Pushgateway when one is configured."""
+    logger = get_run_logger()
+    out = Path(artifacts_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    samples_path = Path(cluster.workspace) / SAMPLES
+    samples = read_samples(samples_path)
+    if samples_path.exists():
+        shutil.copyfile(samples_path, out / "samples.jsonl")
+    outputs = Path(cluster.workspace) / "outputs"
+    redact = secrets.Redactor(secrets.resolve(spec.secret_env).values())
+    if outputs.is_dir():
+        for left_out in copy_outputs(outputs, out / "outputs", redact):
+            logger.warning("outputs/%s was not copied to the artifacts", left_out)
+    job_result: dict[str, Any] = {}
+    result_file = out / "outputs" / "result.json"
+    if result_file.is_file():
+        try:
+            job_result = json.loads(result_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise CollectError(f"the job wrote an unreadable result.json: {exc}") from None
+    run_cost = pricing.run_cost(prices, **_priced(spec, cluster), seconds=outcome.result.duration_s)
+    idle = spec.limits.idle_gpu
+    metrics = summarise(
+        samples,
+        outcome.result.duration_s,
+        len(cluster.gpu_indices),
+        run_cost,
+        idle_pct=idle.below_pct if idle is not None else IDLE_PCT,
+    )
+    metrics = metrics.model_copy(update={"job": job_result})
+    (out / "metrics.json").write_text(metrics.model_dump_json(indent=2))
+    ended = "failed" if outcome.failure else "completed"
+    text = exposition(samples[-1] if samples else None, metrics, flow_run_id, spec.name, ended)
+    (out / "metrics.prom").write_text(text)
+    png = (
+        utilisation_png(samples, out / "utilisation.png", f"{spec.name} {flow_run_id[:8]}")
+        if spec.metrics.plot
+        else None
+    )
+    pushed = None
+    if spec.metrics.pushgateway:
+        try:
+            totals = exposition(None, metrics, flow_run_id, spec.name, ended)  # no GPU gauges
+            pushed = push(spec.metrics.pushgateway, totals, flow_run_id, spec.name)
+            delete(spec.metrics.pushgateway, flow_run_id, spec.name, "run")
+        except TransientError as exc:
+            logger.warning("metrics not pushed: %s", exc)
+    kind_report = kind_of(spec).report(spec, cluster, out, f"{spec.name} {flow_run_id[:8]}")
+    rows = [
+        {"metric": k, "value": v}
+        for k, v in metrics.model_dump(exclude={"job", "cost_breakdown"}).items()
+    ]
+    rows += [{"metric": f"job.{k}", "value": v} for k, v in job_result.items()]
+    rows += [  # what the cost report groups by
+        {"metric": "run.job", "value": spec.name},
+        {"metric": "run.backend", "value": cluster.backend},
+        {"metric": "run.gpu_product", "value": _product(cluster)},
+        {"metric": "run.outcome", "value": ended},
+    ]
+    rows += kind_report.rows
+    create_table_artifact(key="gpuflow-metrics", table=rows, description=f"Metrics for {spec.name}")
+    lines = [
+        f"# {spec.name}: {'failed' if outcome.failure else 'completed'}",
+        "",
+        f"- duration: {outcome.result.duration_s:.1f} s, exit code {outcome.result.exit_code}",
+        f"- GPUs: {len(cluster.gpu_indices)} ({', '.join(cluster.gpu_products) or 'none'}); {metrics.note or 'GPU metrics sampled'}",
+        f"- cost: ${metrics.cost_usd:.4f} at ${metrics.cost_hourly_usd:.4f}/h",
+        f"- artifacts: `{out}`",
+    ]
+    lines[2:2] = kind_report.headline
+    if png:
+        lines.append(f"- utilisation plot: `{png}`")
+    lines += kind_report.lines
+    if pushed:
+        lines.append(f"- pushed to {pushed}")
+    if outcome.failure:
+        lines.append(f"- failure: {outcome.failure}")
+    create_markdown_artifact(
+        key="gpuflow-summary", markdown="\n".join(lines), description=spec.name
+    )
+    return metrics
+
+
+@task(name="teardown", cache_policy=None, retries=2, retry_delay_seconds=2)
+def teardown(placement: Placement, flow_run_id: str) -> list[TeardownReport]:
+    """Return what was released for every resource this flow run owns. Idempotent."""
+    return teardown_owned(placement, flow_run_id)
+
+
+def teardown_owned(placement: Placement, flow_run_id: str) -> list[TeardownReport]:
+    """Tear down every cluster labelled with `flow_run_id` where `placement` put it (a
+    Kubernetes namespace other than the kubeconfig's included); for hooks and reapers too."""
+    compute = get_backend(placement.backend, placement)
+    return [compute.teardown(c) for c in compute.list_owned({RUN_LABEL: flow_run_id})]
