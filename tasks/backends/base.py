@@ -18,7 +18,7 @@ from tasks.contract import (
     TeardownReport,
     WorkUnit,
 )
-from tasks.spec import JobSpec
+from tasks.spec import JobSpec, Placement
 
 
 class Backend(Protocol):
@@ -27,6 +27,10 @@ class Backend(Protocol):
     name: ClassVar[str]
     # what it can do; a backend whose units do not run here also gives `describe(spec)`
     capabilities: ClassVar[Capabilities]
+
+    @classmethod
+    def at(cls, placement: Placement | None = None) -> Backend:
+        """Return the backend for a spec's placement (its block, namespace); None: defaults."""
 
     def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
         """Raise InvalidSpec if this backend cannot run `spec` (with what its kind `needs`;

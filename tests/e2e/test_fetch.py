@@ -8,7 +8,7 @@ import pytest
 
 from tasks.errors import InvalidSpec
 from tasks.fetching import UnsafeKey, fetch_prefix
-from tasks.kinds.registry import check_job
+from tasks.pipeline.checks import check_job
 from tasks.spec import load_spec
 from tasks.storage import store_for
 

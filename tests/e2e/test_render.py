@@ -269,7 +269,7 @@ def test_failures_blender_exits_zero_on_are_caught(
 
 def check(spec: dict) -> str:
     """Return the one sentence validation gives `spec`, checking nothing was provisioned."""
-    from tasks.kinds.registry import check_job
+    from tasks.pipeline.checks import check_job
 
     with pytest.raises(InvalidSpec) as caught:
         check_job(load_spec(spec))
@@ -337,7 +337,7 @@ node.image = image
         in sentence
     )
     assert "or set job.missing_files: warn" in sentence
-    from tasks.kinds.registry import check_job
+    from tasks.pipeline.checks import check_job
     from tasks.render.scene import plan
 
     allowed = load_spec(render_spec(textured, out, missing_files="warn"))
