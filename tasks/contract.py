@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from datetime import datetime
+from enum import StrEnum
 from typing import Any, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel
@@ -105,6 +106,38 @@ class JobResult(BaseModel):
     log_tail: list[str] = []
     # counts from the job's memory cgroup over this run (oom_kill: out-of-memory kills)
     memory_events: dict[str, int] = {}
+
+
+class StopReason(StrEnum):
+    """Why gpuflow stopped a unit before it ended by itself."""
+
+    TIMEOUT = "timeout"  # it ran past its time limit
+    CANCELLED = "cancelled"  # the run was cancelled, or a stop check said so
+
+
+class UnitEnd(BaseModel):
+    """How a unit ended, as a backend saw it: exit code or signal, and whether (and why)
+    gpuflow stopped it; `tail` holds lines the backend adds to its log (a lost node)."""
+
+    exit_code: int | None = None
+    signal: int | None = None
+    stop: StopReason | None = None
+    tail: list[str] = []
+    memory_events: dict[str, int] = {}
+
+    def result(self, started_at: datetime, ended_at: datetime, log_tail: list[str]) -> JobResult:
+        """Return the unit's JobResult: this end between those times, with its last lines."""
+        return JobResult(
+            exit_code=self.exit_code,
+            signal=self.signal,
+            started_at=started_at,
+            ended_at=ended_at,
+            duration_s=(ended_at - started_at).total_seconds(),
+            timed_out=self.stop == StopReason.TIMEOUT,
+            cancelled=self.stop == StopReason.CANCELLED,
+            log_tail=log_tail or self.tail,
+            memory_events=self.memory_events,
+        )
 
 
 class RunOutcome(BaseModel):

@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -59,26 +60,46 @@ def sweep_partial_writes(folder: Path) -> list[Path]:
     return swept
 
 
-def stop_group(pgid: int, started: float | None, grace_s: float = STOP_GRACE_S) -> int:
-    """SIGTERM the process group, wait up to `grace_s`, then SIGKILL; return how many died.
+def escalate(
+    term: Callable[[], None],
+    kill: Callable[[], None],
+    running: Callable[[], bool],
+    grace_s: float,
+    kill_wait_s: float = 5.0,
+) -> None:
+    """Stop something the way every gpuflow job is stopped: `term()` (SIGTERM), up to
+    `grace_s` for it to save its state and exit, then `kill()` (SIGKILL) if it still
+    `running()`, and up to `kill_wait_s` for that to take. Polls: the caller may still
+    reap its own child and read its exit status."""
+    term()
+    _wait_while(running, grace_s)
+    if running():
+        kill()
+        _wait_while(running, kill_wait_s)
 
-    Polls instead of waiting on the processes so that the caller can still reap its own
-    child and read its exit status.
-    """
+
+def _wait_while(running: Callable[[], bool], limit_s: float) -> None:
+    deadline = time.monotonic() + limit_s
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def stop_group(pgid: int, started: float | None, grace_s: float = STOP_GRACE_S) -> int:
+    """SIGTERM the process group, wait up to `grace_s`, then SIGKILL; return how many died."""
     members = [p for p in psutil.process_iter() if _pgid(p.pid) == pgid]
     if started is not None and not alive(pgid, started):
         return 0  # the pid was reused by something else: not ours to kill
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while _running(members) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if _running(members):
+
+    def signal_group(number: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while _running(members) and time.monotonic() < deadline:
-            time.sleep(0.05)
+            os.killpg(pgid, number)
+
+    escalate(
+        lambda: signal_group(signal.SIGTERM),
+        lambda: signal_group(signal.SIGKILL),
+        lambda: _running(members),
+        grace_s,
+    )
     return len(members)
 
 

@@ -158,6 +158,6 @@ def test_a_pod_the_kubelet_oom_killed_is_diagnosed_from_its_status():
         ],
     }
     ended = _terminated(status)
-    assert ended["signal"] == 9 and ended["memory_events"] == {"oom_kill": 1}
-    found = diagnose(None, ended["signal"], [], {"memory_events": ended["memory_events"]})
+    assert ended.signal == 9 and ended.memory_events == {"oom_kill": 1}
+    found = diagnose(None, ended.signal, [], {"memory_events": ended.memory_events})
     assert found is not None and found.kind == "oom_killed"

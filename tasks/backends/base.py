@@ -3,6 +3,8 @@ when things are already gone."""
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Mapping
 from typing import ClassVar, Protocol
 
@@ -15,10 +17,74 @@ from tasks.contract import (
     ReapReport,
     RunStates,
     StopCheck,
+    StopReason,
     TeardownReport,
+    UnitEnd,
     WorkUnit,
 )
 from tasks.spec import JobSpec, Placement
+
+
+class UnitHandle(Protocol):
+    """What a backend gives `follow_unit` for one started unit: how to see its end, wait,
+    and stop it on its kind of machine."""
+
+    def poll(self) -> UnitEnd | None:
+        """Return the unit's end once it ended, else None. May raise (a pod that can never
+        be placed: ProvisionError; GPUs that stay busy: CapacityError)."""
+
+    def wait(self, seconds: float) -> None:
+        """Wait up to `seconds` for something to change (sooner when the unit ends)."""
+
+    def stop(self, reason: StopReason, grace_s: float) -> UnitEnd | None:
+        """Stop the unit for `reason`: SIGTERM, `grace_s` to save its state, SIGKILL. Return
+        its end when known at once; None to keep polling for it."""
+
+    def interrupt(self, grace_s: float) -> None:
+        """This process is going down: stop the unit the same way, without waiting long."""
+
+    def unconfirmed(self) -> UnitEnd:
+        """Return the end to report when a stopped unit never confirmed its end."""
+
+
+def follow_unit(
+    unit: UnitHandle,
+    timeout_s: float,
+    should_stop: StopCheck | None,
+    grace_s: float,
+    every_s: float,
+    confirm_s: float = 60.0,
+) -> UnitEnd:
+    """Follow a started unit to its end, the same way on every backend: stop it past
+    `timeout_s` (TIMEOUT) or when `should_stop()` says so (CANCELLED), give a stopped unit
+    `grace_s` plus `confirm_s` to say how it ended, and stop it when this process is
+    interrupted (then re-raise)."""
+    deadline = time.monotonic() + timeout_s
+    reason: StopReason | None = None
+    give_up = math.inf
+    try:
+        while True:
+            end = unit.poll()
+            if end is not None:
+                return end.model_copy(update={"stop": reason}) if reason else end
+            if reason is None:
+                if time.monotonic() >= deadline:
+                    reason = StopReason.TIMEOUT
+                elif should_stop is not None and should_stop():
+                    reason = StopReason.CANCELLED
+                if reason is not None:
+                    end = unit.stop(reason, grace_s)
+                    if end is not None:
+                        return end.model_copy(update={"stop": reason})
+                    give_up = time.monotonic() + grace_s + confirm_s
+                    continue
+            elif time.monotonic() > give_up:
+                return unit.unconfirmed().model_copy(update={"stop": reason})
+            unit.wait(every_s)
+    except BaseException:
+        # Cancellation, Ctrl-C, SIGTERM from a worker: the unit gets SIGTERM to save state.
+        unit.interrupt(grace_s)
+        raise
 
 
 class Backend(Protocol):

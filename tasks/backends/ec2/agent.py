@@ -25,7 +25,6 @@ import base64
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from tasks import nvml
 from tasks.backends.ec2.imds import ENDPOINT, Imds, Notice, NoticeWatcher
 from tasks.backends.ec2.mailbox import HEARTBEAT, Mailbox, log_key, unit_key
 from tasks.contract import unit_env
+from tasks.host import stop_group
 from tasks.metrics.prometheus import LivePush
 from tasks.metrics.sampler import Sampler
 
@@ -285,16 +285,8 @@ class UnitRun:
         self.stopped_why = why
         proc = self.proc
 
-        def escalate() -> None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-
-        threading.Thread(target=escalate, daemon=True).start()
+        # SIGTERM, the grace, SIGKILL, while the unit's own thread reaps it
+        threading.Thread(target=stop_group, args=(proc.pid, None, grace_s), daemon=True).start()
 
     def _env(self) -> dict[str, str]:
         workspace = self.agent.workspace

@@ -33,6 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from tasks.backends.base import follow_unit
 from tasks.backends.ec2 import launch as launching
 from tasks.backends.ec2 import reap as reaping
 from tasks.backends.ec2.agent import PYTHON, AgentConfig, UnitSpec
@@ -63,7 +64,9 @@ from tasks.contract import (
     ReapReport,
     RunStates,
     StopCheck,
+    StopReason,
     TeardownReport,
+    UnitEnd,
     WorkUnit,
     state_of,
 )
@@ -406,76 +409,13 @@ class Ec2Backend:
         mailbox.put(unit_key(instance, name, "unit.json"), spec_unit.model_dump_json())
         started = datetime.now(UTC)
         follower = _Follower(mailbox, instance, name, on_line)
-        try:
-            end = self._follow(ec2, run_id, instance, follower, timeout_s, should_stop, grace_s)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                mailbox.put_json(
-                    unit_key(instance, name, "stop"), {"why": "interrupted", "grace_s": grace_s}
-                )
-            raise
+        end = follow_unit(
+            _Ec2Unit(ec2, run_id, instance, follower), timeout_s, should_stop, grace_s, 0.5
+        )
         follower.read()
         follower.outputs(Path(cluster.workspace) / "outputs")
         follower.samples(Path(cluster.workspace) / SAMPLES)
-        ended = datetime.now(UTC)
-        return JobResult(
-            exit_code=end.get("exit_code"),
-            signal=end.get("signal"),
-            started_at=started,
-            ended_at=ended,
-            duration_s=(ended - started).total_seconds(),
-            timed_out=end.get("stop") == "timeout",
-            cancelled=end.get("stop") == "cancelled",
-            log_tail=list(follower.tail),
-        )
-
-    def _follow(
-        self,
-        ec2: Any,
-        run_id: str,
-        instance: str,
-        follower: _Follower,
-        timeout_s: float,
-        should_stop: StopCheck | None,
-        grace_s: float,
-    ) -> dict[str, Any]:
-        mailbox, name = follower.mailbox, follower.unit
-        deadline = time.monotonic() + timeout_s
-        stop: str | None = None
-        stop_until = 0.0
-        state_at = time.monotonic()
-        while True:
-            follower.read()
-            result = mailbox.get_json(unit_key(instance, name, "result.json"))
-            if result is not None:
-                code = result.get("exit_code")
-                if result.get("interrupted") and code != 0:
-                    code = PREEMPTED_EXIT_CODE
-                    follower.note(f"instance {instance} got a spot interruption notice")
-                return {"exit_code": code, "signal": result.get("signal"), "stop": stop}
-            if stop is None:
-                if should_stop is not None and should_stop():
-                    stop = "cancelled"
-                elif time.monotonic() > deadline:
-                    stop = "timeout"
-                if stop is not None:
-                    mailbox.put_json(
-                        unit_key(instance, name, "stop"), {"why": stop, "grace_s": grace_s}
-                    )
-                    stop_until = time.monotonic() + grace_s + 60
-            elif time.monotonic() > stop_until:
-                follower.note(f"the agent on {instance} did not confirm the stop")
-                return {"exit_code": None, "signal": 9, "stop": stop}
-            if time.monotonic() - state_at > STATE_EVERY_S:
-                state_at = time.monotonic()
-                live = {i["InstanceId"] for i in launching.owned_instances(ec2, run_id)}
-                if instance not in live:
-                    follower.read()
-                    gone = mailbox.get_json(f"gone/{instance}")
-                    why = gone["why"] if gone else "terminated by EC2 (a spot interruption?)"
-                    follower.note(f"instance {instance} is gone: {why}")
-                    return {"exit_code": PREEMPTED_EXIT_CODE, "signal": None, "stop": stop}
-            time.sleep(0.5)
+        return end.result(started, datetime.now(UTC), list(follower.tail))
 
     # -- teardown ------------------------------------------------------------------------
 
@@ -597,6 +537,54 @@ class Ec2Backend:
                 IpPermissions=[{"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": group}]}],
             )
         return group
+
+
+class _Ec2Unit:
+    """A unit an agent runs on an instance, as follow_unit sees it through the mailbox:
+    its result, stop requests, and the instance itself (checked every STATE_EVERY_S)."""
+
+    def __init__(self, ec2: Any, run_id: str, instance: str, follower: _Follower) -> None:
+        self.ec2, self.run_id, self.instance, self.follower = ec2, run_id, instance, follower
+        self.mailbox, self.name = follower.mailbox, follower.unit
+        self.state_at = time.monotonic()
+
+    def poll(self) -> UnitEnd | None:
+        self.follower.read()
+        result = self.mailbox.get_json(unit_key(self.instance, self.name, "result.json"))
+        if result is not None:
+            code = result.get("exit_code")
+            if result.get("interrupted") and code != 0:
+                code = PREEMPTED_EXIT_CODE
+                self.follower.note(f"instance {self.instance} got a spot interruption notice")
+            return UnitEnd(exit_code=code, signal=result.get("signal"))
+        if time.monotonic() - self.state_at > STATE_EVERY_S:
+            self.state_at = time.monotonic()
+            live = {i["InstanceId"] for i in launching.owned_instances(self.ec2, self.run_id)}
+            if self.instance not in live:
+                self.follower.read()
+                gone = self.mailbox.get_json(f"gone/{self.instance}")
+                why = gone["why"] if gone else "terminated by EC2 (a spot interruption?)"
+                self.follower.note(f"instance {self.instance} is gone: {why}")
+                return UnitEnd(exit_code=PREEMPTED_EXIT_CODE)
+        return None
+
+    def wait(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def stop(self, reason: StopReason, grace_s: float) -> None:
+        self._ask(reason.value, grace_s)  # the agent stops it; its result says how it ended
+
+    def interrupt(self, grace_s: float) -> None:
+        with contextlib.suppress(Exception):
+            self._ask("interrupted", grace_s)
+
+    def unconfirmed(self) -> UnitEnd:
+        self.follower.note(f"the agent on {self.instance} did not confirm the stop")
+        return UnitEnd(signal=9)
+
+    def _ask(self, why: str, grace_s: float) -> None:
+        key = unit_key(self.instance, self.name, "stop")
+        self.mailbox.put_json(key, {"why": why, "grace_s": grace_s})
 
 
 class _Follower:

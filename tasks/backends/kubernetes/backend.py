@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from blocks.kubernetes_pool import KubernetesGpuPool
+from tasks.backends.base import follow_unit
 from tasks.backends.kubernetes import manifests as objects
 from tasks.backends.kubernetes import reap as reaping
 from tasks.backends.kubernetes.kubeapi import KubeApi, KubeError, load_config
@@ -38,7 +39,9 @@ from tasks.contract import (
     ReapReport,
     RunStates,
     StopCheck,
+    StopReason,
     TeardownReport,
+    UnitEnd,
     WorkUnit,
     state_of,
 )
@@ -296,28 +299,11 @@ class KubernetesBackend:
             if manifest["kind"] == "MPIJob"
             else f"batch.kubernetes.io/controller-uid={made['metadata']['uid']}"
         )
-        try:
-            outcome = self._follow(cluster, unit, path, selector, timeout_s, should_stop, follower)
-        except BaseException:
-            follower.stop()
-            self._delete(path, grace_s=grace_s)
-            raise
+        pod = _KubeUnit(self, cluster, unit, path, selector, follower)
+        end = follow_unit(pod, timeout_s, should_stop, grace_s, every_s=POLL_S)
         # a pod that ended has its last lines still on the way: let them arrive
-        follower.stop(drain_s=0 if outcome.get("stop") else LOG_DRAIN_S)
-        if outcome.get("stop"):
-            self._delete(path, grace_s=grace_s)
-        ended = datetime.now(UTC)
-        return JobResult(
-            exit_code=outcome.get("exit_code"),
-            signal=outcome.get("signal"),
-            started_at=started,
-            ended_at=ended,
-            duration_s=(ended - started).total_seconds(),
-            timed_out=outcome.get("stop") == "timeout",
-            cancelled=outcome.get("stop") == "cancelled",
-            log_tail=list(follower.tail) or outcome.get("tail", []),
-            memory_events=outcome.get("memory_events", {}),
-        )
+        follower.stop(drain_s=0 if end.stop else LOG_DRAIN_S)
+        return end.result(started, datetime.now(UTC), list(follower.tail))
 
     def _serves_mpijobs(self) -> bool:
         """Return True when the cluster serves Kubeflow's MPIJob API (the MPI Operator)."""
@@ -325,72 +311,6 @@ class KubernetesBackend:
             return self._read(f"/apis/{MPIJOB_API}") is not None
         except KubeError:
             return False
-
-    def _follow(
-        self,
-        cluster: Cluster,
-        unit: WorkUnit,
-        path: str,
-        selector: str,
-        timeout_s: float,
-        should_stop: StopCheck | None,
-        follower: LogFollower,
-    ) -> dict[str, Any]:
-        """Follow the pods of the object at `path` (a Job, or an MPIJob: its launcher is the
-        pod whose end is the unit's, its workers are watched for placement and loss)."""
-        api = self.api()
-        pods = f"/api/v1/namespaces/{api.namespace}/pods"
-        deadline = time.monotonic() + timeout_s
-        gpu_wait = state_of(cluster, KubeState).gpu_wait_s
-        pending_since: float | None = None
-        seen: str | None = None
-        while True:
-            if time.monotonic() >= deadline:
-                return {"stop": "timeout", "exit_code": None}
-            if should_stop is not None and should_stop():
-                return {"stop": "cancelled", "exit_code": None}
-            found = api.request("GET", pods, params={"labelSelector": selector}).get("items")
-            workers = [p for p in found or [] if _role(p) == "worker"]
-            pod = next((p for p in found or [] if _role(p) != "worker"), None)
-            unplaced: str | None = None
-            for each in [p for p in (pod, *workers) if p is not None]:
-                status, name = each.get("status", {}), each["metadata"]["name"]
-                if _disrupted(status):
-                    return {"exit_code": PREEMPTED_EXIT_CODE, "tail": [f"pod {name} was disrupted"]}
-                node = each["spec"].get("nodeName")
-                if status.get("phase") == "Running" and node and self._node_gone(node):
-                    # lost with its node: no need to wait for the pod garbage collector
-                    return {"exit_code": PREEMPTED_EXIT_CODE, "tail": [f"node {node} was lost"]}
-                unplaced = unplaced or _unschedulable(status)
-            if pod is None:
-                if seen is not None:  # its node went away and took the pod along
-                    return {"exit_code": PREEMPTED_EXIT_CODE, "tail": [f"pod {seen} was lost"]}
-                self._refused_creation(path)
-            else:
-                seen = pod["metadata"]["name"]
-                status = pod.get("status", {})
-                if status.get("phase") in ("Succeeded", "Failed"):
-                    follower.start(f"{pods}/{seen}/log", follow=False)  # ended before seen
-                    return _terminated(status)
-                if status.get("phase") == "Running":
-                    follower.start(f"{pods}/{seen}/log")
-            if unplaced is None:
-                pending_since = None
-            else:
-                pending_since = pending_since or time.monotonic()
-                sentence, verdict = self._explain(cluster, unit, unplaced)
-                if verdict == "never":
-                    self._delete(path, 0)
-                    raise ProvisionError(f"unit {unit.name} cannot be placed: {sentence}")
-                # the scheduler's words alone (a node not ready yet) get a moment more
-                patience = gpu_wait if verdict == "busy" else max(gpu_wait, UNCLEAR_WAIT_S)
-                if time.monotonic() - pending_since >= patience:
-                    self._delete(path, 0)
-                    raise CapacityError(
-                        f"unit {unit.name} was not placed within {patience:.0f} s"
-                        f" (placement.gpu_wait): {sentence}"
-                    )
-            time.sleep(POLL_S)
 
     def _node_gone(self, node: str) -> bool:
         """Return True when `node` no longer exists (credentials that may not read nodes
@@ -522,6 +442,93 @@ def local_folder(cluster_name: str) -> Path:
     return gpuflow_home() / "kubernetes" / objects.dns_name(cluster_name)
 
 
+class _KubeUnit:
+    """A unit's Job (or MPIJob) and its pods, as follow_unit sees it: the launcher's (or
+    the one pod's) end is the unit's; every pod is watched for placement and loss."""
+
+    def __init__(
+        self,
+        backend: KubernetesBackend,
+        cluster: Cluster,
+        unit: WorkUnit,
+        path: str,
+        selector: str,
+        follower: LogFollower,
+    ) -> None:
+        self.backend, self.cluster, self.unit = backend, cluster, unit
+        self.path, self.selector, self.follower = path, selector, follower
+        api = backend.api()
+        self.pods = f"/api/v1/namespaces/{api.namespace}/pods"
+        self.gpu_wait = state_of(cluster, KubeState).gpu_wait_s
+        self.pending_since: float | None = None
+        self.seen: str | None = None
+
+    def poll(self) -> UnitEnd | None:
+        backend, pods = self.backend, self.pods
+        found = backend.api().request("GET", pods, params={"labelSelector": self.selector})
+        found = found.get("items") or []
+        workers = [p for p in found if _role(p) == "worker"]
+        pod = next((p for p in found if _role(p) != "worker"), None)
+        unplaced: str | None = None
+        for each in [p for p in (pod, *workers) if p is not None]:
+            status, name = each.get("status", {}), each["metadata"]["name"]
+            if _disrupted(status):
+                return UnitEnd(exit_code=PREEMPTED_EXIT_CODE, tail=[f"pod {name} was disrupted"])
+            node = each["spec"].get("nodeName")
+            if status.get("phase") == "Running" and node and backend._node_gone(node):
+                # lost with its node: no need to wait for the pod garbage collector
+                return UnitEnd(exit_code=PREEMPTED_EXIT_CODE, tail=[f"node {node} was lost"])
+            unplaced = unplaced or _unschedulable(status)
+        if pod is None:
+            if self.seen is not None:  # its node went away and took the pod along
+                return UnitEnd(exit_code=PREEMPTED_EXIT_CODE, tail=[f"pod {self.seen} was lost"])
+            backend._refused_creation(self.path)
+        else:
+            self.seen = pod["metadata"]["name"]
+            status = pod.get("status", {})
+            if status.get("phase") in ("Succeeded", "Failed"):
+                self.follower.start(f"{pods}/{self.seen}/log", follow=False)  # ended unseen
+                return _terminated(status)
+            if status.get("phase") == "Running":
+                self.follower.start(f"{pods}/{self.seen}/log")
+        self._placement(unplaced)
+        return None
+
+    def _placement(self, unplaced: str | None) -> None:
+        """Raise when a pod the scheduler cannot place never will be (ProvisionError), or
+        was not placed within placement.gpu_wait (CapacityError)."""
+        if unplaced is None:
+            self.pending_since = None
+            return
+        self.pending_since = self.pending_since or time.monotonic()
+        sentence, verdict = self.backend._explain(self.cluster, self.unit, unplaced)
+        if verdict == "never":
+            self.backend._delete(self.path, 0)
+            raise ProvisionError(f"unit {self.unit.name} cannot be placed: {sentence}")
+        # the scheduler's words alone (a node not ready yet) get a moment more
+        patience = self.gpu_wait if verdict == "busy" else max(self.gpu_wait, UNCLEAR_WAIT_S)
+        if time.monotonic() - self.pending_since >= patience:
+            self.backend._delete(self.path, 0)
+            raise CapacityError(
+                f"unit {self.unit.name} was not placed within {patience:.0f} s"
+                f" (placement.gpu_wait): {sentence}"
+            )
+
+    def wait(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def stop(self, reason: StopReason, grace_s: float) -> UnitEnd:
+        self.backend._delete(self.path, grace_s=grace_s)  # its pods get SIGTERM and the grace
+        return UnitEnd()
+
+    def interrupt(self, grace_s: float) -> None:
+        self.follower.stop()
+        self.backend._delete(self.path, grace_s=grace_s)
+
+    def unconfirmed(self) -> UnitEnd:
+        return UnitEnd()
+
+
 def _role(pod: dict[str, Any]) -> str:
     """Return an MPIJob pod's role (launcher, worker); "" for a unit Job's pod."""
     return pod["metadata"].get("labels", {}).get(MPI_ROLE_LABEL, "")
@@ -551,14 +558,15 @@ def _disrupted(status: dict[str, Any]) -> bool:
     )
 
 
-def _terminated(status: dict[str, Any]) -> dict[str, Any]:
+def _terminated(status: dict[str, Any]) -> UnitEnd:
+    """Return how an ended pod's container ended (an OOMKilled one: SIGKILL, one kill)."""
     for container in status.get("containerStatuses") or []:
         done = (container.get("state") or {}).get("terminated")
         if done:
             code = int(done.get("exitCode", 1))
             if done.get("reason") == "OOMKilled":  # the kubelet saw the container's cgroup
-                return {"exit_code": None, "signal": 9, "memory_events": {"oom_kill": 1}}
+                return UnitEnd(signal=9, memory_events={"oom_kill": 1})
             if code > 128 and done.get("reason") != "Error":
-                return {"exit_code": None, "signal": code - 128}
-            return {"exit_code": code, "tail": [m] if (m := done.get("message")) else []}
-    return {"exit_code": 0 if status.get("phase") == "Succeeded" else 1}
+                return UnitEnd(signal=code - 128)
+            return UnitEnd(exit_code=code, tail=[m] if (m := done.get("message")) else [])
+    return UnitEnd(exit_code=0 if status.get("phase") == "Succeeded" else 1)

@@ -15,7 +15,6 @@ import shutil
 import socket
 import subprocess
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
@@ -26,6 +25,7 @@ import psutil
 from pydantic import BaseModel
 
 from tasks import nvml
+from tasks.backends.base import follow_unit
 from tasks.backends.local import cgroups, gpu_slots
 from tasks.backends.local import reap as reaping
 from tasks.contract import (
@@ -38,7 +38,9 @@ from tasks.contract import (
     ReapReport,
     RunStates,
     StopCheck,
+    StopReason,
     TeardownReport,
+    UnitEnd,
     WorkUnit,
     state_of,
     unit_env,
@@ -65,6 +67,38 @@ def workspace_root(spec: JobSpec) -> Path:
     """Return where this spec's workspaces go."""
     root = spec.placement.workspace_root
     return Path(root).expanduser() if root else gpuflow_home() / "workspaces"
+
+
+class _LocalUnit:
+    """A unit's process group on this host, as follow_unit sees it."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+
+    def poll(self) -> UnitEnd | None:
+        code = self.proc.poll()
+        return None if code is None else _ended(code)
+
+    def wait(self, seconds: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=seconds)
+
+    def stop(self, reason: StopReason, grace_s: float) -> UnitEnd:
+        stop_group(self.proc.pid, None, grace_s)
+        return _ended(self.proc.wait())
+
+    def interrupt(self, grace_s: float) -> None:
+        stop_group(self.proc.pid, None, grace_s)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)  # reaped: an unreaped child keeps its cgroup busy
+
+    def unconfirmed(self) -> UnitEnd:
+        return UnitEnd(signal=9)
+
+
+def _ended(code: int) -> UnitEnd:
+    """Return the end of a process that exited with `code` (negative: killed by a signal)."""
+    return UnitEnd(exit_code=code if code >= 0 else None, signal=-code if code < 0 else None)
 
 
 class LocalState(BaseModel):
@@ -326,49 +360,16 @@ class LocalBackend:
         ]
         for thread in pumps:
             thread.start()
-        deadline = time.monotonic() + timeout_s
-        timed_out = cancelled = False
-        try:
-            while proc.poll() is None:
-                if time.monotonic() >= deadline:
-                    timed_out = True
-                    stop_group(proc.pid, None, grace_s)
-                    break
-                if should_stop is not None and should_stop():
-                    cancelled = True
-                    stop_group(proc.pid, None, grace_s)
-                    break
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=0.1)
-        except BaseException:
-            # Cancellation, Ctrl-C, SIGTERM from a worker: the job gets SIGTERM to save state.
-            stop_group(proc.pid, None, grace_s)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)  # reaped: an unreaped child keeps its cgroup busy
-            raise
-        proc.wait()
+        end = follow_unit(_LocalUnit(proc), timeout_s, should_stop, grace_s, every_s=0.1)
         self._note_job(cluster, proc.pid, None)
         for thread in pumps:
             # Every line the job wrote is read before the result; only a process that
             # left the job's group and keeps the pipe open can hold this up.
             thread.join(timeout=60)
-        ended = datetime.now(UTC)
-        code = proc.returncode
-        return JobResult(
-            exit_code=code if code >= 0 else None,
-            signal=-code if code < 0 else None,
-            started_at=started,
-            ended_at=ended,
-            duration_s=(ended - started).total_seconds(),
-            timed_out=timed_out,
-            cancelled=cancelled,
-            log_tail=list(tail),
-            memory_events=(
-                {"oom_kill": cgroups.memory_events(memory).get("oom_kill", 0) - oom_before}
-                if memory
-                else {}
-            ),
-        )
+        if memory:
+            oom_kills = cgroups.memory_events(memory).get("oom_kill", 0) - oom_before
+            end = end.model_copy(update={"memory_events": {"oom_kill": oom_kills}})
+        return end.result(started, datetime.now(UTC), list(tail))
 
     def _cgroup(self, cluster: Cluster) -> tuple[str | None, str | None]:
         """Return the cluster's cgroup and, when resources.memory asked for a limit, the

@@ -14,6 +14,8 @@ import signal
 import time
 from pathlib import Path
 
+from tasks.host import escalate
+
 
 def _mount() -> Path | None:
     """Return where the cgroup2 hierarchy is mounted, or None."""
@@ -156,24 +158,20 @@ def stop(path: str | Path, grace_s: float) -> int:
     the cgroup; return how many processes there were. Idempotent."""
     path = Path(path)
     found = members(path)
-    for pid in found:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while members(path) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if members(path):
-        kill = path / "cgroup.kill"
-        if kill.exists():
+
+    def signal_members(number: int) -> None:
+        for pid in members(path):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, number)
+
+    def kill() -> None:
+        if (path / "cgroup.kill").exists():  # every member at once, forks included
             with contextlib.suppress(OSError):
-                kill.write_text("1")
+                (path / "cgroup.kill").write_text("1")
         else:
-            for pid in members(path):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while members(path) and time.monotonic() < deadline:
-            time.sleep(0.05)
+            signal_members(signal.SIGKILL)
+
+    escalate(lambda: signal_members(signal.SIGTERM), kill, lambda: bool(members(path)), grace_s)
     # A process that has exited but not yet been reaped keeps the cgroup busy for a moment.
     deadline = time.monotonic() + 5
     while path.exists():
