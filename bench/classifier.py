@@ -62,6 +62,7 @@ def stream(log: Path, per_line) -> tuple[float, object]:
     from tasks.backends.local.backend import LocalBackend
     from tasks.contract import WorkUnit, owner_labels
     from tasks.diagnose import diagnose
+    from tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
     from tasks.spec import load_spec
 
     spec = load_spec({"name": "bench", "job": {"kind": "command", "command": ["true"]}})

@@ -73,6 +73,7 @@ def measure(endpoint: str, mock: str, counts: list[int], rounds: int) -> list[tu
     from blocks.ec2_fleet import Ec2GpuFleet
     from tasks.backends.ec2.backend import Ec2Backend
     from tasks.contract import owner_labels
+    from tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
     from tasks.spec import load_spec
     from tests.e2e.instances import PlayedInstances
 

@@ -61,6 +61,7 @@ def pods_running(count: int) -> float:
     """Return seconds from provision to every one of `count` CPU pods Running."""
     from tasks.backends.kubernetes.backend import KubernetesBackend
     from tasks.contract import WorkUnit, owner_labels
+    from tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
     from tasks.pipeline.stages import run_units
     from tasks.spec import load_spec
 
@@ -106,6 +107,7 @@ def reap_objects(runs: int) -> float:
     from tasks.backends.kubernetes.backend import KubernetesBackend
     from tasks.backends.kubernetes.manifests import secret
     from tasks.contract import owner_labels
+    from tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
     from tasks.platform.reap import reap_kubernetes
     from tasks.spec import load_spec
 
@@ -134,6 +136,7 @@ def pipeline_pair(job_s: float, rounds: int = 3) -> tuple[float, float]:
     import statistics
 
     from flows.pipeline import gpu_pipeline
+    from tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
     from tasks.spec import load_spec
 
     timings: dict[str, list[float]] = {"local": [], "kubernetes": []}

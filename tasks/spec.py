@@ -228,11 +228,21 @@ class MetricsSettings(SpecModel):
         return value
 
 
+def _no_kinds(value: Any) -> Any:
+    raise ValueError(
+        "no job kinds are registered in this process; import tasks.kinds.registry (the"
+        " pipeline and the CLI do) before reading a spec"
+    )
+
+
+NO_KINDS = Annotated[Any, BeforeValidator(_no_kinds)]
+
+
 class JobSpec(SpecModel):
     """Everything gpuflow needs to run one GPU job through the pipeline."""
 
     name: str = Field("job", description="Lowercase letters, digits and dashes.")
-    job: Any
+    job: NO_KINDS  # the union of the registered kinds' models (add_job_model)
     resources: Resources = Resources()
     placement: Placement = Placement()
     storage: Storage = Storage()
@@ -376,7 +386,7 @@ def _rebuild_job_union() -> None:
     if len(models) > 1:
         job: Any = Annotated[Union[models], Field(discriminator="kind")]  # noqa: UP007 - built at run time
     else:
-        job = models[0] if models else Any
+        job = models[0] if models else NO_KINDS
     JobSpec.__pydantic_fields__["job"] = FieldInfo.from_annotation(job)
     JobSpec.model_rebuild(force=True)
 

@@ -11,6 +11,8 @@ from types import ModuleType
 
 import pytest
 
+import tasks.kinds.registry  # noqa: F401 - registers the built-in kinds with the spec
+
 FAKES = Path(__file__).parent / "fakes"
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")

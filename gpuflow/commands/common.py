@@ -11,6 +11,15 @@ EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 EXIT_CODES = "Exit codes: 0 completed; 1 the job or its preflight failed; 2 invalid input."
 
 
+def load_job_spec(source: Any) -> Any:
+    """Return the JobSpec at `source` (a path or a dict), with every job kind registered;
+    InvalidSpec for a bad one."""
+    from tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
+    from tasks.spec import load_spec
+
+    return load_spec(source)
+
+
 def invalid(exc: Exception) -> int:
     """Say why the input is invalid, in one sentence; return the exit code for it."""
     print(f"gpuflow: invalid input: {exc}", file=sys.stderr)

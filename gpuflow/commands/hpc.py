@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gpuflow.commands.common import EXIT_OK, add_job_options, invalid, spec_from
+from gpuflow.commands.common import EXIT_OK, add_job_options, invalid, load_job_spec, spec_from
 from gpuflow.commands.jobs import run_job
 
 HELP = "run an MPI program across ranks (default: the built-in molecular dynamics)"
@@ -70,10 +70,9 @@ def mpijob(spec: dict, image: str) -> int:
 
     from gpuflow.commands.mpijob import MpiJobError, build
     from tasks.errors import InvalidSpec
-    from tasks.spec import load_spec
 
     try:
-        manifest = build(load_spec(spec), image, str(uuid.uuid4()))
+        manifest = build(load_job_spec(spec), image, str(uuid.uuid4()))
     except (InvalidSpec, MpiJobError) as exc:
         return invalid(exc)
     print(yaml.safe_dump(manifest, sort_keys=False), end="")

@@ -9,7 +9,7 @@ from importlib import import_module
 from typing import Any
 
 from gpuflow import session
-from gpuflow.commands.common import EXIT_FAILED, EXIT_OK, invalid, print_link
+from gpuflow.commands.common import EXIT_FAILED, EXIT_OK, invalid, load_job_spec, print_link
 
 
 def run_job(path: str | dict) -> int:
@@ -17,10 +17,9 @@ def run_job(path: str | dict) -> int:
     any API is started when the checks need none."""
     from tasks import placement
     from tasks.errors import InvalidSpec
-    from tasks.spec import load_spec
 
     try:
-        spec = load_spec(path)
+        spec = load_job_spec(path)
         checked = not placement.needs_api(spec)
         if checked:
             spec = checked_spec(spec)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gpuflow.commands.common import EXIT_FAILED, EXIT_OK, invalid
+from gpuflow.commands.common import EXIT_FAILED, EXIT_OK, invalid, load_job_spec
 
 
 def add(commands: Any) -> list[tuple[str, str]]:
@@ -84,11 +84,10 @@ def preflight(path: str | None, as_json: bool) -> int:
     from tasks.errors import InvalidSpec
     from tasks.kinds.registry import kind_of
     from tasks.pipeline import preflight as checks
-    from tasks.spec import load_spec
 
     default = {"job": {"kind": "matmul"}, "resources": {"gpus": 1, "allow_cpu": True}}
     try:
-        spec = load_spec(path) if path else load_spec(default)
+        spec = load_job_spec(path) if path else load_job_spec(default)
     except InvalidSpec as exc:
         return invalid(exc)
     from tasks.backends.registry import get_backend

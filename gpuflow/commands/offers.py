@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from gpuflow import session
-from gpuflow.commands.common import EXIT_OK, invalid
+from gpuflow.commands.common import EXIT_OK, invalid, load_job_spec
 
 
 def add(commands: Any) -> list[tuple[str, str]]:
@@ -28,10 +28,9 @@ def offers(path: str, top: int = 15, as_json: bool = False) -> int:
     """Print the ranked offers for the job at `path`."""
     from tasks import placement
     from tasks.errors import InvalidSpec
-    from tasks.spec import load_spec
 
     try:
-        spec = load_spec(path)
+        spec = load_job_spec(path)
     except InvalidSpec as exc:
         return invalid(exc)
     if spec.placement.backend != "ec2":  # its block is another backend's: defaults here

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from tasks.errors import InvalidSpec
+from tasks.kinds import registry as _kinds  # noqa: F401 - registers the kinds' job models
 from tasks.platform.k8s_worker import WORKER_TYPE
 from tasks.platform.pool_template import check_job_variables, default_gpu_template
 from tasks.spec import load_spec

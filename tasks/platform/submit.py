@@ -14,6 +14,7 @@ from typing import Any
 
 from tasks import yamlfile
 from tasks.errors import InvalidSpec
+from tasks.kinds import registry as _kinds  # noqa: F401 - registers the kinds' job models
 from tasks.spec import load_spec
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_TIMEOUT = 0, 1, 2, 3

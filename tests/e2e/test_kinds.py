@@ -11,7 +11,7 @@ from typing import Any, Literal
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from tasks.contract import Cluster, WorkUnit
+from tasks.contract import Capabilities, Cluster, WorkUnit
 from tasks.errors import InvalidSpec
 from tasks.kinds.base import JobKind, Report
 from tasks.kinds.registry import register, unregister
@@ -40,7 +40,7 @@ class WordsKind(JobKind):
     name = "words"
     model = WordsJob
 
-    def check(self, spec: JobSpec) -> None:
+    def check(self, spec: JobSpec, where: Capabilities) -> None:
         if not spec.job.words:
             raise InvalidSpec("job.words is empty; give at least one word to count")
 
