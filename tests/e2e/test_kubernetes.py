@@ -20,7 +20,7 @@ from uuid import UUID
 import pytest
 
 from tasks.backends.kubernetes.backend import KubernetesBackend
-from tasks.backends.kubernetes.kubeapi import KubeApi, load_config
+from tasks.backends.kubernetes.kubeapi import KubeApi
 from tasks.contract import WorkUnit, owner_labels
 from tasks.errors import ProvisionError
 from tasks.kinds.registry import get_kind
@@ -34,22 +34,6 @@ ROOT = Path(__file__).resolve().parents[2]
 H100 = "NVIDIA-H100-80GB-HBM3"
 FAIL_LABEL = "pod-container-running-failed.stage.kwok.x-k8s.io"
 SLEEPER = WorkUnit(name="main", command=["sleep", "300"])  # the testbed runs it for 300 s
-
-
-@pytest.fixture(scope="session")
-def testbed(tmp_path_factory):
-    """The test cluster, up for the whole session, stopped by PID at its end."""
-    folder = tmp_path_factory.mktemp("k8s-testbed")
-    script = ROOT / "scripts" / "k8s-testbed.sh"
-    subprocess.run(["bash", str(script), "up", "--dir", str(folder)], check=True, timeout=900)
-    yield folder / "kubeconfig"
-    subprocess.run(["bash", str(script), "down", "--dir", str(folder)], check=True, timeout=120)
-
-
-@pytest.fixture
-def kube(testbed, monkeypatch) -> KubeApi:
-    monkeypatch.setenv("KUBECONFIG", str(testbed))
-    return KubeApi(load_config())
 
 
 def spec_for(gpus: int = 1, product: str | None = H100, nodes: int = 1, **placement):

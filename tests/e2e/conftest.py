@@ -1,0 +1,76 @@
+"""Fixtures the end-to-end tests share: the Kubernetes test cluster (one per session) and
+an EC2 fleet on moto whose instances are booted here."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import boto3
+import pytest
+
+from tasks.backends.kubernetes.kubeapi import KubeApi, load_config
+from tests.conftest import save_aws_block
+from tests.e2e.instances import PlayedInstances
+
+ROOT = Path(__file__).resolve().parents[2]
+FLEET = "gpuflow-test-fleet"
+
+
+@pytest.fixture(scope="session")
+def testbed(tmp_path_factory):
+    """The test cluster, up for the whole session, stopped by PID at its end."""
+    folder = tmp_path_factory.mktemp("k8s-testbed")
+    script = ROOT / "scripts" / "k8s-testbed.sh"
+    subprocess.run(["bash", str(script), "up", "--dir", str(folder)], check=True, timeout=900)
+    yield folder / "kubeconfig"
+    subprocess.run(["bash", str(script), "down", "--dir", str(folder)], check=True, timeout=120)
+
+
+@pytest.fixture
+def kube(testbed, monkeypatch) -> KubeApi:
+    monkeypatch.setenv("KUBECONFIG", str(testbed))
+    return KubeApi(load_config())
+
+
+def clients(s3_server) -> dict:
+    params = {
+        "endpoint_url": s3_server.endpoint,
+        "region_name": "us-east-1",
+        "aws_access_key_id": s3_server.key_id,
+        "aws_secret_access_key": s3_server.secret,
+    }
+    return {name: boto3.client(name, **params) for name in ("ec2", "s3", "secretsmanager")}
+
+
+@pytest.fixture
+def aws(s3_server, prefect_api, gpuflow_home, monkeypatch) -> dict:
+    """An Ec2GpuFleet block for moto (the local build as the install step) and clients."""
+    from blocks.ec2_fleet import Ec2GpuFleet
+
+    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(key, raising=False)
+    found = clients(s3_server)
+    image = found["ec2"].describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    Ec2GpuFleet(
+        region="us-east-1",
+        families=["g6"],
+        aws_credentials=save_aws_block(s3_server, "gpuflow-test-aws"),
+        image_id=image,
+        control_prefix=f"s3://{s3_server.bucket}/control",
+        install=f"GPUFLOW_PYTHON={sys.executable}  # the local build",
+        boot_timeout_s=60,
+    ).save(FLEET, overwrite=True)
+    return found
+
+
+@pytest.fixture
+def played(aws, s3_server, mock_binary, tmp_path):
+    profile = {
+        "AWS_ACCESS_KEY_ID": s3_server.key_id,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    with PlayedInstances(aws["ec2"], mock_binary, tmp_path / "instances", profile) as instances:
+        yield instances
