@@ -17,12 +17,15 @@ from tasks.metrics.summary import RunMetrics
 from tasks.pipeline.checks import check_spec
 from tasks.pipeline.stages import (
     collect,
+    nothing_to_do,
     preflight,
     provision,
+    release_unprovisioned,
     retrying,
     run_stage,
     teardown,
     teardown_owned,
+    unprovisioned,
 )
 from tasks.spec import JobSpec, Placement, load_spec
 
@@ -97,9 +100,15 @@ def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
     where = job.placement
     run_id = str(current_run.id)
     out = artifacts_dir(job, run_id)
+    owner = owner_labels(run_id, job.name)
+    idle = nothing_to_do(job)
     try:
-        cluster = retrying(provision, job.retry.provision)(job, owner_labels(run_id, job.name))
-        report = retrying(preflight, job.retry.preflight)(job, cluster)
+        if idle:  # a rerun with nothing left to do: nothing is provisioned for it
+            get_run_logger().info("nothing to provision: %s", idle)
+            cluster, verdict = unprovisioned(job, owner), "skipped"
+        else:
+            cluster = retrying(provision, job.retry.provision)(job, owner)
+            verdict = retrying(preflight, job.retry.preflight)(job, cluster).verdict
         outcome = run_stage(job, cluster, prices, run_id)
         metrics = retrying(collect, job.retry.collect)(
             job, cluster, outcome, prices, run_id, str(out)
@@ -113,6 +122,9 @@ def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
     except BaseException:
         teardown_owned(where, run_id)  # interrupted: the engine may be going down
         raise
+    finally:
+        if idle:
+            release_unprovisioned(run_id)
     _teardown(where, run_id)
     if outcome.failure:
         raise JobFailed(outcome.failure)
@@ -121,7 +133,7 @@ def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
         name=job.name,
         flow_run_id=run_id,
         cluster=cluster,
-        preflight=report.verdict,
+        preflight=verdict,
         exit_code=outcome.result.exit_code,
         metrics=metrics,
         artifacts_dir=str(out),

@@ -54,6 +54,11 @@ class JobKind:
         or writes, an MPI launcher. The pipeline refuses a backend that cannot give them."""
         return Needs()
 
+    def nothing_to_do(self, spec: JobSpec, where: Capabilities) -> str | None:
+        """Return why the job has nothing left to do (a rerun whose outputs are all in
+        storage), so that nothing is provisioned for it; None when there is work."""
+        return None
+
     def preflight_rows(self, spec: JobSpec, cluster: Cluster) -> list[dict[str, str]]:
         """Return this kind's preflight checks ({name, level, message}) on `cluster`."""
         return []

@@ -49,6 +49,14 @@ class RenderKind(JobKind):
         except StorageError as exc:
             raise InvalidSpec(str(exc)) from None
 
+    def nothing_to_do(self, spec: JobSpec, where: Capabilities) -> str | None:
+        assert isinstance(spec.job, RenderJob)
+        settings = s3_settings(spec)
+        plan = scene.plan(spec, settings, where.runs_here)
+        if stage.frames_to_render(spec, plan, settings):
+            return None
+        return f"all {len(plan.frames)} frames are already in {spec.job.output}"
+
     def preflight_rows(self, spec: JobSpec, cluster: Cluster) -> list[dict[str, str]]:
         return scene.preflight_checks(spec, s3_settings(spec), cluster.capabilities.runs_here)
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ from tasks.errors import (
     TransientError,
     retry_when_retryable,
 )
+from tasks.host import gpuflow_home
 from tasks.kinds.registry import kind_of
 from tasks.logstream import LineBatcher, job_output_sink
 from tasks.metrics import cost as pricing
@@ -78,6 +81,40 @@ def provision(spec: JobSpec, owner: dict[str, str]) -> Cluster:
     gpus = ",".join(map(str, cluster.gpu_indices)) or "none"
     logger.info("%s %s: workspace %s, GPUs %s", verb, cluster.name, cluster.workspace, gpus)
     return cluster
+
+
+def nothing_to_do(spec: JobSpec) -> str | None:
+    """Return why the job's kind has nothing left to do where the spec places it (a render
+    whose frames are all in storage); None when there is work to provision for."""
+    where = get_backend(spec.placement.backend, spec.placement).capabilities
+    return kind_of(spec).nothing_to_do(spec, where)
+
+
+def unprovisioned(spec: JobSpec, owner: dict[str, str]) -> Cluster:
+    """Return a cluster that holds nothing, for a job with nothing to do: the run stage
+    and collect work in a folder on this host and no backend is asked for anything."""
+    backend = get_backend(spec.placement.backend, spec.placement)
+    workspace = _unprovisioned_folder(owner[RUN_LABEL])
+    (workspace / "outputs").mkdir(parents=True, exist_ok=True)
+    return Cluster(
+        backend=backend.name,
+        name=f"{spec.name}-unprovisioned",
+        owner=owner,
+        hostname=socket.gethostname(),
+        workspace=str(workspace),
+        nodes=spec.resources.nodes,
+        created_at=datetime.now(UTC),
+        capabilities=backend.capabilities,
+    )
+
+
+def release_unprovisioned(flow_run_id: str) -> None:
+    """Remove the folder `unprovisioned` made for this run, if it did."""
+    shutil.rmtree(_unprovisioned_folder(flow_run_id), ignore_errors=True)
+
+
+def _unprovisioned_folder(flow_run_id: str) -> Path:
+    return gpuflow_home() / "unprovisioned" / flow_run_id
 
 
 @task(name="preflight", cache_policy=None)

@@ -246,6 +246,22 @@ def _chunk_error(
     )
 
 
+def frames_to_render(spec: JobSpec, plan: scenes.RenderPlan, s3: Any) -> list[int]:
+    """Return the planned frames not yet present and valid in storage."""
+    job = spec.job
+    assert isinstance(job, RenderJob)
+    pattern, _ = output_pattern(job.pattern)
+    found, _ = existing_frames(
+        store_for(job.output, s3),
+        job.output,
+        pattern,
+        plan.frames,
+        plan.extension,
+        plan.file_format,
+    )
+    return [f for f in plan.frames if f not in found]
+
+
 def schedule(spec: JobSpec, runner: UnitRunner, deadline: float) -> RunOutcome:
     """The run stage of a render job: chunks until `deadline` (time.time()); writes
     outputs/result.json with the render's figures for collect."""

@@ -478,6 +478,8 @@ def test_render_chunks_run_side_by_side_on_an_instance_that_uploads_its_frames(
     rerun = render(load_spec(raw), return_state=True)
     assert rerun.is_completed(), rerun.message
     assert rerun.result().metrics.job["frames_skipped"] == 8
+    assert len(played.instances) == 1  # every frame was in storage: the rerun rented nothing
+    assert rerun.result().preflight == "skipped"
     assert not any(left_of(aws, s3_server, str(rerun.state_details.flow_run_id)).values())
 
 
