@@ -58,7 +58,10 @@ def _teardown_hook(flow: Any, flow_run: Any, state: Any) -> None:
             where = Placement.model_validate(given or {})
         except ValueError:  # a spec that never got past validation provisioned nothing
             return
-    teardown_owned(where, str(flow_run.id))
+    try:
+        teardown_owned(where, str(flow_run.id))
+    except InvalidSpec:  # no such backend: nothing was provisioned
+        return
 
 
 def _teardown(where: Placement, flow_run_id: str) -> None:

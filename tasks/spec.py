@@ -67,8 +67,6 @@ def split_argv(value: Any) -> Any:
 # job.kind -> the model of that kind's `job` section; each kind registers its own
 # (tasks.kinds.registry), so this module knows no kind
 JOB_MODELS: dict[str, type[BaseModel]] = {}
-# placement.backend: the names of the registered backends (tasks.backends.registry)
-BACKENDS: list[str] = []
 
 
 class Resources(SpecModel):
@@ -99,6 +97,7 @@ class Resources(SpecModel):
 
 
 class Placement(SpecModel):
+    # a registered backend's name; the pipeline refuses others before provisioning
     backend: str = Field("local", description="Where the job runs: local, kubernetes, ec2.")
     block: str | None = Field(
         None,
@@ -127,13 +126,6 @@ class Placement(SpecModel):
         False, description="Fail when the Prefect concurrency limit `gpu` does not exist."
     )
     gpu_wait: Seconds = Field(0.0, ge=0, description="How long to wait for a free GPU slot.")
-
-    @field_validator("backend")
-    @classmethod
-    def _registered(cls, value: str) -> str:
-        if value not in BACKENDS:
-            raise ValueError(f"{value!r} is not a backend; use one of: {', '.join(BACKENDS)}")
-        return value
 
 
 class Storage(SpecModel):
@@ -367,18 +359,6 @@ def remove_job_model(kind: str) -> None:
     """Stop accepting job sections of `kind`."""
     if JOB_MODELS.pop(kind, None) is not None:
         _rebuild_job_union()
-
-
-def add_backend_name(name: str) -> None:
-    """Accept `placement.backend: name` from now on."""
-    if name not in BACKENDS:
-        BACKENDS.append(name)
-
-
-def remove_backend_name(name: str) -> None:
-    """Stop accepting `placement.backend: name`."""
-    if name in BACKENDS:
-        BACKENDS.remove(name)
 
 
 def _rebuild_job_union() -> None:

@@ -7,24 +7,23 @@ from tasks.backends.base import Backend
 from tasks.backends.ec2.backend import Ec2Backend
 from tasks.backends.kubernetes.backend import KubernetesBackend
 from tasks.backends.local.backend import LocalBackend
-from tasks.spec import Placement, add_backend_name, remove_backend_name
+from tasks.errors import InvalidSpec
+from tasks.spec import Placement
 
 _BACKENDS: dict[str, type[Backend]] = {}
 BUILT_IN = ("local", "kubernetes", "ec2")
 
 
 def register(backend: type[Backend]) -> type[Backend]:
-    """Add a backend class under its `name` (and the name to what placement.backend
-    accepts); return it."""
+    """Add a backend class under its `name`; return it."""
     _BACKENDS[backend.name] = backend
-    add_backend_name(backend.name)
     return backend
 
 
 def unregister(name: str) -> None:
     """Remove a backend `register` added; built-in backends stay."""
-    if name not in BUILT_IN and _BACKENDS.pop(name, None) is not None:
-        remove_backend_name(name)
+    if name not in BUILT_IN:
+        _BACKENDS.pop(name, None)
 
 
 def names() -> list[str]:
@@ -34,9 +33,11 @@ def names() -> list[str]:
 
 def get_backend(name: str, placement: Placement | None = None) -> Backend:
     """Return the backend registered under `name`, looking where `placement` (a spec's) says:
-    its block and, for Kubernetes, its namespace."""
+    its block and, for Kubernetes, its namespace. InvalidSpec for a name none has."""
     if name not in _BACKENDS:
-        raise ValueError(f"unknown backend {name!r}")
+        raise InvalidSpec(
+            f"placement.backend: {name!r} is not a backend; use one of: {', '.join(_BACKENDS)}"
+        )
     return _BACKENDS[name].at(placement)
 
 

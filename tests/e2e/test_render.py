@@ -298,7 +298,9 @@ def test_scene_problems_are_named_before_anything_starts(scene, tmp_path, gpuflo
     from tasks.render.scene import plan
 
     warned = plan(
-        load_spec(render_spec(scene, out, frames="5-9", frames_outside_scene="warn")), None
+        load_spec(render_spec(scene, out, frames="5-9", frames_outside_scene="warn")),
+        None,
+        here=True,
     )
     assert warned.frames == [5, 6, 7, 8, 9]
     assert "frames 7-9 are outside the scene's range 1-6; rendering them" in warned.warnings[0]
@@ -342,7 +344,7 @@ node.image = image
 
     allowed = load_spec(render_spec(textured, out, missing_files="warn"))
     check_job(allowed)
-    assert "will render as magenta" in plan(allowed, None).warnings[0]
+    assert "will render as magenta" in plan(allowed, None, here=True).warnings[0]
     (tmp_path / "textures").mkdir()
     Image.new("RGB", (4, 4), "red").save(tmp_path / "textures" / "brick.png")
     check_job(load_spec(render_spec(textured, out)))  # uploaded: now it passes
