@@ -3,7 +3,7 @@ leaves pods running, scripts/testbed/kwok/pod-complete.yaml): each pod the sched
 on a node and KWOK marked Running has its container run here (the container's command and
 args, the image's python being this one, its env and its Secret's), what it prints served
 as the pod's log through KWOK (a Logs object named after the pod: the real log API path),
-and how it ended written into the pod's status. A pod being deleted gets SIGTERM."""
+and how it ended written into the pod's status. A pod being deleted, or gone, gets SIGTERM."""
 
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ class PlayedKubelet:
         path = f"/api/v1/namespaces/{NAMESPACE}/pods"
         while not self.stopping:
             with contextlib.suppress(KubeError):
-                for pod in self.kube.request("GET", path)["items"]:
+                listed = self.kube.request("GET", path)["items"]
+                for pod in listed:
                     name = pod["metadata"]["name"]
                     running = pod["status"].get("phase") == "Running"
                     if running and name not in self.pods:
@@ -66,6 +67,12 @@ class PlayedKubelet:
                         threading.Thread(target=self._run, args=(pod,), daemon=True).start()
                     proc = self.procs.get(name)
                     if pod["metadata"].get("deletionTimestamp") and proc and proc.poll() is None:
+                        proc.send_signal(signal.SIGTERM)
+                # a pod deleted at once (KWOK does not wait for a kubelet): its container
+                # is stopped all the same, as a kubelet stops the containers of a pod gone
+                present = {pod["metadata"]["name"] for pod in listed}
+                for name, proc in list(self.procs.items()):
+                    if name not in present and proc.poll() is None:
                         proc.send_signal(signal.SIGTERM)
             time.sleep(0.1)
 

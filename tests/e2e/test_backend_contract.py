@@ -281,13 +281,15 @@ def test_a_backend_from_the_tests_runs_a_job_through_gpu_pipeline(prefect_api, g
     assert clusters_of("toy", result.flow_run_id) == []
 
 
-def test_an_unknown_backend_is_refused_by_name():
+def test_an_unknown_backend_is_refused_by_name_before_anything_is_made():
     from tasks.errors import InvalidSpec
+    from tasks.pipeline.checks import check_spec
 
+    spec = load_spec(
+        {"job": {"kind": "command", "command": ["true"]}, "placement": {"backend": "slurm"}}
+    )
+    known = "local, kubernetes, ec2, toy"
     with pytest.raises(
-        InvalidSpec,
-        match=r"placement.backend: 'slurm' is not a backend; use one of: local, kubernetes, ec2, toy",
+        InvalidSpec, match=f"placement.backend: 'slurm' is not a backend; use one of: {known}"
     ):
-        load_spec(
-            {"job": {"kind": "command", "command": ["true"]}, "placement": {"backend": "slurm"}}
-        )
+        check_spec(spec)
