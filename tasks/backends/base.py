@@ -3,7 +3,9 @@ when things are already gone."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import subprocess
 import time
 from collections.abc import Callable, Mapping
 from typing import ClassVar, Protocol
@@ -22,6 +24,7 @@ from tasks.contract import (
     UnitEnd,
     WorkUnit,
 )
+from tasks.host import stop_group
 from tasks.spec import JobSpec, Placement
 
 
@@ -85,6 +88,39 @@ def follow_unit(
         # Cancellation, Ctrl-C, SIGTERM from a worker: the unit gets SIGTERM to save state.
         unit.interrupt(grace_s)
         raise
+
+
+class ProcessGroupUnit:
+    """A unit that is a process group on this machine (started in a session of its own),
+    as follow_unit sees it: for backends whose units are local processes."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+
+    def poll(self) -> UnitEnd | None:
+        code = self.proc.poll()
+        return None if code is None else _ended(code)
+
+    def wait(self, seconds: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=seconds)
+
+    def stop(self, reason: StopReason, grace_s: float) -> UnitEnd:
+        stop_group(self.proc.pid, None, grace_s)
+        return _ended(self.proc.wait())
+
+    def interrupt(self, grace_s: float) -> None:
+        stop_group(self.proc.pid, None, grace_s)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)  # reaped: an unreaped child keeps its cgroup busy
+
+    def unconfirmed(self) -> UnitEnd:
+        return UnitEnd(signal=9)
+
+
+def _ended(code: int) -> UnitEnd:
+    """Return the end of a process that exited with `code` (negative: killed by a signal)."""
+    return UnitEnd(exit_code=code if code >= 0 else None, signal=-code if code < 0 else None)
 
 
 class Backend(Protocol):

@@ -4,7 +4,6 @@ its reaper work from any process. Importing this module registers it."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
@@ -16,7 +15,7 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel
 
-from tasks.backends.base import follow_unit
+from tasks.backends.base import ProcessGroupUnit, follow_unit
 from tasks.backends.registry import register
 from tasks.contract import (
     OWNER_LABEL,
@@ -29,9 +28,7 @@ from tasks.contract import (
     ReapReport,
     RunStates,
     StopCheck,
-    StopReason,
     TeardownReport,
-    UnitEnd,
     WorkUnit,
     state_of,
     unit_env,
@@ -44,33 +41,6 @@ from tasks.spec import JobSpec, Placement
 class ToyState(BaseModel):
     orchestrator: Orchestrator
     groups: dict[str, float] = {}  # process group -> its leader's start time
-
-
-class ToyUnit:
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.proc = proc
-
-    def poll(self) -> UnitEnd | None:
-        code = self.proc.poll()
-        return None if code is None else _ended(code)
-
-    def wait(self, seconds: float) -> None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=seconds)
-
-    def stop(self, reason: StopReason, grace_s: float) -> UnitEnd:
-        stop_group(self.proc.pid, None, grace_s)
-        return _ended(self.proc.wait())
-
-    def interrupt(self, grace_s: float) -> None:
-        stop_group(self.proc.pid, None, grace_s)
-
-    def unconfirmed(self) -> UnitEnd:
-        return UnitEnd(signal=9)
-
-
-def _ended(code: int) -> UnitEnd:
-    return UnitEnd(exit_code=code if code >= 0 else None, signal=-code if code < 0 else None)
 
 
 class ToyBackend:
@@ -141,7 +111,7 @@ class ToyBackend:
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
-        end = follow_unit(ToyUnit(proc), timeout_s, should_stop, grace_s, every_s=0.1)
+        end = follow_unit(ProcessGroupUnit(proc), timeout_s, should_stop, grace_s, every_s=0.1)
         reader.join(timeout=30)
         return end.result(started, datetime.now(UTC), lines[-40:])
 

@@ -25,7 +25,7 @@ import psutil
 from pydantic import BaseModel
 
 from tasks import nvml
-from tasks.backends.base import follow_unit
+from tasks.backends.base import ProcessGroupUnit, follow_unit
 from tasks.backends.local import cgroups, gpu_slots
 from tasks.backends.local import reap as reaping
 from tasks.contract import (
@@ -38,9 +38,7 @@ from tasks.contract import (
     ReapReport,
     RunStates,
     StopCheck,
-    StopReason,
     TeardownReport,
-    UnitEnd,
     WorkUnit,
     state_of,
     unit_env,
@@ -67,38 +65,6 @@ def workspace_root(spec: JobSpec) -> Path:
     """Return where this spec's workspaces go."""
     root = spec.placement.workspace_root
     return Path(root).expanduser() if root else gpuflow_home() / "workspaces"
-
-
-class _LocalUnit:
-    """A unit's process group on this host, as follow_unit sees it."""
-
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.proc = proc
-
-    def poll(self) -> UnitEnd | None:
-        code = self.proc.poll()
-        return None if code is None else _ended(code)
-
-    def wait(self, seconds: float) -> None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=seconds)
-
-    def stop(self, reason: StopReason, grace_s: float) -> UnitEnd:
-        stop_group(self.proc.pid, None, grace_s)
-        return _ended(self.proc.wait())
-
-    def interrupt(self, grace_s: float) -> None:
-        stop_group(self.proc.pid, None, grace_s)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5)  # reaped: an unreaped child keeps its cgroup busy
-
-    def unconfirmed(self) -> UnitEnd:
-        return UnitEnd(signal=9)
-
-
-def _ended(code: int) -> UnitEnd:
-    """Return the end of a process that exited with `code` (negative: killed by a signal)."""
-    return UnitEnd(exit_code=code if code >= 0 else None, signal=-code if code < 0 else None)
 
 
 class LocalState(BaseModel):
@@ -360,7 +326,7 @@ class LocalBackend:
         ]
         for thread in pumps:
             thread.start()
-        end = follow_unit(_LocalUnit(proc), timeout_s, should_stop, grace_s, every_s=0.1)
+        end = follow_unit(ProcessGroupUnit(proc), timeout_s, should_stop, grace_s, every_s=0.1)
         self._note_job(cluster, proc.pid, None)
         for thread in pumps:
             # Every line the job wrote is read before the result; only a process that
