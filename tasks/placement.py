@@ -1,8 +1,8 @@
-"""Placement: a job's `placement.block` fills in host settings and prices before anything runs."""
+"""Placement: the prices a job is costed at (placement.price_table), and whether checking a
+spec needs the Prefect API, both before anything runs."""
 
 from __future__ import annotations
 
-from blocks.local_host import LocalGpuHost
 from blocks.prices import GpuPriceTable
 from tasks.errors import InvalidSpec
 from tasks.metrics.cost import PriceTable
@@ -10,32 +10,10 @@ from tasks.spec import JobSpec
 
 
 def resolve(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
-    """Return the spec with its placement block's settings applied, and the prices to use.
-
-    Values written in the spec win over the block's.
-    """
-    prices = _price_table(spec.placement.price_table)
-    name = spec.placement.block
-    if name is None or spec.placement.backend != "local":
-        return spec, prices  # other backends read their own block (KubernetesGpuPool, ...)
-
-    try:
-        host = LocalGpuHost.load(name)
-    except ValueError:
-        raise InvalidSpec(
-            f"placement.block: there is no LocalGpuHost block named {name!r};"
-            f" create it with LocalGpuHost(...).save({name!r}) or remove placement.block."
-        ) from None
-    placement = spec.placement.model_copy(
-        update={
-            "workspace_root": spec.placement.workspace_root or host.workspace_root,
-            "strict_gpu_limit": spec.placement.strict_gpu_limit or host.strict_gpu_limit,
-        }
-    )
-    backend = spec.placement.backend
-    prices.gpu_hourly_usd[backend] = {"*": host.gpu_hourly_usd}
-    prices.cpu_core_hourly_usd[backend] = host.cpu_core_hourly_usd
-    return spec.model_copy(update={"placement": placement}), prices
+    """Return the spec and the prices to use: the GpuPriceTable block that
+    placement.price_table names over the defaults. The backend then applies its own
+    placement block (`Backend.configure`)."""
+    return spec, _price_table(spec.placement.price_table)
 
 
 def needs_api(spec: JobSpec) -> bool:

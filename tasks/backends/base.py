@@ -25,6 +25,7 @@ from tasks.contract import (
     WorkUnit,
 )
 from tasks.host import stop_group
+from tasks.metrics.cost import PriceTable
 from tasks.spec import JobSpec, Placement
 
 
@@ -133,6 +134,10 @@ class Backend(Protocol):
     @classmethod
     def at(cls, placement: Placement | None = None) -> Backend:
         """Return the backend for a spec's placement (its block, namespace); None: defaults."""
+
+    def configure(self, spec: JobSpec, prices: PriceTable) -> tuple[JobSpec, PriceTable]:
+        """Return the spec with its placement block's settings applied (values written in
+        the spec win) and the prices with the block's; InvalidSpec for a missing block."""
 
     def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
         """Raise InvalidSpec if this backend cannot run `spec` (with what its kind `needs`;

@@ -19,7 +19,9 @@ def check_spec(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
     """Return the spec with its placement applied and the prices to use, once every check
     before provisioning passed; InvalidSpec otherwise."""
     spec, prices = placement.resolve(spec)
-    get_backend(spec.placement.backend, spec.placement).check(spec, kind_of(spec).needs(spec))
+    backend = get_backend(spec.placement.backend, spec.placement)
+    spec, prices = backend.configure(spec, prices)
+    backend.check(spec, kind_of(spec).needs(spec))
     check_job(spec)
     secrets.resolve(spec.secret_env)  # a missing secret block fails here
     return spec, prices

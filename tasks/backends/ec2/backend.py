@@ -72,6 +72,7 @@ from tasks.contract import (
 )
 from tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
 from tasks.host import gpuflow_home
+from tasks.metrics.cost import PriceTable
 from tasks.metrics.sampler import SAMPLES
 from tasks.placement import resolve
 from tasks.spec import JobSpec, Placement
@@ -187,6 +188,10 @@ class Ec2Backend:
 
     def _clients(self, fleet: Fleet) -> tuple[Any, Any, Any]:
         return ec2_client(fleet), aws_client(fleet, "s3"), aws_client(fleet, "secretsmanager")
+
+    def configure(self, spec: JobSpec, prices: PriceTable) -> tuple[JobSpec, PriceTable]:
+        """Return the spec and prices as they are: this backend reads its block itself."""
+        return spec, prices
 
     def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
         self.block = spec.placement.block

@@ -47,6 +47,7 @@ from tasks.contract import (
 )
 from tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
 from tasks.host import gpuflow_home, this_process
+from tasks.metrics.cost import PriceTable
 from tasks.spec import JobSpec, Placement
 
 POLL_S = 1.0
@@ -153,6 +154,10 @@ class KubernetesBackend:
         self._use(state.block, state.namespace)
 
     # -- verbs -------------------------------------------------------------------------
+    def configure(self, spec: JobSpec, prices: PriceTable) -> tuple[JobSpec, PriceTable]:
+        """Return the spec and prices as they are: this backend reads its block itself."""
+        return spec, prices
+
     def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
         """Raise InvalidSpec when the namespace is missing or the credentials cannot read
         it; makes nothing."""

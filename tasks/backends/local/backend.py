@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 from pydantic import BaseModel
 
+from blocks.local_host import LocalGpuHost
 from tasks import nvml
 from tasks.backends.base import ProcessGroupUnit, follow_unit
 from tasks.backends.local import cgroups, gpu_slots
@@ -54,6 +55,7 @@ from tasks.host import (
     sweep_partial_writes,
     write_atomic,
 )
+from tasks.metrics.cost import PriceTable
 from tasks.spec import JobSpec, Placement
 from tasks.units import format_bytes
 
@@ -116,6 +118,30 @@ class LocalBackend:
         ]
 
     # -- verbs ---------------------------------------------------------------
+    def configure(self, spec: JobSpec, prices: PriceTable) -> tuple[JobSpec, PriceTable]:
+        """Return the spec with its LocalGpuHost block's settings (placement.block; values
+        written in the spec win) and the prices with the host's; InvalidSpec for no such
+        block."""
+        name = spec.placement.block
+        if name is None:
+            return spec, prices
+        try:
+            host = LocalGpuHost.load(name)
+        except ValueError:
+            raise InvalidSpec(
+                f"placement.block: there is no LocalGpuHost block named {name!r};"
+                f" create it with LocalGpuHost(...).save({name!r}) or remove placement.block."
+            ) from None
+        placement = spec.placement.model_copy(
+            update={
+                "workspace_root": spec.placement.workspace_root or host.workspace_root,
+                "strict_gpu_limit": spec.placement.strict_gpu_limit or host.strict_gpu_limit,
+            }
+        )
+        prices.gpu_hourly_usd[self.name] = {"*": host.gpu_hourly_usd}
+        prices.cpu_core_hourly_usd[self.name] = host.cpu_core_hourly_usd
+        return spec.model_copy(update={"placement": placement}), prices
+
     def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
         """Raise InvalidSpec if this host cannot run `spec`; makes nothing but a probe file."""
         if spec.resources.nodes > 1:
