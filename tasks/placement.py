@@ -3,7 +3,6 @@ spec needs the Prefect API, both before anything runs."""
 
 from __future__ import annotations
 
-from blocks.prices import GpuPriceTable
 from tasks.errors import InvalidSpec
 from tasks.metrics.cost import PriceTable
 from tasks.spec import JobSpec
@@ -36,6 +35,9 @@ def _price_table(name: str | None) -> PriceTable:
         return PriceTable()
 
     try:
+        # blocks import prefect-aws and prefect-kubernetes (about 1 s): read one only when used
+        from blocks.prices import GpuPriceTable
+
         return GpuPriceTable.load(name).table()
     except ValueError:
         raise InvalidSpec(

@@ -16,7 +16,6 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from blocks.ec2_fleet import Ec2GpuFleet
 from tasks.errors import InvalidSpec
 from tasks.gpus import canonical_product, product_from_ec2
 from tasks.metrics.cost import HOURS_PER_MONTH, PriceTable
@@ -97,6 +96,9 @@ def fleet_named(name: str | None, field: str = "placement.block") -> Fleet:
         return Fleet(region=region or "us-east-1")
 
     try:
+        # blocks import prefect-aws and prefect-kubernetes (about 1 s): read one only when used
+        from blocks.ec2_fleet import Ec2GpuFleet
+
         block = Ec2GpuFleet.load(name)
     except ValueError:
         raise InvalidSpec(

@@ -21,7 +21,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from blocks.kubernetes_pool import KubernetesGpuPool
 from tasks.backends.base import follow_unit
 from tasks.backends.kubernetes import manifests as objects
 from tasks.backends.kubernetes import reap as reaping
@@ -91,6 +90,9 @@ class KubernetesBackend:
             return self._loaded[1]
 
         try:
+            # blocks import prefect-aws and prefect-kubernetes (about 1 s): read one only when used
+            from blocks.kubernetes_pool import KubernetesGpuPool
+
             self._loaded = (self.block, KubernetesGpuPool.load(self.block))
             return self._loaded[1]
         except ValueError:

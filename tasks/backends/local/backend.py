@@ -24,7 +24,6 @@ from typing import Any
 import psutil
 from pydantic import BaseModel
 
-from blocks.local_host import LocalGpuHost
 from tasks import nvml
 from tasks.backends.base import ProcessGroupUnit, follow_unit
 from tasks.backends.local import cgroups, gpu_slots
@@ -126,6 +125,9 @@ class LocalBackend:
         if name is None:
             return spec, prices
         try:
+            # blocks import prefect-aws and prefect-kubernetes (about 1 s): read one only when used
+            from blocks.local_host import LocalGpuHost
+
             host = LocalGpuHost.load(name)
         except ValueError:
             raise InvalidSpec(
