@@ -32,8 +32,6 @@ class Capabilities(BaseModel):
     where: str = "this machine"  # where units run, in a user's words ("the cluster's nodes")
     local_files: bool = True  # units can read and write this machine's files (file:// URLs)
     samples_nodes: bool = False  # its nodes sample their own GPUs; the run stage samples nothing
-    native_mpi: bool = False  # an MPI launcher unit may span nodes (ranks placed by the cluster)
-    max_nodes: int | None = None  # None: as many as the spec asks for
 
 
 class Needs(BaseModel):

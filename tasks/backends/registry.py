@@ -26,11 +26,6 @@ def unregister(name: str) -> None:
         _BACKENDS.pop(name, None)
 
 
-def names() -> list[str]:
-    """Return the names of the registered backends."""
-    return list(_BACKENDS)
-
-
 def get_backend(name: str, placement: Placement | None = None) -> Backend:
     """Return the backend registered under `name`, looking where `placement` (a spec's) says:
     its block and, for Kubernetes, its namespace. InvalidSpec for a name none has."""

@@ -170,10 +170,4 @@ def _started(pid: int) -> float:
     return psutil.Process(pid).create_time()
 
 
-def groups_alive(cluster: Cluster) -> list[str]:
-    """Return the toy cluster's process groups that still run."""
-    state = state_of(cluster, ToyState)
-    return [pgid for pgid, started in state.groups.items() if alive(int(pgid), started)]
-
-
 register(ToyBackend)

@@ -63,9 +63,7 @@ class KubernetesBackend:
     name = "kubernetes"
     # the scheduler matches nodes; the job's GPUs are not this machine's. file:// URLs are
     # not refused: they reach pods whose nodes share those paths with this host
-    capabilities = Capabilities(
-        runs_here=False, where="the cluster's nodes", local_files=True, native_mpi=True
-    )
+    capabilities = Capabilities(runs_here=False, where="the cluster's nodes", local_files=True)
 
     @classmethod
     def at(cls, placement: Placement | None = None) -> KubernetesBackend:

@@ -80,7 +80,7 @@ class LocalBackend:
 
     name = "local"
     # the job runs here: preflight inspects this machine's GPUs and disk
-    capabilities = Capabilities(runs_here=True, where="this machine", max_nodes=1)
+    capabilities = Capabilities(runs_here=True, where="this machine")
 
     @classmethod
     def at(cls, placement: Placement | None = None) -> LocalBackend:
