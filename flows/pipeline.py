@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from tasks.contract import Cluster, owner_labels
 from tasks.errors import InvalidSpec, JobCancelled, JobFailed
-from tasks.host import gpuflow_home
+from tasks.host import gpuflow_home, signals_deferred
 from tasks.metrics.summary import RunMetrics
 from tasks.pipeline.checks import check_spec
 from tasks.pipeline.stages import (
@@ -123,7 +123,8 @@ def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
         _teardown(where, run_id)
         raise
     except BaseException:
-        teardown_owned(where, run_id)  # interrupted: the engine may be going down
+        with signals_deferred():  # interrupted: the engine may be going down
+            teardown_owned(where, run_id)
         raise
     finally:
         if idle:

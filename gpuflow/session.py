@@ -4,9 +4,11 @@ sentence it prints when the API fails."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 EXIT_FAILED = 1
@@ -43,6 +45,10 @@ def install_signal_handlers() -> dict[int, Any]:
             say("already stopping: the job gets its grace period, then teardown runs")
             return
         stopping.append(signum)
+        # Inside a flow run Prefect's own SIGTERM handler is installed; from now on this
+        # one answers both signals, so a second one can not cut the stop short.
+        for other in SIGNAL_NAMES:
+            signal.signal(other, handler)
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         raise Stopped(signum)
@@ -125,3 +131,39 @@ def api_failure(exc: BaseException, api: Any) -> str:
         first = text.splitlines()[0][:300] if text else ""
         return f"the run failed: {type(cause).__name__}{': ' + first if first else ''}."
     return f"the run failed talking to {api.describe()}: {detail}; check that server's log."
+
+
+class _Sentence(logging.Formatter):
+    """Formats a log record as `inner` does, without the traceback of gpuflow's own errors
+    (their message is the one sentence the user needs; the run's log in Prefect keeps
+    the traceback)."""
+
+    def __init__(self, inner: logging.Formatter | None) -> None:
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        from tasks.errors import GpuflowError
+
+        if record.exc_info and isinstance(record.exc_info[1], GpuflowError):
+            record = logging.makeLogRecord(
+                {**record.__dict__, "exc_info": None, "exc_text": None, "stack_info": None}
+            )
+        return self.inner.format(record)
+
+
+@contextlib.contextmanager
+def sentences_on_console() -> Iterator[None]:
+    """While a flow runs in this process, the terminal shows gpuflow's errors as their
+    sentence and the job's own lines, not Prefect's traceback of gpuflow's code."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    handlers = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
+    previous = [h.formatter for h in handlers]
+    for handler in handlers:
+        handler.setFormatter(_Sentence(handler.formatter))
+    try:
+        yield
+    finally:
+        for handler, formatter in zip(handlers, previous, strict=True):
+            handler.setFormatter(formatter)

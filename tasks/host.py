@@ -1,26 +1,34 @@
-"""This host: gpuflow's state folder, whole-or-nothing writes, programs on PATH, and
-stopping a process group (SIGTERM, a grace, SIGKILL) without killing a reused pid."""
+"""This host: gpuflow's state folder, whole-or-nothing writes, programs on PATH, reading a
+child's output, and stopping a process group (SIGTERM, a grace, SIGKILL) without killing a
+reused pid."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import selectors
 import shutil
 import signal
 import socket
+import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import IO
 
 import psutil
 from pydantic import BaseModel
 
 STOP_GRACE_S = 30.0
+# How long a child's pipes are still read after the child ended: what it wrote last is
+# at most a pipe's buffer; a process it left behind that holds a pipe open is not waited on.
+OUTPUT_DRAIN_S = 2.0
 
 
 def gpuflow_home() -> Path:
     """Return gpuflow's state folder ($GPUFLOW_HOME, default ~/.gpuflow)."""
-    return Path(os.environ.get("GPUFLOW_HOME", Path.home() / ".gpuflow"))
+    return Path(os.environ.get("GPUFLOW_HOME") or Path.home() / ".gpuflow").expanduser().absolute()
 
 
 def resolve_program(program: str, path: str | None = None) -> str | None:
@@ -150,3 +158,82 @@ def this_process() -> Orchestrator:
     return Orchestrator(
         host=socket.gethostname(), pid=os.getpid(), started=psutil.Process().create_time()
     )
+
+
+class OutputPump:
+    """Reads a child's pipes (stdout, stderr) on one thread, in blocks, and hands each
+    line to `on_line(stream, line)`. A job that starts a process in a session of its own
+    hands that process its pipes: `finish()` reads what is left once the child ended, but
+    never waits on a pipe longer than `drain_s`, so such a process can not hold the end of
+    a run (teardown stops it)."""
+
+    def __init__(
+        self, streams: Mapping[str, IO[bytes]], on_line: Callable[[str, str], None]
+    ) -> None:
+        self._streams = dict(streams)
+        self._on_line = on_line
+        self._until: float | None = None
+        self.held: list[str] = []  # the pipes still open when reading stopped
+        self._thread = threading.Thread(target=self._pump, daemon=True, name="output")
+
+    def start(self) -> OutputPump:
+        self._thread.start()
+        return self
+
+    def finish(self, drain_s: float = OUTPUT_DRAIN_S) -> list[str]:
+        """Read until every pipe is closed or `drain_s` has passed; return the pipes a
+        process outside the child still held open."""
+        self._until = time.monotonic() + drain_s
+        self._thread.join()
+        return self.held
+
+    def _pump(self) -> None:
+        selector = selectors.DefaultSelector()
+        partial: dict[str, bytes] = {}
+        for name, stream in self._streams.items():
+            selector.register(stream.fileno(), selectors.EVENT_READ, name)
+            partial[name] = b""
+        try:
+            while selector.get_map():
+                if self._until is not None and time.monotonic() >= self._until:
+                    break
+                for key, _ in selector.select(timeout=0.1):
+                    block = os.read(key.fd, 1 << 16)
+                    if not block:
+                        selector.unregister(key.fd)
+                        continue
+                    *lines, partial[key.data] = (partial[key.data] + block).split(b"\n")
+                    for raw in lines:
+                        self._on_line(key.data, raw.decode(errors="replace"))
+        finally:
+            self.held = sorted(key.data for key in selector.get_map().values())
+            selector.close()
+            for name, rest in partial.items():
+                if rest:
+                    self._on_line(name, rest.decode(errors="replace"))
+            for stream in self._streams.values():
+                stream.close()
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """While a job is being stopped after an interruption, a second SIGINT or SIGTERM is
+    absorbed (with one line), so that the stop keeps the job's grace and runs once.
+    Only the main thread handles signals; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def absorb(signum: int, frame: object) -> None:
+        print(
+            "[gpuflow] already stopping: the job gets its grace period, then teardown runs",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    previous = {s: signal.signal(s, absorb) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

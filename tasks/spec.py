@@ -127,6 +127,16 @@ class Placement(SpecModel):
     )
     gpu_wait: Seconds = Field(0.0, ge=0, description="How long to wait for a free GPU slot.")
 
+    @field_validator("workspace_root")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        # Resolved once, where the spec is read: a reaper started in another folder finds it.
+        if value is None:
+            return None
+        if not value.strip() or "\0" in value:
+            raise ValueError("is empty; give a folder, e.g. /scratch/gpuflow")
+        return str(Path(value).expanduser().absolute())
+
 
 class Storage(SpecModel):
     artifacts: str | None = Field(None, description="file:// folder for run artifacts.")

@@ -1,6 +1,6 @@
 """Reading a user's YAML or JSON file: every way it can be wrong becomes one InvalidSpec
 sentence naming the file and the fix (not a folder, not text, too deep, a duplicate key,
-a syntax error), never a traceback."""
+an alias that expands too far or into itself, a syntax error), never a traceback."""
 
 from __future__ import annotations
 
@@ -12,15 +12,22 @@ import yaml
 from tasks.errors import InvalidSpec
 
 MAX_BYTES = 16 * 1024 * 1024
+# What a document may hold once its aliases are expanded (an alias is shared when read,
+# but validating, copying or sending the spec expands it): a few "billion laughs" lines
+# would otherwise take gigabytes. Real specs are thousands of values.
+MAX_EXPANDED_VALUES = 200_000
+MAX_EXPANDED_CHARS = 4 * MAX_BYTES
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that refuses a mapping with the same key twice (YAML says keys are unique;
-    PyYAML would silently keep the last)."""
+    PyYAML would silently keep the last); keys merged in with `<<` may be overridden."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`, then overrides
+                continue
             key = self.construct_object(key_node, deep=deep)
             line = key_node.start_mark.line + 1
             if key in seen:
@@ -34,8 +41,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def parse(text: str, where: str) -> Any:
     """Return the document in `text` (YAML, so JSON too); `where` names it in errors."""
+    loader = _UniqueKeyLoader(text)
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _bound(node, where)
+        return loader.construct_document(node)
     except InvalidSpec as exc:
         raise InvalidSpec(str(exc).replace("{where}", where)) from None
     except RecursionError:
@@ -50,6 +62,47 @@ def parse(text: str, where: str) -> Any:
             f"{where}: not valid YAML{line}{' (' + problem + ')' if problem else ''};"
             " fix the syntax there."
         ) from None
+    finally:
+        loader.dispose()
+
+
+def _bound(root: yaml.Node, where: str) -> None:
+    """Refuse a document whose aliases refer to themselves or expand past the limits,
+    measured on the node graph (each node once), before anything is built from it."""
+    sizes: dict[int, tuple[int, int]] = {}  # id(node) -> (values, characters) expanded
+    visiting: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in sizes:
+            continue
+        children: list[yaml.Node] = []
+        if isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        if not children_done:
+            if id(node) in visiting:
+                raise InvalidSpec(
+                    f"{where}: an alias at line {node.start_mark.line + 1} refers to the value"
+                    " that holds it; write the value out instead."
+                )
+            visiting.add(id(node))
+            stack.append((node, True))
+            stack.extend((child, False) for child in children if id(child) not in sizes)
+            continue
+        visiting.discard(id(node))
+        values = 1 + sum(sizes[id(child)][0] for child in children)
+        chars = (len(node.value) if isinstance(node, yaml.ScalarNode) else 0) + sum(
+            sizes[id(child)][1] for child in children
+        )
+        if values > MAX_EXPANDED_VALUES or chars > MAX_EXPANDED_CHARS:
+            raise InvalidSpec(
+                f"{where}: its aliases (*name) expand to more than {MAX_EXPANDED_VALUES:,}"
+                f" values or {MAX_EXPANDED_CHARS // 2**20} MiB of text (from line"
+                f" {node.start_mark.line + 1}); write the values out or use fewer aliases."
+            )
+        sizes[id(node)] = (values, chars)
 
 
 def read(path: Path, what: str = "a job YAML or JSON file") -> Any:

@@ -237,6 +237,38 @@ def test_a_job_that_escapes_its_session_and_environment_is_still_torn_down(backe
             escaped.kill()
 
 
+def _sleepers(seconds: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.cmdline()[-2:] == ["sleep", seconds] and proc.status() != "zombie":
+                found.append(proc)
+    return found
+
+
+def test_a_stray_holding_the_output_pipes_does_not_hold_the_run(backend):
+    """`setsid sleep 61 &` keeps the job's stdout and stderr open after the main process
+    exits: the run ends with the main process (the stray is still running when it
+    returns, so the run did not wait for it), every line is read, and teardown stops it."""
+    cluster = backend.provision(spec_for(["bash"]), owner_labels("run-13", "job"))
+    lines, sink = collect_lines()
+    script = "setsid sleep 61 & echo main exits; echo last >&2"
+    result = backend.run(cluster, unit("bash", "-c", script), os.environ, 50, sink)
+    strays = _sleepers("61")
+    try:
+        assert result.exit_code == 0 and not result.timed_out
+        assert ("stdout", "main exits") in lines and ("stderr", "last") in lines
+        assert strays, "the run waited for the stray to end"
+        assert any("not waited on" in line for _, line in lines)
+        backend.teardown(cluster)
+        for stray in strays:
+            stray.wait(timeout=10)
+    finally:
+        for stray in strays:
+            with contextlib.suppress(psutil.Error):
+                stray.kill()
+
+
 def test_strays_are_found_by_working_directory_without_a_cgroup(tmp_path):
     """The fallback where no cgroup can be made: a process with an empty environment whose
     working directory is in the workspace is stopped; one elsewhere is spared."""

@@ -55,3 +55,28 @@ def test_bad_render_inputs(job, expected):
 def test_missing_scene_and_output():
     with pytest.raises(InvalidSpec, match=r"job.scene is required.*job.output is required"):
         load_spec({"job": {"kind": "render"}})
+
+
+def test_job_blend_can_not_leave_the_scene_folder(tmp_path):
+    from tasks.render.scene import find_blend
+
+    scene = tmp_path / "scene"
+    (scene / "sub").mkdir(parents=True)
+    (scene / "sub" / "shot.blend").write_bytes(b"BLENDER")
+    outside = tmp_path / "other" / "outside.blend"
+    outside.parent.mkdir()
+    outside.write_bytes(b"BLENDER")
+    (scene / "linked.blend").symlink_to(outside)
+    for blend in ("../other/outside.blend", str(outside), "linked.blend"):
+        with pytest.raises(InvalidSpec, match="leads outside the scene folder"):
+            find_blend(scene, blend)
+    assert find_blend(scene, "sub/shot.blend") == (scene / "sub" / "shot.blend").resolve()
+    assert find_blend(scene, None) == scene / "sub" / "shot.blend"  # the link is not a candidate
+
+
+def test_a_relative_workspace_root_is_recorded_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec = load_spec(
+        {"job": {"kind": "command", "command": ["true"]}, "placement": {"workspace_root": "ws"}}
+    )
+    assert spec.placement.workspace_root == str(tmp_path / "ws")

@@ -52,7 +52,7 @@ def test_prepare_skips_identical_shards_and_removes_stale_ones(tmp_path):
     ("source", "message"),
     [
         ("synthetic:pictures", "is not a synthetic data set"),
-        ("synthetic:classify?samples=0", "samples must be at least 1"),
+        ("synthetic:classify?samples=0", "samples=0 .* is out of range"),
         ("/no/such/folder", "is not a folder"),
     ],
 )
@@ -131,3 +131,32 @@ def test_truncated_shard_is_skipped_or_named(policy):
     else:
         got = [s["__key__"] for s in tar_samples("s3://b/shard-000000.tar", cut, policy, skipped)]
         assert got == keys[: len(got)] and 0 < len(got) < len(keys) and skipped[0] >= 1
+
+
+def test_a_link_out_of_the_source_folder_is_refused_not_packed(tmp_path):
+    from tasks.training.prepare import open_source
+
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "a.txt").write_text("a")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("do not pack")
+    (source / "b.txt").symlink_to(secret)
+    with pytest.raises(InvalidSpec, match=r"b\.txt is a link to .*secret\.txt, outside"):
+        list(open_source(str(source))[0])
+    (source / "b.txt").unlink()
+    (source / "inner").mkdir()
+    (source / "c.txt").symlink_to(source / "a.txt")  # a link inside the folder is fine
+    assert len(list(open_source(str(source))[0])) == 2
+
+
+@pytest.mark.parametrize(
+    "query",
+    ["samples=0", "image_size=100000", "image_size=0", "classes=0", "seed=-1", "seed=99999999999"],
+)
+def test_synthetic_parameters_out_of_range_are_named(query):
+    from tasks.training.prepare import open_source
+
+    name = query.split("=")[0]
+    with pytest.raises(InvalidSpec, match=f"source: {name}=.* is out of range; give"):
+        open_source(f"synthetic:classify?{query}")

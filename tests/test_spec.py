@@ -83,6 +83,17 @@ def test_yaml_syntax_error_names_line(tmp_path):
         load_spec(path)
 
 
+# "billion laughs": nine levels of nine aliases, 9**9 values once expanded
+BOMB = (
+    "name: bomb\njob: {kind: train, dataset: 'file:///d', output: 'file:///o',"
+    " model: 'torch.nn:Identity', model_args: {x: *l9}}\n"
+)
+BOMB = (
+    "l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
+    + "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in range(1, 10))
+    + BOMB
+)
+
 SPEC_FILES = {
     "binary": (b"\x7fELF\x02\x01\x01\x00\x00\x00", "is not a text file (not UTF-8)"),
     "not utf-8": ("job: {kind: command, command: [caf\xe9]}\n".encode("latin-1"), "not UTF-8"),
@@ -95,6 +106,8 @@ SPEC_FILES = {
         b"job:\n  kind: command\n  kind: matmul\n",
         "the key 'kind' appears twice (lines 2 and 3)",
     ),
+    "alias bomb": (BOMB.encode(), "its aliases (*name) expand to more than 200,000 values"),
+    "alias into itself": (b"job: &j {kind: command, command: [*j]}\n", "refers to the value"),
 }
 
 
@@ -116,6 +129,20 @@ def test_a_folder_is_not_called_missing(tmp_path):
 def test_missing_file():
     with pytest.raises(InvalidSpec, match="no such file"):
         load_spec("/nonexistent/job.yaml")
+
+
+def test_merge_keys_and_small_aliases_still_read(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "job: {kind: command, command: [true]}\n"
+        "env: {<<: &env {A: '1', B: '2'}, B: '3'}\n"
+        "job_env: [*env, *env]\n"
+    )
+    with pytest.raises(InvalidSpec, match="job_env"):  # an unknown field, not a YAML error
+        load_spec(path)
+    path.write_text(path.read_text().replace("job_env: [*env, *env]\n", ""))
+    spec = load_spec(path)
+    assert spec.env == {"A": "1", "B": "3"}
 
 
 def test_loads_yaml_with_units_and_aliases(tmp_path):

@@ -46,7 +46,8 @@ def prepare(source: str, output: str, shard_size: str, aws_credentials: str | No
             check_writable(output, settings, "output")
         except (InvalidSpec, StorageError) as exc:
             return invalid(exc)
-        state = prepare_dataset(source, output, shard_size, aws_credentials, return_state=True)
+        with session.sentences_on_console():
+            state = prepare_dataset(source, output, shard_size, aws_credentials, return_state=True)
         if state.is_completed():
             result = state.result()
             print(

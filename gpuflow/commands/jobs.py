@@ -53,7 +53,8 @@ def _run_spec(spec: Any, api: Any, checked: bool) -> int:
         spec = spec if checked else checked_spec(spec)
     except InvalidSpec as exc:
         return invalid(exc)
-    state = flow_for(spec)(spec, return_state=True)
+    with session.sentences_on_console():
+        state = flow_for(spec)(spec, return_state=True)
     if state.is_completed():
         _print_summary(spec, state.result())
         print_link(api, state)

@@ -24,7 +24,7 @@ from tasks.contract import (
     UnitEnd,
     WorkUnit,
 )
-from tasks.host import stop_group
+from tasks.host import signals_deferred, stop_group
 from tasks.metrics.cost import PriceTable
 from tasks.spec import JobSpec, Placement
 
@@ -86,8 +86,10 @@ def follow_unit(
                 return unit.unconfirmed().model_copy(update={"stop": reason})
             unit.wait(every_s)
     except BaseException:
-        # Cancellation, Ctrl-C, SIGTERM from a worker: the unit gets SIGTERM to save state.
-        unit.interrupt(grace_s)
+        # Cancellation, Ctrl-C, SIGTERM from a worker: the unit gets SIGTERM to save state,
+        # and its whole grace however many more signals arrive.
+        with signals_deferred():
+            unit.interrupt(grace_s)
         raise
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -61,18 +62,45 @@ def _start(argv: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
     return {"pid": proc.pid, "started": psutil.Process(proc.pid).create_time(), "log": str(log)}
 
 
-def _wait_healthy(api: str, server: dict[str, Any], timeout_s: float) -> None:
+def _port_taken(port: int) -> str | None:
+    """Return who holds `port` on 127.0.0.1 (a sentence), or None when it is free."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+            return None
+        except OSError as exc:
+            return f"port {port} on 127.0.0.1 is taken ({exc.strerror or exc})"
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Return True when the process `pid` or one of its children listens on `port`: the
+    server that answers there is the one started, not another one."""
+    try:
+        root = psutil.Process(pid)
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                for conn in proc.net_connections(kind="tcp"):
+                    if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+                        return True
+    except psutil.Error:
+        return False
+    return False
+
+
+def _wait_healthy(api: str, server: dict[str, Any], timeout_s: float, port: int) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not running(server):
             tail = Path(server["log"]).read_text(errors="replace")[-1500:]
             raise PlatformError(f"the Prefect server exited while starting; its log ends: {tail}")
-        with (
-            contextlib.suppress(OSError),
-            urllib.request.urlopen(f"{api}/health", timeout=2) as response,
-        ):
-            if response.status == 200:
-                return
+        if _listens(server["pid"], port):
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(f"{api}/health", timeout=2) as response,
+            ):
+                if response.status == 200:
+                    return
         time.sleep(0.25)
     raise PlatformError(
         f"the Prefect server did not answer {api}/health within {timeout_s:.0f} s; see"
@@ -107,9 +135,16 @@ def up(
             )
         say(f"already running: UI {state['ui']}")
         return state
+    if not 1 <= port <= 65535:
+        raise InvalidSpec(f"--port: {port} is not a TCP port; give one from 1 to 65535.")
     cluster = _cluster(kubeconfig, image) if kubeconfig else None
     if state:
         down(say=lambda *_: None)  # a half-dead platform: clear it first
+    if taken := _port_taken(port):
+        raise PlatformError(
+            f"{taken}: another program (perhaps another Prefect server) listens there;"
+            " stop it, or start the platform on a free port with --port."
+        )
     started = time.monotonic()
     platform_dir().mkdir(parents=True, exist_ok=True)
     api, ui = f"http://127.0.0.1:{port}/api", f"http://127.0.0.1:{port}"
@@ -134,7 +169,7 @@ def up(
             platform_dir() / "server.log",
         )
         _write_state(state)
-        _wait_healthy(api, processes["server"], 90)
+        _wait_healthy(api, processes["server"], 90, port)
         say(
             f"started the Prefect server (pid {processes['server']['pid']}) at {ui} in"
             f" {time.monotonic() - started:.1f} s; log {processes['server']['log']}"

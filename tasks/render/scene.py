@@ -157,12 +157,20 @@ def find_blend(path: Path, blend: str | None) -> Path:
                 " remove job.blend."
             )
         return path
+    folder = path.resolve()
     if blend:
-        chosen = path / blend
+        chosen = (path / blend).resolve()  # `..`, an absolute path and links, followed
+        if not chosen.is_relative_to(folder):
+            raise InvalidSpec(
+                f"job.blend: {blend} leads outside the scene folder; name a .blend inside it"
+                " by its path relative to the folder."
+            )
         if not chosen.is_file():
             raise InvalidSpec(f"job.blend: there is no {blend} in the scene folder; fix the name.")
         return chosen
-    candidates = sorted(p for p in path.rglob("*.blend") if p.is_file())
+    candidates = sorted(
+        p for p in path.rglob("*.blend") if p.is_file() and p.resolve().is_relative_to(folder)
+    )
     top = [p for p in candidates if p.parent == path]
     if len(candidates) == 1 or len(top) == 1:
         return (top or candidates)[0]

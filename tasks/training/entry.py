@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from tasks.errors import ERROR_FILE, PREEMPTED_EXIT_CODE, GpuflowError
+from tasks.errors import ERROR_FILE, PREEMPTED_EXIT_CODE, GpuflowError, InvalidSpec
 from tasks.storage import join, store_for
 from tasks.training import checkpoint as ckpt
 from tasks.training import data as wdata
@@ -43,14 +43,41 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 def build_model(job: TrainJob) -> nn.Module:
-    """Return the nn.Module the job's `module:factory` makes (errors name the path)."""
+    """Return the nn.Module the job's `module:factory` makes; what is wrong with it is one
+    sentence naming job.model (this is the first place the user's code runs)."""
     import importlib
 
     module_name, _, factory_name = job.model.partition(":")
-    factory = getattr(importlib.import_module(module_name), factory_name)
-    model = factory(**job.model_args)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise InvalidSpec(
+            f"job.model: module {module_name!r} does not import ({type(exc).__name__}: {exc}); install it or fix the path."
+        ) from exc
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise InvalidSpec(
+            f"job.model: {module_name} has no function {factory_name!r}; fix the name after the colon."
+        )
+    try:
+        model = factory(**job.model_args)
+    except Exception as exc:
+        raise InvalidSpec(
+            f"job.model: {job.model}(**model_args) failed ({type(exc).__name__}: {exc}); fix job.model_args."
+        ) from exc
     if not isinstance(model, nn.Module):
-        raise TypeError(f"{job.model} returned {type(model).__name__}, not a torch.nn.Module")
+        raise InvalidSpec(
+            f"job.model: {job.model} returned {type(model).__name__}, not a torch.nn.Module; return the model from the factory."
+        )
+    declared = getattr(model, "gpuflow_task", None)
+    if declared and declared != job.task:
+        raise InvalidSpec(
+            f"job.task: {job.model} is a {declared} model but job.task is {job.task}; set job.task: {declared}."
+        )
+    if job.activation_checkpointing and not hasattr(model, "set_activation_checkpointing"):
+        raise InvalidSpec(
+            "job.activation_checkpointing: the model has no set_activation_checkpointing(); turn the option off."
+        )
     return model
 
 
@@ -117,10 +144,6 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         model = build_model(job).to(self.device)
         if job.activation_checkpointing:
-            if not hasattr(model, "set_activation_checkpointing"):
-                raise TypeError(
-                    f"{job.model} has no set_activation_checkpointing(); turn the option off"
-                )
             model.set_activation_checkpointing(True)
         self.amp_dtype = None
         if self.cuda and job.amp == "auto":

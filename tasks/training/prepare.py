@@ -30,6 +30,13 @@ from tasks.units import parse_size
 
 INDEX = "index.json"
 _SHARD_RE = re.compile(r"shard-\d{6}\.tar$")
+# What a synthetic data set's parameters may be (beyond, numpy or memory refuses).
+_SYNTHETIC_BOUNDS = {
+    "samples": (1, 100_000_000),
+    "seed": (0, 2**32 - 1),
+    "image_size": (1, 4096),
+    "classes": (1, 1_000_000),
+}
 
 
 class PrepareResult(BaseModel):
@@ -59,9 +66,13 @@ def open_source(source: str) -> tuple[Iterator[Sample], str]:
             args = {k: int(v) for k, v in query.items()}
         except ValueError:
             raise InvalidSpec(f"source: the numbers in {source!r} must be integers.") from None
+        for name, (low, high) in _SYNTHETIC_BOUNDS.items():
+            if name in args and not low <= args[name] <= high:
+                raise InvalidSpec(
+                    f"source: {name}={args[name]} in {source!r} is out of range; give"
+                    f" {low} to {high:,}."
+                )
         count = args.pop("samples", 1000)
-        if count < 1:
-            raise InvalidSpec("source: samples must be at least 1.")
         return synthetic_samples(kind, count, **args), source
     folder = Path(source.removeprefix("file://")).expanduser()
     if not folder.is_dir():

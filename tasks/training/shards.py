@@ -19,6 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from tasks.errors import InvalidSpec
+
 Sample = dict[str, Any]
 TAR_BLOCK = 512
 
@@ -81,7 +83,13 @@ def pack(samples: Iterable[Sample], target_bytes: int) -> Iterator[tuple[bytes, 
 def folder_samples(folder: Path) -> Iterator[Sample]:
     """Yield samples from a folder of files grouped by basename (a.png + a.txt -> one sample)."""
     groups: dict[str, Sample] = {}
+    root = folder.resolve()
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        if not path.resolve().is_relative_to(root):  # a link out of the folder
+            raise InvalidSpec(
+                f"source: {path} is a link to {path.resolve()}, outside {folder}; copy the"
+                " file into the folder or remove the link."
+            )
         relative = path.relative_to(folder).as_posix()
         stem, _, ext = relative.partition(".")
         if not ext:

@@ -14,6 +14,7 @@ import pytest
 from tasks.backends.local import gpu_slots
 from tests.conftest import subprocess_env
 from tests.e2e.helpers import flow_run, leftovers, nothing_left, process_gone
+from tests.test_spec import BOMB
 
 pytestmark = pytest.mark.e2e
 GPUFLOW = [sys.executable, "-m", "gpuflow"]
@@ -130,7 +131,14 @@ def test_unreadable_spec_files_are_named_by_every_command(tmp_path, gpuflow_home
         one_sentence(gpuflow([*command, str(binary)], env), "is not a text file (not UTF-8)")
         one_sentence(gpuflow([*command, str(deep)], env), "nested too deeply")
         one_sentence(gpuflow([*command, str(tmp_path)], env), "is a folder")
-    for path, expected in ((broken, "not valid YAML at line"), (binary, "is not a text file")):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(BOMB)
+    one_sentence(gpuflow(["run", str(bomb)], env), "its aliases (*name) expand to more than")
+    for path, expected in (
+        (broken, "not valid YAML at line"),
+        (binary, "is not a text file"),
+        (bomb, "its aliases (*name) expand to more than"),
+    ):
         out = gpuflow(["submit", "command/command-local", f"--param=spec=@{path}"], env)
         one_sentence(out, f"--param spec: {path}: {expected}")
 
@@ -142,7 +150,11 @@ PREPARE_TYPOS = {
     "s3 without bucket": (["--output", "s3://"], "output: 's3://' names no bucket"),
     "negative samples": (
         ["--source", "synthetic:classify?samples=-5"],
-        "samples must be at least 1",
+        "samples=-5 in 'synthetic:classify?samples=-5' is out of range; give 1 to",
+    ),
+    "image too large": (
+        ["--source", "synthetic:classify?image_size=9999999"],
+        "image_size=9999999 in 'synthetic:classify?image_size=9999999' is out of range",
     ),
     "missing folder": (["--source", "/no/such/folder"], "'/no/such/folder' is not a folder"),
 }
@@ -204,12 +216,12 @@ def test_preflight_command(tmp_path, gpuflow_home):
     assert report["verdict"] == ("warn" if levels.get("nvidia-smi") == "warn" else "pass")
 
 
-def _start_long_run(tmp_path, prefect_api, gpuflow_home):
+def _start_long_run(tmp_path, prefect_api, gpuflow_home, script="exec sleep 300", extra=""):
     pidfile = tmp_path / "job.pid"
     job = write(
         tmp_path,
-        f"name: long\njob: {{kind: command, command: [sh, -c, 'echo $$ > {pidfile}; exec sleep 300']}}\n"
-        "resources: {gpus: 1}\n",
+        f"name: long\njob: {{kind: command, command: [sh, -c, 'echo $$ > {pidfile}; {script}']}}\n"
+        f"resources: {{gpus: 1}}\n{extra}",
     )
     env = subprocess_env(prefect_api, gpuflow_home, fake_gpus=2)
     proc = subprocess.Popen(
@@ -248,6 +260,35 @@ def test_interrupting_a_run_tears_everything_down(
     assert process_gone(job_pid), out[-3000:]
     assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
     assert gpu_slots.slots_in_use() == 0
+    assert flow_run(run_id).state.is_crashed()
+
+
+def test_a_second_signal_does_not_cut_the_stop_short(
+    tmp_path, prefect_api, gpuflow_home, gpu_limit
+):
+    """Ctrl-C, then SIGTERM while the job saves its state: the job gets SIGTERM once and
+    its whole limits.stop_grace_s, the command says it is already stopping and exits 130."""
+    notes = tmp_path / "notes"
+    script = (
+        f'trap "echo term >> {notes}; sleep 3; echo saved >> {notes}; exit 0" TERM;'
+        " while :; do sleep 0.2; done"
+    )
+    proc, job_pid, _ = _start_long_run(
+        tmp_path, prefect_api, gpuflow_home, script, "limits: {stop_grace_s: 20}\n"
+    )
+    run_id = _flow_run_id(gpuflow_home)
+    proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 60
+    while not (notes.exists() and "term" in notes.read_text()):
+        assert time.monotonic() < deadline, "the job never got SIGTERM"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    assert notes.read_text().split() == ["term", "saved"], out[-3000:]
+    assert "already stopping" in out and "Traceback" not in out
+    assert process_gone(job_pid)
+    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
     assert flow_run(run_id).state.is_crashed()
 
 

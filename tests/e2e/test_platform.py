@@ -229,6 +229,24 @@ def test_gpuflow_run_records_its_run_on_the_running_platform(platform, tmp_path)
     assert run.state.is_completed() and run.parameters["spec"]["name"] == "on-platform"
 
 
+def test_up_on_a_port_another_server_holds_is_refused(platform, tmp_path):
+    """A second platform (another GPUFLOW_HOME) asked for the running one's port says the
+    port is taken and registers nothing there; a port that is no port is refused at once."""
+    other = Platform(tmp_path / "other-home", platform.port)
+    taken = other.gpuflow("platform", "up", "--port", str(platform.port), timeout=120)
+    assert taken.returncode == 1, taken.stdout + taken.stderr
+    (line,) = [line for line in taken.stderr.splitlines() if line.startswith("gpuflow:")]
+    assert f"port {platform.port} on 127.0.0.1 is taken" in line
+    assert "Traceback" not in taken.stderr
+    assert not (other.home / "platform" / "state.json").exists()
+    status = platform.gpuflow("platform", "status")
+    assert status.returncode == 0 and "running: UI" in status.stdout
+    for port in ("99999", "0"):
+        bad = other.gpuflow("platform", "up", "--port", port, timeout=60)
+        assert bad.returncode == 2, bad.stderr
+        assert f"--port: {port} is not a TCP port" in bad.stderr
+
+
 def test_down_stops_everything_it_started(platform):
     processes = platform.state()["processes"]
     down = platform.gpuflow("platform", "down", timeout=120)

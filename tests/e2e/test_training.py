@@ -262,17 +262,13 @@ def _bad(tmp_path: Path, s3_server) -> dict:
             train_spec(f"file://{notar}", out) | local,
             "shard-000000.tar is not a tar file",
         ),
-        "model does not import": (
+        "model not installed": (
             train_spec(good, out, model="no_such_module:make") | local,
-            "module 'no_such_module' does not import",
+            "module 'no_such_module' is not installed here",
         ),
-        "factory gives no module": (
-            train_spec(good, out, model="os.path:join", model_args={}) | local,
-            "failed",
-        ),
-        "not a module": (
-            train_spec(good, out, model="builtins:dict") | local,
-            "returned dict, not a torch.nn.Module",
+        "model not an import path": (
+            train_spec(good, out, model="os:system; rm -rf /") | local,
+            "is not an import path",
         ),
         "fsdp on cpu": (
             train_spec(good, out, strategy="fsdp", cpu_processes=1) | local,
@@ -365,3 +361,42 @@ def test_idle_gpus_stop_training_after_a_checkpoint(
     store = S3Store(s3_server.settings())
     assert store.list(s3_server.url("runs/idle/checkpoints"))
     assert nothing_left(gpuflow_home)
+
+
+def test_the_model_factory_runs_only_in_the_job_process(tmp_path, prefect_api, gpuflow_home):
+    """job.model os:system with a command in model_args: checking the spec (and refusing
+    it) runs nothing in gpuflow's process; the factory is called in the job's own process,
+    whose failure is one sentence naming job.model."""
+    from tasks.training.prepare import prepare
+
+    data = f"file://{tmp_path}/data"
+    prepare("synthetic:classify?samples=32", data, 20_000, FileStore())
+    marker = tmp_path / "ran"
+    small = {"cpu_processes": 1, "num_workers": 0, "max_steps": 2}
+
+    def spec(job: dict) -> dict:
+        out = f"file://{tmp_path}/out"
+        return train_spec(data, out, **small, **job) | {"storage": {}, "retry": {}}
+
+    cases = {
+        "os:system": (
+            {"model": "os:system", "model_args": {"command": f"touch {marker}"}},
+            "returned int, not a torch.nn.Module",
+        ),
+        "builtins:dict": ({"model": "builtins:dict"}, "returned dict, not a torch.nn.Module"),
+        "os.path:join": ({"model": "os.path:join"}, "job.model: os.path:join(**model_args) failed"),
+        "no factory": ({"model": "json:no_such"}, "json has no function 'no_such'"),
+    }
+    from tasks.pipeline.checks import check_spec
+
+    for case, (job, _) in cases.items():
+        check_spec(load_spec(spec(job)))
+        assert not marker.exists(), case  # the check read the name only
+    for case, (job, expected) in cases.items():
+        state, _ = run(spec(job))
+        error = state.result(raise_on_failure=False)
+        assert isinstance(error, JobFailed), (case, error)
+        assert expected in str(error), (case, str(error))
+        assert "Traceback" not in str(error)
+        assert nothing_left(gpuflow_home), case
+    assert marker.exists()  # os.system ran, in the job's own process

@@ -40,7 +40,7 @@ from tasks import nvml
 from tasks.backends.ec2.imds import ENDPOINT, Imds, Notice, NoticeWatcher
 from tasks.backends.ec2.mailbox import HEARTBEAT, Mailbox, log_key, unit_key
 from tasks.contract import unit_env
-from tasks.host import stop_group
+from tasks.host import OutputPump, stop_group
 from tasks.metrics.prometheus import LivePush
 from tasks.metrics.sampler import Sampler
 
@@ -321,12 +321,8 @@ class UnitRun:
             return
         if agent.interrupted is not None:  # started after the notice: stop it at once
             self.stop("spot interruption", 90.0)
-        readers = [
-            threading.Thread(target=self._read, args=(stream, name), daemon=True)
-            for stream, name in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr"))
-        ]
-        for reader in readers:
-            reader.start()
+        pump = OutputPump({"stdout": self.proc.stdout, "stderr": self.proc.stderr}, self._add)
+        pump.start()
         timer = threading.Timer(spec.timeout_s, self.stop, args=("timeout", 30.0))
         timer.daemon = True
         timer.start()
@@ -335,8 +331,10 @@ class UnitRun:
                 time.sleep(FLUSH_S)
                 self._flush()
         timer.cancel()
-        for reader in readers:
-            reader.join(10)
+        if held := pump.finish():  # a process the unit left running is not waited on
+            self._add(
+                "stderr", f"a process the job left running holds its {' and '.join(held)} open"
+            )
         self._flush()
         code = self.proc.returncode
         self._finish(started, code if code >= 0 else None, -code if code < 0 else None)
@@ -365,10 +363,6 @@ class UnitRun:
         gpus = self.spec.gpus if self.spec.gpus is not None else list(range(gpu_count()))
         with Sampler(self._samples(), gpus, float(metrics.get("interval_s", 1.0)), on_sample=live):
             yield
-
-    def _read(self, stream: Any, name: str) -> None:
-        for raw in iter(stream.readline, b""):
-            self._add(name, raw.decode(errors="replace").rstrip("\n"))
 
     def _add(self, stream: str, line: str) -> None:
         with self.lines_lock:

@@ -46,6 +46,7 @@ from tasks.contract import (
 from tasks.errors import CapacityError, InvalidSpec, ProvisionError
 from tasks.host import (
     STOP_GRACE_S,
+    OutputPump,
     alive,
     gpuflow_home,
     resolve_program,
@@ -65,7 +66,7 @@ _RECORD_LOCK = threading.Lock()
 def workspace_root(spec: JobSpec) -> Path:
     """Return where this spec's workspaces go."""
     root = spec.placement.workspace_root
-    return Path(root).expanduser() if root else gpuflow_home() / "workspaces"
+    return Path(root).expanduser().absolute() if root else gpuflow_home() / "workspaces"
 
 
 class LocalState(BaseModel):
@@ -157,8 +158,13 @@ class LocalBackend:
             root.mkdir(parents=True, exist_ok=True)
             probe.write_bytes(b"ok")
         except OSError as exc:
+            field = (
+                "placement.workspace_root"
+                if spec.placement.workspace_root
+                else "GPUFLOW_HOME (where workspaces go when placement.workspace_root is not set)"
+            )
             raise InvalidSpec(
-                f"placement.workspace_root: cannot write to {root} ({exc.strerror});"
+                f"{field}: cannot write to {root} ({exc.strerror});"
                 " choose a writable folder or fix its permissions."
             ) from None
         finally:
@@ -334,32 +340,21 @@ class LocalBackend:
         self._note_job(cluster, proc.pid, psutil.Process(proc.pid).create_time())
         tail: deque[str] = deque(maxlen=40)
 
-        def pump(stream, label: str) -> None:
-            # Blocks, not lines: a chatty job's pipe is drained as fast as it fills.
-            partial = b""
-            for block in iter(lambda: stream.read1(1 << 16), b""):
-                *lines, partial = (partial + block).split(b"\n")
-                for raw in lines:
-                    line = raw.decode(errors="replace")
-                    tail.append(line)
-                    on_line(label, line)
-            if partial:
-                tail.append(partial.decode(errors="replace"))
-                on_line(label, tail[-1])
-            stream.close()
+        def line(stream: str, text: str) -> None:
+            tail.append(text)
+            on_line(stream, text)
 
-        pumps = [
-            threading.Thread(target=pump, args=(proc.stdout, "stdout"), daemon=True),
-            threading.Thread(target=pump, args=(proc.stderr, "stderr"), daemon=True),
-        ]
-        for thread in pumps:
-            thread.start()
+        pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, line).start()
         end = follow_unit(ProcessGroupUnit(proc), timeout_s, should_stop, grace_s, every_s=0.1)
         self._note_job(cluster, proc.pid, None)
-        for thread in pumps:
-            # Every line the job wrote is read before the result; only a process that
-            # left the job's group and keeps the pipe open can hold this up.
-            thread.join(timeout=60)
+        # Every line the job wrote is read before the result; a process that left the
+        # job's group and keeps its pipes open is not waited on (teardown stops it).
+        if held := pump.finish():
+            on_line(
+                "stderr",
+                f"a process the job started and left running holds its {' and '.join(held)}"
+                " open; it was not waited on, and teardown stops it",
+            )
         if memory:
             oom_kills = cgroups.memory_events(memory).get("oom_kill", 0) - oom_before
             end = end.model_copy(update={"memory_events": {"oom_kill": oom_kills}})
