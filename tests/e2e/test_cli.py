@@ -188,11 +188,14 @@ def test_run_completes_and_failing_job_exits_1(tmp_path, prefect_api, gpuflow_ho
     assert f"[gpuflow] using the Prefect API at {prefect_api} (PREFECT_API_URL)" in ok.stderr
     ui = prefect_api.removesuffix("/api")
     assert f"  flow run: {ui}/runs/flow-run/" in ok.stdout
-    bad = gpuflow(
-        ["run", str(write(tmp_path, "job: {kind: command, command: [sh, -c, 'exit 4']}\n"))], env
-    )
+    failing = "job: {kind: command, command: [sh, -c, 'echo my own last line; exit 4']}\n"
+    bad = gpuflow(["run", str(write(tmp_path, failing))], env)
     assert bad.returncode == 1
-    assert "the job exited with code 4" in bad.stderr
+    # The job's own line and gpuflow's sentence; Prefect's traceback of gpuflow's code
+    # stays in the run's log on the server.
+    assert "my own last line" in bad.stdout + bad.stderr
+    assert "gpuflow: failed: the job exited with code 4" in bad.stderr
+    assert "Traceback" not in bad.stdout + bad.stderr
     assert nothing_left(gpuflow_home)
 
 
