@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from tasks.metrics.sampler import Sampler, read_samples
 from tests.conftest import load_fake_nvml
@@ -46,3 +47,15 @@ def test_torn_last_line_is_skipped(tmp_path):
     path = tmp_path / "s.jsonl"
     path.write_text('{"t": 1, "gpus": [], "host": {}}\n{"t": 2, "gp')
     assert len(read_samples(path)) == 1
+
+
+def test_a_full_disk_loses_samples_not_the_sampler():
+    """/dev/full answers every write with ENOSPC, as a full workspace does: the sampler
+    keeps going, counts what it lost and says why once."""
+    sampler = Sampler(Path("/dev/full"), [], interval_s=0.05)
+    with sampler:
+        deadline = time.monotonic() + 30
+        while sampler.lost < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert sampler.lost >= 3 and sampler.count == 0
+    assert sampler.write_error == "/dev/full: No space left on device"

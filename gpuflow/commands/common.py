@@ -4,6 +4,7 @@ the job spec the job-making commands (render, hpc) build from their options."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Any
 
@@ -36,9 +37,31 @@ def print_link(api: Any, state: Any, failed: bool = False) -> None:
         )
 
 
+def number(low: float, high: float = math.inf, kind: type = int) -> Any:
+    """Return an argparse type: a finite `kind` from `low` to `high`, else one sentence."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {_a(kind)}") from None
+        if not (math.isfinite(value) and low <= value <= high):
+            bound = f"at least {low}" if high == math.inf else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"{text} is out of range; give {bound}")
+        return value
+
+    return parse
+
+
+def _a(kind: type) -> str:
+    return "a whole number" if kind is int else "a number"
+
+
 def add_job_options(parser: argparse.ArgumentParser, name: str, gpus: int) -> None:
     """Add the options every job-making command takes: name, GPUs, S3 credentials."""
-    parser.add_argument("--gpus", type=int, default=gpus, help="GPUs to use when there are any")
+    parser.add_argument(
+        "--gpus", type=number(0, 4096), default=gpus, help="GPUs to use when there are any"
+    )
     parser.add_argument("--name", default=name)
     parser.add_argument("--aws-credentials", help="name of a prefect-aws AwsCredentials block")
 

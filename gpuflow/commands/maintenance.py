@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gpuflow.commands.common import EXIT_FAILED, EXIT_OK, invalid, load_job_spec
+from gpuflow.commands.common import EXIT_FAILED, EXIT_OK, invalid, load_job_spec, number
 
 
 def add(commands: Any) -> list[tuple[str, str]]:
@@ -41,7 +41,9 @@ def add(commands: Any) -> list[tuple[str, str]]:
         " live samples (runs tagged gpuflow.io/keep are spared).",
     )
     recl.add_argument("--prometheus", required=True, help="e.g. http://127.0.0.1:9090")
-    recl.add_argument("--below-pct", type=float, default=5.0, help="idle under this %% (5)")
+    recl.add_argument(
+        "--below-pct", type=number(0, 100, float), default=5.0, help="idle under this %% (5)"
+    )
     recl.add_argument("--window", default="15m", help="idle this long: warned (15m)")
     recl.add_argument("--grace", default="10m", help="then this much longer: cancelled (10m)")
     recl.add_argument("--dry-run", action="store_true", help="say what would go; cancel nothing")

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from gpuflow import session
-from gpuflow.commands.common import EXIT_OK, invalid, load_job_spec
+from gpuflow.commands.common import EXIT_OK, invalid, load_job_spec, number
 
 
 def add(commands: Any) -> list[tuple[str, str]]:
@@ -18,7 +18,9 @@ def add(commands: Any) -> list[tuple[str, str]]:
         " estimated job cost); nothing is launched.",
     )
     offers_parser.add_argument("job", help="path of a job spec (YAML or JSON)")
-    offers_parser.add_argument("--top", type=int, default=15, help="how many to print (15)")
+    offers_parser.add_argument(
+        "--top", type=number(1, 10_000), default=15, help="how many to print (15)"
+    )
     offers_parser.add_argument("--json", action="store_true", help="print every offer as JSON")
     offers_parser.set_defaults(handler=lambda args: offers(args.job, args.top, args.json))
     return [("offers", "rank the EC2 offers a job would rent (nothing launched)")]
@@ -65,10 +67,10 @@ def _print(spec: Any, top: int, as_json: bool) -> int:
     print(
         f"  {'#':>2}  {'instance type':16} {'zone':12} {'market':9} {'GPUs':18} {'$/h':>9} {'job $':>10}"
     )
-    for number, offer in enumerate(found[:top], start=1):
+    for rank, offer in enumerate(found[:top], start=1):
         gpus = f"{offer.gpus} x {offer.product}"
         print(
-            f"  {number:>2}  {offer.instance_type:16} {offer.zone:12} {offer.market:9}"
+            f"  {rank:>2}  {offer.instance_type:16} {offer.zone:12} {offer.market:9}"
             f" {gpus[:18]:18} {offer.hourly_usd * nodes:>9.3f} {offer.job_usd:>10.2f}"
         )
     if len(found) > top:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuflow import session
-from gpuflow.commands.common import EXIT_FAILED, EXIT_OK, invalid
+from gpuflow.commands.common import EXIT_FAILED, EXIT_OK, invalid, number
 
 
 def add(commands: Any) -> list[tuple[str, str]]:
@@ -15,7 +15,9 @@ def add(commands: Any) -> list[tuple[str, str]]:
         "platform", description="A local Prefect server, pools, blocks, deployments and a worker."
     )
     plat.add_argument("action", choices=["up", "down", "status"])
-    plat.add_argument("--port", type=int, default=4200, help="server port on 127.0.0.1")
+    plat.add_argument(
+        "--port", type=number(1, 65535), default=4200, help="server port on 127.0.0.1"
+    )
     plat.add_argument(
         "--kubeconfig",
         type=Path,
@@ -60,7 +62,12 @@ def add(commands: Any) -> list[tuple[str, str]]:
         "--param", action="append", default=[], help="name=value (JSON, or @file.yaml)"
     )
     sub.add_argument("--wait", action="store_true", help="follow the run until it ends")
-    sub.add_argument("--timeout", type=float, default=3600, help="seconds to wait (with --wait)")
+    sub.add_argument(
+        "--timeout",
+        type=number(1, 30 * 86400, float),
+        default=3600,
+        help="seconds to wait (with --wait)",
+    )
     sub.set_defaults(
         handler=lambda args: submit(args.deployment, args.param, args.wait, args.timeout)
     )

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gpuflow.commands.common import EXIT_INVALID, add_job_options, spec_from
+from gpuflow.commands.common import EXIT_INVALID, add_job_options, number, spec_from
 from gpuflow.commands.jobs import run_job
 
 HELP = "render a Blender scene's frames to storage"
@@ -20,11 +20,11 @@ def add(commands: Any) -> list[tuple[str, str]]:
     rend.add_argument("--out", required=True, help="file:///path or s3://bucket/prefix")
     rend.add_argument("--engine", help="CYCLES, EEVEE or WORKBENCH (default: the scene's)")
     rend.add_argument("--device", help="Cycles device: CPU, CUDA, OPTIX, HIP, ONEAPI")
-    rend.add_argument("--samples", type=int)
-    rend.add_argument("--resolution-percentage", type=int)
+    rend.add_argument("--samples", type=number(1, 1 << 24))
+    rend.add_argument("--resolution-percentage", type=number(1, 32767))
     rend.add_argument("--format", dest="file_format", help="PNG, OPEN_EXR, JPEG, TIFF, ...")
     rend.add_argument("--chunk", default="auto", help="frames per Blender process, or auto")
-    rend.add_argument("--workers", dest="max_workers", type=int, help="chunks at once")
+    rend.add_argument("--workers", dest="max_workers", type=number(1, 4096), help="chunks at once")
     rend.add_argument("--pattern", help="frame file name, e.g. shot1/frame_####")
     rend.add_argument("--blender", help="the Blender program (default: blender on PATH)")
     rend.add_argument(

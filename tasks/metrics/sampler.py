@@ -56,7 +56,9 @@ class Sampler:
         self._thread: threading.Thread | None = None
         self.on_sample = on_sample
         self.gpu_error: str | None = None
+        self.write_error: str | None = None  # the first sample that could not be written
         self.count = 0
+        self.lost = 0  # samples that could not be written
 
     def __enter__(self) -> Sampler:
         self.start()
@@ -113,9 +115,20 @@ class Sampler:
                 self._gpu(index, handle, uuid, name) for index, handle, uuid, name in self._handles
             ],
         }
-        with self.path.open("a") as out:
-            out.write(json.dumps(sample) + "\n")
-        self.count += 1
+        try:
+            with self.path.open("a") as out:
+                out.write(json.dumps(sample) + "\n")
+        except OSError as exc:  # a full disk: the job goes on, and so does sampling
+            self.lost += 1
+            if self.write_error is None:
+                self.write_error = f"{self.path}: {exc.strerror or exc}"
+                logger.warning(
+                    "samples can not be written to %s; sampling goes on and writes again once"
+                    " there is room",
+                    self.write_error,
+                )
+        else:
+            self.count += 1
         if self.on_sample is not None:
             try:
                 self.on_sample(sample)

@@ -19,6 +19,7 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.context import TaskRunContext
 from prefect.tasks import exponential_backoff
 
 from tasks import secrets
@@ -56,6 +57,14 @@ from tasks.outputs import copy_outputs
 from tasks.pipeline import preflight as preflight_checks
 from tasks.spec import JobSpec, Placement, StageRetry
 from tasks.storage import s3_settings
+
+
+def _retries_left() -> bool:
+    """Return True when the task run calling this will be retried if it fails."""
+    context = TaskRunContext.get()
+    if context is None:
+        return False
+    return context.task_run.run_count <= (context.task.retries or 0)
 
 
 def retrying(stage: Any, policy: StageRetry) -> Any:
@@ -226,7 +235,13 @@ def run(
         raise JobCancelled("the run was cancelled while the job ran; the job was stopped")
     if result.exit_code == PREEMPTED_EXIT_CODE:
         raise PreemptedError(
-            f"the job was interrupted and saved its state (exit {PREEMPTED_EXIT_CODE}); retrying resumes it"
+            f"the job was interrupted and saved its state (exit {PREEMPTED_EXIT_CODE}); "
+            + (
+                "a retry resumes it"
+                if _retries_left()
+                else "its retries are used up (retry.run.retries); running the same spec again"
+                " resumes it"
+            )
         )
     error_file = Path(cluster.workspace) / "outputs" / ERROR_FILE
     reason = (
@@ -406,11 +421,17 @@ def sampling(
             consume(sample)
 
     samples = Path(cluster.workspace) / SAMPLES
-    with (
-        Sampler(samples, cluster.gpu_indices, spec.metrics.interval_s, on_sample=on_sample),
-        watch if watch is not None else contextlib.nullcontext(),
-    ):
-        yield watch
+    sampler = Sampler(samples, cluster.gpu_indices, spec.metrics.interval_s, on_sample=on_sample)
+    try:
+        with sampler, watch if watch is not None else contextlib.nullcontext():
+            yield watch
+    finally:
+        if sampler.write_error:
+            warn(
+                "%d metric sample(s) were lost: %s; the metrics cover only the rest",
+                sampler.lost,
+                sampler.write_error,
+            )
 
 
 def stop_check(flow_run_id: str) -> Callable[[], bool]:

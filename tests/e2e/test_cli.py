@@ -143,6 +143,30 @@ def test_unreadable_spec_files_are_named_by_every_command(tmp_path, gpuflow_home
         one_sentence(out, f"--param spec: {path}: {expected}")
 
 
+NUMBERS_OUT_OF_RANGE = {
+    "offers --top 0": (["offers", "x.yaml", "--top", "0"], "--top: 0 is out of range"),
+    "platform --port 99999": (["platform", "up", "--port", "99999"], "--port: 99999 is out"),
+    "hpc --ranks abc": (["hpc", "--ranks", "abc"], "--ranks: 'abc' is not a whole number"),
+    "hpc --temperature inf": (["hpc", "--temperature", "inf"], "--temperature: inf is out"),
+    "render --samples -1": (["render", "s", "--out", "file:///o", "--samples", "-1"], "-1 is out"),
+    "reclaim --below-pct 101": (
+        ["reclaim", "--prometheus", "http://x", "--below-pct", "101"],
+        "--below-pct: 101 is out of range; give from 0 to 100",
+    ),
+    "submit --timeout nan": (["submit", "a/b", "--timeout", "nan"], "--timeout: nan is out"),
+    "hpc --mpijob ''": (["hpc", "--mpijob", ""], "--mpijob: the image is empty"),
+}
+
+
+@pytest.mark.parametrize("case", list(NUMBERS_OUT_OF_RANGE))
+def test_numeric_options_out_of_range_are_refused(case, gpuflow_home):
+    argv, expected = NUMBERS_OUT_OF_RANGE[case]
+    out = gpuflow(argv, no_api_env(gpuflow_home))
+    assert out.returncode == 2, out.stderr
+    assert expected in out.stderr and "Traceback" not in out.stderr
+    assert not (gpuflow_home / "workspaces").exists()
+
+
 PREPARE_TYPOS = {
     "shard size not a size": (["--shard-size", "abc"], "shard_size: 'abc' is not a size"),
     "shard size 0": (["--shard-size", "0"], "shard_size must be at least 4 KiB"),

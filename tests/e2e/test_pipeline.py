@@ -173,6 +173,19 @@ def test_preempted_job_is_retried(prefect_api, gpuflow_home, tmp_path):
     assert any("resumed" in line for line in logs_of(run_id))
 
 
+def test_a_preemption_past_the_last_retry_does_not_promise_one(prefect_api, gpuflow_home):
+    raw = {
+        "job": {"kind": "command", "command": ["sh", "-c", "exit 75"]},
+        "retry": {"run": {"retries": 1, "delay_s": 0.01}},
+    }
+    state, run_id = run_pipeline(raw)
+    message = str(state.result(raise_on_failure=False))
+    assert state.is_failed()
+    assert "its retries are used up (retry.run.retries)" in message, message
+    assert "a retry resumes it" not in message
+    assert any("a retry resumes it" in line for line in logs_of(run_id))  # the first try
+
+
 def test_secrets_never_reach_logs_or_artifacts(prefect_api, gpuflow_home):
     from prefect.blocks.system import Secret
 

@@ -244,7 +244,7 @@ def test_up_on_a_port_another_server_holds_is_refused(platform, tmp_path):
     for port in ("99999", "0"):
         bad = other.gpuflow("platform", "up", "--port", port, timeout=60)
         assert bad.returncode == 2, bad.stderr
-        assert f"--port: {port} is not a TCP port" in bad.stderr
+        assert f"argument --port: {port} is out of range; give from 1 to 65535" in bad.stderr
 
 
 def test_down_stops_everything_it_started(platform):
