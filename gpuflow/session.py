@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-EXIT_FAILED = 1
+EXIT_FAILED, EXIT_INVALID = 1, 2
 SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
 
 
@@ -75,6 +75,7 @@ def with_api(body: Callable[[Any], int], temporary: bool = True) -> int:
     """Run `body(api)` against the chosen Prefect API (see tasks.platform.api) and return
     its exit code; an unreachable API ends it with one sentence. With `temporary` False
     (deployments live on a lasting server) no temporary API is started."""
+    from tasks.errors import InvalidSpec
     from tasks.platform import api as prefect_api
 
     try:
@@ -82,6 +83,9 @@ def with_api(body: Callable[[Any], int], temporary: bool = True) -> int:
     except prefect_api.ApiUnavailable as exc:
         fail(str(exc))
         return EXIT_FAILED
+    except InvalidSpec as exc:  # a setting in the environment
+        fail(f"invalid input: {exc}")
+        return EXIT_INVALID
     if chosen.kind != "temporary":
         say(f"using {chosen.describe()}")
     with prefect_api.using(chosen):

@@ -5,6 +5,7 @@ reused pid."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import selectors
 import shutil
@@ -20,6 +21,8 @@ from typing import IO
 import psutil
 from pydantic import BaseModel
 
+from tasks.errors import InvalidSpec
+
 STOP_GRACE_S = 30.0
 # How long a child's pipes are still read after the child ended: what it wrote last is
 # at most a pipe's buffer; a process it left behind that holds a pipe open is not waited on.
@@ -29,6 +32,24 @@ OUTPUT_DRAIN_S = 2.0
 def gpuflow_home() -> Path:
     """Return gpuflow's state folder ($GPUFLOW_HOME, default ~/.gpuflow)."""
     return Path(os.environ.get("GPUFLOW_HOME") or Path.home() / ".gpuflow").expanduser().absolute()
+
+
+def env_number(name: str, default: float, low: float, high: float) -> float:
+    """Return the number in the environment variable `name` (`default` when unset); one
+    sentence naming the variable when it is not a number from `low` to `high`."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and low <= value <= high):
+        raise InvalidSpec(
+            f"{name}: {text[:40]!r} is not a number from {low:g} to {high:g}; unset it (the"
+            f" default is {default:g}) or fix it."
+        )
+    return value
 
 
 def resolve_program(program: str, path: str | None = None) -> str | None:

@@ -269,9 +269,14 @@ class JobSpec(SpecModel):
     @field_validator("env", "secret_env")
     @classmethod
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
-        for key in value:
+        for key, item in value.items():
             if not _ENV_RE.match(key):
                 raise ValueError(f"{key!r} is not an environment variable name; use A-Z, 0-9, _")
+            if "\0" in item:  # the value itself is never echoed: it may be a secret
+                raise ValueError(
+                    f"the value of {key} holds a NUL byte, which no environment can carry;"
+                    " remove it"
+                )
         return value
 
     @model_validator(mode="after")

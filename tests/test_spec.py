@@ -185,3 +185,10 @@ def test_yaml_scalars_in_command_become_strings(tmp_path):
         "--fp16",
         "true",
     ]
+
+
+def test_an_env_value_with_a_nul_byte_is_refused_without_echoing_it():
+    with pytest.raises(InvalidSpec) as caught:
+        load_spec({"job": CMD, "env": {"TOKEN": "se\0cret"}})
+    assert "TOKEN holds a NUL byte" in str(caught.value)
+    assert "cret" not in str(caught.value)

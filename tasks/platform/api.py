@@ -29,12 +29,11 @@ from typing import Any
 import psutil
 
 from tasks.errors import GpuflowError
-from tasks.host import alive, gpuflow_home, stop_group, write_atomic
+from tasks.host import alive, env_number, gpuflow_home, stop_group, write_atomic
 from tasks.platform import state as platform_state
 
 # A cold first start (no bytecode yet, a new SQLite database) took 34 s on a busy
 # 2-core machine; Prefect's own ephemeral start gives up after 20 s.
-START_TIMEOUT_S = float(os.environ.get("GPUFLOW_API_START_TIMEOUT_S", "240"))
 STARTUP_FAILED = 3  # uvicorn's exit code when it cannot bind or the app fails to start
 
 
@@ -131,10 +130,16 @@ def choose(say: Callable[[str], None], temporary: bool = True) -> Api:
     return start_temporary(say)
 
 
-def start_temporary(say: Callable[[str], None], timeout_s: float = START_TIMEOUT_S) -> Api:
+def start_timeout_s() -> float:
+    """Return how long a temporary API may take to start (GPUFLOW_API_START_TIMEOUT_S)."""
+    return env_number("GPUFLOW_API_START_TIMEOUT_S", 240.0, 1.0, 3600.0)
+
+
+def start_temporary(say: Callable[[str], None], timeout_s: float | None = None) -> Api:
     """Start Prefect's API server (no UI) on a free loopback port and wait until it answers."""
     import prefect
 
+    timeout_s = start_timeout_s() if timeout_s is None else timeout_s
     servers_dir().mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     say("starting a temporary Prefect API (`gpuflow platform up` keeps one running, with a UI)")

@@ -167,6 +167,16 @@ def test_numeric_options_out_of_range_are_refused(case, gpuflow_home):
     assert not (gpuflow_home / "workspaces").exists()
 
 
+@pytest.mark.parametrize("value", ["abc", "-3", "nan", "1e9"])
+def test_a_tuning_variable_that_is_no_number_is_named(value, tmp_path, gpuflow_home):
+    env = subprocess_env(None, gpuflow_home) | {"GPUFLOW_API_START_TIMEOUT_S": value}
+    env.pop("PREFECT_API_URL", None)
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    out = gpuflow(["run", str(write(tmp_path, "job: {kind: command, command: [true]}\n"))], env)
+    one_sentence(out, f"GPUFLOW_API_START_TIMEOUT_S: {value!r} is not a number from 1 to 3600")
+    assert "starting a temporary Prefect API" not in out.stderr
+
+
 PREPARE_TYPOS = {
     "shard size not a size": (["--shard-size", "abc"], "shard_size: 'abc' is not a size"),
     "shard size 0": (["--shard-size", "0"], "shard_size must be at least 4 KiB"),
