@@ -156,6 +156,8 @@ class TeardownReport(BaseModel):
     # how the job's processes were found: "cgroup", or "process groups, environment,
     # working directory" where this machine allows no cgroup
     process_tracking: str = ""
+    # what a job could still do to escape that tracking (empty: nothing known)
+    escapes: str = ""
 
 
 LineSink = Callable[[str, str], None]  # (stream name, line)

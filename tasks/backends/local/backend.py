@@ -322,8 +322,8 @@ class LocalBackend:
             **unit.env,
             **unit_env(unit.node, cluster.nodes, cluster.workspace, gpus),
         }
-        cgroup, memory = self._cgroup(cluster)
-        groups = [g for g in dict.fromkeys([cgroup, memory]) if g]
+        tracked, memory = self._cgroups(cluster)
+        groups = [g for g in dict.fromkeys([*tracked, memory]) if g]
         oom_before = cgroups.memory_events(memory).get("oom_kill", 0)
         started = datetime.now(UTC)
         proc = subprocess.Popen(
@@ -360,30 +360,32 @@ class LocalBackend:
             end = end.model_copy(update={"memory_events": {"oom_kill": oom_kills}})
         return end.result(started, datetime.now(UTC), list(tail))
 
-    def _cgroup(self, cluster: Cluster) -> tuple[str | None, str | None]:
-        """Return the cluster's cgroup and, when resources.memory asked for a limit, the
-        cgroup holding it to that (made on first use and recorded); None where this
-        machine allows none."""
+    def _cgroups(self, cluster: Cluster) -> tuple[list[str], str | None]:
+        """Return the cgroups the cluster's jobs are tracked in and, when resources.memory
+        asked for a limit, the cgroup holding them to that (made on first use and
+        recorded); none where this machine allows none."""
         # Named after this state folder too: two GPUFLOW_HOMEs on one machine may use the
         # same flow-run id (tests do), and must not share a cgroup.
         name = f"{cluster.name}-{hashlib.sha256(str(self.home).encode()).hexdigest()[:8]}"
         limit = state_of(cluster, LocalState).memory_bytes
 
         def wanted(record: dict[str, Any], key: str) -> bool:  # not made, or swept while empty
-            return key not in record or bool(record[key] and not Path(record[key]).is_dir())
+            paths = record.get(key)
+            paths = paths if isinstance(paths, list) else [paths] if paths else []
+            return key not in record or any(not Path(path).is_dir() for path in paths)
 
         with _RECORD_LOCK:
             record = self._read_record(cluster.name) or {
                 "cluster": cluster.model_dump(mode="json", exclude={"adopted"})
             }
-            if wanted(record, "cgroup"):
-                path = cgroups.create(name)
-                record["cgroup"] = str(path) if path else None
+            if wanted(record, "cgroups"):
+                record["cgroups"] = [str(path) for path in cgroups.create(name)]
                 self._write_record(record)
+            v2 = next((path for path in record["cgroups"] if cgroups.is_v2(path)), None)
             if limit and wanted(record, "memory_cgroup"):
-                record["memory_cgroup"] = cgroups.limit_memory(name, record["cgroup"], int(limit))
+                record["memory_cgroup"] = cgroups.limit_memory(name, v2, int(limit))
                 self._write_record(record)
-            return record["cgroup"], record.get("memory_cgroup")
+            return record["cgroups"], record.get("memory_cgroup")
 
     def _note_job(self, cluster: Cluster, pgid: int, started: float | None) -> None:
         """Record a running job's process group (started is its create time), or forget it
@@ -411,15 +413,21 @@ class LocalBackend:
             for pgid, started in record.get("jobs", {}).items():
                 if alive(int(pgid), started):
                     report.killed_processes += stop_group(int(pgid), started)
+            tracked = record.get("cgroups") or ([record["cgroup"]] if record.get("cgroup") else [])
             memory = record.get("memory_cgroup")
-            if memory and memory != record.get("cgroup"):  # a v1 memory cgroup of its own
-                report.killed_processes += cgroups.stop(memory, grace_s=5.0)
-            if record.get("cgroup"):
-                report.killed_processes += cgroups.stop(record["cgroup"], grace_s=5.0)
+            groups = [g for g in dict.fromkeys([*tracked, memory]) if g]
+            if groups:  # one stop over every hierarchy: leaving one of them is not enough
+                report.killed_processes += cgroups.stop(groups, grace_s=5.0)
+            if tracked:
                 report.process_tracking = "cgroup"
+                report.escapes = cgroups.ESCAPE
                 report.killed_processes += _stop_strays(cluster.workspace)
             else:
                 report.process_tracking = "process groups, environment, working directory"
+                report.escapes = (
+                    "no cgroup could be made here: a process the job starts in a session of"
+                    " its own, with a clean environment and outside the workspace, is not found"
+                )
                 since = cluster.created_at.timestamp()
                 report.killed_processes += _stop_strays(cluster.workspace, cwd_since=since)
         claims = self.home / "gpus"

@@ -1,9 +1,12 @@
-"""A cgroup (v2) of its own for each job, where this machine lets gpuflow make one.
+"""Cgroups of its own for each job, where this machine lets gpuflow make them: one cgroup
+v2 and, on a host with cgroup v1 hierarchies (v1 or hybrid), one in each of those that
+only count or freeze processes (pids, freezer): a job that leaves one is still in another.
 
 Whatever a job does to its session, process group or environment, its processes stay in
-its cgroup, so teardown finds them all. Where cgroups cannot be made (no cgroup2 mount,
-no permission), `create` returns None and the local backend falls back to process
-groups, the environment and the working directory.
+its cgroups, so teardown finds them all; only a process running as root can move itself
+out of every one (ESCAPE says so in the teardown report). Where cgroups cannot be made
+(no mount, no permission), `create` returns none and the local backend falls back to
+process groups, the environment and the working directory.
 """
 
 from __future__ import annotations
@@ -47,13 +50,32 @@ def _parent() -> Path | None:
     return own.parent if own != mount else mount
 
 
-def create(name: str) -> Path | None:
-    """Return a cgroup named `name` beside this process's own (made if missing), or None
-    when this machine does not allow it."""
+# The v1 hierarchies a job is tracked in: joining them limits nothing.
+V1_TRACKERS = ("pids", "freezer")
+ESCAPE = "a job running as root can still move itself out of every cgroup it was put in"
+
+
+def _parents() -> list[Path]:
+    """Return the folders job cgroups are made in: beside this process's cgroup v2 (first),
+    and this process's place in each v1 tracking hierarchy there is (a hybrid host has
+    both; a process root moves out of one is still in the others)."""
     parent = _parent()
-    if parent is None:
-        return None
-    return _make(parent / name, {})
+    found = [_v1(controller) for controller in V1_TRACKERS]
+    v1 = [mount / own.lstrip("/") for mount, own in filter(None, found)]
+    return ([parent] if parent is not None else []) + v1
+
+
+def is_v2(path: str | Path) -> bool:
+    """Return True for a cgroup of the v2 hierarchy (only it has cgroup.controllers)."""
+    return (Path(path) / "cgroup.controllers").exists()
+
+
+def create(name: str) -> list[Path]:
+    """Return the cgroups named `name` this job is tracked in (made if missing): its cgroup
+    v2 first where there is one, then one per v1 tracking hierarchy; none when this
+    machine does not allow it."""
+    made = [_make(parent / name, {}) for parent in _parents() if parent.is_dir()]
+    return [path for path in made if path is not None]
 
 
 def _make(path: Path, settings: dict[str, str]) -> Path | None:
@@ -73,14 +95,14 @@ def _make(path: Path, settings: dict[str, str]) -> Path | None:
     return path
 
 
-def _v1_memory() -> tuple[Path, str] | None:
-    """Return where cgroup v1's memory hierarchy is mounted and this process's place in it,
-    or None (a pure cgroup v2 machine, or none)."""
+def _v1(controller: str) -> tuple[Path, str] | None:
+    """Return where cgroup v1's `controller` hierarchy is mounted and this process's place
+    in it, or None (a pure cgroup v2 machine, or none)."""
     mount = None
     with contextlib.suppress(OSError), open("/proc/self/mounts") as mounts:
         for line in mounts:
             fields = line.split()
-            if len(fields) > 3 and fields[2] == "cgroup" and "memory" in fields[3].split(","):
+            if len(fields) > 3 and fields[2] == "cgroup" and controller in fields[3].split(","):
                 mount = Path(fields[1])
     if mount is None:
         return None
@@ -88,7 +110,7 @@ def _v1_memory() -> tuple[Path, str] | None:
     with contextlib.suppress(OSError), open("/proc/self/cgroup") as lines:
         for line in lines:
             parts = line.rstrip("\n").split(":", 2)
-            if len(parts) == 3 and "memory" in parts[1].split(","):
+            if len(parts) == 3 and controller in parts[1].split(","):
                 own = parts[2]
     return mount, own
 
@@ -106,7 +128,7 @@ def limit_memory(name: str, v2_cgroup: str | None, limit_bytes: int) -> str | No
             return v2_cgroup
         except OSError:
             return None
-    found = _v1_memory()
+    found = _v1("memory")
     if found is None:
         return None
     mount, own = found
@@ -153,47 +175,50 @@ def members(path: str | Path) -> list[int]:
         return []
 
 
-def stop(path: str | Path, grace_s: float) -> int:
-    """SIGTERM every process in the cgroup, SIGKILL what is left after `grace_s`, remove
-    the cgroup; return how many processes there were. Idempotent."""
-    path = Path(path)
-    found = members(path)
+def stop(paths: str | Path | list[str] | list[Path], grace_s: float) -> int:
+    """SIGTERM every process in the cgroups (one job's, in several hierarchies: a process
+    still in any of them is found), SIGKILL what is left after `grace_s`, remove the
+    cgroups; return how many processes there were. Idempotent."""
+    groups = [Path(p) for p in (paths if isinstance(paths, list) else [paths])]
+
+    def all_members() -> set[int]:
+        return {pid for path in groups for pid in members(path)}
+
+    found = all_members()
 
     def signal_members(number: int) -> None:
-        for pid in members(path):
+        for pid in all_members():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, number)
 
     def kill() -> None:
-        if (path / "cgroup.kill").exists():  # every member at once, forks included
-            with contextlib.suppress(OSError):
-                (path / "cgroup.kill").write_text("1")
-        else:
-            signal_members(signal.SIGKILL)
+        for path in groups:
+            if (path / "cgroup.kill").exists():  # every member at once, forks included
+                with contextlib.suppress(OSError):
+                    (path / "cgroup.kill").write_text("1")
+        signal_members(signal.SIGKILL)
 
-    escalate(lambda: signal_members(signal.SIGTERM), kill, lambda: bool(members(path)), grace_s)
-    # A process that has exited but not yet been reaped keeps the cgroup busy for a moment.
+    escalate(lambda: signal_members(signal.SIGTERM), kill, lambda: bool(all_members()), grace_s)
+    # A process that has exited but not yet been reaped keeps a cgroup busy for a moment.
     deadline = time.monotonic() + 5
-    while path.exists():
-        try:
-            path.rmdir()
-        except FileNotFoundError:
-            break
-        except OSError:
-            if time.monotonic() > deadline:
+    for path in groups:
+        while path.exists():
+            try:
+                path.rmdir()
+            except FileNotFoundError:
                 break
-            time.sleep(0.05)
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
     return len(found)
 
 
 def sweep_empty(prefix: str = "gpuflow-", min_age_s: float = 60.0) -> list[str]:
     """Remove empty job cgroups (named `prefix`...) older than `min_age_s` that a killed
     process left; a cgroup with a process in it cannot be removed, so none is disturbed."""
-    parent = _parent()
     swept: list[str] = []
-    if parent is None:
-        return swept
-    for path in parent.glob(f"{prefix}*"):
+    for path in (path for parent in _parents() for path in parent.glob(f"{prefix}*")):
         with contextlib.suppress(OSError):
             if time.time() - path.stat().st_mtime > min_age_s and not members(path):
                 path.rmdir()
