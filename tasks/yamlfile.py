@@ -110,6 +110,11 @@ def read(path: Path, what: str = "a job YAML or JSON file") -> Any:
     if path.is_dir():
         raise InvalidSpec(f"{path}: is a folder; give the path of {what}.")
     if not path.is_file():
+        if path.exists():  # a device, a FIFO, a socket: reading one may block or never end
+            raise InvalidSpec(
+                f"{path}: is not a regular file (a device, FIFO or socket); give the path of"
+                f" {what}."
+            )
         raise InvalidSpec(f"{path}: no such file; give the path of {what}.")
     try:
         if path.stat().st_size > MAX_BYTES:

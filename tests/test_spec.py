@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from tasks.errors import InvalidSpec
@@ -192,3 +195,11 @@ def test_an_env_value_with_a_nul_byte_is_refused_without_echoing_it():
         load_spec({"job": CMD, "env": {"TOKEN": "se\0cret"}})
     assert "TOKEN holds a NUL byte" in str(caught.value)
     assert "cret" not in str(caught.value)
+
+
+def test_special_files_are_named_as_such(tmp_path):
+    fifo = tmp_path / "job.fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/null"), Path("/dev/zero")):
+        with pytest.raises(InvalidSpec, match="is not a regular file"):
+            load_spec(path)

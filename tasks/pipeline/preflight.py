@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from tasks import compat, nvml
+from tasks.host import resolve_program
 from tasks.kinds.registry import kind_of
 from tasks.spec import JobSpec
 from tasks.units import format_bytes
@@ -205,6 +206,17 @@ def verdict(spec: JobSpec, facts: HostFacts, reserved: list[int]) -> PreflightRe
             )
         )
     checks += _host_size_checks(spec, facts)
+    for field, program in kind_of(spec).needs(spec).programs.items():
+        found = resolve_program(program, spec.env.get("PATH") or os.environ.get("PATH"))
+        checks.append(
+            Check(
+                name="program",
+                level="pass" if found else "fail",
+                message=f"{field}: {program} is {found}."
+                if found
+                else f"{field}: {program!r} was not found here; install it or give its full path.",
+            )
+        )
     if facts.nccl_env:
         shown = ", ".join(f"{k}={v}" for k, v in sorted(facts.nccl_env.items()))
         checks.append(Check(name="nccl", level="pass", message=f"NCCL settings: {shown}."))

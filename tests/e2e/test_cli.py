@@ -251,6 +251,10 @@ def test_preflight_command(tmp_path, gpuflow_home):
     levels = {c["name"]: c["level"] for c in report["checks"]}
     assert levels["gpus"] == "pass" and report["gpus_reserved"] == [0]
     assert report["verdict"] == ("warn" if levels.get("nvidia-smi") == "warn" else "pass")
+    missing = write(tmp_path, "job: {kind: command, command: [no-such-program-x, --go]}\n")
+    out = gpuflow(["preflight", str(missing)], env)
+    assert out.returncode == 1 and "verdict: fail" in out.stdout
+    assert "[fail] program: job.command: 'no-such-program-x' was not found here" in out.stdout
 
 
 def _start_long_run(tmp_path, prefect_api, gpuflow_home, script="exec sleep 300", extra=""):
