@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -218,6 +219,12 @@ def inspect(blender: str, blend: Path, devices: list[str]) -> SceneInfo:
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 cached.write_text(info.model_dump_json())
             return info
+    if not re.search(r"^Blender \d", output, re.MULTILINE):  # no banner: not Blender at all
+        said = " | ".join(output.splitlines()[-3:]) or "nothing"
+        raise InvalidSpec(
+            f"job.blender: {blender} did not start as Blender (exit {done.returncode}, it"
+            f" printed: {said[:300]}); give the Blender program (--blender)."
+        )
     failure = logparse.classify(
         logparse.parse(output), done.returncode if done.returncode >= 0 else None
     )

@@ -448,6 +448,7 @@ def test_render_command_rejects_bad_input_with_exit_2(prefect_api, scene, tmp_pa
         (["--chunk", "0"], "job.chunk: 0 is not a chunk size"),
         (["--engine", "octane"], "job.engine: 'octane' is not known"),
         (["--frames", "1-99"], "frames 7-99 are outside the scene's range 1-6"),
+        (["--blender", "/bin/false"], "job.blender: /bin/false did not start as Blender (exit 1"),
     ):
         done = subprocess.run([*args, *extra], env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2, done.stderr[-1000:]
