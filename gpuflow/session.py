@@ -75,7 +75,7 @@ def with_api(body: Callable[[Any], int], temporary: bool = True) -> int:
     """Run `body(api)` against the chosen Prefect API (see tasks.platform.api) and return
     its exit code; an unreachable API ends it with one sentence. With `temporary` False
     (deployments live on a lasting server) no temporary API is started."""
-    from tasks.errors import InvalidSpec
+    from tasks.errors import GpuflowError, InvalidSpec
     from tasks.platform import api as prefect_api
 
     try:
@@ -91,6 +91,12 @@ def with_api(body: Callable[[Any], int], temporary: bool = True) -> int:
     with prefect_api.using(chosen):
         try:
             return body(chosen)
+        except InvalidSpec as exc:  # the command's own input (a kubeconfig, a block name)
+            fail(f"invalid input: {exc}")
+            return EXIT_INVALID
+        except GpuflowError as exc:  # gpuflow's own sentence for what went wrong
+            fail(str(exc))
+            return EXIT_FAILED
         except Exception as exc:  # the engine itself failed talking to the API
             fail(api_failure(exc, chosen))
             return EXIT_FAILED

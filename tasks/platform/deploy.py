@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from tasks import yamlfile
 from tasks.errors import InvalidSpec
 from tasks.kinds import registry as _kinds  # noqa: F401 - registers the kinds' job models
 from tasks.platform.k8s_worker import WORKER_TYPE
@@ -42,14 +41,9 @@ def pool_templates() -> dict[str, tuple[str, dict[str, Any]]]:
 
 def load_project(path: Path) -> dict[str, Any]:
     """Return prefect.yaml as a mapping; InvalidSpec when it is not one."""
-    try:
-        project = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise InvalidSpec(f"{path}: no such file; run from the project folder") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f" at line {mark.line + 1}" if mark else ""
-        raise InvalidSpec(f"{path}: not valid YAML{line}; fix the syntax there") from None
+    if not path.exists():
+        raise InvalidSpec(f"{path}: no such file; run from the project folder")
+    project = yamlfile.read(path, "prefect.yaml")  # aliases bounded, errors one sentence
     if not isinstance(project, dict) or not isinstance(project.get("deployments"), list):
         raise InvalidSpec(f"{path}: has no deployments list; add deployments: [...]")
     return json.loads(json.dumps(project))  # YAML aliases share one object: give each its own

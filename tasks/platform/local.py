@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 import yaml
 
-from tasks import nvml
+from tasks import nvml, yamlfile
 from tasks.backends.kubernetes.kubeapi import KubeApi, KubeError, KubeUnreachable, load_config
 from tasks.backends.local.gpu_slots import LIMIT_NAME
 from tasks.errors import GpuflowError, InvalidSpec
@@ -225,10 +225,10 @@ def _cluster(kubeconfig: Path, image: str | None) -> dict[str, Any]:
             f"--image: name the job image the Kubernetes pods run (already pushed), or set"
             f" {IMAGE_VARIABLE}; infra/docker/Dockerfile builds it"
         )
-    try:
-        config = load_config(yaml.safe_load(kubeconfig.read_text()) or {})
-    except yaml.YAMLError:
-        raise InvalidSpec(f"--kubeconfig: {kubeconfig} is not YAML; name your kubeconfig") from None
+    loaded = yamlfile.read(kubeconfig, "your kubeconfig (--kubeconfig)")
+    if loaded is not None and not isinstance(loaded, dict):
+        raise InvalidSpec(f"--kubeconfig: {kubeconfig} is not a kubeconfig; name your kubeconfig")
+    config = load_config(loaded or {})
     api = KubeApi(config.model_copy(update={"source": str(kubeconfig)}))
     namespace = config.namespace
     try:

@@ -177,6 +177,22 @@ def test_a_tuning_variable_that_is_no_number_is_named(value, tmp_path, gpuflow_h
     assert "starting a temporary Prefect API" not in out.stderr
 
 
+def test_reap_kubernetes_without_a_usable_kubeconfig_says_so(tmp_path, prefect_api, gpuflow_home):
+    env = subprocess_env(prefect_api, gpuflow_home) | {"HOME": str(tmp_path)}
+    broken = tmp_path / "broken-kubeconfig"
+    broken.write_text("clusters: [\n")
+    listed = tmp_path / "listed-kubeconfig"
+    listed.write_text("- a\n- b\n")
+    for kubeconfig, expected in (
+        (tmp_path / "none", "no Kubernetes credentials were found"),
+        (broken, f"{broken}: not valid YAML at line 2"),
+        (listed, f"{listed}: is not a kubeconfig"),
+    ):
+        out = gpuflow(["reap", "--backend", "kubernetes"], env | {"KUBECONFIG": str(kubeconfig)})
+        one_sentence(out, expected)
+        assert "InvalidSpec" not in out.stderr
+
+
 PREPARE_TYPOS = {
     "shard size not a size": (["--shard-size", "abc"], "shard_size: 'abc' is not a size"),
     "shard size 0": (["--shard-size", "0"], "shard_size must be at least 4 KiB"),

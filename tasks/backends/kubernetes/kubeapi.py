@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 from pydantic import BaseModel, SecretStr
 
+from tasks import yamlfile
 from tasks.errors import GpuflowError, InvalidSpec, TransientError
 
 IN_CLUSTER = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -67,10 +67,9 @@ def load_config(kubeconfig: dict[str, Any] | None = None, context: str | None = 
     paths.append(str(Path.home() / ".kube" / "config"))
     for path in paths:
         if Path(path).is_file():
-            try:
-                loaded = yaml.safe_load(Path(path).read_text())
-            except (OSError, yaml.YAMLError) as exc:
-                raise InvalidSpec(f"the kubeconfig {path} cannot be read ({exc}); fix it") from None
+            loaded = yamlfile.read(Path(path), "a kubeconfig")  # one sentence if unreadable
+            if loaded is not None and not isinstance(loaded, dict):
+                raise InvalidSpec(f"{path}: is not a kubeconfig (no mapping at the top); fix it.")
             return _from_kubeconfig(loaded or {}, context, path)
     host, port = (
         os.environ.get("KUBERNETES_SERVICE_HOST"),
