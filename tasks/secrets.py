@@ -8,6 +8,8 @@ from collections.abc import Iterable, Mapping
 from tasks.errors import InvalidSpec
 
 MASK = "***"
+# Shorter values are not masked: "ok" or "1" would mask ordinary text everywhere.
+MIN_MASKED = 4
 
 
 class Redactor:
@@ -20,7 +22,7 @@ class Redactor:
         for secret in secrets:
             parts |= _parts(secret)
         # Longest first, so a secret that contains another is masked whole.
-        self._values = sorted((p for p in parts if len(p) >= 4), key=len, reverse=True)
+        self._values = sorted((p for p in parts if len(p) >= MIN_MASKED), key=len, reverse=True)
 
     def __call__(self, text: str) -> str:
         for value in self._values:
@@ -69,6 +71,12 @@ def resolve(secret_env: Mapping[str, str]) -> dict[str, str]:
                 f"secret_env.{env_name}: there is no Prefect Secret block named {block_name!r};"
                 f" create it with Secret(value=...).save({block_name!r}) or fix the name."
             ) from None
-        value = secret.get()
-        values[env_name] = as_env_value(value)
+        value = as_env_value(secret.get())
+        if len(value.strip()) < MIN_MASKED:
+            raise InvalidSpec(
+                f"secret_env.{env_name}: the secret in {block_name!r} is shorter than"
+                f" {MIN_MASKED} characters, too short to mask in logs without masking ordinary"
+                " text; use a longer secret (or env, if it need not be secret)."
+            )
+        values[env_name] = value
     return values

@@ -13,7 +13,14 @@ import pytest
 from flows.pipeline import gpu_pipeline
 from tasks.backends.local import gpu_slots
 from tasks.backends.local.backend import LocalBackend
-from tasks.errors import CapacityError, CollectError, JobFailed, PreflightFailed, ProvisionError
+from tasks.errors import (
+    CapacityError,
+    CollectError,
+    InvalidSpec,
+    JobFailed,
+    PreflightFailed,
+    ProvisionError,
+)
 from tasks.pipeline import stages
 from tasks.spec import load_spec
 from tests.e2e.helpers import (
@@ -184,6 +191,22 @@ def test_a_preemption_past_the_last_retry_does_not_promise_one(prefect_api, gpuf
     assert "its retries are used up (retry.run.retries)" in message, message
     assert "a retry resumes it" not in message
     assert any("a retry resumes it" in line for line in logs_of(run_id))  # the first try
+
+
+def test_a_secret_too_short_to_mask_is_refused_before_provisioning(prefect_api, gpuflow_home):
+    from prefect.blocks.system import Secret
+
+    Secret(value="abc").save("gpuflow-test-short", overwrite=True)
+    raw = {
+        "job": {"kind": "command", "command": ["sh", "-c", "echo $PIN"]},
+        "secret_env": {"PIN": "gpuflow-test-short"},
+    }
+    state, _ = run_pipeline(raw)
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, InvalidSpec)
+    assert "secret_env.PIN: the secret in 'gpuflow-test-short' is shorter than 4" in str(error)
+    assert "abc" not in str(error)
+    assert nothing_left(gpuflow_home)
 
 
 def test_secrets_never_reach_logs_or_artifacts(prefect_api, gpuflow_home):
