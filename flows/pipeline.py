@@ -15,6 +15,7 @@ from tasks.errors import InvalidSpec, JobCancelled, JobFailed
 from tasks.host import gpuflow_home, signals_deferred
 from tasks.metrics.summary import RunMetrics
 from tasks.pipeline.checks import check_spec
+from tasks.pipeline.inflight import run_in_flight
 from tasks.pipeline.stages import (
     collect,
     nothing_to_do,
@@ -105,6 +106,19 @@ def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
     out = artifacts_dir(job, run_id)
     owner = owner_labels(run_id, job.name)
     idle = nothing_to_do(job)
+    with run_in_flight(run_id, where):
+        return _stages(job, prices, run_id, out, owner, idle)
+
+
+def _stages(
+    job: JobSpec,
+    prices: Any,
+    run_id: str,
+    out: Path,
+    owner: dict[str, str],
+    idle: str | None,
+) -> PipelineResult | State:
+    where = job.placement
     try:
         if idle:  # a rerun with nothing left to do: nothing is provisioned for it
             get_run_logger().info("nothing to provision: %s", idle)

@@ -76,6 +76,7 @@ def with_api(body: Callable[[Any], int], temporary: bool = True) -> int:
     its exit code; an unreachable API ends it with one sentence. With `temporary` False
     (deployments live on a lasting server) no temporary API is started."""
     from tasks.errors import GpuflowError, InvalidSpec
+    from tasks.host import gpuflow_home
     from tasks.platform import api as prefect_api
 
     try:
@@ -89,6 +90,10 @@ def with_api(body: Callable[[Any], int], temporary: bool = True) -> int:
     if chosen.kind != "temporary":
         say(f"using {chosen.describe()}")
     with prefect_api.using(chosen):
+        if (gpuflow_home() / "unreported").is_dir():  # runs an API outage left Running
+            from tasks.platform.reap import deliver_unreported
+
+            deliver_unreported(say, chosen.url)
         try:
             return body(chosen)
         except InvalidSpec as exc:  # the command's own input (a kubeconfig, a block name)

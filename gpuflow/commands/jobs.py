@@ -53,7 +53,12 @@ def _run_spec(spec: Any, api: Any, checked: bool) -> int:
         spec = spec if checked else checked_spec(spec)
     except InvalidSpec as exc:
         return invalid(exc)
-    with session.sentences_on_console():
+    from gpuflow.outage import OutageWatch, outage_bound_s
+
+    with (
+        session.sentences_on_console(),
+        OutageWatch(api, session.say, session.fail, outage_bound_s()),
+    ):
         state = flow_for(spec)(spec, return_state=True)
     if state.is_completed():
         _print_summary(spec, state.result())

@@ -7,6 +7,7 @@ retry may succeed (CapacityError, TransientError, PreemptedError).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import shutil
 import socket
@@ -55,6 +56,7 @@ from tasks.metrics.sampler import SAMPLES, Sampler, read_samples
 from tasks.metrics.summary import IDLE_PCT, RunMetrics, summarise
 from tasks.outputs import copy_outputs
 from tasks.pipeline import preflight as preflight_checks
+from tasks.pipeline.inflight import unit_running
 from tasks.spec import JobSpec, Placement, StageRetry
 from tasks.storage import s3_settings
 
@@ -167,24 +169,35 @@ def preflight(spec: JobSpec, cluster: Cluster) -> preflight_checks.PreflightRepo
 def cancel_requested(flow_run_id: str, every_s: float = 2.0) -> Callable[[], bool]:
     """Return a check, cheap to call often, that says whether the run was cancelled in the
     API (UI, `prefect flow-run cancel`): a run started by `gpuflow run` has no worker to
-    kill it, so the run stage stops the job itself."""
+    kill it, so the run stage stops the job itself. The API is asked on a thread of its
+    own: an API that is away or slow (its client retries for a minute) never holds up
+    the loop that follows the job; the thread ends once the check is no longer called."""
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
 
-    last = [time.monotonic()]
+    cancelled = threading.Event()
+    last_called = [time.monotonic()]
+
+    def poll() -> None:
+        while time.monotonic() - last_called[0] < 5 * every_s + 10:
+            time.sleep(every_s)
+            try:
+                with get_client(sync_client=True) as client:
+                    state = client.read_flow_run(UUID(flow_run_id)).state
+            except Exception:  # the API being away is no reason to stop a job
+                continue
+            if state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED):
+                cancelled.set()
+                return
+
+    context = contextvars.copy_context()  # the API this run uses (settings are context)
+    threading.Thread(target=context.run, args=(poll,), daemon=True, name="cancel-check").start()
 
     def check() -> bool:
-        if time.monotonic() - last[0] < every_s:
-            return False
-        last[0] = time.monotonic()
-        try:
-            with get_client(sync_client=True) as client:
-                state = client.read_flow_run(UUID(flow_run_id)).state
-        except Exception:  # the API being away is no reason to stop a job
-            return False
-        return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
+        last_called[0] = time.monotonic()
+        return cancelled.is_set()
 
     return check
 
@@ -304,15 +317,16 @@ class PipelineRunner:
         self, unit: WorkUnit, on_line: LineSink, env: Mapping[str, str], deadline: float
     ) -> JobResult:
         """Run `unit` with the run's variables over `env` until it ends or `deadline`."""
-        return self.backend.run(
-            self.cluster,
-            unit,
-            {**env, **self.env},
-            max(1.0, deadline - time.time()),
-            on_line,
-            stop_check(self.flow_run_id),
-            grace_s=self.spec.limits.stop_grace_s,
-        )
+        with unit_running():
+            return self.backend.run(
+                self.cluster,
+                unit,
+                {**env, **self.env},
+                max(1.0, deadline - time.time()),
+                on_line,
+                stop_check(self.flow_run_id),
+                grace_s=self.spec.limits.stop_grace_s,
+            )
 
     def idle_stop(self) -> str | None:
         return idle_stop(self.flow_run_id)
@@ -336,7 +350,8 @@ def run_units(
     a training node left alone would wait at its rendezvous); else the last to end."""
     if len(units) == 1:
         [unit] = units
-        return backend.run(cluster, unit, env, timeout_s, sink(unit), should_stop, grace_s)
+        with unit_running():
+            return backend.run(cluster, unit, env, timeout_s, sink(unit), should_stop, grace_s)
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
     failed = threading.Event()
@@ -348,7 +363,8 @@ def run_units(
         return cancelled.is_set() or failed.is_set()
 
     def one(unit: WorkUnit) -> JobResult:
-        return backend.run(cluster, unit, env, timeout_s, sink(unit), stop, grace_s)
+        with unit_running():
+            return backend.run(cluster, unit, env, timeout_s, sink(unit), stop, grace_s)
 
     results: list[JobResult] = []
     first_failure: JobResult | None = None

@@ -8,16 +8,81 @@ are stopped.
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 from uuid import UUID
 
 from tasks.backends.ec2.backend import Ec2Backend
 from tasks.backends.kubernetes.backend import KubernetesBackend
 from tasks.backends.local.backend import LocalBackend
+from tasks.host import gpuflow_home, write_atomic
 from tasks.platform import api as prefect_api
+from tasks.platform.state import read_state
 
 CRASHED_MESSAGE = "its gpuflow process was killed; `gpuflow reap` tore down what it left"
+OUTAGE_MESSAGE = (
+    "the Prefect API stopped answering during the run; gpuflow tore the run down and"
+    " marked it Crashed once the API was back"
+)
+# Runs whose end the API never heard (it was away): marked Crashed once it answers again.
+UNREPORTED_DAYS = 30
+
+
+def unreported_dir() -> Path:
+    return gpuflow_home() / "unreported"
+
+
+def record_unreported(run_id: str, api_url: str, why: str) -> Path:
+    """Remember a run whose end could not be told to the API at `api_url`."""
+    path = unreported_dir() / f"{run_id}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    at = datetime.now(UTC).isoformat()
+    write_atomic(path, json.dumps({"run_id": run_id, "api_url": api_url, "why": why, "at": at}))
+    return path
+
+
+def deliver_unreported(say: Callable[[str], None], current_url: str | None = None) -> int:
+    """Mark Crashed every remembered run whose API answers again: the one it was recorded
+    in, else `current_url` (a new temporary API keeps its runs in the same database);
+    return how many were marked. Quiet when there is nothing to do."""
+    folder = unreported_dir()
+    if not folder.is_dir():
+        return 0
+    urls = [current_url or "", os_api_url()]
+    marked = 0
+    for path in sorted(folder.glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            path.unlink(missing_ok=True)
+            continue
+        for url in dict.fromkeys([record["api_url"], *urls]):
+            if not url or prefect_api.health_error(url, timeout_s=3):
+                continue
+            try:
+                crashed = _crash(record["run_id"], url, OUTAGE_MESSAGE)
+            except Exception:  # not a run this API knows: try the next one
+                continue
+            if crashed:
+                say(f"flow run {record['run_id']} marked Crashed: {record['why']}")
+                marked += 1
+            path.unlink(missing_ok=True)
+            break
+        else:
+            if time.time() - path.stat().st_mtime > UNREPORTED_DAYS * 86400:
+                path.unlink(missing_ok=True)  # its API never came back
+    return marked
+
+
+def os_api_url() -> str:
+    """Return the API this process would use: PREFECT_API_URL, else the local platform's."""
+    state = read_state()
+    return os.environ.get("PREFECT_API_URL") or (state or {}).get("api") or ""
 
 
 class PrefectRuns:
@@ -43,6 +108,7 @@ def reap(dry_run: bool, say: Callable[[str], None] = print) -> dict[str, Any]:
         done["servers"] = len(servers)
         return done
     done["flow_runs_crashed"] = _mark_crashed(found.crashed, say)
+    done["flow_runs_crashed"] += deliver_unreported(lambda line: say(f"  {line}"))
     for record in servers:
         done["servers"] += prefect_api.stop_server(record)
     return done
@@ -60,6 +126,7 @@ def reap_kubernetes(
     done |= {k: int(v) for k, v in found.counts.items()}
     if not dry_run:
         done["flow_runs_crashed"] = _mark_crashed(found.crashed, say)
+    done["flow_runs_crashed"] += deliver_unreported(lambda line: say(f"  {line}"))
     return done
 
 
@@ -119,7 +186,7 @@ def _mark_crashed(runs: list[tuple[str, str | None]], say: Callable[[str], None]
     return marked
 
 
-def _crash(run_id: str, url: str) -> bool:
+def _crash(run_id: str, url: str, message: str = CRASHED_MESSAGE) -> bool:
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import Crashed
@@ -128,5 +195,5 @@ def _crash(run_id: str, url: str) -> bool:
         state = client.read_flow_run(UUID(run_id)).state
         if state is not None and state.is_final():
             return False
-        client.set_flow_run_state(UUID(run_id), Crashed(message=CRASHED_MESSAGE), force=True)
+        client.set_flow_run_state(UUID(run_id), Crashed(message=message), force=True)
         return True
