@@ -6,6 +6,7 @@ import hashlib
 
 import pytest
 
+from tasks.errors import TransientError
 from tasks.storage import FileStore, S3Store, StorageError, store_for
 
 
@@ -94,3 +95,43 @@ def test_listing_sweeps_what_a_dead_writer_left_and_spares_a_live_one(tmp_path):
     listed = [info.url.rsplit("/", 1)[-1] for info in store.list(f"file://{tmp_path}")]
     assert listed == ["frame_0001.png"]
     assert not dead.exists() and live.exists()
+
+
+def _s3_error(status: int, code: str):
+    from botocore.awsrequest import AWSResponse
+
+    xml = f"<Error><Code>{code}</Code><Message>{code}</Message></Error>".encode()
+
+    class Raw:
+        def stream(self, **_):
+            yield xml
+
+    return lambda request: AWSResponse(request.url, status, {"Content-Type": "text/xml"}, Raw())
+
+
+def test_s3_slowdown_and_500_during_uploads_are_retried(s3_server, tmp_path):
+    """S3 answers PutObject with SlowDown twice and 500 once (botocore's before-send event):
+    the frame or checkpoint upload backs off and lands whole; an S3 that keeps refusing
+    leaves no object under the final name and one sentence."""
+    store = S3Store(s3_server.settings())
+    answers = [_s3_error(503, "SlowDown")] * 2 + [_s3_error(500, "InternalError")]
+    calls: list[int] = []
+
+    def flaky(request, **kwargs):
+        calls.append(1)
+        return answers.pop(0)(request) if answers else None
+
+    store.client.meta.events.register("before-send.s3.PutObject", flaky)
+    source = tmp_path / "frame.png"
+    source.write_bytes(bytes(range(256)) * 4_000)
+    url = s3_server.url("uploads", "frame.png")
+    info = store.upload_file(url, source)
+    assert len(calls) == 4
+    assert store.read_bytes(url) == source.read_bytes()
+    assert store.checksum(url) == info.sha256
+    answers.extend([_s3_error(503, "SlowDown")] * 20)
+    refused = s3_server.url("uploads", "never.png")
+    with pytest.raises(TransientError) as caught:  # retryable: the stage's retry tries again
+        store.write_bytes(refused, b"x" * 1000)
+    assert "SlowDown" in str(caught.value) and "\n" not in str(caught.value)
+    assert store.checksum(refused) is None

@@ -131,6 +131,41 @@ def test_a_capacity_error_moves_to_the_next_offer_and_says_so(ec2):
     assert owned_instances(ec2, "run-ec2-capacity") == []
 
 
+def _error(status: int, code: str):
+    from botocore.awsrequest import AWSResponse
+
+    xml = (
+        f'<?xml version="1.0" encoding="UTF-8"?><Response><Errors><Error><Code>{code}</Code>'
+        f"<Message>{code}</Message></Error></Errors><RequestID>0</RequestID></Response>"
+    ).encode()
+
+    class Raw:
+        def stream(self, **_):
+            yield xml
+
+    return lambda request: AWSResponse(request.url, status, {"Content-Type": "text/xml"}, Raw())
+
+
+def test_throttling_and_503_are_retried_without_a_second_instance(ec2):
+    """EC2 answers RunInstances with RequestLimitExceeded twice, then 503 once (botocore's
+    before-send event, nothing patched in gpuflow): the launch backs off, retries, and
+    makes exactly one instance."""
+    answers = [_error(503, "RequestLimitExceeded")] * 2 + [_error(503, "ServiceUnavailable")]
+    calls: list[str] = []
+
+    def flaky(request, **kwargs):
+        calls.append("RunInstances")
+        return answers.pop(0)(request) if answers else None
+
+    ec2.meta.events.register("before-send.ec2.RunInstances", flaky)
+    owner = owner_labels("run-ec2-throttled", "ec2-test")
+    said: list[str] = []
+    made = launch(ec2, [offer("g6.xlarge")], 1, 50, image(ec2), USER_DATA, owner, said.append)
+    assert len(made.instance_ids) == 1 and len(calls) == 4
+    assert [i["InstanceId"] for i in owned_instances(ec2, "run-ec2-throttled")] == made.instance_ids
+    remove(ec2, "run-ec2-throttled", said.append)
+
+
 def test_reap_terminates_only_the_instances_of_runs_that_are_over(
     ec2, prefect_api, gpuflow_home, capsys
 ):

@@ -146,6 +146,11 @@ def aws_client(fleet: Fleet, service: str) -> Any:
                 str(exc).replace("storage.aws_credentials", fleet.field("aws_credentials"))
             ) from None
         params |= settings.client_kwargs()
+    from botocore.config import Config
+
+    # Throttling (RequestLimitExceeded) and 5xx answers are retried with backoff and
+    # jitter; RunInstances carries a ClientToken, so a retry never launches twice.
+    params["config"] = Config(retries={"max_attempts": 8, "mode": "standard"})
     return boto3.client(service, **params)
 
 
