@@ -7,6 +7,7 @@
 #   scripts/k8s-testbed.sh build             build what is missing into the cache
 #   scripts/k8s-testbed.sh up --dir DIR      build if needed, start, write DIR/kubeconfig
 #   scripts/k8s-testbed.sh down --dir DIR    stop what `up` started, by PID
+#   scripts/k8s-testbed.sh restart-api --dir DIR   stop the API server and start it again (faults)
 #
 # Binaries are built from the Go module proxy at the versions pinned below (and in
 # scripts/testbed/*/go.mod) into $GPUFLOW_TESTBED_CACHE (default ~/.cache/gpuflow/testbed);
@@ -285,6 +286,19 @@ down() {
   done
 }
 
+restart_api() { # stop the API server by PID and start it again with the same arguments
+  local pid
+  pid=$(cat "$DIR/pids/kube-apiserver" 2>/dev/null) || die "no API server runs in $DIR"
+  mapfile -d '' -t argv <"/proc/$pid/cmdline" || die "the API server (pid $pid) is gone"
+  kill -TERM "$pid"
+  for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  kill -KILL "$pid" 2>/dev/null || true
+  say "stopped kube-apiserver (pid $pid)"
+  start kube-apiserver "${argv[@]}"
+  wait_for kube-apiserver 180 api GET /readyz
+  say "kube-apiserver up again (pid $(cat "$DIR/pids/kube-apiserver")); etcd kept the state"
+}
+
 command=${1:-}
 shift || true
 DIR=
@@ -298,5 +312,6 @@ case $command in
 build) build ;;
 up) [[ -n $DIR ]] || die "up needs --dir DIR"; up ;;
 down) [[ -n $DIR ]] || die "down needs --dir DIR"; down ;;
-*) die "use: $0 build | up --dir DIR | down --dir DIR" ;;
+restart-api) [[ -n $DIR ]] || die "restart-api needs --dir DIR"; restart_api ;;
+*) die "use: $0 build | up --dir DIR | down --dir DIR | restart-api --dir DIR" ;;
 esac

@@ -1195,3 +1195,51 @@ def test_hpc_on_several_nodes_without_the_mpi_operator_is_refused_before_anythin
                 time.sleep(0.5)
         while not served() and time.monotonic() < until:
             time.sleep(0.2)
+
+
+def test_a_restarted_api_server_is_followed_again_and_nothing_is_duplicated(kube, testbed):
+    """The API server stopped and started again (etcd keeps the state) while the unit's pod
+    runs: the backend follows the same pod again, the unit completes, exactly one Job and
+    one pod were made for it, and teardown leaves nothing."""
+    backend = KubernetesBackend()
+    spec = spec_for(gpus=1, product="NVIDIA-L4")
+    run_id = "run-api-restart"
+    cluster = backend.provision(spec, owner_labels(run_id, "k8s-test"))
+    script = ROOT / "scripts" / "k8s-testbed.sh"
+    restarted: list[subprocess.CompletedProcess] = []
+
+    def restart(pod: dict) -> None:
+        restarted.append(
+            subprocess.run(
+                ["bash", str(script), "restart-api", "--dir", str(testbed.parent)],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+        )
+
+    selector = f"gpuflow.io/flow-run-id={run_id}"
+    restarter = when_running(kube, selector, restart)
+    lines: list[tuple[str, str]] = []
+    try:
+        result = backend.run(
+            cluster,
+            WorkUnit(name="main", command=["sleep", "20"]),
+            {},
+            240,
+            lambda stream, line: lines.append((stream, line)),
+        )
+        restarter.join()
+        (done,) = restarted
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "up again" in done.stdout + done.stderr
+        assert result.exit_code == 0 and not result.timed_out, (result, lines)
+        jobs = kube.request(
+            "GET",
+            f"/apis/batch/v1/namespaces/{kube.namespace}/jobs",
+            params={"labelSelector": selector},
+        )["items"]
+        assert len(jobs) == 1 and len(pods_of(kube, selector, kube.namespace)) == 1
+    finally:
+        backend.teardown(cluster)
+    assert wait_gone(kube, run_id) == []
