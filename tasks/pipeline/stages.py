@@ -538,7 +538,28 @@ def collect(
     artifacts_dir: str,
 ) -> RunMetrics:
     """Return the run's metrics and write its artifacts: samples, PNG, Prometheus text,
-    the job's outputs; push to the Pushgateway when one is configured."""
+    the job's outputs; push to the Pushgateway when one is configured. A folder that
+    cannot be written (a full disk) is one sentence that names it; the job's own end is
+    kept in that sentence."""
+    try:
+        return _collect(spec, cluster, outcome, prices, flow_run_id, artifacts_dir)
+    except OSError as exc:
+        code = outcome.result.exit_code
+        raise CollectError(
+            f"the run's artifacts could not be written to {artifacts_dir} ({exc.strerror or exc});"
+            " free space there or set storage.artifacts to another folder. The job itself"
+            f" ended with {'exit code ' + str(code) if code is not None else 'a signal'}."
+        ) from None
+
+
+def _collect(
+    spec: JobSpec,
+    cluster: Cluster,
+    outcome: RunOutcome,
+    prices: pricing.PriceTable,
+    flow_run_id: str,
+    artifacts_dir: str,
+) -> RunMetrics:
     logger = get_run_logger()
     out = Path(artifacts_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ stage, retries that adopt, secrets. Cleanup is checked on the OS and in the API.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -515,4 +516,60 @@ def test_an_idle_job_that_ignores_sigterm_escapes_and_floods_is_still_stopped(
     assert state.is_failed()
     assert "the job was stopped because its GPUs (0) were under 5% busy" in state.message
     assert process_gone(int(pidfile.read_text()))
+    assert nothing_left(gpuflow_home)
+
+
+@pytest.fixture
+def full_disks(tmp_path):
+    """Two tiny tmpfs folders (512 KiB): a disk that fills up, as a real one does."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mounts = []
+    for name in ("workspaces", "artifacts"):
+        folder = tmp_path / name
+        folder.mkdir()
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(folder)], check=True
+        )
+        mounts.append(folder)
+    yield mounts
+    for folder in mounts:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_a_full_workspace_or_artifacts_disk_is_named_not_a_traceback(
+    prefect_api, gpuflow_home, full_disks
+):
+    """The job fills its workspace: the sampler keeps going and the failure says the disk
+    filled up; the job's output does not fit the artifacts disk: collect says which folder
+    and that the job itself completed. Nothing is left either way."""
+    workspaces, artifacts = full_disks
+    filler = 'head -c 2000000 /dev/zero > "$GPUFLOW_OUTPUT_DIR/big.bin"'
+    raw = {
+        "name": "fills",
+        "job": {"kind": "command", "command": ["sh", "-c", filler]},
+        "placement": {"workspace_root": str(workspaces)},
+        "resources": {"disk": "100KB"},  # what it says it needs: less than it writes
+        "metrics": {"interval_s": 0.1},
+    }
+    state, _ = run_pipeline(raw)
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, JobFailed), error
+    assert "the disk filled up" in str(error), str(error)
+    assert "Traceback" not in str(error)
+    assert nothing_left(gpuflow_home)
+    half = 'head -c 400000 /dev/zero > "$GPUFLOW_OUTPUT_DIR/half.bin"'
+    raw = {
+        "name": "fills-artifacts",
+        "job": {"kind": "command", "command": ["sh", "-c", half]},
+        "storage": {"artifacts": f"file://{artifacts}"},
+    }
+    (artifacts / "taken.bin").write_bytes(b"x" * 300_000)
+    state, _ = run_pipeline(raw)
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, CollectError), error
+    assert f"could not be written to {artifacts}" in str(error)
+    assert "No space left on device" in str(error) and "ended with exit code 0" in str(error)
     assert nothing_left(gpuflow_home)
