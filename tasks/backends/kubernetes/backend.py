@@ -24,7 +24,7 @@ from typing import Any
 from tasks.backends.base import follow_unit
 from tasks.backends.kubernetes import manifests as objects
 from tasks.backends.kubernetes import reap as reaping
-from tasks.backends.kubernetes.kubeapi import KubeApi, KubeError, load_config
+from tasks.backends.kubernetes.kubeapi import KubeApi, KubeError, KubeUnreachable, load_config
 from tasks.backends.kubernetes.logs import LogFollower
 from tasks.backends.kubernetes.pending import explain_pending, used_gpus
 from tasks.backends.kubernetes.state import KubeState
@@ -45,7 +45,7 @@ from tasks.contract import (
     state_of,
 )
 from tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
-from tasks.host import gpuflow_home, this_process
+from tasks.host import env_number, gpuflow_home, this_process
 from tasks.metrics.cost import PriceTable
 from tasks.spec import JobSpec, Placement
 
@@ -447,6 +447,11 @@ def local_folder(cluster_name: str) -> Path:
     return gpuflow_home() / "kubernetes" / objects.dns_name(cluster_name)
 
 
+def kube_outage_s() -> float:
+    """Return how long a running unit waits for an API server that does not answer."""
+    return env_number("GPUFLOW_KUBE_OUTAGE_S", 120.0, 1.0, 86400.0)
+
+
 class _KubeUnit:
     """A unit's Job (or MPIJob) and its pods, as follow_unit sees it: the launcher's (or
     the one pod's) end is the unit's; every pod is watched for placement and loss."""
@@ -466,9 +471,28 @@ class _KubeUnit:
         self.pods = f"/api/v1/namespaces/{api.namespace}/pods"
         self.gpu_wait = state_of(cluster, KubeState).gpu_wait_s
         self.pending_since: float | None = None
+        self.unreachable_since: float | None = None
         self.seen: str | None = None
 
     def poll(self) -> UnitEnd | None:
+        """Return the unit's end, or None while it runs. An API server that does not
+        answer, or answers that it is starting (429, 5xx: restarted, upgraded), is waited
+        for, up to GPUFLOW_KUBE_OUTAGE_S: the pods run on without it, and are followed
+        again once it answers."""
+        try:
+            end = self._poll()
+        except (KubeUnreachable, KubeError) as exc:
+            starting = isinstance(exc, KubeUnreachable) or exc.status in (429, 500, 502, 503, 504)
+            if not starting:  # a refusal (403, 404, 422) says something: no waiting
+                raise
+            self.unreachable_since = self.unreachable_since or time.monotonic()
+            if time.monotonic() - self.unreachable_since < kube_outage_s():
+                return None
+            raise
+        self.unreachable_since = None
+        return end
+
+    def _poll(self) -> UnitEnd | None:
         backend, pods = self.backend, self.pods
         found = backend.api().request("GET", pods, params={"labelSelector": self.selector})
         found = found.get("items") or []
