@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -25,8 +26,18 @@ from tasks.errors import InvalidSpec
 from tasks.gpus import canonical_product
 from tasks.units import parse_duration, parse_size
 
-Bytes = Annotated[int, BeforeValidator(parse_size)]
-Seconds = Annotated[float, BeforeValidator(parse_duration)]
+# A number or text with a unit ("16Gi", "30m"): the JSON schema Prefect checks a
+# deployment's parameters against says so too, or it would refuse "30m" before the flow.
+Bytes = Annotated[
+    int,
+    BeforeValidator(parse_size),
+    WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}], "examples": ["16Gi"]}),
+]
+Seconds = Annotated[
+    float,
+    BeforeValidator(parse_duration),
+    WithJsonSchema({"anyOf": [{"type": "number"}, {"type": "string"}], "examples": ["30m"]}),
+]
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

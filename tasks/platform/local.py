@@ -117,6 +117,8 @@ def platform_env(api: str) -> dict[str, str]:
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         PREFECT_WORKER_QUERY_SECONDS="2",
         PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{platform_dir() / 'prefect.db'}",
+        # SQLite takes one writer at a time: wait for the lock rather than answer 503
+        PREFECT_SERVER_DATABASE_TIMEOUT="60",
     )
     return env
 
@@ -174,9 +176,14 @@ def up(
             f"started the Prefect server (pid {processes['server']['pid']}) at {ui} in"
             f" {time.monotonic() - started:.1f} s; log {processes['server']['log']}"
         )
-        _configure(api, env, say, cluster)
+        gpus = _configure(api, env, say, cluster)
+        # Runs beyond what the GPUs take would only wait for a slot, each a Python process
+        # holding a database connection: the worker starts a few more than that, the rest
+        # wait as Scheduled (SQLite answered "database is locked" to 50 at once).
+        limit = max(4, gpus + 1)
+        worker = ["worker", "start", "--pool", LOCAL_POOL, "--type", "process"]
         processes["worker"] = _start(
-            [python, "-m", "prefect", "worker", "start", "--pool", LOCAL_POOL, "--type", "process"],
+            [python, "-m", "prefect", *worker, "--limit", str(limit)],
             env,
             platform_dir() / "worker.log",
         )
@@ -205,7 +212,10 @@ def up(
         raise
     state["up_seconds"] = round(time.monotonic() - started, 1)
     _write_state(state)
-    say(f"started a process worker (pid {processes['worker']['pid']}) on the pool {LOCAL_POOL}")
+    say(
+        f"started a process worker (pid {processes['worker']['pid']}) on the pool {LOCAL_POOL},"
+        f" {limit} flow runs at a time"
+    )
     say(
         f"up in {state['up_seconds']} s: UI {ui}; `gpuflow run` now records runs here;"
         " `gpuflow platform down` stops it"
@@ -254,7 +264,7 @@ def _cluster(kubeconfig: Path, image: str | None) -> dict[str, Any]:
     }
 
 
-def _configure(api: str, env: dict[str, str], say, cluster: dict[str, Any] | None) -> None:
+def _configure(api: str, env: dict[str, str], say, cluster: dict[str, Any] | None) -> int:
     """Create the pools, the `gpu` limit and the blocks, then deploy prefect.yaml (its
     Kubernetes deployments only with a cluster, running its image as given)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -284,6 +294,7 @@ def _configure(api: str, env: dict[str, str], say, cluster: dict[str, Any] | Non
     if done.returncode != 0:
         raise PlatformError(f"prefect deploy failed: {(done.stdout + done.stderr)[-1500:]}")
     say(f"{len(names)} deployments created from prefect.yaml")
+    return gpus
 
 
 def _pools(pools: dict[str, tuple[str, dict[str, Any]]]) -> None:
