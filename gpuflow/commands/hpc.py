@@ -10,7 +10,6 @@ from gpuflow.commands.common import (
     add_job_options,
     invalid,
     load_job_spec,
-    number,
     spec_from,
 )
 from gpuflow.commands.jobs import run_job
@@ -19,32 +18,26 @@ HELP = "run an MPI program across ranks (default: the built-in molecular dynamic
 
 
 def add(commands: Any) -> list[tuple[str, str]]:
+    # The job's ranges (ranks, MD density, temperature...) are checked by the spec, whose
+    # sentences say what the physics or the host allows; here only the types.
     hpc = commands.add_parser(
         "hpc",
         description=HELP[0].upper() + HELP[1:] + ".",
         epilog="Give your program after --, e.g. gpuflow hpc --ranks 4 --build make -- ./sim",
     )
     hpc.add_argument("program", nargs=argparse.REMAINDER, help="-- PROGRAM ARGS (default: MD)")
-    hpc.add_argument(
-        "--ranks", type=number(1, 100_000), default=1, help="MPI processes (mpirun -np)"
-    )
-    hpc.add_argument("--gpus-per-rank", type=number(0, 64), default=0)
-    hpc.add_argument(
-        "--slots", type=number(1, 100_000), help="ranks this host takes (default: its cores)"
-    )
+    hpc.add_argument("--ranks", type=int, default=1, help="MPI processes (mpirun -np)")
+    hpc.add_argument("--gpus-per-rank", type=int, default=0)
+    hpc.add_argument("--slots", type=int, help="ranks this host takes (default: its cores)")
     hpc.add_argument("--oversubscribe", action="store_true", help="allow more ranks than slots")
     hpc.add_argument("--build", help="build step run in the workspace first, e.g. 'make -j4'")
     hpc.add_argument("--input", dest="inputs", action="append", help="file:/// or s3:// URL")
     hpc.add_argument("--out", dest="output", help="prefix the outputs folder is uploaded to")
     hpc.add_argument("--mpirun", help="the mpirun program (default: mpirun on PATH)")
-    hpc.add_argument("--atoms", type=number(32, 10**9), default=4000, help="MD: atoms")
-    hpc.add_argument("--steps", type=number(1, 10**9), default=1000, help="MD: time steps")
-    hpc.add_argument(
-        "--density", type=number(0, 1.2, float), help="MD: reduced density (default 0.8442)"
-    )
-    hpc.add_argument(
-        "--temperature", type=number(0, 10.0, float), help="MD: reduced temperature (default 0.72)"
-    )
+    hpc.add_argument("--atoms", type=int, default=4000, help="MD: atoms")
+    hpc.add_argument("--steps", type=int, default=1000, help="MD: time steps")
+    hpc.add_argument("--density", type=float, help="MD: reduced density (default 0.8442)")
+    hpc.add_argument("--temperature", type=float, help="MD: reduced temperature (default 0.72)")
     hpc.add_argument(
         "--mpijob",
         metavar="IMAGE",

@@ -146,8 +146,8 @@ def test_unreadable_spec_files_are_named_by_every_command(tmp_path, gpuflow_home
 NUMBERS_OUT_OF_RANGE = {
     "offers --top 0": (["offers", "x.yaml", "--top", "0"], "--top: 0 is out of range"),
     "platform --port 99999": (["platform", "up", "--port", "99999"], "--port: 99999 is out"),
-    "hpc --ranks abc": (["hpc", "--ranks", "abc"], "--ranks: 'abc' is not a whole number"),
-    "hpc --temperature inf": (["hpc", "--temperature", "inf"], "--temperature: inf is out"),
+    "hpc --ranks abc": (["hpc", "--ranks", "abc"], "--ranks: invalid int value: 'abc'"),
+    "hpc --temperature inf": (["hpc", "--temperature", "inf"], "job.md.temperature: inf is out"),
     "render --samples -1": (["render", "s", "--out", "file:///o", "--samples", "-1"], "-1 is out"),
     "reclaim --below-pct 101": (
         ["reclaim", "--prometheus", "http://x", "--below-pct", "101"],
