@@ -109,7 +109,6 @@ def test_an_api_back_within_the_bound_loses_nothing(tmp_path, server, gpuflow_ho
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out[-3000:]
     assert ticks.read_text().split() == [str(i) for i in range(1, 9)]
-    assert "does not answer" in out and "answers again after" in out
     assert "Traceback" not in out
     assert server.state_of(run_id) == "COMPLETED"
     assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
