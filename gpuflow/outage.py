@@ -1,11 +1,12 @@
 """The Prefect API going away while `gpuflow run` runs a flow in this process.
 
-The job keeps running: nothing the job does needs the API, and Prefect's client retries
-its calls (about a minute each) and keeps the run's states and logs for when the API
-answers again. Once the API has been away for longer than GPUFLOW_API_OUTAGE_S (default
-120 s) and no unit of the job runs any more, waiting longer helps nobody: the watch tears
-down what the run holds, remembers the run, says so in one sentence and ends the command.
-The next gpuflow command (or `gpuflow reap`) marks the run Crashed once the API is back.
+The job keeps running: nothing the job does needs the API. Prefect's client retries the
+engine's calls (about a minute each); the run's logs wait in gpuflow's log relay
+(gpuflow/logrelay.py) until the API takes them. Once the API has been away for longer than
+GPUFLOW_API_OUTAGE_S (default 120 s) and no unit of the job runs any more, waiting longer
+helps nobody: the watch tears down what the run holds, keeps its logs and remembers the
+run, says so in one sentence and ends the command. The next gpuflow command (or `gpuflow
+reap`) delivers the logs and marks the run Crashed once the API is back.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ class OutageWatch:
         say: Callable[[str], None],
         fail: Callable[[str], None],
         bound_s: float,
+        keep_logs: Callable[[], int] = lambda: 0,
         every_s: float = 2.0,
     ) -> None:
-        self.api, self.say, self.fail = api, say, fail
+        self.api, self.say, self.fail, self.keep_logs = api, say, fail, keep_logs
         self.bound_s, self.every_s = bound_s, every_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True, name="api-outage")
@@ -93,9 +95,11 @@ class OutageWatch:
             except Exception as exc:  # what is left, the reaper finds by its labels
                 self.say(f"teardown of run {run_id} failed ({type(exc).__name__}: {exc})")
             record_unreported(run_id, self.api.url, why)
+        kept = self.keep_logs()
         self.fail(
             f"{why} and did not come back within {self.bound_s:.0f} s; the job had ended and"
-            " what the run held was torn down. The run stays Running in that API until it"
-            " answers again: the next gpuflow command, or `gpuflow reap`, then marks it Crashed."
+            f" what the run held was torn down ({kept} log lines kept). The run stays Running in"
+            " that API until it answers again: the next gpuflow command, or `gpuflow reap`,"
+            " then delivers its logs and marks it Crashed."
         )
         os._exit(EXIT_FAILED)  # the engine's own calls would retry for minutes more

@@ -21,6 +21,7 @@ if $want_test; then
     command -v chromium >/dev/null || apt_packages+=(chromium)    # loads the Prefect UI headless
     command -v curl >/dev/null || apt_packages+=(curl)            # the Kubernetes test cluster's
     command -v openssl >/dev/null || apt_packages+=(openssl)      # certificates and first calls
+    compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || apt_packages+=(postgresql)  # platform on PostgreSQL
 fi
 if $want_render; then
     command -v blender >/dev/null || apt_packages+=(blender)  # renders run the real Blender

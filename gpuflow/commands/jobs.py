@@ -53,11 +53,13 @@ def _run_spec(spec: Any, api: Any, checked: bool) -> int:
         spec = spec if checked else checked_spec(spec)
     except InvalidSpec as exc:
         return invalid(exc)
+    from gpuflow.logrelay import LogRelay
     from gpuflow.outage import OutageWatch, outage_bound_s
 
     with (
         session.sentences_on_console(),
-        OutageWatch(api, session.say, session.fail, outage_bound_s()),
+        LogRelay(api.url, session.say) as relay,
+        OutageWatch(api, session.say, session.fail, outage_bound_s(), relay.spill),
     ):
         state = flow_for(spec)(spec, return_state=True)
     if state.is_completed():

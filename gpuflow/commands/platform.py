@@ -29,8 +29,18 @@ def add(commands: Any) -> list[tuple[str, str]]:
         help="job image the Kubernetes deployments run, already pushed (default:"
         " $GPUFLOW_IMAGE); nothing is built",
     )
+    plat.add_argument(
+        "--database",
+        choices=["sqlite", "postgresql"],
+        default="sqlite",
+        help="where the server keeps runs and logs: SQLite under $GPUFLOW_HOME/platform, or a"
+        " PostgreSQL server started for the platform from the host's PostgreSQL (Debian's"
+        " postgresql package), for many runs at once",
+    )
     plat.set_defaults(
-        handler=lambda args: platform(args.action, args.port, args.kubeconfig, args.image)
+        handler=lambda args: platform(
+            args.action, args.port, args.kubeconfig, args.image, args.database
+        )
     )
     blk = commands.add_parser(
         "blocks", description="Register gpuflow's block types and default blocks."
@@ -80,7 +90,11 @@ def add(commands: Any) -> list[tuple[str, str]]:
 
 
 def platform(
-    action: str, port: int, kubeconfig: Path | None = None, image: str | None = None
+    action: str,
+    port: int,
+    kubeconfig: Path | None = None,
+    image: str | None = None,
+    database: str = "sqlite",
 ) -> int:
     """Bring the local platform up or down, or say whether it runs."""
     from tasks.platform import local
@@ -93,7 +107,7 @@ def platform(
     from tasks.errors import GpuflowError, InvalidSpec
 
     try:
-        local.up(port, kubeconfig=kubeconfig, image=image)
+        local.up(port, kubeconfig=kubeconfig, image=image, database=database)
     except InvalidSpec as exc:
         return invalid(exc)
     except GpuflowError as exc:
@@ -113,6 +127,7 @@ def _status(local: Any) -> int:
         print(f"{name}: pid {entry['pid']} {'running' if local.running(entry) else 'gone'}")
     problem = health_error(state["api"], timeout_s=5)
     running = problem is None and all(local.running(p) for p in state["processes"].values())
+    print(f"runs kept in {local.runs_kept_in(state.get('database'))}")
     print(
         f"running: UI {state['ui']}"
         if running

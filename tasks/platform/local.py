@@ -1,4 +1,5 @@
-"""The local platform: a Prefect server on 127.0.0.1 (SQLite under $GPUFLOW_HOME/platform),
+"""The local platform: a Prefect server on 127.0.0.1 (SQLite under $GPUFLOW_HOME/platform,
+or the host's PostgreSQL server started for it with `--database postgresql`),
 gpuflow's work pools, a `gpu` concurrency limit sized to this host's GPUs, the blocks, the
 deployments of prefect.yaml and a process worker; `down` stops what `up` started, by PID.
 
@@ -28,6 +29,7 @@ from tasks.backends.kubernetes.kubeapi import KubeApi, KubeError, KubeUnreachabl
 from tasks.backends.local.gpu_slots import LIMIT_NAME
 from tasks.errors import GpuflowError, InvalidSpec
 from tasks.host import stop_group, write_atomic
+from tasks.platform import postgres
 from tasks.platform.blocks_setup import init_blocks
 from tasks.platform.deploy import (
     GPU_K8S_POOL,
@@ -108,6 +110,9 @@ def _wait_healthy(api: str, server: dict[str, Any], timeout_s: float, port: int)
     )
 
 
+DATABASES = ("sqlite", "postgresql")
+
+
 def platform_env(api: str) -> dict[str, str]:
     """Return the environment for processes that talk to the platform's server."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
@@ -116,18 +121,43 @@ def platform_env(api: str) -> dict[str, str]:
         PREFECT_HOME=str(platform_dir() / "prefect"),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         PREFECT_WORKER_QUERY_SECONDS="2",
-        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{platform_dir() / 'prefect.db'}",
-        # SQLite takes one writer at a time: wait for the lock rather than answer 503
-        PREFECT_SERVER_DATABASE_TIMEOUT="60",
     )
     return env
 
 
+def _server_env(env: dict[str, str], database: dict[str, Any]) -> dict[str, str]:
+    """Return the Prefect server's environment: `env` and its database (the PostgreSQL URL,
+    which holds the password, goes to the server alone)."""
+    if database["kind"] == "postgresql":
+        url = postgres.connection_url(database["port"])
+        return {**env, "PREFECT_API_DATABASE_CONNECTION_URL": url}
+    return {
+        **env,
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{database['file']}",
+        # SQLite takes one writer at a time: wait for the lock rather than answer 503
+        "PREFECT_SERVER_DATABASE_TIMEOUT": "60",
+    }
+
+
+def runs_kept_in(database: dict[str, Any] | None) -> str:
+    """Return where the platform's runs are kept, for the user."""
+    if not database or database["kind"] == "sqlite":
+        return f"SQLite {(database or {}).get('file') or platform_dir() / 'prefect.db'}"
+    return f"PostgreSQL {database['version']}, data in {database['data']}"
+
+
 def up(
-    port: int = 4200, say=print, kubeconfig: Path | None = None, image: str | None = None
+    port: int = 4200,
+    say=print,
+    kubeconfig: Path | None = None,
+    image: str | None = None,
+    database: str = "sqlite",
 ) -> dict[str, Any]:
     """Start (or find running) the local platform; return its state: api, ui, processes.
-    With `kubeconfig`, also a Kubernetes worker on that cluster running `image`."""
+    With `kubeconfig`, also a Kubernetes worker on that cluster running `image`; with
+    `database="postgresql"`, the server keeps its runs in a PostgreSQL server started for it."""
+    if database not in DATABASES:
+        raise InvalidSpec(f"--database: {database!r} is not one of {', '.join(DATABASES)}.")
     state = read_state()
     if state and all(running(p) for p in state["processes"].values()):
         if kubeconfig and "k8s-worker" not in state["processes"]:
@@ -135,10 +165,18 @@ def up(
                 "the platform already runs without a Kubernetes worker; run `gpuflow platform"
                 " down`, then `up` again with --kubeconfig"
             )
+        kind = state.get("database", {}).get("kind", "sqlite")
+        if kind != database:
+            raise PlatformError(
+                f"the platform already runs on {kind}; run `gpuflow platform down`, then `up`"
+                f" again with --database {database} (runs kept in {kind} stay there)"
+            )
         say(f"already running: UI {state['ui']}")
         return state
     if not 1 <= port <= 65535:
         raise InvalidSpec(f"--port: {port} is not a TCP port; give one from 1 to 65535.")
+    if database == "postgresql":
+        postgres.programs()  # installed? (one sentence before anything starts)
     cluster = _cluster(kubeconfig, image) if kubeconfig else None
     if state:
         down(say=lambda *_: None)  # a half-dead platform: clear it first
@@ -153,8 +191,13 @@ def up(
     env = platform_env(api)
     python = sys.executable
     processes: dict[str, Any] = {}
-    state = {"api": api, "ui": ui, "processes": processes}
+    state: dict[str, Any] = {"api": api, "ui": ui, "processes": processes}
     try:
+        if database == "postgresql":
+            processes["postgres"], state["database"] = postgres.start(say)
+            _write_state(state)
+        else:
+            state["database"] = {"kind": "sqlite", "file": str(platform_dir() / "prefect.db")}
         processes["server"] = _start(
             [
                 python,
@@ -167,7 +210,7 @@ def up(
                 "--port",
                 str(port),
             ],
-            env,
+            _server_env(env, state["database"]),
             platform_dir() / "server.log",
         )
         _write_state(state)
@@ -217,8 +260,8 @@ def up(
         f" {limit} flow runs at a time"
     )
     say(
-        f"up in {state['up_seconds']} s: UI {ui}; `gpuflow run` now records runs here;"
-        " `gpuflow platform down` stops it"
+        f"up in {state['up_seconds']} s: UI {ui}; runs kept in {runs_kept_in(state['database'])};"
+        " `gpuflow run` now records runs here; `gpuflow platform down` stops it"
     )
     return state
 
@@ -348,10 +391,13 @@ def down(say=print) -> list[str]:
     if state is None:
         say("nothing is running")
         return stopped
-    for name in ("k8s-worker", "worker", "server"):
+    for name in ("k8s-worker", "worker", "server", "postgres"):
         entry = state["processes"].get(name)
         if entry and running(entry):
-            stop_group(entry["pid"], None, grace_s=15.0)
+            if name == "postgres":
+                postgres.stop(entry)
+            else:
+                stop_group(entry["pid"], None, grace_s=15.0)
             stopped.append(name)
             say(f"stopped the {name} (pid {entry['pid']})")
         if name == "worker":
@@ -360,6 +406,6 @@ def down(say=print) -> list[str]:
     state_path().unlink(missing_ok=True)
     say(
         f"stopped: {', '.join(stopped) or 'nothing was still running'}; the UI at"
-        f" {state['ui']} is down (runs stay in {platform_dir() / 'prefect.db'})"
+        f" {state['ui']} is down (runs stay in {runs_kept_in(state.get('database'))})"
     )
     return stopped

@@ -46,14 +46,65 @@ def record_unreported(run_id: str, api_url: str, why: str) -> Path:
     return path
 
 
+def spill_logs(run_id: str, api_url: str, bodies: list[bytes]) -> Path:
+    """Keep logs (LogCreate JSON, one per line) the API at `api_url` has not taken for
+    run `run_id`, for `deliver_unreported`."""
+    path = unreported_dir() / f"{run_id}.logs.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("ab") as out:
+        if out.tell() == 0:
+            out.write(json.dumps({"api_url": api_url}).encode() + b"\n")
+        out.write(b"".join(body + b"\n" for body in bodies))
+    return path
+
+
+def _deliver_logs(path: Path, urls: list[str], say: Callable[[str], None]) -> None:
+    """Post the kept logs in `path` to the first API that answers, then remove the file."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    try:
+        header, *bodies = path.read_bytes().splitlines()
+        recorded = json.loads(header)["api_url"]
+    except (OSError, ValueError, KeyError):
+        path.unlink(missing_ok=True)
+        return
+    for url in dict.fromkeys([recorded, *urls]):
+        if not url or prefect_api.health_error(url, timeout_s=3):
+            continue
+        try:
+            with (
+                temporary_settings({PREFECT_API_URL: url}),
+                get_client(sync_client=True) as client,
+            ):
+                for start in range(0, len(bodies), 2000):
+                    client.request(
+                        "POST",
+                        "/logs/",
+                        content=b"[" + b",".join(bodies[start : start + 2000]) + b"]",
+                        headers={"Content-Type": "application/json"},
+                    ).raise_for_status()
+        except Exception:  # not this API: try the next one
+            continue
+        run_id = path.name.removesuffix(".logs.jsonl")
+        say(f"flow run {run_id}: {len(bodies)} log lines kept during an API outage delivered")
+        path.unlink(missing_ok=True)
+        return
+    if time.time() - path.stat().st_mtime > UNREPORTED_DAYS * 86400:
+        path.unlink(missing_ok=True)  # its API never came back
+
+
 def deliver_unreported(say: Callable[[str], None], current_url: str | None = None) -> int:
-    """Mark Crashed every remembered run whose API answers again: the one it was recorded
-    in, else `current_url` (a new temporary API keeps its runs in the same database);
-    return how many were marked. Quiet when there is nothing to do."""
+    """Deliver the logs an API outage kept, and mark Crashed every remembered run whose API
+    answers again: the one it was recorded in, else `current_url` (a new temporary API keeps
+    its runs in the same database); return how many were marked. Quiet when there is nothing
+    to do."""
     folder = unreported_dir()
     if not folder.is_dir():
         return 0
     urls = [current_url or "", os_api_url()]
+    for path in sorted(folder.glob("*.logs.jsonl")):
+        _deliver_logs(path, urls, say)
     marked = 0
     for path in sorted(folder.glob("*.json")):
         try:

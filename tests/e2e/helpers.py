@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,35 @@ class Platform:
 
     def state(self) -> dict:
         return json.loads((self.home / "platform" / "state.json").read_text())
+
+    def sql(self, query: str) -> list[str]:
+        """Run `query` on the platform's PostgreSQL database (as its login, over TCP, the
+        way the Prefect server connects); return the rows, fields joined by |."""
+        from tasks.platform import postgres
+
+        database = self.state()["database"]
+        password = (self.home / "platform" / "postgres.password").read_text().strip()
+        argv = [str(postgres.programs() / "psql"), "-h", "127.0.0.1", "-p", str(database["port"])]
+        argv += ["-U", postgres.USER, "-d", postgres.DATABASE, "-A", "-t", "-c", query]
+        done = subprocess.run(
+            argv, env={**self.env, "PGPASSWORD": password}, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.splitlines()
+
+
+def purge_database(platform: Platform) -> None:
+    """Remove a PostgreSQL data folder the platform kept outside its GPUFLOW_HOME (a root
+    run with a home the postgres account cannot enter keeps it under /var/lib/gpuflow)."""
+    from tasks.platform import postgres
+
+    folder = postgres.SHARED_ROOT
+    for data in folder.glob("*/postgres") if folder.is_dir() else []:
+        marker = data.parent / "home"
+        if marker.is_file() and marker.read_text().strip() == str(
+            (platform.home / "platform").resolve()
+        ):
+            shutil.rmtree(data.parent, ignore_errors=True)
 
 
 def events_named(name: str, resource_id: str, wait_s: float = 30.0) -> list[dict]:

@@ -64,6 +64,19 @@ class Server:
         with temporary_settings({PREFECT_API_URL: self.url}), get_client(sync_client=True) as c:
             return c.read_flow_run(UUID(run_id)).state.type.value
 
+    def ticks_logged(self, run_id: str) -> list[str]:
+        """Return the job's `tick N` lines the API holds for the run, in time order."""
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: self.url}), get_client(sync_client=True) as c:
+            logs = c.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(run_id)])),
+                limit=200,
+            )
+        return [log.message for log in logs if log.message.startswith("tick ")]
+
 
 @pytest.fixture
 def server(tmp_path):
@@ -111,6 +124,7 @@ def test_an_api_back_within_the_bound_loses_nothing(tmp_path, server, gpuflow_ho
     assert ticks.read_text().split() == [str(i) for i in range(1, 9)]
     assert "Traceback" not in out
     assert server.state_of(run_id) == "COMPLETED"
+    assert server.ticks_logged(run_id) == [f"tick {i}" for i in range(1, 9)]  # none lost
     assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
 
 
@@ -128,6 +142,7 @@ def test_an_api_that_stays_away_ends_the_run_cleanly_and_reap_marks_it(
     (sentence,) = [line for line in out.splitlines() if line.startswith("gpuflow:")]
     assert f"the Prefect API at {server.url} stopped answering" in sentence
     assert "did not come back within 3 s" in sentence and "`gpuflow reap`" in sentence
+    assert "log lines kept" in sentence
     assert "Traceback" not in out and "Error logging to API" not in out
     assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
     unreported = gpuflow_home / "unreported" / f"{run_id}.json"
@@ -139,5 +154,9 @@ def test_an_api_that_stays_away_ends_the_run_cleanly_and_reap_marks_it(
     )
     assert reaped.returncode == 0, reaped.stdout + reaped.stderr
     assert f"flow run {run_id} marked Crashed" in reaped.stdout
+    assert f"flow run {run_id}: " in reaped.stdout and "delivered" in reaped.stdout
     assert server.state_of(run_id) == "CRASHED"
+    # The lines the job printed while the API was away reached it once it was back.
+    assert server.ticks_logged(run_id) == [f"tick {i}" for i in range(1, 9)]
     assert not unreported.exists()
+    assert not list(unreported.parent.glob("*.logs.jsonl"))

@@ -247,6 +247,20 @@ def test_up_on_a_port_another_server_holds_is_refused(platform, tmp_path):
         assert f"argument --port: {port} is out of range; give from 1 to 65535" in bad.stderr
 
 
+def test_up_on_another_database_than_the_running_platform_is_refused(platform):
+    """The running platform keeps its runs in SQLite: asking for PostgreSQL says so and
+    changes nothing (its runs would not be where the user looks)."""
+    processes = platform.state()["processes"]
+    other = platform.gpuflow(
+        "platform", "up", "--port", str(platform.port), "--database", "postgresql", timeout=120
+    )
+    assert other.returncode == 1, other.stdout + other.stderr
+    (line,) = [line for line in other.stderr.splitlines() if line.startswith("gpuflow:")]
+    assert "the platform already runs on sqlite; run `gpuflow platform down`" in line, line
+    assert platform.state()["processes"] == processes
+    assert "postgres" not in processes
+
+
 def test_down_stops_everything_it_started(platform):
     processes = platform.state()["processes"]
     down = platform.gpuflow("platform", "down", timeout=120)
