@@ -80,7 +80,7 @@ def main() -> None:
         os.environ["PREFECT_HOME"] = str(work / "prefect")
         from tasks.platform import api
 
-        server = api.start_temporary(lambda _: None)
+        server = api.start_temporary(lambda _: None, keep_s=0)
         env = dict(os.environ, PREFECT_API_URL=server.url)
         with api.using(server):
             bare, echo, chatty = [], [], []

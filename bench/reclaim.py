@@ -114,7 +114,7 @@ def report(args: argparse.Namespace, gateway: str, prometheus: str) -> None:
     def held() -> None:
         return None
 
-    server = api.start_temporary(lambda _: None)
+    server = api.start_temporary(lambda _: None, keep_s=0)
     results = {}
     with api.using(server), get_client(sync_client=True) as client:
         ids = [str(client.create_flow_run(held, state=Running()).id) for _ in range(args.runs)]

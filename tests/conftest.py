@@ -16,6 +16,9 @@ import tasks.kinds.registry  # noqa: F401 - registers the built-in kinds with th
 FAKES = Path(__file__).parent / "fakes"
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+# A temporary API stops with the command that started it, unless a test keeps it (the
+# kept API has tests of its own: tests/e2e/test_kept_api.py); none outlives the suite.
+os.environ.setdefault("GPUFLOW_API_IDLE_S", "0")
 
 
 def load_fake_nvml(**config) -> ModuleType:

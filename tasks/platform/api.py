@@ -2,10 +2,13 @@
 there is none.
 
 In order: PREFECT_API_URL when set (checked for health first); else the local platform
-when `gpuflow platform up` runs it and it answers; else a temporary server that gpuflow
-starts itself, in a session of its own (so Ctrl-C reaches gpuflow, not the server, and the
-run's final state can still be written), waits for as long as a cold start takes, records
-under $GPUFLOW_HOME/servers for `gpuflow reap`, and stops by PID when the command ends.
+when `gpuflow platform up` runs it and it answers; else a temporary server: one an earlier
+command of this user started and kept (tasks/platform/kept_api.py: it stops by itself
+after GPUFLOW_API_IDLE_S without a command), or a new one. gpuflow starts it in a session
+of its own (so Ctrl-C reaches gpuflow, not the server, and the run's final state can still
+be written), waits for as long as a cold start takes, and records it under
+$GPUFLOW_HOME/servers for later commands and `gpuflow reap`. With GPUFLOW_API_IDLE_S=0 it
+is stopped by PID when the command ends.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,11 +34,12 @@ import psutil
 
 from tasks.errors import GpuflowError
 from tasks.host import alive, env_number, gpuflow_home, stop_group, write_atomic
+from tasks.platform import kept_api
 from tasks.platform import state as platform_state
 
 # A cold first start (no bytecode yet, a new SQLite database) took 34 s on a busy
 # 2-core machine; Prefect's own ephemeral start gives up after 20 s.
-STARTUP_FAILED = 3  # uvicorn's exit code when it cannot bind or the app fails to start
+STARTUP_FAILED = kept_api.STARTUP_FAILED
 
 
 class ApiUnavailable(GpuflowError):
@@ -127,7 +132,18 @@ def choose(say: Callable[[str], None], temporary: bool = True) -> Api:
             " PREFECT_API_URL is set nor the local platform running; set PREFECT_API_URL or"
             " run `gpuflow platform up`."
         )
-    return start_temporary(say)
+    servers = servers_dir()
+    with kept_api.starting(servers):
+        records = [r for r in _records() if r.get("idle_s")]
+        record = kept_api.find(servers, records, lambda url: health_error(url, 3) is None)
+        if record is not None:
+            say(
+                f"using the temporary Prefect API kept at {record['api']} (pid {record['pid']},"
+                f" started by an earlier command; it stops after {record['idle_s']:.0f} s"
+                " without one)"
+            )
+            return Api(record["api"], "temporary", server=record)
+        return start_temporary(say)
 
 
 def start_timeout_s() -> float:
@@ -135,17 +151,26 @@ def start_timeout_s() -> float:
     return env_number("GPUFLOW_API_START_TIMEOUT_S", 240.0, 1.0, 3600.0)
 
 
-def start_temporary(say: Callable[[str], None], timeout_s: float | None = None) -> Api:
-    """Start Prefect's API server (no UI) on a free loopback port and wait until it answers."""
-    import prefect
-
+def start_temporary(
+    say: Callable[[str], None], timeout_s: float | None = None, keep_s: float | None = None
+) -> Api:
+    """Start Prefect's API server (no UI) on a free loopback port and wait until it answers;
+    it is kept `keep_s` after its last command (default GPUFLOW_API_IDLE_S; 0: it stops
+    with this one). A kept server carries this command's lease once it answers."""
     timeout_s = start_timeout_s() if timeout_s is None else timeout_s
-    servers_dir().mkdir(parents=True, exist_ok=True)
+    keep_s = kept_api.idle_s() if keep_s is None else keep_s
+    servers = servers_dir()
+    servers.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    say("starting a temporary Prefect API (`gpuflow platform up` keeps one running, with a UI)")
+    kept = f", kept for later commands until {keep_s:.0f} s without one" if keep_s else ""
+    say(
+        f"starting a temporary Prefect API{kept} (`gpuflow platform up` keeps one running,"
+        " with a UI)"
+    )
+    fingerprint = kept_api.fingerprint()
     for _ in range(5):
         port = _free_port()
-        log = servers_dir() / f"server-{port}.log"
+        log = servers / f"server-{port}.log"
         env = {
             **os.environ,
             "PREFECT_UI_ENABLED": "0",
@@ -153,11 +178,8 @@ def start_temporary(say: Callable[[str], None], timeout_s: float | None = None) 
             "PREFECT__SERVER_FINAL": "1",
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         }
-        argv = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent)]
-        argv += ["--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1"]
-        argv += ["--port", str(port), "--log-level", "error", "--lifespan", "on"]
-        # Stopping must not wait for the keep-alive connections this process still holds.
-        argv += ["--timeout-graceful-shutdown", "2"]
+        argv = [sys.executable, "-m", "tasks.platform.kept_api", "--port", str(port)]
+        argv += ["--servers", str(servers), "--idle-s", str(keep_s), "--log", str(log)]
         # No signal between starting the server and recording it: then an interruption
         # (handled below) always knows what to stop.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
@@ -183,8 +205,12 @@ def start_temporary(say: Callable[[str], None], timeout_s: float | None = None) 
                 "api": f"http://127.0.0.1:{port}/api",
                 "log": str(log),
                 "prefect_home": prefect_home(),
+                "idle_s": keep_s,
+                "fingerprint": fingerprint,
             }
-            write_atomic(servers_dir() / f"{proc.pid}.json", json.dumps(record))
+            write_atomic(servers / f"{proc.pid}.json", json.dumps(record))
+            if keep_s:
+                kept_api.take_lease(servers, record)
         except BaseException:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             raise
@@ -238,6 +264,7 @@ def stop_server(record: dict[str, Any], keep_log: bool = False) -> bool:
     if was_running:
         stop_group(record["pid"], record["started"], grace_s=10.0)
     (servers_dir() / f"{record['pid']}.json").unlink(missing_ok=True)
+    shutil.rmtree(kept_api.leases_of(servers_dir(), record["pid"]), ignore_errors=True)
     if not keep_log:
         Path(record["log"]).unlink(missing_ok=True)
     return was_running
@@ -251,18 +278,52 @@ def startup_error(log_text: str) -> str:
     return found.split(" (Background on this error")[0][:300]
 
 
-def leftover_servers() -> list[dict[str, Any]]:
-    """Return records of temporary servers whose gpuflow process is gone."""
+def _records() -> list[dict[str, Any]]:
+    """Return the records of the temporary servers under $GPUFLOW_HOME/servers."""
     found = []
     for path in sorted(servers_dir().glob("*.json")):
         try:
-            record = json.loads(path.read_text())
+            found.append(json.loads(path.read_text()))
+        except FileNotFoundError:
+            continue  # a kept server that stopped meanwhile
         except (OSError, json.JSONDecodeError):
             path.unlink(missing_ok=True)  # half-written by a process that died
-            continue
-        if not alive(record["owner_pid"], record["owner_started"]):
-            found.append(record)
     return found
+
+
+def leftover_servers() -> list[dict[str, Any]]:
+    """Return records of temporary servers a killed gpuflow left: one that stops with its
+    command, whose command is gone; a kept one that only killed commands used last."""
+    servers = servers_dir()
+    return [
+        record
+        for record in _records()
+        if (
+            kept_api.forgotten(servers, record)
+            if record.get("idle_s")
+            else not alive(record["owner_pid"], record["owner_started"])
+        )
+    ]
+
+
+def stop_kept(say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Stop the kept temporary servers of this GPUFLOW_HOME that no command uses now; return
+    their records (one in use stops by itself once idle: its command would fail)."""
+    servers, stopped = servers_dir(), []
+    for record in _records():
+        if not record.get("idle_s") or not alive(record["pid"], record["started"]):
+            continue
+        live, _ = kept_api.leases(kept_api.leases_of(servers, record["pid"]))
+        if live:
+            say(
+                f"the temporary Prefect API at {record['api']} is in use by {live} command(s);"
+                " it stops by itself once they end"
+            )
+            continue
+        stop_server(record)
+        say(f"stopped the temporary Prefect API at {record['api']} (pid {record['pid']})")
+        stopped.append(record)
+    return stopped
 
 
 @contextlib.contextmanager
@@ -302,7 +363,9 @@ def using(api: Api) -> Iterator[Api]:
             finally:
                 flush_prefect()
     finally:
-        if api.server is not None:
+        if api.server is not None and api.server.get("idle_s"):
+            kept_api.release(servers_dir(), api.server)  # it stops by itself once idle
+        elif api.server is not None:
             stop_server(api.server)
         for name, value in before.items():  # as it was, for a caller that goes on
             if value is None:

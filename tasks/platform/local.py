@@ -30,6 +30,7 @@ from tasks.backends.local.gpu_slots import LIMIT_NAME
 from tasks.errors import GpuflowError, InvalidSpec
 from tasks.host import stop_group, write_atomic
 from tasks.platform import postgres
+from tasks.platform.api import stop_kept
 from tasks.platform.blocks_setup import init_blocks
 from tasks.platform.deploy import (
     GPU_K8S_POOL,
@@ -388,8 +389,11 @@ def down(say=print) -> list[str]:
     Processes whose PID was reused by something else are left alone."""
     state = read_state()
     stopped: list[str] = []
+    # A temporary API that earlier commands kept goes too (one in use stops once idle).
+    kept = stop_kept(say)
     if state is None:
-        say("nothing is running")
+        if not kept:
+            say("nothing is running")
         return stopped
     for name in ("k8s-worker", "worker", "server", "postgres"):
         entry = state["processes"].get(name)

@@ -40,7 +40,8 @@ def servers_of(prefect_home: Path) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter():
         try:
-            if "uvicorn" in " ".join(proc.cmdline()) and proc.environ().get("PREFECT_HOME") == str(
+            program = " ".join(proc.cmdline())
+            if "tasks.platform.kept_api" in program and proc.environ().get("PREFECT_HOME") == str(
                 prefect_home
             ):
                 found.append(proc)

@@ -20,6 +20,7 @@ from tests.e2e.helpers import Platform, leftovers, purge_database
 
 pytestmark = [
     pytest.mark.e2e,
+    pytest.mark.timeout(1800),  # minutes on 2 cores; the test's own deadline is 1500 s
     pytest.mark.skipif(
         not os.environ.get("GPUFLOW_LOAD_TEST"),
         reason="the load test runs with GPUFLOW_LOAD_TEST=1",

@@ -1,0 +1,140 @@
+"""The temporary API kept for later commands (GPUFLOW_API_IDLE_S, default 600 s): the
+first command starts it, two first commands at once share one, later commands use it and
+say so on their first line, Ctrl-C reaches only the command, another GPUFLOW_HOME never
+shares it, and nothing is left after its idle period, `gpuflow platform down`, or a
+SIGKILL followed by `gpuflow reap`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tasks.platform.api import health_error
+from tests.e2e.helpers import nothing_left, process_gone
+from tests.e2e.test_first_run import GPUFLOW, fresh_env, servers_of, start_run, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def kept_env(tmp_path: Path, home: Path, **settings: str) -> dict[str, str]:
+    env = fresh_env(tmp_path, home)
+    env.pop("GPUFLOW_API_IDLE_S", None)  # the default a user gets
+    return env | settings
+
+
+def records(home: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in (home / "servers").glob("*.json")]
+
+
+def first_line(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("[gpuflow]"))
+
+
+def states(api: str) -> list[str]:
+    runs = httpx.post(f"{api}/flow_runs/filter", json={}, timeout=30).json()
+    return sorted(run["state"]["type"] for run in runs)
+
+
+def test_later_commands_share_the_kept_api_and_nothing_is_left(tmp_path, gpuflow_home):
+    env = kept_env(tmp_path, gpuflow_home)
+    # Two first commands at once: one starts the API, the other waits for it and uses it.
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    both = [start_run(tmp_path / name, "[echo, hi]", env) for name in ("a", "b")]
+    outs = [proc.communicate(timeout=600)[0] for proc in both]
+    assert [proc.returncode for proc in both] == [0, 0], outs
+    firsts = sorted(first_line(out) for out in outs)
+    assert firsts[0].startswith(
+        "[gpuflow] starting a temporary Prefect API, kept for later commands until 600 s"
+        " without one"
+    ), firsts
+    (record,) = records(gpuflow_home)
+    assert firsts[1] == (
+        f"[gpuflow] using the temporary Prefect API kept at {record['api']} (pid"
+        f" {record['pid']}, started by an earlier command; it stops after 600 s without one)"
+    )
+    assert [p.pid for p in servers_of(tmp_path / "prefect-home")] == [record["pid"]]
+    assert states(record["api"]) == ["COMPLETED", "COMPLETED"]
+
+    # Ctrl-C to a later command's process group stops the command, not the kept API, and
+    # the run is recorded Crashed through it.
+    pidfile = tmp_path / "job.pid"
+    command = f"[sh, -c, 'echo $$ > {pidfile}; exec sleep 300']"
+    proc = start_run(tmp_path, command, env, start_new_session=True)
+    wait_for(proc, lambda: pidfile.exists() and pidfile.read_text().strip())
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    assert first_line(out).startswith("[gpuflow] using the temporary Prefect API kept at")
+    assert health_error(record["api"], timeout_s=10) is None
+    assert states(record["api"]) == ["COMPLETED", "COMPLETED", "CRASHED"]
+
+    # Another GPUFLOW_HOME (the same PREFECT_HOME) never shares it; `platform down` there
+    # stops its own server and leaves this one.
+    other = tmp_path / "other-home"
+    out = subprocess.run(
+        [*GPUFLOW, "run", str(tmp_path / "a" / "job.yaml")],
+        env=env | {"GPUFLOW_HOME": str(other)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert first_line(out.stderr).startswith("[gpuflow] starting a temporary Prefect API")
+    (theirs,) = records(other)
+    assert theirs["pid"] != record["pid"]
+    down = subprocess.run(
+        [*GPUFLOW, "platform", "down"],
+        env=env | {"GPUFLOW_HOME": str(other)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert f"stopped the temporary Prefect API at {theirs['api']}" in down.stdout
+    assert process_gone(theirs["pid"]) and not records(other)
+    assert not list((other / "servers").iterdir())
+    assert [p.pid for p in servers_of(tmp_path / "prefect-home")] == [record["pid"]]
+
+    # A command killed by SIGKILL leaves its job and the kept API: `gpuflow reap` ends both.
+    pidfile.unlink()
+    proc = start_run(tmp_path, command, env)
+    wait_for(proc, lambda: pidfile.exists() and pidfile.read_text().strip())
+    job_pid = int(pidfile.read_text())
+    proc.kill()
+    proc.wait(timeout=30)
+    out = subprocess.run([*GPUFLOW, "reap"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (
+        "1 leftover cluster(s), 1 temporary server(s), 1 flow run(s) marked Crashed" in out.stdout
+    )
+    assert process_gone(job_pid) and process_gone(record["pid"])
+    assert servers_of(tmp_path / "prefect-home") == []
+    assert not list((gpuflow_home / "servers").iterdir())
+    assert nothing_left(gpuflow_home)
+
+
+def test_a_kept_api_stops_by_itself_after_its_idle_period(tmp_path, gpuflow_home):
+    env = kept_env(tmp_path, gpuflow_home, GPUFLOW_API_IDLE_S="3")
+    job = tmp_path / "job.yaml"
+    job.write_text("job: {kind: command, command: [echo, hi]}\n")
+    out = subprocess.run(
+        [*GPUFLOW, "run", str(job)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "kept for later commands until 3 s without one" in first_line(out.stderr)
+    (record,) = records(gpuflow_home)
+    deadline = time.monotonic() + 120
+    while not process_gone(record["pid"]):  # a second or two after its idle period
+        assert time.monotonic() < deadline, "the kept API never stopped"
+        time.sleep(0.2)
+    assert servers_of(tmp_path / "prefect-home") == []
+    assert not list((gpuflow_home / "servers").iterdir())  # record, leases and log gone
+    assert nothing_left(gpuflow_home)
