@@ -1,9 +1,11 @@
 """CLI overhead: wall time of `gpuflow run` for `echo hi` against the bare command.
 
-Three ways: no API anywhere and everything cold (an empty PREFECT_HOME, an empty
-bytecode cache: gpuflow starts a temporary API), the same warm (second run), and with
-the local platform up (`gpuflow platform up`; runs are recorded there). Printed side by
-side with the difference and ratio to the bare command.
+Four ways with no API configured: everything cold (an empty PREFECT_HOME, an empty
+bytecode cache: the first command starts a temporary API and keeps it), the second command
+(it uses the kept API), a warm command whose API is not kept (GPUFLOW_API_IDLE_S=0: each
+command starts its own, as before), and with the local platform up (`gpuflow platform
+up`; runs are recorded there). Printed side by side with the difference and ratio to the
+bare command.
 
     python bench/cli_overhead.py [--rounds 2]
 """
@@ -40,27 +42,34 @@ def main() -> None:
         base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
         base.pop("PYTHONDONTWRITEBYTECODE", None)  # a user's machine keeps bytecode: "warm"
         base["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+        base.pop("GPUFLOW_API_IDLE_S", None)  # the default: kept
         rows: dict[str, list[float]] = {"bare echo hi": [], "temporary API, cold": []}
-        rows |= {"temporary API, warm": [], "local platform up": []}
+        rows |= {"second command (kept)": [], "warm, not kept": [], "local platform up": []}
+        down = [sys.executable, "-m", "gpuflow", "platform", "down"]
         for round_ in range(args.rounds):
             rows["bare echo hi"].append(timed(["echo", "hi"]))
             cold = dict(base, GPUFLOW_HOME=str(work / f"home{round_}"))
             cold |= {"PREFECT_HOME": str(work / f"prefect{round_}")}
             cold |= {"PYTHONPYCACHEPREFIX": str(work / f"pycache{round_}")}
             rows["temporary API, cold"].append(timed(run, cold))
-            rows["temporary API, warm"].append(timed(run, cold))
+            rows["second command (kept)"].append(timed(run, cold))
+            timed(down, cold)  # stops the kept API
+            not_kept = cold | {"GPUFLOW_HOME": str(work / f"home{round_}-not-kept")}
+            not_kept |= {"GPUFLOW_API_IDLE_S": "0"}
+            timed(run, not_kept)  # its bytecode and database are warm now
+            rows["warm, not kept"].append(timed(run, not_kept))
         platform = dict(base, GPUFLOW_HOME=str(work / "platform-home"))
         timed([sys.executable, "-m", "gpuflow", "platform", "up", "--port", "4291"], platform)
         try:
             for _ in range(args.rounds):
                 rows["local platform up"].append(timed(run, platform))
         finally:
-            timed([sys.executable, "-m", "gpuflow", "platform", "down"], platform)
+            timed(down, platform)
     bare = statistics.median(rows["bare echo hi"])
-    print(f"{'':24}{'wall s':>9}{'- bare s':>10}{'x bare':>10}")
+    print(f"{'':26}{'wall s':>9}{'- bare s':>10}{'x bare':>10}")
     for name, times in rows.items():
         wall = statistics.median(times)
-        print(f"{name:24}{wall:>9.2f}{wall - bare:>10.2f}{wall / bare:>10.0f}")
+        print(f"{name:26}{wall:>9.2f}{wall - bare:>10.2f}{wall / bare:>10.0f}")
 
 
 if __name__ == "__main__":

@@ -127,6 +127,10 @@ def reap_objects(runs: int) -> float:
     done = reap_kubernetes(False, say=lambda line: None)
     seconds = time.perf_counter() - started
     assert done["clusters"] == runs, done
+    owned = {"labelSelector": "gpuflow.io/owner=gpuflow"}
+    for kind in ("services", "secrets"):
+        left = api.request("GET", f"/api/v1/namespaces/{api.namespace}/{kind}", params=owned)
+        assert not left["items"], f"{len(left['items'])} {kind} left after the reap"
     return seconds
 
 

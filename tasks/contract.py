@@ -7,7 +7,7 @@ kind's `Needs` with a backend's `Capabilities` before anything is provisioned.""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal, Protocol, TypeVar
@@ -212,6 +212,10 @@ class RunStates(Protocol):
     def state(self, run_id: str, api_url: str | None) -> str:
         """Return "running", "away" (the API does not answer), "unknown" to the API, or
         the final state's name in lower case."""
+
+    def states(self, runs: Sequence[tuple[str, str | None]]) -> dict[tuple[str, str | None], str]:
+        """Return `state` of each (run id, API url), asking each API once (a reaper of
+        hundreds of runs)."""
 
 
 class ReapReport(BaseModel):

@@ -8,10 +8,11 @@ are stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,16 @@ class PrefectRuns:
     def state(self, run_id: str, api_url: str | None) -> str:
         return _run_state(run_id, api_url)
 
+    def states(self, runs: Sequence[tuple[str, str | None]]) -> dict[tuple[str, str | None], str]:
+        by_api: dict[str | None, list[str]] = {}
+        for run_id, url in dict.fromkeys(runs):
+            by_api.setdefault(url, []).append(run_id)
+        found: dict[tuple[str, str | None], str] = {}
+        for url, run_ids in by_api.items():
+            answers = _run_states(run_ids, url)
+            found |= {(run_id, url): answers[run_id] for run_id in run_ids}
+        return found
+
 
 def reap(dry_run: bool, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Reap what dead gpuflow processes left on this host; return counts of what was (or
@@ -196,6 +207,37 @@ def reap_ec2(
     done: dict[str, Any] = {k: int(v) for k, v in found.counts.items()}
     done["hourly_usd"] = found.counts.get("hourly_usd", 0.0)
     return done
+
+
+def _run_states(run_ids: list[str], url: str | None, page: int = 200) -> dict[str, str]:
+    """Return what `_run_state` says of each run, from one health check and one read per
+    `page` runs."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    if url and prefect_api.health_error(url, timeout_s=5):
+        return dict.fromkeys(run_ids, "away")
+    answers = dict.fromkeys(run_ids, "unknown")
+    ids: dict[UUID, str] = {}
+    for run_id in run_ids:
+        with contextlib.suppress(ValueError):  # not a run id: unknown to every API
+            ids[UUID(run_id)] = run_id
+    wanted = list(ids)
+    with (
+        temporary_settings({PREFECT_API_URL: url} if url else {}),
+        get_client(sync_client=True) as client,
+    ):
+        for start in range(0, len(wanted), page):
+            chunk = wanted[start : start + page]
+            flow_runs = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=chunk)), limit=page
+            )
+            for flow_run in flow_runs:
+                state = flow_run.state
+                final = state is not None and state.is_final()
+                answers[ids[flow_run.id]] = state.name.lower() if final else "running"
+    return answers
 
 
 def _run_state(run_id: str, url: str | None) -> str:

@@ -70,6 +70,9 @@ class Running:
     def state(self, run_id: str, api_url: str | None) -> str:
         return "running"
 
+    def states(self, runs):
+        return dict.fromkeys(runs, "running")
+
 
 @dataclass
 class Place:

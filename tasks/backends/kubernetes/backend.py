@@ -384,6 +384,32 @@ class KubernetesBackend:
             name=cluster.name, already_gone=service is None and not jobs, killed_processes=len(jobs)
         )
 
+    def teardown_all(self, clusters: list[Cluster]) -> None:
+        """Delete every object of `clusters` a collection at a time: one request per kind
+        of object for all of them (label selector `gpuflow.io/cluster in (...)`); Services,
+        which an API server may not delete as a collection, one by one. Idempotent; the
+        reaper's way through hundreds of runs."""
+        api = self.api()
+        ns, names = api.namespace, [cluster.name for cluster in clusters]
+        selector = {"labelSelector": f"{objects.CLUSTER_LABEL} in ({','.join(names)})"}
+        body = {"propagationPolicy": "Background", "gracePeriodSeconds": 0}
+        collections = [f"/apis/batch/v1/namespaces/{ns}/jobs"]
+        if self._serves_mpijobs():  # the operator's launcher Job and workers go with them
+            collections.append(f"/apis/{MPIJOB_API}/namespaces/{ns}/mpijobs")
+        collections += [f"/api/v1/namespaces/{ns}/pods", f"/api/v1/namespaces/{ns}/secrets"]
+        for path in collections:
+            api.request("DELETE", path, body, params=selector)
+        services = f"/api/v1/namespaces/{ns}/services"
+        try:
+            api.request("DELETE", services, body, params=selector)
+        except KubeError as exc:
+            if exc.status != 405:  # not served as a collection here: one at a time
+                raise
+            for name in names:
+                self._delete(f"{services}/{name}", 0)
+        for cluster in clusters:
+            shutil.rmtree(local_folder(cluster.name), ignore_errors=True)
+
     def reap(self, dry_run: bool, say: Callable[[str], None], runs: RunStates) -> ReapReport:
         """Delete the objects of runs that are over, or whose gpuflow died on this host;
         with `dry_run`, only say which. Idempotent."""

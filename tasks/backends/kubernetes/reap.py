@@ -3,16 +3,17 @@ died on this host, found by their owner labels."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tasks.backends.kubernetes.state import KubeState
-from tasks.contract import OWNER_LABEL, RUN_LABEL, ReapReport, RunStates, state_of
+from tasks.contract import OWNER_LABEL, RUN_LABEL, Cluster, ReapReport, RunStates, state_of
 
 if TYPE_CHECKING:
     from tasks.backends.kubernetes.backend import KubernetesBackend
+
+CHUNK = 100  # clusters a request to delete (a label selector of about 5 KB)
 
 
 def reap(
@@ -23,29 +24,29 @@ def reap(
     and is dead (its run is then marked Crashed). Runs still going are left alone; an API
     that does not answer is named and its runs are left as they are."""
     done = ReapReport(counts={"clusters": 0})
-    lock = threading.Lock()
-
-    def one(cluster: Any) -> None:
-        kube = state_of(cluster, KubeState)
-        run_id, url = cluster.owner.get(RUN_LABEL, ""), kube.api_url
-        dead_here = kube.orchestrator.dead_here()
-        state = runs.state(run_id, url)
+    clusters = backend.list_owned({OWNER_LABEL: "gpuflow"})
+    asked = {c.name: (c.owner.get(RUN_LABEL, ""), state_of(c, KubeState).api_url) for c in clusters}
+    states = runs.states(list(asked.values()))  # one read per API, not one per run
+    over: list[Cluster] = []
+    for cluster in clusters:
+        run_id, url = asked[cluster.name]
+        dead_here = state_of(cluster, KubeState).orchestrator.dead_here()
+        state = states[run_id, url]
         if state == "away" and not dead_here:
             say(f"{cluster.name}: left as it is; the API at {url} that records its run is away")
-            return
+            continue
         if state == "running" and not dead_here:
-            return  # its run is still going
+            continue  # its run is still going
         why = f"its flow run is {state}"
         if state in ("running", "away"):
             why = "its gpuflow died" + (f"; the API at {url} is away" if state == "away" else "")
         say(f"{'would delete' if dry_run else 'deleting'} {cluster.name} ({why})")
-        if not dry_run:
-            backend.teardown(cluster)
-        with lock:
-            done.counts["clusters"] += 1
-            if state == "running" and not dry_run:
-                done.crashed.append((run_id, url))
-
-    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="reap") as pool:
-        list(pool.map(one, backend.list_owned({OWNER_LABEL: "gpuflow"})))
+        done.counts["clusters"] += 1
+        over.append(cluster)
+        if state == "running" and not dry_run:
+            done.crashed.append((run_id, url))
+    if not dry_run and over:
+        chunks = [over[start : start + CHUNK] for start in range(0, len(over), CHUNK)]
+        with ThreadPoolExecutor(max_workers=4, thread_name_prefix="reap") as pool:
+            list(pool.map(backend.teardown_all, chunks))  # a collection at a time
     return done
