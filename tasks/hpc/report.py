@@ -8,10 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+from tasks.metrics.plot import pyplot
 
 
 def read_thermo(path: Path) -> list[dict[str, float]]:
@@ -27,6 +24,7 @@ def energy_png(rows: list[dict[str, float]], path: Path, title: str) -> Path | N
     if len(rows) < 2:
         return None
     t = [r["time"] for r in rows]
+    plt = pyplot()
     fig, (energy_ax, total_ax) = plt.subplots(2, 1, figsize=(8, 6), dpi=100, sharex=True)
     for key, label in (("potential_per_atom", "potential"), ("kinetic_per_atom", "kinetic")):
         energy_ax.plot(t, [r[key] for r in rows], label=label)

@@ -13,8 +13,10 @@ import shutil
 import struct
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported where pixels are handled (half a second cold)
+    import numpy as np
 
 _EXR_MAGIC = b"\x76\x2f\x31\x01"
 
@@ -33,6 +35,8 @@ def kind_of(head: bytes) -> str | None:
 def thumbnail_rgb(path: Path, box: int) -> np.ndarray | None:
     """Return an 8-bit sRGB thumbnail (H x W x 3, fitting in box x box) of a frame in one
     of this module's formats, or None when it is none of them or cannot be decoded."""
+    import numpy as np
+
     with open(path, "rb") as handle:
         kind = kind_of(handle.read(16))
     if kind == "hdr":
@@ -57,12 +61,16 @@ def thumbnail_rgb(path: Path, box: int) -> np.ndarray | None:
 
 def tone_map(linear: np.ndarray) -> np.ndarray:
     """Return Reinhard-mapped values in [0, 1) from linear light (negatives as 0)."""
+    import numpy as np
+
     linear = np.nan_to_num(np.maximum(linear, 0.0), nan=0.0, posinf=1e6)
     return linear / (1.0 + linear)
 
 
 def to_srgb8(values: np.ndarray, encode: bool = True) -> np.ndarray:
     """Return 8-bit pixels; with `encode`, linear [0, 1] values get the sRGB curve first."""
+    import numpy as np
+
     if encode:
         values = np.where(
             values <= 0.0031308, 12.92 * values, 1.055 * np.power(values, 1 / 2.4) - 0.055
@@ -72,6 +80,7 @@ def to_srgb8(values: np.ndarray, encode: bool = True) -> np.ndarray:
 
 def shrink(pixels: np.ndarray, box: int) -> np.ndarray:
     """Return `pixels` reduced by a whole factor to fit in box x box (area average)."""
+
     height, width = pixels.shape[:2]
     factor = max(1, -(-max(height, width) // box))
     height, width = height // factor * factor, width // factor * factor
@@ -82,6 +91,8 @@ def shrink(pixels: np.ndarray, box: int) -> np.ndarray:
 def read_radiance(path: Path) -> np.ndarray | None:
     """Return the linear RGB pixels of a Radiance .hdr file (flat or run-length encoded
     RGBE scanlines), or None when it is damaged."""
+    import numpy as np
+
     data = path.read_bytes()
     end = data.find(b"\n\n")
     if end < 0:
@@ -104,6 +115,8 @@ def read_radiance(path: Path) -> np.ndarray | None:
 
 
 def _radiance_row(data: bytes, pos: int, width: int) -> tuple[np.ndarray, int]:
+    import numpy as np
+
     if not (8 <= width < 0x8000) or data[pos : pos + 2] != b"\x02\x02" or data[pos + 2] & 0x80:
         flat = np.frombuffer(data, np.uint8, width * 4, pos).reshape(width, 4)
         return flat, pos + width * 4
@@ -179,6 +192,8 @@ def _fit(width: int, height: int, box: int) -> tuple[int, int]:
 def _ffmpeg_float(path: Path, size: tuple[int, int], options: list[str]) -> np.ndarray | None:
     """Return the frame at `size` as float RGB from ffmpeg, or None without ffmpeg or on
     a decode error."""
+    import numpy as np
+
     ffmpeg = shutil.which("ffmpeg")
     if ffmpeg is None:
         return None
