@@ -66,7 +66,7 @@ class Api:
 
 
 def prefect_home() -> str:
-    return os.environ.get("PREFECT_HOME", str(Path.home() / ".prefect"))
+    return kept_api.prefect_home(dict(os.environ))
 
 
 def servers_dir() -> Path:
@@ -177,6 +177,7 @@ def start_temporary(
             "PREFECT__SERVER_EPHEMERAL": "1",
             "PREFECT__SERVER_FINAL": "1",
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_HOME": prefect_home(),
         }
         argv = [sys.executable, "-m", "tasks.platform.kept_api", "--port", str(port)]
         argv += ["--servers", str(servers), "--idle-s", str(keep_s), "--log", str(log)]
@@ -191,6 +192,9 @@ def start_temporary(
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
+                    # Not in the folder the command was started in: a kept server outlives
+                    # it, and must not hold it (a job's workspace, a mount to unmount).
+                    cwd="/",
                     start_new_session=True,
                     # The child would inherit the blocked mask, and never see its SIGTERM.
                     preexec_fn=lambda mask=blocked: signal.pthread_sigmask(
@@ -307,12 +311,14 @@ def leftover_servers() -> list[dict[str, Any]]:
 
 
 def stop_kept(say: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Stop the kept temporary servers of this GPUFLOW_HOME that no command uses now; return
-    their records (one in use stops by itself once idle: its command would fail)."""
-    servers, stopped = servers_dir(), []
+    """Stop the kept temporary servers of this GPUFLOW_HOME that no command uses now (one in
+    use stops by itself once idle: its command would fail); return the records of all the
+    kept servers found running."""
+    servers, found = servers_dir(), []
     for record in _records():
         if not record.get("idle_s") or not alive(record["pid"], record["started"]):
             continue
+        found.append(record)
         live, _ = kept_api.leases(kept_api.leases_of(servers, record["pid"]))
         if live:
             say(
@@ -322,8 +328,7 @@ def stop_kept(say: Callable[[str], None]) -> list[dict[str, Any]]:
             continue
         stop_server(record)
         say(f"stopped the temporary Prefect API at {record['api']} (pid {record['pid']})")
-        stopped.append(record)
-    return stopped
+    return found
 
 
 @contextlib.contextmanager

@@ -54,10 +54,17 @@ def fingerprint(environ: dict[str, str] | None = None) -> str:
     """Return what a command's server must share with it to be used: this user, this
     Python (and so this Prefect), the Prefect server settings and PREFECT_HOME."""
     environ = dict(os.environ if environ is None else environ)
-    environ.setdefault("PREFECT_HOME", str(Path.home() / ".prefect"))
+    environ["PREFECT_HOME"] = prefect_home(environ)
     settings = sorted((k, v) for k, v in environ.items() if k.startswith(SERVER_SETTINGS))
     text = json.dumps([os.geteuid(), sys.executable, settings])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def prefect_home(environ: dict[str, str]) -> str:
+    """Return the absolute PREFECT_HOME of `environ` (the server runs in / and outlives the
+    folder a command was started in)."""
+    home = environ.get("PREFECT_HOME") or str(Path.home() / ".prefect")
+    return str(Path(home).expanduser().absolute())
 
 
 def leases_of(servers: Path, pid: int) -> Path:
