@@ -141,7 +141,7 @@ class PrefectRuns:
     """How runs stand in the Prefect API each was recorded in (the reapers' RunStates)."""
 
     def state(self, run_id: str, api_url: str | None) -> str:
-        return _run_state(run_id, api_url)
+        return _run_states([run_id], api_url)[run_id]
 
     def states(self, runs: Sequence[tuple[str, str | None]]) -> dict[tuple[str, str | None], str]:
         by_api: dict[str | None, list[str]] = {}
@@ -210,8 +210,8 @@ def reap_ec2(
 
 
 def _run_states(run_ids: list[str], url: str | None, page: int = 200) -> dict[str, str]:
-    """Return what `_run_state` says of each run, from one health check and one read per
-    `page` runs."""
+    """Return for each run "running", "away" (the API does not answer), "unknown" to the
+    API, or its final state's name in lower case: one health check, one read per `page`."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -238,28 +238,6 @@ def _run_states(run_ids: list[str], url: str | None, page: int = 200) -> dict[st
                 final = state is not None and state.is_final()
                 answers[ids[flow_run.id]] = state.name.lower() if final else "running"
     return answers
-
-
-def _run_state(run_id: str, url: str | None) -> str:
-    """Return "running", "away" (the API does not answer), "unknown" to the API, or the
-    final state's name in lower case."""
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    if url and prefect_api.health_error(url, timeout_s=5):
-        return "away"
-    try:
-        with (
-            temporary_settings({PREFECT_API_URL: url} if url else {}),
-            get_client(sync_client=True) as client,
-        ):
-            state = client.read_flow_run(UUID(run_id)).state
-    except (ObjectNotFound, ValueError):
-        return "unknown"
-    if state is None or not state.is_final():
-        return "running"
-    return state.name.lower()
 
 
 def _mark_crashed(runs: list[tuple[str, str | None]], say: Callable[[str], None]) -> int:
