@@ -21,6 +21,40 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("GPUFLOW_API_IDLE_S", "0")
 
 
+# Tests run in parallel (pytest-xdist, `--dist loadgroup`, scripts/test.sh): each worker
+# starts its own Prefect server and S3 server once. A test that needs the Kubernetes test
+# cluster joins the group `kubernetes`, so one worker starts one cluster for all of them;
+# a module with a module-scoped fixture (a platform, a data set) runs on one worker.
+# Groups expected to run longest are handed out first, so they do not end the run alone.
+FIRST = ("kubernetes",)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        if "testbed" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("kubernetes"))
+        elif any(
+            defs[-1].scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values()
+        ):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+    def rank(item) -> int:
+        marker = item.get_closest_marker("xdist_group")
+        group = (
+            marker.args[0]
+            if marker and marker.args
+            else marker.kwargs.get("name")
+            if marker
+            else None
+        )
+        return FIRST.index(group) if group in FIRST else len(FIRST)
+
+    items.sort(key=rank)  # stable: collection order within each rank
+
+
 def load_fake_nvml(**config) -> ModuleType:
     """Return a fresh fake pynvml module with `config` overriding its defaults."""
     spec = importlib.util.spec_from_file_location("fake_pynvml", FAKES / "pynvml.py")

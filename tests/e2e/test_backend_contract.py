@@ -35,7 +35,13 @@ from tests.e2e.kubelet import PlayedKubelet
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
-BACKENDS = ["local", "toy", "kubernetes", "ec2"]
+BACKENDS = [
+    "local",
+    "toy",
+    # the test cluster is one per session: every test that needs it runs on one worker
+    pytest.param("kubernetes", marks=pytest.mark.xdist_group("kubernetes")),
+    "ec2",
+]
 LINES = 300
 # Prints its lines, then waits; on SIGTERM it says so and exits 75 (state saved).
 STOPPABLE = (

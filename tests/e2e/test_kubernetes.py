@@ -351,9 +351,11 @@ def test_a_stopped_unit_is_deleted_and_teardown_leaves_nothing(kube):
     cluster = backend.provision(spec_for(gpus=1), owner_labels(run_id, "k8s-test"))
     running = threading.Event()
     watcher = when_running(kube, f"job-name={cluster.name}-main", lambda pod: running.set())
+    # `sleep 600` keeps the simulated pod Running until it is stopped (a pod that ends by
+    # itself within a second could beat the stop check on a busy machine)
     result = backend.run(
         cluster,
-        WorkUnit(name="main", command=["true"]),
+        WorkUnit(name="main", command=["sleep", "600"]),
         {},
         300,
         lambda *_: None,
