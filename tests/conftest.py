@@ -29,10 +29,15 @@ os.environ.setdefault("GPUFLOW_API_IDLE_S", "0")
 FIRST = ("kubernetes",)
 
 
+def _group(item) -> str | None:
+    marker = item.get_closest_marker("xdist_group")
+    return (marker.args or [marker.kwargs.get("name")])[0] if marker else None
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
+        if _group(item) is not None:
             continue
         if "testbed" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("kubernetes"))
@@ -40,19 +45,8 @@ def pytest_collection_modifyitems(config, items) -> None:
             defs[-1].scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values()
         ):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-    def rank(item) -> int:
-        marker = item.get_closest_marker("xdist_group")
-        group = (
-            marker.args[0]
-            if marker and marker.args
-            else marker.kwargs.get("name")
-            if marker
-            else None
-        )
-        return FIRST.index(group) if group in FIRST else len(FIRST)
-
-    items.sort(key=rank)  # stable: collection order within each rank
+    # stable: collection order within each rank
+    items.sort(key=lambda item: FIRST.index(g) if (g := _group(item)) in FIRST else len(FIRST))
 
 
 def load_fake_nvml(**config) -> ModuleType:
