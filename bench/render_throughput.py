@@ -68,6 +68,7 @@ def main() -> None:
     from prefect.testing.utilities import prefect_test_harness
 
     from flows.render import render
+    from tasks.pipeline.heartbeat import heartbeats_sent_by_gpuflow
 
     def bare() -> float:
         out = work / "bare"
@@ -112,7 +113,8 @@ def main() -> None:
             "metrics": {"plot": False},
         }
         start = time.perf_counter()
-        result = render(spec)
+        with heartbeats_sent_by_gpuflow():  # as `gpuflow run` runs a flow
+            result = render(spec)
         elapsed = time.perf_counter() - start
         chunks.append(result.metrics.job["chunks"])
         return elapsed

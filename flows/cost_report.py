@@ -54,12 +54,13 @@ def cost_report(
 ) -> dict[str, Any]:
     """Report the runs that ended in the `window` before `until` (default: now). `output`:
     the folder for the PNG (default GPUFLOW_HOME/reports)."""
-    from prefect.client.orchestration import get_client
     from prefect.events import emit_event
+
+    from tasks.api_client import api_client
 
     since, end = _settings(window, until, budget_usd_per_day)
     logger = get_run_logger()
-    with get_client(sync_client=True) as client:
+    with api_client() as client:
         runs, unpriced = spend.read_runs(client, since, end)
     folder = Path(output) if output else gpuflow_home() / "reports"
     chart = spend.chart_png(

@@ -15,6 +15,7 @@ from tasks.errors import InvalidSpec, JobCancelled, JobFailed
 from tasks.host import gpuflow_home, signals_deferred
 from tasks.metrics.summary import RunMetrics
 from tasks.pipeline.checks import check_spec
+from tasks.pipeline.heartbeat import flow_run_heartbeat
 from tasks.pipeline.inflight import run_in_flight
 from tasks.pipeline.stages import (
     collect,
@@ -99,6 +100,11 @@ def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
     """The pipeline's body, for flows that run it in their own flow run (render, train)
     rather than as a subflow: one flow run less to create and finish. The job's kind
     runs the run stage (its units); nothing here depends on which kind it is."""
+    with flow_run_heartbeat():
+        return _checked_stages(spec)
+
+
+def _checked_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
     job = load_spec(spec.model_dump() if isinstance(spec, JobSpec) else spec)
     job, prices = check_spec(job)  # before anything is provisioned
     where = job.placement

@@ -47,10 +47,11 @@ class LogRelay:
         self._thread = threading.Thread(target=self._send_loop, daemon=True, name="log-relay")
 
     def __enter__(self) -> LogRelay:
-        from prefect.client.orchestration import get_client
         from prefect.logging.handlers import set_api_log_sink
 
-        self._client = get_client(sync_client=True).__enter__()  # this command's API
+        from tasks.api_client import api_client
+
+        self._client = api_client().__enter__()  # this command's API
         self._thread.start()
         set_api_log_sink(self.send)
         return self

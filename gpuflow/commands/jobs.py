@@ -55,8 +55,10 @@ def _run_spec(spec: Any, api: Any, checked: bool) -> int:
         return invalid(exc)
     from gpuflow.logrelay import LogRelay
     from gpuflow.outage import OutageWatch, outage_bound_s
+    from tasks.pipeline.heartbeat import heartbeats_sent_by_gpuflow
 
     with (
+        heartbeats_sent_by_gpuflow(),
         session.sentences_on_console(),
         LogRelay(api.url, session.say) as relay,
         OutageWatch(api, session.say, session.fail, outage_bound_s(), relay.spill),

@@ -174,8 +174,9 @@ def cancel_requested(flow_run_id: str, every_s: float = 2.0) -> Callable[[], boo
     the loop that follows the job; the thread ends once the check is no longer called."""
     from uuid import UUID
 
-    from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
+
+    from tasks.api_client import api_client
 
     cancelled = threading.Event()
     last_called = [time.monotonic()]
@@ -184,7 +185,7 @@ def cancel_requested(flow_run_id: str, every_s: float = 2.0) -> Callable[[], boo
         while time.monotonic() - last_called[0] < 5 * every_s + 10:
             time.sleep(every_s)
             try:
-                with get_client(sync_client=True) as client:
+                with api_client() as client:
                     state = client.read_flow_run(UUID(flow_run_id)).state
             except Exception:  # the API being away is no reason to stop a job
                 continue

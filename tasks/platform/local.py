@@ -342,11 +342,12 @@ def _configure(api: str, env: dict[str, str], say, cluster: dict[str, Any] | Non
 
 
 def _pools(pools: dict[str, tuple[str, dict[str, Any]]]) -> None:
-    from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectNotFound
 
-    with get_client(sync_client=True) as client:
+    from tasks.api_client import api_client
+
+    with api_client() as client:
         for name, (kind, template) in pools.items():
             try:
                 client.read_work_pool(name)
@@ -359,15 +360,16 @@ def _pools(pools: dict[str, tuple[str, dict[str, Any]]]) -> None:
 
 def _gpu_limit() -> int:
     """Create or resize the `gpu` global concurrency limit to this host's GPUs."""
-    from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import (
         GlobalConcurrencyLimitCreate,
         GlobalConcurrencyLimitUpdate,
     )
     from prefect.exceptions import ObjectNotFound
 
+    from tasks.api_client import api_client
+
     gpus = len(nvml.query().gpus)
-    with get_client(sync_client=True) as client:
+    with api_client() as client:
         try:
             client.read_global_concurrency_limit_by_name(LIMIT_NAME)
             client.update_global_concurrency_limit(

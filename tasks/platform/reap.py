@@ -61,8 +61,9 @@ def spill_logs(run_id: str, api_url: str, bodies: list[bytes]) -> Path:
 
 def _deliver_logs(path: Path, urls: list[str], say: Callable[[str], None]) -> None:
     """Post the kept logs in `path` to the first API that answers, then remove the file."""
-    from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.api_client import api_client
 
     try:
         header, *bodies = path.read_bytes().splitlines()
@@ -76,7 +77,7 @@ def _deliver_logs(path: Path, urls: list[str], say: Callable[[str], None]) -> No
         try:
             with (
                 temporary_settings({PREFECT_API_URL: url}),
-                get_client(sync_client=True) as client,
+                api_client() as client,
             ):
                 for start in range(0, len(bodies), 2000):
                     client.request(
@@ -212,9 +213,10 @@ def reap_ec2(
 def _run_states(run_ids: list[str], url: str | None, page: int = 200) -> dict[str, str]:
     """Return for each run "running", "away" (the API does not answer), "unknown" to the
     API, or its final state's name in lower case: one health check, one read per `page`."""
-    from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.api_client import api_client
 
     if url and prefect_api.health_error(url, timeout_s=5):
         return dict.fromkeys(run_ids, "away")
@@ -226,7 +228,7 @@ def _run_states(run_ids: list[str], url: str | None, page: int = 200) -> dict[st
     wanted = list(ids)
     with (
         temporary_settings({PREFECT_API_URL: url} if url else {}),
-        get_client(sync_client=True) as client,
+        api_client() as client,
     ):
         for start in range(0, len(wanted), page):
             chunk = wanted[start : start + page]
@@ -258,11 +260,12 @@ def _mark_crashed(runs: list[tuple[str, str | None]], say: Callable[[str], None]
 
 
 def _crash(run_id: str, url: str, message: str = CRASHED_MESSAGE) -> bool:
-    from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import Crashed
 
-    with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+    from tasks.api_client import api_client
+
+    with temporary_settings({PREFECT_API_URL: url}), api_client() as client:
         state = client.read_flow_run(UUID(run_id)).state
         if state is not None and state.is_final():
             return False

@@ -241,11 +241,12 @@ def reclaim_pass(
     """Run one pass: warn about idle runs (gpuflow.gpu.idle) and cancel the overdue ones (a
     dry run only says so: no event, no cancel); return what was decided. `say(line, loud)`:
     loud lines are about runs warned or cancelled."""
-    from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 
+    from tasks.api_client import api_client
+
     started = time.monotonic()
-    with get_client(sync_client=True) as client:
+    with api_client() as client:
         decided = decide(settings, client)
         for idle in decided:
             acted = idle.action in ("warn", "cancel")

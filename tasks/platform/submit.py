@@ -62,10 +62,11 @@ def submit(
 ) -> int:
     """Start a run of deployment `name` (flow-name/deployment-name) with `params` over its
     defaults; with `wait`, follow it until it ends or `timeout_s` passes."""
-    from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    with get_client(sync_client=True) as client:
+    from tasks.api_client import api_client
+
+    with api_client() as client:
         try:
             deployment = client.read_deployment_by_name(name)
         except (ObjectNotFound, ValueError):

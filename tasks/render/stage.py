@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.artifacts import create_progress_artifact
+from prefect.client.schemas.actions import ArtifactUpdate
 from prefect.futures import as_completed
 from pydantic import BaseModel
 
+from tasks.api_client import api_client
 from tasks.contract import JobResult, RunOutcome, UnitRunner
 from tasks.errors import JobCancelled, JobFailed, TransientError, retry_when_retryable
 from tasks.render import logparse, pod_chunk, report
@@ -101,12 +103,12 @@ class _Progress:
         self.last = now
         with self.lock:
             count = len(self.records)
-        with contextlib.suppress(Exception):  # progress is shown, never worth failing a render
-            update_progress_artifact(
-                self.artifact_id,
-                100.0 * count / max(1, self.total),
-                description=f"{count} of {self.total} frames in storage",
-            )
+        update = ArtifactUpdate(
+            data=100.0 * count / max(1, self.total),
+            description=f"{count} of {self.total} frames in storage",
+        )
+        with contextlib.suppress(Exception), api_client() as client:  # shown, never worth failing
+            client.update_artifact(self.artifact_id, update)
 
 
 @task(name="render-chunk", cache_policy=None)

@@ -573,3 +573,40 @@ def test_a_full_workspace_or_artifacts_disk_is_named_not_a_traceback(
     assert f"could not be written to {artifacts}" in str(error)
     assert "No space left on device" in str(error) and "ended with exit code 0" in str(error)
     assert nothing_left(gpuflow_home)
+
+
+def test_a_run_started_here_sends_one_heartbeat_that_stops_with_it(prefect_api, gpuflow_home):
+    """`gpuflow run` hands the flow run's heartbeat from Prefect's engine (joined up to a
+    second late) to gpuflow's own: the run sends it once at its start, from one sender, not
+    two, and no heartbeat thread outlives the run."""
+    import threading
+
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    from tasks.pipeline.heartbeat import THREAD_NAME, heartbeats_sent_by_gpuflow
+    from tests.e2e.helpers import events_named
+
+    raw = {"name": "beat", "job": {"kind": "command", "command": ["true"]}}
+    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 45}), heartbeats_sent_by_gpuflow():
+        assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() is None  # Prefect's is off
+        state, run_id = run_pipeline(raw)
+    assert state.is_completed(), state.message
+    assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() is not None  # and back after the run
+    assert not [t for t in threading.enumerate() if t.name == THREAD_NAME]
+    # a heartbeat goes out before the first task's events: once one is stored, so is it
+    assert events_named("prefect.task-run.Completed", f"prefect.flow-run.{run_id}")
+    beats = events_named("prefect.flow-run.heartbeat", f"prefect.flow-run.{run_id}")
+    assert len(beats) == 1, beats
+    related = {r["prefect.resource.role"] for r in beats[0]["related"]}
+    assert "flow" in related
+
+
+def test_a_run_started_by_prefect_keeps_prefects_heartbeat(prefect_api, gpuflow_home):
+    """A flow run not started through gpuflow's commands (a worker, a direct call) keeps
+    the engine's heartbeat, and gpuflow sends none of its own."""
+    from tests.e2e.helpers import events_named
+
+    state, run_id = run_pipeline({"name": "beat", "job": {"kind": "command", "command": ["true"]}})
+    assert state.is_completed(), state.message
+    assert events_named("prefect.task-run.Completed", f"prefect.flow-run.{run_id}")
+    assert len(events_named("prefect.flow-run.heartbeat", f"prefect.flow-run.{run_id}")) == 1

@@ -12,8 +12,7 @@ import threading
 import time
 from uuid import UUID
 
-from prefect.client.orchestration import get_client
-
+from tasks.api_client import api_client
 from tasks.errors import CapacityError, ProvisionError, TransientError
 
 LIMIT_NAME = "gpu"
@@ -26,7 +25,7 @@ def limit_exists() -> bool:
     """Return True when the Prefect API has a global concurrency limit named `gpu`."""
     from prefect.exceptions import ObjectNotFound
 
-    with get_client(sync_client=True) as client:
+    with api_client() as client:
         try:
             client.read_global_concurrency_limit_by_name(LIMIT_NAME)
             return True
@@ -50,7 +49,7 @@ def acquire(slots: int, wait_s: float, strict: bool, holder_run_id: str | None) 
             body_holder = ConcurrencyLeaseHolder(type="flow_run", id=UUID(holder_run_id))
         except ValueError:
             body_holder = None  # not a flow run id (a run outside Prefect's engine)
-    with get_client(sync_client=True) as client:
+    with api_client() as client:
         while True:
             try:
                 response = client.increment_concurrency_slots_with_lease(
@@ -101,7 +100,7 @@ def _start_renewer(lease_id: str) -> None:
     _renewers[lease_id] = stop
 
     def renew() -> None:
-        with get_client(sync_client=True) as client:
+        with api_client() as client:
             while not stop.wait(LEASE_SECONDS / 3):
                 try:
                     client.renew_concurrency_lease(UUID(lease_id), lease_duration=LEASE_SECONDS)
@@ -118,7 +117,7 @@ def release(lease_id: str) -> bool:
         stop.set()
     import httpx
 
-    with get_client(sync_client=True) as client:
+    with api_client() as client:
         try:
             client.release_concurrency_slots_with_lease(UUID(lease_id))
             return True
@@ -132,7 +131,7 @@ def slots_in_use() -> int | None:
     """Return the `gpu` limit's active slots as the API sees them (None: no such limit)."""
     from prefect.exceptions import ObjectNotFound
 
-    with get_client(sync_client=True) as client:
+    with api_client() as client:
         try:
             return client.read_global_concurrency_limit_by_name(LIMIT_NAME).active_slots
         except ObjectNotFound:

@@ -1,0 +1,46 @@
+"""A Prefect API client that costs half a millisecond to make, not twenty.
+
+Prefect's client builds a new TLS context for every client it makes, reading the whole
+CA bundle each time (about 20 ms of CPU), even for an http:// API. gpuflow asks the API
+often from threads of their own (render progress, the cancel check, GPU slots), where a
+client per call is simplest: this one shares one TLS context per process, built from the
+same settings Prefect's would be (PREFECT_API_TLS_INSECURE_SKIP_VERIFY,
+PREFECT_API_SSL_CERT_FILE), and rebuilt if they change."""
+
+from __future__ import annotations
+
+import ssl
+import threading
+from typing import Any
+
+_LOCK = threading.Lock()
+_CONTEXTS: dict[tuple[bool, str | None], ssl.SSLContext] = {}
+
+
+def tls_context() -> ssl.SSLContext:
+    """Return the TLS context Prefect's client would build now, made once per setting."""
+    import certifi
+    from prefect.settings import PREFECT_API_SSL_CERT_FILE, PREFECT_API_TLS_INSECURE_SKIP_VERIFY
+
+    insecure = bool(PREFECT_API_TLS_INSECURE_SKIP_VERIFY.value())
+    cert_file = None if insecure else (PREFECT_API_SSL_CERT_FILE.value() or certifi.where())
+    key = (insecure, cert_file)
+    with _LOCK:
+        context = _CONTEXTS.get(key)
+        if context is None:
+            if insecure:
+                context = ssl.create_default_context()
+                context.check_hostname = False
+                context.verify_mode = ssl.CERT_NONE
+            else:
+                context = ssl.create_default_context(cafile=cert_file)
+            _CONTEXTS[key] = context
+        return context
+
+
+def api_client() -> Any:
+    """Return a synchronous client of the API in the current settings (a context manager,
+    as `prefect.get_client(sync_client=True)`), sharing this process's TLS context."""
+    from prefect.client.orchestration import get_client
+
+    return get_client(sync_client=True, httpx_settings={"verify": tls_context()})
