@@ -1,5 +1,5 @@
 import sys
 
-from gpuflow.cli import main
+from gpuflow.cli import command
 
-sys.exit(main())
+sys.exit(command())
