@@ -22,6 +22,10 @@ if $want_test; then
     command -v curl >/dev/null || apt_packages+=(curl)            # the Kubernetes test cluster's
     command -v openssl >/dev/null || apt_packages+=(openssl)      # certificates and first calls
     compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || apt_packages+=(postgresql)  # platform on PostgreSQL
+    command -v munged >/dev/null || apt_packages+=(munge)               # the Slurm test cluster
+    command -v slurmctld >/dev/null || apt_packages+=(slurmctld)        # (scripts/slurm-testbed.sh)
+    command -v slurmd >/dev/null || apt_packages+=(slurmd)
+    command -v sbatch >/dev/null || apt_packages+=(slurm-client)
 fi
 if $want_render; then
     command -v blender >/dev/null || apt_packages+=(blender)  # renders run the real Blender

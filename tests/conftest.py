@@ -41,6 +41,8 @@ def pytest_collection_modifyitems(config, items) -> None:
             continue
         if "testbed" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("kubernetes"))
+        elif "slurm_testbed" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
         elif any(
             defs[-1].scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values()
         ):

@@ -28,6 +28,23 @@ def testbed(tmp_path_factory):
     subprocess.run(["bash", str(script), "down", "--dir", str(folder)], check=True, timeout=120)
 
 
+@pytest.fixture(scope="session")
+def slurm_testbed(tmp_path_factory):
+    """The Slurm test cluster (scripts/slurm-testbed.sh), up for the whole session: its
+    slurm.conf, for SLURM_CONF."""
+    folder = tmp_path_factory.mktemp("slurm-testbed")
+    script = ROOT / "scripts" / "slurm-testbed.sh"
+    subprocess.run(["bash", str(script), "up", "--dir", str(folder)], check=True, timeout=300)
+    yield folder / "slurm.conf"
+    subprocess.run(["bash", str(script), "down", "--dir", str(folder)], check=True, timeout=120)
+
+
+@pytest.fixture
+def slurm(slurm_testbed, monkeypatch) -> Path:
+    monkeypatch.setenv("SLURM_CONF", str(slurm_testbed))
+    return slurm_testbed
+
+
 @pytest.fixture
 def kube(testbed, monkeypatch) -> KubeApi:
     monkeypatch.setenv("KUBECONFIG", str(testbed))
