@@ -7,11 +7,12 @@ from tasks.backends.base import Backend
 from tasks.backends.ec2.backend import Ec2Backend
 from tasks.backends.kubernetes.backend import KubernetesBackend
 from tasks.backends.local.backend import LocalBackend
+from tasks.backends.slurm.backend import SlurmBackend
 from tasks.errors import InvalidSpec
 from tasks.spec import Placement
 
 _BACKENDS: dict[str, type[Backend]] = {}
-BUILT_IN = ("local", "kubernetes", "ec2")
+BUILT_IN = ("local", "kubernetes", "ec2", "slurm")
 
 
 def register(backend: type[Backend]) -> type[Backend]:
@@ -36,5 +37,5 @@ def get_backend(name: str, placement: Placement | None = None) -> Backend:
     return _BACKENDS[name].at(placement)
 
 
-for _builtin in (LocalBackend, KubernetesBackend, Ec2Backend):
+for _builtin in (LocalBackend, KubernetesBackend, Ec2Backend, SlurmBackend):
     register(_builtin)

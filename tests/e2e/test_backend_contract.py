@@ -1,6 +1,6 @@
 """The backend contract: every backend passes the same tests through the same verbs —
 local; Kubernetes on the test cluster (pods run by a played kubelet); EC2 on moto with its
-instances booted here; and `toy`, a backend defined in the test suite
+instances booted here; Slurm on the Slurm test cluster (scripts/slurm-testbed.sh); and `toy`, a backend defined in the test suite
 (tests/e2e/toy_backend.py). A new backend proves itself by passing this suite:
 
     pytest -k contract
@@ -41,6 +41,7 @@ BACKENDS = [
     # the test cluster is one per session: every test that needs it runs on one worker
     pytest.param("kubernetes", marks=pytest.mark.xdist_group("kubernetes")),
     "ec2",
+    pytest.param("slurm", marks=pytest.mark.xdist_group("slurm")),  # one Slurm test cluster
 ]
 LINES = 300
 # Prints its lines, then waits; on SIGTERM it says so and exits 75 (state saved).
@@ -148,6 +149,18 @@ def place(request, tmp_path, gpuflow_home, prefect_api) -> Iterator[Place]:
                 return owned(kube, run_id) + processes_of(run_id)
 
             yield Place(name, raw, left, env, exits=lambda: list(kubelet.exits.values()))
+    elif name == "slurm":
+        env["SLURM_CONF"] = str(request.getfixturevalue("slurm"))
+        raw = {
+            **base,
+            "resources": {"gpus": 1, "gpu_product": "H100"},
+            "placement": {"backend": "slurm", "workspace_root": str(tmp_path / "workspaces")},
+        }
+
+        def left(run_id: str) -> list[str]:
+            return clusters_of(name, run_id) + processes_of(run_id)
+
+        yield Place(name, raw, left, env)
     else:
         from tests.e2e.conftest import FLEET
         from tests.e2e.test_ec2 import left_of

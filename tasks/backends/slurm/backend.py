@@ -1,0 +1,504 @@
+"""The Slurm backend: a run's nodes and GPUs are one Slurm allocation, its units are job
+steps in it. Slurm is the scheduler: gpuflow asks it, never schedules beside it.
+
+- provision: `sbatch` of a job that holds the allocation (nodes, gres, time) and does
+  nothing else; the run's owner labels, its API and its orchestrator (host, pid) go in the
+  job's comment, so squeue is the record and nothing is kept on this machine. A retry
+  finds the job by its comment and adopts it.
+- run: one `srun --jobid` step per unit on its node, with the unit's GPUs as gres (Slurm
+  hands the step its CUDA_VISIBLE_DEVICES); its lines come back through srun. A stop is
+  SIGTERM to the step (`scancel --signal=TERM`), its grace, then the step is cancelled.
+- teardown: `scancel` of the job, confirmed with squeue; the workspace goes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+from pydantic import BaseModel
+
+from tasks.backends.base import follow_unit
+from tasks.backends.slurm.commands import check_client, said, slurm
+from tasks.contract import (
+    OWNER_LABEL,
+    RUN_LABEL,
+    Capabilities,
+    Cluster,
+    JobResult,
+    LineSink,
+    Needs,
+    ReapReport,
+    RunStates,
+    StopCheck,
+    StopReason,
+    TeardownReport,
+    UnitEnd,
+    WorkUnit,
+    state_of,
+    unit_env,
+)
+from tasks.errors import CapacityError, InvalidSpec, ProvisionError
+from tasks.gpus import PRODUCTS
+from tasks.host import STOP_GRACE_S, OutputPump, alive, gpuflow_home, start_time
+from tasks.metrics.cost import PriceTable
+from tasks.spec import JobSpec, Placement
+
+# squeue's states of a job that still holds (or waits for) its allocation
+ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
+# pending reasons that pass once other jobs end: waiting on them is waiting for capacity
+BUSY = ("Resources", "Priority", "None", "BeginTime", "Dependency")
+FIELDS = "%i\t%T\t%r\t%N\t%V\t%k"  # id, state, reason, nodes, submitted, comment (last: free text)
+
+
+class SlurmState(BaseModel):
+    """What a Slurm cluster record holds of the run's allocation."""
+
+    job_id: str
+    gres_type: str | None = None  # the gres type of the run's GPUs ("h100"), None: untyped
+
+
+def workspace_root(spec_root: str | None) -> Path:
+    """Return where the run's workspaces go: placement.workspace_root (a folder every node
+    sees), else GPUFLOW_HOME/slurm on this machine (the login node's shared home)."""
+    return Path(spec_root) if spec_root else gpuflow_home() / "slurm"
+
+
+def gres_type(gpu_product: str | None) -> str | None:
+    """Return the gres type a gpu_product maps to: the short name sites give it in
+    gres.conf, its first alias in lower case (NVIDIA-H100-80GB-HBM3: h100); None: any."""
+    if not gpu_product:
+        return None
+    aliases = PRODUCTS.get(gpu_product, (0, ()))[1]
+    return (aliases[0] if aliases else gpu_product).lower()
+
+
+def gres(count: int, kind: str | None) -> str:
+    return f"gpu:{kind}:{count}" if kind else f"gpu:{count}"
+
+
+def minutes(seconds: float) -> int:
+    return max(1, int(-(-seconds // 60)))
+
+
+class SlurmBackend:
+    name = "slurm"
+    capabilities = Capabilities(
+        where="the Slurm cluster's nodes",
+        local_files=False,  # the nodes see the cluster's shared filesystem, not this machine's
+        samples_nodes=True,  # nothing here samples the nodes' GPUs
+    )
+
+    @classmethod
+    def at(cls, placement: Placement | None = None) -> SlurmBackend:
+        return cls()
+
+    def configure(self, spec: JobSpec, prices: PriceTable) -> tuple[JobSpec, PriceTable]:
+        return spec, prices
+
+    def describe(self, spec: JobSpec) -> list[dict[str, str]]:
+        res = spec.resources
+        where = f"{res.nodes} node(s) x {gres(res.gpus, gres_type(res.gpu_product))}"
+        return [{"check": "slurm", "status": "pass", "detail": f"an allocation of {where}"}]
+
+    def _sbatch_args(self, spec: JobSpec, name: str, comment: str, workspace: Path) -> list[str]:
+        res = spec.resources
+        hold_s = spec.limits.max_duration + spec.limits.stop_grace_s + 60
+        argv = [
+            f"--job-name={name}",
+            f"--comment={comment}",
+            f"--nodes={res.nodes}",
+            f"--time={minutes(hold_s)}",
+            f"--chdir={workspace}",
+            "--output=/dev/null",
+            "--requeue",
+        ]
+        if res.gpus:
+            argv.append(f"--gres={gres(res.gpus, gres_type(res.gpu_product))}")
+        return [*argv, "--wrap", f"exec sleep {int(hold_s)}"]
+
+    def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
+        """Raise InvalidSpec when this machine has no Slurm client or the cluster would
+        refuse the allocation (`sbatch --test-only`: partition, gres, nodes, time); submits
+        nothing."""
+        check_client()
+        root = workspace_root(spec.placement.workspace_root)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InvalidSpec(
+                f"placement.workspace_root: cannot make {root} ({exc.strerror}); give a folder"
+                " on the cluster's shared filesystem that this machine can write."
+            ) from None
+        argv = self._sbatch_args(spec, "gpuflow-check", "{}", root)
+        done = subprocess.run(
+            ["sbatch", "--test-only", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+        if done.returncode != 0:
+            res = spec.resources
+            raise InvalidSpec(
+                f"resources: the Slurm cluster refuses {res.nodes} node(s) with"
+                f" {gres(res.gpus, gres_type(res.gpu_product))} each for"
+                f" limits.max_duration: {said(done.stderr)}; ask for what its partitions have"
+                " (`sinfo -o '%P %D %G %l'`)."
+            )
+
+    # -- the allocation ------------------------------------------------------------------
+
+    def provision(self, spec: JobSpec, owner: Mapping[str, str]) -> Cluster:
+        """Submit the run's allocation and wait until it runs; a retry adopts the job its
+        owner labels name. CapacityError when it still waits for busy GPUs after
+        placement.gpu_wait (the job is cancelled); ProvisionError when Slurm can never run
+        it (the reason in Slurm's words)."""
+        run_id = owner[RUN_LABEL]
+        found = self.list_owned({RUN_LABEL: run_id})
+        kind = gres_type(spec.resources.gpu_product)
+        if found:
+            job = state_of(found[0], SlurmState).job_id
+            cluster = found[0].model_copy(
+                update={
+                    "nodes": spec.resources.nodes,
+                    "state": SlurmState(job_id=job, gres_type=kind).model_dump(),
+                }
+            )
+            return self._running(cluster, spec).model_copy(update={"adopted": True})
+        name = f"gpuflow-{run_id}"
+        workspace = workspace_root(spec.placement.workspace_root) / name
+        workspace.mkdir(parents=True, exist_ok=True)
+        me = psutil.Process()
+        comment = json.dumps(
+            {
+                **owner,
+                "workspace": str(workspace),
+                "api": _api_url(),
+                "host": socket.gethostname(),
+                "pid": me.pid,
+                "started": start_time(me),
+            },
+            separators=(",", ":"),
+        )
+        job_id = slurm(["sbatch", "--parsable", *self._sbatch_args(spec, name, comment, workspace)])
+        job_id = job_id.strip().split(";")[0]
+        cluster = Cluster(
+            backend=self.name,
+            name=name,
+            owner=dict(owner),
+            hostname="",
+            workspace=str(workspace),
+            nodes=spec.resources.nodes,
+            capabilities=self.capabilities,
+            state=SlurmState(job_id=job_id, gres_type=kind).model_dump(),
+            created_at=datetime.now(UTC),
+        )
+        return self._running(cluster, spec)
+
+    def _running(self, cluster: Cluster, spec: JobSpec) -> Cluster:
+        """Return `cluster` once its job runs, with its nodes and GPU indices."""
+        job = state_of(cluster, SlurmState).job_id
+        waited_from = time.monotonic()
+        while True:
+            row = _job_row(job)
+            if row is None or row["state"] not in ACTIVE:
+                raise ProvisionError(
+                    f"the Slurm job {job} holding this run's nodes ended before it ran"
+                    f" ({row['state'] if row else 'gone from squeue'})"
+                )
+            if row["state"] == "RUNNING":
+                break
+            reason = row["reason"]
+            if reason not in BUSY:
+                slurm(["scancel", job], check=False)
+                raise ProvisionError(
+                    f"Slurm cannot run this job: it waits with reason {reason}; the job was"
+                    " cancelled"
+                )
+            # "None": not yet looked at by the scheduler, which it is within a moment
+            waited = time.monotonic() - waited_from > spec.placement.gpu_wait
+            if waited and (spec.placement.gpu_wait > 0 or reason != "None"):
+                slurm(["scancel", job], check=False)
+                raise CapacityError(
+                    f"the Slurm cluster has no room for this job now (squeue says {reason})"
+                    f" and placement.gpu_wait ({spec.placement.gpu_wait:.0f} s) has passed;"
+                    " the job was cancelled"
+                )
+            time.sleep(0.2)
+        hosts = slurm(["scontrol", "show", "hostnames", row["nodes"]]).split()
+        indices = _gpu_indices(job)
+        return cluster.model_copy(
+            update={"hostname": hosts[0], "node_names": hosts, "gpu_indices": indices}
+        )
+
+    # -- units -----------------------------------------------------------------------------
+
+    def run(
+        self,
+        cluster: Cluster,
+        unit: WorkUnit,
+        env: Mapping[str, str],
+        timeout_s: float,
+        on_line: LineSink,
+        should_stop: StopCheck | None = None,
+        grace_s: float = STOP_GRACE_S,
+    ) -> JobResult:
+        """Run the unit as a step of the run's job on its node, with its GPUs as gres; its
+        variables reach the step through srun's environment (never its command line)."""
+        state = state_of(cluster, SlurmState)
+        step = f"{cluster.name}.{unit.name}.{uuid.uuid4().hex[:8]}"
+        count = cluster.gpus_per_node if unit.gpus is None else len(unit.gpus)
+        argv = [
+            "srun",
+            f"--jobid={state.job_id}",
+            f"--job-name={step}",
+            "--overlap",
+            "--nodes=1",
+            "--ntasks=1",
+            f"--nodelist={cluster.hosts()[unit.node]}",
+            f"--chdir={cluster.workspace}",
+            "--kill-on-bad-exit=1",
+            f"--gres={gres(count, state.gres_type)}" if count else "--gres=none",
+            *unit.command,
+        ]
+        child_env = {
+            **os.environ,
+            **env,
+            **unit.env,
+            **unit_env(unit.node, cluster.nodes, cluster.workspace, None),
+        }
+        started = datetime.now(UTC)
+        proc = subprocess.Popen(
+            argv,
+            env=child_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        tail: deque[str] = deque(maxlen=40)
+
+        def line(stream: str, text: str) -> None:
+            tail.append(text)
+            on_line(stream, text)
+
+        pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, line).start()
+        end = follow_unit(
+            SlurmStep(proc, state.job_id, step), timeout_s, should_stop, grace_s, every_s=0.1
+        )
+        pump.finish()
+        return end.result(started, datetime.now(UTC), list(tail))
+
+    # -- teardown and reaping ------------------------------------------------------------------
+
+    def teardown(self, cluster: Cluster) -> TeardownReport:
+        """Cancel the run's job (its steps with it), wait until squeue no longer holds it,
+        remove the workspace. Never raises on "already gone"."""
+        job = state_of(cluster, SlurmState).job_id
+        row = _job_row(job)
+        gone = row is None or row["state"] not in ACTIVE
+        if not gone:
+            slurm(["scancel", job], check=False)
+            deadline = time.monotonic() + 60
+            while (row := _job_row(job)) and row["state"] in ACTIVE:
+                if time.monotonic() > deadline:
+                    raise ProvisionError(
+                        f"the Slurm job {job} was cancelled but is still {row['state']}"
+                    )
+                time.sleep(0.2)
+        removed = Path(cluster.workspace).is_dir()
+        shutil.rmtree(cluster.workspace, ignore_errors=True)
+        return TeardownReport(name=cluster.name, already_gone=gone, removed_workspace=removed)
+
+    def list_owned(self, selector: Mapping[str, str]) -> list[Cluster]:
+        """Return the runs' allocations squeue holds whose owner labels include `selector`."""
+        found = []
+        for row in _rows(["squeue", "-h", "-a", "-o", FIELDS]):
+            labels = row["comment"]
+            if labels.get(OWNER_LABEL) != "gpuflow" or row["state"] not in ACTIVE:
+                continue
+            if any(labels.get(k) != v for k, v in selector.items()):
+                continue
+            owner = {k: str(v) for k, v in labels.items() if k.startswith("gpuflow.io/")}
+            found.append(
+                Cluster(
+                    backend=self.name,
+                    name=f"gpuflow-{owner.get(RUN_LABEL, row['id'])}",
+                    owner=owner,
+                    hostname="",
+                    workspace=str(labels.get("workspace", "")),
+                    capabilities=self.capabilities,
+                    state=SlurmState(job_id=row["id"]).model_dump(),
+                    created_at=_submitted(row["submitted"]),
+                )
+            )
+        return found
+
+    def reap(self, dry_run: bool, say: Callable[[str], None], runs: RunStates) -> ReapReport:
+        """Cancel the jobs of runs that are over (final or unknown to their API), or whose
+        gpuflow ran on this host and died (their run is marked Crashed); runs whose API is
+        away are left as they are."""
+        report = ReapReport(counts={"clusters": 0})
+        for row in _rows(["squeue", "-h", "-a", "-o", FIELDS]):
+            labels = row["comment"]
+            if labels.get(OWNER_LABEL) != "gpuflow" or row["state"] not in ACTIVE:
+                continue
+            run_id, api = str(labels.get(RUN_LABEL, "")), labels.get("api")
+            standing = runs.state(run_id, api)
+            why = None
+            if standing == "running":
+                if labels.get("host") == socket.gethostname() and not alive(
+                    int(labels.get("pid", 0)), labels.get("started")
+                ):
+                    why = "its gpuflow is dead"
+                    report.crashed.append((run_id, api))
+            elif standing != "away":
+                why = f"its flow run is {standing}"
+            if why is None:
+                continue
+            say(f"  Slurm job {row['id']} of run {run_id}: {why}; cancelled")
+            report.counts["clusters"] += 1
+            if dry_run:
+                continue
+            cluster = Cluster(
+                backend=self.name,
+                name=f"gpuflow-{run_id}",
+                owner={},
+                hostname="",
+                workspace=str(labels.get("workspace", "")),
+                state=SlurmState(job_id=row["id"]).model_dump(),
+                created_at=datetime.now(UTC),
+            )
+            self.teardown(cluster)
+        return report
+
+
+class SlurmStep:
+    """A unit that is a job step, as follow_unit sees it: srun on this machine follows it."""
+
+    def __init__(self, proc: subprocess.Popen, job_id: str, name: str) -> None:
+        self.proc, self.job_id, self.name = proc, job_id, name
+
+    def poll(self) -> UnitEnd | None:
+        code = self.proc.poll()
+        return None if code is None else _ended(code)
+
+    def wait(self, seconds: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=seconds)
+
+    def _step_id(self) -> str | None:
+        for _ in range(50):  # srun names its step once slurmctld made it
+            for line in slurm(
+                ["squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j"], check=False
+            ).splitlines():
+                step, _, name = line.partition(" ")
+                if name.strip() == self.name:
+                    return step
+            if self.proc.poll() is not None:
+                return None
+            time.sleep(0.1)
+        return None
+
+    def stop(self, reason: StopReason, grace_s: float) -> UnitEnd | None:
+        step = self._step_id()
+        if step is None:
+            return self.poll()
+        slurm(["scancel", "--signal=TERM", step], check=False)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return _ended(self.proc.wait(timeout=grace_s))
+        slurm(["scancel", step], check=False)
+        return None
+
+    def interrupt(self, grace_s: float) -> None:
+        step = self._step_id()
+        if step is not None:
+            slurm(["scancel", "--signal=TERM", step], check=False)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=grace_s)
+                return
+            slurm(["scancel", step], check=False)
+
+    def unconfirmed(self) -> UnitEnd:
+        return UnitEnd(signal=9)
+
+
+def _ended(code: int) -> UnitEnd:
+    """Return how a step ended from srun's exit code (128 + n: killed by signal n)."""
+    if code > 128:
+        return UnitEnd(signal=code - 128)
+    return UnitEnd(exit_code=code) if code >= 0 else UnitEnd(signal=-code)
+
+
+def _parse(text: str) -> list[dict[str, Any]]:
+    """Return squeue's rows (FIELDS), each with its comment read as the owner's labels."""
+    rows = []
+    keys = ("id", "state", "reason", "nodes", "submitted")
+    for line in text.splitlines():
+        parts = line.split("\t", 5)
+        if len(parts) < 6:
+            continue
+        try:
+            comment = json.loads(parts[5])
+        except ValueError:  # not gpuflow's
+            comment = {}
+        row: dict[str, Any] = dict(zip(keys, parts[:5], strict=True))
+        row["comment"] = comment if isinstance(comment, dict) else {}
+        rows.append(row)
+    return rows
+
+
+def _rows(argv: list[str]) -> list[dict[str, Any]]:
+    return _parse(slurm(argv))
+
+
+def _job_row(job_id: str) -> dict[str, Any] | None:
+    """Return squeue's row of a job, None once Slurm no longer knows it."""
+    argv = ["squeue", "-h", "-j", job_id, "-o", FIELDS]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    if out.returncode != 0:
+        if "Invalid job id" in out.stderr:
+            return None
+        raise ProvisionError(f"`squeue` failed: {said(out.stderr)}")
+    rows = _parse(out.stdout)
+    return rows[0] if rows else None
+
+
+def _gpu_indices(job_id: str) -> list[int]:
+    """Return the GPU indices the job holds on its first node (`scontrol show job -d`)."""
+    detail = slurm(["scontrol", "show", "job", "-d", job_id])
+    for line in detail.splitlines():
+        if "GRES=" in line and "(IDX:" in line:
+            spans = line.split("(IDX:", 1)[1].split(")", 1)[0]
+            indices: list[int] = []
+            for span in spans.split(","):
+                low, _, high = span.partition("-")
+                indices += range(int(low), int(high or low) + 1)
+            return indices
+    return []
+
+
+def _submitted(text: str) -> datetime:
+    with contextlib.suppress(ValueError):
+        return datetime.fromisoformat(text).replace(tzinfo=UTC)
+    return datetime.now(UTC)
+
+
+def _api_url() -> str | None:
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value() or None
