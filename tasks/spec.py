@@ -109,7 +109,7 @@ class Resources(SpecModel):
 
 class Placement(SpecModel):
     # a registered backend's name; the pipeline refuses others before provisioning
-    backend: str = Field("local", description="Where the job runs: local, kubernetes, ec2.")
+    backend: str = Field("local", description="Where the job runs: local, kubernetes, ec2, slurm.")
     block: str | None = Field(
         None,
         description="Name of the block to read settings from: a LocalGpuHost (local), a"
@@ -129,6 +129,9 @@ class Placement(SpecModel):
         None, description="Kubernetes namespace (default: the block's, else the kubeconfig's)."
     )
     image: str | None = Field(None, description="Kubernetes: the image the job's pods run.")
+    partition: str | None = Field(
+        None, description="slurm: the partition the job runs in (default: the cluster's)."
+    )
     price_table: str | None = Field(
         None, description="Name of a GpuPriceTable block whose prices cost reports use."
     )

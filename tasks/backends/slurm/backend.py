@@ -32,6 +32,7 @@ from pydantic import BaseModel
 
 from tasks.backends.base import follow_unit
 from tasks.backends.slurm.commands import check_client, said, slurm
+from tasks.backends.slurm.fit import SINFO_FORMAT, Request, parse_sinfo, refusal
 from tasks.contract import (
     OWNER_LABEL,
     RUN_LABEL,
@@ -120,14 +121,19 @@ class SlurmBackend:
             f"--job-name={name}",
             f"--comment={comment}",
             f"--nodes={res.nodes}",
-            f"--time={minutes(hold_s)}",
+            f"--time={self._hold_minutes(spec)}",
             f"--chdir={workspace}",
             "--output=/dev/null",
             "--requeue",
         ]
         if res.gpus:
             argv.append(f"--gres={gres(res.gpus, gres_type(res.gpu_product))}")
+        if spec.placement.partition:
+            argv.append(f"--partition={spec.placement.partition}")
         return [*argv, "--wrap", f"exec sleep {int(hold_s)}"]
+
+    def _hold_minutes(self, spec: JobSpec) -> int:
+        return minutes(spec.limits.max_duration + spec.limits.stop_grace_s + 60)
 
     def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
         """Raise InvalidSpec when this machine has no Slurm client or the cluster would
@@ -142,6 +148,17 @@ class SlurmBackend:
                 f"placement.workspace_root: cannot make {root} ({exc.strerror}); give a folder"
                 " on the cluster's shared filesystem that this machine can write."
             ) from None
+        res = spec.resources
+        request = Request(
+            partition=spec.placement.partition,
+            nodes=res.nodes,
+            gpus=res.gpus,
+            gres_type=gres_type(res.gpu_product),
+            minutes=self._hold_minutes(spec),
+        )
+        problem = refusal(request, parse_sinfo(slurm(["sinfo", "-h", "-N", "-o", SINFO_FORMAT])))
+        if problem:
+            raise InvalidSpec(problem)
         argv = self._sbatch_args(spec, "gpuflow-check", "{}", root)
         done = subprocess.run(
             ["sbatch", "--test-only", *argv],
@@ -152,7 +169,6 @@ class SlurmBackend:
             stdin=subprocess.DEVNULL,
         )
         if done.returncode != 0:
-            res = spec.resources
             raise InvalidSpec(
                 f"resources: the Slurm cluster refuses {res.nodes} node(s) with"
                 f" {gres(res.gpus, gres_type(res.gpu_product))} each for"

@@ -1,0 +1,136 @@
+"""Would the cluster ever run this allocation? Read from sinfo, said in a user's words
+before anything is submitted. Pure: the text sinfo printed in, one sentence out."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel
+
+# `sinfo -h -N -o SINFO_FORMAT`: one row per node and partition
+SINFO_FORMAT = "%P|%N|%G|%l"
+
+
+class NodeRow(BaseModel):
+    partition: str
+    default: bool  # the cluster's default partition
+    node: str
+    gpus: dict[str, int]  # gres type ("" when untyped) -> count on the node
+    max_minutes: int | None  # the partition's time limit; None: none
+
+
+class Request(BaseModel):
+    """The allocation a run asks for."""
+
+    partition: str | None  # None: the cluster's default
+    nodes: int
+    gpus: int  # per node
+    gres_type: str | None  # None: any type
+    minutes: int
+
+
+def parse_sinfo(text: str) -> list[NodeRow]:
+    """Return the rows `sinfo -h -N -o SINFO_FORMAT` printed."""
+    rows = []
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 4:
+            continue
+        partition, node, gres, limit = parts
+        rows.append(
+            NodeRow(
+                partition=partition.rstrip("*"),
+                default=partition.endswith("*"),
+                node=node,
+                gpus=_gpus(gres),
+                max_minutes=_minutes(limit),
+            )
+        )
+    return rows
+
+
+def _gpus(gres: str) -> dict[str, int]:
+    """Return the GPUs of a gres string: "gpu:h100:4(S:0),gpu:l4:2" -> {h100: 4, l4: 2}."""
+    found: dict[str, int] = {}
+    for item in gres.split(","):
+        item = re.sub(r"\(.*?\)", "", item).strip()
+        parts = item.split(":")
+        if parts[0] != "gpu" or len(parts) < 2:
+            continue
+        kind, count = (parts[1], parts[2]) if len(parts) >= 3 else ("", parts[1])
+        if count.isdigit():
+            found[kind] = found.get(kind, 0) + int(count)
+    return found
+
+
+def _minutes(limit: str) -> int | None:
+    """Return sinfo's time limit in minutes: "infinite", "60", "1:00:00", "1-00:00:00"."""
+    if limit in ("infinite", "UNLIMITED", "n/a", ""):
+        return None
+    days, _, clock = limit.rpartition("-")
+    fields = [int(f) for f in clock.split(":")]
+    # "M", "M:S" or "H:M:S"
+    hours, minutes, seconds = {1: [0, *fields, 0], 2: [0, *fields], 3: fields}[len(fields)]
+    return int(days or 0) * 1440 + hours * 60 + minutes + (1 if seconds else 0)
+
+
+def refusal(request: Request, rows: list[NodeRow]) -> str | None:
+    """Return why the cluster could never run `request`, as one sentence with its fix;
+    None when some nodes of its partition fit."""
+    partitions = sorted({r.partition for r in rows})
+    if request.partition is None:
+        default = next((r.partition for r in rows if r.default), None)
+        if default is None:
+            return (
+                "placement.partition: the Slurm cluster has no default partition; name one"
+                f" of: {', '.join(partitions)}."
+            )
+        name = default
+    else:
+        name = request.partition
+        if name not in partitions:
+            return (
+                f"placement.partition: {name!r} is not a partition of this Slurm cluster;"
+                f" use one of: {', '.join(partitions)}."
+            )
+    nodes = [r for r in rows if r.partition == name]
+    limit = nodes[0].max_minutes if nodes else None
+    if limit is not None and request.minutes > limit:
+        return (
+            f"limits.max_duration: with its grace the allocation needs {request.minutes} min,"
+            f" and partition {name} allows {limit} min; lower limits.max_duration or use"
+            " another partition."
+        )
+    if request.gpus == 0:
+        if request.nodes > len(nodes):
+            return _too_many_nodes(request, name, len(nodes), "")
+        return None
+    kind = request.gres_type
+    wanted = f"gpu:{kind}" if kind else "gpu"
+    if kind is not None and not any(kind in r.gpus for r in nodes):
+        types = sorted({f"gpu:{t}" for r in nodes for t in r.gpus if t})
+        have = f"it has {', '.join(types)}" if types else "it has no typed GPUs"
+        return (
+            f"resources.gpu_product: no node of partition {name} has {wanted} ({have});"
+            " ask for a product it has, or another partition."
+        )
+    sizes = [r.gpus.get(kind, 0) if kind else sum(r.gpus.values()) for r in nodes]
+    largest = max(sizes, default=0)
+    if request.gpus > largest:
+        more = -(-request.gpus * request.nodes // largest) if largest else 0
+        spread = f" or use {more} nodes" if largest and more <= len(nodes) else ""
+        return (
+            f"resources.gpus: the job needs {request.gpus} x {wanted} on one node; the largest"
+            f" node in partition {name} has {largest}; lower resources.gpus{spread}."
+        )
+    fitting = sum(1 for size in sizes if size >= request.gpus)
+    if request.nodes > fitting:
+        return _too_many_nodes(request, name, fitting, f" with {request.gpus} x {wanted}")
+    return None
+
+
+def _too_many_nodes(request: Request, partition: str, have: int, each: str) -> str:
+    return (
+        f"resources.nodes: the job needs {request.nodes} nodes{each}; partition {partition}"
+        f" has {have}; lower resources.nodes or use another partition."
+    )

@@ -1,0 +1,118 @@
+"""Jobs on Slurm (placement.backend: slurm) through gpu_pipeline on the Slurm test cluster
+(scripts/slurm-testbed.sh): what runs where, what Slurm hands each unit, what is left
+(asked of squeue and the filesystem), and bad input refused before anything is submitted."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from flows.pipeline import gpu_pipeline
+from tasks.errors import InvalidSpec
+from tasks.pipeline.checks import check_spec
+from tasks.spec import load_spec
+from tests.e2e.helpers import logs_of
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def gpuflow_jobs() -> list[str]:
+    """Return the jobs in squeue whose comment says gpuflow made them."""
+    out = subprocess.run(
+        ["squeue", "-h", "-a", "-o", "%i %k"], capture_output=True, text=True, check=True
+    ).stdout
+    return [line for line in out.splitlines() if "gpuflow.io/owner" in line]
+
+
+def spec(tmp_path: Path, command: list[str], **over) -> dict:
+    raw = {
+        "name": "on-slurm",
+        "job": {"kind": "command", "command": command},
+        "resources": {"gpus": 4, "gpu_product": "H100", "nodes": 2},
+        "placement": {"backend": "slurm", "workspace_root": str(tmp_path / "workspaces")},
+        "limits": {"max_duration": "10m"},
+    }
+    for key, value in over.items():
+        raw[key] = {**raw.get(key, {}), **value}
+    return raw
+
+
+def test_a_command_on_two_nodes_runs_in_one_allocation_and_leaves_nothing(
+    slurm, prefect_api, gpuflow_home, tmp_path
+):
+    """The allocation holds 2 nodes of 4 x gpu:h100; the command runs on the first with
+    the 4 GPUs Slurm gave it; secrets reach it through the environment, never through
+    anything Slurm shows; the job and its workspace are gone afterwards."""
+    from prefect.blocks.system import Secret
+
+    value = "tok-5a4b3c2d1e-SLURM"
+    Secret(value=value).save("gpuflow-slurm-token", overwrite=True)
+    show = (
+        'echo "on $SLURMD_NODENAME gpus=$CUDA_VISIBLE_DEVICES nodes=$GPUFLOW_NODES token=$HF_TOKEN"'
+    )
+    raw = spec(tmp_path, ["bash", "-c", show])
+    raw["secret_env"] = {"HF_TOKEN": "gpuflow-slurm-token"}
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    run_id = state.state_details.flow_run_id
+    job = result.cluster.state["job_id"]
+    assert result.cluster.node_names == ["g1", "g2"] and result.cluster.gpu_indices == [0, 1, 2, 3]
+    logs = logs_of(run_id)
+    assert any("on g1 gpus=0,1,2,3 nodes=2 token=***" in line for line in logs), logs
+    assert not any(value in line for line in logs)
+    shown = subprocess.run(
+        ["scontrol", "show", "job", "-dd", job], capture_output=True, text=True, check=False
+    )
+    assert value not in shown.stdout + shown.stderr
+    assert gpuflow_jobs() == []
+    assert not (tmp_path / "workspaces" / result.cluster.name).exists()
+
+
+@pytest.mark.parametrize(
+    ("over", "said"),
+    [
+        (
+            {"placement": {"partition": "a100"}},
+            "placement.partition: 'a100' is not a partition of this Slurm cluster; use one of:"
+            " gpu, l4, urgent.",
+        ),
+        (
+            {"resources": {"gpu_product": "A100"}},
+            "resources.gpu_product: no node of partition gpu has gpu:a100 (it has gpu:h100);",
+        ),
+        (
+            {"resources": {"gpus": 8, "nodes": 1}},
+            "resources.gpus: the job needs 8 x gpu:h100 on one node; the largest node in"
+            " partition gpu has 4; lower resources.gpus or use 2 nodes.",
+        ),
+        (
+            {"resources": {"nodes": 3}},
+            "resources.nodes: the job needs 3 nodes with 4 x gpu:h100; partition gpu has 2;",
+        ),
+        (
+            {"limits": {"max_duration": "2h"}},
+            "limits.max_duration: with its grace the allocation needs 122 min, and partition"
+            " gpu allows 60 min;",
+        ),
+    ],
+)
+def test_what_the_cluster_could_never_run_is_refused_before_anything_is_submitted(
+    slurm, tmp_path, over, said
+):
+    with pytest.raises(InvalidSpec) as refused:
+        check_spec(load_spec(spec(tmp_path, ["true"], **over)))
+    assert said in str(refused.value)
+    assert gpuflow_jobs() == []
+
+
+def test_no_slurm_client_or_a_missing_slurm_conf_is_one_sentence(slurm, tmp_path, monkeypatch):
+    raw = spec(tmp_path, ["true"])
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "nowhere.conf"))
+    with pytest.raises(InvalidSpec, match=r"^SLURM_CONF: .*nowhere.conf does not exist; point"):
+        check_spec(load_spec(raw))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch on it
+    with pytest.raises(InvalidSpec, match=r"needs the Slurm client .* and it has none; install"):
+        check_spec(load_spec(raw))

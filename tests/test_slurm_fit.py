@@ -1,0 +1,95 @@
+"""The Slurm backend's fit check: sinfo's rows read, and each request the cluster could
+never run refused with one sentence naming the field and the fix. Pure: no Slurm."""
+
+from __future__ import annotations
+
+import pytest
+
+from tasks.backends.slurm.fit import Request, parse_sinfo, refusal
+
+# as `sinfo -h -N -o '%P|%N|%G|%l'` prints the test cluster
+SINFO = """\
+gpu*|g1|gpu:h100:4(S:0)|1:00:00
+gpu*|g2|gpu:h100:4(S:0)|1:00:00
+l4|l1|gpu:l4:2|1:00:00
+urgent|g1|gpu:h100:4(S:0)|infinite
+urgent|g2|gpu:h100:4(S:0)|infinite
+urgent|l1|gpu:l4:2|infinite
+cpu|c1|(null)|2-00:00:00
+"""
+
+
+def test_sinfo_rows_are_read():
+    rows = parse_sinfo(SINFO)
+    g1 = rows[0]
+    assert (g1.partition, g1.default, g1.node, g1.gpus, g1.max_minutes) == (
+        "gpu", True, "g1", {"h100": 4}, 60
+    )  # fmt: skip
+    assert rows[2].gpus == {"l4": 2} and not rows[2].default
+    assert rows[3].max_minutes is None and rows[6].max_minutes == 2880 and rows[6].gpus == {}
+
+
+def ask(partition=None, nodes=1, gpus=1, kind="h100", minutes=30) -> Request:
+    return Request(partition=partition, nodes=nodes, gpus=gpus, gres_type=kind, minutes=minutes)
+
+
+@pytest.mark.parametrize(
+    ("request_", "said"),
+    [
+        (ask(), None),
+        (ask(nodes=2, gpus=4), None),
+        (ask(partition="l4", kind="l4", gpus=2), None),
+        (ask(partition="urgent", minutes=10_000), None),
+        (ask(kind=None, gpus=3), None),
+        (ask(partition="cpu", gpus=0), None),
+        (
+            ask(partition="a100"),
+            "placement.partition: 'a100' is not a partition of this Slurm cluster; use one of:"
+            " cpu, gpu, l4, urgent.",
+        ),
+        (
+            ask(gpus=8),
+            "resources.gpus: the job needs 8 x gpu:h100 on one node; the largest node in"
+            " partition gpu has 4; lower resources.gpus or use 2 nodes.",
+        ),
+        (
+            ask(gpus=8, nodes=2),
+            "resources.gpus: the job needs 8 x gpu:h100 on one node; the largest node in"
+            " partition gpu has 4; lower resources.gpus.",
+        ),
+        (
+            ask(kind="a100"),
+            "resources.gpu_product: no node of partition gpu has gpu:a100 (it has gpu:h100);"
+            " ask for a product it has, or another partition.",
+        ),
+        (
+            ask(nodes=3, gpus=4),
+            "resources.nodes: the job needs 3 nodes with 4 x gpu:h100; partition gpu has 2;"
+            " lower resources.nodes or use another partition.",
+        ),
+        (
+            ask(partition="cpu", gpus=0, nodes=2),
+            "resources.nodes: the job needs 2 nodes; partition cpu has 1; lower"
+            " resources.nodes or use another partition.",
+        ),
+        (
+            ask(minutes=61),
+            "limits.max_duration: with its grace the allocation needs 61 min, and partition"
+            " gpu allows 60 min; lower limits.max_duration or use another partition.",
+        ),
+        (
+            ask(partition="cpu"),
+            "resources.gpu_product: no node of partition cpu has gpu:h100 (it has no typed"
+            " GPUs); ask for a product it has, or another partition.",
+        ),
+    ],
+)
+def test_what_the_cluster_could_never_run_is_said_with_its_fix(request_, said):
+    assert refusal(request_, parse_sinfo(SINFO)) == said
+
+
+def test_a_cluster_without_a_default_partition_asks_for_one():
+    rows = parse_sinfo("gpu|g1|gpu:h100:4|60\n")
+    assert refusal(ask(), rows) == (
+        "placement.partition: the Slurm cluster has no default partition; name one of: gpu."
+    )
