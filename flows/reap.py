@@ -13,7 +13,7 @@ from tasks.platform import reap as reaping
 
 @flow(name="reap")
 def reap(
-    backend: Literal["local", "kubernetes", "ec2"] = "ec2",
+    backend: Literal["local", "kubernetes", "ec2", "slurm"] = "ec2",
     block: str | None = None,
     namespace: str | None = None,
     dry_run: bool = False,
@@ -32,6 +32,8 @@ def reap(
         done = reaping.reap_ec2(dry_run, block, say)
     elif backend == "kubernetes":
         done = reaping.reap_kubernetes(dry_run, namespace, say)
+    elif backend == "slurm":
+        done = reaping.reap_slurm(dry_run, say)
     else:
         done = reaping.reap(dry_run, say)
     counts = ", ".join(

@@ -21,10 +21,10 @@ def add(commands: Any) -> list[tuple[str, str]]:
     reap_parser.add_argument("--dry-run", action="store_true")
     reap_parser.add_argument(
         "--backend",
-        choices=["local", "kubernetes", "ec2"],
+        choices=["local", "kubernetes", "ec2", "slurm"],
         default="local",
         help="local: this host's leftovers; kubernetes: objects of runs that are over;"
-        " ec2: instances of runs that are over",
+        " ec2: instances of runs that are over; slurm: jobs of runs that are over (SLURM_CONF)",
     )
     reap_parser.add_argument(
         "--namespace", help="kubernetes: the namespace (default: kubeconfig's)"
@@ -125,7 +125,7 @@ def reap(
 ) -> int:
     """Tear down clusters, servers and files that killed runs left; say how many."""
     from tasks.platform.reap import reap as reap_leftovers
-    from tasks.platform.reap import reap_ec2, reap_kubernetes
+    from tasks.platform.reap import reap_ec2, reap_kubernetes, reap_slurm
 
     if backend == "ec2":
         from gpuflow import session
@@ -135,6 +135,10 @@ def reap(
         from gpuflow import session
 
         return session.with_api(lambda api: _said(reap_kubernetes(dry_run, namespace)))
+    if backend == "slurm":
+        from gpuflow import session
+
+        return session.with_api(lambda api: _said(reap_slurm(dry_run)))
     return _said(reap_leftovers(dry_run))
 
 

@@ -21,6 +21,7 @@ from uuid import UUID
 from tasks.backends.ec2.backend import Ec2Backend
 from tasks.backends.kubernetes.backend import KubernetesBackend
 from tasks.backends.local.backend import LocalBackend
+from tasks.backends.slurm.backend import SlurmBackend
 from tasks.host import gpuflow_home, write_atomic
 from tasks.platform import api as prefect_api
 from tasks.platform.state import read_state
@@ -190,6 +191,18 @@ def reap_kubernetes(
     if not dry_run:
         done["flow_runs_crashed"] = _mark_crashed(found.crashed, say)
     done["flow_runs_crashed"] += deliver_unreported(lambda line: say(f"  {line}"))
+    return done
+
+
+def reap_slurm(dry_run: bool, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Cancel the Slurm jobs of runs that are over (finished, cancelled, crashed or unknown
+    to their API) or whose gpuflow ran on this host and is dead (its run is then marked
+    Crashed), and remove their workspaces. Runs whose API is away are left as they are."""
+    found = SlurmBackend().reap(dry_run, say, PrefectRuns())
+    done: dict[str, Any] = {"clusters": 0, "flow_runs_crashed": 0, "servers": 0, "files": 0}
+    done |= {k: int(v) for k, v in found.counts.items()}
+    if not dry_run:
+        done["flow_runs_crashed"] = _mark_crashed(found.crashed, say)
     return done
 
 

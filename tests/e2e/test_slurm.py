@@ -116,3 +116,66 @@ def test_no_slurm_client_or_a_missing_slurm_conf_is_one_sentence(slurm, tmp_path
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch on it
     with pytest.raises(InvalidSpec, match=r"needs the Slurm client .* and it has none; install"):
         check_spec(load_spec(raw))
+
+
+def test_reap_cancels_what_a_killed_gpuflow_left_and_marks_its_run_crashed(
+    slurm, prefect_api, gpuflow_home, tmp_path
+):
+    import json
+    import os
+    import signal
+    import sys
+    import time
+
+    from tasks.api_client import api_client
+    from tests.conftest import subprocess_env
+    from tests.e2e.helpers import process_gone
+
+    root = Path(__file__).resolve().parents[2]
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps(spec(tmp_path, ["sleep", "300"], resources={"nodes": 1})))
+    env = {**subprocess_env(prefect_api, gpuflow_home), "SLURM_CONF": str(slurm)}
+    gpuflow = [sys.executable, "-m", "gpuflow"]
+    orchestrator = subprocess.Popen(
+        [*gpuflow, "run", str(job)],
+        env=env,
+        cwd=root,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    def sleeping() -> bool:  # the unit's step runs
+        steps = subprocess.run(
+            ["squeue", "-h", "-s", "-o", "%i %j"], capture_output=True, text=True, check=True
+        ).stdout
+        return ".main." in steps
+
+    until = time.monotonic() + 120
+    while not sleeping():
+        assert time.monotonic() < until and orchestrator.poll() is None, "the unit never ran"
+        time.sleep(0.2)
+    (held,) = gpuflow_jobs()
+    run_id = json.loads(held.split(" ", 1)[1])["gpuflow.io/flow-run-id"]
+    os.kill(orchestrator.pid, signal.SIGKILL)
+    orchestrator.wait(timeout=30)
+    assert process_gone(orchestrator.pid)
+
+    def reap(*options: str) -> subprocess.CompletedProcess:
+        command = [*gpuflow, "reap", "--backend", "slurm", *options]
+        return subprocess.run(
+            command, env=env, cwd=root, capture_output=True, text=True, timeout=120
+        )
+
+    looked = reap("--dry-run")
+    assert looked.returncode == 0, looked.stderr
+    assert f"of run {run_id}: its gpuflow is dead; would cancel" in looked.stdout
+    assert len(gpuflow_jobs()) == 1  # a dry run cancels nothing
+    reaped = reap()
+    assert reaped.returncode == 0, reaped.stderr
+    assert (
+        "1 leftover cluster(s)" in reaped.stdout and "1 flow run(s) marked Crashed" in reaped.stdout
+    )
+    assert gpuflow_jobs() == []
+    assert not (tmp_path / "workspaces" / f"gpuflow-{run_id}").exists()
+    with api_client() as client:
+        assert client.read_flow_run(run_id).state.type.value == "CRASHED"

@@ -386,7 +386,8 @@ class SlurmBackend:
                 why = f"its flow run is {standing}"
             if why is None:
                 continue
-            say(f"  Slurm job {row['id']} of run {run_id}: {why}; cancelled")
+            verb = "would cancel" if dry_run else "cancelled"
+            say(f"  Slurm job {row['id']} of run {run_id}: {why}; {verb}")
             report.counts["clusters"] += 1
             if dry_run:
                 continue
