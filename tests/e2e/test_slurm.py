@@ -179,3 +179,58 @@ def test_reap_cancels_what_a_killed_gpuflow_left_and_marks_its_run_crashed(
     assert not (tmp_path / "workspaces" / f"gpuflow-{run_id}").exists()
     with api_client() as client:
         assert client.read_flow_run(run_id).state.type.value == "CRASHED"
+
+
+@pytest.mark.timeout(480)
+def test_a_preempted_unit_saves_its_state_and_the_run_resumes_in_the_requeued_allocation(
+    slurm, prefect_api, gpuflow_home, tmp_path
+):
+    """A job of the urgent partition takes the run's GPUs: the unit gets SIGTERM and the
+    partition's grace, saves its state and exits 75; Slurm requeues the run's job; the run
+    stage retries, waits until Slurm runs the job again (after its requeue delay, about
+    two minutes, once the urgent job is done) and the unit resumes from what it saved."""
+    import threading
+    import time
+
+    script = (
+        'n=$(cat "$GPUFLOW_WORKSPACE/../saved" 2>/dev/null || echo 0); echo "attempt $n";'
+        ' if [ "$n" -ge 1 ]; then echo resumed; exit 0; fi;'
+        " trap 'echo $((n+1)) > \"$GPUFLOW_WORKSPACE/../saved\"; echo saved; exit 75' TERM;"
+        " sleep 300 & wait"
+    )
+    raw = spec(tmp_path, ["bash", "-c", script], resources={"nodes": 1})
+    raw["retry"] = {"run": {"retries": 2, "delay_s": 1}}
+    done: dict = {}
+    flow = threading.Thread(
+        target=lambda: done.update(state=gpu_pipeline(load_spec(raw), return_state=True))
+    )
+    flow.start()
+
+    def step_runs() -> bool:
+        steps = subprocess.run(
+            ["squeue", "-h", "-s", "-o", "%i %j"], capture_output=True, text=True, check=True
+        ).stdout
+        return ".main." in steps
+
+    until = time.monotonic() + 120
+    while not step_runs():
+        assert time.monotonic() < until and flow.is_alive(), "the unit never ran"
+        time.sleep(0.2)
+    urgent = subprocess.run(
+        ["sbatch", "--parsable", "-p", "urgent", "-N2", "--gres=gpu:h100:4", "-o", "/dev/null",
+         "--wrap", "sleep 5"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    flow.join(timeout=420)
+    assert not flow.is_alive(), "the run did not end"
+    state = done["state"]
+    assert state.is_completed(), state.message
+    logs = logs_of(state.state_details.flow_run_id)
+    text = "\n".join(logs)
+    assert "attempt 0" in text and "saved" in text and "attempt 1" in text and "resumed" in text
+    assert "exit 75" in text  # the run stage said it was interrupted and retried
+    shown = subprocess.run(
+        ["scontrol", "show", "job", urgent], capture_output=True, text=True, check=False
+    ).stdout
+    assert "JobState=COMPLETED" in shown or not shown  # the urgent job ran first, to its end
+    assert gpuflow_jobs() == []

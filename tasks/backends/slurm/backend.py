@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -51,7 +52,7 @@ from tasks.contract import (
     state_of,
     unit_env,
 )
-from tasks.errors import CapacityError, InvalidSpec, ProvisionError
+from tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
 from tasks.gpus import PRODUCTS
 from tasks.host import STOP_GRACE_S, OutputPump, alive, gpuflow_home, start_time
 from tasks.metrics.cost import PriceTable
@@ -59,6 +60,8 @@ from tasks.spec import JobSpec, Placement
 
 # squeue's states of a job that still holds (or waits for) its allocation
 ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
+# ... and those of one that Slurm took back to run later
+REQUEUED = ("PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "PREEMPTED")
 # pending reasons that pass once other jobs end: waiting on them is waiting for capacity
 BUSY = ("Resources", "Priority", "None", "BeginTime", "Dependency")
 FIELDS = "%i\t%T\t%r\t%N\t%V\t%k"  # id, state, reason, nodes, submitted, comment (last: free text)
@@ -276,6 +279,7 @@ class SlurmBackend:
         """Run the unit as a step of the run's job on its node, with its GPUs as gres; its
         variables reach the step through srun's environment (never its command line)."""
         state = state_of(cluster, SlurmState)
+        hosts = _running_again(state.job_id, time.monotonic() + timeout_s)
         step = f"{cluster.name}.{unit.name}.{uuid.uuid4().hex[:8]}"
         count = cluster.gpus_per_node if unit.gpus is None else len(unit.gpus)
         argv = [
@@ -285,7 +289,7 @@ class SlurmBackend:
             "--overlap",
             "--nodes=1",
             "--ntasks=1",
-            f"--nodelist={cluster.hosts()[unit.node]}",
+            f"--nodelist={hosts[unit.node]}",
             f"--chdir={cluster.workspace}",
             "--kill-on-bad-exit=1",
             f"--gres={gres(count, state.gres_type)}" if count else "--gres=none",
@@ -412,7 +416,13 @@ class SlurmStep:
 
     def poll(self) -> UnitEnd | None:
         code = self.proc.poll()
-        return None if code is None else _ended(code)
+        if code is None:
+            return None
+        end = _ended(code)
+        if end.exit_code != 0 and (why := _requeued(self.job_id)):
+            # preempted or its node lost: Slurm requeued the run's job, as a preemption
+            return UnitEnd(exit_code=PREEMPTED_EXIT_CODE, tail=[why])
+        return end
 
     def wait(self, seconds: float) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -452,6 +462,54 @@ class SlurmStep:
 
     def unconfirmed(self) -> UnitEnd:
         return UnitEnd(signal=9)
+
+
+def _requeued(job_id: str) -> str | None:
+    """Return why the run's job was taken back (preempted, its node lost) when Slurm
+    requeued it; None while it still runs as it did."""
+    for _ in range(50):  # a job being requeued passes through COMPLETING for a moment
+        row = _job_row(job_id)
+        if row is None:
+            return None
+        if row["state"] in REQUEUED or (row["state"] == "RUNNING" and _preempting(job_id)):
+            return f"the Slurm job {job_id} was preempted or lost a node, and is requeued"
+        if row["state"] == "RUNNING":
+            return None
+        time.sleep(0.1)
+    return None
+
+
+def _preempting(job_id: str) -> bool:
+    """Return True while Slurm preempts the job (its grace time before the requeue)."""
+    shown = slurm(["scontrol", "show", "job", job_id], check=False)
+    return bool(re.search(r"\bPreemptTime=(?!None)", shown))
+
+
+def _running_again(job_id: str, deadline: float) -> list[str]:
+    """Return the run's nodes once its job runs: a job Slurm requeued (preempted, a node
+    lost) starts again when Slurm says (after its requeue delay, BeginTime, so that the job
+    that took the GPUs starts first) and is waited for until `deadline` (time.monotonic()).
+    ProvisionError when it cannot run any more."""
+    while True:
+        row = _job_row(job_id)
+        if row is None or row["state"] not in ACTIVE:
+            raise ProvisionError(
+                f"the Slurm job {job_id} holding this run's nodes has ended"
+                f" ({row['state'] if row else 'gone from squeue'}); a retry provisions again"
+            )
+        if row["state"] == "RUNNING" and not _preempting(job_id):
+            return slurm(["scontrol", "show", "hostnames", row["nodes"]]).split()
+        if row["state"] == "PENDING" and row["reason"] not in BUSY:
+            raise ProvisionError(
+                f"the Slurm job {job_id} holding this run's nodes waits with reason"
+                f" {row['reason']} and cannot run"
+            )
+        if time.monotonic() > deadline:
+            raise CapacityError(
+                f"the Slurm job {job_id} holding this run's nodes was requeued and has not"
+                f" run again (squeue says {row['reason']})"
+            )
+        time.sleep(0.5)
 
 
 def _ended(code: int) -> UnitEnd:
