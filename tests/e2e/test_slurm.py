@@ -234,3 +234,23 @@ def test_a_preempted_unit_saves_its_state_and_the_run_resumes_in_the_requeued_al
     ).stdout
     assert "JobState=COMPLETED" in shown or not shown  # the urgent job ran first, to its end
     assert gpuflow_jobs() == []
+
+
+def test_the_slurm_example_runs_from_the_command_line(slurm, prefect_api, gpuflow_home):
+    import sys
+
+    from tests.conftest import subprocess_env
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**subprocess_env(prefect_api, gpuflow_home), "SLURM_CONF": str(slurm)}
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuflow", "run", "examples/slurm-command.yaml"],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "on g1 with GPUs 0,1,2,3 of node 0 / 2" in done.stdout + done.stderr
+    assert gpuflow_jobs() == []
