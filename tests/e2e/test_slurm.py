@@ -254,3 +254,69 @@ def test_the_slurm_example_runs_from_the_command_line(slurm, prefect_api, gpuflo
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "on g1 with GPUs 0,1,2,3 of node 0 / 2" in done.stdout + done.stderr
     assert gpuflow_jobs() == []
+
+
+def test_an_allocation_that_waits_for_busy_gpus_past_gpu_wait_is_a_capacity_error(
+    slurm, prefect_api, gpuflow_home, tmp_path
+):
+    from tasks.backends.registry import get_backend
+    from tasks.contract import owner_labels
+    from tasks.errors import CapacityError
+
+    holder = subprocess.run(
+        ["sbatch", "--parsable", "-p", "gpu", "-N2", "--gres=gpu:h100:4", "-o", "/dev/null",
+         "--wrap", "sleep 300"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    try:
+        job = load_spec(spec(tmp_path, ["true"], placement={"gpu_wait": "2s"}))
+        backend = get_backend("slurm", job.placement)
+        backend.check(job)  # it fits the cluster: it is only busy
+        with pytest.raises(CapacityError) as busy:
+            backend.provision(job, owner_labels("busy-run", job.name))
+        assert "has no room for this job now (squeue says" in str(busy.value)
+        assert "placement.gpu_wait (2 s) has passed; the job was cancelled" in str(busy.value)
+        assert gpuflow_jobs() == []
+    finally:
+        subprocess.run(["scancel", holder], check=True)
+
+
+def test_sigterm_to_gpuflow_stops_the_unit_and_cancels_the_job(
+    slurm, prefect_api, gpuflow_home, tmp_path
+):
+    import json
+    import os
+    import signal
+    import sys
+    import time
+
+    from tests.conftest import subprocess_env
+
+    root = Path(__file__).resolve().parents[2]
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps(spec(tmp_path, ["sleep", "300"], resources={"nodes": 1})))
+    env = {**subprocess_env(prefect_api, gpuflow_home), "SLURM_CONF": str(slurm)}
+    orchestrator = subprocess.Popen(
+        [sys.executable, "-m", "gpuflow", "run", str(job)],
+        env=env,
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+    def step_runs() -> bool:
+        steps = subprocess.run(
+            ["squeue", "-h", "-s", "-o", "%i %j"], capture_output=True, text=True, check=True
+        ).stdout
+        return ".main." in steps
+
+    until = time.monotonic() + 120
+    while not step_runs():
+        assert time.monotonic() < until and orchestrator.poll() is None, "the unit never ran"
+        time.sleep(0.2)
+    os.kill(orchestrator.pid, signal.SIGTERM)
+    out, _ = orchestrator.communicate(timeout=120)
+    assert orchestrator.returncode == 143, out[-2000:]
+    assert "stopped by SIGTERM" in out
+    assert gpuflow_jobs() == []
