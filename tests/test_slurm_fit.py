@@ -93,3 +93,16 @@ def test_a_cluster_without_a_default_partition_asks_for_one():
     assert refusal(ask(), rows) == (
         "placement.partition: the Slurm cluster has no default partition; name one of: gpu."
     )
+
+
+def test_idle_gpus_count_what_up_nodes_have_free():
+    from tasks.backends.slurm.fit import idle_gpus
+
+    rows = (
+        "g1   gpu:h100:4   gpu:h100:2(IDX:0-1)   mix\n"
+        "g2   gpu:h100:4   gpu:h100:0(IDX:N/A)   idle\n"
+        "g3   gpu:h100:4   gpu:h100:0(IDX:N/A)   down*\n"
+        "g4   gpu:h100:4   gpu:h100:4(IDX:0-3)   alloc\n"
+        "l1   gpu:l4:2     gpu:l4:0(IDX:N/A)     idle~\n"
+    )
+    assert idle_gpus(rows) == {"h100": 6, "l4": 2}

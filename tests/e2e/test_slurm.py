@@ -320,3 +320,22 @@ def test_sigterm_to_gpuflow_stops_the_unit_and_cancels_the_job(
     assert orchestrator.returncode == 143, out[-2000:]
     assert "stopped by SIGTERM" in out
     assert gpuflow_jobs() == []
+
+
+def test_preflight_shows_the_partition_its_idle_gpus_and_whether_the_job_fits(
+    slurm, tmp_path, capsys
+):
+    import json
+
+    from gpuflow.cli import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps(spec(tmp_path, ["true"])))
+    assert main(["preflight", str(job)]) == 0
+    out = capsys.readouterr().out
+    assert f"[pass] cluster: the Slurm client here, SLURM_CONF={slurm}" in out
+    assert "[pass] partition: gpu: 2 node(s) (g1, g2); GPUs idle now: gpu:h100 8" in out
+    assert "[pass] fit: the job fits: 2 node(s) x gpu:h100:4, --time 12 min" in out
+    job.write_text(json.dumps(spec(tmp_path, ["true"], resources={"nodes": 3})))
+    assert main(["preflight", str(job)]) == 1
+    assert "[fail] fit: resources.nodes: the job needs 3 nodes" in capsys.readouterr().out

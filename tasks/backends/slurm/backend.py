@@ -33,7 +33,14 @@ from pydantic import BaseModel
 
 from tasks.backends.base import follow_unit
 from tasks.backends.slurm.commands import check_client, said, slurm
-from tasks.backends.slurm.fit import SINFO_FORMAT, Request, parse_sinfo, refusal
+from tasks.backends.slurm.fit import (
+    IDLE_FORMAT,
+    SINFO_FORMAT,
+    Request,
+    idle_gpus,
+    parse_sinfo,
+    refusal,
+)
 from tasks.contract import (
     OWNER_LABEL,
     RUN_LABEL,
@@ -113,9 +120,50 @@ class SlurmBackend:
         return spec, prices
 
     def describe(self, spec: JobSpec) -> list[dict[str, str]]:
+        """Return preflight rows for `spec`: how gpuflow reaches the cluster, the partition's
+        nodes and GPUs idle now, and whether the job fits it (nothing is submitted)."""
+        check_client()
+        conf = os.environ.get("SLURM_CONF")
+        rows = [
+            {
+                "name": "cluster",
+                "level": "pass",
+                "message": "the Slurm client here, "
+                + (f"SLURM_CONF={conf}" if conf else "with its own configuration"),
+            }
+        ]
         res = spec.resources
-        where = f"{res.nodes} node(s) x {gres(res.gpus, gres_type(res.gpu_product))}"
-        return [{"check": "slurm", "status": "pass", "detail": f"an allocation of {where}"}]
+        request = Request(
+            partition=spec.placement.partition,
+            nodes=res.nodes,
+            gpus=res.gpus,
+            gres_type=gres_type(res.gpu_product),
+            minutes=self._hold_minutes(spec),
+        )
+        table = parse_sinfo(slurm(["sinfo", "-h", "-N", "-o", SINFO_FORMAT]))
+        name = spec.placement.partition or next((r.partition for r in table if r.default), "")
+        nodes = sorted({r.node for r in table if r.partition == name})
+        if nodes:
+            idle = idle_gpus(slurm(["sinfo", "-h", "-N", "-p", name, "-O", IDLE_FORMAT]))
+            free = ", ".join(f"gpu:{k or 'any'} {n}" for k, n in sorted(idle.items())) or "none"
+            rows.append(
+                {
+                    "name": "partition",
+                    "level": "pass",
+                    "message": f"{name}: {len(nodes)} node(s) ({', '.join(nodes)});"
+                    f" GPUs idle now: {free}",
+                }
+            )
+        problem = refusal(request, table)
+        wanted = f"{res.nodes} node(s) x {gres(res.gpus, request.gres_type)}"
+        rows.append(
+            {
+                "name": "fit",
+                "level": "fail" if problem else "pass",
+                "message": problem or f"the job fits: {wanted}, --time {request.minutes} min",
+            }
+        )
+        return rows
 
     def _sbatch_args(self, spec: JobSpec, name: str, comment: str, workspace: Path) -> list[str]:
         res = spec.resources

@@ -9,6 +9,10 @@ from pydantic import BaseModel
 
 # `sinfo -h -N -o SINFO_FORMAT`: one row per node and partition
 SINFO_FORMAT = "%P|%N|%G|%l"
+# `sinfo -h -N -p PARTITION -O IDLE_FORMAT`: each node's GPUs and those in use, by column
+IDLE_FORMAT = "NodeList:40,Gres:60,GresUsed:60,StateCompact:12"
+# node states whose idle GPUs a job can have now
+UP_STATES = ("idle", "mix", "alloc")
 
 
 class NodeRow(BaseModel):
@@ -47,6 +51,20 @@ def parse_sinfo(text: str) -> list[NodeRow]:
             )
         )
     return rows
+
+
+def idle_gpus(text: str) -> dict[str, int]:
+    """Return the GPUs free now by gres type, from `sinfo -O IDLE_FORMAT` rows (nodes that
+    are down, drained or not responding count none)."""
+    free: dict[str, int] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) != 4 or fields[3].rstrip("*~#!%$@^-") not in UP_STATES:
+            continue
+        used = _gpus(fields[2])
+        for kind, total in _gpus(fields[1]).items():
+            free[kind] = free.get(kind, 0) + max(0, total - used.get(kind, 0))
+    return free
 
 
 def _gpus(gres: str) -> dict[str, int]:
