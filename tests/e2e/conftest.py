@@ -91,3 +91,23 @@ def played(aws, s3_server, mock_binary, tmp_path):
     }
     with PlayedInstances(aws["ec2"], mock_binary, tmp_path / "instances", profile) as instances:
         yield instances
+
+
+@pytest.fixture
+def s3_scene(s3_server, tmp_path, monkeypatch) -> str:
+    """The demo scene (a moving cube, 8 frames) in moto's S3; this process (and so the
+    units elsewhere: pods through the run's Secret, Slurm steps through srun's
+    environment) has the bucket's credentials as AWS_* variables."""
+    import shutil as sh
+
+    from tasks.render.scene import demo_scene
+    from tasks.storage import store_for
+
+    blender = sh.which("blender")
+    assert blender, "blender is not installed; the test command installs it"
+    blend = demo_scene(blender, tmp_path / "cube.blend", 8, 32, None)
+    url = s3_server.url("k8s-scenes/cube.blend")
+    store_for(url, s3_server.settings()).upload_file(url, blend)
+    for key, value in s3_server.settings().child_env().items():
+        monkeypatch.setenv(key, value)
+    return url

@@ -1049,25 +1049,6 @@ def render_on_kubernetes(scene: str, output: str, **job) -> dict:
     }
 
 
-@pytest.fixture
-def s3_scene(s3_server, tmp_path, monkeypatch) -> str:
-    """The demo scene (a moving cube, 8 frames) in moto's S3; this process (and so the
-    pods, through the run's Secret) has the bucket's credentials as AWS_* variables."""
-    import shutil as sh
-
-    from tasks.render.scene import demo_scene
-    from tasks.storage import store_for
-
-    blender = sh.which("blender")
-    assert blender, "blender is not installed; the test command installs it"
-    blend = demo_scene(blender, tmp_path / "cube.blend", 8, 32, None)
-    url = s3_server.url("k8s-scenes/cube.blend")
-    store_for(url, s3_server.settings()).upload_file(url, blend)
-    for key, value in s3_server.settings().child_env().items():
-        monkeypatch.setenv(key, value)
-    return url
-
-
 def test_render_chunks_spread_over_gpu_pods_that_upload_their_own_frames(
     kube, testbed, prefect_api, s3_server, s3_scene, tmp_path, gpuflow_home
 ):

@@ -339,3 +339,37 @@ def test_preflight_shows_the_partition_its_idle_gpus_and_whether_the_job_fits(
     job.write_text(json.dumps(spec(tmp_path, ["true"], resources={"nodes": 3})))
     assert main(["preflight", str(job)]) == 1
     assert "[fail] fit: resources.nodes: the job needs 3 nodes" in capsys.readouterr().out
+
+
+def test_render_chunks_spread_over_both_nodes_and_upload_their_frames(
+    slurm, prefect_api, s3_server, s3_scene, gpuflow_home, tmp_path
+):
+    """8 frames in chunks of 2 on 2 nodes x 4 GPUs: each chunk a step of one GPU that
+    fetches the scene from S3, runs Blender and uploads its frames; a rerun renders none."""
+    from flows.render import render
+    from tasks.storage import store_for
+
+    output = s3_server.url("slurm-renders/cube")
+    raw = {
+        "name": "slurm-render",
+        "job": {"kind": "render", "scene": s3_scene, "output": output, "chunk": 2, "device": "CPU"},
+        "resources": {"gpus": 4, "gpu_product": "H100", "nodes": 2},
+        "placement": {"backend": "slurm", "workspace_root": str(tmp_path / "workspaces")},
+        "limits": {"max_duration": "10m"},
+        "metrics": {"plot": False},
+    }
+    state = render(raw, return_state=True)
+    assert state.is_completed(), state.message
+    store = store_for(output, s3_server.settings())
+    assert sorted(o.url for o in store.list(output)) == [
+        f"{output}/frame_{i:04d}.png" for i in range(1, 9)
+    ]
+    job = state.result().metrics.job
+    assert (job["frames_rendered"], job["frames_missing"], job["chunks"]) == (8, 0, 4)
+    logs = "\n".join(logs_of(state.state_details.flow_run_id))
+    secret = s3_server.settings().secret_access_key.get_secret_value()
+    assert secret not in logs
+    assert gpuflow_jobs() == []
+    rerun = render(raw, return_state=True)
+    assert rerun.is_completed(), rerun.message
+    assert rerun.result().metrics.job["frames_skipped"] == 8
