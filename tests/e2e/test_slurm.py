@@ -373,3 +373,27 @@ def test_render_chunks_spread_over_both_nodes_and_upload_their_frames(
     rerun = render(raw, return_state=True)
     assert rerun.is_completed(), rerun.message
     assert rerun.result().metrics.job["frames_skipped"] == 8
+
+
+def test_training_on_two_nodes_meets_at_the_first_nodes_address(slurm, prefect_api, s3_server):
+    """resources.nodes: 2 is one torchrun per node, each a step of the run's job, meeting
+    at the first node's NodeAddr on a port of the job's own (two ranks, gloo on CPU)."""
+    from flows.datasets import prepare_dataset
+    from flows.train import train
+    from tests.conftest import save_aws_block
+    from tests.e2e.test_training import train_spec
+
+    save_aws_block(s3_server, "gpuflow-test-aws")
+    dataset = s3_server.url("datasets/slurm-two")
+    prepare_dataset("synthetic:classify?samples=128", dataset, "40KB", "gpuflow-test-aws")
+    raw = train_spec(dataset, s3_server.url("runs/slurm-two"), max_steps=10, cpu_processes=1)
+    raw["storage"] = {"aws_credentials": "gpuflow-test-aws"}
+    raw["resources"] = {"gpus": 1, "gpu_product": "H100", "nodes": 2}
+    raw["placement"] = {"backend": "slurm"}
+    raw["limits"] = {"max_duration": "10m"}
+    state = train(load_spec(raw), return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result.metrics.job["world_size"] == 2 and result.metrics.job["steps"] == 10
+    assert result.cluster.rendezvous.startswith("127.0.0.1:")
+    assert gpuflow_jobs() == []

@@ -308,8 +308,16 @@ class SlurmBackend:
             time.sleep(0.2)
         hosts = slurm(["scontrol", "show", "hostnames", row["nodes"]]).split()
         indices = _gpu_indices(job)
+        # training meets on the first node, at its address, on a port of this job's own
+        # (several jobs may share a node)
+        rendezvous = f"{_node_address(hosts[0])}:{20000 + int(job.split('_')[0]) % 20000}"
         return cluster.model_copy(
-            update={"hostname": hosts[0], "node_names": hosts, "gpu_indices": indices}
+            update={
+                "hostname": hosts[0],
+                "node_names": hosts,
+                "gpu_indices": indices,
+                "rendezvous": rendezvous,
+            }
         )
 
     # -- units -----------------------------------------------------------------------------
@@ -613,6 +621,13 @@ def _gpu_indices(job_id: str) -> list[int]:
                 indices += range(int(low), int(high or low) + 1)
             return indices
     return []
+
+
+def _node_address(node: str) -> str:
+    """Return the address the node's slurmd has (NodeAddr), which other nodes reach."""
+    shown = slurm(["scontrol", "show", "node", node])
+    found = re.search(r"\bNodeAddr=(\S+)", shown)
+    return found.group(1) if found else node
 
 
 def _submitted(text: str) -> datetime:
