@@ -8,5 +8,6 @@ from blocks.ec2_fleet import Ec2GpuFleet
 from blocks.kubernetes_pool import KubernetesGpuPool
 from blocks.local_host import LocalGpuHost
 from blocks.prices import GpuPriceTable
+from blocks.slurm_cluster import SlurmCluster
 
-__all__ = ["Ec2GpuFleet", "GpuPriceTable", "KubernetesGpuPool", "LocalGpuHost"]
+__all__ = ["Ec2GpuFleet", "GpuPriceTable", "KubernetesGpuPool", "LocalGpuHost", "SlurmCluster"]

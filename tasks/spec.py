@@ -113,7 +113,7 @@ class Placement(SpecModel):
     block: str | None = Field(
         None,
         description="Name of the block to read settings from: a LocalGpuHost (local), a"
-        " KubernetesGpuPool (kubernetes) or an Ec2GpuFleet (ec2).",
+        " KubernetesGpuPool (kubernetes), an Ec2GpuFleet (ec2) or a SlurmCluster (slurm).",
     )
     market: Literal["spot", "on-demand", "spot-then-on-demand"] = Field(
         "spot-then-on-demand",

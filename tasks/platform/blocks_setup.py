@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from prefect.blocks.core import Block
 
-from blocks import Ec2GpuFleet, GpuPriceTable, KubernetesGpuPool, LocalGpuHost
+from blocks import Ec2GpuFleet, GpuPriceTable, KubernetesGpuPool, LocalGpuHost, SlurmCluster
 
 DEFAULT_LOCAL_HOST = "local"
 DEFAULT_PRICES = "default"
@@ -20,6 +20,7 @@ def defaults() -> list[tuple[type[Block], str, Callable[[], Block]]]:
         (GpuPriceTable, DEFAULT_PRICES, GpuPriceTable),
         (KubernetesGpuPool, "", KubernetesGpuPool),  # type only: a cluster needs its own
         (Ec2GpuFleet, "", Ec2GpuFleet),  # type only: an account needs its own
+        (SlurmCluster, "", SlurmCluster),  # type only: a cluster needs its own
     ]
 
 

@@ -397,3 +397,53 @@ def test_training_on_two_nodes_meets_at_the_first_nodes_address(slurm, prefect_a
     assert result.metrics.job["world_size"] == 2 and result.metrics.job["steps"] == 10
     assert result.cluster.rendezvous.startswith("127.0.0.1:")
     assert gpuflow_jobs() == []
+
+
+def test_a_slurm_cluster_block_sets_partition_account_gres_and_price(
+    slurm, prefect_api, gpuflow_home, tmp_path
+):
+    """The block's partition and gres map place the job (here on the L4 node, its gres
+    named by the map), its account and extra options reach sbatch, its price costs the
+    run; a block that does not exist is named before anything is submitted."""
+    from blocks import SlurmCluster
+
+    SlurmCluster(
+        partition="l4",
+        account="ml-team",
+        gres_types={"L4": "l4"},
+        workspace_root=str(tmp_path / "shared"),
+        sbatch_options=["--exclusive"],
+        gpu_hourly_usd=3600.0,
+    ).save("test-slurm", overwrite=True)
+    show = 'echo "on $SLURMD_NODENAME gpus=$CUDA_VISIBLE_DEVICES"'
+    raw = spec(
+        tmp_path, ["bash", "-c", show], resources={"gpus": 2, "gpu_product": "L4", "nodes": 1}
+    )
+    raw["placement"] = {"backend": "slurm", "block": "test-slurm"}
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result.cluster.node_names == ["l1"]
+    assert result.cluster.workspace.startswith(str(tmp_path / "shared"))
+    logs = logs_of(state.state_details.flow_run_id)
+    assert any("on l1 gpus=0,1" in line for line in logs), logs
+    shown = subprocess.run(
+        ["scontrol", "show", "job", result.cluster.state["job_id"]],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "Account=ml-team" in shown and "OverSubscribe=NO" in shown  # --exclusive
+    # 2 GPUs at $1 a second, for as long as the unit ran
+    assert result.metrics.cost_usd == pytest.approx(2 * result.metrics.duration_s)
+    raw["placement"] = {"backend": "slurm", "block": "no-such-block"}
+    with pytest.raises(InvalidSpec, match="there is no SlurmCluster block named 'no-such-block'"):
+        check_spec(load_spec(raw))
+    assert gpuflow_jobs() == []
+
+
+def test_a_slurm_cluster_block_refuses_options_gpuflow_sets():
+    from blocks import SlurmCluster
+
+    with pytest.raises(ValueError, match="--time is set by gpuflow from the job spec"):
+        SlurmCluster(sbatch_options=["--time=10"])
+    with pytest.raises(ValueError, match="'exclusive' is not an sbatch option"):
+        SlurmCluster(sbatch_options=["exclusive"])

@@ -87,11 +87,14 @@ def workspace_root(spec_root: str | None) -> Path:
     return Path(spec_root) if spec_root else gpuflow_home() / "slurm"
 
 
-def gres_type(gpu_product: str | None) -> str | None:
-    """Return the gres type a gpu_product maps to: the short name sites give it in
-    gres.conf, its first alias in lower case (NVIDIA-H100-80GB-HBM3: h100); None: any."""
+def gres_type(gpu_product: str | None, types: Mapping[str, str] | None = None) -> str | None:
+    """Return the gres type a gpu_product maps to: the block's map (`types`), else the short
+    name sites give it in gres.conf, its first alias in lower case (NVIDIA-H100-80GB-HBM3:
+    h100); None: any type."""
     if not gpu_product:
         return None
+    if types and gpu_product in types:
+        return types[gpu_product]
     aliases = PRODUCTS.get(gpu_product, (0, ()))[1]
     return (aliases[0] if aliases else gpu_product).lower()
 
@@ -117,7 +120,20 @@ class SlurmBackend:
         return cls()
 
     def configure(self, spec: JobSpec, prices: PriceTable) -> tuple[JobSpec, PriceTable]:
-        return spec, prices
+        """Return the spec with its SlurmCluster block's partition and workspace root
+        (values written in the spec win) and the prices with the cluster's; InvalidSpec
+        for no such block."""
+        cluster = _block(spec)
+        if cluster is None:
+            return spec, prices
+        placement = spec.placement.model_copy(
+            update={
+                "partition": spec.placement.partition or cluster.partition,
+                "workspace_root": spec.placement.workspace_root or cluster.workspace_root,
+            }
+        )
+        prices.gpu_hourly_usd[self.name] = {"*": cluster.gpu_hourly_usd}
+        return spec.model_copy(update={"placement": placement}), prices
 
     def describe(self, spec: JobSpec) -> list[dict[str, str]]:
         """Return preflight rows for `spec`: how gpuflow reaches the cluster, the partition's
@@ -137,7 +153,7 @@ class SlurmBackend:
             partition=spec.placement.partition,
             nodes=res.nodes,
             gpus=res.gpus,
-            gres_type=gres_type(res.gpu_product),
+            gres_type=gres_type(res.gpu_product, _types(spec)),
             minutes=self._hold_minutes(spec),
         )
         table = parse_sinfo(slurm(["sinfo", "-h", "-N", "-o", SINFO_FORMAT]))
@@ -178,9 +194,14 @@ class SlurmBackend:
             "--requeue",
         ]
         if res.gpus:
-            argv.append(f"--gres={gres(res.gpus, gres_type(res.gpu_product))}")
+            argv.append(f"--gres={gres(res.gpus, gres_type(res.gpu_product, _types(spec)))}")
         if spec.placement.partition:
             argv.append(f"--partition={spec.placement.partition}")
+        cluster = _block(spec)
+        if cluster is not None:
+            argv += [f"--account={cluster.account}"] if cluster.account else []
+            argv += [f"--qos={cluster.qos}"] if cluster.qos else []
+            argv += cluster.sbatch_options
         return [*argv, "--wrap", f"exec sleep {int(hold_s)}"]
 
     def _hold_minutes(self, spec: JobSpec) -> int:
@@ -204,7 +225,7 @@ class SlurmBackend:
             partition=spec.placement.partition,
             nodes=res.nodes,
             gpus=res.gpus,
-            gres_type=gres_type(res.gpu_product),
+            gres_type=gres_type(res.gpu_product, _types(spec)),
             minutes=self._hold_minutes(spec),
         )
         problem = refusal(request, parse_sinfo(slurm(["sinfo", "-h", "-N", "-o", SINFO_FORMAT])))
@@ -222,7 +243,7 @@ class SlurmBackend:
         if done.returncode != 0:
             raise InvalidSpec(
                 f"resources: the Slurm cluster refuses {res.nodes} node(s) with"
-                f" {gres(res.gpus, gres_type(res.gpu_product))} each for"
+                f" {gres(res.gpus, gres_type(res.gpu_product, _types(spec)))} each for"
                 f" limits.max_duration: {said(done.stderr)}; ask for what its partitions have"
                 " (`sinfo -o '%P %D %G %l'`)."
             )
@@ -236,7 +257,7 @@ class SlurmBackend:
         it (the reason in Slurm's words)."""
         run_id = owner[RUN_LABEL]
         found = self.list_owned({RUN_LABEL: run_id})
-        kind = gres_type(spec.resources.gpu_product)
+        kind = gres_type(spec.resources.gpu_product, _types(spec))
         if found:
             job = state_of(found[0], SlurmState).job_id
             cluster = found[0].model_copy(
@@ -316,6 +337,8 @@ class SlurmBackend:
                 "hostname": hosts[0],
                 "node_names": hosts,
                 "gpu_indices": indices,
+                # what the run is priced by: the product asked for (a gres type is no product)
+                "gpu_products": [spec.resources.gpu_product or "any"] * len(indices),
                 "rendezvous": rendezvous,
             }
         )
@@ -621,6 +644,28 @@ def _gpu_indices(job_id: str) -> list[int]:
                 indices += range(int(low), int(high or low) + 1)
             return indices
     return []
+
+
+def _block(spec: JobSpec) -> Any:
+    """Return the SlurmCluster block placement.block names, None without one; InvalidSpec
+    when there is no such block."""
+    name = spec.placement.block
+    if name is None:
+        return None
+    from blocks.slurm_cluster import SlurmCluster
+
+    try:
+        return SlurmCluster.load(name)
+    except ValueError:
+        raise InvalidSpec(
+            f"placement.block: there is no SlurmCluster block named {name!r}; create it"
+            f" with SlurmCluster(...).save({name!r}) or remove placement.block."
+        ) from None
+
+
+def _types(spec: JobSpec) -> Mapping[str, str] | None:
+    cluster = _block(spec)
+    return cluster.gres_types if cluster is not None else None
 
 
 def _node_address(node: str) -> str:
