@@ -47,6 +47,7 @@ def test_prefect_block_register_finds_the_module(prefect_api, gpuflow_home):
         "gpuflow GPU Price Table",
         "gpuflow Kubernetes GPU Pool",
         "gpuflow EC2 GPU Fleet",
+        "gpuflow Slurm Cluster",
     ):
         assert name in done.stdout
 

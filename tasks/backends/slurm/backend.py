@@ -322,9 +322,9 @@ class SlurmBackend:
             if waited and (spec.placement.gpu_wait > 0 or reason != "None"):
                 slurm(["scancel", job], check=False)
                 raise CapacityError(
-                    f"the Slurm cluster has no room for this job now (squeue says {reason})"
-                    f" and placement.gpu_wait ({spec.placement.gpu_wait:.0f} s) has passed;"
-                    " the job was cancelled"
+                    f"the Slurm cluster has no room for this job now (squeue says {reason}:"
+                    f" {self._room(spec)}) and placement.gpu_wait"
+                    f" ({spec.placement.gpu_wait:.0f} s) has passed; the job was cancelled"
                 )
             time.sleep(0.2)
         hosts = slurm(["scontrol", "show", "hostnames", row["nodes"]]).split()
@@ -342,6 +342,18 @@ class SlurmBackend:
                 "rendezvous": rendezvous,
             }
         )
+
+    def _room(self, spec: JobSpec) -> str:
+        """Return what the job waits for and what its partition has idle now, in words."""
+        res = spec.resources
+        kind = gres_type(res.gpu_product, _types(spec))
+        wanted = f"{res.nodes} node(s) x {gres(res.gpus, kind)}"
+        table = parse_sinfo(slurm(["sinfo", "-h", "-N", "-o", SINFO_FORMAT], check=False))
+        name = spec.placement.partition or next((r.partition for r in table if r.default), "")
+        listed = slurm(["sinfo", "-h", "-N", "-p", name, "-O", IDLE_FORMAT], check=False)
+        idle = idle_gpus(listed).get(kind or "", 0) if kind else sum(idle_gpus(listed).values())
+        each = f"gpu:{kind}" if kind else "GPUs"
+        return f"it waits for {wanted}; partition {name} has {idle} {each} idle now"
 
     # -- units -----------------------------------------------------------------------------
 
