@@ -8,8 +8,10 @@
 #   partition urgent   every node, a higher priority tier: its jobs preempt the others',
 #                      which Slurm requeues (PreemptMode=REQUEUE)
 #
-#   scripts/slurm-testbed.sh up --dir DIR     start it; DIR/slurm.conf is what a client needs
-#                                             (SLURM_CONF), DIR/env sets it for a shell
+#   scripts/slurm-testbed.sh up --dir DIR [--h100-per-node N]
+#                                             start it; DIR/slurm.conf is what a client needs
+#                                             (SLURM_CONF), DIR/env sets it for a shell;
+#                                             N: the H100s g1 and g2 declare (default 4)
 #   scripts/slurm-testbed.sh down --dir DIR   stop what `up` started, by PID
 #
 # Needs Debian's slurmctld, slurmd, slurm-client and munge (the test set-up installs them)
@@ -21,8 +23,8 @@ say() { printf '[slurm-testbed] %s (%ds)\n' "$*" $((SECONDS - START)) >&2; }
 die() { printf 'slurm-testbed: %s\n' "$*" >&2; exit 1; }
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-# name, gres type, gres count, partition
-NODES=("g1 h100 4 gpu" "g2 h100 4 gpu" "l1 l4 2 l4")
+# name, gres type, gres count, partition (set once the arguments are read)
+nodes() { NODES=("g1 h100 $H100 gpu" "g2 h100 $H100 gpu" "l1 l4 2 l4"); }
 
 start() { # name, then the command: run in the background, its PID kept in DIR/pids/name
   local name=$1
@@ -84,7 +86,7 @@ write_config() {
     for entry in "${NODES[@]}"; do
       read -r name type count partition <<<"$entry"
       port=$(free_port)
-      echo "NodeName=$name NodeHostname=$host NodeAddr=127.0.0.1 Port=$port CPUs=8 RealMemory=8000 Gres=gpu:$type:$count State=UNKNOWN"
+      echo "NodeName=$name NodeHostname=$host NodeAddr=127.0.0.1 Port=$port CPUs=$((count > 8 ? count : 8)) RealMemory=8000 Gres=gpu:$type:$count State=UNKNOWN"
     done
     echo "PartitionName=gpu Nodes=g1,g2 Default=YES MaxTime=60 State=UP PriorityTier=1 GraceTime=10"
     echo "PartitionName=l4 Nodes=l1 MaxTime=60 State=UP PriorityTier=1 GraceTime=10"
@@ -167,13 +169,17 @@ stop_all() { # names: TERM to each, then KILL to those still there after 10 s
 command=${1:-}
 shift || true
 DIR=
+H100=4
 while (($#)); do
   case $1 in
   --dir) DIR=$2; shift 2 ;;
+  --h100-per-node) H100=$2; shift 2 ;;
   *) die "unknown argument $1 (up|down --dir DIR)" ;;
   esac
 done
 [[ -n $DIR ]] || die "--dir DIR is required"
+[[ $H100 =~ ^[1-9][0-9]*$ ]] || die "--h100-per-node: give a whole number of GPUs, e.g. 32"
+nodes
 case $command in
 up) up ;;
 down) down ;;

@@ -308,10 +308,10 @@ def test_an_unknown_backend_is_refused_by_name_before_anything_is_made():
     from tasks.pipeline.checks import check_spec
 
     spec = load_spec(
-        {"job": {"kind": "command", "command": ["true"]}, "placement": {"backend": "slurm"}}
+        {"job": {"kind": "command", "command": ["true"]}, "placement": {"backend": "nomad"}}
     )
-    known = "local, kubernetes, ec2, toy"
+    known = "local, kubernetes, ec2, slurm, toy"
     with pytest.raises(
-        InvalidSpec, match=f"placement.backend: 'slurm' is not a backend; use one of: {known}"
+        InvalidSpec, match=f"placement.backend: 'nomad' is not a backend; use one of: {known}"
     ):
         check_spec(spec)

@@ -259,6 +259,8 @@ def test_the_slurm_example_runs_from_the_command_line(slurm, prefect_api, gpuflo
 def test_an_allocation_that_waits_for_busy_gpus_past_gpu_wait_is_a_capacity_error(
     slurm, prefect_api, gpuflow_home, tmp_path
 ):
+    import time
+
     from tasks.backends.registry import get_backend
     from tasks.contract import owner_labels
     from tasks.errors import CapacityError
@@ -269,6 +271,11 @@ def test_an_allocation_that_waits_for_busy_gpus_past_gpu_wait_is_a_capacity_erro
         capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     try:
+        held = ["squeue", "-h", "-j", holder, "-o", "%T"]
+        until = time.monotonic() + 60
+        while subprocess.run(held, capture_output=True, text=True).stdout.strip() != "RUNNING":
+            assert time.monotonic() < until, "the job holding every H100 never ran"
+            time.sleep(0.2)
         job = load_spec(spec(tmp_path, ["true"], placement={"gpu_wait": "2s"}))
         backend = get_backend("slurm", job.placement)
         backend.check(job)  # it fits the cluster: it is only busy
@@ -449,3 +456,14 @@ def test_a_slurm_cluster_block_refuses_options_gpuflow_sets():
         SlurmCluster(sbatch_options=["--time=10"])
     with pytest.raises(ValueError, match="'exclusive' is not an sbatch option"):
         SlurmCluster(sbatch_options=["exclusive"])
+
+
+def test_a_slurm_client_that_knows_no_cluster_is_one_sentence(tmp_path, monkeypatch):
+    """No SLURM_CONF and no slurm.conf where the client looks (this machine has none)."""
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    if Path("/etc/slurm/slurm.conf").exists():
+        pytest.skip("this machine has a Slurm cluster of its own in /etc/slurm")
+    with pytest.raises(
+        InvalidSpec, match=r"the Slurm client here knows no cluster .* set SLURM_CONF"
+    ):
+        check_spec(load_spec(spec(tmp_path, ["true"])))

@@ -345,12 +345,27 @@ def test_idle_gpus_stop_training_after_a_checkpoint(
 ):
     """limits.idle_gpu with action stop: the trainer gets SIGTERM, saves a checkpoint, and
     the run fails saying why instead of being retried as a preemption."""
-    fake_nvml.config["util"] = 0  # the GPUs it holds do nothing
+    import threading
+
+    # The GPUs look busy until the trainer is in its loop (it has logged a step), then do
+    # nothing: however long its start takes, the stop finds it training.
+    fake_nvml.config["util"] = 100
+
+    def idle_once_training() -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            logged = list(gpuflow_home.rglob("train_metrics.jsonl"))
+            if any(path.stat().st_size for path in logged):
+                fake_nvml.config["util"] = 0
+                return
+            time.sleep(0.2)
+
+    threading.Thread(target=idle_once_training, daemon=True).start()
     raw = train_spec(s3_dataset, s3_server.url("runs/idle"), max_steps=100000)
     raw |= {
         "resources": {"gpus": 1, "allow_cpu": True},
         "metrics": {"interval_s": 0.2},
-        "limits": {"idle_gpu": {"for": "15s", "action": "stop"}},  # after start-up
+        "limits": {"idle_gpu": {"for": "5s", "action": "stop"}},
     }
     state, run_id = run(raw)
     assert state.is_failed()

@@ -156,7 +156,7 @@ class SlurmBackend:
             gres_type=gres_type(res.gpu_product, _types(spec)),
             minutes=self._hold_minutes(spec),
         )
-        table = parse_sinfo(slurm(["sinfo", "-h", "-N", "-o", SINFO_FORMAT]))
+        table = parse_sinfo(_sinfo())
         name = spec.placement.partition or next((r.partition for r in table if r.default), "")
         nodes = sorted({r.node for r in table if r.partition == name})
         if nodes:
@@ -228,7 +228,7 @@ class SlurmBackend:
             gres_type=gres_type(res.gpu_product, _types(spec)),
             minutes=self._hold_minutes(spec),
         )
-        problem = refusal(request, parse_sinfo(slurm(["sinfo", "-h", "-N", "-o", SINFO_FORMAT])))
+        problem = refusal(request, parse_sinfo(_sinfo()))
         if problem:
             raise InvalidSpec(problem)
         argv = self._sbatch_args(spec, "gpuflow-check", "{}", root)
@@ -553,6 +553,21 @@ class SlurmStep:
 
     def unconfirmed(self) -> UnitEnd:
         return UnitEnd(signal=9)
+
+
+def _sinfo() -> str:
+    """Return sinfo's rows of every node (SINFO_FORMAT); InvalidSpec when the Slurm client
+    here has no cluster to ask (no slurm.conf, no configless DNS record)."""
+    try:
+        return slurm(["sinfo", "-h", "-N", "-o", SINFO_FORMAT])
+    except ProvisionError as exc:
+        if "configuration source" not in str(exc):
+            raise
+        raise InvalidSpec(
+            "placement.backend: slurm: the Slurm client here knows no cluster (no slurm.conf,"
+            " no SLURM_CONF); set SLURM_CONF to the cluster's slurm.conf, or run gpuflow on its"
+            " login node."
+        ) from None
 
 
 def _requeued(job_id: str) -> str | None:

@@ -1,0 +1,118 @@
+"""Slurm at scale: 64 one-GPU units through gpuflow (64 runs of a command job started at
+once, each its own allocation and step) vs the same 64 `sbatch --wrap` submitted bare, on
+a Slurm test cluster of two nodes with 32 H100s each (scripts/slurm-testbed.sh, started
+and stopped here; needs root). Prints the time until all 64 run and until all have
+ended, side by side, and the ratio. Target: gpuflow within 1.5x of bare sbatch.
+
+    python bench/slurm_scale.py [--units 64] [--seconds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def squeue(*argv: str) -> list[str]:
+    out = subprocess.run(["squeue", "-h", *argv], capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def until(check, limit_s: float = 900) -> float:
+    """Return the monotonic time at which `check()` first held."""
+    deadline = time.monotonic() + limit_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"not done within {limit_s:.0f} s")
+        time.sleep(0.2)
+    return time.monotonic()
+
+
+def bare(units: int, seconds: float) -> tuple[float, float]:
+    start = time.monotonic()
+    ids = [
+        subprocess.run(
+            ["sbatch", "--parsable", "--gres=gpu:h100:1", "-o", "/dev/null", "--wrap",
+             f"sleep {seconds}"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        for _ in range(units)
+    ]  # fmt: skip
+    wanted = ",".join(ids)
+    running = until(lambda: len(squeue("-t", "RUNNING", "-j", wanted, "-o", "%i")) == units)
+    ended = until(lambda: not squeue("-j", wanted, "-o", "%i"))
+    return running - start, ended - start
+
+
+def through_gpuflow(units: int, seconds: float, workspaces: Path) -> tuple[float, float]:
+    from flows.pipeline import gpu_pipeline
+    from tasks.pipeline.heartbeat import heartbeats_sent_by_gpuflow
+    from tasks.spec import load_spec
+
+    spec = load_spec(
+        {
+            "name": "scale",
+            "job": {"kind": "command", "command": ["sleep", str(seconds)]},
+            "resources": {"gpus": 1, "gpu_product": "H100"},
+            "placement": {"backend": "slurm", "workspace_root": str(workspaces)},
+            "limits": {"max_duration": "10m"},
+        }
+    )
+
+    def one(_: int) -> bool:
+        with heartbeats_sent_by_gpuflow():  # as `gpuflow run` runs a flow
+            return gpu_pipeline(spec, return_state=True).is_completed()
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=units) as pool:
+        done = pool.map(one, range(units))
+        running = until(lambda: sum(".main." in s for s in squeue("-s", "-o", "%j")) >= units)
+        completed = sum(done)
+    ended = time.monotonic()
+    if completed != units:
+        raise SystemExit(f"only {completed} of {units} runs completed")
+    return running - start, ended - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--units", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    args = parser.parse_args()
+    os.environ.setdefault("GPUFLOW_HOME", tempfile.mkdtemp(prefix="gpuflow-bench-"))
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    testbed = Path(tempfile.mkdtemp(prefix="slurm-bench-"))
+    script = ROOT / "scripts" / "slurm-testbed.sh"
+    per_node = str(max(4, -(-args.units // 2)))
+    subprocess.run(
+        ["bash", str(script), "up", "--dir", str(testbed), "--h100-per-node", per_node], check=True
+    )
+    os.environ["SLURM_CONF"] = str(testbed / "slurm.conf")
+    try:
+        from prefect.testing.utilities import prefect_test_harness
+
+        with prefect_test_harness(server_startup_timeout=120):
+            through_gpuflow(2, 1, testbed / "workspaces")  # warm-up: imports, the API
+            b = bare(args.units, args.seconds)
+            g = through_gpuflow(args.units, args.seconds, testbed / "workspaces")
+    finally:
+        subprocess.run(["bash", str(script), "down", "--dir", str(testbed)], check=False)
+    print(f"{args.units} one-GPU units of sleep {args.seconds:.0f} s on 2 nodes x {per_node} H100")
+    print(f"{'':22}{'bare sbatch':>13}{'gpuflow':>10}{'ratio':>8}")
+    for name, i in (("all running, s", 0), ("all ended, s", 1)):
+        print(f"{name:22}{b[i]:>13.1f}{g[i]:>10.1f}{g[i] / b[i]:>8.2f}")
+    print("target: gpuflow within 1.5x of bare sbatch")
+
+
+if __name__ == "__main__":
+    main()
