@@ -140,10 +140,37 @@ all_idle() {
 
 down() {
   [[ -d $DIR/pids ]] || { say "nothing runs in $DIR"; return; }
-  local group
+  DIR=$(cd "$DIR" && pwd)
+  export SLURM_CONF=$DIR/slurm.conf
+  local jobs group
+  # jobs still there: cancelled while slurmctld runs, so their steps end by Slurm's hand
+  if [[ -f $DIR/pids/slurmctld ]] && jobs=$(squeue -h -o %i 2>/dev/null) && [[ -n $jobs ]]; then
+    scancel $jobs 2>/dev/null || true
+    for _ in $(seq 50); do [[ -z $(squeue -h -o %i 2>/dev/null) ]] && break; sleep 0.2; done
+  fi
   for group in "slurmd-g1 slurmd-g2 slurmd-l1" slurmctld munged; do
     stop_all $group
   done
+  sweep
+}
+
+sweep() { # what this cluster's daemons started and left: slurmstepd, slurmscriptd, job steps
+  local environ pid vars found=()
+  for environ in /proc/[0-9]*/environ; do
+    pid=${environ#/proc/}
+    pid=${pid%/environ}
+    ((pid != $$)) || continue
+    vars=$(tr '\0' '\n' 2>/dev/null <"$environ") || continue
+    grep -qxF "SLURM_CONF=$SLURM_CONF" <<<"$vars" || continue
+    # a daemon's helper, or a process of a job step (never a shell that exported SLURM_CONF)
+    if grep -qaE '^(slurmstepd|: slurmscriptd)' "/proc/$pid/cmdline" 2>/dev/null ||
+      grep -q '^SLURMD_NODENAME=' <<<"$vars"; then
+      found+=("$pid")
+    fi
+  done
+  ((${#found[@]})) || return 0
+  kill -KILL "${found[@]}" 2>/dev/null || true
+  say "stopped what the cluster's daemons left: pids ${found[*]}"
 }
 
 any_alive() {

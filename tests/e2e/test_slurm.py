@@ -282,8 +282,10 @@ def test_an_allocation_that_waits_for_busy_gpus_past_gpu_wait_is_a_capacity_erro
         with pytest.raises(CapacityError) as busy:
             backend.provision(job, owner_labels("busy-run", job.name))
         said = str(busy.value)
-        assert "has no room for this job now (squeue says" in said
-        assert "it waits for 2 node(s) x gpu:h100:4; partition gpu has 0 gpu:h100 idle now" in said
+        assert (
+            "the Slurm cluster has no room for this job now: it waits for 2 node(s) x"
+            " gpu:h100:4; partition gpu has 0 gpu:h100 idle now (squeue says"
+        ) in said
         assert "placement.gpu_wait (2 s) has passed; the job was cancelled" in str(busy.value)
         assert gpuflow_jobs() == []
     finally:

@@ -109,3 +109,46 @@ def test_an_urgent_job_preempts_a_gpu_job_which_gets_sigterm_and_is_requeued(slu
     finally:
         run_slurm("scancel", *(j for j in (job, urgent) if j))
     wait_until("both jobs are gone", lambda: gone(job) and gone(urgent or job))
+
+
+def test_down_cancels_jobs_and_leaves_no_process_of_the_cluster(tmp_path):
+    """A cluster stopped with a job still running: its job is cancelled and nothing it
+    started (slurmstepd, the job's processes) outlives the daemons."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("the Slurm test cluster needs root")
+    script = Path(__file__).resolve().parents[2] / "scripts" / "slurm-testbed.sh"
+    folder = tmp_path / "cluster"
+    subprocess.run(["bash", str(script), "up", "--dir", str(folder)], check=True, timeout=300)
+    conf = f"SLURM_CONF={folder.resolve() / 'slurm.conf'}"
+    env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf")}
+    try:
+        subprocess.run(
+            ["sbatch", "-o", "/dev/null", "--wrap", "sleep 600"], env=env, check=True, timeout=60
+        )
+        wait_until(
+            "the job runs",
+            lambda: (
+                "RUNNING"
+                in subprocess.run(
+                    ["squeue", "-h", "-o", "%T"], env=env, capture_output=True, text=True
+                ).stdout
+            ),
+        )
+    finally:
+        subprocess.run(["bash", str(script), "down", "--dir", str(folder)], check=True, timeout=120)
+
+    def of_the_cluster() -> list[int]:
+        found = []
+        for environ in Path("/proc").glob("[0-9]*/environ"):
+            try:
+                text = environ.read_bytes().decode(errors="replace")
+                state = (environ.parent / "stat").read_text().split(") ")[1][0]
+            except OSError:
+                continue
+            if conf in text.split("\0") and state != "Z":  # zombies are already gone
+                found.append(int(environ.parent.name))
+        return found
+
+    assert of_the_cluster() == []

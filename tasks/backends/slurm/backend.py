@@ -71,7 +71,10 @@ ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUE
 REQUEUED = ("PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "PREEMPTED")
 # pending reasons that pass once other jobs end: waiting on them is waiting for capacity
 BUSY = ("Resources", "Priority", "None", "BeginTime", "Dependency")
-FIELDS = "%i\t%T\t%r\t%N\t%V\t%k"  # id, state, reason, nodes, submitted, comment (last: free text)
+FIELDS = "%i\t%T\t%r\t%N\t%V\t%k"  # id, state, reason, nodes, submitted, comment (free text)
+# how long a job whose GPUs are idle may wait for the scheduler to reach it (its main and
+# backfill cycles: 60 s and 30 s by default) before gpuflow gives up on it
+SCHEDULER_CYCLES_S = 120.0
 
 
 class SlurmState(BaseModel):
@@ -317,15 +320,27 @@ class SlurmBackend:
                     f"Slurm cannot run this job: it waits with reason {reason}; the job was"
                     " cancelled"
                 )
-            # "None": not yet looked at by the scheduler, which it is within a moment
-            waited = time.monotonic() - waited_from > spec.placement.gpu_wait
-            if waited and (spec.placement.gpu_wait > 0 or reason != "None"):
-                slurm(["scancel", job], check=False)
-                raise CapacityError(
-                    f"the Slurm cluster has no room for this job now (squeue says {reason}:"
-                    f" {self._room(spec)}) and placement.gpu_wait"
-                    f" ({spec.placement.gpu_wait:.0f} s) has passed; the job was cancelled"
-                )
+            waited = time.monotonic() - waited_from
+            if waited > spec.placement.gpu_wait:
+                # Busy GPUs past gpu_wait: capacity. GPUs idle enough for the job: the
+                # scheduler has not reached it yet (many jobs at once), which its next
+                # cycles do; waited for up to SCHEDULER_CYCLES_S more.
+                idle, room = self._room(spec)
+                needed = max(1, spec.resources.gpus) * spec.resources.nodes
+                late = waited > spec.placement.gpu_wait + SCHEDULER_CYCLES_S
+                if idle < needed or late:
+                    slurm(["scancel", job], check=False)
+                    why = (
+                        f"Slurm has not started it within {SCHEDULER_CYCLES_S:.0f} s though"
+                        if idle >= needed
+                        else "the Slurm cluster has no room for this job now:"
+                    )
+                    raise CapacityError(
+                        f"{why} {room} (squeue says {reason}); placement.gpu_wait"
+                        f" ({spec.placement.gpu_wait:.0f} s) has passed; the job was cancelled"
+                    )
+                time.sleep(1.0)
+                continue
             time.sleep(0.2)
         hosts = slurm(["scontrol", "show", "hostnames", row["nodes"]]).split()
         indices = _gpu_indices(job)
@@ -343,8 +358,9 @@ class SlurmBackend:
             }
         )
 
-    def _room(self, spec: JobSpec) -> str:
-        """Return what the job waits for and what its partition has idle now, in words."""
+    def _room(self, spec: JobSpec) -> tuple[int, str]:
+        """Return the GPUs of the job's type idle now in its partition, and what the job
+        waits for and what the partition has, in words."""
         res = spec.resources
         kind = gres_type(res.gpu_product, _types(spec))
         wanted = f"{res.nodes} node(s) x {gres(res.gpus, kind)}"
@@ -353,7 +369,7 @@ class SlurmBackend:
         listed = slurm(["sinfo", "-h", "-N", "-p", name, "-O", IDLE_FORMAT], check=False)
         idle = idle_gpus(listed).get(kind or "", 0) if kind else sum(idle_gpus(listed).values())
         each = f"gpu:{kind}" if kind else "GPUs"
-        return f"it waits for {wanted}; partition {name} has {idle} {each} idle now"
+        return idle, f"it waits for {wanted}; partition {name} has {idle} {each} idle now"
 
     # -- units -----------------------------------------------------------------------------
 
