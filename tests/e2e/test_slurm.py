@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,22 @@ def gpuflow_jobs() -> list[str]:
         ["squeue", "-h", "-a", "-o", "%i %k"], capture_output=True, text=True, check=True
     ).stdout
     return [line for line in out.splitlines() if "gpuflow.io/owner" in line]
+
+
+def wait_for_main_step(going: Callable[[], bool], limit_s: float = 120) -> None:
+    """Return once a run's unit `main` runs as a step; fail when `going()` turns false (the
+    orchestrator ended) or after `limit_s`."""
+    import time
+
+    until = time.monotonic() + limit_s
+    while True:
+        steps = subprocess.run(
+            ["squeue", "-h", "-s", "-o", "%i %j"], capture_output=True, text=True, check=True
+        ).stdout
+        if ".main." in steps:
+            return
+        assert time.monotonic() < until and going(), "the unit never ran"
+        time.sleep(0.2)
 
 
 def spec(tmp_path: Path, command: list[str], **over) -> dict:
@@ -125,7 +142,6 @@ def test_reap_cancels_what_a_killed_gpuflow_left_and_marks_its_run_crashed(
     import os
     import signal
     import sys
-    import time
 
     from tasks.api_client import api_client
     from tests.conftest import subprocess_env
@@ -144,16 +160,7 @@ def test_reap_cancels_what_a_killed_gpuflow_left_and_marks_its_run_crashed(
         stderr=subprocess.DEVNULL,
     )
 
-    def sleeping() -> bool:  # the unit's step runs
-        steps = subprocess.run(
-            ["squeue", "-h", "-s", "-o", "%i %j"], capture_output=True, text=True, check=True
-        ).stdout
-        return ".main." in steps
-
-    until = time.monotonic() + 120
-    while not sleeping():
-        assert time.monotonic() < until and orchestrator.poll() is None, "the unit never ran"
-        time.sleep(0.2)
+    wait_for_main_step(lambda: orchestrator.poll() is None)
     (held,) = gpuflow_jobs()
     run_id = json.loads(held.split(" ", 1)[1])["gpuflow.io/flow-run-id"]
     os.kill(orchestrator.pid, signal.SIGKILL)
@@ -190,7 +197,6 @@ def test_a_preempted_unit_saves_its_state_and_the_run_resumes_in_the_requeued_al
     stage retries, waits until Slurm runs the job again (after its requeue delay, about
     two minutes, once the urgent job is done) and the unit resumes from what it saved."""
     import threading
-    import time
 
     script = (
         'n=$(cat "$GPUFLOW_WORKSPACE/../saved" 2>/dev/null || echo 0); echo "attempt $n";'
@@ -206,16 +212,7 @@ def test_a_preempted_unit_saves_its_state_and_the_run_resumes_in_the_requeued_al
     )
     flow.start()
 
-    def step_runs() -> bool:
-        steps = subprocess.run(
-            ["squeue", "-h", "-s", "-o", "%i %j"], capture_output=True, text=True, check=True
-        ).stdout
-        return ".main." in steps
-
-    until = time.monotonic() + 120
-    while not step_runs():
-        assert time.monotonic() < until and flow.is_alive(), "the unit never ran"
-        time.sleep(0.2)
+    wait_for_main_step(flow.is_alive)
     urgent = subprocess.run(
         ["sbatch", "--parsable", "-p", "urgent", "-N2", "--gres=gpu:h100:4", "-o", "/dev/null",
          "--wrap", "sleep 5"],
@@ -299,7 +296,6 @@ def test_sigterm_to_gpuflow_stops_the_unit_and_cancels_the_job(
     import os
     import signal
     import sys
-    import time
 
     from tests.conftest import subprocess_env
 
@@ -316,16 +312,7 @@ def test_sigterm_to_gpuflow_stops_the_unit_and_cancels_the_job(
         text=True,
     )
 
-    def step_runs() -> bool:
-        steps = subprocess.run(
-            ["squeue", "-h", "-s", "-o", "%i %j"], capture_output=True, text=True, check=True
-        ).stdout
-        return ".main." in steps
-
-    until = time.monotonic() + 120
-    while not step_runs():
-        assert time.monotonic() < until and orchestrator.poll() is None, "the unit never ran"
-        time.sleep(0.2)
+    wait_for_main_step(lambda: orchestrator.poll() is None)
     os.kill(orchestrator.pid, signal.SIGTERM)
     out, _ = orchestrator.communicate(timeout=120)
     assert orchestrator.returncode == 143, out[-2000:]

@@ -152,13 +152,7 @@ class SlurmBackend:
             }
         ]
         res = spec.resources
-        request = Request(
-            partition=spec.placement.partition,
-            nodes=res.nodes,
-            gpus=res.gpus,
-            gres_type=gres_type(res.gpu_product, _types(spec)),
-            minutes=self._hold_minutes(spec),
-        )
+        request = self._request(spec)
         table = parse_sinfo(_sinfo())
         name = spec.placement.partition or next((r.partition for r in table if r.default), "")
         nodes = sorted({r.node for r in table if r.partition == name})
@@ -207,6 +201,17 @@ class SlurmBackend:
             argv += cluster.sbatch_options
         return [*argv, "--wrap", f"exec sleep {int(hold_s)}"]
 
+    def _request(self, spec: JobSpec) -> Request:
+        """Return the allocation `spec` asks for, as the fit check reads it."""
+        res = spec.resources
+        return Request(
+            partition=spec.placement.partition,
+            nodes=res.nodes,
+            gpus=res.gpus,
+            gres_type=gres_type(res.gpu_product, _types(spec)),
+            minutes=self._hold_minutes(spec),
+        )
+
     def _hold_minutes(self, spec: JobSpec) -> int:
         return minutes(spec.limits.max_duration + spec.limits.stop_grace_s + 60)
 
@@ -224,13 +229,7 @@ class SlurmBackend:
                 " on the cluster's shared filesystem that this machine can write."
             ) from None
         res = spec.resources
-        request = Request(
-            partition=spec.placement.partition,
-            nodes=res.nodes,
-            gpus=res.gpus,
-            gres_type=gres_type(res.gpu_product, _types(spec)),
-            minutes=self._hold_minutes(spec),
-        )
+        request = self._request(spec)
         problem = refusal(request, parse_sinfo(_sinfo()))
         if problem:
             raise InvalidSpec(problem)
