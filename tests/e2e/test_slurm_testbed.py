@@ -99,6 +99,7 @@ def test_an_urgent_job_preempts_a_gpu_job_which_gets_sigterm_and_is_requeued(slu
             "urgent",
             "-N1",
             "--gres=gpu:h100:4",
+            "--output=/dev/null",  # not slurm-<id>.out in the working folder
             "--wrap",
             "sleep 120",
         ).strip()
