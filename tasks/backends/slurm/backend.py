@@ -304,12 +304,7 @@ class SlurmBackend:
         job = state_of(cluster, SlurmState).job_id
         waited_from = time.monotonic()
         while True:
-            row = _job_row(job)
-            if row is None or row["state"] not in ACTIVE:
-                raise ProvisionError(
-                    f"the Slurm job {job} holding this run's nodes ended before it ran"
-                    f" ({row['state'] if row else 'gone from squeue'})"
-                )
+            row = _live_row(job, "ended before it ran")
             if row["state"] == "RUNNING":
                 break
             reason = row["reason"]
@@ -606,18 +601,23 @@ def _preempting(job_id: str) -> bool:
     return bool(re.search(r"\bPreemptTime=(?!None)", shown))
 
 
+def _live_row(job_id: str, ended: str) -> dict[str, Any]:
+    """Return squeue's row of the run's job while it holds (or waits for) its allocation;
+    ProvisionError saying it `ended` once it no longer does."""
+    row = _job_row(job_id)
+    if row is None or row["state"] not in ACTIVE:
+        state = row["state"] if row else "gone from squeue"
+        raise ProvisionError(f"the Slurm job {job_id} holding this run's nodes {ended} ({state})")
+    return row
+
+
 def _running_again(job_id: str, deadline: float) -> list[str]:
     """Return the run's nodes once its job runs: a job Slurm requeued (preempted, a node
     lost) starts again when Slurm says (after its requeue delay, BeginTime, so that the job
     that took the GPUs starts first) and is waited for until `deadline` (time.monotonic()).
     ProvisionError when it cannot run any more."""
     while True:
-        row = _job_row(job_id)
-        if row is None or row["state"] not in ACTIVE:
-            raise ProvisionError(
-                f"the Slurm job {job_id} holding this run's nodes has ended"
-                f" ({row['state'] if row else 'gone from squeue'}); a retry provisions again"
-            )
+        row = _live_row(job_id, "has ended; a retry provisions again")
         if row["state"] == "RUNNING" and not _preempting(job_id):
             return slurm(["scontrol", "show", "hostnames", row["nodes"]]).split()
         if row["state"] == "PENDING" and row["reason"] not in BUSY:
