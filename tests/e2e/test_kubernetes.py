@@ -327,6 +327,14 @@ def test_a_gpu_quota_is_named(kube):
         "spec": {"hard": {"requests.nvidia.com/gpu": "2"}},
     }
     kube.request("POST", "/api/v1/namespaces/quota-test/resourcequotas", quota)
+    # admission enforces a quota only once its controller has filled in its status
+    until = time.monotonic() + 60
+    while time.monotonic() < until:
+        made = kube.request("GET", "/api/v1/namespaces/quota-test/resourcequotas/gpus")
+        if made.get("status", {}).get("hard"):
+            break
+        time.sleep(0.2)
+    assert made.get("status", {}).get("hard"), "the quota controller never counted the quota"
     backend = KubernetesBackend()
     spec = spec_for(gpus=4, product="NVIDIA-L4", namespace="quota-test")
     backend.check(spec)
