@@ -456,3 +456,39 @@ def test_a_slurm_client_that_knows_no_cluster_is_one_sentence(tmp_path, monkeypa
         InvalidSpec, match=r"the Slurm client here knows no cluster .* set SLURM_CONF"
     ):
         check_spec(load_spec(spec(tmp_path, ["true"])))
+
+
+def test_md_over_two_nodes_runs_mpirun_in_the_allocation_and_matches_the_local_energies(
+    slurm, prefect_api, gpuflow_home, tmp_path, monkeypatch
+):
+    """An hpc job on 2 nodes: one launcher step on the first node starts mpirun, whose
+    daemons Slurm starts on both nodes (srun inside the job); the ranks' step-0 energy is
+    the energy of the same MD run on this machine."""
+    from flows.hpc import hpc
+    from tests.e2e.test_hpc import RANKS_AGREE_REL, hpc_spec, thermo
+
+    md = {"atoms": 500, "steps": 40, "thermo_every": 20}
+    local = hpc(hpc_spec("md-local", ranks=2, md=md), return_state=True)
+    assert local.is_completed(), local.message
+    # The test cluster's nodes are one machine: Open MPI's shared-memory transport would
+    # give ranks of "different nodes" the same segment names; its TCP one over loopback
+    # is what ranks on two real nodes use.
+    for name, value in {"btl": "self,tcp", "btl_tcp_if_include": "lo"}.items():
+        monkeypatch.setenv(f"OMPI_MCA_{name}", value)
+    raw = hpc_spec("md-slurm", ranks=4, slots=2, md=md)
+    raw["resources"] = {"gpus": 4, "gpu_product": "H100", "nodes": 2}
+    raw["placement"] = {"backend": "slurm", "workspace_root": str(tmp_path / "workspaces")}
+    raw["limits"] = {"max_duration": "10m"}
+    state = hpc(raw, return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result.metrics.job["ranks"] == 4
+    here = thermo(Path(local.result().artifacts_dir))
+    there = thermo(Path(result.artifacts_dir))
+    assert [r["step"] for r in there] == [r["step"] for r in here] == [0, 20, 40]
+    for key in ("total_per_atom", "potential_per_atom", "temperature"):
+        assert there[0][key] == pytest.approx(here[0][key], rel=RANKS_AGREE_REL), key
+    text = "\n".join(logs_of(result.flow_run_id))
+    assert "mpirun: 4 rank(s) on g1, g2" in text  # the ranks went to both of the job's nodes
+    assert gpuflow_jobs() == []
+    assert not list((tmp_path / "workspaces").iterdir())

@@ -394,6 +394,7 @@ class SlurmBackend:
             f"--chdir={cluster.workspace}",
             "--kill-on-bad-exit=1",
             f"--gres={gres(count, state.gres_type)}" if count else "--gres=none",
+            *(_mpi_launch(unit, cluster, state) if unit.hostfile else []),
             *unit.command,
         ]
         child_env = {
@@ -563,6 +564,32 @@ class SlurmStep:
 
     def unconfirmed(self) -> UnitEnd:
         return UnitEnd(signal=9)
+
+
+def _mpi_launch(unit: WorkUnit, cluster: Cluster, state: SlurmState) -> list[str]:
+    """Return the words that start an MPI launcher unit's mpirun in the job, not in its own
+    step: Open MPI inside a Slurm step starts its daemons with srun, which reads the
+    allocation from the step's variables (one node, one task). This sets them to the hosts
+    and slots of the unit's hostfile, makes that srun share the job's resources with the
+    launcher (--overlap) and gives it each node's GPUs as gres."""
+    lines = [line.split() for line in (unit.hostfile or "").splitlines() if line.strip()]
+    hosts = [words[0] for words in lines]
+    slots = [next((w[6:] for w in words if w.startswith("slots=")), "1") for words in lines]
+    nodes = slurm(["scontrol", "show", "hostlist", ",".join(hosts)]).strip()
+    count = cluster.gpus_per_node
+    step_only = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_NODES",
+                 "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE")  # fmt: skip
+    return [
+        "env",
+        *(f"--unset={name}" for name in step_only),
+        f"SLURM_JOB_NODELIST={nodes}",
+        f"SLURM_NODELIST={nodes}",
+        f"SLURM_NNODES={len(hosts)}",
+        f"SLURM_JOB_NUM_NODES={len(hosts)}",
+        f"SLURM_TASKS_PER_NODE={','.join(slots)}",
+        "SLURM_OVERLAP=1",
+        f"OMPI_MCA_plm_slurm_args=--gres={gres(count, state.gres_type) if count else 'none'}",
+    ]
 
 
 def _sinfo() -> str:
