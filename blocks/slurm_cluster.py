@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import getpass
+
 from prefect.blocks.core import Block
 from pydantic import Field, field_validator
 
@@ -30,8 +32,10 @@ class SlurmCluster(Block):
     """The partition, account and QOS gpuflow's jobs use on a Slurm cluster, the gres type
     of each GPU product there, the shared folder for workspaces and the cluster's price.
 
-    The Slurm client on the machine gpuflow runs on (its login node) reaches the cluster,
-    with SLURM_CONF as that machine has it.
+    Commands reach the cluster through the Slurm client on the machine gpuflow runs on
+    (with SLURM_CONF as that machine has it), or, with `login_host`, through the cluster's
+    login node over SSH: key-only, the key from a Secret block, the host's key checked
+    against `known_hosts`.
 
     Examples:
         ```python
@@ -75,6 +79,30 @@ class SlurmCluster(Block):
         description="More options for the job's allocation, e.g. ['--constraint=ib',"
         " '--exclusive'].",
     )
+    login_host: str | None = Field(
+        default=None,
+        title="Login node",
+        description="Host name of the cluster's login node, reached over SSH; empty: the"
+        " Slurm client on the machine gpuflow runs on.",
+    )
+    login_user: str = Field(
+        default_factory=getpass.getuser,
+        title="Login user",
+        description="User on the login node (default: the user running gpuflow).",
+    )
+    login_port: int = Field(default=22, ge=1, le=65535, title="SSH port")
+    ssh_key: str | None = Field(
+        default=None,
+        title="SSH key (Secret block)",
+        description="Name of the Secret block holding the private key for the login node;"
+        " empty: ssh's own keys (an agent, ~/.ssh).",
+    )
+    known_hosts: str | None = Field(
+        default=None,
+        title="Known hosts",
+        description="The login node's host key line(s), as in known_hosts (`ssh-keyscan`,"
+        " checked); empty: ~/.ssh/known_hosts. A host whose key differs is refused.",
+    )
     gpu_hourly_usd: float = Field(
         default=0.0,
         ge=0,
@@ -88,6 +116,13 @@ class SlurmCluster(Block):
         from tasks.gpus import canonical_product
 
         return {canonical_product(product): kind.lower() for product, kind in value.items()}
+
+    @field_validator("login_host")
+    @classmethod
+    def _a_host(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or value.startswith("-") or " " in value):
+            raise ValueError(f"{value!r} is not a host name; give the login node's name")
+        return value or None
 
     @field_validator("sbatch_options")
     @classmethod

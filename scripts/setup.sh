@@ -26,6 +26,7 @@ if $want_test; then
     command -v slurmctld >/dev/null || apt_packages+=(slurmctld)        # (scripts/slurm-testbed.sh)
     command -v slurmd >/dev/null || apt_packages+=(slurmd)
     command -v sbatch >/dev/null || apt_packages+=(slurm-client)
+    [ -x /usr/sbin/sshd ] || apt_packages+=(openssh-server)  # the Slurm login node over SSH
 fi
 if $want_render; then
     command -v blender >/dev/null || apt_packages+=(blender)  # renders run the real Blender

@@ -54,7 +54,8 @@ write_config() {
     echo "SlurmctldPort=$ctld_port"
     echo "AuthType=auth/munge"
     echo "CredType=cred/munge"
-    echo "AuthInfo=socket=$DIR/munge/munge.socket"
+    # a requeued job may start again after cred_expire (default 120 s): the test cluster waits 10
+    echo "AuthInfo=socket=$DIR/munge/munge.socket,cred_expire=10"
     echo "SlurmUser=root"
     echo "SlurmdUser=root"
     echo "StateSaveLocation=$DIR/state"

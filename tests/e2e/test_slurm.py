@@ -4,10 +4,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 from flows.pipeline import gpu_pipeline
@@ -27,18 +31,20 @@ def gpuflow_jobs() -> list[str]:
     return [line for line in out.splitlines() if "gpuflow.io/owner" in line]
 
 
-def wait_for_main_step(going: Callable[[], bool], limit_s: float = 120) -> None:
-    """Return once a run's unit `main` runs as a step; fail when `going()` turns false (the
-    orchestrator ended) or after `limit_s`."""
+def wait_for_main_step(going: Callable[[], bool], limit_s: float = 120) -> str:
+    """Return the node of a run's unit `main` once it runs as a step; fail when `going()`
+    turns false (the orchestrator ended) or after `limit_s`."""
     import time
 
     until = time.monotonic() + limit_s
     while True:
         steps = subprocess.run(
-            ["squeue", "-h", "-s", "-o", "%i %j"], capture_output=True, text=True, check=True
+            ["squeue", "-h", "-s", "-o", "%j %N"], capture_output=True, text=True, check=True
         ).stdout
-        if ".main." in steps:
-            return
+        for line in steps.splitlines():
+            name, _, node = line.partition(" ")
+            if ".main." in name:
+                return node.strip()
         assert time.monotonic() < until and going(), "the unit never ran"
         time.sleep(0.2)
 
@@ -188,14 +194,52 @@ def test_reap_cancels_what_a_killed_gpuflow_left_and_marks_its_run_crashed(
         assert client.read_flow_run(run_id).state.type.value == "CRASHED"
 
 
-@pytest.mark.timeout(480)
-def test_a_preempted_unit_saves_its_state_and_the_run_resumes_in_the_requeued_allocation(
-    slurm, prefect_api, gpuflow_home, tmp_path
+def take_by_urgent_job(node: str) -> Callable[[], None]:
+    """Start a job of the urgent partition on every H100; return what checks its end."""
+    urgent = subprocess.run(
+        ["sbatch", "--parsable", "-p", "urgent", "-N2", "--gres=gpu:h100:4", "-o", "/dev/null",
+         "--wrap", "sleep 5"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+
+    def check() -> None:
+        shown = subprocess.run(
+            ["scontrol", "show", "job", urgent], capture_output=True, text=True, check=False
+        ).stdout
+        assert "JobState=COMPLETED" in shown or not shown  # the urgent job ran first, to its end
+
+    return check
+
+
+def take_by_node_down(node: str) -> Callable[[], None]:
+    """Set the unit's node DOWN (as an administrator would); return what checks that it came
+    back (the test cluster returns a node to service once its slurmd registers again)."""
+    subprocess.run(
+        ["scontrol", "update", f"nodename={node}", "state=down", "reason=gpuflow-test"],
+        check=True,
+    )
+
+    def check() -> None:
+        shown = subprocess.run(
+            ["sinfo", "-h", "-n", node, "-o", "%T"], capture_output=True, text=True, check=True
+        ).stdout
+        assert "down" not in shown, shown
+
+    return check
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "take", [take_by_urgent_job, take_by_node_down], ids=["preempted", "node-down"]
+)
+def test_a_unit_whose_gpus_are_taken_saves_its_state_and_the_run_resumes_when_slurm_runs_it_again(
+    take, slurm, prefect_api, gpuflow_home, tmp_path
 ):
-    """A job of the urgent partition takes the run's GPUs: the unit gets SIGTERM and the
-    partition's grace, saves its state and exits 75; Slurm requeues the run's job; the run
-    stage retries, waits until Slurm runs the job again (after its requeue delay, about
-    two minutes, once the urgent job is done) and the unit resumes from what it saved."""
+    """A job of the urgent partition takes the run's GPUs, or an administrator sets the
+    unit's node DOWN: the unit gets SIGTERM and its grace, saves its state and exits 75;
+    Slurm requeues the run's job; the run stage retries, waits until Slurm runs the job
+    again (after its requeue delay, and once the urgent job is done) and the unit resumes
+    from what it saved."""
     import threading
 
     script = (
@@ -212,24 +256,20 @@ def test_a_preempted_unit_saves_its_state_and_the_run_resumes_in_the_requeued_al
     )
     flow.start()
 
-    wait_for_main_step(flow.is_alive)
-    urgent = subprocess.run(
-        ["sbatch", "--parsable", "-p", "urgent", "-N2", "--gres=gpu:h100:4", "-o", "/dev/null",
-         "--wrap", "sleep 5"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
-    flow.join(timeout=420)
+    node = wait_for_main_step(flow.is_alive)
+    try:
+        check = take(node)
+        flow.join(timeout=240)
+    finally:
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False)
     assert not flow.is_alive(), "the run did not end"
     state = done["state"]
     assert state.is_completed(), state.message
     logs = logs_of(state.state_details.flow_run_id)
     text = "\n".join(logs)
-    assert "attempt 0" in text and "saved" in text and "attempt 1" in text and "resumed" in text
+    assert "attempt 0" in text and "saved" in text and "attempt 1" in text and "resumed" in text, text
     assert "exit 75" in text  # the run stage said it was interrupted and retried
-    shown = subprocess.run(
-        ["scontrol", "show", "job", urgent], capture_output=True, text=True, check=False
-    ).stdout
-    assert "JobState=COMPLETED" in shown or not shown  # the urgent job ran first, to its end
+    check()
     assert gpuflow_jobs() == []
 
 
@@ -492,3 +532,109 @@ def test_md_over_two_nodes_runs_mpirun_in_the_allocation_and_matches_the_local_e
     assert "mpirun: 4 rank(s) on g1, g2" in text  # the ranks went to both of the job's nodes
     assert gpuflow_jobs() == []
     assert not list((tmp_path / "workspaces").iterdir())
+
+
+@pytest.fixture
+def login_node(slurm, tmp_path):
+    """A login node for the test cluster (sshd on loopback, key-only) and the key it
+    accepts; the Slurm client here has no SLURM_CONF, so only the login node knows the
+    cluster."""
+    from tests.e2e.sshd import LoginNode, keypair
+
+    private, public = keypair(tmp_path, "user_key")
+    node = LoginNode(tmp_path / "sshd", slurm, [public])
+    yield node, private
+    node.stop()
+
+
+def save_login_block(name: str, node, key: str, tmp_path: Path, **over) -> None:
+    from prefect.blocks.system import Secret
+
+    from blocks import SlurmCluster
+
+    Secret(value=key).save(f"{name}-key", overwrite=True)
+    settings = {
+        "login_host": "127.0.0.1",
+        "login_port": node.port,
+        "login_user": "root",
+        "ssh_key": f"{name}-key",
+        "known_hosts": node.known_hosts,
+        "workspace_root": str(tmp_path / "shared"),
+        **over,
+    }
+    SlurmCluster(**settings).save(name, overwrite=True)
+
+
+def test_a_job_reaches_the_cluster_through_its_login_node_over_ssh(
+    login_node, prefect_api, gpuflow_home, tmp_path, monkeypatch
+):
+    """With a login_host every Slurm command goes over SSH (the key from a Secret block,
+    the host key checked): the run's steps run on both nodes, a secret reaches the unit
+    through ssh's standard input (no command line, nothing Slurm shows), and the job and
+    its workspace on the cluster are gone afterwards."""
+    from prefect.blocks.system import Secret
+
+    node, key = login_node
+    slurm_conf = os.environ.pop("SLURM_CONF")
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    save_login_block("test-login", node, key, tmp_path)
+    value = "tok-ssh-9f8e7d6c5b"
+    Secret(value=value).save("gpuflow-slurm-ssh-token", overwrite=True)
+    show = 'echo "on $SLURMD_NODENAME gpus=$CUDA_VISIBLE_DEVICES token=$HF_TOKEN"'
+    raw = spec(tmp_path, ["bash", "-c", show])
+    raw["placement"] = {"backend": "slurm", "block": "test-login"}
+    raw["secret_env"] = {"HF_TOKEN": "gpuflow-slurm-ssh-token"}
+    watching = threading.Event()
+    seen: list[str] = []
+
+    def watch() -> None:  # every command line on this machine while the run goes
+        while not watching.is_set():
+            for proc in psutil.process_iter(["cmdline"]):
+                seen.append(" ".join(proc.info["cmdline"] or []))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        state = gpu_pipeline(load_spec(raw), return_state=True)
+    finally:
+        watching.set()
+        watcher.join()
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result.cluster.node_names == ["g1", "g2"]
+    logs = logs_of(state.state_details.flow_run_id)
+    assert any("on g1 gpus=0,1,2,3 token=***" in line for line in logs), logs
+    assert not any(value in line for line in logs + seen)
+    assert any("ssh" in line and "srun" in line for line in seen)  # srun went over SSH
+    assert "Accepted publickey for root" in node.log()
+    monkeypatch.setenv("SLURM_CONF", slurm_conf)
+    assert gpuflow_jobs() == []
+    assert not (tmp_path / "shared" / result.cluster.name).exists()
+
+
+@pytest.mark.parametrize("wrong", ["key", "host key"])
+def test_a_refused_key_or_a_changed_host_key_is_one_sentence_and_nothing_is_submitted(
+    wrong, login_node, prefect_api, tmp_path
+):
+    from tests.e2e.sshd import keypair
+
+    node, key = login_node
+    other_key, other_public = keypair(tmp_path, "other")
+    if wrong == "key":
+        save_login_block("test-login-bad", node, other_key, tmp_path)
+        said = (
+            f"ssh_key: the login node 127.0.0.1:{node.port} refuses the key of Secret block"
+            " 'test-login-bad-key' for user root; add its public key to"
+            " ~root/.ssh/authorized_keys there, or name the right key."
+        )
+    else:
+        forged = f"[127.0.0.1]:{node.port} {' '.join(other_public.split()[:2])}\n"
+        save_login_block("test-login-bad", node, key, tmp_path, known_hosts=forged)
+        said = f"known_hosts: the login node 127.0.0.1:{node.port} shows a host key other than"
+    raw = spec(tmp_path, ["true"])
+    raw["placement"] = {"backend": "slurm", "block": "test-login-bad"}
+    with pytest.raises(InvalidSpec) as refused:
+        check_spec(load_spec(raw))
+    assert said in str(refused.value) and "\n" not in str(refused.value)
+    assert gpuflow_jobs() == []

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import shutil
 import socket
 import subprocess
 import time
@@ -32,7 +30,7 @@ import psutil
 from pydantic import BaseModel
 
 from tasks.backends.base import follow_unit
-from tasks.backends.slurm.commands import check_client, said, slurm
+from tasks.backends.slurm.commands import HERE, LocalClient, LoginNode, said
 from tasks.backends.slurm.fit import (
     IDLE_FORMAT,
     SINFO_FORMAT,
@@ -82,6 +80,7 @@ class SlurmState(BaseModel):
 
     job_id: str
     gres_type: str | None = None  # the gres type of the run's GPUs ("h100"), None: untyped
+    block: str | None = None  # the SlurmCluster block that says how the cluster is reached
 
 
 def workspace_root(spec_root: str | None) -> Path:
@@ -118,9 +117,24 @@ class SlurmBackend:
         samples_nodes=True,  # nothing here samples the nodes' GPUs
     )
 
+    def __init__(self, block: str | None = None) -> None:
+        self.block = block  # the SlurmCluster block of the runs it serves (None: the client here)
+        self._reaches: dict[str | None, LocalClient] = {}
+
     @classmethod
     def at(cls, placement: Placement | None = None) -> SlurmBackend:
-        return cls()
+        return cls(placement.block if placement else None)
+
+    def reach(self, block: str | None = None) -> LocalClient:
+        """Return how commands reach the cluster of `block` (default: this backend's): its
+        login node over SSH when the block names one, else the Slurm client here."""
+        name = block if block is not None else self.block
+        if name not in self._reaches:
+            self._reaches[name] = _reach(_load(name) if name else None)
+        return self._reaches[name]
+
+    def _cli(self, cluster: Cluster) -> LocalClient:
+        return self.reach(state_of(cluster, SlurmState).block)
 
     def configure(self, spec: JobSpec, prices: PriceTable) -> tuple[JobSpec, PriceTable]:
         """Return the spec with its SlurmCluster block's partition and workspace root
@@ -141,23 +155,16 @@ class SlurmBackend:
     def describe(self, spec: JobSpec) -> list[dict[str, str]]:
         """Return preflight rows for `spec`: how gpuflow reaches the cluster, the partition's
         nodes and GPUs idle now, and whether the job fits it (nothing is submitted)."""
-        check_client()
-        conf = os.environ.get("SLURM_CONF")
-        rows = [
-            {
-                "name": "cluster",
-                "level": "pass",
-                "message": "the Slurm client here, "
-                + (f"SLURM_CONF={conf}" if conf else "with its own configuration"),
-            }
-        ]
+        cli = self.reach(spec.placement.block)
+        cli.check()
+        rows = [{"name": "cluster", "level": "pass", "message": cli.describe()}]
         res = spec.resources
         request = self._request(spec)
-        table = parse_sinfo(_sinfo())
+        table = parse_sinfo(_sinfo(cli))
         name = spec.placement.partition or next((r.partition for r in table if r.default), "")
         nodes = sorted({r.node for r in table if r.partition == name})
         if nodes:
-            idle = idle_gpus(slurm(["sinfo", "-h", "-N", "-p", name, "-O", IDLE_FORMAT]))
+            idle = idle_gpus(cli.run(["sinfo", "-h", "-N", "-p", name, "-O", IDLE_FORMAT]))
             free = ", ".join(f"gpu:{k or 'any'} {n}" for k, n in sorted(idle.items())) or "none"
             rows.append(
                 {
@@ -219,29 +226,30 @@ class SlurmBackend:
         """Raise InvalidSpec when this machine has no Slurm client or the cluster would
         refuse the allocation (`sbatch --test-only`: partition, gres, nodes, time); submits
         nothing."""
-        check_client()
+        cli = self.reach(spec.placement.block)
+        cli.check()
+        if cli.remote and not spec.placement.workspace_root:
+            raise InvalidSpec(
+                "placement.workspace_root: a cluster reached over SSH needs a folder on its"
+                " shared filesystem for the runs' workspaces; set it in the spec or the"
+                " SlurmCluster block."
+            )
         root = workspace_root(spec.placement.workspace_root)
         try:
-            root.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
+            cli.make_dir(str(root))
+        except (OSError, ProvisionError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else str(exc)
             raise InvalidSpec(
-                f"placement.workspace_root: cannot make {root} ({exc.strerror}); give a folder"
-                " on the cluster's shared filesystem that this machine can write."
+                f"placement.workspace_root: cannot make {root} ({why}); give a folder"
+                " on the cluster's shared filesystem that gpuflow can write."
             ) from None
         res = spec.resources
         request = self._request(spec)
-        problem = refusal(request, parse_sinfo(_sinfo()))
+        problem = refusal(request, parse_sinfo(_sinfo(cli)))
         if problem:
             raise InvalidSpec(problem)
         argv = self._sbatch_args(spec, "gpuflow-check", "{}", root)
-        done = subprocess.run(
-            ["sbatch", "--test-only", *argv],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-            stdin=subprocess.DEVNULL,
-        )
+        done = cli.answer(["sbatch", "--test-only", *argv])
         if done.returncode != 0:
             raise InvalidSpec(
                 f"resources: the Slurm cluster refuses {res.nodes} node(s) with"
@@ -265,13 +273,16 @@ class SlurmBackend:
             cluster = found[0].model_copy(
                 update={
                     "nodes": spec.resources.nodes,
-                    "state": SlurmState(job_id=job, gres_type=kind).model_dump(),
+                    "state": SlurmState(
+                        job_id=job, gres_type=kind, block=spec.placement.block
+                    ).model_dump(),
                 }
             )
             return self._running(cluster, spec).model_copy(update={"adopted": True})
         name = f"gpuflow-{run_id}"
         workspace = workspace_root(spec.placement.workspace_root) / name
-        workspace.mkdir(parents=True, exist_ok=True)
+        cli = self.reach(spec.placement.block)
+        cli.make_dir(str(workspace))
         me = psutil.Process()
         comment = json.dumps(
             {
@@ -284,7 +295,9 @@ class SlurmBackend:
             },
             separators=(",", ":"),
         )
-        job_id = slurm(["sbatch", "--parsable", *self._sbatch_args(spec, name, comment, workspace)])
+        job_id = cli.run(
+            ["sbatch", "--parsable", *self._sbatch_args(spec, name, comment, workspace)]
+        )
         job_id = job_id.strip().split(";")[0]
         cluster = Cluster(
             backend=self.name,
@@ -294,22 +307,24 @@ class SlurmBackend:
             workspace=str(workspace),
             nodes=spec.resources.nodes,
             capabilities=self.capabilities,
-            state=SlurmState(job_id=job_id, gres_type=kind).model_dump(),
+            state=SlurmState(
+                job_id=job_id, gres_type=kind, block=spec.placement.block
+            ).model_dump(),
             created_at=datetime.now(UTC),
         )
         return self._running(cluster, spec)
 
     def _running(self, cluster: Cluster, spec: JobSpec) -> Cluster:
         """Return `cluster` once its job runs, with its nodes and GPU indices."""
-        job = state_of(cluster, SlurmState).job_id
+        job, cli = state_of(cluster, SlurmState).job_id, self._cli(cluster)
         waited_from = time.monotonic()
         while True:
-            row = _live_row(job, "ended before it ran")
+            row = _live_row(cli, job, "ended before it ran")
             if row["state"] == "RUNNING":
                 break
             reason = row["reason"]
             if reason not in BUSY:
-                slurm(["scancel", job], check=False)
+                cli.run(["scancel", job], check=False)
                 raise ProvisionError(
                     f"Slurm cannot run this job: it waits with reason {reason}; the job was"
                     " cancelled"
@@ -323,7 +338,7 @@ class SlurmBackend:
                 needed = max(1, spec.resources.gpus) * spec.resources.nodes
                 late = waited > spec.placement.gpu_wait + SCHEDULER_CYCLES_S
                 if idle < needed or late:
-                    slurm(["scancel", job], check=False)
+                    cli.run(["scancel", job], check=False)
                     why = (
                         f"Slurm has not started it within {SCHEDULER_CYCLES_S:.0f} s though"
                         if idle >= needed
@@ -336,11 +351,11 @@ class SlurmBackend:
                 time.sleep(1.0)
                 continue
             time.sleep(0.2)
-        hosts = slurm(["scontrol", "show", "hostnames", row["nodes"]]).split()
-        indices = _gpu_indices(job)
+        hosts = cli.run(["scontrol", "show", "hostnames", row["nodes"]]).split()
+        indices = _gpu_indices(cli, job)
         # training meets on the first node, at its address, on a port of this job's own
         # (several jobs may share a node)
-        rendezvous = f"{_node_address(hosts[0])}:{20000 + int(job.split('_')[0]) % 20000}"
+        rendezvous = f"{_node_address(cli, hosts[0])}:{20000 + int(job.split('_')[0]) % 20000}"
         return cluster.model_copy(
             update={
                 "hostname": hosts[0],
@@ -358,9 +373,10 @@ class SlurmBackend:
         res = spec.resources
         kind = gres_type(res.gpu_product, _types(spec))
         wanted = f"{res.nodes} node(s) x {gres(res.gpus, kind)}"
-        table = parse_sinfo(slurm(["sinfo", "-h", "-N", "-o", SINFO_FORMAT], check=False))
+        cli = self.reach(spec.placement.block)
+        table = parse_sinfo(cli.run(["sinfo", "-h", "-N", "-o", SINFO_FORMAT], check=False))
         name = spec.placement.partition or next((r.partition for r in table if r.default), "")
-        listed = slurm(["sinfo", "-h", "-N", "-p", name, "-O", IDLE_FORMAT], check=False)
+        listed = cli.run(["sinfo", "-h", "-N", "-p", name, "-O", IDLE_FORMAT], check=False)
         idle = idle_gpus(listed).get(kind or "", 0) if kind else sum(idle_gpus(listed).values())
         each = f"gpu:{kind}" if kind else "GPUs"
         return idle, f"it waits for {wanted}; partition {name} has {idle} {each} idle now"
@@ -379,8 +395,8 @@ class SlurmBackend:
     ) -> JobResult:
         """Run the unit as a step of the run's job on its node, with its GPUs as gres; its
         variables reach the step through srun's environment (never its command line)."""
-        state = state_of(cluster, SlurmState)
-        hosts = _running_again(state.job_id, time.monotonic() + timeout_s)
+        state, cli = state_of(cluster, SlurmState), self._cli(cluster)
+        hosts = _running_again(cli, state.job_id, time.monotonic() + timeout_s)
         step = f"{cluster.name}.{unit.name}.{uuid.uuid4().hex[:8]}"
         count = cluster.gpus_per_node if unit.gpus is None else len(unit.gpus)
         argv = [
@@ -394,24 +410,16 @@ class SlurmBackend:
             f"--chdir={cluster.workspace}",
             "--kill-on-bad-exit=1",
             f"--gres={gres(count, state.gres_type)}" if count else "--gres=none",
-            *(_mpi_launch(unit, cluster, state) if unit.hostfile else []),
+            *(_mpi_launch(cli, unit, cluster, state) if unit.hostfile else []),
             *unit.command,
         ]
         child_env = {
-            **os.environ,
             **env,
             **unit.env,
             **unit_env(unit.node, cluster.nodes, cluster.workspace, None),
         }
         started = datetime.now(UTC)
-        proc = subprocess.Popen(
-            argv,
-            env=child_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        proc = cli.start(argv, child_env)
         tail: deque[str] = deque(maxlen=40)
 
         def line(stream: str, text: str) -> None:
@@ -420,7 +428,7 @@ class SlurmBackend:
 
         pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, line).start()
         end = follow_unit(
-            SlurmStep(proc, state.job_id, step), timeout_s, should_stop, grace_s, every_s=0.1
+            SlurmStep(cli, proc, state.job_id, step), timeout_s, should_stop, grace_s, every_s=0.1
         )
         pump.finish()
         return end.result(started, datetime.now(UTC), list(tail))
@@ -430,26 +438,25 @@ class SlurmBackend:
     def teardown(self, cluster: Cluster) -> TeardownReport:
         """Cancel the run's job (its steps with it), wait until squeue no longer holds it,
         remove the workspace. Never raises on "already gone"."""
-        job = state_of(cluster, SlurmState).job_id
-        row = _job_row(job)
+        job, cli = state_of(cluster, SlurmState).job_id, self._cli(cluster)
+        row = _job_row(cli, job)
         gone = row is None or row["state"] not in ACTIVE
         if not gone:
-            slurm(["scancel", job], check=False)
+            cli.run(["scancel", job], check=False)
             deadline = time.monotonic() + 60
-            while (row := _job_row(job)) and row["state"] in ACTIVE:
+            while (row := _job_row(cli, job)) and row["state"] in ACTIVE:
                 if time.monotonic() > deadline:
                     raise ProvisionError(
                         f"the Slurm job {job} was cancelled but is still {row['state']}"
                     )
                 time.sleep(0.2)
-        removed = Path(cluster.workspace).is_dir()
-        shutil.rmtree(cluster.workspace, ignore_errors=True)
+        removed = bool(cluster.workspace) and cli.remove_dir(cluster.workspace)
         return TeardownReport(name=cluster.name, already_gone=gone, removed_workspace=removed)
 
     def list_owned(self, selector: Mapping[str, str]) -> list[Cluster]:
         """Return the runs' allocations squeue holds whose owner labels include `selector`."""
         found = []
-        for row in _rows(["squeue", "-h", "-a", "-o", FIELDS]):
+        for row in _parse(self.reach().run(["squeue", "-h", "-a", "-o", FIELDS])):
             labels = row["comment"]
             if labels.get(OWNER_LABEL) != "gpuflow" or row["state"] not in ACTIVE:
                 continue
@@ -464,7 +471,7 @@ class SlurmBackend:
                     hostname="",
                     workspace=str(labels.get("workspace", "")),
                     capabilities=self.capabilities,
-                    state=SlurmState(job_id=row["id"]).model_dump(),
+                    state=SlurmState(job_id=row["id"], block=self.block).model_dump(),
                     created_at=_submitted(row["submitted"]),
                 )
             )
@@ -475,7 +482,7 @@ class SlurmBackend:
         gpuflow ran on this host and died (their run is marked Crashed); runs whose API is
         away are left as they are."""
         report = ReapReport(counts={"clusters": 0})
-        for row in _rows(["squeue", "-h", "-a", "-o", FIELDS]):
+        for row in _parse(self.reach().run(["squeue", "-h", "-a", "-o", FIELDS])):
             labels = row["comment"]
             if labels.get(OWNER_LABEL) != "gpuflow" or row["state"] not in ACTIVE:
                 continue
@@ -503,7 +510,7 @@ class SlurmBackend:
                 owner={},
                 hostname="",
                 workspace=str(labels.get("workspace", "")),
-                state=SlurmState(job_id=row["id"]).model_dump(),
+                state=SlurmState(job_id=row["id"], block=self.block).model_dump(),
                 created_at=datetime.now(UTC),
             )
             self.teardown(cluster)
@@ -513,18 +520,19 @@ class SlurmBackend:
 class SlurmStep:
     """A unit that is a job step, as follow_unit sees it: srun on this machine follows it."""
 
-    def __init__(self, proc: subprocess.Popen, job_id: str, name: str) -> None:
-        self.proc, self.job_id, self.name = proc, job_id, name
+    def __init__(self, cli: LocalClient, proc: subprocess.Popen, job_id: str, name: str) -> None:
+        self.cli, self.proc, self.job_id, self.name = cli, proc, job_id, name
 
     def poll(self) -> UnitEnd | None:
         code = self.proc.poll()
         if code is None:
             return None
-        end = _ended(code)
-        if end.exit_code != 0 and (why := _requeued(self.job_id)):
-            # preempted or its node lost: Slurm requeued the run's job, as a preemption
+        if why := _requeued(self.cli, self.job_id):
+            # preempted or its node lost: Slurm requeued the run's job, as a preemption.
+            # Asked whatever srun's code: srun that loses its step's node ("Node failure")
+            # exits 0 without the unit's code, even though the unit was stopped.
             return UnitEnd(exit_code=PREEMPTED_EXIT_CODE, tail=[why])
-        return end
+        return _ended(code)
 
     def wait(self, seconds: float) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -532,7 +540,7 @@ class SlurmStep:
 
     def _step_id(self) -> str | None:
         for _ in range(50):  # srun names its step once slurmctld made it
-            for line in slurm(
+            for line in self.cli.run(
                 ["squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j"], check=False
             ).splitlines():
                 step, _, name = line.partition(" ")
@@ -547,26 +555,26 @@ class SlurmStep:
         step = self._step_id()
         if step is None:
             return self.poll()
-        slurm(["scancel", "--signal=TERM", step], check=False)
+        self.cli.run(["scancel", "--signal=TERM", step], check=False)
         with contextlib.suppress(subprocess.TimeoutExpired):
             return _ended(self.proc.wait(timeout=grace_s))
-        slurm(["scancel", step], check=False)
+        self.cli.run(["scancel", step], check=False)
         return None
 
     def interrupt(self, grace_s: float) -> None:
         step = self._step_id()
         if step is not None:
-            slurm(["scancel", "--signal=TERM", step], check=False)
+            self.cli.run(["scancel", "--signal=TERM", step], check=False)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=grace_s)
                 return
-            slurm(["scancel", step], check=False)
+            self.cli.run(["scancel", step], check=False)
 
     def unconfirmed(self) -> UnitEnd:
         return UnitEnd(signal=9)
 
 
-def _mpi_launch(unit: WorkUnit, cluster: Cluster, state: SlurmState) -> list[str]:
+def _mpi_launch(cli: LocalClient, unit: WorkUnit, cluster: Cluster, state: SlurmState) -> list[str]:
     """Return the words that start an MPI launcher unit's mpirun in the job, not in its own
     step: Open MPI inside a Slurm step starts its daemons with srun, which reads the
     allocation from the step's variables (one node, one task). This sets them to the hosts
@@ -575,7 +583,7 @@ def _mpi_launch(unit: WorkUnit, cluster: Cluster, state: SlurmState) -> list[str
     lines = [line.split() for line in (unit.hostfile or "").splitlines() if line.strip()]
     hosts = [words[0] for words in lines]
     slots = [next((w[6:] for w in words if w.startswith("slots=")), "1") for words in lines]
-    nodes = slurm(["scontrol", "show", "hostlist", ",".join(hosts)]).strip()
+    nodes = cli.run(["scontrol", "show", "hostlist", ",".join(hosts)]).strip()
     count = cluster.gpus_per_node
     step_only = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_NODES",
                  "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE")  # fmt: skip
@@ -592,11 +600,11 @@ def _mpi_launch(unit: WorkUnit, cluster: Cluster, state: SlurmState) -> list[str
     ]
 
 
-def _sinfo() -> str:
+def _sinfo(cli: LocalClient) -> str:
     """Return sinfo's rows of every node (SINFO_FORMAT); InvalidSpec when the Slurm client
     here has no cluster to ask (no slurm.conf, no configless DNS record)."""
     try:
-        return slurm(["sinfo", "-h", "-N", "-o", SINFO_FORMAT])
+        return cli.run(["sinfo", "-h", "-N", "-o", SINFO_FORMAT])
     except ProvisionError as exc:
         if "configuration source" not in str(exc):
             raise
@@ -607,14 +615,14 @@ def _sinfo() -> str:
         ) from None
 
 
-def _requeued(job_id: str) -> str | None:
+def _requeued(cli: LocalClient, job_id: str) -> str | None:
     """Return why the run's job was taken back (preempted, its node lost) when Slurm
     requeued it; None while it still runs as it did."""
     for _ in range(50):  # a job being requeued passes through COMPLETING for a moment
-        row = _job_row(job_id)
+        row = _job_row(cli, job_id)
         if row is None:
             return None
-        if row["state"] in REQUEUED or (row["state"] == "RUNNING" and _preempting(job_id)):
+        if row["state"] in REQUEUED or (row["state"] == "RUNNING" and _preempting(cli, job_id)):
             return f"the Slurm job {job_id} was preempted or lost a node, and is requeued"
         if row["state"] == "RUNNING":
             return None
@@ -622,31 +630,31 @@ def _requeued(job_id: str) -> str | None:
     return None
 
 
-def _preempting(job_id: str) -> bool:
+def _preempting(cli: LocalClient, job_id: str) -> bool:
     """Return True while Slurm preempts the job (its grace time before the requeue)."""
-    shown = slurm(["scontrol", "show", "job", job_id], check=False)
+    shown = cli.run(["scontrol", "show", "job", job_id], check=False)
     return bool(re.search(r"\bPreemptTime=(?!None)", shown))
 
 
-def _live_row(job_id: str, ended: str) -> dict[str, Any]:
+def _live_row(cli: LocalClient, job_id: str, ended: str) -> dict[str, Any]:
     """Return squeue's row of the run's job while it holds (or waits for) its allocation;
     ProvisionError saying it `ended` once it no longer does."""
-    row = _job_row(job_id)
+    row = _job_row(cli, job_id)
     if row is None or row["state"] not in ACTIVE:
         state = row["state"] if row else "gone from squeue"
         raise ProvisionError(f"the Slurm job {job_id} holding this run's nodes {ended} ({state})")
     return row
 
 
-def _running_again(job_id: str, deadline: float) -> list[str]:
+def _running_again(cli: LocalClient, job_id: str, deadline: float) -> list[str]:
     """Return the run's nodes once its job runs: a job Slurm requeued (preempted, a node
     lost) starts again when Slurm says (after its requeue delay, BeginTime, so that the job
     that took the GPUs starts first) and is waited for until `deadline` (time.monotonic()).
     ProvisionError when it cannot run any more."""
     while True:
-        row = _live_row(job_id, "has ended; a retry provisions again")
-        if row["state"] == "RUNNING" and not _preempting(job_id):
-            return slurm(["scontrol", "show", "hostnames", row["nodes"]]).split()
+        row = _live_row(cli, job_id, "has ended; a retry provisions again")
+        if row["state"] == "RUNNING" and not _preempting(cli, job_id):
+            return cli.run(["scontrol", "show", "hostnames", row["nodes"]]).split()
         if row["state"] == "PENDING" and row["reason"] not in BUSY:
             raise ProvisionError(
                 f"the Slurm job {job_id} holding this run's nodes waits with reason"
@@ -685,14 +693,9 @@ def _parse(text: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _rows(argv: list[str]) -> list[dict[str, Any]]:
-    return _parse(slurm(argv))
-
-
-def _job_row(job_id: str) -> dict[str, Any] | None:
+def _job_row(cli: LocalClient, job_id: str) -> dict[str, Any] | None:
     """Return squeue's row of a job, None once Slurm no longer knows it."""
-    argv = ["squeue", "-h", "-j", job_id, "-o", FIELDS]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    out = cli.answer(["squeue", "-h", "-j", job_id, "-o", FIELDS])
     if out.returncode != 0:
         if "Invalid job id" in out.stderr:
             return None
@@ -701,9 +704,9 @@ def _job_row(job_id: str) -> dict[str, Any] | None:
     return rows[0] if rows else None
 
 
-def _gpu_indices(job_id: str) -> list[int]:
+def _gpu_indices(cli: LocalClient, job_id: str) -> list[int]:
     """Return the GPU indices the job holds on its first node (`scontrol show job -d`)."""
-    detail = slurm(["scontrol", "show", "job", "-d", job_id])
+    detail = cli.run(["scontrol", "show", "job", "-d", job_id])
     for line in detail.splitlines():
         if "GRES=" in line and "(IDX:" in line:
             spans = line.split("(IDX:", 1)[1].split(")", 1)[0]
@@ -718,9 +721,10 @@ def _gpu_indices(job_id: str) -> list[int]:
 def _block(spec: JobSpec) -> Any:
     """Return the SlurmCluster block placement.block names, None without one; InvalidSpec
     when there is no such block."""
-    name = spec.placement.block
-    if name is None:
-        return None
+    return _load(spec.placement.block) if spec.placement.block else None
+
+
+def _load(name: str) -> Any:
     from blocks.slurm_cluster import SlurmCluster
 
     try:
@@ -732,14 +736,40 @@ def _block(spec: JobSpec) -> Any:
         ) from None
 
 
+def _reach(cluster: Any) -> LocalClient:
+    """Return how commands reach the cluster a SlurmCluster block describes: its login node
+    over SSH (the key read from the Secret block it names), else the Slurm client here."""
+    if cluster is None or not cluster.login_host:
+        return HERE
+    key = None
+    if cluster.ssh_key:
+        from prefect.blocks.system import Secret
+
+        try:
+            key = Secret.load(cluster.ssh_key).get()
+        except ValueError:
+            raise InvalidSpec(
+                f"ssh_key: there is no Secret block named {cluster.ssh_key!r}; save the login"
+                f" node's private key with Secret(value=...).save({cluster.ssh_key!r})."
+            ) from None
+    return LoginNode(
+        cluster.login_host,
+        cluster.login_user,
+        cluster.login_port,
+        key=key,
+        known_hosts=cluster.known_hosts,
+        key_name=cluster.ssh_key,
+    )
+
+
 def _types(spec: JobSpec) -> Mapping[str, str] | None:
     cluster = _block(spec)
     return cluster.gres_types if cluster is not None else None
 
 
-def _node_address(node: str) -> str:
+def _node_address(cli: LocalClient, node: str) -> str:
     """Return the address the node's slurmd has (NodeAddr), which other nodes reach."""
-    shown = slurm(["scontrol", "show", "node", node])
+    shown = cli.run(["scontrol", "show", "node", node])
     found = re.search(r"\bNodeAddr=(\S+)", shown)
     return found.group(1) if found else node
 

@@ -1,18 +1,25 @@
-"""How gpuflow's Slurm commands reach the cluster: the Slurm client on this machine, with
-the SLURM_CONF it is given (or the client's own default). Every failure is named with the
-command and what Slurm said, never a traceback."""
+"""How gpuflow's Slurm commands reach the cluster: the Slurm client on this machine (with
+the SLURM_CONF it is given, or the client's own default), or a login node over SSH (a key,
+a known host key, nothing asked interactively). Every failure is named with the command
+and what Slurm (or ssh) said, never a traceback."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shlex
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 
 from tasks.errors import InvalidSpec, ProvisionError
 
 # Every Slurm command gpuflow runs answers within this (slurmctld down: it says so sooner).
 TIMEOUT_S = 60.0
+# ssh's own failures exit with this; the remote command's codes pass through
+SSH_FAILED = 255
 
 
 def check_client() -> None:
@@ -21,8 +28,8 @@ def check_client() -> None:
     if shutil.which("sbatch") is None or shutil.which("squeue") is None:
         raise InvalidSpec(
             "placement.backend: slurm needs the Slurm client (sbatch, srun, squeue, scancel) on"
-            " this machine, and it has none; install slurm-client, or run gpuflow on the"
-            " cluster's login node."
+            " this machine, and it has none; install slurm-client, run gpuflow on the"
+            " cluster's login node, or give the SlurmCluster block a login_host."
         )
     conf = os.environ.get("SLURM_CONF")
     if conf and not os.path.isfile(conf):
@@ -32,16 +39,187 @@ def check_client() -> None:
         )
 
 
-def slurm(argv: list[str], env: Mapping[str, str] | None = None, check: bool = True) -> str:
-    """Return what a Slurm command printed; with `check`, ProvisionError naming the command
-    and Slurm's own words when it fails or does not answer."""
-    try:
-        done = subprocess.run(
+def said(stderr: str) -> str:
+    """Return Slurm's error lines as one sentence, without the program's prefix."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    text = "; ".join(line.split("error: ", 1)[-1] for line in lines[-3:])
+    return text or "no message"
+
+
+class LocalClient:
+    """The Slurm client on this machine."""
+
+    where = "the Slurm client here"
+    remote = False
+
+    def describe(self) -> str:
+        conf = os.environ.get("SLURM_CONF")
+        return f"{self.where}, " + (f"SLURM_CONF={conf}" if conf else "with its own configuration")
+
+    def check(self) -> None:
+        check_client()
+
+    def answer(self, argv: list[str]) -> subprocess.CompletedProcess:
+        """Run a Slurm command; return how it ended (ProvisionError when it did not)."""
+        return _ran(argv, argv)
+
+    def run(self, argv: list[str], check: bool = True) -> str:
+        """Return what a Slurm command printed; with `check`, ProvisionError naming the
+        command and Slurm's own words when it fails or does not answer."""
+        done = self.answer(argv)
+        if check and done.returncode != 0:
+            raise ProvisionError(f"`{argv[0]}` failed: {said(done.stderr)}")
+        return done.stdout
+
+    def start(self, argv: list[str], env: Mapping[str, str]) -> subprocess.Popen:
+        """Start a Slurm command (srun) with `env` added to this process's environment."""
+        return subprocess.Popen(
             argv,
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def make_dir(self, path: str) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+    def remove_dir(self, path: str) -> bool:
+        """Remove a folder and what it holds; return True when it was there."""
+        there = Path(path).is_dir()
+        shutil.rmtree(path, ignore_errors=True)
+        return there
+
+
+class LoginNode(LocalClient):
+    """The cluster's login node over SSH: key-only (BatchMode), the host's key checked
+    against known_hosts (StrictHostKeyChecking), one connection shared by the commands of a
+    run (ControlMaster, closed after ControlPersist idle seconds)."""
+
+    remote = True
+
+    def __init__(
+        self,
+        host: str,
+        user: str,
+        port: int = 22,
+        key: str | None = None,
+        known_hosts: str | None = None,
+        key_name: str | None = None,
+    ) -> None:
+        self.host, self.user, self.port, self.key_name = host, user, port, key_name
+        self.where = f"the login node {user}@{host}:{port} over SSH"
+        self._dir = tempfile.mkdtemp(prefix="gpuflow-ssh-")  # 0700: the key stays private
+        atexit.register(shutil.rmtree, self._dir, True)
+        self._options = [
+            "-p", str(port),
+            "-o", "BatchMode=yes",
+            "-o", "StrictHostKeyChecking=yes",
+            "-o", "ConnectTimeout=15",
+            "-o", "ControlMaster=auto",
+            "-o", f"ControlPath={self._dir}/master",
+            "-o", "ControlPersist=30",
+            "-o", "LogLevel=ERROR",
+        ]  # fmt: skip
+        if key:
+            key_file = Path(self._dir) / "key"
+            key_file.touch(mode=0o600)
+            key_file.write_text(key if key.endswith("\n") else key + "\n")
+            self._options += ["-i", str(key_file), "-o", "IdentitiesOnly=yes"]
+        if known_hosts:
+            hosts_file = Path(self._dir) / "known_hosts"
+            hosts_file.write_text(known_hosts if known_hosts.endswith("\n") else known_hosts + "\n")
+            self._options += ["-o", f"UserKnownHostsFile={hosts_file}"]
+
+    def describe(self) -> str:
+        return self.where
+
+    def _ssh(self, remote: str) -> list[str]:
+        return ["ssh", *self._options, f"{self.user}@{self.host}", remote]
+
+    def check(self) -> None:
+        """Raise InvalidSpec when the login node cannot be reached as configured (refused
+        key, unknown or changed host key, no answer) or has no Slurm client."""
+        if shutil.which("ssh") is None:
+            raise InvalidSpec(
+                "login_host: reaching the Slurm cluster over SSH needs ssh on this machine;"
+                " install openssh-client."
+            )
+        done = _ran(["ssh"], self._ssh("command -v sbatch squeue srun scancel"))
+        if done.returncode == SSH_FAILED:
+            raise InvalidSpec(self._ssh_failure(done.stderr))
+        if done.returncode != 0:
+            raise InvalidSpec(
+                f"login_host: {self.where} has no Slurm client (sbatch, srun, squeue, scancel"
+                " on its PATH); name the cluster's login node."
+            )
+
+    def _ssh_failure(self, stderr: str) -> str:
+        """Return what went wrong reaching the login node, in one sentence with its fix."""
+        text = stderr.replace("\r", "")
+        host = f"{self.host}:{self.port}"
+        if "IDENTIFICATION HAS CHANGED" in text or ("key for" in text and "differs" in text):
+            return (
+                f"known_hosts: the login node {host} shows a host key other than the one"
+                " known_hosts has for it (a changed host, or someone between); check the"
+                " host's key with its administrators and update known_hosts."
+            )
+        if "Host key verification failed" in text or ("No " in text and "host key" in text):
+            return (
+                f"known_hosts: no host key is known for the login node {host}; put its line"
+                f" (`ssh-keyscan -p {self.port} {self.host}`, checked) in the block's"
+                " known_hosts."
+            )
+        if "Permission denied" in text:
+            key = f"the key of Secret block {self.key_name!r}" if self.key_name else "the key"
+            return (
+                f"ssh_key: the login node {host} refuses {key} for user {self.user}; add its"
+                f" public key to ~{self.user}/.ssh/authorized_keys there, or name the right key."
+            )
+        return f"login_host: cannot reach the login node {host} over SSH: {said(text)}."
+
+    def answer(self, argv: list[str]) -> subprocess.CompletedProcess:
+        done = _ran(argv, self._ssh(shlex.join(argv)))
+        if done.returncode == SSH_FAILED:
+            raise ProvisionError(self._ssh_failure(done.stderr))
+        return done
+
+    def start(self, argv: list[str], env: Mapping[str, str]) -> subprocess.Popen:
+        """Start a Slurm command on the login node; its variables go through ssh's standard
+        input (read by the remote shell before it starts the command), never its command
+        line, where the login node's other users would see them."""
+        remote = f". /dev/stdin; exec {shlex.join(argv)}"
+        proc = subprocess.Popen(
+            self._ssh(remote),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.PIPE,
+            start_new_session=True,
+        )
+        assert proc.stdin is not None
+        script = "".join(f"export {name}={shlex.quote(value)}\n" for name, value in env.items())
+        proc.stdin.write(script.encode())
+        proc.stdin.close()
+        return proc
+
+    def make_dir(self, path: str) -> None:
+        self.run(["mkdir", "-p", "--", path])
+
+    def remove_dir(self, path: str) -> bool:
+        done = self.answer(["sh", "-c", 'test -d "$1" && rm -rf -- "$1"', "rm", path])
+        return done.returncode == 0
+
+
+def _ran(argv: list[str], command: list[str]) -> subprocess.CompletedProcess:
+    """Run `command` (which runs `argv` here or on the login node) and return how it ended;
+    ProvisionError when it did not answer or could not start."""
+    try:
+        return subprocess.run(
+            command,
             capture_output=True,
             text=True,
             timeout=TIMEOUT_S,
-            env={**os.environ, **env} if env else None,
             stdin=subprocess.DEVNULL,
             check=False,
         )
@@ -52,13 +230,6 @@ def slurm(argv: list[str], env: Mapping[str, str] | None = None, check: bool = T
         ) from None
     except OSError as exc:
         raise ProvisionError(f"`{argv[0]}` could not be started: {exc.strerror}") from None
-    if check and done.returncode != 0:
-        raise ProvisionError(f"`{argv[0]}` failed: {said(done.stderr)}")
-    return done.stdout
 
 
-def said(stderr: str) -> str:
-    """Return Slurm's error lines as one sentence, without the program's prefix."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    text = "; ".join(line.split("error: ", 1)[-1] for line in lines[-3:])
-    return text or "no message"
+HERE = LocalClient()
