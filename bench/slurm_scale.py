@@ -74,24 +74,30 @@ def through_gpuflow(units: int, seconds: float, workspaces: Path) -> tuple[float
         }
     )
 
-    def one(_: int) -> bool:
+    def one(_: int) -> str | None:
+        """Run one job; return why it failed, None when it completed."""
         with heartbeats_sent_by_gpuflow():  # as `gpuflow run` runs a flow
-            return gpu_pipeline(spec, return_state=True).is_completed()
+            state = gpu_pipeline(spec, return_state=True)
+        return None if state.is_completed() else state.message
 
     seen: set[str] = set()
 
     def all_started() -> bool:
         seen.update(name for name in squeue("-s", "-o", "%j") if ".main." in name)
+        if any(f.done() and f.result() for f in runs):
+            raise SystemExit(
+                f"a run failed: {next(f.result() for f in runs if f.done() and f.result())}"
+            )
         return len(seen) >= units
 
     start = time.monotonic()
     with ThreadPoolExecutor(max_workers=units) as pool:
-        done = pool.map(one, range(units))
+        runs = [pool.submit(one, i) for i in range(units)]
         running = until(all_started)
-        completed = sum(done)
+        failed = [f.result() for f in runs if f.result()]
     ended = time.monotonic()
-    if completed != units:
-        raise SystemExit(f"only {completed} of {units} runs completed")
+    if failed:
+        raise SystemExit(f"{len(failed)} of {units} runs failed: {failed[0]}")
     return running - start, ended - start
 
 

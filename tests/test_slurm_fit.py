@@ -106,3 +106,35 @@ def test_idle_gpus_count_what_up_nodes_have_free():
         "l1   gpu:l4:2     gpu:l4:0(IDX:N/A)     idle~\n"
     )
     assert idle_gpus(rows) == {"h100": 6, "l4": 2}
+
+
+@pytest.mark.parametrize(
+    ("reason", "said"),
+    [
+        (
+            "ReqNodeNotAvail, UnavailableNodes:g[1-2]",
+            "nodes it needs are down, drained or reserved (UnavailableNodes:g[1-2]); wait for",
+        ),
+        (
+            "PartitionNodeLimit",
+            "partition gpu allows fewer nodes per job than the 2 node(s) x gpu:h100:4 asked"
+            " for; lower resources.nodes or use another partition",
+        ),
+        ("PartitionTimeLimit", "partition gpu allows less time than the allocation asks"),
+        ("PartitionDown", "partition gpu is down; wait until its administrators bring it up"),
+        (
+            "QOSMaxGRESPerUser",
+            "the QOS allows you fewer GPUs than 2 node(s) x gpu:h100:4 while your other jobs",
+        ),
+        ("AssocGrpGRES", "your account's GPU limit is used up by its running jobs;"),
+        ("BadConstraints", "no node has the features and resources asked for"),
+        ("InvalidAccount", "set the SlurmCluster block's account to one of yours"),
+        ("InvalidQOS", "set the SlurmCluster block's qos to one it has"),
+        ("SomethingNew", "Slurm holds the job with reason SomethingNew"),
+    ],
+)
+def test_each_pending_reason_that_waiting_will_not_clear_is_said_with_its_fix(reason, said):
+    from tasks.backends.slurm.fit import pending_reason
+
+    request = Request(partition="gpu", nodes=2, gpus=4, gres_type="h100", minutes=30)
+    assert said in pending_reason(reason, request, "gpu")

@@ -414,27 +414,74 @@ def test_render_chunks_spread_over_both_nodes_and_upload_their_frames(
     assert rerun.result().metrics.job["frames_skipped"] == 8
 
 
-def test_training_on_two_nodes_meets_at_the_first_nodes_address(slurm, prefect_api, s3_server):
+@pytest.mark.timeout(420)
+def test_training_on_two_nodes_preempted_part_way_resumes_to_the_weights_of_a_straight_run(
+    slurm, prefect_api, s3_server, tmp_path
+):
     """resources.nodes: 2 is one torchrun per node, each a step of the run's job, meeting
-    at the first node's NodeAddr on a port of the job's own (two ranks, gloo on CPU)."""
+    at the first node's NodeAddr on a port of the job's own (two ranks, gloo on CPU). The
+    same training with a job of the urgent partition taking both nodes part-way: the ranks
+    checkpoint in the grace, Slurm requeues the job, the run resumes from the checkpoint
+    and ends with the straight run's weights, bitwise."""
+    import io
+    import json
+
+    import torch
+
     from flows.datasets import prepare_dataset
     from flows.train import train
+    from tasks.storage import S3Store
     from tests.conftest import save_aws_block
     from tests.e2e.test_training import train_spec
 
     save_aws_block(s3_server, "gpuflow-test-aws")
     dataset = s3_server.url("datasets/slurm-two")
     prepare_dataset("synthetic:classify?samples=128", dataset, "40KB", "gpuflow-test-aws")
-    raw = train_spec(dataset, s3_server.url("runs/slurm-two"), max_steps=10, cpu_processes=1)
-    raw["storage"] = {"aws_credentials": "gpuflow-test-aws"}
-    raw["resources"] = {"gpus": 1, "gpu_product": "H100", "nodes": 2}
-    raw["placement"] = {"backend": "slurm"}
-    raw["limits"] = {"max_duration": "10m"}
-    state = train(load_spec(raw), return_state=True)
-    assert state.is_completed(), state.message
-    result = state.result()
-    assert result.metrics.job["world_size"] == 2 and result.metrics.job["steps"] == 10
+
+    def spec_to(name: str) -> dict:
+        raw = train_spec(dataset, s3_server.url(f"runs/{name}"), max_steps=30, cpu_processes=1)
+        raw["storage"] = {"aws_credentials": "gpuflow-test-aws"}
+        raw["resources"] = {"gpus": 1, "gpu_product": "H100", "nodes": 2}
+        raw["placement"] = {"backend": "slurm", "workspace_root": str(tmp_path / name)}
+        raw["limits"] = {"max_duration": "10m"}
+        return raw
+
+    straight = train(load_spec(spec_to("straight")), return_state=True)
+    assert straight.is_completed(), straight.message
+    result = straight.result()
+    assert result.metrics.job["world_size"] == 2 and result.metrics.job["steps"] == 30
     assert result.cluster.rendezvous.startswith("127.0.0.1:")
+
+    done: dict = {}
+    flow = threading.Thread(
+        target=lambda: done.update(state=train(load_spec(spec_to("taken")), return_state=True))
+    )
+    flow.start()
+    stopped_at = None
+    until = time.monotonic() + 180
+    while stopped_at is None:  # preempt once the run has passed a checkpoint (step 5)
+        assert flow.is_alive() and time.monotonic() < until, "training never reached step 8"
+        for metrics in (tmp_path / "taken").glob("*/outputs/train_metrics.jsonl"):
+            lines = metrics.read_text().splitlines()
+            if len(lines) >= 8:
+                stopped_at = json.loads(lines[-1])["step"]
+        time.sleep(0.05)
+    take_by_urgent_job("g1")
+    flow.join(timeout=300)
+    assert not flow.is_alive(), "the run did not end"
+    resumed = done["state"]
+    assert resumed.is_completed(), resumed.message
+    assert stopped_at < 30
+    logs = "\n".join(logs_of(resumed.state_details.flow_run_id))
+    assert "resumed from checkpoint step" in logs, logs
+    store = S3Store(s3_server.settings())
+
+    def weights(state) -> dict:
+        url = state.result().metrics.job["weights"]
+        return torch.load(io.BytesIO(store.read_bytes(url)), weights_only=True)
+
+    a, b = weights(straight), weights(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert gpuflow_jobs() == []
 
 
@@ -638,4 +685,26 @@ def test_a_refused_key_or_a_changed_host_key_is_one_sentence_and_nothing_is_subm
     with pytest.raises(InvalidSpec) as refused:
         check_spec(load_spec(raw))
     assert said in str(refused.value) and "\n" not in str(refused.value)
+    assert gpuflow_jobs() == []
+
+
+def test_a_job_slurm_will_not_start_is_cancelled_with_the_reason_and_its_fix(
+    slurm, prefect_api, gpuflow_home, tmp_path
+):
+    """Partition l4 set DOWN by an administrator: the allocation pends with reason
+    PartitionDown, which no wait clears; the run fails with that in words, its job
+    cancelled, nothing left."""
+    raw = spec(tmp_path, ["true"], resources={"gpus": 2, "gpu_product": "L4", "nodes": 1})
+    raw["placement"]["partition"] = "l4"
+    subprocess.run(["scontrol", "update", "partitionname=l4", "state=down"], check=True)
+    try:
+        state = gpu_pipeline(load_spec(raw), return_state=True)
+    finally:
+        subprocess.run(["scontrol", "update", "partitionname=l4", "state=up"], check=True)
+    assert state.is_failed()
+    assert (
+        "Slurm cannot start this job: partition l4 is down; wait until its administrators bring"
+        " it up, or use another partition (placement.partition); the job was cancelled"
+    ) in state.message
+    assert "Traceback" not in state.message
     assert gpuflow_jobs() == []

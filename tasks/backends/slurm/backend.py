@@ -18,6 +18,7 @@ import json
 import re
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections import deque
@@ -37,6 +38,7 @@ from tasks.backends.slurm.fit import (
     Request,
     idle_gpus,
     parse_sinfo,
+    pending_reason,
     refusal,
 )
 from tasks.contract import (
@@ -325,10 +327,9 @@ class SlurmBackend:
             reason = row["reason"]
             if reason not in BUSY:
                 cli.run(["scancel", job], check=False)
-                raise ProvisionError(
-                    f"Slurm cannot run this job: it waits with reason {reason}; the job was"
-                    " cancelled"
-                )
+                partition = spec.placement.partition or "(the default)"
+                said = pending_reason(reason, self._request(spec), partition)
+                raise ProvisionError(f"Slurm cannot start this job: {said}; the job was cancelled")
             waited = time.monotonic() - waited_from
             if waited > spec.placement.gpu_wait:
                 # Busy GPUs past gpu_wait: capacity. GPUs idle enough for the job: the
@@ -693,15 +694,43 @@ def _parse(text: str) -> list[dict[str, Any]]:
     return rows
 
 
+class JobTable:
+    """squeue's rows of the user's jobs on one cluster, shared by every thread of this
+    process: a caller gets rows squeue gave after it asked, and one squeue answers every
+    caller that asked while the one before it ran. Many runs waiting on their jobs cost a
+    squeue per poll, not one each (64 runs polling on their own kept slurmctld and the
+    machine's cores busy answering them)."""
+
+    def __init__(self, cli: LocalClient) -> None:
+        self.cli = cli
+        self._lock = threading.Lock()
+        self._taken = float("-inf")  # when the squeue behind `_rows` started
+        self._rows: dict[str, dict[str, Any]] = {}
+
+    def row(self, job_id: str) -> dict[str, Any] | None:
+        """Return the job's row, None once Slurm no longer knows it."""
+        asked = time.monotonic()
+        with self._lock:
+            if self._taken < asked:
+                started = time.monotonic()
+                out = self.cli.answer(["squeue", "-h", "--me", "-a", "-t", "all", "-o", FIELDS])
+                if out.returncode != 0:
+                    raise ProvisionError(f"`squeue` failed: {said(out.stderr)}")
+                self._rows = {row["id"]: row for row in _parse(out.stdout)}
+                self._taken = started
+            return self._rows.get(job_id)
+
+
+_TABLES: dict[int, JobTable] = {}
+_TABLES_LOCK = threading.Lock()
+
+
 def _job_row(cli: LocalClient, job_id: str) -> dict[str, Any] | None:
-    """Return squeue's row of a job, None once Slurm no longer knows it."""
-    out = cli.answer(["squeue", "-h", "-j", job_id, "-o", FIELDS])
-    if out.returncode != 0:
-        if "Invalid job id" in out.stderr:
-            return None
-        raise ProvisionError(f"`squeue` failed: {said(out.stderr)}")
-    rows = _parse(out.stdout)
-    return rows[0] if rows else None
+    """Return squeue's row of a job (read after this call began), None once Slurm no longer
+    knows it."""
+    with _TABLES_LOCK:
+        table = _TABLES.setdefault(id(cli), JobTable(cli))
+    return table.row(job_id)
 
 
 def _gpu_indices(cli: LocalClient, job_id: str) -> list[int]:
@@ -736,6 +765,11 @@ def _load(name: str) -> Any:
         ) from None
 
 
+_LOGIN_NODES: dict[
+    tuple, LoginNode
+] = {}  # one per login node and key: its SSH connection serves every run
+
+
 def _reach(cluster: Any) -> LocalClient:
     """Return how commands reach the cluster a SlurmCluster block describes: its login node
     over SSH (the key read from the Secret block it names), else the Slurm client here."""
@@ -752,14 +786,13 @@ def _reach(cluster: Any) -> LocalClient:
                 f"ssh_key: there is no Secret block named {cluster.ssh_key!r}; save the login"
                 f" node's private key with Secret(value=...).save({cluster.ssh_key!r})."
             ) from None
-    return LoginNode(
-        cluster.login_host,
-        cluster.login_user,
-        cluster.login_port,
-        key=key,
-        known_hosts=cluster.known_hosts,
-        key_name=cluster.ssh_key,
-    )
+    settings = (cluster.login_host, cluster.login_user, cluster.login_port, key)
+    with _TABLES_LOCK:
+        found = _LOGIN_NODES.get((*settings, cluster.known_hosts, cluster.ssh_key))
+        if found is None:
+            found = LoginNode(*settings, known_hosts=cluster.known_hosts, key_name=cluster.ssh_key)
+            _LOGIN_NODES[(*settings, cluster.known_hosts, cluster.ssh_key)] = found
+    return found
 
 
 def _types(spec: JobSpec) -> Mapping[str, str] | None:

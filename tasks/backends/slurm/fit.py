@@ -152,3 +152,48 @@ def _too_many_nodes(request: Request, partition: str, have: int, each: str) -> s
         f"resources.nodes: the job needs {request.nodes} nodes{each}; partition {partition}"
         f" has {have}; lower resources.nodes or use another partition."
     )
+
+
+# squeue's pending reasons that no waiting will clear, each in a user's words with its fix;
+# `{want}` is the allocation asked for, `{partition}` its partition
+PENDING_REASONS = {
+    "ReqNodeNotAvail": "nodes it needs are down, drained or reserved ({detail}); wait for the"
+    " cluster's administrators, or ask for another partition (placement.partition)",
+    "PartitionNodeLimit": "partition {partition} allows fewer nodes per job than the"
+    " {want} asked for; lower resources.nodes or use another partition",
+    "PartitionTimeLimit": "partition {partition} allows less time than the allocation asks"
+    " (limits.max_duration with its grace); lower limits.max_duration or use another"
+    " partition",
+    "PartitionDown": "partition {partition} is down; wait until its administrators bring it"
+    " up, or use another partition (placement.partition)",
+    "PartitionInactive": "partition {partition} is inactive and starts no jobs; use another"
+    " partition (placement.partition)",
+    "QOSMaxGRESPerUser": "the QOS allows you fewer GPUs than {want} while your other jobs"
+    " hold theirs; lower resources.gpus or resources.nodes, or wait for your jobs to end",
+    "QOSMaxGRESPerJob": "the QOS allows one job fewer GPUs than {want}; lower resources.gpus"
+    " or resources.nodes, or use a QOS that allows more",
+    "AssocGrpGRES": "your account's GPU limit is used up by its running jobs; wait for them,"
+    " or use another account (the SlurmCluster block's account)",
+    "AssocMaxJobsLimit": "your account runs as many jobs as it may; wait for some to end",
+    "BadConstraints": "no node has the features and resources asked for ({want} with the"
+    " block's sbatch_options); remove the constraint or lower resources.gpus",
+    "InvalidAccount": "the account is not one you may use here; set the SlurmCluster"
+    " block's account to one of yours (`sacctmgr show assoc user=$USER`)",
+    "InvalidQOS": "the QOS is not one your account may use; set the SlurmCluster block's"
+    " qos to one it has (`sacctmgr show assoc user=$USER format=qos`)",
+    "JobHeldAdmin": "an administrator holds the job; ask them to release it",
+    "JobHeldUser": "the job is held (scontrol hold); release it with scontrol release",
+}
+
+
+def pending_reason(reason: str, request: Request, partition: str) -> str:
+    """Return why the job cannot start, from squeue's pending reason, as one sentence with
+    its fix (any reason not known here is given in Slurm's words)."""
+    name, _, detail = reason.partition(",")
+    want = f"{request.nodes} node(s) x " + (
+        f"gpu:{request.gres_type}:{request.gpus}" if request.gres_type else f"{request.gpus} GPUs"
+    )
+    said = PENDING_REASONS.get(name.strip())
+    if said is None:
+        return f"Slurm holds the job with reason {reason}"
+    return said.format(want=want, partition=partition, detail=detail.strip() or "no detail")
