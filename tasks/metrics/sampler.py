@@ -175,3 +175,34 @@ def read_samples(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return samples
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Sample this node's GPUs into a file until SIGTERM (or SIGINT), then write the last
+    sample and exit 0: `python -m tasks.metrics.sampler --out F --gpus 0,1 [--interval S]
+    [--host NAME]`. A backend starts it on each node that runs a unit (Slurm: a step beside
+    the unit's)."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser(prog="python -m tasks.metrics.sampler")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--gpus", default="", help="GPU indices, comma-separated")
+    parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--host", default=None, help="the node's name in the samples")
+    args = parser.parse_args(argv)
+    indices = [int(i) for i in args.gpus.split(",") if i.strip()]
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    sampler = Sampler(args.out, indices, args.interval)
+    if args.host:
+        sampler.hostname = args.host
+    with sampler:
+        print("sampling", flush=True)  # the backend waits for this line: sampling has begun
+        stop.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -708,3 +708,31 @@ def test_a_job_slurm_will_not_start_is_cancelled_with_the_reason_and_its_fix(
     ) in state.message
     assert "Traceback" not in state.message
     assert gpuflow_jobs() == []
+
+
+def test_the_gpus_of_a_units_node_are_sampled_on_that_node(
+    slurm, prefect_api, gpuflow_home, tmp_path, monkeypatch
+):
+    """A step beside the unit's, with its GPUs, samples them on the unit's node (NVML there:
+    here the fake one, through the variables srun passes on); the run's summary has their
+    utilisation, and the samples name the node."""
+    import json
+
+    from tests.conftest import FAKES
+
+    monkeypatch.setenv("PYTHONPATH", str(FAKES))
+    monkeypatch.setenv("FAKE_NVML_GPUS", "4")
+    raw = spec(tmp_path, ["sleep", "3"], resources={"nodes": 1})
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result.metrics.gpu_util_mean == pytest.approx(88.5)  # 87 + index, GPUs 0-3
+    lines = (Path(result.artifacts_dir) / "samples.jsonl").read_text().splitlines()
+    samples = [json.loads(line) for line in lines]
+    assert len(samples) >= 2 and {s["Hostname"] for s in samples} == {"g1"}
+    assert [g["gpu"] for g in samples[-1]["gpus"]] == [0, 1, 2, 3]
+    steps = subprocess.run(
+        ["squeue", "-h", "-s", "-o", "%j"], capture_output=True, text=True, check=True
+    ).stdout
+    assert ".sampler" not in steps  # the sampler's step ended with the unit
+    assert gpuflow_jobs() == []

@@ -18,6 +18,7 @@ import json
 import re
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -63,6 +64,7 @@ from tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, Provis
 from tasks.gpus import PRODUCTS
 from tasks.host import STOP_GRACE_S, OutputPump, alive, gpuflow_home, start_time
 from tasks.metrics.cost import PriceTable
+from tasks.metrics.sampler import SAMPLES
 from tasks.spec import JobSpec, Placement
 
 # squeue's states of a job that still holds (or waits for) its allocation
@@ -75,6 +77,8 @@ FIELDS = "%i\t%T\t%r\t%N\t%V\t%k"  # id, state, reason, nodes, submitted, commen
 # how long a job whose GPUs are idle may wait for the scheduler to reach it (its main and
 # backfill cycles: 60 s and 30 s by default) before gpuflow gives up on it
 SCHEDULER_CYCLES_S = 120.0
+# how often a unit's node samples its GPUs
+SAMPLE_INTERVAL_S = 1.0
 
 
 class SlurmState(BaseModel):
@@ -116,7 +120,7 @@ class SlurmBackend:
     capabilities = Capabilities(
         where="the Slurm cluster's nodes",
         local_files=False,  # the nodes see the cluster's shared filesystem, not this machine's
-        samples_nodes=True,  # nothing here samples the nodes' GPUs
+        samples_nodes=True,  # a step beside each unit samples its node's GPUs
     )
 
     def __init__(self, block: str | None = None) -> None:
@@ -428,10 +432,22 @@ class SlurmBackend:
             on_line(stream, text)
 
         pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, line).start()
-        end = follow_unit(
-            SlurmStep(cli, proc, state.job_id, step), timeout_s, should_stop, grace_s, every_s=0.1
-        )
-        pump.finish()
+        sampler = None
+        if count and not cli.remote:  # the samples are read from the shared workspace
+            indices = list(unit.gpus) if unit.gpus is not None else list(cluster.gpu_indices)
+            sampler = NodeSampler(cli, cluster, state, hosts[unit.node], step, indices, argv)
+        try:
+            end = follow_unit(
+                SlurmStep(cli, proc, state.job_id, step),
+                timeout_s,
+                should_stop,
+                grace_s,
+                every_s=0.1,
+            )
+        finally:
+            pump.finish()
+            if sampler is not None:
+                sampler.finish()
         return end.result(started, datetime.now(UTC), list(tail))
 
     # -- teardown and reaping ------------------------------------------------------------------
@@ -516,6 +532,75 @@ class SlurmBackend:
             )
             self.teardown(cluster)
         return report
+
+
+class NodeSampler:
+    """The GPUs of a unit's node sampled on that node: a step beside the unit's, with the
+    same GPUs (--overlap), running `python -m tasks.metrics.sampler` into the shared
+    workspace; its samples join the run's once the unit ends."""
+
+    _merging = threading.Lock()  # units of a run end at once: their samples join one by one
+
+    def __init__(
+        self,
+        cli: LocalClient,
+        cluster: Cluster,
+        state: SlurmState,
+        node: str,
+        step: str,
+        indices: list[int],
+        unit_argv: list[str],
+    ) -> None:
+        self.workspace = Path(cluster.workspace)
+        self.path = self.workspace / f".gpuflow-samples-{step}.jsonl"
+        gres_option = next(a for a in unit_argv if a.startswith("--gres="))
+        argv = [
+            "srun",
+            f"--jobid={state.job_id}",
+            f"--job-name={step}.sampler",
+            "--overlap",
+            "--nodes=1",
+            "--ntasks=1",
+            f"--nodelist={node}",
+            f"--chdir={cluster.workspace}",
+            gres_option,
+            sys.executable,
+            "-m",
+            "tasks.metrics.sampler",
+            "--out",
+            str(self.path),
+            "--gpus",
+            ",".join(str(i) for i in indices),
+            "--interval",
+            str(SAMPLE_INTERVAL_S),
+            "--host",
+            node,
+        ]
+        proc = cli.start(argv, {})
+        self.step = SlurmStep(cli, proc, state.job_id, f"{step}.sampler")
+        self.pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, _quiet).start()
+
+    def finish(self) -> None:
+        """Stop the sampler (its last sample closes the energy window) and add its samples
+        to the run's."""
+        self.step.interrupt(STOP_GRACE_S)
+        if self.step.proc.poll() is None:  # its step never showed in squeue: end its srun
+            self.step.proc.terminate()
+            try:
+                self.step.proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.step.proc.kill()
+                self.step.proc.wait()
+        self.pump.finish()
+        with self._merging, contextlib.suppress(OSError):
+            data = self.path.read_bytes()
+            with (self.workspace / SAMPLES).open("ab") as out:
+                out.write(data)
+            self.path.unlink()
+
+
+def _quiet(stream: str, text: str) -> None:
+    """A sampler's own lines are not the job's."""
 
 
 class SlurmStep:
