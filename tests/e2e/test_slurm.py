@@ -330,11 +330,14 @@ def test_an_allocation_that_waits_for_busy_gpus_past_gpu_wait_is_a_capacity_erro
         subprocess.run(["scancel", holder], check=True)
 
 
-def test_sigterm_to_gpuflow_stops_the_unit_and_cancels_the_job(
-    slurm, prefect_api, gpuflow_home, tmp_path
+@pytest.mark.parametrize(
+    ("signame", "code", "said"),
+    [("SIGTERM", 143, "stopped by SIGTERM"), ("SIGINT", 130, "stopped by SIGINT (Ctrl-C)")],
+)
+def test_a_signal_to_gpuflow_stops_the_unit_and_cancels_the_job(
+    signame, code, said, slurm, prefect_api, gpuflow_home, tmp_path
 ):
     import json
-    import os
     import signal
     import sys
 
@@ -354,10 +357,10 @@ def test_sigterm_to_gpuflow_stops_the_unit_and_cancels_the_job(
     )
 
     wait_for_main_step(lambda: orchestrator.poll() is None)
-    os.kill(orchestrator.pid, signal.SIGTERM)
+    os.kill(orchestrator.pid, getattr(signal, signame))
     out, _ = orchestrator.communicate(timeout=120)
-    assert orchestrator.returncode == 143, out[-2000:]
-    assert "stopped by SIGTERM" in out
+    assert orchestrator.returncode == code, out[-2000:]
+    assert said in out and "Traceback" not in out
     assert gpuflow_jobs() == []
 
 
