@@ -5,13 +5,18 @@ and stopped here; needs root). Prints the time until each of the 64 has started 
 or its step, seen running) and until all have ended, side by side, and the ratio.
 Target: gpuflow within 1.5x of bare sbatch.
 
-    python bench/slurm_scale.py [--units 64] [--seconds 10]
+    python bench/slurm_scale.py [--units 64] [--seconds 10] [--database sqlite|postgresql]
+
+The runs record to the local platform's Prefect server (`gpuflow platform up`) keeping its
+runs in PostgreSQL, as a team running many jobs at once would (`--database sqlite`: the
+same server on SQLite, whose writes wait on each other).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +26,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def squeue(*argv: str) -> list[str]:
@@ -105,8 +116,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--units", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--database", choices=["sqlite", "postgresql"], default="postgresql")
     args = parser.parse_args()
-    os.environ.setdefault("GPUFLOW_HOME", tempfile.mkdtemp(prefix="gpuflow-bench-"))
+    os.environ["GPUFLOW_HOME"] = tempfile.mkdtemp(prefix="gpuflow-bench-")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     testbed = Path(tempfile.mkdtemp(prefix="slurm-bench-"))
@@ -116,16 +128,19 @@ def main() -> None:
         ["bash", str(script), "up", "--dir", str(testbed), "--h100-per-node", per_node], check=True
     )
     os.environ["SLURM_CONF"] = str(testbed / "slurm.conf")
+    gpuflow = [sys.executable, "-m", "gpuflow", "platform"]
+    port = str(free_port())
     try:
-        from prefect.testing.utilities import prefect_test_harness
-
-        with prefect_test_harness(server_startup_timeout=120):
-            through_gpuflow(2, 1, testbed / "workspaces")  # warm-up: imports, the API
-            b = bare(args.units, args.seconds)
-            g = through_gpuflow(args.units, args.seconds, testbed / "workspaces")
+        subprocess.run([*gpuflow, "up", "--port", port, "--database", args.database], check=True)
+        os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+        through_gpuflow(2, 1, testbed / "workspaces")  # warm-up: imports, the API
+        b = bare(args.units, args.seconds)
+        g = through_gpuflow(args.units, args.seconds, testbed / "workspaces")
     finally:
+        subprocess.run([*gpuflow, "down"], check=False)
         subprocess.run(["bash", str(script), "down", "--dir", str(testbed)], check=False)
-    print(f"{args.units} one-GPU units of sleep {args.seconds:.0f} s on 2 nodes x {per_node} H100")
+    print(f"{args.units} one-GPU units of sleep {args.seconds:.0f} s on 2 nodes x {per_node} H100,")
+    print(f"recorded by a Prefect server on {args.database}")
     print(f"{'':22}{'bare sbatch':>13}{'gpuflow':>10}{'ratio':>8}")
     for name, i in (("all started, s", 0), ("all ended, s", 1)):
         print(f"{name:22}{b[i]:>13.1f}{g[i]:>10.1f}{g[i] / b[i]:>8.2f}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ssl
 import threading
+from collections.abc import Callable
 from typing import Any
 
 _LOCK = threading.Lock()
@@ -44,3 +45,36 @@ def api_client() -> Any:
     from prefect.client.orchestration import get_client
 
     return get_client(sync_client=True, httpx_settings={"verify": tls_context()})
+
+
+def publish(create: Callable[..., Any], **artifact: Any) -> Any:
+    """Publish an artifact with `create` (prefect.artifacts' create_* functions) and return
+    what it returns; None when the API fails to take it. An artifact is a report beside the
+    run, not its result: an API that answers an error or times out (a busy server, many
+    runs at once) is a warning that names the artifact and the cause, never the run's
+    failure."""
+    import httpx
+
+    try:
+        return create(**artifact)
+    except (httpx.HTTPError, OSError) as exc:  # the API's answer or its absence, not a bug
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        _logger().warning(
+            "the artifact %s could not be published (%s); the run goes on without it",
+            artifact.get("key", "?"),
+            why,
+        )
+        return None
+
+
+def _logger() -> Any:
+    """Return the run's logger (its lines reach the run's log), else gpuflow's."""
+    import logging
+
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("gpuflow")

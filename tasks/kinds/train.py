@@ -102,16 +102,20 @@ def _profile_artifacts(outputs: Path, title: str) -> None:
     """Publish a profiled run's top operators and per-step split as table artifacts."""
     from prefect.artifacts import create_table_artifact
 
+    from tasks.api_client import publish
+
     profiled = read(outputs)
     if profiled is None:
         return
     ops, steps = profiled
-    create_table_artifact(
+    publish(
+        create_table_artifact,
         key="gpuflow-profile-operators",
         table=ops,
         description=f"{title}: operators by self time over the profiled steps",
     )
-    create_table_artifact(
+    publish(
+        create_table_artifact,
         key="gpuflow-profile-steps",
         table=steps,
         description=f"{title}: each profiled step, waiting for data vs computing (ms)",

@@ -24,6 +24,7 @@ from prefect.context import TaskRunContext
 from prefect.tasks import exponential_backoff
 
 from tasks import secrets
+from tasks.api_client import publish
 from tasks.backends.registry import get_backend
 from tasks.contract import (
     RUN_LABEL,
@@ -152,7 +153,8 @@ def preflight(spec: JobSpec, cluster: Cluster) -> preflight_checks.PreflightRepo
         levels = {c.level for c in checks}
         worst = "fail" if "fail" in levels else "warn" if "warn" in levels else "pass"
         report = report.model_copy(update={"checks": checks, "verdict": worst})
-    create_table_artifact(
+    publish(
+        create_table_artifact,
         key="gpuflow-preflight",
         table=[{"check": c.name, "level": c.level, "message": c.message} for c in report.checks],
         description=f"Preflight for {spec.name}: {report.verdict}",
@@ -620,7 +622,12 @@ def _collect(
         {"metric": "run.outcome", "value": ended},
     ]
     rows += kind_report.rows
-    create_table_artifact(key="gpuflow-metrics", table=rows, description=f"Metrics for {spec.name}")
+    publish(
+        create_table_artifact,
+        key="gpuflow-metrics",
+        table=rows,
+        description=f"Metrics for {spec.name}",
+    )
     lines = [
         f"# {spec.name}: {'failed' if outcome.failure else 'completed'}",
         "",
@@ -637,8 +644,11 @@ def _collect(
         lines.append(f"- pushed to {pushed}")
     if outcome.failure:
         lines.append(f"- failure: {outcome.failure}")
-    create_markdown_artifact(
-        key="gpuflow-summary", markdown="\n".join(lines), description=spec.name
+    publish(
+        create_markdown_artifact,
+        key="gpuflow-summary",
+        markdown="\n".join(lines),
+        description=spec.name,
     )
     return metrics
 

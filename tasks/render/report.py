@@ -106,6 +106,8 @@ def summary(outputs: Path, out: Path, name: str) -> list[str]:
 
     from prefect.artifacts import create_table_artifact
 
+    from tasks.api_client import publish
+
     lines: list[str] = []
     frames_file = out / "outputs" / "frames.json"
     records = (
@@ -117,7 +119,8 @@ def summary(outputs: Path, out: Path, name: str) -> list[str]:
     if rows:
         shown = rows[:TABLE_MAX_ROWS]
         more = f" (first {len(shown)} of {len(rows)})" if len(rows) > len(shown) else ""
-        create_table_artifact(
+        publish(
+            create_table_artifact,
             key="gpuflow-render-frames",
             table=shown,
             description=f"Per-frame render times for {name}{more}",
