@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -138,6 +139,10 @@ def main() -> None:
         g = through_gpuflow(args.units, args.seconds, testbed / "workspaces")
     finally:
         subprocess.run([*gpuflow, "down"], check=False)
+        from tasks.platform.postgres import data_folder
+
+        shutil.rmtree(data_folder().parent, ignore_errors=True)  # the bench's runs go
+        shutil.rmtree(os.environ["GPUFLOW_HOME"], ignore_errors=True)
         subprocess.run(["bash", str(script), "down", "--dir", str(testbed)], check=False)
     print(f"{args.units} one-GPU units of sleep {args.seconds:.0f} s on 2 nodes x {per_node} H100,")
     print(f"recorded by a Prefect server on {args.database}")
