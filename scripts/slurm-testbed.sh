@@ -71,6 +71,8 @@ write_config() {
     echo "AccountingStorageType=accounting_storage/none"
     echo "MpiDefault=none"
     echo "SchedulerType=sched/backfill"
+    # the scheduler looks at pending jobs every 5 s (default 60 and 30): a requeued job restarts soon
+    echo "SchedulerParameters=sched_interval=5,bf_interval=5"
     echo "SelectType=select/cons_tres"
     echo "SelectTypeParameters=CR_Core"
     echo "GresTypes=gpu"
