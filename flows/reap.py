@@ -19,7 +19,8 @@ def reap(
     dry_run: bool = False,
 ) -> dict[str, Any]:
     """Reap one backend's leftovers and publish what went (or would go) as an artifact.
-    `block`: the Ec2GpuFleet (ec2); `namespace`: the Kubernetes namespace."""
+    `block`: the Ec2GpuFleet (ec2) or the SlurmCluster (slurm: its login node); `namespace`:
+    the Kubernetes namespace."""
 
     logger = get_run_logger()
     said: list[str] = []
@@ -33,7 +34,7 @@ def reap(
     elif backend == "kubernetes":
         done = reaping.reap_kubernetes(dry_run, namespace, say)
     elif backend == "slurm":
-        done = reaping.reap_slurm(dry_run, say)
+        done = reaping.reap_slurm(dry_run, block, say)
     else:
         done = reaping.reap(dry_run, say)
     counts = ", ".join(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,9 @@ def add(commands: Any) -> list[tuple[str, str]]:
         "--namespace", help="kubernetes: the namespace (default: kubeconfig's)"
     )
     reap_parser.add_argument(
-        "--block", help="ec2: the Ec2GpuFleet block (region, credentials; default: AWS_*)"
+        "--block",
+        help="ec2: the Ec2GpuFleet block (region, credentials; default: AWS_*); slurm: the"
+        " SlurmCluster block (its login node; default: the Slurm client here)",
     )
     reap_parser.set_defaults(
         handler=lambda args: reap(args.dry_run, args.backend, args.namespace, args.block)
@@ -138,7 +141,7 @@ def reap(
     if backend == "slurm":
         from gpuflow import session
 
-        return session.with_api(lambda api: _said(reap_slurm(dry_run)))
+        return session.with_api(lambda api: _said_slurm(dry_run, reap_slurm, block))
     return _said(reap_leftovers(dry_run))
 
 
@@ -149,6 +152,18 @@ def _said(done: dict) -> int:
         " half-written file(s)"
     )
     return EXIT_OK
+
+
+def _said_slurm(dry_run: bool, reap_slurm: Any, block: str | None) -> int:
+    from tasks.errors import InvalidSpec, ProvisionError
+
+    try:
+        return _said(reap_slurm(dry_run, block))
+    except InvalidSpec as exc:  # no such block, a key or host key its login node refuses
+        return invalid(exc)
+    except ProvisionError as exc:  # the cluster did not answer
+        print(f"gpuflow: {exc}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 def _said_ec2(dry_run: bool, reap_ec2: Any, block: str | None) -> int:

@@ -194,11 +194,15 @@ def reap_kubernetes(
     return done
 
 
-def reap_slurm(dry_run: bool, say: Callable[[str], None] = print) -> dict[str, Any]:
+def reap_slurm(
+    dry_run: bool, block: str | None = None, say: Callable[[str], None] = print
+) -> dict[str, Any]:
     """Cancel the Slurm jobs of runs that are over (finished, cancelled, crashed or unknown
     to their API) or whose gpuflow ran on this host and is dead (its run is then marked
-    Crashed), and remove their workspaces. Runs whose API is away are left as they are."""
-    found = SlurmBackend().reap(dry_run, say, PrefectRuns())
+    Crashed), and remove their workspaces. Runs whose API is away are left as they are.
+    `block`: the SlurmCluster whose cluster is asked (its login node over SSH); default:
+    the Slurm client here."""
+    found = SlurmBackend(block).reap(dry_run, say, PrefectRuns())
     done: dict[str, Any] = {"clusters": 0, "flow_runs_crashed": 0, "servers": 0, "files": 0}
     done |= {k: int(v) for k, v in found.counts.items()}
     if not dry_run:

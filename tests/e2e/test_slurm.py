@@ -739,3 +739,43 @@ def test_the_gpus_of_a_units_node_are_sampled_on_that_node(
     ).stdout
     assert ".sampler" not in steps  # the sampler's step ended with the unit
     assert gpuflow_jobs() == []
+
+
+def test_reap_through_the_login_node_cancels_the_job_of_a_run_its_api_does_not_know(
+    login_node, prefect_api, gpuflow_home, tmp_path, monkeypatch, capsys
+):
+    """`gpuflow reap --backend slurm --block B` asks the cluster B's login node reaches: the
+    allocation of a run its API does not know is cancelled and its workspace removed, over
+    SSH; a block whose key the login node refuses is one sentence."""
+    from gpuflow.cli import main
+    from tasks.backends.slurm.backend import SlurmBackend
+    from tasks.contract import owner_labels
+    from tests.e2e.sshd import keypair
+
+    node, key = login_node
+    slurm_conf = os.environ.pop("SLURM_CONF")
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    save_login_block("test-login-reap", node, key, tmp_path)
+    raw = spec(tmp_path, ["true"], resources={"nodes": 1})
+    raw["placement"] = {"backend": "slurm", "block": "test-login-reap"}
+    spec_ = load_spec(raw)
+    backend = SlurmBackend("test-login-reap")
+    run_id = "00000000-0000-4000-8000-00000000dead"  # no such flow run
+    cluster = backend.provision(spec_, owner_labels(run_id, "reap-test"))
+    assert Path(cluster.workspace).is_dir()
+
+    assert main(["reap", "--backend", "slurm", "--block", "test-login-reap"]) == 0
+    out = capsys.readouterr().out
+    assert f"of run {run_id}: its flow run is unknown; cancelled" in out, out
+    assert not Path(cluster.workspace).exists()
+    monkeypatch.setenv("SLURM_CONF", slurm_conf)
+    assert gpuflow_jobs() == []
+
+    other_key, _ = keypair(tmp_path, "not-authorized")
+    save_login_block("test-login-reap", node, other_key, tmp_path)
+    assert main(["reap", "--backend", "slurm", "--block", "test-login-reap"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    [said] = [line for line in err.splitlines() if "invalid" in line]
+    assert said.startswith("gpuflow: invalid input: ssh_key: the login node 127.0.0.1:")
+    assert "refuses the key of Secret block 'test-login-reap-key'" in said

@@ -499,7 +499,9 @@ class SlurmBackend:
         gpuflow ran on this host and died (their run is marked Crashed); runs whose API is
         away are left as they are."""
         report = ReapReport(counts={"clusters": 0})
-        for row in _parse(self.reach().run(["squeue", "-h", "-a", "-o", FIELDS])):
+        cli = self.reach()
+        cli.check()  # a client, a login node that lets gpuflow in: else one sentence
+        for row in _parse(cli.run(["squeue", "-h", "-a", "-o", FIELDS])):
             labels = row["comment"]
             if labels.get(OWNER_LABEL) != "gpuflow" or row["state"] not in ACTIVE:
                 continue
