@@ -23,10 +23,11 @@ os.environ.setdefault("GPUFLOW_API_IDLE_S", "0")
 
 # Tests run in parallel (pytest-xdist, `--dist loadgroup`, scripts/test.sh): each worker
 # starts its own Prefect server and S3 server once. A test that needs the Kubernetes test
-# cluster joins the group `kubernetes`, so one worker starts one cluster for all of them;
+# cluster joins the group `kubernetes`, so one worker starts one cluster for all of them
+# (the Slurm tests: two groups, a cluster each, see below);
 # a module with a module-scoped fixture (a platform, a data set) runs on one worker.
 # Groups expected to run longest are handed out first, so they do not end the run alone.
-FIRST = ("kubernetes",)
+FIRST = ("kubernetes", "slurm-requeue", "slurm")
 
 
 def _group(item) -> str | None:
@@ -42,7 +43,10 @@ def pytest_collection_modifyitems(config, items) -> None:
         if "testbed" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("kubernetes"))
         elif "slurm_testbed" in item.fixturenames:
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+            # two groups, each on a worker with its own Slurm test cluster: the tests that
+            # wait for Slurm to requeue a job, and the others
+            waits = any(word in item.name for word in ("preempt", "taken", "urgent"))
+            item.add_marker(pytest.mark.xdist_group("slurm-requeue" if waits else "slurm"))
         elif any(
             defs[-1].scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values()
         ):
