@@ -249,10 +249,13 @@ def test_a_lost_node_is_a_preemption(kube, testbed):
 
     watcher = when_running(kube, f"job-name={cluster.name}-main", lose_node)
     try:
+        # the simulated pod runs 60 s: its node goes long before (a 1 s pod could end first
+        # on a busy machine)
         result = backend.run(
-            cluster, WorkUnit(name="main", command=["true"]), {}, 300, lambda *_: None
+            cluster, WorkUnit(name="main", command=["sleep", "60"]), {}, 300, lambda *_: None
         )
         watcher.join()
+        assert lost, "the pod never ran"
         assert result.exit_code == 75  # preempted: the run stage retries and resumes
     finally:
         backend.teardown(cluster)
