@@ -111,7 +111,7 @@ class LoginNode(LocalClient):
         self.host, self.user, self.port, self.key_name = host, user, port, key_name
         self.where = f"the login node {user}@{host}:{port} over SSH"
         self._dir = tempfile.mkdtemp(prefix="gpuflow-ssh-")  # 0700: the key stays private
-        atexit.register(shutil.rmtree, self._dir, True)
+        atexit.register(self.close)
         self._options = [
             "-p", str(port),
             "-o", "BatchMode=yes",
@@ -134,6 +134,19 @@ class LoginNode(LocalClient):
 
     def describe(self) -> str:
         return self.where
+
+    def close(self) -> None:
+        """End the shared connection (its master would linger ControlPersist seconds) and
+        remove the key."""
+        if Path(self._dir, "master").exists():
+            subprocess.run(
+                ["ssh", *self._options, "-O", "exit", f"{self.user}@{self.host}"],
+                capture_output=True,
+                timeout=10,
+                check=False,
+                stdin=subprocess.DEVNULL,
+            )
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def _ssh(self, remote: str) -> list[str]:
         return ["ssh", *self._options, f"{self.user}@{self.host}", remote]
