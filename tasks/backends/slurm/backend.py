@@ -335,6 +335,11 @@ class SlurmBackend:
                 said = pending_reason(reason, self._request(spec), partition)
                 raise ProvisionError(f"Slurm cannot start this job: {said}; the job was cancelled")
             waited = time.monotonic() - waited_from
+            if reason == "None" and waited < SCHEDULER_CYCLES_S:
+                # the scheduler has not looked at the job yet (a job just submitted, GPUs
+                # a job just ended still being released): no wait for GPUs has begun
+                time.sleep(0.2)
+                continue
             if waited > spec.placement.gpu_wait:
                 # Busy GPUs past gpu_wait: capacity. GPUs idle enough for the job: the
                 # scheduler has not reached it yet (many jobs at once), which its next
