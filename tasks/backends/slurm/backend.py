@@ -821,7 +821,9 @@ def _job_row(cli: LocalClient, job_id: str) -> dict[str, Any] | None:
     """Return squeue's row of a job (read after this call began), None once Slurm no longer
     knows it."""
     with _TABLES_LOCK:
-        table = _TABLES.setdefault(id(cli), JobTable(cli))
+        table = _TABLES.get(id(cli))
+        if table is None:  # once per way of reaching a cluster, not on every poll
+            table = _TABLES[id(cli)] = JobTable(cli)
     return table.row(job_id)
 
 
@@ -857,6 +859,7 @@ def _load(name: str) -> Any:
         ) from None
 
 
+_LOGIN_NODES_LOCK = threading.Lock()
 _LOGIN_NODES: dict[
     tuple, LoginNode
 ] = {}  # one per login node and key: its SSH connection serves every run
@@ -879,7 +882,7 @@ def _reach(cluster: Any) -> LocalClient:
                 f" node's private key with Secret(value=...).save({cluster.ssh_key!r})."
             ) from None
     settings = (cluster.login_host, cluster.login_user, cluster.login_port, key)
-    with _TABLES_LOCK:
+    with _LOGIN_NODES_LOCK:
         found = _LOGIN_NODES.get((*settings, cluster.known_hosts, cluster.ssh_key))
         if found is None:
             found = LoginNode(*settings, known_hosts=cluster.known_hosts, key_name=cluster.ssh_key)
