@@ -1,11 +1,13 @@
-"""Slurm at scale: 64 one-GPU units through gpuflow (64 runs of a command job started at
-once, each its own allocation and step) vs the same 64 `sbatch --wrap` submitted bare, on
+"""Slurm at scale: 64 one-GPU units through gpuflow (one run of a command with a copy on
+each GPU: one allocation of 2 nodes, its 64 copies as steps; with --runs also 64 runs of a
+command started at once, each its own allocation and step) vs the same 64
+`sbatch --wrap` submitted bare, on
 a Slurm test cluster of two nodes with 32 H100s each (scripts/slurm-testbed.sh, started
 and stopped here; needs root). Prints the time until each of the 64 has started (its job,
 or its step, seen running) and until all have ended, side by side, and the ratio.
 Target: gpuflow within 1.5x of bare sbatch.
 
-    python bench/slurm_scale.py [--units 64] [--seconds 10] [--database sqlite|postgresql]
+    python bench/slurm_scale.py [--units 64] [--seconds 10] [--database sqlite|postgresql] [--runs]
 
 The runs record to the local platform's Prefect server (`gpuflow platform up`) keeping its
 runs in PostgreSQL, as a team running many jobs at once would (`--database sqlite`: the
@@ -71,16 +73,28 @@ def bare(units: int, seconds: float) -> tuple[float, float]:
     return running - start, ended - start
 
 
-def through_gpuflow(units: int, seconds: float, workspaces: Path) -> tuple[float, float]:
+def through_gpuflow(
+    units: int, seconds: float, workspaces: Path, one_run: bool = False
+) -> tuple[float, float]:
+    """Run the units through gpuflow: with `one_run`, one run whose command has a copy on
+    each GPU of 2 nodes x units/2 GPUs (one allocation, its copies as steps); else
+    `units` runs of one GPU each at once (each its own allocation and step)."""
     from flows.pipeline import gpu_pipeline
     from tasks.pipeline.heartbeat import heartbeats_sent_by_gpuflow
     from tasks.spec import load_spec
 
+    job = {"kind": "command", "command": ["sleep", str(seconds)]}
+    resources = {"gpus": 1, "gpu_product": "H100"}
+    runs_wanted = units
+    if one_run:
+        job["copies"] = "per_gpu"
+        resources = {"gpus": units // 2, "nodes": 2, "gpu_product": "H100"}
+        runs_wanted = 1
     spec = load_spec(
         {
             "name": "scale",
-            "job": {"kind": "command", "command": ["sleep", str(seconds)]},
-            "resources": {"gpus": 1, "gpu_product": "H100"},
+            "job": job,
+            "resources": resources,
             "placement": {"backend": "slurm", "workspace_root": str(workspaces)},
             "limits": {"max_duration": "10m"},
         }
@@ -93,9 +107,10 @@ def through_gpuflow(units: int, seconds: float, workspaces: Path) -> tuple[float
         return None if state.is_completed() else state.message
 
     seen: set[str] = set()
+    step = ".task-" if one_run else ".main."
 
     def all_started() -> bool:
-        seen.update(name for name in squeue("-s", "-o", "%j") if ".main." in name)
+        seen.update(name for name in squeue("-s", "-o", "%j") if step in name)
         if any(f.done() and f.result() for f in runs):
             raise SystemExit(
                 f"a run failed: {next(f.result() for f in runs if f.done() and f.result())}"
@@ -103,13 +118,13 @@ def through_gpuflow(units: int, seconds: float, workspaces: Path) -> tuple[float
         return len(seen) >= units
 
     start = time.monotonic()
-    with ThreadPoolExecutor(max_workers=units) as pool:
-        runs = [pool.submit(one, i) for i in range(units)]
+    with ThreadPoolExecutor(max_workers=runs_wanted) as pool:
+        runs = [pool.submit(one, i) for i in range(runs_wanted)]
         running = until(all_started)
         failed = [f.result() for f in runs if f.result()]
     ended = time.monotonic()
     if failed:
-        raise SystemExit(f"{len(failed)} of {units} runs failed: {failed[0]}")
+        raise SystemExit(f"{len(failed)} of {runs_wanted} runs failed: {failed[0]}")
     return running - start, ended - start
 
 
@@ -118,7 +133,12 @@ def main() -> None:
     parser.add_argument("--units", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--database", choices=["sqlite", "postgresql"], default="postgresql")
+    parser.add_argument(
+        "--runs", action="store_true", help="also as that many runs at once, one GPU each"
+    )
     args = parser.parse_args()
+    if args.units < 2 or args.units % 2:
+        parser.error("--units: give an even number (the units go to 2 nodes alike)")
     os.environ["GPUFLOW_HOME"] = tempfile.mkdtemp(prefix="gpuflow-bench-")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -136,7 +156,10 @@ def main() -> None:
         os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
         through_gpuflow(2, 1, testbed / "workspaces")  # warm-up: imports, the API
         b = bare(args.units, args.seconds)
-        g = through_gpuflow(args.units, args.seconds, testbed / "workspaces")
+        one = through_gpuflow(args.units, args.seconds, testbed / "workspaces", one_run=True)
+        many = (
+            through_gpuflow(args.units, args.seconds, testbed / "workspaces") if args.runs else None
+        )
     finally:
         subprocess.run([*gpuflow, "down"], check=False)
         from tasks.platform.postgres import data_folder
@@ -146,9 +169,12 @@ def main() -> None:
         subprocess.run(["bash", str(script), "down", "--dir", str(testbed)], check=False)
     print(f"{args.units} one-GPU units of sleep {args.seconds:.0f} s on 2 nodes x {per_node} H100,")
     print(f"recorded by a Prefect server on {args.database}")
-    print(f"{'':22}{'bare sbatch':>13}{'gpuflow':>10}{'ratio':>8}")
-    for name, i in (("all started, s", 0), ("all ended, s", 1)):
-        print(f"{name:22}{b[i]:>13.1f}{g[i]:>10.1f}{g[i] / b[i]:>8.2f}")
+    print(f"{'':22}{'bare sbatch':>13}{'gpuflow':>10}{'ratio':>8}   gpuflow as")
+    rows = [("one run, copies: per_gpu", one)]
+    rows += [(f"{args.units} runs at once", many)] if many else []
+    for how, g in rows:
+        for name, i in (("all started, s", 0), ("all ended, s", 1)):
+            print(f"{name:22}{b[i]:>13.1f}{g[i]:>10.1f}{g[i] / b[i]:>8.2f}   {how}")
     print("target: gpuflow within 1.5x of bare sbatch")
 
 

@@ -39,6 +39,10 @@ BAD = [
     ({"job": {"command": ["x"]}}, "job.kind is required"),
     ({"job": {"kind": "command"}}, "job.command is required"),
     ({"job": {"kind": "command", "command": ""}}, "job.command: is empty"),
+    (
+        {"job": {**CMD, "copies": "many"}},
+        "job.copies: input should be 'one', 'per_node' or 'per_gpu' (got 'many')",
+    ),
     ({"job": CMD, "resourcs": {"gpus": 1}}, "resourcs: unknown field; did you mean 'resources'?"),
     ({"job": CMD, "resources": {"gpu": 1}}, "resources.gpu: unknown field; did you mean 'gpus'?"),
     ({"job": {**CMD, "comand": "x"}}, "job.comand: unknown field; did you mean 'command'?"),

@@ -185,3 +185,37 @@ def test_single_command_kinds_are_one_unit_on_every_gpu(kind):
     [unit] = get_kind(kind).units(load_spec({"job": job}), cluster(gpus=2))
     assert unit.node == 0 and unit.gpus is None and unit.judge == "exit_code"
     assert unit.command[:1] == (["echo"] if kind == "command" else [sys.executable])
+
+
+@pytest.mark.parametrize(
+    "copies, nodes, gpus, expected",
+    [
+        ("per_node", 2, 4, [(0, None), (1, None)]),
+        ("per_gpu", 1, 2, [(0, [0]), (0, [1])]),
+        ("per_gpu", 2, 2, [(0, [0]), (0, [1]), (1, [0]), (1, [1])]),
+        ("per_gpu", 2, 0, [(0, []), (1, [])]),  # no GPU here (allow_cpu): a copy a node
+    ],
+)
+def test_command_copies_are_one_unit_per_node_or_per_gpu(copies, nodes, gpus, expected):
+    spec = load_spec(
+        {
+            "job": {"kind": "command", "command": "echo hi", "copies": copies},
+            "resources": {"gpus": max(gpus, 1), "nodes": nodes, "allow_cpu": True},
+        }
+    )
+    units = get_kind("command").units(spec, cluster(nodes=nodes, gpus=gpus))
+    assert [(u.node, u.gpus) for u in units] == expected
+    assert [u.name for u in units] == [f"task-{i}" for i in range(len(expected))]
+    assert [u.env for u in units] == [
+        {"GPUFLOW_TASK_INDEX": str(i), "GPUFLOW_TASKS": str(len(expected))}
+        for i in range(len(expected))
+    ]
+    assert all(u.command == ["echo", "hi"] and u.judge == "exit_code" for u in units)
+
+
+def test_command_copies_per_gpu_needs_gpus():
+    from tasks.errors import InvalidSpec
+
+    spec = load_spec({"job": {"kind": "command", "command": "echo hi", "copies": "per_gpu"}})
+    with pytest.raises(InvalidSpec, match=r"^job.copies: per_gpu .* resources.gpus is 0"):
+        get_kind("command").check(spec, get_backend("local").capabilities)

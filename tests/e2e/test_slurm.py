@@ -94,6 +94,37 @@ def test_a_command_on_two_nodes_runs_in_one_allocation_and_leaves_nothing(
     assert not (tmp_path / "workspaces" / result.cluster.name).exists()
 
 
+def test_a_copy_on_each_gpu_gets_a_gpu_of_its_own_on_both_nodes(
+    slurm, prefect_api, gpuflow_home, tmp_path, monkeypatch
+):
+    """copies: per_gpu on 2 nodes x 4 GPUs: 8 one-GPU steps in the run's one allocation,
+    each told its number, no two on one GPU (steps that share the allocation's resources
+    would all get the node's first GPU); one sampler per node samples its GPUs."""
+    import json
+
+    from tests.conftest import FAKES
+
+    monkeypatch.setenv("PYTHONPATH", str(FAKES))
+    monkeypatch.setenv("FAKE_NVML_GPUS", "4")
+    show = 'echo "copy $GPUFLOW_TASK_INDEX/$GPUFLOW_TASKS on $SLURMD_NODENAME gpu=$CUDA_VISIBLE_DEVICES"'
+    raw = spec(tmp_path, ["bash", "-c", show + "; sleep 2"])
+    raw["job"]["copies"] = "per_gpu"
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    logs = "\n".join(logs_of(state.state_details.flow_run_id)).splitlines()
+    said = [line.split("copy ", 1)[1] for line in logs if "copy " in line]
+    copies = sorted(said, key=lambda line: int(line.split("/")[0]))
+    assert copies == [f"{i}/8 on g{i // 4 + 1} gpu={i % 4}" for i in range(8)], (
+        copies
+    )  # the kind's order: node 0's GPUs, then node 1's
+    lines = (Path(result.artifacts_dir) / "samples.jsonl").read_text().splitlines()
+    samples = [json.loads(line) for line in lines]
+    assert {s["Hostname"] for s in samples} == {"g1", "g2"}
+    assert all([g["gpu"] for g in s["gpus"]] == [0, 1, 2, 3] for s in samples)
+    assert gpuflow_jobs() == []
+
+
 @pytest.mark.parametrize(
     ("over", "said"),
     [

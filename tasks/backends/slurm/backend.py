@@ -408,7 +408,10 @@ class SlurmBackend:
         state, cli = state_of(cluster, SlurmState), self._cli(cluster)
         hosts = _running_again(cli, state.job_id, time.monotonic() + timeout_s)
         step = f"{cluster.name}.{unit.name}.{uuid.uuid4().hex[:8]}"
-        count = cluster.gpus_per_node if unit.gpus is None else len(unit.gpus)
+        # A unit with GPUs of its own (a render chunk, a copy per GPU) gets the node's
+        # GPUs of the job and keeps its share: steps that --overlap share their gres, so
+        # Slurm would hand each one-GPU step the node's first GPU.
+        count = cluster.gpus_per_node if unit.gpus is None or unit.gpus else 0
         argv = [
             "srun",
             f"--jobid={state.job_id}",
@@ -421,6 +424,7 @@ class SlurmBackend:
             "--kill-on-bad-exit=1",
             f"--gres={gres(count, state.gres_type)}" if count else "--gres=none",
             *(_mpi_launch(cli, unit, cluster, state) if unit.hostfile else []),
+            *(_share(cluster, unit.gpus) if unit.gpus else []),
             *unit.command,
         ]
         child_env = {
@@ -439,8 +443,7 @@ class SlurmBackend:
         pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, line).start()
         sampler = None
         if count and not cli.remote:  # the samples are read from the shared workspace
-            indices = list(unit.gpus) if unit.gpus is not None else list(cluster.gpu_indices)
-            sampler = NodeSampler(cli, cluster, state, hosts[unit.node], step, indices, argv)
+            sampler = NodeSampler.join(cli, cluster, state, hosts[unit.node])
         try:
             end = follow_unit(
                 SlurmStep(cli, proc, state.job_id, step),
@@ -452,7 +455,7 @@ class SlurmBackend:
         finally:
             pump.finish()
             if sampler is not None:
-                sampler.finish()
+                sampler.leave()
         return end.result(started, datetime.now(UTC), list(tail))
 
     # -- teardown and reaping ------------------------------------------------------------------
@@ -542,49 +545,63 @@ class SlurmBackend:
 
 
 class NodeSampler:
-    """The GPUs of a unit's node sampled on that node: a step beside the unit's, with the
-    same GPUs (--overlap), running `python -m tasks.metrics.sampler` into the shared
-    workspace; its samples join the run's once the unit ends."""
+    """The GPUs a run holds on one node, sampled on that node: a step beside its units'
+    steps, with the run's GPUs of the node (--overlap), running `python -m
+    tasks.metrics.sampler` into the shared workspace. The units on a node share one
+    (`join`, `leave`): the last to leave stops it and its samples join the run's."""
 
-    _merging = threading.Lock()  # units of a run end at once: their samples join one by one
+    _lock = threading.Lock()
+    _merging = threading.Lock()  # samplers of a run end at once: their samples join one by one
+    _live: dict[tuple[str, str], NodeSampler] = {}  # (job id, node) -> its sampler
 
-    def __init__(
-        self,
-        cli: LocalClient,
-        cluster: Cluster,
-        state: SlurmState,
-        node: str,
-        step: str,
-        indices: list[int],
-        unit_argv: list[str],
-    ) -> None:
+    @classmethod
+    def join(cls, cli: LocalClient, cluster: Cluster, state: SlurmState, node: str) -> NodeSampler:
+        """Return the sampler of the run's job on `node`, started by its first unit."""
+        with cls._lock:
+            sampler = cls._live.get((state.job_id, node))
+            if sampler is None:
+                sampler = cls._live[state.job_id, node] = cls(cli, cluster, state, node)
+            sampler.users += 1
+            return sampler
+
+    def leave(self) -> None:
+        """Say a unit on the node ended; the last one stops the sampler (finish)."""
+        with self._lock:
+            self.users -= 1
+            if self.users:
+                return
+            del self._live[self.key]
+        self.finish()
+
+    def __init__(self, cli: LocalClient, cluster: Cluster, state: SlurmState, node: str) -> None:
+        self.key, self.users = (state.job_id, node), 0
         self.workspace = Path(cluster.workspace)
+        step = f"{cluster.name}.sampler.{node}.{uuid.uuid4().hex[:8]}"
         self.path = self.workspace / f".gpuflow-samples-{step}.jsonl"
-        gres_option = next(a for a in unit_argv if a.startswith("--gres="))
         argv = [
             "srun",
             f"--jobid={state.job_id}",
-            f"--job-name={step}.sampler",
+            f"--job-name={step}",
             "--overlap",
             "--nodes=1",
             "--ntasks=1",
             f"--nodelist={node}",
             f"--chdir={cluster.workspace}",
-            gres_option,
+            f"--gres={gres(cluster.gpus_per_node, state.gres_type)}",
+            # the GPUs Slurm gave the step on this node (indices differ from node to node)
+            *("sh", "-c", 'exec "$@" --gpus "${SLURM_STEP_GPUS:-$CUDA_VISIBLE_DEVICES}"', "sh"),
             sys.executable,
             "-m",
             "tasks.metrics.sampler",
             "--out",
             str(self.path),
-            "--gpus",
-            ",".join(str(i) for i in indices),
             "--interval",
             str(SAMPLE_INTERVAL_S),
             "--host",
             node,
         ]
         proc = cli.start(argv, {})
-        self.step = SlurmStep(cli, proc, state.job_id, f"{step}.sampler")
+        self.step = SlurmStep(cli, proc, state.job_id, step)
         self.pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, _quiet).start()
 
     def finish(self) -> None:
@@ -665,6 +682,21 @@ class SlurmStep:
 
     def unconfirmed(self) -> UnitEnd:
         return UnitEnd(signal=9)
+
+
+def _share(cluster: Cluster, gpus: list[int]) -> list[str]:
+    """Return the words that give a unit its own GPUs of the node's, as positions among the
+    job's GPUs there (`gpus` are first-node indices; other nodes may hold other indices):
+    CUDA_VISIBLE_DEVICES is cut down to those positions before the unit starts."""
+    positions = ",".join(
+        str(cluster.gpu_indices.index(g)) for g in gpus if g in cluster.gpu_indices
+    )
+    pick = (
+        'i=0; mine=; for d in $(echo "$CUDA_VISIBLE_DEVICES" | tr , " "); do'
+        f' case ,{positions}, in *,$i,*) mine="$mine${{mine:+,}}$d";; esac; i=$((i+1));'
+        ' done; CUDA_VISIBLE_DEVICES=$mine exec "$@"'
+    )
+    return ["sh", "-c", pick, "sh"]
 
 
 def _mpi_launch(cli: LocalClient, unit: WorkUnit, cluster: Cluster, state: SlurmState) -> list[str]:
