@@ -138,3 +138,33 @@ def test_each_pending_reason_that_waiting_will_not_clear_is_said_with_its_fix(re
 
     request = Request(partition="gpu", nodes=2, gpus=4, gres_type="h100", minutes=30)
     assert said in pending_reason(reason, request, "gpu")
+
+
+CONFIG = """\
+AccountingStorageHost   = localhost
+AccountingStorageType   = {plugin}
+AccountingStorageUser   = root
+"""
+
+
+@pytest.mark.parametrize(
+    ("plugin", "known", "said"),
+    [
+        ("accounting_storage/none", None, "qos: the Slurm cluster keeps no accounting"
+         " (accounting_storage/none), so it has no QOS and would ignore 'gold'; remove qos"),
+        ("accounting_storage/slurmdbd", ["normal", "urgent"], "qos: the Slurm cluster has no"
+         " QOS 'gold'; use one of: normal, urgent (`sacctmgr show qos`)."),
+        ("accounting_storage/slurmdbd", [], "use one of: none (`sacctmgr show qos`)."),
+        ("accounting_storage/slurmdbd", ["gold", "normal"], None),
+        ("accounting_storage/slurmdbd", None, None),  # sacctmgr could not say: sbatch will
+    ],
+)  # fmt: skip
+def test_a_qos_the_cluster_lacks_is_one_sentence(plugin, known, said):
+    from tasks.backends.slurm.fit import accounting, qos_refusal
+
+    assert accounting(CONFIG.format(plugin=plugin)) == plugin
+    got = qos_refusal("gold", plugin, known)
+    if said is None:
+        assert got is None
+    else:
+        assert got is not None and said in got, got

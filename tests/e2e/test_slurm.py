@@ -557,6 +557,17 @@ def test_a_slurm_cluster_block_sets_partition_account_gres_and_price(
     raw["placement"] = {"backend": "slurm", "block": "no-such-block"}
     with pytest.raises(InvalidSpec, match="there is no SlurmCluster block named 'no-such-block'"):
         check_spec(load_spec(raw))
+    # a QOS on a cluster without accounting: Slurm would ignore it, gpuflow says so
+    SlurmCluster(partition="l4", qos="gold", workspace_root=str(tmp_path / "shared")).save(
+        "test-slurm-qos", overwrite=True
+    )
+    raw["placement"] = {"backend": "slurm", "block": "test-slurm-qos"}
+    with pytest.raises(InvalidSpec) as refused:
+        check_spec(load_spec(raw))
+    assert str(refused.value) == (
+        "qos: the Slurm cluster keeps no accounting (accounting_storage/none), so it has no"
+        " QOS and would ignore 'gold'; remove qos from the SlurmCluster block."
+    )
     assert gpuflow_jobs() == []
 
 

@@ -37,11 +37,14 @@ from tasks.backends.slurm.fit import (
     IDLE_FORMAT,
     SINFO_FORMAT,
     Request,
+    accounting,
     idle_gpus,
     parse_sinfo,
     pending_reason,
+    qos_refusal,
     refusal,
 )
+from tasks.backends.slurm.queue import FIELDS, hostnames, job_row, job_shown, parse, shared
 from tasks.contract import (
     OWNER_LABEL,
     RUN_LABEL,
@@ -73,7 +76,6 @@ ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUE
 REQUEUED = ("PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "PREEMPTED")
 # pending reasons that pass once other jobs end: waiting on them is waiting for capacity
 BUSY = ("Resources", "Priority", "None", "BeginTime", "Dependency")
-FIELDS = "%i\t%T\t%r\t%N\t%V\t%k"  # id, state, reason, nodes, submitted, comment (free text)
 # how long a job whose GPUs are idle may wait for the scheduler to reach it (its main and
 # backfill cycles: 60 s and 30 s by default) before gpuflow gives up on it
 SCHEDULER_CYCLES_S = 120.0
@@ -254,6 +256,9 @@ class SlurmBackend:
         problem = refusal(request, parse_sinfo(_sinfo(cli)))
         if problem:
             raise InvalidSpec(problem)
+        cluster = _block(spec)
+        if cluster is not None and cluster.qos and (problem := _qos_problem(cli, cluster.qos)):
+            raise InvalidSpec(problem)
         argv = self._sbatch_args(spec, "gpuflow-check", "{}", root)
         done = cli.answer(["sbatch", "--test-only", *argv])
         if done.returncode != 0:
@@ -361,7 +366,7 @@ class SlurmBackend:
                 time.sleep(1.0)
                 continue
             time.sleep(0.2)
-        hosts = cli.run(["scontrol", "show", "hostnames", row["nodes"]]).split()
+        hosts = hostnames(cli, row["nodes"])
         indices = _gpu_indices(cli, job)
         # training meets on the first node, at its address, on a port of this job's own
         # (several jobs may share a node)
@@ -464,12 +469,12 @@ class SlurmBackend:
         """Cancel the run's job (its steps with it), wait until squeue no longer holds it,
         remove the workspace. Never raises on "already gone"."""
         job, cli = state_of(cluster, SlurmState).job_id, self._cli(cluster)
-        row = _job_row(cli, job)
+        row = job_row(cli, job)
         gone = row is None or row["state"] not in ACTIVE
         if not gone:
             cli.run(["scancel", job], check=False)
             deadline = time.monotonic() + 60
-            while (row := _job_row(cli, job)) and row["state"] in ACTIVE:
+            while (row := job_row(cli, job)) and row["state"] in ACTIVE:
                 if time.monotonic() > deadline:
                     raise ProvisionError(
                         f"the Slurm job {job} was cancelled but is still {row['state']}"
@@ -481,7 +486,7 @@ class SlurmBackend:
     def list_owned(self, selector: Mapping[str, str]) -> list[Cluster]:
         """Return the runs' allocations squeue holds whose owner labels include `selector`."""
         found = []
-        for row in _parse(self.reach().run(["squeue", "-h", "-a", "-o", FIELDS])):
+        for row in parse(self.reach().run(["squeue", "-h", "-a", "-o", FIELDS])):
             labels = row["comment"]
             if labels.get(OWNER_LABEL) != "gpuflow" or row["state"] not in ACTIVE:
                 continue
@@ -509,7 +514,7 @@ class SlurmBackend:
         report = ReapReport(counts={"clusters": 0})
         cli = self.reach()
         cli.check()  # a client, a login node that lets gpuflow in: else one sentence
-        for row in _parse(cli.run(["squeue", "-h", "-a", "-o", FIELDS])):
+        for row in parse(cli.run(["squeue", "-h", "-a", "-o", FIELDS])):
             labels = row["comment"]
             if labels.get(OWNER_LABEL) != "gpuflow" or row["state"] not in ACTIVE:
                 continue
@@ -650,9 +655,8 @@ class SlurmStep:
 
     def _step_id(self) -> str | None:
         for _ in range(50):  # srun names its step once slurmctld made it
-            for line in self.cli.run(
-                ["squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j"], check=False
-            ).splitlines():
+            steps = shared(self.cli, ["squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j"])
+            for line in steps.stdout.splitlines():
                 step, _, name = line.partition(" ")
                 if name.strip() == self.name:
                     return step
@@ -725,6 +729,16 @@ def _mpi_launch(cli: LocalClient, unit: WorkUnit, cluster: Cluster, state: Slurm
     ]
 
 
+def _qos_problem(cli: LocalClient, qos: str) -> str | None:
+    """Return why the cluster cannot give a job `qos` (qos_refusal), None when it can."""
+    plugin = accounting(cli.run(["scontrol", "show", "config"]))
+    known = None
+    if not plugin.endswith("/none"):
+        listed = cli.answer(["sacctmgr", "-n", "-P", "show", "qos", "format=name"])
+        known = listed.stdout.split() if listed.returncode == 0 else None
+    return qos_refusal(qos, plugin, known)
+
+
 def _sinfo(cli: LocalClient) -> str:
     """Return sinfo's rows of every node (SINFO_FORMAT); InvalidSpec when the Slurm client
     here has no cluster to ask (no slurm.conf, no configless DNS record)."""
@@ -744,7 +758,7 @@ def _requeued(cli: LocalClient, job_id: str) -> str | None:
     """Return why the run's job was taken back (preempted, its node lost) when Slurm
     requeued it; None while it still runs as it did."""
     for _ in range(50):  # a job being requeued passes through COMPLETING for a moment
-        row = _job_row(cli, job_id)
+        row = job_row(cli, job_id)
         if row is None:
             return None
         if row["state"] in REQUEUED or (row["state"] == "RUNNING" and _preempting(cli, job_id)):
@@ -757,14 +771,13 @@ def _requeued(cli: LocalClient, job_id: str) -> str | None:
 
 def _preempting(cli: LocalClient, job_id: str) -> bool:
     """Return True while Slurm preempts the job (its grace time before the requeue)."""
-    shown = cli.run(["scontrol", "show", "job", job_id], check=False)
-    return bool(re.search(r"\bPreemptTime=(?!None)", shown))
+    return bool(re.search(r"\bPreemptTime=(?!None)", job_shown(cli, job_id)))
 
 
 def _live_row(cli: LocalClient, job_id: str, ended: str) -> dict[str, Any]:
     """Return squeue's row of the run's job while it holds (or waits for) its allocation;
     ProvisionError saying it `ended` once it no longer does."""
-    row = _job_row(cli, job_id)
+    row = job_row(cli, job_id)
     if row is None or row["state"] not in ACTIVE:
         state = row["state"] if row else "gone from squeue"
         raise ProvisionError(f"the Slurm job {job_id} holding this run's nodes {ended} ({state})")
@@ -779,7 +792,7 @@ def _running_again(cli: LocalClient, job_id: str, deadline: float) -> list[str]:
     while True:
         row = _live_row(cli, job_id, "has ended; a retry provisions again")
         if row["state"] == "RUNNING" and not _preempting(cli, job_id):
-            return cli.run(["scontrol", "show", "hostnames", row["nodes"]]).split()
+            return hostnames(cli, row["nodes"])
         if row["state"] == "PENDING" and row["reason"] not in BUSY:
             raise ProvisionError(
                 f"the Slurm job {job_id} holding this run's nodes waits with reason"
@@ -798,65 +811,6 @@ def _ended(code: int) -> UnitEnd:
     if code > 128:
         return UnitEnd(signal=code - 128)
     return UnitEnd(exit_code=code) if code >= 0 else UnitEnd(signal=-code)
-
-
-def _parse(text: str) -> list[dict[str, Any]]:
-    """Return squeue's rows (FIELDS), each with its comment read as the owner's labels."""
-    rows = []
-    keys = ("id", "state", "reason", "nodes", "submitted")
-    for line in text.splitlines():
-        parts = line.split("\t", 5)
-        if len(parts) < 6:
-            continue
-        try:
-            comment = json.loads(parts[5])
-        except ValueError:  # not gpuflow's
-            comment = {}
-        row: dict[str, Any] = dict(zip(keys, parts[:5], strict=True))
-        row["comment"] = comment if isinstance(comment, dict) else {}
-        rows.append(row)
-    return rows
-
-
-class JobTable:
-    """squeue's rows of the user's jobs on one cluster, shared by every thread of this
-    process: a caller gets rows squeue gave after it asked, and one squeue answers every
-    caller that asked while the one before it ran. Many runs waiting on their jobs cost a
-    squeue per poll, not one each (64 runs polling on their own kept slurmctld and the
-    machine's cores busy answering them)."""
-
-    def __init__(self, cli: LocalClient) -> None:
-        self.cli = cli
-        self._lock = threading.Lock()
-        self._taken = float("-inf")  # when the squeue behind `_rows` started
-        self._rows: dict[str, dict[str, Any]] = {}
-
-    def row(self, job_id: str) -> dict[str, Any] | None:
-        """Return the job's row, None once Slurm no longer knows it."""
-        asked = time.monotonic()
-        with self._lock:
-            if self._taken < asked:
-                started = time.monotonic()
-                out = self.cli.answer(["squeue", "-h", "--me", "-a", "-t", "all", "-o", FIELDS])
-                if out.returncode != 0:
-                    raise ProvisionError(f"`squeue` failed: {said(out.stderr)}")
-                self._rows = {row["id"]: row for row in _parse(out.stdout)}
-                self._taken = started
-            return self._rows.get(job_id)
-
-
-_TABLES: dict[int, JobTable] = {}
-_TABLES_LOCK = threading.Lock()
-
-
-def _job_row(cli: LocalClient, job_id: str) -> dict[str, Any] | None:
-    """Return squeue's row of a job (read after this call began), None once Slurm no longer
-    knows it."""
-    with _TABLES_LOCK:
-        table = _TABLES.get(id(cli))
-        if table is None:  # once per way of reaching a cluster, not on every poll
-            table = _TABLES[id(cli)] = JobTable(cli)
-    return table.row(job_id)
 
 
 def _gpu_indices(cli: LocalClient, job_id: str) -> list[int]:

@@ -197,3 +197,28 @@ def pending_reason(reason: str, request: Request, partition: str) -> str:
     if said is None:
         return f"Slurm holds the job with reason {reason}"
     return said.format(want=want, partition=partition, detail=detail.strip() or "no detail")
+
+
+def accounting(config: str) -> str:
+    """Return the accounting plugin `scontrol show config` names ("accounting_storage/none")."""
+    found = re.search(r"^AccountingStorageType\s*=\s*(\S+)", config, re.MULTILINE)
+    return found.group(1) if found else ""
+
+
+def qos_refusal(qos: str, plugin: str, known: list[str] | None) -> str | None:
+    """Return why the cluster cannot give its jobs `qos`: it keeps no accounting (a QOS
+    lives in the accounting database; without one Slurm ignores --qos, and the job would
+    run without the QOS's priority and limits), or its accounting has no such QOS (`known`,
+    from sacctmgr; None when sacctmgr could not say). None: it can."""
+    if plugin.endswith("/none"):
+        return (
+            f"qos: the Slurm cluster keeps no accounting ({plugin}), so it has no QOS and"
+            f" would ignore {qos!r}; remove qos from the SlurmCluster block."
+        )
+    if known is not None and qos not in known:
+        listed = ", ".join(sorted(known)) or "none"
+        return (
+            f"qos: the Slurm cluster has no QOS {qos!r}; use one of: {listed}"
+            " (`sacctmgr show qos`)."
+        )
+    return None
