@@ -32,6 +32,9 @@ class Capabilities(BaseModel):
     where: str = "this machine"  # where units run, in a user's words ("the cluster's nodes")
     local_files: bool = True  # units can read and write this machine's files (file:// URLs)
     samples_nodes: bool = False  # its nodes sample their own GPUs; the run stage samples nothing
+    # ... into the run's workspace (NODE_SAMPLES) as they sample, where the run stage reads
+    # them while the job runs (limits.idle_gpu, live push) when it sees that folder
+    node_samples_in_workspace: bool = False
 
 
 class Needs(BaseModel):

@@ -59,3 +59,25 @@ def test_a_full_disk_loses_samples_not_the_sampler():
             time.sleep(0.05)
     assert sampler.lost >= 3 and sampler.count == 0
     assert sampler.write_error == "/dev/full: No space left on device"
+
+
+def test_a_sample_tail_hands_on_whole_lines_as_files_grow(tmp_path):
+    """The nodes' sample files in a shared folder: each whole line once, a line still being
+    written when it is whole, a removed file forgotten, other files never read."""
+    from tasks.metrics.sampler import NODE_SAMPLES, SAMPLES, SampleTail
+
+    got: list[dict] = []
+    tail = SampleTail(tmp_path, NODE_SAMPLES, got.append)
+    g1, g2 = (tmp_path / NODE_SAMPLES.replace("*", name) for name in ("g1", "g2"))
+    g1.write_text('{"t": 1, "node": "g1"}\n{"t": 2, "no')
+    g2.write_text('{"t": 1, "node": "g2"}\n')
+    (tmp_path / SAMPLES).write_text('{"t": 0, "node": "joined"}\n')
+    tail.read_new()
+    assert got == [{"t": 1, "node": "g1"}, {"t": 1, "node": "g2"}]
+    with g1.open("a") as out:
+        out.write('de": "g1"}\nnot json\n')
+    g2.unlink()
+    tail.read_new()
+    assert got[2:] == [{"t": 2, "node": "g1"}]
+    tail.read_new()
+    assert len(got) == 3

@@ -33,6 +33,8 @@ GPU_FIELDS = (
 
 
 SAMPLES = ".gpuflow-samples.jsonl"  # a run's samples, in its cluster's workspace
+# where a node's sampler writes while its units run, beside SAMPLES (joined into it after)
+NODE_SAMPLES = ".gpuflow-samples-*.jsonl"
 
 
 class Sampler:
@@ -175,6 +177,61 @@ def read_samples(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return samples
+
+
+class SampleTail:
+    """Samples that other machines write into a shared folder (files matching `pattern`),
+    handed to `on_sample` as they come: a thread reads the whole lines each file gained
+    every `interval_s`, and once more when it stops. A file removed meanwhile (its samples
+    joined the run's) is forgotten."""
+
+    def __init__(
+        self,
+        folder: Path,
+        pattern: str,
+        on_sample: Callable[[dict[str, Any]], None],
+        interval_s: float = 1.0,
+    ) -> None:
+        self.folder, self.pattern, self.on_sample = Path(folder), pattern, on_sample
+        self.interval_s = interval_s
+        self._read: dict[Path, int] = {}  # file -> bytes handed on
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="sample-tail", daemon=True)
+
+    def __enter__(self) -> SampleTail:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            stopping = self._stop.wait(self.interval_s)
+            self.read_new()
+            if stopping:
+                return
+
+    def read_new(self) -> None:
+        """Hand on the samples the files gained since the last read."""
+        for path in sorted(self.folder.glob(self.pattern)):
+            done = self._read.get(path, 0)
+            try:
+                with path.open("rb") as source:
+                    source.seek(done)
+                    data = source.read()
+            except FileNotFoundError:
+                self._read.pop(path, None)
+                continue
+            whole = data[: data.rfind(b"\n") + 1]  # a line still being written waits
+            self._read[path] = done + len(whole)
+            for line in whole.splitlines():
+                try:
+                    sample = json.loads(line)
+                except ValueError:
+                    continue
+                self.on_sample(sample)
 
 
 def main(argv: list[str] | None = None) -> int:

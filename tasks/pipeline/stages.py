@@ -53,7 +53,7 @@ from tasks.metrics import cost as pricing
 from tasks.metrics.idle import IdleWatch, watch_of
 from tasks.metrics.plot import utilisation_png
 from tasks.metrics.prometheus import LivePush, delete, exposition, push
-from tasks.metrics.sampler import SAMPLES, Sampler, read_samples
+from tasks.metrics.sampler import NODE_SAMPLES, SAMPLES, Sampler, SampleTail, read_samples
 from tasks.metrics.summary import IDLE_PCT, RunMetrics, summarise
 from tasks.outputs import copy_outputs
 from tasks.pipeline import preflight as preflight_checks
@@ -415,14 +415,17 @@ def sampling(
     """Sample GPU/host metrics into the workspace (and push them live when a Pushgateway
     is configured) while the body runs; yield the idle watch when limits.idle_gpu is set."""
     idle = spec.limits.idle_gpu
-    if cluster.capabilities.samples_nodes:
+    nodes_write_here = cluster.capabilities.node_samples_in_workspace and (
+        Path(cluster.workspace).is_dir()  # the cluster's shared filesystem, seen from here
+    )
+    if cluster.capabilities.samples_nodes and not nodes_write_here:
         if idle is not None:
             warn(
-                "limits.idle_gpu is not enforced on %s: its nodes sample themselves; the"
-                " reclaim flow watches them through the Pushgateway",
+                "limits.idle_gpu is not enforced on %s: its nodes sample themselves and"
+                " this machine does not see their samples as they come",
                 cluster.backend,
             )
-        yield None  # the backend's nodes sample themselves (EC2's agents)
+        yield None
         return
     consumers: list[Callable[[dict[str, Any]], None]] = []
     if spec.metrics.pushgateway:
@@ -439,6 +442,11 @@ def sampling(
         for consume in consumers:
             consume(sample)
 
+    if nodes_write_here:  # the nodes' samplers write into the workspace: read them there
+        tail = SampleTail(Path(cluster.workspace), NODE_SAMPLES, on_sample, spec.metrics.interval_s)
+        with tail, watch if watch is not None else contextlib.nullcontext():
+            yield watch
+        return
     samples = Path(cluster.workspace) / SAMPLES
     sampler = Sampler(samples, cluster.gpu_indices, spec.metrics.interval_s, on_sample=on_sample)
     try:

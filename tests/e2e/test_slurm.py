@@ -783,6 +783,30 @@ def test_the_gpus_of_a_units_node_are_sampled_on_that_node(
     assert gpuflow_jobs() == []
 
 
+@pytest.mark.timeout(420)
+def test_idle_gpus_on_the_nodes_stop_the_job(
+    slurm, prefect_api, gpuflow_home, tmp_path, monkeypatch
+):
+    """limits.idle_gpu on Slurm: the samples the nodes write into the shared workspace are
+    read as they come; GPUs at 0 % past `for` stop the unit (SIGTERM to its step) and the
+    run ends saying why, with nothing left."""
+    from tests.conftest import FAKES
+
+    monkeypatch.setenv("PYTHONPATH", str(FAKES))
+    monkeypatch.setenv("FAKE_NVML_GPUS", "4")
+    monkeypatch.setenv("FAKE_NVML_UTIL", "0")
+    raw = spec(tmp_path, ["sleep", "600"], resources={"nodes": 1})
+    raw["limits"]["idle_gpu"] = {"below_pct": 5, "for": "2s", "action": "stop"}
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    assert state.is_failed()
+    assert "the job was stopped because its GPUs (0, 1, 2, 3) were under 5% busy" in (
+        state.message
+    ), state.message
+    logs = logs_of(state.state_details.flow_run_id)
+    assert any("idle GPUs:" in line and "stopping the job" in line for line in logs), logs
+    assert gpuflow_jobs() == []
+
+
 def test_reap_through_the_login_node_cancels_the_job_of_a_run_its_api_does_not_know(
     login_node, prefect_api, gpuflow_home, tmp_path, monkeypatch, capsys
 ):

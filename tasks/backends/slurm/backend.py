@@ -67,7 +67,7 @@ from tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, Provis
 from tasks.gpus import PRODUCTS
 from tasks.host import STOP_GRACE_S, OutputPump, alive, gpuflow_home, start_time
 from tasks.metrics.cost import PriceTable
-from tasks.metrics.sampler import SAMPLES
+from tasks.metrics.sampler import NODE_SAMPLES, SAMPLES
 from tasks.spec import JobSpec, Placement
 
 # squeue's states of a job that still holds (or waits for) its allocation
@@ -122,7 +122,8 @@ class SlurmBackend:
     capabilities = Capabilities(
         where="the Slurm cluster's nodes",
         local_files=False,  # the nodes see the cluster's shared filesystem, not this machine's
-        samples_nodes=True,  # a step beside each unit samples its node's GPUs
+        samples_nodes=True,  # a step beside a run's units on each node samples its GPUs
+        node_samples_in_workspace=True,  # ... into the shared workspace, as it samples
     )
 
     def __init__(self, block: str | None = None) -> None:
@@ -582,7 +583,7 @@ class NodeSampler:
         self.key, self.users = (state.job_id, node), 0
         self.workspace = Path(cluster.workspace)
         step = f"{cluster.name}.sampler.{node}.{uuid.uuid4().hex[:8]}"
-        self.path = self.workspace / f".gpuflow-samples-{step}.jsonl"
+        self.path = self.workspace / NODE_SAMPLES.replace("*", step)
         argv = [
             "srun",
             f"--jobid={state.job_id}",
