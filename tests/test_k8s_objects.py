@@ -317,3 +317,45 @@ def test_output_lines_of_the_wrong_shape_and_odd_file_names_lose_nothing(tmp_pat
         ("stdout", "@@gpuflow-output-left n x"),
     ]
     assert [p.name for p in (tmp_path / "back").iterdir()] == ["result.json"]
+
+
+def test_an_api_server_that_answers_429_is_asked_again_after_its_retry_after():
+    """A server just started answers 429 while its storage initializes: the request (a POST
+    too: a 429 was not taken) is made again after Retry-After, and its answer returned."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tasks.backends.kubernetes.kubeapi import KubeApi, KubeConfig
+
+    seen: list[str] = []
+
+    class Busy(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            seen.append(self.command)
+            busy = len(seen) <= 2
+            body = json.dumps(
+                {"reason": "TooManyRequests", "message": "storage is (re)initializing"}
+                if busy
+                else {"kind": "Job", "metadata": {"name": "made"}}
+            ).encode()
+            self.send_response(429 if busy else 201)
+            if busy:
+                self.send_header("Retry-After", "1")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        config = KubeConfig(server=f"http://127.0.0.1:{server.server_port}", source="a test")
+        made = KubeApi(config).request("POST", "/apis/batch/v1/namespaces/default/jobs", {})
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert made["metadata"]["name"] == "made" and seen == ["POST"] * 3

@@ -146,6 +146,7 @@ def checkpoints(aws: dict, s3_server, prefix: str) -> list[str]:
     return [o["Key"] for o in listed.get("Contents", []) if "/checkpoints/" in o["Key"]]
 
 
+@pytest.mark.timeout(600)  # two trainings of 120 steps on CPU, and a new instance
 def test_a_spot_notice_checkpoints_and_the_run_resumes_on_a_new_instance_exactly(
     aws, played, s3_server, tmp_path
 ):

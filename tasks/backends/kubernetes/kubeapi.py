@@ -28,6 +28,8 @@ from tasks.errors import GpuflowError, InvalidSpec, TransientError
 
 IN_CLUSTER = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 IDEMPOTENT = {"GET", "PUT", "DELETE"}
+# how long a server that answers 429 (too many requests, storage initializing) is asked again
+BUSY_WAIT_S = 30.0
 VERBS = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
 
 
@@ -197,16 +199,25 @@ class KubeApi:
         """Return the decoded answer; KubeError (one sentence) when the server refuses,
         KubeUnreachable when it does not answer."""
         attempts = 3 if method in IDEMPOTENT else 1
-        for attempt in range(attempts):
+        busy_until = time.monotonic() + BUSY_WAIT_S
+        attempt = 0
+        while True:
             try:
                 answer = self.http.request(method, path, json=body, params=params)
             except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
-                if attempt + 1 < attempts:  # a kept-alive connection the server just closed
-                    time.sleep(0.2 * (attempt + 1))
+                attempt += 1
+                if attempt < attempts:  # a kept-alive connection the server just closed
+                    time.sleep(0.2 * attempt)
                     continue
                 raise self._unreachable(exc) from None
             except httpx.HTTPError as exc:
                 raise self._unreachable(exc) from None
+            # 429: the server did not take the request (too many, or a server just started
+            # whose storage is still initializing) and says when to ask again; as
+            # client-go does, any method is asked again, within BUSY_WAIT_S
+            if answer.status_code == 429 and time.monotonic() < busy_until:
+                time.sleep(_retry_after(answer))
+                continue
             break
         if answer.status_code < 400:
             return answer.json() if answer.content else {}
@@ -227,6 +238,14 @@ class KubeApi:
                 answer.read()
                 raise refusal("GET", path, answer)
             yield from answer.iter_lines()
+
+
+def _retry_after(answer: httpx.Response) -> float:
+    """Return how long to wait before asking again: the server's Retry-After, 1 s to 5 s."""
+    try:
+        return min(5.0, max(1.0, float(answer.headers.get("Retry-After", "1"))))
+    except ValueError:
+        return 1.0
 
 
 def refusal(method: str, path: str, answer: httpx.Response) -> KubeError:
