@@ -168,3 +168,46 @@ def test_a_qos_the_cluster_lacks_is_one_sentence(plugin, known, said):
         assert got is None
     else:
         assert got is not None and said in got, got
+
+
+def test_threads_asking_slurm_at_once_share_one_answer_given_after_they_asked():
+    """One squeue (or scontrol) answers every thread that asked while the one before it
+    ran; a caller never gets an answer that began before it asked."""
+    import subprocess
+    import threading
+    import time
+
+    from tasks.backends.slurm.queue import shared
+
+    class Client:
+        calls = 0
+
+        def answer(self, argv: list[str]) -> subprocess.CompletedProcess:
+            Client.calls += 1
+            began = time.monotonic()
+            if Client.calls == 1:  # the first answer ends once all 8 have asked
+                everyone.wait(timeout=60)
+            return subprocess.CompletedProcess(argv, 0, stdout=str(began), stderr="")
+
+    cli = Client()
+    asked: list[float] = []
+    got: list[float] = []
+
+    everyone = threading.Event()
+
+    def ask() -> None:
+        asked.append(time.monotonic())
+        if len(asked) >= 8:
+            everyone.set()
+        got.append(float(shared(cli, ["squeue", "-h"]).stdout))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert Client.calls == 2  # the first answer, and one for all who asked while it ran
+    assert sorted(got)[1:] == [sorted(got)[1]] * 7
+    before = Client.calls
+    ask()
+    assert Client.calls == before + 1 and got[-1] >= asked[-1]  # asked after: a new one

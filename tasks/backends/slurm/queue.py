@@ -14,6 +14,8 @@ from typing import Any
 from tasks.backends.slurm.commands import LocalClient, said
 from tasks.errors import ProvisionError
 
+# how many commands' answers are kept (a job's `scontrol show job` is one)
+KEPT = 256
 FIELDS = "%i\t%T\t%r\t%N\t%V\t%k"  # id, state, reason, nodes, submitted, comment (free text)
 
 
@@ -48,6 +50,8 @@ def shared(cli: LocalClient, argv: list[str]) -> subprocess.CompletedProcess:
     with _SHARED_LOCK:
         answer = _SHARED.get(key)
         if answer is None:  # once per command and way of reaching a cluster
+            if len(_SHARED) >= KEPT:  # a long-lived worker asks of many jobs: the oldest go
+                del _SHARED[next(iter(_SHARED))]
             answer = _SHARED[key] = SharedAnswer(cli, argv)
     return answer.get()
 
