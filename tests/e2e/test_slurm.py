@@ -293,7 +293,12 @@ def test_a_unit_whose_gpus_are_taken_saves_its_state_and_the_run_resumes_when_sl
         flow.join(timeout=240)
     finally:
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False)
-    assert not flow.is_alive(), "the run did not end"
+    if flow.is_alive():  # say where it waits (its thread's stack), then fail
+        import sys
+        import traceback
+
+        stack = "".join(traceback.format_stack(sys._current_frames()[flow.ident]))
+        pytest.fail(f"the run did not end; it waits in:\n{stack}")
     state = done["state"]
     assert state.is_completed(), state.message
     logs = logs_of(state.state_details.flow_run_id)
@@ -502,7 +507,12 @@ def test_training_on_two_nodes_preempted_part_way_resumes_to_the_weights_of_a_st
         time.sleep(0.05)
     take_by_urgent_job("g1")
     flow.join(timeout=300)
-    assert not flow.is_alive(), "the run did not end"
+    if flow.is_alive():  # say where it waits (its thread's stack), then fail
+        import sys
+        import traceback
+
+        stack = "".join(traceback.format_stack(sys._current_frames()[flow.ident]))
+        pytest.fail(f"the run did not end; it waits in:\n{stack}")
     resumed = done["state"]
     assert resumed.is_completed(), resumed.message
     assert stopped_at < 50

@@ -79,6 +79,8 @@ BUSY = ("Resources", "Priority", "None", "BeginTime", "Dependency")
 # how long a job whose GPUs are idle may wait for the scheduler to reach it (its main and
 # backfill cycles: 60 s and 30 s by default) before gpuflow gives up on it
 SCHEDULER_CYCLES_S = 120.0
+# how often a running step's job is asked whether Slurm took it back (requeued)
+ORPHAN_CHECK_S = 2.0
 # how often a unit's node samples its GPUs
 SAMPLE_INTERVAL_S = 1.0
 
@@ -638,17 +640,38 @@ class SlurmStep:
 
     def __init__(self, cli: LocalClient, proc: subprocess.Popen, job_id: str, name: str) -> None:
         self.cli, self.proc, self.job_id, self.name = cli, proc, job_id, name
+        self._looked = time.monotonic()  # when the job's state was last asked while srun ran
 
     def poll(self) -> UnitEnd | None:
         code = self.proc.poll()
         if code is None:
-            return None
+            return self._orphaned()
         if why := _requeued(self.cli, self.job_id):
             # preempted or its node lost: Slurm requeued the run's job, as a preemption.
             # Asked whatever srun's code: srun that loses its step's node ("Node failure")
             # exits 0 without the unit's code, even though the unit was stopped.
             return UnitEnd(exit_code=PREEMPTED_EXIT_CODE, tail=[why])
         return _ended(code)
+
+    def _orphaned(self) -> UnitEnd | None:
+        """Return a preemption when Slurm took the run's job back (requeued: its node lost)
+        while srun still runs: an srun whose node went away and came back at once may
+        follow a step that is no more. Asked every ORPHAN_CHECK_S; None otherwise."""
+        now = time.monotonic()
+        if now - self._looked < ORPHAN_CHECK_S:
+            return None
+        self._looked = now
+        row = job_row(self.cli, self.job_id)
+        if row is None or row["state"] not in REQUEUED:
+            return None
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        why = f"the Slurm job {self.job_id} was requeued (a node lost) while its step ran"
+        return UnitEnd(exit_code=PREEMPTED_EXIT_CODE, tail=[why])
 
     def wait(self, seconds: float) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
