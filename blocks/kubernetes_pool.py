@@ -56,6 +56,12 @@ class KubernetesGpuPool(Block):
         default_factory=lambda: [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}],
         title="Tolerations",
     )
+    gpu_hourly_usd: float | None = Field(
+        default=None,
+        ge=0,
+        title="GPU hourly price (USD)",
+        description="What one GPU of this cluster costs per hour (empty: the price table's).",
+    )
     queue_name: str | None = Field(default=None, title="Kueue queue")
     priority_class_name: str | None = Field(default=None, title="Priority class")
     active_deadline_seconds: int = Field(default=86400, ge=1, title="Deadline (seconds)")

@@ -14,7 +14,8 @@ from tasks.contract import Cluster, owner_labels
 from tasks.errors import InvalidSpec, JobCancelled, JobFailed
 from tasks.host import gpuflow_home, signals_deferred
 from tasks.metrics.summary import RunMetrics
-from tasks.pipeline.checks import check_spec
+from tasks.pipeline.checks import check_pool
+from tasks.pipeline.failover import place_on
 from tasks.pipeline.heartbeat import flow_run_heartbeat
 from tasks.pipeline.inflight import run_in_flight
 from tasks.pipeline.stages import (
@@ -50,27 +51,31 @@ def artifacts_dir(spec: JobSpec, flow_run_id: str) -> Path:
 
 
 def _teardown_hook(flow: Any, flow_run: Any, state: Any) -> None:
-    """on_crashed / on_cancellation: release whatever this run owns, found by its labels."""
+    """on_crashed / on_cancellation: release whatever this run owns, found by its labels
+    (on every candidate of a placement list)."""
     spec = flow_run.parameters.get("spec") if flow_run.parameters else None
     if isinstance(spec, JobSpec):
-        where = spec.placement
+        places = list(spec.candidates) or [spec.placement]
     else:
         given = (spec or {}).get("placement") if isinstance(spec, dict) else None
+        listed = given if isinstance(given, list) else [given or {}]
         try:
-            where = Placement.model_validate(given or {})
+            places = [Placement.model_validate(p) for p in listed]
         except ValueError:  # a spec that never got past validation provisioned nothing
             return
-    try:
-        teardown_owned(where, str(flow_run.id))
-    except InvalidSpec:  # no such backend: nothing was provisioned
-        return
+    for where in places:
+        try:
+            teardown_owned(where, str(flow_run.id))
+        except InvalidSpec:  # no such backend: nothing was provisioned
+            continue
 
 
-def _teardown(where: Placement, flow_run_id: str) -> None:
-    try:
-        teardown(where, flow_run_id)
-    except Exception:
-        teardown_owned(where, flow_run_id)  # the task machinery failed: do it plainly
+def _teardown(flow_run_id: str, *places: Placement) -> None:
+    for where in places:
+        try:
+            teardown(where, flow_run_id)
+        except Exception:
+            teardown_owned(where, flow_run_id)  # the task machinery failed: do it plainly
 
 
 # Every flow that runs the stages carries these, so teardown runs however the run ends.
@@ -106,13 +111,15 @@ def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
 
 def _checked_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
     job = load_spec(spec.model_dump() if isinstance(spec, JobSpec) else spec)
-    job, prices = check_spec(job)  # before anything is provisioned
-    where = job.placement
+    pool = check_pool(job)  # every candidate, before anything is provisioned
+    job, prices = pool[0]
     run_id = str(current_run.id)
     out = artifacts_dir(job, run_id)
     owner = owner_labels(run_id, job.name)
     idle = nothing_to_do(job)
-    with run_in_flight(run_id, where):
+    with run_in_flight(run_id, *(j.placement for j, _ in pool)):
+        if len(pool) > 1 and not idle:
+            return _pooled(pool, run_id, out, owner)
         return _stages(job, prices, run_id, out, owner, idle)
 
 
@@ -137,10 +144,10 @@ def _stages(
             job, cluster, outcome, prices, run_id, str(out)
         )
     except JobCancelled as exc:
-        _teardown(where, run_id)
+        _teardown(run_id, where)
         return Cancelled(message=str(exc))
     except Exception:
-        _teardown(where, run_id)
+        _teardown(run_id, where)
         raise
     except BaseException:
         with signals_deferred():  # interrupted: the engine may be going down
@@ -149,7 +156,49 @@ def _stages(
     finally:
         if idle:
             release_unprovisioned(run_id)
-    _teardown(where, run_id)
+    _teardown(run_id, where)
+    return _result(job, run_id, cluster, verdict, outcome, metrics, out)
+
+
+def _pooled(
+    pool: list[tuple[JobSpec, Any]], run_id: str, out: Path, owner: dict[str, str]
+) -> PipelineResult | State:
+    """The stages for a job placed on a list of candidates: tried in the policy's order,
+    a candidate that cannot give the GPUs within its gpu_wait given up (what it made
+    removed) for the next, a preempted job moved on where the policy says, then collect
+    and teardown as for one placement."""
+    places = [job.placement for job, _ in pool]
+    try:
+        placed = place_on(pool, run_id, owner)
+        job, prices = pool[placed.candidate.index]
+        metrics = retrying(collect, job.retry.collect)(
+            job, placed.cluster, placed.outcome, prices, run_id, str(out),
+            placed.earlier, placed.candidate.name,
+        )  # fmt: skip
+    except JobCancelled as exc:
+        _teardown(run_id, *places)
+        return Cancelled(message=str(exc))
+    except Exception:
+        _teardown(run_id, *places)
+        raise
+    except BaseException:
+        with signals_deferred():  # interrupted: the engine may be going down
+            for where in places:
+                teardown_owned(where, run_id)
+        raise
+    _teardown(run_id, job.placement)
+    return _result(job, run_id, placed.cluster, placed.verdict, placed.outcome, metrics, out)
+
+
+def _result(
+    job: JobSpec,
+    run_id: str,
+    cluster: Cluster,
+    verdict: str,
+    outcome: Any,
+    metrics: RunMetrics,
+    out: Path,
+) -> PipelineResult:
     if outcome.failure:
         raise JobFailed(outcome.failure)
     get_run_logger().info("artifacts: %s", out)

@@ -89,11 +89,12 @@ class OutageWatch:
     def _give_up(self, runs: dict[str, Any], problem: str, away_s: float) -> None:
         since = datetime.fromtimestamp(time.time() - away_s).strftime("%H:%M:%S")
         why = f"the Prefect API at {self.api.url} stopped answering at {since} ({problem})"
-        for run_id, placement in runs.items():
-            try:
-                teardown_owned(placement, run_id)
-            except Exception as exc:  # what is left, the reaper finds by its labels
-                self.say(f"teardown of run {run_id} failed ({type(exc).__name__}: {exc})")
+        for run_id, placements in runs.items():
+            for placement in placements:  # a pool's: each candidate it may have used
+                try:
+                    teardown_owned(placement, run_id)
+                except Exception as exc:  # what is left, the reaper finds by its labels
+                    self.say(f"teardown of run {run_id} failed ({type(exc).__name__}: {exc})")
             record_unreported(run_id, self.api.url, why)
         kept = self.keep_logs()
         self.fail(

@@ -68,6 +68,9 @@ class Cluster(BaseModel):
     # the backend's own state, a JSON object its typed model reads (`state_of`)
     state: dict[str, Any] = {}
     gpu_lease_id: str | None = None
+    # what the whole cluster is paid per hour where the backend knows it (an EC2 offer's
+    # spot price); None: the price table's
+    hourly_usd: float | None = None
     created_at: datetime
     adopted: bool = False
 
@@ -78,6 +81,20 @@ class Cluster(BaseModel):
     def hosts(self) -> list[str]:
         """Return each node's name, node 0 first."""
         return list(self.node_names) or [self.hostname] * self.nodes
+
+
+class Offer(BaseModel):
+    """What a backend could give a job now, and at what price: one candidate's row in a
+    pool's choice. Read only; nothing is made to answer it."""
+
+    where: str  # in a user's words: "kubernetes/onprem (namespace gpu)", "ec2 g6.xlarge spot"
+    gpu_product: str | None = None  # the product it would give (None: any, or unknown)
+    gpus_free: int | None = None  # GPUs of that product free now (None: not known before launch)
+    hourly_usd: float = 0.0  # every node of the job, while held
+    can_start: bool = True  # the job could start now without waiting for GPUs
+    why_not: str = ""  # why it cannot start now (or what is not known), one phrase
+    queue_ahead: int | None = None  # jobs waiting before it (a batch queue)
+    preemptible: bool = False  # its GPUs may be taken back (spot): a preempted job moves on
 
 
 class WorkUnit(BaseModel):

@@ -73,3 +73,17 @@ def retry_when_retryable(task: Any, task_run: Any, state: Any) -> bool:
     except Exception as exc:
         return is_retryable(exc)
     return False
+
+
+def retry_unless(*moved: type[GpuflowError]) -> Any:
+    """Return a Prefect retry condition like `retry_when_retryable` that does not retry the
+    errors of `moved`: a pool hands those to its next candidate instead."""
+
+    def condition(task: Any, task_run: Any, state: Any) -> bool:
+        try:
+            state.result()
+        except Exception as exc:
+            return is_retryable(exc) and not isinstance(exc, moved)
+        return False
+
+    return condition

@@ -152,6 +152,22 @@ class Placement(SpecModel):
         return str(Path(value).expanduser().absolute())
 
 
+class PlacementPolicy(SpecModel):
+    """How a job placed on a list of candidates is placed: which candidate first, and
+    where a preempted unit resumes."""
+
+    choose: Literal["in-order", "cheapest", "soonest"] = Field(
+        "in-order",
+        description="in-order: try the candidates as listed; cheapest: the cheapest that can"
+        " start now first; soonest: those that can start now first, in the listed order.",
+    )
+    on_preempt: Literal["same", "next"] | None = Field(
+        None,
+        description="Where a preempted job resumes: on the same candidate, or the next one"
+        " that can start it (default: next after a spot interruption, else same).",
+    )
+
+
 class Storage(SpecModel):
     artifacts: str | None = Field(None, description="file:// folder for run artifacts.")
     aws_credentials: str | None = Field(
@@ -261,6 +277,12 @@ class JobSpec(SpecModel):
     job: NO_KINDS  # the union of the registered kinds' models (add_job_model)
     resources: Resources = Resources()
     placement: Placement = Placement()
+    # filled from a `placement:` list, in the order of preference; `placement` is then the
+    # candidate the run uses (the first until the pool chooses)
+    candidates: tuple[Placement, ...] = Field(
+        (), description="The placements a job may use, when `placement` is a list."
+    )
+    placement_policy: PlacementPolicy = PlacementPolicy()
     storage: Storage = Storage()
     limits: Limits = Limits()
     retry: RetryPolicy = RetryPolicy()
@@ -270,6 +292,46 @@ class JobSpec(SpecModel):
         description="Environment variable -> name of a Prefect Secret block holding its value.",
     )
     metrics: MetricsSettings = MetricsSettings()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _placement_list(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("placement"), list | tuple):
+            given = list(data["placement"])
+            if not given:
+                raise ValueError(
+                    "placement: the list of candidates is empty; give at least one placement"
+                    " (a mapping such as {backend: local}), or one mapping instead of a list"
+                )
+            if "candidates" in data:
+                raise ValueError(
+                    "candidates: is filled from a placement list; give the list in placement only"
+                )
+            data = {**data, "placement": given[0], "candidates": given}
+        return data
+
+    @model_validator(mode="after")
+    def _candidates_distinct(self) -> JobSpec:
+        if self.placement_policy != PlacementPolicy() and len(self.candidates) < 2:
+            raise ValueError(
+                "placement_policy chooses among candidates, but placement names one;"
+                " make placement a list of candidates or remove placement_policy"
+            )
+        seen: dict[str, int] = {}
+        for index, candidate in enumerate(self.candidates):
+            key = candidate.model_dump_json()
+            if key in seen:
+                raise ValueError(
+                    f"placement[{index}] is the same candidate as placement[{seen[key]}];"
+                    " remove one, or make them differ (another block, namespace, market...)"
+                )
+            seen[key] = index
+        if self.candidates and self.placement not in self.candidates:
+            raise ValueError(
+                "placement: the placement used is not one of the candidates; give the"
+                " candidates as a placement list only"
+            )
+        return self
 
     @field_validator("name")
     @classmethod
@@ -326,6 +388,8 @@ def _field_names(loc: tuple[Any, ...]) -> list[str]:
     parts = list(loc[:-1])
     if parts[:1] == ["job"] and len(parts) > 1 and parts[1] in kinds:
         model, parts = kinds[parts[1]], parts[2:]
+    elif parts[:1] == ["candidates"]:  # one of a placement list
+        model, parts = Placement, parts[2:]
     for part in parts:
         annotation = model.model_fields[part].annotation if part in model.model_fields else None
         # an optional section (MdSettings | None) names its fields like a plain one
@@ -341,6 +405,8 @@ def _sentence(error: dict[str, Any]) -> str:
     loc = tuple(error["loc"])
     if loc[:1] == ("job",) and len(loc) > 1 and loc[1] in JOB_MODELS:
         loc = loc[:1] + loc[2:]  # drop the union's tag: job.command.command -> job.command
+    if loc[:1] == ("candidates",) and len(loc) > 1:  # given as a placement list
+        loc = (f"placement[{loc[1]}]", *loc[2:])
     where = ".".join(str(p) for p in loc) or "spec"
     kind = error["type"]
     if kind == "extra_forbidden":
@@ -361,7 +427,7 @@ def _sentence(error: dict[str, Any]) -> str:
     if kind == "value_error":
         # model-level checks already name their fields in full
         named = msg.startswith(where + ".") or (
-            where == "spec" and msg.split(".", 1)[0] in JobSpec.model_fields
+            where == "spec" and re.split(r"[.:\[ ]", msg, maxsplit=1)[0] in JobSpec.model_fields
         )
         return msg if named else f"{where}: {msg}"
     bound = {"greater_than_equal": "ge", "greater_than": "gt", "less_than_equal": "le"}.get(kind)
@@ -369,6 +435,14 @@ def _sentence(error: dict[str, Any]) -> str:
         limit = error["ctx"][bound]
         word = {"ge": "at least", "gt": "more than", "le": "at most"}[bound]
         return f"{where} must be {word} {limit} (got {error.get('input')!r}); change it"
+    if kind == "literal_error" and isinstance(error.get("input"), str):
+        allowed = re.findall(r"'([^']*)'", error.get("ctx", {}).get("expected", ""))
+        close = difflib.get_close_matches(error["input"], allowed, n=1)
+        if close:
+            return (
+                f"{where}: {error['input']!r} is not one of {', '.join(allowed)};"
+                f" did you mean {close[0]!r}?"
+            )
     hidden = loc[:1] in (("env",), ("secret_env",))
     if hidden and kind == "string_type":
         return f'{where}: environment values are text; quote it, e.g. {loc[-1]}: "4"'

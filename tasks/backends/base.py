@@ -16,6 +16,7 @@ from tasks.contract import (
     JobResult,
     LineSink,
     Needs,
+    Offer,
     ReapReport,
     RunStates,
     StopCheck,
@@ -145,6 +146,12 @@ class Backend(Protocol):
         """Raise InvalidSpec if this backend cannot run `spec` (with what its kind `needs`;
         None: nothing beyond the spec); makes nothing. The pipeline matches `needs` with
         `capabilities` itself."""
+
+    def offers(self, spec: JobSpec, prices: PriceTable) -> list[Offer]:
+        """Return what this backend could give `spec` now, best first, priced with `prices`
+        (its block's applied): free GPUs, the queue ahead, $/h. Makes nothing; raises
+        InvalidSpec only for settings that are wrong (an unreachable cluster is an offer
+        that cannot start, saying why)."""
 
     def describe(self, spec: JobSpec) -> list[dict[str, str]]:
         """Return preflight rows saying where and how the job would run (no host checks)."""

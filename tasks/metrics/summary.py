@@ -31,6 +31,8 @@ class RunMetrics(BaseModel):
     cost_usd: float = 0.0
     cost_hourly_usd: float = 0.0
     cost_breakdown: dict[str, float] = {}
+    # a run placed on a list of candidates: GPU-hours and cost on each candidate it used
+    by_placement: list[dict[str, Any]] = []
     job: dict[str, Any] = {}
 
 

@@ -27,6 +27,25 @@ def check_spec(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
     return spec, prices
 
 
+def check_pool(spec: JobSpec) -> list[tuple[JobSpec, PriceTable]]:
+    """Return, for each candidate of the spec's placement (one for a single placement),
+    the spec placed there with its settings applied and its prices, once every candidate
+    passed every check; InvalidSpec naming the candidate otherwise. Nothing is made."""
+    if not spec.candidates:
+        return [check_spec(spec)]
+    checked = []
+    for index, candidate in enumerate(spec.candidates):
+        try:
+            checked.append(check_spec(spec.model_copy(update={"placement": candidate})))
+        except InvalidSpec as exc:
+            named = f"placement[{index}]"
+            said = str(exc).replace("placement.", f"{named}.")
+            if not said.startswith(named):
+                said = f"{named} ({candidate.backend}): {said}"
+            raise InvalidSpec(said) from None
+    return checked
+
+
 def check_job(spec: JobSpec) -> None:
     """Raise InvalidSpec when the job itself (not the backend) cannot run as written."""
     where = get_backend(spec.placement.backend, spec.placement).capabilities

@@ -11,15 +11,15 @@ from collections.abc import Iterator
 from tasks.spec import Placement
 
 _LOCK = threading.Lock()
-_RUNS: dict[str, Placement] = {}
+_RUNS: dict[str, tuple[Placement, ...]] = {}
 _UNITS = [0]
 
 
 @contextlib.contextmanager
-def run_in_flight(run_id: str, placement: Placement) -> Iterator[None]:
-    """Note a run this process orchestrates, until it ends."""
+def run_in_flight(run_id: str, *placements: Placement) -> Iterator[None]:
+    """Note a run this process orchestrates and where it may be placed, until it ends."""
     with _LOCK:
-        _RUNS[run_id] = placement
+        _RUNS[run_id] = placements
     try:
         yield
     finally:
@@ -39,7 +39,7 @@ def unit_running() -> Iterator[None]:
             _UNITS[0] -= 1
 
 
-def snapshot() -> tuple[dict[str, Placement], int]:
+def snapshot() -> tuple[dict[str, tuple[Placement, ...]], int]:
     """Return the runs under way and how many units run now."""
     with _LOCK:
         return dict(_RUNS), _UNITS[0]

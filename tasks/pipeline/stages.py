@@ -58,6 +58,7 @@ from tasks.metrics.summary import IDLE_PCT, RunMetrics, summarise
 from tasks.outputs import copy_outputs
 from tasks.pipeline import preflight as preflight_checks
 from tasks.pipeline.inflight import unit_running
+from tasks.pipeline.pool import Use
 from tasks.spec import JobSpec, Placement, StageRetry
 from tasks.storage import s3_settings
 
@@ -70,8 +71,9 @@ def _retries_left() -> bool:
     return context.task_run.run_count <= (context.task.retries or 0)
 
 
-def retrying(stage: Any, policy: StageRetry) -> Any:
-    """Return `stage` with the policy's retries: exponential backoff with jitter."""
+def retrying(stage: Any, policy: StageRetry, condition: Any = retry_when_retryable) -> Any:
+    """Return `stage` with the policy's retries: exponential backoff with jitter, for the
+    errors `condition` retries (default: the retryable ones)."""
     if policy.retries == 0:
         return stage.with_options(retries=0)
     return stage.with_options(
@@ -80,7 +82,7 @@ def retrying(stage: Any, policy: StageRetry) -> Any:
             policy.retries
         ),
         retry_jitter_factor=policy.jitter or None,
-        retry_condition_fn=retry_when_retryable,
+        retry_condition_fn=condition,
     )
 
 
@@ -279,14 +281,19 @@ def run(
 
 
 def run_stage(
-    spec: JobSpec, cluster: Cluster, prices: pricing.PriceTable, flow_run_id: str
+    spec: JobSpec,
+    cluster: Cluster,
+    prices: pricing.PriceTable,
+    flow_run_id: str,
+    condition: Any = retry_when_retryable,
 ) -> RunOutcome:
-    """The run stage: every unit of the job's kind at once (the `run` task, retried), or,
-    for a kind that hands out its own units (render chunks), the kind's schedule through a
-    UnitRunner, under the same limits, sampler and stop checks."""
+    """The run stage: every unit of the job's kind at once (the `run` task, retried for
+    the errors `condition` retries), or, for a kind that hands out its own units (render
+    chunks), the kind's schedule through a UnitRunner, under the same limits, sampler and
+    stop checks."""
     kind = kind_of(spec)
     if not kind.schedules_units:
-        return retrying(run, spec.retry.run)(spec, cluster, prices, flow_run_id)
+        return retrying(run, spec.retry.run, condition)(spec, cluster, prices, flow_run_id)
     logger = get_run_logger()
     timeout, stopped_by = time_limit(spec, cluster, prices)
     runner = PipelineRunner(spec, cluster, flow_run_id)
@@ -401,7 +408,7 @@ def run_units(
 def time_limit(spec: JobSpec, cluster: Cluster, prices: pricing.PriceTable) -> tuple[float, str]:
     """Return how long the job may run and which limit says so (max_duration, or
     max_cost_usd when the budget runs out first at this cluster's hourly rate)."""
-    hourly = pricing.hourly_rate(prices, **_priced(spec, cluster))
+    hourly = hourly_paid(spec, cluster, prices)
     budget = pricing.budget_seconds(spec.limits.max_cost_usd, hourly)
     if budget is not None and budget < spec.limits.max_duration:
         return budget, "max_cost_usd"
@@ -479,6 +486,28 @@ def idle_stop(flow_run_id: str) -> str | None:
     return watch.sentence() if watch is not None and watch.stopped() else None
 
 
+def hourly_paid(spec: JobSpec, cluster: Cluster, prices: pricing.PriceTable) -> float:
+    """Return what `cluster` is paid per hour: the backend's own figure where it knows it
+    (an EC2 offer's spot price), else the price table's for what it holds."""
+    if cluster.hourly_usd is not None:
+        return cluster.hourly_usd
+    return pricing.hourly_rate(prices, **_priced(spec, cluster))
+
+
+def cost_of(
+    spec: JobSpec, cluster: Cluster, prices: pricing.PriceTable, seconds: float
+) -> pricing.Cost:
+    """Return what holding `cluster` for `seconds` cost, at the price it is paid."""
+    if cluster.hourly_usd is None:
+        return pricing.run_cost(prices, **_priced(spec, cluster), seconds=seconds)
+    paid = cluster.hourly_usd
+    return pricing.Cost(
+        usd=paid * seconds / 3600,
+        hourly_usd=paid,
+        breakdown={"gpu" if cluster.gpu_indices else "cpu": paid * seconds / 3600},
+    )
+
+
 def _priced(spec: JobSpec, cluster: Cluster) -> dict[str, Any]:
     """Return what is priced: the backend, the GPUs held, CPU cores and disk."""
     return {
@@ -547,13 +576,18 @@ def collect(
     prices: pricing.PriceTable,
     flow_run_id: str,
     artifacts_dir: str,
+    earlier: list[Use] | None = None,
+    candidate: str | None = None,
 ) -> RunMetrics:
     """Return the run's metrics and write its artifacts: samples, PNG, Prometheus text,
-    the job's outputs; push to the Pushgateway when one is configured. A folder that
-    cannot be written (a full disk) is one sentence that names it; the job's own end is
-    kept in that sentence."""
+    the job's outputs; push to the Pushgateway when one is configured. A run placed on a
+    list of candidates adds what the `earlier` candidates it used held and cost (this
+    one is `candidate`). A folder that cannot be written (a full disk) is one sentence
+    that names it; the job's own end is kept in that sentence."""
     try:
-        return _collect(spec, cluster, outcome, prices, flow_run_id, artifacts_dir)
+        return _collect(
+            spec, cluster, outcome, prices, flow_run_id, artifacts_dir, earlier, candidate
+        )
     except OSError as exc:
         code = outcome.result.exit_code
         raise CollectError(
@@ -563,6 +597,29 @@ def collect(
         ) from None
 
 
+def _split(
+    cluster: Cluster, outcome: RunOutcome, metrics: RunMetrics, earlier: list[Use], candidate: str
+) -> RunMetrics:
+    """Return the metrics with the GPU-hours and cost of every candidate the run used
+    (earlier ones from their making to their teardown, this one for the job's run)."""
+    last = {
+        "candidate": candidate,
+        "backend": cluster.backend,
+        "ended": "failed" if outcome.failure else "completed",
+        "gpu_hours": round(metrics.gpu_hours, 6),
+        "usd_per_hour": round(metrics.cost_hourly_usd, 4),
+        "cost_usd": round(metrics.cost_usd, 6),
+    }
+    rows = [*(use.row() for use in earlier), last]
+    return metrics.model_copy(
+        update={
+            "by_placement": rows,
+            "gpu_hours": sum(r["gpu_hours"] for r in rows),
+            "cost_usd": sum(r["cost_usd"] for r in rows),
+        }
+    )
+
+
 def _collect(
     spec: JobSpec,
     cluster: Cluster,
@@ -570,6 +627,8 @@ def _collect(
     prices: pricing.PriceTable,
     flow_run_id: str,
     artifacts_dir: str,
+    earlier: list[Use] | None,
+    candidate: str | None,
 ) -> RunMetrics:
     logger = get_run_logger()
     out = Path(artifacts_dir)
@@ -590,7 +649,7 @@ def _collect(
             job_result = json.loads(result_file.read_text())
         except json.JSONDecodeError as exc:
             raise CollectError(f"the job wrote an unreadable result.json: {exc}") from None
-    run_cost = pricing.run_cost(prices, **_priced(spec, cluster), seconds=outcome.result.duration_s)
+    run_cost = cost_of(spec, cluster, prices, outcome.result.duration_s)
     idle = spec.limits.idle_gpu
     metrics = summarise(
         samples,
@@ -600,6 +659,8 @@ def _collect(
         idle_pct=idle.below_pct if idle is not None else IDLE_PCT,
     )
     metrics = metrics.model_copy(update={"job": job_result})
+    if candidate is not None:
+        metrics = _split(cluster, outcome, metrics, earlier or [], candidate)
     (out / "metrics.json").write_text(metrics.model_dump_json(indent=2))
     ended = "failed" if outcome.failure else "completed"
     text = exposition(samples[-1] if samples else None, metrics, flow_run_id, spec.name, ended)
@@ -620,7 +681,7 @@ def _collect(
     kind_report = kind_of(spec).report(spec, cluster, out, f"{spec.name} {flow_run_id[:8]}")
     rows = [
         {"metric": k, "value": v}
-        for k, v in metrics.model_dump(exclude={"job", "cost_breakdown"}).items()
+        for k, v in metrics.model_dump(exclude={"job", "cost_breakdown", "by_placement"}).items()
     ]
     rows += [{"metric": f"job.{k}", "value": v} for k, v in job_result.items()]
     rows += [  # what the cost report groups by
@@ -645,6 +706,11 @@ def _collect(
         f"- artifacts: `{out}`",
     ]
     lines[2:2] = kind_report.headline
+    lines += [
+        f"- on {r['candidate']} ({r['ended']}): {r['gpu_hours']:.4f} GPU-hours,"
+        f" ${r['cost_usd']:.4f} at ${r['usd_per_hour']:.4f}/h"
+        for r in metrics.by_placement
+    ]
     if png:
         lines.append(f"- utilisation plot: `{png}`")
     lines += kind_report.lines

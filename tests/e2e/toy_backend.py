@@ -25,6 +25,7 @@ from tasks.contract import (
     JobResult,
     LineSink,
     Needs,
+    Offer,
     ReapReport,
     RunStates,
     StopCheck,
@@ -62,6 +63,9 @@ class ToyBackend:
     def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
         if spec.resources.gpus and not spec.resources.allow_cpu:
             raise InvalidSpec("resources.gpus: the toy backend has no GPUs; set allow_cpu: true")
+
+    def offers(self, spec: JobSpec, prices: PriceTable) -> list[Offer]:
+        return [Offer(where="this machine, as toy processes", gpus_free=0)]
 
     def provision(self, spec: JobSpec, owner: Mapping[str, str]) -> Cluster:
         name = f"toy-{owner[RUN_LABEL]}"

@@ -33,6 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from tasks import contract
 from tasks.backends.base import follow_unit
 from tasks.backends.ec2 import launch as launching
 from tasks.backends.ec2 import reap as reaping
@@ -206,6 +207,25 @@ class Ec2Backend:
         except Exception as exc:
             raise aws_error(exc, fleet, f"reach the control bucket {bucket}") from None
 
+    def offers(self, spec: JobSpec, prices: PriceTable) -> list[contract.Offer]:
+        """Return the fleet's ranked offers (spot and on-demand, cheapest first, the order a
+        launch tries them), each priced for every node. Whether a zone has the capacity is
+        known only when a launch asks: every offer says it can start."""
+        self.block = spec.placement.block
+        fleet, found = find_offers(spec, prices)
+        nodes = spec.resources.nodes
+        return [
+            contract.Offer(
+                where=f"ec2/{fleet.name or 'default'} {o.instance_type} {o.market} in {o.zone}",
+                gpu_product=o.product,
+                hourly_usd=o.hourly_usd * nodes,
+                can_start=True,
+                why_not="capacity is known at launch",
+                preemptible=o.market == "spot",
+            )
+            for o in found
+        ]
+
     def describe(self, spec: JobSpec) -> list[dict[str, str]]:
         self.block = spec.placement.block
         fleet = self.fleet()
@@ -274,6 +294,8 @@ class Ec2Backend:
                 "node_names": addresses,
                 "gpu_products": [known.product] * known.gpus if known else [],
                 "cpus_per_node": known.vcpus if known else None,
+                # the price of the offer launched (a spot instance at its spot price)
+                "hourly_usd": known.hourly_usd * len(nodes) if known else None,
                 "state": state.model_dump(mode="json"),
             }
         )

@@ -26,7 +26,7 @@ from tasks.backends.kubernetes import manifests as objects
 from tasks.backends.kubernetes import reap as reaping
 from tasks.backends.kubernetes.kubeapi import KubeApi, KubeError, KubeUnreachable, load_config
 from tasks.backends.kubernetes.logs import LogFollower
-from tasks.backends.kubernetes.pending import explain_pending, used_gpus
+from tasks.backends.kubernetes.pending import explain_pending, free_now, used_gpus
 from tasks.backends.kubernetes.state import KubeState
 from tasks.contract import (
     RUN_LABEL,
@@ -35,6 +35,7 @@ from tasks.contract import (
     JobResult,
     LineSink,
     Needs,
+    Offer,
     ReapReport,
     RunStates,
     StopCheck,
@@ -46,7 +47,7 @@ from tasks.contract import (
 )
 from tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
 from tasks.host import env_number, gpuflow_home, this_process
-from tasks.metrics.cost import PriceTable
+from tasks.metrics.cost import PriceTable, hourly_rate
 from tasks.spec import JobSpec, Placement
 
 POLL_S = 1.0
@@ -155,7 +156,12 @@ class KubernetesBackend:
 
     # -- verbs -------------------------------------------------------------------------
     def configure(self, spec: JobSpec, prices: PriceTable) -> tuple[JobSpec, PriceTable]:
-        """Return the spec and prices as they are: this backend reads its block itself."""
+        """Return the spec as it is (this backend reads its block itself) and the prices
+        with the pool block's GPU price, where it gives one."""
+        self._use(spec.placement.block, spec.placement.namespace)
+        pool = self._pool()
+        if pool is not None and pool.gpu_hourly_usd is not None:
+            prices.gpu_hourly_usd[self.name] = {"*": pool.gpu_hourly_usd}
         return spec, prices
 
     def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
@@ -184,6 +190,38 @@ class KubernetesBackend:
                 f" and {api.config.server} does not serve {MPIJOB_API} MPIJobs; install the"
                 " Kubeflow MPI Operator there or use 1 node"
             )
+
+    def offers(self, spec: JobSpec, prices: PriceTable) -> list[Offer]:
+        """Return the cluster's offer: GPUs of the product free now on schedulable ready
+        nodes (allocatable minus what running pods hold, from the API), priced by the pool
+        block or the price table. An API that does not answer is an offer that cannot start."""
+        self._use(spec.placement.block, spec.placement.namespace)
+        settings = self.settings(spec)
+        gpus, nodes = spec.resources.gpus, spec.resources.nodes
+        hourly = hourly_rate(
+            prices,
+            self.name,
+            [settings.gpu_product or ""] * gpus * nodes,
+            spec.resources.cpu or 1.0,
+            spec.resources.disk,
+        )
+        where = f"kubernetes/{self.block or 'kubeconfig'} (namespace {self.api().namespace})"
+        try:
+            found = self.api().request("GET", "/api/v1/nodes").get("items", [])
+            pods = self.api().request("GET", "/api/v1/pods").get("items", [])
+        except (KubeError, KubeUnreachable) as exc:
+            return [Offer(where=where, hourly_usd=hourly, can_start=False, why_not=str(exc))]
+        free, _, why = free_now(gpus, nodes, settings.gpu_product, found, used_gpus(pods))
+        return [
+            Offer(
+                where=where,
+                gpu_product=settings.gpu_product,
+                gpus_free=free,
+                hourly_usd=hourly,
+                can_start=not why,
+                why_not=why,
+            )
+        ]
 
     def describe(self, spec: JobSpec) -> list[dict[str, str]]:
         """Return preflight rows for `spec`: the cluster, namespace, image and GPUs its pods

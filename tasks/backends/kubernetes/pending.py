@@ -78,3 +78,51 @@ def explain_pending(
             )
     reason = scheduler_message.split(". preemption:")[0].strip() or "no reason given yet"
     return f"the scheduler cannot place it yet: {reason}.", "unclear"
+
+
+def free_now(
+    gpus: int,
+    nodes_wanted: int,
+    product: str | None,
+    nodes: list[dict[str, Any]],
+    used: dict[str, int],
+) -> tuple[int, int, str]:
+    """Return what the cluster could give a job of `nodes_wanted` pods x `gpus` GPUs of
+    `product` now: GPUs of the product free on schedulable ready nodes, how many pods of
+    the job would fit at once, and why it cannot start now ("" when it can)."""
+
+    def ready(node: dict[str, Any]) -> bool:
+        conditions = node.get("status", {}).get("conditions", [])
+        return not node.get("spec", {}).get("unschedulable") and any(
+            c.get("type") == "Ready" and c.get("status") == "True" for c in conditions
+        )
+
+    def labelled(node: dict[str, Any]) -> bool:
+        return (
+            product is None
+            or node.get("metadata", {}).get("labels", {}).get(PRODUCT_LABEL) == product
+        )
+
+    usable = [n for n in nodes if ready(n) and labelled(n)]
+    free = [
+        max(
+            0,
+            gpus_of(n.get("status", {}).get("allocatable", {}))
+            - used.get(n["metadata"]["name"], 0),
+        )
+        for n in usable
+    ]
+    fits = sum(f // gpus for f in free) if gpus else len(usable) * nodes_wanted
+    what = f"{gpus} x {GPU}{' of ' + product if product else ''}"
+    if fits >= nodes_wanted:
+        return sum(free), fits, ""
+    if not usable:
+        return 0, 0, f"no ready schedulable node{' has ' + product if product else ''}"
+    return (
+        sum(free),
+        fits,
+        (
+            f"{sum(free)} GPU(s) free on {len(usable)} node(s); {nodes_wanted} pod(s) of {what}"
+            f" fit {fits} now"
+        ),
+    )

@@ -35,6 +35,7 @@ from tasks.contract import (
     JobResult,
     LineSink,
     Needs,
+    Offer,
     ReapReport,
     RunStates,
     StopCheck,
@@ -55,7 +56,7 @@ from tasks.host import (
     sweep_partial_writes,
     write_atomic,
 )
-from tasks.metrics.cost import PriceTable
+from tasks.metrics.cost import PriceTable, hourly_rate
 from tasks.spec import JobSpec, Placement
 from tasks.units import format_bytes
 
@@ -194,6 +195,43 @@ class LocalBackend:
                 "placement.strict_gpu_limit: the Prefect concurrency limit 'gpu' does not exist;"
                 " create it with `prefect gcl create gpu --limit N` or set strict_gpu_limit: false."
             )
+
+    def offers(self, spec: JobSpec, prices: PriceTable) -> list[Offer]:
+        """Return this host's offer: its GPUs of the product that no other gpuflow run has
+        claimed now, at the host's price (free unless a LocalGpuHost gives one)."""
+        wanted, product = spec.resources.gpus, spec.resources.gpu_product
+        gpus = [g for g in nvml.query().gpus if product in (None, g.product)] if wanted else []
+        free = [g for g in gpus if not self._claimed(g.index)]
+        given = product or (free[0].product if free else gpus[0].product if gpus else None)
+        cpu_only = wanted and not gpus and spec.resources.allow_cpu
+        can_start = len(free) >= wanted or bool(cpu_only)
+        why = "" if can_start else f"{len(free)} of its {len(gpus)} GPU(s) are free now"
+        hourly = hourly_rate(
+            prices,
+            self.name,
+            [given or ""] * (0 if cpu_only else wanted),
+            spec.resources.cpu or 1.0,
+            spec.resources.disk,
+        )
+        return [
+            Offer(
+                where=f"this machine ({socket.gethostname()})",
+                gpu_product=given,
+                gpus_free=len(free),
+                hourly_usd=hourly,
+                can_start=can_start,
+                why_not=why,
+            )
+        ]
+
+    def _claimed(self, index: int) -> bool:
+        """Return True when another live gpuflow cluster holds GPU `index` of this host."""
+        path = self.home / "gpus" / f"{index}.json"
+        try:
+            claim = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return False
+        return self._read_record(claim.get("cluster", "")) is not None
 
     def provision(self, spec: JobSpec, owner: Mapping[str, str]) -> Cluster:
         """Reserve GPUs and make the workspace. Retried with the same owner, it adopts what

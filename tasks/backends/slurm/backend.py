@@ -43,6 +43,7 @@ from tasks.backends.slurm.fit import (
     pending_reason,
     qos_refusal,
     refusal,
+    room_now,
 )
 from tasks.backends.slurm.queue import FIELDS, hostnames, job_row, job_shown, parse, shared
 from tasks.contract import (
@@ -53,6 +54,7 @@ from tasks.contract import (
     JobResult,
     LineSink,
     Needs,
+    Offer,
     ReapReport,
     RunStates,
     StopCheck,
@@ -66,7 +68,7 @@ from tasks.contract import (
 from tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
 from tasks.gpus import PRODUCTS
 from tasks.host import STOP_GRACE_S, OutputPump, alive, gpuflow_home, start_time
-from tasks.metrics.cost import PriceTable
+from tasks.metrics.cost import PriceTable, hourly_rate
 from tasks.metrics.sampler import NODE_SAMPLES, SAMPLES
 from tasks.spec import JobSpec, Placement
 
@@ -162,6 +164,48 @@ class SlurmBackend:
         )
         prices.gpu_hourly_usd[self.name] = {"*": cluster.gpu_hourly_usd}
         return spec.model_copy(update={"placement": placement}), prices
+
+    def offers(self, spec: JobSpec, prices: PriceTable) -> list[Offer]:
+        """Return the partition's offer: GPUs of the gres type idle now on up nodes, whether
+        `resources.nodes` nodes have the job's GPUs free, and the jobs pending there ahead of
+        it (sinfo, squeue), at the cluster's price. A cluster that does not answer is an
+        offer that cannot start."""
+        res, request = spec.resources, self._request(spec)
+        hourly = hourly_rate(
+            prices,
+            self.name,
+            [res.gpu_product or ""] * res.gpus * res.nodes,
+            res.cpu or 1.0,
+            res.disk,
+        )
+        cli = self.reach(spec.placement.block)
+        try:
+            table = parse_sinfo(_sinfo(cli))
+            name = request.partition or next((r.partition for r in table if r.default), "")
+            idle = cli.run(["sinfo", "-h", "-N", "-p", name, "-O", IDLE_FORMAT])
+            queued = cli.run(["squeue", "-h", "-p", name, "-t", "PENDING", "-o", "%i"])
+        except (InvalidSpec, ProvisionError) as exc:
+            where = f"slurm/{self.block or 'this cluster'}"
+            return [Offer(where=where, hourly_usd=hourly, can_start=False, why_not=str(exc))]
+        free, fitting = room_now(idle, res.gpus, request.gres_type)
+        ahead = len(queued.split())
+        what = gres(res.gpus, request.gres_type)
+        why = ""
+        if fitting < res.nodes:
+            why = f"{fitting} node(s) have {what} idle now, the job needs {res.nodes}"
+        elif ahead:
+            why = f"{ahead} job(s) pending in {name} ahead of it"
+        return [
+            Offer(
+                where=f"slurm/{self.block or 'this cluster'} (partition {name})",
+                gpu_product=res.gpu_product or request.gres_type,
+                gpus_free=free,
+                hourly_usd=hourly,
+                can_start=not why,
+                why_not=why,
+                queue_ahead=ahead,
+            )
+        ]
 
     def describe(self, spec: JobSpec) -> list[dict[str, str]]:
         """Return preflight rows for `spec`: how gpuflow reaches the cluster, the partition's

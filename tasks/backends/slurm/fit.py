@@ -57,14 +57,31 @@ def idle_gpus(text: str) -> dict[str, int]:
     """Return the GPUs free now by gres type, from `sinfo -O IDLE_FORMAT` rows (nodes that
     are down, drained or not responding count none)."""
     free: dict[str, int] = {}
+    for node in free_by_node(text):
+        for kind, count in node.items():
+            free[kind] = free.get(kind, 0) + count
+    return free
+
+
+def free_by_node(text: str) -> list[dict[str, int]]:
+    """Return each up node's GPUs free now by gres type, from `sinfo -O IDLE_FORMAT` rows."""
+    nodes = []
     for line in text.splitlines():
         fields = line.split()
         if len(fields) != 4 or fields[3].rstrip("*~#!%$@^-") not in UP_STATES:
             continue
         used = _gpus(fields[2])
-        for kind, total in _gpus(fields[1]).items():
-            free[kind] = free.get(kind, 0) + max(0, total - used.get(kind, 0))
-    return free
+        nodes.append({k: max(0, n - used.get(k, 0)) for k, n in _gpus(fields[1]).items()})
+    return nodes
+
+
+def room_now(text: str, gpus: int, gres_type: str | None) -> tuple[int, int]:
+    """Return the GPUs of `gres_type` (None: any) free now and how many up nodes have
+    `gpus` of them free, from `sinfo -O IDLE_FORMAT` rows."""
+    counts = [
+        sum(n for k, n in node.items() if gres_type in (None, k)) for node in free_by_node(text)
+    ]
+    return sum(counts), sum(1 for c in counts if c >= gpus)
 
 
 def _gpus(gres: str) -> dict[str, int]:

@@ -1,0 +1,235 @@
+"""A pool's choice, asked and told: each candidate's offer read at once (the `place`
+task), the placement table artifact, its log lines and the events an automation can
+follow (gpuflow.placement.chosen, gpuflow.placement.failover); and what each candidate
+the run used cost it. The order and the words are tasks/pipeline/pool.py's."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
+from pydantic import BaseModel
+
+from tasks.api_client import publish
+from tasks.backends.registry import get_backend
+from tasks.contract import Cluster, RunOutcome
+from tasks.errors import CapacityError, GpuflowError, PreemptedError, retry_unless
+from tasks.metrics.cost import PriceTable
+from tasks.pipeline.pool import (
+    Candidate,
+    Use,
+    candidate_name,
+    moves_on_preempt,
+    next_after,
+    none_left,
+    order,
+    placed_line,
+    table,
+)
+from tasks.pipeline.stages import (
+    hourly_paid,
+    preflight,
+    provision,
+    retrying,
+    run_stage,
+    teardown_owned,
+)
+from tasks.spec import JobSpec
+
+CHOSEN_EVENT = "gpuflow.placement.chosen"
+FAILOVER_EVENT = "gpuflow.placement.failover"
+logger = logging.getLogger(__name__)
+
+
+@task(name="place", cache_policy=None)
+def place(pool: list[tuple[JobSpec, PriceTable]]) -> list[Candidate]:
+    """Return the pool's candidates in the order its policy tries them, each with its best
+    offer now (every backend asked at once; one that fails to answer says why)."""
+    spec = pool[0][0]
+
+    def ask(index: int) -> Candidate:
+        job, prices = pool[index]
+        name = candidate_name(job.placement)
+        try:
+            found = get_backend(job.placement.backend, job.placement).offers(job, prices)
+        except GpuflowError as exc:
+            return Candidate(index=index, name=name, error=str(exc))
+        except Exception as exc:  # an offer is advice: a backend's bug must not stop the run
+            logger.warning("offers of %s failed", name, exc_info=True)
+            return Candidate(index=index, name=name, error=f"{type(exc).__name__}: {exc}")
+        best = found[0] if found else None
+        return Candidate(index=index, name=name, offer=best, error="" if found else "no offer")
+
+    with ThreadPoolExecutor(max_workers=len(pool), thread_name_prefix="offers") as asking:
+        candidates = list(asking.map(ask, range(len(pool))))
+    ranked = order(spec.placement_policy.choose, candidates)
+    log = get_run_logger()
+    for c in ranked:
+        offer = c.offer
+        said = (
+            f"{offer.where}, ${offer.hourly_usd:.2f}/h,"
+            f" {'can start now' if offer.can_start else 'cannot start now: ' + offer.why_not}"
+            if offer
+            else f"no offer: {c.error}"
+        )
+        log.info("candidate [%d] %s: %s", c.index, c.name, said)
+    return ranked
+
+
+def publish_table(spec: JobSpec, candidates: list[Candidate]) -> None:
+    """Publish the placement table: each candidate, its offer, the verdict and why."""
+    hours = spec.limits.max_duration / 3600
+    publish(
+        create_table_artifact,
+        key="gpuflow-placement",
+        table=table(candidates, spec.placement_policy, hours),
+        description=f"Placement of {spec.name} ({spec.placement_policy.choose})",
+    )
+
+
+def tell(
+    spec: JobSpec, candidates: list[Candidate], run_id: str, event: str, **payload: Any
+) -> None:
+    """Publish the placement table and send `event` with the candidates' names."""
+    publish_table(spec, candidates)
+    from prefect.events import emit_event
+
+    try:
+        emit_event(
+            event=event,
+            resource={
+                "prefect.resource.id": f"gpuflow.run.{run_id}",
+                "prefect.resource.name": spec.name,
+            },
+            related=[
+                {
+                    "prefect.resource.id": f"prefect.flow-run.{run_id}",
+                    "prefect.resource.role": "flow-run",
+                }
+            ],
+            payload={
+                "flow_run_id": run_id,
+                "job": spec.name,
+                "candidates": [c.name for c in sorted(candidates, key=lambda c: c.index)],
+                **payload,
+            },
+        )
+    except Exception:
+        logger.warning("the %s event was not sent", event, exc_info=True)
+
+
+def use_of(
+    candidate: Candidate, spec: JobSpec, cluster: Cluster, prices: PriceTable, ended: str
+) -> Use:
+    """Return what `cluster` held from its making until now, at the price it is paid (the
+    backend's, an EC2 offer's spot price, else the price table's)."""
+    held = max(0.0, (datetime.now(UTC) - cluster.created_at).total_seconds())
+    return Use(
+        candidate=candidate.name,
+        backend=cluster.backend,
+        ended=ended,
+        held_s=held,
+        gpus=len(cluster.gpu_indices) * cluster.nodes,
+        hourly_usd=hourly_paid(spec, cluster, prices),
+    )
+
+
+class Placed(BaseModel):
+    """Where a pool's job ran to its end: the candidate, its cluster, preflight's
+    verdict, the run's outcome, and what earlier candidates it used held and cost."""
+
+    candidate: Candidate
+    cluster: Cluster
+    verdict: str
+    outcome: RunOutcome
+    earlier: list[Use] = []
+
+
+def place_on(pool: list[tuple[JobSpec, PriceTable]], run_id: str, owner: dict[str, str]) -> Placed:
+    """Run the job on the first candidate, in the policy's order, that gives it its GPUs
+    and runs it to its end. A candidate that cannot give the GPUs within its gpu_wait
+    (CapacityError at provision or while its units wait) is given up and what it made
+    removed; a job preempted where the policy moves it on resumes on the next candidate
+    that can start it (at most retry.run.retries moves). CapacityError naming every
+    candidate's reason when none is left."""
+    log = get_run_logger()
+    spec = pool[0][0]
+    ranked = place(pool)
+    queue = list(ranked)
+    earlier: list[Use] = []
+    moves = 0
+    told = False
+    while queue:
+        candidate = queue.pop(0)
+        job, prices = pool[candidate.index]
+        moving = moves_on_preempt(spec.placement_policy, candidate.offer)
+        # a pool hands capacity (and, where it moves on, a preemption) to the next
+        # candidate instead of retrying the same one
+        moved = (CapacityError, PreemptedError) if moving else (CapacityError,)
+        condition = retry_unless(*moved)
+        cluster: Cluster | None = None
+        try:
+            cluster = retrying(provision, job.retry.provision, condition)(job, owner)
+            verdict = retrying(preflight, job.retry.preflight)(job, cluster).verdict
+            candidate.verdict, candidate.reason = "chosen", _chosen_reason(candidate, moves)
+            if not told:
+                log.info("%s", placed_line(candidate, ranked))
+                tell(spec, ranked, run_id, CHOSEN_EVENT, chosen=candidate.name)
+                told = True
+            outcome = run_stage(job, cluster, prices, run_id, condition)
+        except CapacityError as exc:
+            candidate.verdict, candidate.reason = "given up", str(exc).rstrip(".")
+            _release(job, run_id, cluster, candidate, prices, "given up", earlier)
+            following = queue[0].name if queue else "none left"
+            log.warning("failover: %s gave up (%s); next: %s", candidate.name, exc, following)
+            tell(spec, ranked, run_id, FAILOVER_EVENT, given_up=candidate.name, next=following)
+            continue
+        except PreemptedError as exc:
+            if not moving or moves >= spec.retry.run.retries or cluster is None:
+                raise
+            moves += 1
+            candidate.verdict, candidate.reason = "preempted", str(exc).split(";")[0]
+            _release(job, run_id, cluster, candidate, prices, "preempted", earlier)
+            queue = next_after(ranked, candidate)
+            log.warning(
+                "failover: %s was preempted; the job resumes on %s", candidate.name, queue[0].name
+            )
+            tell(spec, ranked, run_id, FAILOVER_EVENT, preempted=candidate.name, next=queue[0].name)
+            continue
+        tell(
+            spec, ranked, run_id, CHOSEN_EVENT, chosen=candidate.name, ended=True
+        ) if moves else None
+        return Placed(
+            candidate=candidate, cluster=cluster, verdict=verdict, outcome=outcome, earlier=earlier
+        )
+    sentence = none_left(ranked)
+    log.error("%s", sentence)
+    publish_table(spec, ranked)
+    raise CapacityError(sentence)
+
+
+def _chosen_reason(candidate: Candidate, moves: int) -> str:
+    if moves:
+        return "resumed here after a preemption"
+    if candidate.can_start:
+        return "can start now"
+    return "gave the GPUs within its gpu_wait"
+
+
+def _release(
+    job: JobSpec,
+    run_id: str,
+    cluster: Cluster | None,
+    candidate: Candidate,
+    prices: PriceTable,
+    ended: str,
+    earlier: list[Use],
+) -> None:
+    """Tear down what a candidate given up or preempted made, noting what it held."""
+    if cluster is not None and ended == "preempted":
+        earlier.append(use_of(candidate, job, cluster, prices, ended))
+    teardown_owned(job.placement, run_id)
