@@ -189,6 +189,9 @@ class UnitRunner(Protocol):
     unit at a time on the run's backend, under the run's limits, stop checks and secrets."""
 
     cluster: Cluster
+    # errors a unit's end raises at once, not retried here: the run's pool hands the job
+    # to its next candidate (capacity; a preemption where it moves on)
+    handed_on: tuple[type[Exception], ...]
 
     def run(
         self, unit: WorkUnit, on_line: LineSink, env: Mapping[str, str], deadline: float

@@ -17,13 +17,11 @@ def resolve(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
 
 def needs_api(spec: JobSpec) -> bool:
     """Return True when checking `spec` reads Prefect: blocks it names (placement, prices,
-    S3 credentials, secrets) or the `gpu` concurrency limit. Without any, every check runs
+    S3 credentials, secrets) or the `gpu` concurrency limit, for any of its candidates. Without any, every check runs
     before an API is chosen or started, so a typo costs no server start."""
-    placement = spec.placement
+    places = spec.candidates or (spec.placement,)
     return bool(
-        placement.block
-        or placement.price_table
-        or placement.strict_gpu_limit
+        any(p.block or p.price_table or p.strict_gpu_limit for p in places)
         or spec.storage.aws_credentials
         or spec.secret_env
     )

@@ -1,6 +1,7 @@
-"""`gpuflow offers JOB.yaml`: the EC2 instance types, zones and markets a job would rent,
-cheapest first in the order a launch tries them, with the hourly and the job's estimated
-cost. Reads EC2 with the run's AWS settings; launches nothing."""
+"""`gpuflow offers JOB.yaml`: what each candidate of the job's placement could give it now,
+side by side (GPUs free now, $/h, the job's cost for limits.max_duration, whether it could
+start now and why not), in the order the placement policy would try them. A single EC2
+placement gets EC2's own ranking (types, zones, markets). Makes and launches nothing."""
 
 from __future__ import annotations
 
@@ -14,16 +15,18 @@ from gpuflow.commands.common import EXIT_OK, invalid, load_job_spec, number
 def add(commands: Any) -> list[tuple[str, str]]:
     offers_parser = commands.add_parser(
         "offers",
-        description="Rank the EC2 offers JOB.yaml would rent (type, zone, market, hourly and"
-        " estimated job cost); nothing is launched.",
+        description="Show what each candidate of JOB.yaml's placement could give it now (GPUs"
+        " free, $/h, the job's cost, can it start now and why not), in the order the placement"
+        " policy tries them; for one EC2 placement, EC2's ranked types, zones and markets."
+        " Nothing is made or launched.",
     )
     offers_parser.add_argument("job", help="path of a job spec (YAML or JSON)")
     offers_parser.add_argument(
-        "--top", type=number(1, 10_000), default=15, help="how many to print (15)"
+        "--top", type=number(1, 10_000), default=15, help="offers per candidate to print (15)"
     )
     offers_parser.add_argument("--json", action="store_true", help="print every offer as JSON")
     offers_parser.set_defaults(handler=lambda args: offers(args.job, args.top, args.json))
-    return [("offers", "rank the EC2 offers a job would rent (nothing launched)")]
+    return [("offers", "what each candidate could give a job now, side by side (nothing made)")]
 
 
 def offers(path: str, top: int = 15, as_json: bool = False) -> int:
@@ -35,13 +38,61 @@ def offers(path: str, top: int = 15, as_json: bool = False) -> int:
         spec = load_job_spec(path)
     except InvalidSpec as exc:
         return invalid(exc)
-    if spec.placement.backend != "ec2":  # its block is another backend's: defaults here
-        spec = spec.model_copy(
-            update={"placement": spec.placement.model_copy(update={"block": None})}
-        )
+    show = _print if spec.placement.backend == "ec2" and not spec.candidates else _print_pool
     if not placement.needs_api(spec):
-        return _print(spec, top, as_json)
-    return session.with_api(lambda api: _print(spec, top, as_json))
+        return show(spec, top, as_json)
+    return session.with_api(lambda api: show(spec, top, as_json))
+
+
+def _print_pool(spec: Any, top: int, as_json: bool) -> int:
+    from tasks.errors import InvalidSpec
+    from tasks.pipeline.checks import check_pool
+    from tasks.pipeline.failover import offers_of
+    from tasks.pipeline.pool import order
+
+    try:
+        asked = offers_of(check_pool(spec))
+    except InvalidSpec as exc:
+        return invalid(exc)
+    ranked = order(spec.placement_policy.choose, [c for c, _ in asked])
+    found = {c.index: offers for c, offers in asked}
+    hours = spec.limits.max_duration / 3600
+    rows: list[dict[str, Any]] = []
+    for c in ranked:
+        for offer in found[c.index][:top] or [None]:
+            rows.append(
+                {"candidate": c.name, "index": c.index}
+                | (offer.model_dump() if offer else {"error": c.error})
+                | ({"job_usd": round(offer.hourly_usd * hours, 4)} if offer else {})
+            )
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return EXIT_OK
+    res = spec.resources
+    product = f" of {res.gpu_product}" if res.gpu_product else ""
+    print(
+        f"{len(ranked)} candidate(s) for {res.nodes} node(s) x {res.gpus} GPU(s){product},"
+        f" tried {spec.placement_policy.choose}; job cost for limits.max_duration ({hours:g} h):"
+    )
+    print(
+        f"  {'#':>2}  {'candidate':22} {'where':44} {'GPUs free now':22} {'$/h':>9}"
+        f" {'job $':>10}  {'start now':9}  why not"
+    )
+    for row in rows:
+        if "error" in row:
+            print(
+                f"  {row['index']:>2}  {row['candidate'][:22]:22} {'':44} {'?':22} {'':>9} {'':>10}  {'no':9}  {row['error']}"
+            )
+            continue
+        free = "at launch" if row["gpus_free"] is None else str(row["gpus_free"])
+        if row["gpus_free"] is not None and row["gpu_product"]:
+            free += f" x {row['gpu_product']}"
+        print(
+            f"  {row['index']:>2}  {row['candidate'][:22]:22} {row['where'][:44]:44} {free[:22]:22}"
+            f" {row['hourly_usd']:>9.3f} {row['job_usd']:>10.2f}  {'yes' if row['can_start'] else 'no':9}"
+            f"  {row['why_not']}"
+        )
+    return EXIT_OK
 
 
 def _print(spec: Any, top: int, as_json: bool) -> int:

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from tasks.api_client import publish
 from tasks.backends.registry import get_backend
-from tasks.contract import Cluster, RunOutcome
+from tasks.contract import Cluster, Offer, RunOutcome
 from tasks.errors import CapacityError, GpuflowError, PreemptedError, retry_unless
 from tasks.metrics.cost import PriceTable
 from tasks.pipeline.pool import (
@@ -45,27 +45,34 @@ FAILOVER_EVENT = "gpuflow.placement.failover"
 logger = logging.getLogger(__name__)
 
 
-@task(name="place", cache_policy=None)
-def place(pool: list[tuple[JobSpec, PriceTable]]) -> list[Candidate]:
-    """Return the pool's candidates in the order its policy tries them, each with its best
-    offer now (every backend asked at once; one that fails to answer says why)."""
-    spec = pool[0][0]
+def offers_of(pool: list[tuple[JobSpec, PriceTable]]) -> list[tuple[Candidate, list[Offer]]]:
+    """Return each candidate (with its best offer) and all its offers now, every backend
+    asked at once; one that fails to answer is a candidate that says why."""
 
-    def ask(index: int) -> Candidate:
+    def ask(index: int) -> tuple[Candidate, list[Offer]]:
         job, prices = pool[index]
         name = candidate_name(job.placement)
         try:
             found = get_backend(job.placement.backend, job.placement).offers(job, prices)
         except GpuflowError as exc:
-            return Candidate(index=index, name=name, error=str(exc))
+            return Candidate(index=index, name=name, error=str(exc)), []
         except Exception as exc:  # an offer is advice: a backend's bug must not stop the run
             logger.warning("offers of %s failed", name, exc_info=True)
-            return Candidate(index=index, name=name, error=f"{type(exc).__name__}: {exc}")
+            return Candidate(index=index, name=name, error=f"{type(exc).__name__}: {exc}"), []
         best = found[0] if found else None
-        return Candidate(index=index, name=name, offer=best, error="" if found else "no offer")
+        error = "" if found else "no offer"
+        return Candidate(index=index, name=name, offer=best, error=error), found
 
     with ThreadPoolExecutor(max_workers=len(pool), thread_name_prefix="offers") as asking:
-        candidates = list(asking.map(ask, range(len(pool))))
+        return list(asking.map(ask, range(len(pool))))
+
+
+@task(name="place", cache_policy=None)
+def place(pool: list[tuple[JobSpec, PriceTable]]) -> list[Candidate]:
+    """Return the pool's candidates in the order its policy tries them, each with its best
+    offer now (every backend asked at once; one that fails to answer says why)."""
+    spec = pool[0][0]
+    candidates = [c for c, _ in offers_of(pool)]
     ranked = order(spec.placement_policy.choose, candidates)
     log = get_run_logger()
     for c in ranked:
@@ -169,8 +176,8 @@ def place_on(pool: list[tuple[JobSpec, PriceTable]], run_id: str, owner: dict[st
         moving = moves_on_preempt(spec.placement_policy, candidate.offer)
         # a pool hands capacity (and, where it moves on, a preemption) to the next
         # candidate instead of retrying the same one
-        moved = (CapacityError, PreemptedError) if moving else (CapacityError,)
-        condition = retry_unless(*moved)
+        handed_on = (CapacityError, PreemptedError) if moving else (CapacityError,)
+        condition = retry_unless(*handed_on)
         cluster: Cluster | None = None
         try:
             cluster = retrying(provision, job.retry.provision, condition)(job, owner)
@@ -180,7 +187,7 @@ def place_on(pool: list[tuple[JobSpec, PriceTable]], run_id: str, owner: dict[st
                 log.info("%s", placed_line(candidate, ranked))
                 tell(spec, ranked, run_id, CHOSEN_EVENT, chosen=candidate.name)
                 told = True
-            outcome = run_stage(job, cluster, prices, run_id, condition)
+            outcome = run_stage(job, cluster, prices, run_id, handed_on)
         except CapacityError as exc:
             candidate.verdict, candidate.reason = "given up", str(exc).rstrip(".")
             _release(job, run_id, cluster, candidate, prices, "given up", earlier)

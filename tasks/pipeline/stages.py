@@ -44,6 +44,7 @@ from tasks.errors import (
     PreemptedError,
     PreflightFailed,
     TransientError,
+    retry_unless,
     retry_when_retryable,
 )
 from tasks.host import gpuflow_home
@@ -285,18 +286,19 @@ def run_stage(
     cluster: Cluster,
     prices: pricing.PriceTable,
     flow_run_id: str,
-    condition: Any = retry_when_retryable,
+    handed_on: tuple[type[Exception], ...] = (),
 ) -> RunOutcome:
-    """The run stage: every unit of the job's kind at once (the `run` task, retried for
-    the errors `condition` retries), or, for a kind that hands out its own units (render
-    chunks), the kind's schedule through a UnitRunner, under the same limits, sampler and
-    stop checks."""
+    """The run stage: every unit of the job's kind at once (the `run` task, retried), or,
+    for a kind that hands out its own units (render chunks), the kind's schedule through a
+    UnitRunner, under the same limits, sampler and stop checks. Errors of `handed_on`
+    (a pool's: capacity, a preemption where it moves on) are raised at once, not retried."""
     kind = kind_of(spec)
     if not kind.schedules_units:
+        condition = retry_unless(*handed_on)
         return retrying(run, spec.retry.run, condition)(spec, cluster, prices, flow_run_id)
     logger = get_run_logger()
     timeout, stopped_by = time_limit(spec, cluster, prices)
-    runner = PipelineRunner(spec, cluster, flow_run_id)
+    runner = PipelineRunner(spec, cluster, flow_run_id, handed_on)
     with sampling(spec, cluster, flow_run_id, logger.warning):
         outcome = kind.schedule(spec, runner, time.time() + timeout)
     if (
@@ -313,8 +315,15 @@ class PipelineRunner:
     """Runs one unit at a time for a kind that schedules its own units: the run's backend,
     its variables and secrets, its stop checks (cancelled in the API, idle) and grace."""
 
-    def __init__(self, spec: JobSpec, cluster: Cluster, flow_run_id: str) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        cluster: Cluster,
+        flow_run_id: str,
+        handed_on: tuple[type[Exception], ...] = (),
+    ) -> None:
         self.cluster = cluster
+        self.handed_on = handed_on
         self.spec = spec
         self.flow_run_id = flow_run_id
         self.backend = get_backend(cluster.backend)

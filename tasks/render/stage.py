@@ -28,7 +28,14 @@ from pydantic import BaseModel
 
 from tasks.api_client import api_client
 from tasks.contract import JobResult, RunOutcome, UnitRunner
-from tasks.errors import JobCancelled, JobFailed, TransientError, retry_when_retryable
+from tasks.errors import (
+    PREEMPTED_EXIT_CODE,
+    JobCancelled,
+    JobFailed,
+    PreemptedError,
+    TransientError,
+    retry_unless,
+)
 from tasks.render import logparse, pod_chunk, report
 from tasks.render import scene as scenes
 from tasks.render.argv import output_pattern
@@ -206,6 +213,12 @@ def render_chunk(
     if run.cancelled:
         raise JobCancelled("the run was cancelled while frames rendered; Blender was stopped")
     missing = [f for f in todo if f not in result.rendered]
+    if missing and run.exit_code == PREEMPTED_EXIT_CODE and PreemptedError in runner.handed_on:
+        # the run's pool resumes the render elsewhere: the frames saved here are in storage
+        raise PreemptedError(
+            f"chunk {index} was preempted with frames {label(missing)} to render; the render"
+            " resumes on the next candidate with the frames not in storage"
+        )
     wrong = logparse.classify(log, run.exit_code, run.signal)
     if wrong is not None and wrong.kind in WRONG_SETTINGS:
         # The frames exist but were not rendered as asked (on the CPU, without the settings).
@@ -318,11 +331,13 @@ def render_frames(
         thumbs = set(plan.frames)
     started = datetime.now(UTC)
     sizer = ChunkSizer(job.chunk, plan.info.load_s, workers)
+    # what the run's pool hands to its next candidate is not retried here
     chunk_task = render_chunk.with_options(
         retries=job.chunk_retries,
         retry_delay_seconds=1,
-        retry_condition_fn=retry_when_retryable,
+        retry_condition_fn=retry_unless(*runner.handed_on),
     )
+    handed: Exception | None = None
     results: list[ChunkResult] = []
     failure: str | None = None
     pending = list(todo)
@@ -348,6 +363,10 @@ def render_frames(
                 chunk_result = future.result()
             except JobCancelled:
                 raise
+            except runner.handed_on as exc:  # the pool moves the render on: no more chunks here
+                handed = handed or exc
+                pending = []  # those running finish their frames (or are preempted too)
+                continue
             except Exception as exc:
                 failure = failure or str(exc)
                 pending = []  # stop starting chunks; those running finish their frames
@@ -358,6 +377,8 @@ def render_frames(
     finally:
         progress.publish(force=True)
         _RUNS.pop(cluster.name, None)
+    if handed is not None and failure is None:
+        raise handed
     ended = datetime.now(UTC)
     records = list(progress.records.values())
     rendered = sum(len(r.rendered) for r in results)

@@ -206,6 +206,8 @@ class LocalBackend:
         cpu_only = wanted and not gpus and spec.resources.allow_cpu
         can_start = len(free) >= wanted or bool(cpu_only)
         why = "" if can_start else f"{len(free)} of its {len(gpus)} GPU(s) are free now"
+        if cpu_only:
+            why = "no GPU here: the job runs on the CPU (resources.allow_cpu)"
         hourly = hourly_rate(
             prices,
             self.name,

@@ -1,0 +1,162 @@
+"""One pool over every backend: a job placed on a list of candidates runs on the first
+the policy picks that can give it its GPUs, fails over when one cannot, and resumes
+elsewhere after a preemption; the placement table, its log line and its events say why.
+These run on this machine and the test backend; the Kubernetes, Slurm and EC2 pools are
+in test_pool_clusters.py."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+import tests.e2e.toy_backend  # noqa: F401 - registers the toy backend
+from flows.pipeline import gpu_pipeline
+from tasks.backends.local.backend import LocalBackend
+from tasks.contract import RUN_LABEL, owner_labels
+from tasks.errors import InvalidSpec
+from tasks.pipeline.checks import check_pool
+from tasks.spec import load_spec
+from tests.e2e.helpers import artifacts_of, events_named, leftovers, logs_of
+
+pytestmark = pytest.mark.e2e
+
+HELLO = [sys.executable, "-c", "print('hello from the pool')"]
+
+
+def pooled(*placements: dict, command: list[str] = HELLO, **sections) -> dict:
+    return {
+        "name": "pooled",
+        "job": {"kind": "command", "command": command},
+        "resources": {"gpus": 1, "allow_cpu": True},
+        "placement": list(placements),
+        **sections,
+    }
+
+
+@pytest.fixture
+def gpu_taken(fake_nvml, gpuflow_home):
+    """This host's one GPU, held by another gpuflow run."""
+    fake_nvml.config["gpus"] = 1
+    other = load_spec(pooled({"backend": "local"}))
+    backend = LocalBackend()
+    cluster = backend.provision(
+        other.model_copy(update={"candidates": ()}), owner_labels("other-run", "other")
+    )
+    yield cluster
+    backend.teardown(cluster)
+
+
+def test_pool_a_full_candidate_is_given_up_for_the_next(prefect_api, gpuflow_home, gpu_taken):
+    """The first candidate (this machine, its GPU held by another run) is given up and
+    the job runs on the next; the table, the log line and the events say so, and the
+    given-up candidate keeps nothing of this run."""
+    state = gpu_pipeline(
+        load_spec(pooled({"backend": "local"}, {"backend": "toy"})), return_state=True
+    )
+    assert state.is_completed(), state.message
+    result = state.result()
+    run_id = result.flow_run_id
+    assert result.cluster.backend == "toy"
+    logs = logs_of(run_id)
+    assert any(line.startswith("failover: local gave up (only 0 of the 1 GPU(s)") for line in logs)
+    assert any(line.startswith("placed on toy") for line in logs), logs
+    assert any("hello from the pool" in line for line in logs)
+    rows = artifacts_of(run_id)["gpuflow-placement"].data
+    table = {row["candidate"]: row for row in _rows(rows)}
+    assert table["[0] local"]["verdict"] == "given up"
+    assert table["[0] local"]["can_start_now"] == "no"
+    assert "0 of its 1 GPU(s) are free now" in table["[0] local"]["why_not"]
+    assert table["[1] toy"]["verdict"] == "chosen"
+    [failover] = events_named("gpuflow.placement.failover", f"gpuflow.run.{run_id}")
+    assert failover["payload"]["given_up"] == "local" and failover["payload"]["next"] == "toy"
+    assert failover["payload"]["candidates"] == ["local", "toy"]
+    [chosen] = events_named("gpuflow.placement.chosen", f"gpuflow.run.{run_id}")
+    assert chosen["payload"]["chosen"] == "toy"
+    # only the other run's cluster and claim remain on this machine
+    assert leftovers(gpuflow_home)["records"] == [f"{gpu_taken.name}.json"]
+    assert LocalBackend().list_owned({RUN_LABEL: run_id}) == []
+    split = result.metrics.by_placement
+    assert [(r["candidate"], r["ended"]) for r in split] == [("toy", "completed")]
+
+
+def test_pool_every_candidate_full_is_one_sentence_and_leaves_nothing(
+    prefect_api, gpuflow_home, gpu_taken, tmp_path
+):
+    """Both candidates (this machine twice, two workspace roots) have no free GPU: the
+    run fails with the retryable capacity error, one sentence names each one's reason,
+    and nothing of the run is left."""
+    raw = pooled(
+        {"backend": "local"},
+        {"backend": "local", "workspace_root": str(tmp_path / "other-root")},
+        retry={"provision": {"retries": 0}},
+    )
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    assert state.is_failed()
+    message = state.message
+    assert (
+        "no candidate of the placement list could give the GPUs (local: only 0 of the 1" in message
+    )
+    assert message.count("only 0 of the 1 GPU(s) asked for are free on this host") == 2
+    from tasks.errors import CapacityError
+
+    with pytest.raises(CapacityError):
+        state.result()
+    run_id = str(state.state_details.flow_run_id)
+    rows = _rows(artifacts_of(run_id)["gpuflow-placement"].data)
+    assert [r["verdict"] for r in rows] == ["given up", "given up"]
+    assert LocalBackend().list_owned({RUN_LABEL: run_id}) == []
+    assert leftovers(gpuflow_home)["workspaces"] == [gpu_taken.name]
+
+
+def test_pool_cheapest_and_soonest_choose_from_the_offers(prefect_api, gpuflow_home, fake_nvml):
+    """This machine priced at $5/h by its block, the toy backend free: cheapest picks
+    the toy; soonest picks this machine (listed first, and it can start now)."""
+    from blocks.local_host import LocalGpuHost
+
+    LocalGpuHost(gpu_hourly_usd=5.0).save("priced-host", overwrite=True)
+    local = {"backend": "local", "block": "priced-host"}
+    for choose, expected in (("cheapest", "toy"), ("soonest", "local")):
+        raw = pooled(local, {"backend": "toy"}, placement_policy={"choose": choose})
+        state = gpu_pipeline(load_spec(raw), return_state=True)
+        assert state.is_completed(), state.message
+        result = state.result()
+        assert result.cluster.backend == expected, choose
+        rows = {
+            r["candidate"]: r
+            for r in _rows(artifacts_of(result.flow_run_id)["gpuflow-placement"].data)
+        }
+        assert rows["[0] local/priced-host"]["usd_per_hour"] == 5.0
+        assert rows["[1] toy"]["usd_per_hour"] == 0.0
+        assert {r["policy"] for r in rows.values()} == {choose}
+        chosen = [name for name, r in rows.items() if r["verdict"] == "chosen"]
+        assert chosen == [
+            f"[{0 if expected == 'local' else 1}] {'local/priced-host' if expected == 'local' else 'toy'}"
+        ]
+
+
+def test_pool_bad_candidates_are_refused_before_anything_is_made(
+    prefect_api, gpuflow_home, tmp_path
+):
+    """A candidate naming a block that does not exist, one that cannot run the job
+    (nodes > 1 on this machine): one sentence naming the candidate; nothing made."""
+    missing = load_spec(pooled({"backend": "toy"}, {"backend": "local", "block": "no-such-host"}))
+    with pytest.raises(InvalidSpec) as refused:
+        check_pool(missing)
+    assert str(refused.value).startswith(
+        "placement[1].block: there is no LocalGpuHost block named 'no-such-host'"
+    )
+    two_nodes = load_spec(
+        {**pooled({"backend": "toy"}, {"backend": "local"}), "resources": {"nodes": 2}}
+    )
+    with pytest.raises(
+        InvalidSpec, match=r"^placement\[1\] \(local\): resources.nodes: the local backend"
+    ):
+        check_pool(two_nodes)
+    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
+
+
+def _rows(data) -> list[dict]:
+    import json
+
+    return json.loads(data) if isinstance(data, str) else data
