@@ -169,7 +169,6 @@ def place_on(pool: list[tuple[JobSpec, PriceTable]], run_id: str, owner: dict[st
     queue = list(ranked)
     earlier: list[Use] = []
     moves = 0
-    told = False
     while queue:
         candidate = queue.pop(0)
         job, prices = pool[candidate.index]
@@ -183,10 +182,8 @@ def place_on(pool: list[tuple[JobSpec, PriceTable]], run_id: str, owner: dict[st
             cluster = retrying(provision, job.retry.provision, condition)(job, owner)
             verdict = retrying(preflight, job.retry.preflight)(job, cluster).verdict
             candidate.verdict, candidate.reason = "chosen", _chosen_reason(candidate, moves)
-            if not told:
-                log.info("%s", placed_line(candidate, ranked))
-                tell(spec, ranked, run_id, CHOSEN_EVENT, chosen=candidate.name)
-                told = True
+            log.info("%s", placed_line(candidate, ranked))
+            tell(spec, ranked, run_id, CHOSEN_EVENT, chosen=candidate.name)
             outcome = run_stage(job, cluster, prices, run_id, handed_on)
         except CapacityError as exc:
             candidate.verdict, candidate.reason = "given up", str(exc).rstrip(".")

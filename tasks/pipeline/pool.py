@@ -139,6 +139,13 @@ def placed_line(chosen: Candidate, others: list[Candidate]) -> str:
     "placed on kubernetes/onprem: 8 x H100 free now, $0.00/h; ec2 spot g6 $0.52/h not needed"."""
     offer = chosen.offer
     what = ""
+    if offer is not None and not offer.can_start:
+        line = (
+            f"placing on {chosen.name}: it cannot start now ({offer.why_not}); it has its"
+            " placement.gpu_wait to give the GPUs"
+        )
+        following = [c.name for c in others if c.verdict == "not needed"]
+        return line + (f", then {following[0]} is next" if following else "")
     if offer is not None:
         free = _free(offer)
         what = (

@@ -17,7 +17,8 @@ from tasks.contract import RUN_LABEL, owner_labels
 from tasks.errors import InvalidSpec
 from tasks.pipeline.checks import check_pool
 from tasks.spec import load_spec
-from tests.e2e.helpers import artifacts_of, events_named, leftovers, logs_of
+from tests.e2e.helpers import events_named, leftovers, logs_of
+from tests.e2e.test_pool_clusters import latest
 
 pytestmark = pytest.mark.e2e
 
@@ -62,7 +63,7 @@ def test_pool_a_full_candidate_is_given_up_for_the_next(prefect_api, gpuflow_hom
     assert any(line.startswith("failover: local gave up (only 0 of the 1 GPU(s)") for line in logs)
     assert any(line.startswith("placed on toy") for line in logs), logs
     assert any("hello from the pool" in line for line in logs)
-    rows = artifacts_of(run_id)["gpuflow-placement"].data
+    rows = latest(run_id, "gpuflow-placement").data
     table = {row["candidate"]: row for row in _rows(rows)}
     assert table["[0] local"]["verdict"] == "given up"
     assert table["[0] local"]["can_start_now"] == "no"
@@ -103,7 +104,7 @@ def test_pool_every_candidate_full_is_one_sentence_and_leaves_nothing(
     with pytest.raises(CapacityError):
         state.result()
     run_id = str(state.state_details.flow_run_id)
-    rows = _rows(artifacts_of(run_id)["gpuflow-placement"].data)
+    rows = _rows(latest(run_id, "gpuflow-placement").data)
     assert [r["verdict"] for r in rows] == ["given up", "given up"]
     assert LocalBackend().list_owned({RUN_LABEL: run_id}) == []
     assert leftovers(gpuflow_home)["workspaces"] == [gpu_taken.name]
@@ -123,8 +124,7 @@ def test_pool_cheapest_and_soonest_choose_from_the_offers(prefect_api, gpuflow_h
         result = state.result()
         assert result.cluster.backend == expected, choose
         rows = {
-            r["candidate"]: r
-            for r in _rows(artifacts_of(result.flow_run_id)["gpuflow-placement"].data)
+            r["candidate"]: r for r in _rows(latest(result.flow_run_id, "gpuflow-placement").data)
         }
         assert rows["[0] local/priced-host"]["usd_per_hour"] == 5.0
         assert rows["[1] toy"]["usd_per_hour"] == 0.0
