@@ -213,11 +213,13 @@ def render_chunk(
     if run.cancelled:
         raise JobCancelled("the run was cancelled while frames rendered; Blender was stopped")
     missing = [f for f in todo if f not in result.rendered]
-    if missing and run.exit_code == PREEMPTED_EXIT_CODE and PreemptedError in runner.handed_on:
-        # the run's pool resumes the render elsewhere: the frames saved here are in storage
+    if run.exit_code == PREEMPTED_EXIT_CODE and PreemptedError in runner.handed_on:
+        # its machine is being taken back (even when Blender had just finished): the run's
+        # pool resumes the render elsewhere, where the frames saved here are in storage
+        left = f"frames {label(missing)} to render" if missing else "its frames rendered"
         raise PreemptedError(
-            f"chunk {index} was preempted with frames {label(missing)} to render; the render"
-            " resumes on the next candidate with the frames not in storage"
+            f"chunk {index} was preempted with {left}; the render resumes on the next"
+            " candidate with the frames not in storage"
         )
     wrong = logparse.classify(log, run.exit_code, run.signal)
     if wrong is not None and wrong.kind in WRONG_SETTINGS:

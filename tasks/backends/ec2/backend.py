@@ -313,9 +313,12 @@ class Ec2Backend:
         with _lock(run_id):
             live = launching.owned_instances(ec2, run_id, ["pending", "running"])
             noticed = {k.split("/", 1)[1] for k in mailbox.keys("notices/")}
+            # lost once and replaced: a cluster record from before the replacement still
+            # names them, and must not make every later unit replace its nodes again
+            replaced = {k.split("/", 1)[1] for k in mailbox.keys("lost/")}
             known = state.instances
             vanished = {n["instance_id"] for n in known} - {i["InstanceId"] for i in live}
-            lost = sorted(vanished | ({i["InstanceId"] for i in live} & noticed))
+            lost = sorted((vanished | ({i["InstanceId"] for i in live} & noticed)) - replaced)
             if live and len(live) == spec.resources.nodes and not lost:
                 return self._ready(fleet, mailbox, live, spec), None, True
             for instance in lost:
