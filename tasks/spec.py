@@ -270,13 +270,24 @@ def _no_kinds(value: Any) -> Any:
 NO_KINDS = Annotated[Any, BeforeValidator(_no_kinds)]
 
 
+def _one_or_a_list(schema: dict[str, Any]) -> None:
+    """The JSON schema of `placement`: one placement, or a list of candidates (a
+    deployment's parameters are checked against it before the flow reads them)."""
+    one = {"$ref": schema.pop("$ref")}
+    schema["anyOf"] = [one, {"type": "array", "items": one, "minItems": 1}]
+
+
 class JobSpec(SpecModel):
     """Everything gpuflow needs to run one GPU job through the pipeline."""
 
     name: str = Field("job", description="Lowercase letters, digits and dashes.")
     job: NO_KINDS  # the union of the registered kinds' models (add_job_model)
     resources: Resources = Resources()
-    placement: Placement = Placement()
+    placement: Placement = Field(
+        Placement(),
+        description="Where the job runs, or a list of candidates in the order of preference.",
+        json_schema_extra=_one_or_a_list,
+    )
     # filled from a `placement:` list, in the order of preference; `placement` is then the
     # candidate the run uses (the first until the pool chooses)
     candidates: tuple[Placement, ...] = Field(

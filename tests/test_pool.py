@@ -299,3 +299,18 @@ def test_slurm_offers_count_idle_gres_on_up_nodes(gpus, kind, expected):
     from tasks.backends.slurm.fit import room_now
 
     assert room_now(SINFO, gpus, kind) == expected
+
+
+def test_a_deployments_parameters_may_carry_a_candidate_list():
+    """Prefect checks a deployment's parameters against the flow's schema before the flow
+    reads them: a placement list passes it, an empty list does not."""
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools.validation import is_valid
+
+    from flows.pipeline import gpu_pipeline
+
+    schema = parameter_schema(gpu_pipeline.fn).model_dump()
+    pooled = {"job": CMD, "placement": [K8S, SPOT], "placement_policy": {"choose": "soonest"}}
+    assert is_valid({"spec": pooled}, schema)
+    assert is_valid({"spec": {"job": CMD, "placement": K8S}}, schema)
+    assert not is_valid({"spec": {"job": CMD, "placement": []}}, schema)

@@ -210,6 +210,20 @@ def test_contract_provision_adopts_lines_arrive_in_order_and_teardown_leaves_not
     assert settle(lambda: place.left(run_id)) == []
 
 
+def test_contract_offers_price_the_job_and_make_nothing(place):
+    """What a backend could give the job now (a pool's candidate row): at least one offer,
+    each saying where, at a price of zero or more, and why not when it cannot start now."""
+    from tasks.pipeline.checks import check_spec
+
+    spec, prices = check_spec(place.spec(["true"]))
+    found = place.backend.offers(spec, prices)
+    assert found, "a backend gives at least one offer (one that cannot start says why)"
+    for offer in found:
+        assert offer.where and offer.hourly_usd >= 0
+        assert offer.can_start or offer.why_not
+        assert offer.gpus_free is None or offer.gpus_free >= 0
+
+
 def test_contract_a_stop_request_ends_the_unit_within_its_grace(place):
     """A stop check that says stop: the unit gets SIGTERM and its grace, saves its state
     and exits 75 (not SIGKILL), and the result says it was cancelled."""
