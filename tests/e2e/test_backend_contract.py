@@ -210,7 +210,7 @@ def test_contract_provision_adopts_lines_arrive_in_order_and_teardown_leaves_not
     assert settle(lambda: place.left(run_id)) == []
 
 
-def test_contract_offers_price_the_job_and_make_nothing(place):
+def test_contract_offers_price_the_job(place):
     """What a backend could give the job now (a pool's candidate row): at least one offer,
     each saying where, at a price of zero or more, and why not when it cannot start now."""
     from tasks.pipeline.checks import check_spec

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -141,6 +142,24 @@ def train_on_ec2(dataset: str, output: str, **job) -> dict:
     return raw
 
 
+def interrupt_when(played, ready, interrupted: list[str], warning_s: float = 30) -> Any:
+    """Return a watch (for pipeline_while) that serves a spot interruption notice to the
+    first instance once `ready()` holds, noting its id in `interrupted`."""
+    import time
+
+    def reclaim() -> None:
+        until = time.monotonic() + 240
+        while time.monotonic() < until:
+            if ready() and played.instances:
+                [first] = played.instances
+                interrupted.append(first)
+                played.interrupt(first, warning_s=warning_s)
+                return
+            time.sleep(0.1)
+
+    return reclaim
+
+
 def checkpoints(aws: dict, s3_server, prefix: str) -> list[str]:
     listed = aws["s3"].list_objects_v2(Bucket=s3_server.bucket, Prefix=prefix)
     return [o["Key"] for o in listed.get("Contents", []) if "/checkpoints/" in o["Key"]]
@@ -153,7 +172,6 @@ def test_a_spot_notice_checkpoints_and_the_run_resumes_on_a_new_instance_exactly
     """The metadata mock serves a spot interruption notice during training: the agent sends
     SIGTERM, the job checkpoints to S3 and exits 75, the run stage retries on a new spot
     instance and resumes; the final weights equal those of an uninterrupted run."""
-    import time
 
     from flows.datasets import prepare_dataset
     from flows.train import train
@@ -173,17 +191,10 @@ def test_a_spot_notice_checkpoints_and_the_run_resumes_on_a_new_instance_exactly
     raw = train_on_ec2(dataset, s3_server.url("runs/ec2-spot"), **job)
     raw["placement"] = {**raw["placement"], "market": "spot-then-on-demand"}
     interrupted: list[str] = []
-
-    def reclaim() -> None:  # the first checkpoint is in S3: EC2 wants the instance back
-        until = time.monotonic() + 240
-        while time.monotonic() < until:
-            if checkpoints(aws, s3_server, "runs/ec2-spot/") and played.instances:
-                [first] = played.instances
-                interrupted.append(first)
-                played.interrupt(first, warning_s=30)
-                return
-            time.sleep(0.2)
-
+    # the first checkpoint is in S3: EC2 wants the instance back
+    reclaim = interrupt_when(
+        played, lambda: checkpoints(aws, s3_server, "runs/ec2-spot/"), interrupted
+    )
     state, run_id = pipeline_while(raw, reclaim)
     logs = "\n".join(logs_of(run_id))
     assert interrupted and "spot interruption notice" in logs

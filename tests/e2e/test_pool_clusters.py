@@ -189,7 +189,14 @@ def test_pool_training_preempted_on_ec2_spot_resumes_on_the_next_candidate_bitwi
     from flows.datasets import prepare_dataset
     from flows.train import train
     from tasks.storage import S3Store
-    from tests.e2e.test_ec2 import checkpoints, left_of, pipeline_while, torch_equal, train_on_ec2
+    from tests.e2e.test_ec2 import (
+        checkpoints,
+        interrupt_when,
+        left_of,
+        pipeline_while,
+        torch_equal,
+        train_on_ec2,
+    )
     from tests.e2e.test_training import _weights, train_spec
 
     dataset = s3_server.url("datasets/pool-cnn")
@@ -205,17 +212,10 @@ def test_pool_training_preempted_on_ec2_spot_resumes_on_the_next_candidate_bitwi
     raw["placement"] = [spot, {"backend": "local"}]
     raw["resources"] = {**raw["resources"], "allow_cpu": True}  # this machine has no GPU
     interrupted: list[str] = []
-
-    def reclaim() -> None:  # the first checkpoint is in S3: EC2 wants the instance back
-        until = time.monotonic() + 240
-        while time.monotonic() < until:
-            if checkpoints(aws, s3_server, "runs/pool-spot/") and played.instances:
-                [first] = played.instances
-                interrupted.append(first)
-                played.interrupt(first, warning_s=30)
-                return
-            time.sleep(0.2)
-
+    # the first checkpoint is in S3: EC2 wants the instance back
+    reclaim = interrupt_when(
+        played, lambda: checkpoints(aws, s3_server, "runs/pool-spot/"), interrupted
+    )
     state, run_id = pipeline_while(raw, reclaim)
     result = state.result()
     assert interrupted and result.cluster.backend == "local"
@@ -280,7 +280,7 @@ def test_pool_a_render_preempted_on_ec2_spot_renders_only_the_missing_frames_els
 
     from tasks.render.scene import demo_scene
     from tasks.storage import store_for
-    from tests.e2e.test_ec2 import left_of, pipeline_while, spec
+    from tests.e2e.test_ec2 import interrupt_when, left_of, pipeline_while, spec
 
     blender = sh.which("blender")
     assert blender, "blender is not installed; the test command installs it"
@@ -305,16 +305,7 @@ def test_pool_a_render_preempted_on_ec2_spot_renders_only_the_missing_frames_els
         listed = s3.list_objects_v2(Bucket="pool-frames", Prefix="renders/cube/")
         return sum(o["Key"].endswith(".png") for o in listed.get("Contents", []))
 
-    def reclaim() -> None:
-        until = time.monotonic() + 240
-        while time.monotonic() < until:
-            if frames_in_storage() >= 1 and played.instances:
-                [first] = played.instances
-                struck.append(first)
-                played.interrupt(first, warning_s=30)
-                return
-            time.sleep(0.1)
-
+    reclaim = interrupt_when(played, lambda: frames_in_storage() >= 1, struck)
     state, run_id = pipeline_while(raw, reclaim)
     assert struck and state.result().cluster.backend == "local"
     versions = s3.list_object_versions(Bucket="pool-frames", Prefix="renders/cube/")
