@@ -75,20 +75,20 @@ def _print_pool(spec: Any, top: int, as_json: bool) -> int:
         f" tried {spec.placement_policy.choose}; job cost for limits.max_duration ({hours:g} h):"
     )
     print(
-        f"  {'#':>2}  {'candidate':22} {'where':44} {'GPUs free now':22} {'$/h':>9}"
+        f"  {'#':>2}  {'candidate':22} {'where':44} {'GPUs free now':28} {'$/h':>9}"
         f" {'job $':>10}  {'start now':9}  why not"
     )
     for row in rows:
         if "error" in row:
             print(
-                f"  {row['index']:>2}  {row['candidate'][:22]:22} {'':44} {'?':22} {'':>9} {'':>10}  {'no':9}  {row['error']}"
+                f"  {row['index']:>2}  {row['candidate'][:22]:22} {'':44} {'?':28} {'':>9} {'':>10}  {'no':9}  {row['error']}"
             )
             continue
         free = "at launch" if row["gpus_free"] is None else str(row["gpus_free"])
         if row["gpus_free"] is not None and row["gpu_product"]:
             free += f" x {row['gpu_product']}"
         print(
-            f"  {row['index']:>2}  {row['candidate'][:22]:22} {row['where'][:44]:44} {free[:22]:22}"
+            f"  {row['index']:>2}  {row['candidate'][:22]:22} {row['where'][:44]:44} {free[:28]:28}"
             f" {row['hourly_usd']:>9.3f} {row['job_usd']:>10.2f}  {'yes' if row['can_start'] else 'no':9}"
             f"  {row['why_not']}"
         )

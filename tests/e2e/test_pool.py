@@ -160,3 +160,62 @@ def _rows(data) -> list[dict]:
     import json
 
     return json.loads(data) if isinstance(data, str) else data
+
+
+def test_pool_offers_prints_every_candidate_side_by_side(prefect_api, gpuflow_home, tmp_path):
+    """`gpuflow offers` on a placement list: one row per candidate in the policy's order
+    (GPUs free now, $/h, the job's cost, can it start now, why not), the same as JSON; a
+    candidate whose block does not exist is one sentence; nothing is made."""
+    import json as jsonlib
+    import subprocess
+
+    import yaml
+
+    from blocks.local_host import LocalGpuHost
+    from tests.conftest import subprocess_env
+
+    LocalGpuHost(gpu_hourly_usd=2.5).save("offers-host", overwrite=True)
+    raw = pooled(
+        {"backend": "local", "block": "offers-host"},
+        {"backend": "local", "workspace_root": str(tmp_path / "free-root")},
+        placement_policy={"choose": "cheapest"},
+        limits={"max_duration": "2h"},
+    )
+    raw["resources"] = {"gpus": 1}
+    path = tmp_path / "pool.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    env = subprocess_env(prefect_api, gpuflow_home, fake_gpus=2)
+
+    def offers(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "gpuflow", "offers", str(path), *args],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    table = offers()
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0] == (
+        "2 candidate(s) for 1 node(s) x 1 GPU(s), tried cheapest; job cost for"
+        " limits.max_duration (2 h):"
+    )
+    # cheapest first: the free root, then the $2.50/h host ($5.00 for 2 h)
+    assert lines[2].split()[:2] == ["1", "local"]
+    assert lines[3].split()[:2] == ["0", "local/offers-host"]
+    assert "2 x NVIDIA-H100-80GB-HBM3" in lines[3] and "2.500" in lines[3] and "5.00" in lines[3]
+    rows = jsonlib.loads(offers("--json").stdout)
+    assert [(r["index"], r["hourly_usd"], r["job_usd"], r["can_start"]) for r in rows] == [
+        (1, 0.0, 0.0, True),
+        (0, 2.5, 5.0, True),
+    ]
+    assert rows[0]["gpus_free"] == 2 and rows[0]["gpu_product"] == "NVIDIA-H100-80GB-HBM3"
+    raw["placement"][0]["block"] = "no-such-host"
+    path.write_text(yaml.safe_dump(raw))
+    refused = offers()
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == (
+        "gpuflow: invalid input: placement[0].block: there is no LocalGpuHost block named"
+        " 'no-such-host'; create it with LocalGpuHost(...).save('no-such-host') or remove"
+        " placement[0].block."
+    )
+    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
