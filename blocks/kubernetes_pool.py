@@ -65,6 +65,17 @@ class KubernetesGpuPool(Block):
     queue_name: str | None = Field(default=None, title="Kueue queue")
     priority_class_name: str | None = Field(default=None, title="Priority class")
     active_deadline_seconds: int = Field(default=86400, ge=1, title="Deadline (seconds)")
+    service_account: str | None = Field(
+        default=None,
+        title="Unit pods' service account",
+        description="The account whose API token unit pods mount (empty: no token is mounted).",
+    )
+    allow_privilege_escalation: bool = Field(
+        default=False,
+        title="Let unit pods gain privileges",
+        description="Off: unit containers drop every capability and cannot gain privileges"
+        " (setuid programs); on: the container runtime's defaults.",
+    )
 
     def job_variables(self) -> dict[str, Any]:
         """Return the job variables for deployments on this pool (unset ones left out)."""

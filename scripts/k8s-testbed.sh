@@ -6,6 +6,9 @@
 #
 #   scripts/k8s-testbed.sh build             build what is missing into the cache
 #   scripts/k8s-testbed.sh up --dir DIR      build if needed, start, write DIR/kubeconfig
+#   scripts/k8s-testbed.sh up --dir DIR --real-node   and a real node beside the KWOK ones:
+#                                            containerd + a kubelet, pods in real containers
+#                                            (gpuflow's job image imported: scripts/build-image.sh)
 #   scripts/k8s-testbed.sh down --dir DIR    stop what `up` started, by PID
 #   scripts/k8s-testbed.sh restart-api --dir DIR   stop the API server and start it again (faults)
 #
@@ -33,20 +36,20 @@ build() {
   command -v go >/dev/null || die "Go is not installed; install Go 1.26 (it builds the test cluster)"
   local stamp=$BIN/.versions want="k8s=$K8S_VERSION etcd=$ETCD_VERSION kwok=$KWOK_VERSION kueue=$KUEUE_VERSION mpi-operator=$MPI_OPERATOR_VERSION"
   if [[ -f $stamp && $(cat "$stamp") == "$want" ]] &&
-    [[ -x $BIN/kube-apiserver && -x $BIN/kube-controller-manager && -x $BIN/kube-scheduler ]] &&
+    [[ -x $BIN/kube-apiserver && -x $BIN/kube-controller-manager && -x $BIN/kube-scheduler && -x $BIN/kubelet ]] &&
     [[ -x $BIN/etcd && -x $BIN/kwok && -x $BIN/mpi-operator ]] &&
     [[ -f $CACHE/crds/kueue.x-k8s.io_clusterqueues.yaml && -f $CACHE/crds/kubeflow.org_mpijobs.yaml ]]; then
     say "built already: $want in $BIN"
     return
   fi
   rm -f "$stamp"
-  if [[ ! -x $BIN/kube-apiserver || ! -x $BIN/kube-controller-manager || ! -x $BIN/kube-scheduler ]]; then
-    say "building kube-apiserver, kube-controller-manager, kube-scheduler $K8S_VERSION (cold: about 7 minutes on 2 cores)"
+  if [[ ! -x $BIN/kube-apiserver || ! -x $BIN/kube-controller-manager || ! -x $BIN/kube-scheduler || ! -x $BIN/kubelet ]]; then
+    say "building kube-apiserver, kube-controller-manager, kube-scheduler, kubelet $K8S_VERSION (cold: about 8 minutes on 2 cores)"
     local pkg=k8s.io/component-base/version minor=${K8S_VERSION#v1.}
     (cd "$HERE/testbed/k8s" && go build -trimpath -o "$BIN/" \
       -ldflags "-s -w -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=${minor%%.*} -X $pkg.gitTreeState=clean" \
       k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-      k8s.io/kubernetes/cmd/kube-scheduler)
+      k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet)
   fi
   if [[ ! -x $BIN/etcd ]]; then
     say "building etcd $ETCD_VERSION"
@@ -269,20 +272,27 @@ metadata: {name: mpi-operator}' >/dev/null
   start mpi-operator "$BIN/mpi-operator" -kubeConfig "$DIR/kubeconfig" -lock-namespace mpi-operator \
     -monitoring-port 0 -threadiness 4 -kube-api-qps 50 -kube-api-burst 100
   say "up: 4 nodes (2 x 8 H100, 4 L4, 1 CPU), the MPI Operator, Kueue's CRDs; kubeconfig: $DIR/kubeconfig"
+  if $WITH_REAL_NODE; then real_node_up; fi
+}
+
+stop_pid() { # stop_pid NAME: SIGTERM, up to 10 s, then SIGKILL
+  local name=$1 pid
+  [[ -f $DIR/pids/$name ]] || return 0
+  pid=$(cat "$DIR/pids/$name")
+  if kill -TERM "$pid" 2>/dev/null; then
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    kill -KILL "$pid" 2>/dev/null || true
+    say "stopped $name (pid $pid)"
+  fi
+  rm -f "$DIR/pids/$name"
 }
 
 down() {
   [[ -d $DIR/pids ]] || { say "nothing runs in $DIR"; return; }
-  local name pid
+  real_node_down
+  local name
   for name in mpi-operator kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
-    [[ -f $DIR/pids/$name ]] || continue
-    pid=$(cat "$DIR/pids/$name")
-    if kill -TERM "$pid" 2>/dev/null; then
-      for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-      kill -KILL "$pid" 2>/dev/null || true
-      say "stopped $name (pid $pid)"
-    fi
-    rm -f "$DIR/pids/$name"
+    stop_pid "$name"
   done
 }
 
@@ -299,13 +309,17 @@ restart_api() { # stop the API server by PID and start it again with the same ar
   say "kube-apiserver up again (pid $(cat "$DIR/pids/kube-apiserver")); etcd kept the state"
 }
 
+# shellcheck source=testbed/real-node.sh
+source "$HERE/testbed/real-node.sh"
+
 command=${1:-}
 shift || true
-DIR=
+DIR= WITH_REAL_NODE=false
 while (($#)); do
   case $1 in
   --dir) DIR=$2; shift 2 ;;
-  *) die "unknown option $1; use build, up --dir DIR or down --dir DIR" ;;
+  --real-node) WITH_REAL_NODE=true; shift ;;
+  *) die "unknown option $1; use build, up --dir DIR [--real-node] or down --dir DIR" ;;
   esac
 done
 case $command in

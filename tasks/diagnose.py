@@ -37,6 +37,14 @@ def _c(kind: str, pattern: str, advice: str, program: str = "any", **kw: Any) ->
 
 
 CAUSES: list[Cause] = [
+    # -- the program itself -----------------------------------------------------------------
+    _c(
+        "program_not_found",
+        r"(?:^|\s)(?:sh|bash): (?:\d+: |line \d+: )?([^\s:]+): (?:command )?not found"
+        r'|exec: "([^"]+)": executable file not found',
+        "the program {0} is not where the job runs (not in its image, or not on its PATH);"
+        " install it there or give job.command its full path.",
+    ),
     # -- PyTorch, CUDA, NCCL, gloo ---------------------------------------------------------
     _c(
         "cuda_out_of_memory",
@@ -209,7 +217,8 @@ def match(lines: Iterable[str], program: str = "any", context: str = "") -> Diag
     for cause in rows:
         for line in reversed(text):
             if found := cause.pattern.search(line):
-                advice = cause.advice.format(*found.groups(), context=context)
+                groups = [g for g in found.groups() if g is not None]  # alternatives' groups
+                advice = cause.advice.format(*groups, context=context)
                 return Diagnosis(cause.kind, advice, cause.transient)
     return None
 
@@ -251,6 +260,12 @@ def diagnose(
             "segfault",
             "the program crashed (segmentation fault): usually a native library (a CUDA, MPI"
             " or torch extension build) that does not match the rest; rebuild or pin it.",
+        )
+    if exit_code == 127 and signal is None:  # a shell's "command not found"
+        return Diagnosis(
+            "program_not_found",
+            "the job's program was not found where it runs (exit 127); install it there"
+            " or give job.command its full path.",
         )
     if number == signals.SIGBUS:
         return Diagnosis(

@@ -15,6 +15,16 @@ TORCH_OOM = (
     " allocated by PyTorch, and 245.34 MiB is reserved by PyTorch but unallocated."
 )
 CASES = [
+    # dash (the unit wrapper's /bin/sh), bash, and the container runtime
+    ("sh: 1: trainer: not found", "program_not_found", "the program trainer is not where"),
+    ("bash: line 1: blender: command not found", "program_not_found", "the program blender"),
+    (
+        "the container could not start: failed to create containerd task: failed to create"
+        " shim task: OCI runtime create failed: runc create failed: unable to start container"
+        ' process: exec: "render-farm": executable file not found in $PATH: unknown',
+        "program_not_found",
+        "the program render-farm is not where the job runs",
+    ),
     (TORCH_OOM, "cuda_out_of_memory", "it tried to allocate 20.00 MiB more"),
     (
         "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 15.78 GiB total"
@@ -129,6 +139,7 @@ def test_rows_are_tried_in_order_and_the_last_matching_line_speaks():
         (None, 11, {}, "segfault"),
         (139, None, {}, "segfault"),
         (None, 7, {}, "bus_error"),
+        (127, None, {}, "program_not_found"),
     ],
 )
 def test_signals_and_shell_exit_codes_speak_when_no_line_does(exit_code, signal, events, kind):

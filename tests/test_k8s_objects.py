@@ -67,6 +67,59 @@ def test_a_unit_job_asks_for_its_gpus_product_and_limits_on_the_object():
     assert container["envFrom"] == [{"secretRef": {"name": f"gpuflow-{RUN}-env"}}]
 
 
+@pytest.mark.parametrize(
+    ("settings", "grace", "token", "security"),
+    [
+        # defaults: the run's grace, no API token, no privileges to gain
+        (
+            KubeSettings(stop_grace_s=45),
+            45,
+            False,
+            {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        ),
+        # a fraction of a second is rounded up; zero would mean SIGKILL at once
+        (KubeSettings(stop_grace_s=0.2), 1, False, {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}),
+        (KubeSettings(stop_grace_s=90.5), 91, False, {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}),
+        # a block that names an account mounts its token; one that allows privileges
+        # leaves the runtime's defaults
+        (KubeSettings(service_account="trainer"), 30, True, {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}),
+        (KubeSettings(allow_privilege_escalation=True), 30, False, None),
+    ],
+)  # fmt: skip
+def test_unit_pods_get_the_runs_grace_no_token_and_no_privileges(settings, grace, token, security):
+    pod = unit_job(cluster(), WorkUnit(name="main", command=["true"]), settings, 60)["spec"][
+        "template"
+    ]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == grace
+    assert pod["automountServiceAccountToken"] is token
+    assert pod.get("serviceAccountName") == settings.service_account
+    assert pod["containers"][0].get("securityContext") == security
+
+
+def test_the_grace_comes_from_the_specs_stop_grace_and_the_rest_from_the_block():
+    from blocks.kubernetes_pool import KubernetesGpuPool
+    from tasks.backends.kubernetes.backend import KubernetesBackend
+    from tasks.spec import load_spec
+
+    backend = KubernetesBackend(block="team")  # the block as read, no API asked
+    backend._loaded = (
+        "team",
+        KubernetesGpuPool(service_account="trainer", allow_privilege_escalation=True),
+    )
+    backend._api = type("Api", (), {"namespace": "ml"})()  # type: ignore[assignment]
+    spec = load_spec(
+        {
+            "name": "g",
+            "job": {"kind": "command", "command": ["true"]},
+            "limits": {"stop_grace_s": 75},
+            "placement": {"backend": "kubernetes"},
+        }
+    )
+    settings = backend.settings(spec)
+    assert settings.stop_grace_s == 75
+    assert settings.service_account == "trainer" and settings.allow_privilege_escalation
+
+
 def test_a_cpu_unit_asks_for_no_gpu_and_tolerates_nothing():
     unit = WorkUnit(name="main", command=["echo", "hi"], gpus=[])
     pod = unit_job(cluster(gpus=0, nodes=1), unit, KubeSettings(gpu_product="NVIDIA-L4"), 60)

@@ -129,6 +129,8 @@ class KubernetesBackend:
                 "tolerations": pool.tolerations,
                 "queue_name": pool.queue_name,
                 "priority_class_name": pool.priority_class_name,
+                "service_account": pool.service_account,
+                "allow_privilege_escalation": pool.allow_privilege_escalation,
             }
         if spec is not None:
             values |= {
@@ -137,6 +139,7 @@ class KubernetesBackend:
                 "shm_bytes": spec.resources.shm,
                 "cpu": spec.resources.cpu,
                 "memory_bytes": spec.resources.memory,
+                "stop_grace_s": spec.limits.stop_grace_s,
             }
         values = {k: v for k, v in values.items() if v is not None}
         return objects.KubeSettings(**values)
@@ -579,6 +582,9 @@ class _KubeUnit:
         else:
             self.seen = pod["metadata"]["name"]
             status = pod.get("status", {})
+            if cannot := cannot_start(pod):  # the kubelet cannot make its container
+                self.backend._delete(self.path, 0)
+                raise ProvisionError(f"unit {self.unit.name} cannot start: {cannot}")
             if status.get("phase") in ("Succeeded", "Failed"):
                 self.follower.start(f"{pods}/{self.seen}/log", follow=False)  # ended unseen
                 return _terminated(status)
@@ -651,6 +657,44 @@ def _disrupted(status: dict[str, Any]) -> bool:
     )
 
 
+# A container the kubelet is waiting to make, for a reason that waiting does not mend: an
+# image it may not pull or cannot find (ImagePullBackOff comes after a second failed pull;
+# a first ErrImagePull may be a registry's hiccup), a variable or volume it cannot fill.
+NEVER_STARTS = {
+    "ImagePullBackOff": "image",
+    "ErrImageNeverPull": "image",
+    "InvalidImageName": "image",
+    "CreateContainerConfigError": "config",
+    "CreateContainerError": "config",
+}
+
+
+def cannot_start(pod: dict[str, Any]) -> str | None:
+    """Return why `pod`'s container will never start (one sentence with the fix), or None
+    while it may still."""
+    for container in pod.get("status", {}).get("containerStatuses") or []:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        reason = waiting.get("reason", "")
+        why = NEVER_STARTS.get(reason)
+        if why is None:
+            continue
+        message = (waiting.get("message") or "").strip().rstrip(".")
+        said = f"{reason}: {message}" if message else reason
+        node = pod.get("spec", {}).get("nodeName") or "its node"
+        if why == "image":
+            return (
+                f"the image {container.get('image')!r} is not on {node} and cannot be pulled"
+                f" ({said}); build it and push it where the cluster pulls images from"
+                " (infra/docker/Dockerfile, scripts/build-image.sh), or set placement.image"
+                " or the KubernetesGpuPool block's image to one it has."
+            )
+        return (
+            f"the kubelet on {node} cannot create its container ({said}); fix what the"
+            " message names in the cluster (a Secret, a volume, the image's user)."
+        )
+    return None
+
+
 def _terminated(status: dict[str, Any]) -> UnitEnd:
     """Return how an ended pod's container ended (an OOMKilled one: SIGKILL, one kill)."""
     for container in status.get("containerStatuses") or []:
@@ -659,6 +703,10 @@ def _terminated(status: dict[str, Any]) -> UnitEnd:
             code = int(done.get("exitCode", 1))
             if done.get("reason") == "OOMKilled":  # the kubelet saw the container's cgroup
                 return UnitEnd(signal=9, memory_events={"oom_kill": 1})
+            if done.get("reason") in ("StartError", "ContainerCannotRun"):
+                # the runtime could not start the container (its program is not in the image)
+                said = (done.get("message") or done["reason"]).strip()
+                return UnitEnd(exit_code=127, tail=[f"the container could not start: {said}"])
             if code > 128 and done.get("reason") != "Error":
                 return UnitEnd(signal=code - 128)
             return UnitEnd(exit_code=code, tail=[m] if (m := done.get("message")) else [])

@@ -5,6 +5,7 @@ secret appears in a manifest), and one Job per work unit. Pure: no API calls.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from typing import Any
@@ -67,7 +68,10 @@ class KubeSettings(BaseModel):
     shm_bytes: int | None = None
     cpu: float | None = None
     memory_bytes: int | None = None
-    service_account: str | None = None
+    # what a real kubelet holds the pods to: gpuflow makes the pods, so gpuflow sets these
+    stop_grace_s: float = 30.0  # limits.stop_grace_s: SIGTERM -> SIGKILL on any stop
+    service_account: str | None = None  # none: no API token is mounted in the pod
+    allow_privilege_escalation: bool = False  # False: no setuid gains, every capability dropped
 
 
 def dns_name(text: str, limit: int = 63) -> str:
@@ -161,8 +165,19 @@ def unit_job(
     pod_labels = {**labels(cluster), UNIT_LABEL: dns_name(unit.name)}
     if settings.queue_name:
         pod_labels["kueue.x-k8s.io/queue-name"] = settings.queue_name
+    container_security: dict[str, Any] = {}
+    if not settings.allow_privilege_escalation:
+        container_security = {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        }
     pod: dict[str, Any] = {
         "restartPolicy": "Never",
+        # an eviction, a preemption or a deleted Job gives the unit the run's own window
+        # between SIGTERM and SIGKILL (Kubernetes' default is 30 s whatever the job needs)
+        "terminationGracePeriodSeconds": grace_seconds(settings.stop_grace_s),
+        # the job's code gets no token for the namespace's default account
+        "automountServiceAccountToken": settings.service_account is not None,
         "hostname": node_host(cluster, unit.node),
         "subdomain": cluster.name,
         "containers": [
@@ -176,6 +191,7 @@ def unit_job(
                 "envFrom": [{"secretRef": {"name": f"{cluster.name}-env"}}],
                 "resources": {"limits": limits, "requests": requests},
                 "volumeMounts": mounts,
+                **({"securityContext": container_security} if container_security else {}),
             }
         ],
         "volumes": volumes,
@@ -202,6 +218,12 @@ def unit_job(
             "template": {"metadata": {"labels": pod_labels}, "spec": pod},
         },
     }
+
+
+def grace_seconds(stop_grace_s: float) -> int:
+    """Return `limits.stop_grace_s` as a pod's terminationGracePeriodSeconds: whole seconds,
+    rounded up, at least 1 (0 would mean SIGKILL at once)."""
+    return max(1, math.ceil(stop_grace_s))
 
 
 def unit_job_name(cluster: Cluster, unit: WorkUnit) -> str:
@@ -231,6 +253,8 @@ def mpi_job(
         del spec["hostname"], spec["subdomain"]  # the operator names its pods
         spec["securityContext"] = {"runAsUser": 0}
         for container in spec["containers"]:
+            # the operator's sshd changes user and needs its capabilities
+            container.pop("securityContext", None)
             limits = container["resources"]["limits"]
             if GPU in limits:
                 limits[GPU] = int(limits[GPU])
