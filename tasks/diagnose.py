@@ -40,7 +40,8 @@ CAUSES: list[Cause] = [
     # -- the program itself -----------------------------------------------------------------
     _c(
         "program_not_found",
-        r"(?:^|\s)(?:sh|bash): (?:\d+: |line \d+: )?([^\s:]+): (?:command )?not found"
+        # dash and bash say so after their $0 (sh, bash, a wrapper's name) and a line number
+        r"(?:^|\s)[\w./-]+: (?:\d+: |line \d+: )?([^\s:]+): (?:command )?not found\s*$"
         r'|exec: "([^"]+)": executable file not found',
         "the program {0} is not where the job runs (not in its image, or not on its PATH);"
         " install it there or give job.command its full path.",

@@ -24,10 +24,11 @@ os.environ.setdefault("GPUFLOW_API_IDLE_S", "0")
 # Tests run in parallel (pytest-xdist, `--dist loadgroup`, scripts/test.sh): each worker
 # starts its own Prefect server and S3 server once. A test that needs the Kubernetes test
 # cluster joins the group `kubernetes`, so one worker starts one cluster for all of them
-# (the Slurm tests: two groups, a cluster each, see below);
+# (the Slurm tests: two groups, a cluster each, see below; the real node's tests: a cluster
+# with a real node);
 # a module with a module-scoped fixture (a platform, a data set) runs on one worker.
 # Groups expected to run longest are handed out first, so they do not end the run alone.
-FIRST = ("kubernetes", "slurm-requeue", "slurm")
+FIRST = ("kubernetes", "slurm-requeue", "slurm", "kubernetes-real-node")
 
 
 def _group(item) -> str | None:
@@ -42,6 +43,8 @@ def pytest_collection_modifyitems(config, items) -> None:
             continue
         if "testbed" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("kubernetes"))
+        elif "real_node" in item.fixturenames:  # a test cluster of its own, with a real node
+            item.add_marker(pytest.mark.xdist_group("kubernetes-real-node"))
         elif "slurm_testbed" in item.fixturenames:
             # two groups, each on a worker with its own Slurm test cluster: the tests that
             # wait for Slurm to requeue a job, and the others

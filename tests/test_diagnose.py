@@ -18,6 +18,7 @@ CASES = [
     # dash (the unit wrapper's /bin/sh), bash, and the container runtime
     ("sh: 1: trainer: not found", "program_not_found", "the program trainer is not where"),
     ("bash: line 1: blender: command not found", "program_not_found", "the program blender"),
+    ("gpuflow-unit: 3: render-farm: not found", "program_not_found", "the program render-farm"),
     (
         "the container could not start: failed to create containerd task: failed to create"
         " shim task: OCI runtime create failed: runc create failed: unable to start container"

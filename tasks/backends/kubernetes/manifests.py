@@ -26,12 +26,14 @@ WORKSPACE = "/workspace"
 OUTPUT_MARK = "@@gpuflow-output"  # a log line carrying one of the unit's output files
 OUTPUT_LEFT_MARK = "@@gpuflow-output-left"  # one too large to come back through the log
 OUTPUT_MAX_KIB = 1024
-# Every unit runs under this POSIX sh (any image has one): it passes SIGTERM/SIGINT on to
+# Every unit runs under this POSIX sh (any image has one): it makes $GPUFLOW_OUTPUT_DIR (an
+# image's own folders are not the pod's workspace), passes SIGTERM/SIGINT on to
 # the unit, and when the unit ends prints each file of $GPUFLOW_OUTPUT_DIR (error.txt,
 # result.json, ... up to OUTPUT_MAX_KIB each) as one base64 line the orchestrator takes out
 # of the log and writes to the run's outputs, as the job contract says. Then it exits with
 # the unit's code.
 UNIT_WRAPPER = f"""\
+mkdir -p "$GPUFLOW_OUTPUT_DIR" 2>/dev/null  # the job contract: the folder is there
 child= stopping=
 trap 'stopping=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null' TERM INT
 "$@" &

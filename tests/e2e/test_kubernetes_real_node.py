@@ -1,0 +1,433 @@
+"""The Kubernetes backend on the test cluster's real node (scripts/k8s-testbed.sh up
+--real-node): Debian's containerd and runc under a real kubelet, pods in containers of
+gpuflow's job image (scripts/build-image.sh). Each test asserts on what that kubelet did:
+the container's exit code and reason, its containerd id, the pod's conditions, its events.
+Torch kinds stay on the played kubelet (tests/e2e/kubelet.py): this image has no torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import tasks.kinds.registry  # noqa: F401 - the job kinds, for load_spec
+from tasks.backends.kubernetes.backend import KubernetesBackend
+from tasks.backends.kubernetes.kubeapi import KubeApi, load_config
+from tasks.contract import WorkUnit, owner_labels
+from tasks.diagnose import diagnose
+from tasks.errors import PREEMPTED_EXIT_CODE, ProvisionError
+from tasks.spec import load_spec
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+IMAGE = "gpuflow.local/gpuflow-job:testbed"
+PRODUCT = "NVIDIA-A10G"  # the real node's GPU product: no KWOK node has it
+SECRET = "real-n0de-s3cret-value"
+
+
+@dataclass
+class RealNode:
+    kubeconfig: Path
+    name: str
+    runtime: str  # the container runtime its kubelet reports
+
+
+@pytest.fixture(scope="session")
+def real_node(tmp_path_factory) -> RealNode:
+    """A test cluster with a real node, up for the whole session; gpuflow's job image built
+    (cached) and imported into its containerd."""
+    if os.geteuid() != 0:
+        pytest.skip("the real node needs root (containers, cgroups, network namespaces)")
+    script = ROOT / "scripts" / "k8s-testbed.sh"
+    started = None
+    if kept := os.environ.get("GPUFLOW_REAL_NODE_KUBECONFIG"):  # one already up, as it is
+        kubeconfig = Path(kept)
+    else:
+        build = ROOT / "scripts" / "build-image.sh"
+        subprocess.run(["bash", str(build)], check=True, timeout=1200, stdout=subprocess.DEVNULL)
+        started = tmp_path_factory.mktemp("k8s-real-node")
+        up = ["bash", str(script), "up", "--dir", str(started), "--real-node"]
+        subprocess.run(up, check=True, timeout=900)
+        kubeconfig = started / "kubeconfig"
+    api = KubeApi(load_config(yaml.safe_load(kubeconfig.read_text())))
+    [node] = api.request("GET", "/api/v1/nodes", params={"labelSelector": "type=real"})["items"]
+    yield RealNode(
+        kubeconfig, node["metadata"]["name"], node["status"]["nodeInfo"]["containerRuntimeVersion"]
+    )
+    if started is not None:
+        subprocess.run(
+            ["bash", str(script), "down", "--dir", str(started)], check=True, timeout=300
+        )
+
+
+@pytest.fixture
+def kube(real_node, monkeypatch) -> KubeApi:
+    monkeypatch.setenv("KUBECONFIG", str(real_node.kubeconfig))
+    return KubeApi(load_config())
+
+
+def spec_for(image: str = IMAGE, **limits: Any):
+    return load_spec(
+        {
+            "name": "real-node",
+            "job": {"kind": "command", "command": ["true"]},
+            "resources": {"gpus": 1, "gpu_product": PRODUCT, **limits.pop("resources", {})},
+            "placement": {"backend": "kubernetes", "image": image},
+            "limits": limits,
+        }
+    )
+
+
+class PodWatch:
+    """Every state the API server gives the pods of one selector, the last one kept per
+    pod, and whether the pod was deleted: what the kubelet reported, to the end."""
+
+    def __init__(self, kube: KubeApi, selector: str) -> None:
+        self.kube, self.selector = kube, selector
+        self.last: dict[str, dict] = {}
+        self.deleted: set[str] = set()
+        self.changed = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop:
+            params = {"watch": "true", "labelSelector": self.selector, "timeoutSeconds": "5"}
+            path = f"/api/v1/namespaces/{self.kube.namespace}/pods"
+            with self.kube.http.stream("GET", path, params=params, timeout=None) as answer:
+                for line in answer.iter_lines():
+                    if not line.strip():
+                        continue
+                    event = json.loads(line)
+                    pod = event["object"]
+                    with self.changed:
+                        self.last[pod["metadata"]["name"]] = pod
+                        if event["type"] == "DELETED":
+                            self.deleted.add(pod["metadata"]["name"])
+                        self.changed.notify_all()
+
+    def wait(self, what, seconds: float) -> Any:
+        """Return what(self) once it is true, within `seconds` (AssertionError after)."""
+        until = time.monotonic() + seconds
+        with self.changed:
+            while not (found := what(self)):
+                left = until - time.monotonic()
+                assert left > 0, f"not seen within {seconds} s: {self.last}"
+                self.changed.wait(min(left, 1.0))
+        return found
+
+    def stop(self) -> None:
+        self._stop = True
+
+
+def running(watch: PodWatch) -> dict | None:
+    """Return a pod whose container runs now, else None."""
+    for pod in watch.last.values():
+        for status in pod.get("status", {}).get("containerStatuses") or []:
+            if (status.get("state") or {}).get("running"):
+                return pod
+    return None
+
+
+def container(pod: dict) -> dict:
+    [status] = pod["status"]["containerStatuses"]
+    return status
+
+
+def terminated(pod: dict) -> dict:
+    return (container(pod).get("state") or {}).get("terminated") or {}
+
+
+def on_the_real_node(pod: dict, node: RealNode) -> None:
+    """The pod ran on the real node, in a container its containerd made."""
+    assert pod["spec"]["nodeName"] == node.name, f"ran on {pod['spec']['nodeName']}"
+    assert container(pod)["containerID"].startswith("containerd://"), node.runtime
+
+
+def job_pods(kube: KubeApi, cluster_name: str) -> list[dict]:
+    return kube.request(
+        "GET",
+        f"/api/v1/namespaces/{kube.namespace}/pods",
+        params={"labelSelector": f"job-name={cluster_name}-main"},
+    )["items"]
+
+
+def owned(kube: KubeApi, run_id: str) -> list[str]:
+    selector = {"labelSelector": f"gpuflow.io/flow-run-id={run_id}"}
+    left = []
+    for kind, path in [
+        ("service", f"/api/v1/namespaces/{kube.namespace}/services"),
+        ("secret", f"/api/v1/namespaces/{kube.namespace}/secrets"),
+        ("job", f"/apis/batch/v1/namespaces/{kube.namespace}/jobs"),
+        ("pod", f"/api/v1/namespaces/{kube.namespace}/pods"),
+    ]:
+        items = kube.request("GET", path, params=selector).get("items", [])
+        left += [f"{kind}/{i['metadata']['name']}" for i in items]
+    return left
+
+
+def wait_gone(kube: KubeApi, run_id: str, seconds: float = 90) -> list[str]:
+    until = time.monotonic() + seconds
+    while (left := owned(kube, run_id)) and time.monotonic() < until:
+        time.sleep(0.5)
+    return left
+
+
+def run_unit(backend, cluster, command, env=None, timeout_s=120, grace_s=30.0, stop=None):
+    lines: list[str] = []
+    result = backend.run(
+        cluster,
+        WorkUnit(name="main", command=command),
+        env or {},
+        timeout_s,
+        lambda _stream, line: lines.append(line),
+        should_stop=stop,
+        grace_s=grace_s,
+    )
+    return result, lines
+
+
+def test_real_node_runs_a_command_in_a_container_with_its_secret_and_no_privileges(kube, real_node):
+    """The pod runs in a container of the job image: its variables come from the Secret
+    (never the manifest, the pod or its events), as uid 10001 with no capability and no
+    service-account token; its output file comes back; teardown leaves nothing."""
+    backend = KubernetesBackend()
+    run_id = "real-command"
+    cluster = backend.provision(spec_for(), owner_labels(run_id, "real-node"))
+    script = (
+        "id -u; grep CapEff /proc/self/status;"
+        " [ -e /var/run/secrets/kubernetes.io/serviceaccount ] && echo token || echo no-token;"
+        ' echo "token=$TOKEN"; echo 42 > "$GPUFLOW_OUTPUT_DIR/result.txt"'
+    )
+    result, lines = run_unit(backend, cluster, ["sh", "-c", script], {"TOKEN": SECRET})
+    assert result.exit_code == 0, lines
+    assert lines[:4] == ["10001", "CapEff:\t0000000000000000", "no-token", f"token={SECRET}"]
+    assert (Path(cluster.workspace) / "outputs" / "result.txt").read_text() == "42\n"
+    [pod] = job_pods(kube, cluster.name)
+    on_the_real_node(pod, real_node)
+    assert terminated(pod)["reason"] == "Completed" and terminated(pod)["exitCode"] == 0
+    job = kube.request("GET", f"/apis/batch/v1/namespaces/default/jobs/{cluster.name}-main")
+    events = kube.request(
+        "GET",
+        "/api/v1/namespaces/default/events",
+        params={"fieldSelector": f"involvedObject.name={pod['metadata']['name']}"},
+    )["items"]
+    assert {e["reason"] for e in events} >= {"Scheduled", "Pulled", "Created", "Started"}
+    for seen in (job, pod, events):  # what `kubectl describe` would show
+        assert SECRET not in json.dumps(seen)
+    backend.teardown(cluster)
+    assert wait_gone(kube, run_id) == []
+
+
+def test_real_node_streams_every_log_line_to_the_end(kube, real_node):
+    """3,000 lines printed as fast as the container can, the last one just before it
+    exits: every one arrives, in order, from the real kubelet's log endpoint."""
+    backend = KubernetesBackend()
+    run_id = "real-logs"
+    cluster = backend.provision(spec_for(), owner_labels(run_id, "real-node"))
+    program = "for i in range(3000): print(f'line {i:04d}')\nprint('the end')"
+    result, lines = run_unit(backend, cluster, [sys.executable, "-c", program])
+    assert result.exit_code == 0
+    assert lines == [f"line {i:04d}" for i in range(3000)] + ["the end"]
+    on_the_real_node(job_pods(kube, cluster.name)[0], real_node)
+    backend.teardown(cluster)
+    assert wait_gone(kube, run_id) == []
+
+
+def test_real_node_a_container_over_its_memory_limit_ends_oom_killed(kube, real_node):
+    """resources.memory is the container's limit: a job that takes more is killed by the
+    kernel in its cgroup, the kubelet says OOMKilled, and the run says why."""
+    backend = KubernetesBackend()
+    run_id = "real-oom"
+    spec = spec_for(resources={"memory": "96Mi"})
+    cluster = backend.provision(spec, owner_labels(run_id, "real-node"))
+    hog = "import time\nheld = []\nwhile True:\n    held.append(bytearray(16 * 2**20))\n    time.sleep(0.01)"
+    result, lines = run_unit(backend, cluster, [sys.executable, "-c", hog])
+    [pod] = job_pods(kube, cluster.name)
+    on_the_real_node(pod, real_node)
+    assert terminated(pod)["reason"] == "OOMKilled", terminated(pod)
+    assert terminated(pod)["exitCode"] == 137
+    assert result.signal == signal.SIGKILL and result.memory_events == {"oom_kill": 1}
+    said = diagnose(result.exit_code, result.signal, lines, {"memory_events": result.memory_events})
+    assert said is not None and said.kind == "oom_killed", said
+    backend.teardown(cluster)
+    assert wait_gone(kube, run_id) == []
+
+
+GRACEFUL = """
+import signal, sys, time
+def on_term(*_):
+    print("SIGTERM: saving the checkpoint", flush=True)
+    time.sleep({sleep})
+    print("checkpoint saved", flush=True)
+    sys.exit({code})
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_real_node_an_eviction_gives_the_job_its_stop_grace_not_kubernetes_30_s(kube, real_node):
+    """limits.stop_grace_s 60 is the pod's terminationGracePeriodSeconds: evicted (as a
+    drained node's pods are), the job's SIGTERM handler sleeps 35 s, past Kubernetes'
+    default 30 s, and still saves its checkpoint and exits 75; the run sees a preemption."""
+    backend = KubernetesBackend()
+    run_id = "real-grace"
+    cluster = backend.provision(spec_for(stop_grace_s=60), owner_labels(run_id, "real-node"))
+    watch = PodWatch(kube, f"job-name={cluster.name}-main")
+    outcome: dict[str, Any] = {}
+    program = GRACEFUL.format(sleep=35, code=PREEMPTED_EXIT_CODE)
+
+    def follow() -> None:
+        outcome["result"], outcome["lines"] = run_unit(
+            backend, cluster, [sys.executable, "-c", program]
+        )
+
+    runner = threading.Thread(target=follow)
+    runner.start()
+    pod = watch.wait(running, 120)
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 60
+    name = pod["metadata"]["name"]
+    time.sleep(1)  # "ready": the handler is in place (the log line may not have come yet)
+    evicted_at = time.time()
+    kube.request(
+        "POST",
+        f"/api/v1/namespaces/default/pods/{name}/eviction",
+        {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name}},
+    )
+    runner.join(timeout=120)
+    assert outcome["result"].exit_code == PREEMPTED_EXIT_CODE  # the run moves on at once
+    final = watch.wait(lambda w: w.last[name] if name in w.deleted else None, 120)
+    watch.stop()
+    on_the_real_node(final, real_node)
+    ended = terminated(final)
+    assert ended["exitCode"] == PREEMPTED_EXIT_CODE, ended  # not 137: not killed at 30 s
+    finished = datetime.fromisoformat(ended["finishedAt"].replace("Z", "+00:00")).timestamp()
+    assert finished - evicted_at >= 34, (finished - evicted_at, ended)
+    backend.teardown(cluster)
+    assert wait_gone(kube, run_id) == []
+
+
+def test_real_node_a_stopped_run_sends_sigterm_the_handler_runs_and_the_pod_goes(kube, real_node):
+    """gpuflow stops the unit (a cancelled run): the kubelet sends SIGTERM, the job's
+    handler runs and exits with its own code within the grace, and the pod is gone."""
+    backend = KubernetesBackend()
+    run_id = "real-stop"
+    cluster = backend.provision(spec_for(stop_grace_s=20), owner_labels(run_id, "real-node"))
+    watch = PodWatch(kube, f"job-name={cluster.name}-main")
+    seen: list[str] = []
+    program = GRACEFUL.format(sleep=1, code=3)
+    stopped = backend.run(
+        cluster,
+        WorkUnit(name="main", command=[sys.executable, "-c", program]),
+        {},
+        120,
+        lambda _stream, line: seen.append(line),
+        should_stop=lambda: "ready" in seen,
+        grace_s=20,
+    )
+    assert stopped.cancelled, stopped
+    [name] = watch.wait(lambda w: sorted(w.deleted), 60)
+    final = watch.last[name]
+    watch.stop()
+    on_the_real_node(final, real_node)
+    assert terminated(final)["exitCode"] == 3, terminated(final)  # the handler's own exit
+    assert job_pods(kube, cluster.name) == []
+    backend.teardown(cluster)
+    assert wait_gone(kube, run_id) == []
+
+
+def test_real_node_an_image_that_does_not_exist_is_one_sentence_and_leaves_nothing(kube, real_node):
+    backend = KubernetesBackend()
+    run_id = "real-no-image"
+    image = "gpuflow.local/no-such-image:1.0"
+    cluster = backend.provision(spec_for(image=image), owner_labels(run_id, "real-node"))
+    with pytest.raises(ProvisionError) as refused:
+        run_unit(backend, cluster, ["true"])
+    message = str(refused.value)
+    assert message.startswith(
+        f"unit main cannot start: the image '{image}' is not on {real_node.name} and cannot be"
+        " pulled (ImagePullBackOff: "
+    ), message
+    assert message.endswith(
+        "or set placement.image or the KubernetesGpuPool block's image to one it has."
+    )
+    assert "\n" not in message
+    backend.teardown(cluster)
+    assert wait_gone(kube, run_id) == []
+
+
+def test_real_node_a_program_not_in_the_image_is_named(kube, real_node):
+    backend = KubernetesBackend()
+    run_id = "real-no-program"
+    cluster = backend.provision(spec_for(), owner_labels(run_id, "real-node"))
+    result, lines = run_unit(backend, cluster, ["render-farm", "--all"])
+    assert result.exit_code == 127, lines
+    said = diagnose(result.exit_code, result.signal, lines)
+    assert said is not None and said.message.startswith(
+        "the program render-farm is not where the job runs"
+    ), (said, lines)
+    [pod] = job_pods(kube, cluster.name)
+    on_the_real_node(pod, real_node)
+    assert terminated(pod)["exitCode"] == 127
+    backend.teardown(cluster)
+    assert wait_gone(kube, run_id) == []
+
+
+def test_real_node_a_killed_gpuflow_leaves_a_pod_that_its_deadline_ends_and_reap_removes(
+    kube, real_node, prefect_api, gpuflow_home, tmp_path
+):
+    """gpuflow is SIGKILLed while its pod runs: the Job's activeDeadlineSeconds (from
+    limits.max_duration) ends the pod on the real node all the same, and `gpuflow reap`
+    removes what is left and marks the run Crashed."""
+    from tests.conftest import subprocess_env
+
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: real-deadline\njob: {kind: command, command: [sleep, '600']}\n"
+        f"resources: {{gpus: 1, gpu_product: {PRODUCT}}}\n"
+        f"placement: {{backend: kubernetes, image: '{IMAGE}'}}\nlimits: {{max_duration: 20s}}\n"
+    )
+    env = {**subprocess_env(prefect_api, gpuflow_home), "KUBECONFIG": str(real_node.kubeconfig)}
+    gpuflow = [sys.executable, "-m", "gpuflow"]
+    orchestrator = subprocess.Popen(
+        [*gpuflow, "run", str(job)], env=env, cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    watch = PodWatch(kube, "gpuflow.io/job=real-deadline")
+    pod = watch.wait(running, 180)
+    run_id = pod["metadata"]["labels"]["gpuflow.io/flow-run-id"]
+    os.kill(orchestrator.pid, signal.SIGKILL)
+    orchestrator.wait(timeout=30)
+    name = pod["metadata"]["name"]
+    job_path = f"/apis/batch/v1/namespaces/default/jobs/{pod['metadata']['labels']['job-name']}"
+
+    def deadline_exceeded(_w) -> bool:
+        conditions = kube.request("GET", job_path)["status"].get("conditions") or []
+        return any(c.get("reason") == "DeadlineExceeded" for c in conditions)
+
+    watch.wait(deadline_exceeded, 90)
+    # the Job controller deletes the pod, the real kubelet stops its container
+    final = watch.wait(lambda w: w.last[name] if name in w.deleted else None, 90)
+    watch.stop()
+    on_the_real_node(final, real_node)
+    assert terminated(final).get("exitCode") in (137, 143), terminated(final)
+    reaped = subprocess.run(
+        [*gpuflow, "reap", "--backend", "kubernetes"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert reaped.returncode == 0, reaped.stderr
+    assert "1 leftover cluster(s)" in reaped.stdout
+    assert wait_gone(kube, run_id) == []
