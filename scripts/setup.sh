@@ -27,6 +27,11 @@ if $want_test; then
     command -v slurmd >/dev/null || apt_packages+=(slurmd)
     command -v sbatch >/dev/null || apt_packages+=(slurm-client)
     [ -x /usr/sbin/sshd ] || apt_packages+=(openssh-server)  # the Slurm login node over SSH
+    command -v containerd >/dev/null || apt_packages+=(containerd)  # the Kubernetes test
+    command -v runc >/dev/null || apt_packages+=(runc)              # cluster's real node
+    [ -x /usr/lib/cni/bridge ] || apt_packages+=(containernetworking-plugins)
+    command -v ip >/dev/null || apt_packages+=(iproute2)
+    command -v mmdebstrap >/dev/null || apt_packages+=(mmdebstrap)  # gpuflow's job image
 fi
 if $want_render; then
     command -v blender >/dev/null || apt_packages+=(blender)  # renders run the real Blender
@@ -69,5 +74,9 @@ if $want_test; then
     step "building the Kubernetes test cluster (cold: about 8 minutes on 2 cores; cached after)"
     bash scripts/k8s-testbed.sh build
     bash scripts/imds-mock.sh build  # AWS's instance metadata mock (seconds)
+    if [[ $(id -u) -eq 0 ]]; then  # the real node's image (root: mmdebstrap keeps owners)
+        step "building gpuflow's job image for the test cluster's real node (cold: about 4 minutes; cached after)"
+        bash scripts/build-image.sh >/dev/null
+    fi
 fi
 step "ready"
