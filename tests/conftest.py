@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -184,9 +185,10 @@ class S3Server:
         return "/".join([f"s3://{self.bucket}", *parts])
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory) -> Iterator[S3Server]:
-    """moto's server mode as a separate process on 127.0.0.1, stopped by PID."""
+@contextlib.contextmanager
+def serve_s3(host: str, folder: Path) -> Iterator[S3Server]:
+    """moto's server mode as a separate process on `host`, stopped by PID: one user (its
+    credentials checked) and one bucket."""
     import json
     import shutil
     import signal
@@ -199,43 +201,52 @@ def s3_server(tmp_path_factory) -> Iterator[S3Server]:
         "moto_server"
     )
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         port = sock.getsockname()[1]
     env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="3")  # the three IAM calls below
-    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    log = folder / "moto.log"
     proc = subprocess.Popen(
-        [binary, "-H", "127.0.0.1", "-p", str(port)],
+        [binary, "-H", host, "-p", str(port)],
         env=env,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
     )
-    endpoint = f"http://127.0.0.1:{port}"
-    wait_until_serving(f"{endpoint}/moto-api/")
-    boot = {
-        "endpoint_url": endpoint,
-        "region_name": "us-east-1",
-        "aws_access_key_id": "boot",
-        "aws_secret_access_key": "boot",
-    }
-    iam = boto3.client("iam", **boot)
-    iam.create_user(UserName="gpuflow")
-    policy = {
-        "Version": "2012-10-17",
-        "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}],
-    }
-    iam.put_user_policy(UserName="gpuflow", PolicyName="all", PolicyDocument=json.dumps(policy))
-    key = iam.create_access_key(UserName="gpuflow")["AccessKey"]
-    server = S3Server(endpoint, key["AccessKeyId"], key["SecretAccessKey"], "gpuflow-test")
-    boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id=server.key_id,
-        aws_secret_access_key=server.secret,
-    ).create_bucket(Bucket=server.bucket)
-    yield server
-    os.kill(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=10)
+    try:
+        endpoint = f"http://{host}:{port}"
+        wait_until_serving(f"{endpoint}/moto-api/")
+        boot = {
+            "endpoint_url": endpoint,
+            "region_name": "us-east-1",
+            "aws_access_key_id": "boot",
+            "aws_secret_access_key": "boot",
+        }
+        iam = boto3.client("iam", **boot)
+        iam.create_user(UserName="gpuflow")
+        policy = {
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}],
+        }
+        iam.put_user_policy(UserName="gpuflow", PolicyName="all", PolicyDocument=json.dumps(policy))
+        key = iam.create_access_key(UserName="gpuflow")["AccessKey"]
+        server = S3Server(endpoint, key["AccessKeyId"], key["SecretAccessKey"], "gpuflow-test")
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=server.key_id,
+            aws_secret_access_key=server.secret,
+        ).create_bucket(Bucket=server.bucket)
+        yield server
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory) -> Iterator[S3Server]:
+    """moto's server mode as a separate process on 127.0.0.1, stopped by PID."""
+    with serve_s3("127.0.0.1", tmp_path_factory.mktemp("moto")) as server:
+        yield server
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -28,6 +29,7 @@ from tasks.contract import WorkUnit, owner_labels
 from tasks.diagnose import diagnose
 from tasks.errors import PREEMPTED_EXIT_CODE, ProvisionError
 from tasks.spec import load_spec
+from tests.conftest import S3Server, serve_s3
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +43,7 @@ class RealNode:
     kubeconfig: Path
     name: str
     runtime: str  # the container runtime its kubelet reports
+    ip: str  # its address: this host's side of the pods' bridge
 
 
 @pytest.fixture(scope="session")
@@ -62,13 +65,24 @@ def real_node(tmp_path_factory) -> RealNode:
         kubeconfig = started / "kubeconfig"
     api = KubeApi(load_config(yaml.safe_load(kubeconfig.read_text())))
     [node] = api.request("GET", "/api/v1/nodes", params={"labelSelector": "type=real"})["items"]
+    [ip] = [a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP"]
     yield RealNode(
-        kubeconfig, node["metadata"]["name"], node["status"]["nodeInfo"]["containerRuntimeVersion"]
+        kubeconfig,
+        node["metadata"]["name"],
+        node["status"]["nodeInfo"]["containerRuntimeVersion"],
+        ip,
     )
     if started is not None:
         subprocess.run(
             ["bash", str(script), "down", "--dir", str(started)], check=True, timeout=300
         )
+
+
+@pytest.fixture(scope="session")
+def pod_s3(real_node, tmp_path_factory) -> Iterator[S3Server]:
+    """moto's S3 on the real node's address, which its pods and this host both reach."""
+    with serve_s3(real_node.ip, tmp_path_factory.mktemp("pod-moto")) as server:
+        yield server
 
 
 @pytest.fixture
@@ -430,4 +444,47 @@ def test_real_node_a_killed_gpuflow_leaves_a_pod_that_its_deadline_ends_and_reap
     )  # fmt: skip
     assert reaped.returncode == 0, reaped.stderr
     assert "1 leftover cluster(s)" in reaped.stdout
+    assert wait_gone(kube, run_id) == []
+
+
+def test_real_node_render_chunks_run_blender_in_pods_that_upload_their_frames(
+    kube, real_node, pod_s3, prefect_api, gpuflow_home, tmp_path, monkeypatch
+):
+    """A render on the real node: 8 frames in chunks of 2 over its 2 GPUs; each pod (the job
+    image's Blender, as uid 10001) fetches the scene from S3, renders its frames on the CPU
+    and uploads them itself over the pod network; the run counts them from the real
+    kubelet's logs; the credentials reach the pods through the Secret only."""
+    import shutil
+
+    from flows.render import render
+    from tasks.render.scene import demo_scene
+    from tasks.storage import store_for
+
+    blend = demo_scene(shutil.which("blender"), tmp_path / "cube.blend", 8, 32, None)
+    scene = pod_s3.url("scenes/cube.blend")
+    store_for(scene, pod_s3.settings()).upload_file(scene, blend)
+    for key, value in pod_s3.settings().child_env().items():
+        monkeypatch.setenv(key, value)
+    output = pod_s3.url("renders/cube")
+    spec = {
+        "name": "real-render",
+        "job": {"kind": "render", "scene": scene, "output": output, "chunk": 2, "device": "CPU"},
+        "resources": {"gpus": 2, "gpu_product": PRODUCT},
+        "placement": {"backend": "kubernetes", "image": IMAGE},
+        "metrics": {"plot": False},
+    }
+    watch = PodWatch(kube, "gpuflow.io/job=real-render")
+    state = render(spec, return_state=True)
+    assert state.is_completed(), state.message
+    listed = sorted(o.url for o in store_for(output, pod_s3.settings()).list(output))
+    assert listed == [f"{output}/frame_{i:04d}.png" for i in range(1, 9)]
+    job = state.result().metrics.job
+    assert (job["frames_rendered"], job["frames_missing"], job["chunks"]) == (8, 0, 4)
+    pods = watch.wait(lambda w: list(w.last.values()) if len(w.deleted) == 4 else None, 120)
+    watch.stop()
+    for pod in pods:
+        on_the_real_node(pod, real_node)
+        assert terminated(pod)["exitCode"] == 0, terminated(pod)
+        assert pod_s3.secret not in json.dumps(pod)
+    run_id = str(state.state_details.flow_run_id)
     assert wait_gone(kube, run_id) == []
