@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from datetime import UTC, datetime
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,6 +20,8 @@ from tasks.backends.kubernetes.pending import explain_pending, used_gpus
 from tasks.contract import Cluster, WorkUnit, owner_labels
 
 RUN = "5b0c9c2e-58a4-4d43-9d7e-2f0f4a3a1b11"
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def cluster(gpus: int = 8, nodes: int = 2) -> Cluster:
@@ -277,12 +280,12 @@ def test_an_mpi_launcher_becomes_an_mpijob_of_one_worker_per_node():
         assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": f"gpuflow-{RUN}-env"}}]
 
 
-def _wrapped(tmp_path, *program: str) -> subprocess.Popen:
+def _wrapped(tmp_path, *program: str, **env: str) -> subprocess.Popen:
     from tasks.backends.kubernetes.manifests import UNIT_WRAPPER
 
     return subprocess.Popen(
         ["/bin/sh", "-c", UNIT_WRAPPER, "gpuflow-unit", *program],
-        env={"PATH": os.environ["PATH"], "GPUFLOW_OUTPUT_DIR": str(tmp_path / "out")},
+        env={"PATH": os.environ["PATH"], "GPUFLOW_OUTPUT_DIR": str(tmp_path / "out"), **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -326,6 +329,42 @@ def test_the_unit_wrapper_keeps_the_exit_code_and_sends_the_outputs_back(tmp_pat
         "outputs/../../etc/cron.d/x was not taken: it would land outside outputs",
     )
     assert not (tmp_path / "etc").exists()
+
+
+def test_the_unit_wrapper_samples_the_node_beside_the_unit_into_its_log(tmp_path):
+    """With GPUFLOW_SAMPLE_INTERVAL the wrapper runs gpuflow's sampler beside the unit: its
+    samples are log lines (named after the pod's node) the follower writes to the node's
+    samples file, never to the run's log; the last one comes after the unit ended. Without
+    gpuflow in the image the sampler is silently absent and the unit runs all the same."""
+    from tasks.backends.kubernetes.logs import LogFollower
+
+    sampling = {
+        "GPUFLOW_SAMPLE_INTERVAL": "0.1",
+        "GPUFLOW_SAMPLE_GPUS": "",
+        "GPUFLOW_NODE_NAME": "gpu-node-7",
+        "GPUFLOW_PYTHON": sys.executable,
+        "PYTHONPATH": str(ROOT),
+    }
+    proc = _wrapped(tmp_path, "sh", "-c", "echo working; sleep 1; echo done", **sampling)
+    lines = proc.communicate(timeout=60)[0].splitlines()
+    assert proc.returncode == 0
+    said: list[str] = []
+    follower = LogFollower(
+        None, lambda _stream, line: said.append(line), tmp_path / "back", tmp_path / "node.jsonl"
+    )
+    for line in lines:
+        follower._line(line)
+    assert said == ["working", "done"]
+    samples = [json.loads(line) for line in (tmp_path / "node.jsonl").read_text().splitlines()]
+    assert len(samples) >= 3 and {s["Hostname"] for s in samples} == {"gpu-node-7"}
+    follower._line("@@gpuflow-sample {torn")  # half a line: dropped, not the run's
+    assert said == ["working", "done"] and len(
+        (tmp_path / "node.jsonl").read_text().splitlines()
+    ) == len(samples)
+    no_gpuflow = {**sampling, "GPUFLOW_PYTHON": "/nonexistent/python"}
+    proc = _wrapped(tmp_path, "sh", "-c", "echo alone", **no_gpuflow)
+    assert proc.communicate(timeout=60)[0].splitlines() == ["alone"]
+    assert proc.returncode == 0
 
 
 def test_the_unit_wrapper_passes_sigterm_to_the_unit(tmp_path):

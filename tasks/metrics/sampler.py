@@ -14,7 +14,7 @@ import time
 import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import psutil
 
@@ -47,8 +47,12 @@ class Sampler:
         interval_s: float = 1.0,
         nvml_module: types.ModuleType | None = None,
         on_sample: Callable[[dict[str, Any]], None] | None = None,
+        stream: TextIO | None = None,
+        mark: str = "",
     ) -> None:
         self.path = Path(path)
+        # instead of the file: a stream (a pod's log) whose lines carry `mark` first
+        self.stream, self.mark = stream, mark
         self.gpu_indices = gpu_indices
         self.interval_s = interval_s
         self.hostname = socket.gethostname()
@@ -72,7 +76,8 @@ class Sampler:
     def start(self) -> None:
         self._open_nvml()
         psutil.cpu_percent(interval=None)  # first call primes the counter
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.stream is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         self._thread = threading.Thread(target=self._loop, name="gpuflow-sampler", daemon=True)
         self._thread.start()
 
@@ -118,8 +123,12 @@ class Sampler:
             ],
         }
         try:
-            with self.path.open("a") as out:
-                out.write(json.dumps(sample) + "\n")
+            if self.stream is not None:
+                self.stream.write(f"{self.mark}{json.dumps(sample)}\n")
+                self.stream.flush()
+            else:
+                with self.path.open("a") as out:
+                    out.write(json.dumps(sample) + "\n")
         except OSError as exc:  # a full disk: the job goes on, and so does sampling
             self.lost += 1
             if self.write_error is None:
@@ -238,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     """Sample this node's GPUs into a file until SIGTERM (or SIGINT), then write the last
     sample and exit 0: `python -m tasks.metrics.sampler --out F --gpus 0,1 [--interval S]
     [--host NAME]`. A backend starts it on each node that runs a unit (Slurm: a step beside
-    the unit's)."""
+    the unit's; Kubernetes: in each unit's pod, `--out -` printing each sample as one line
+    of the pod's log, after `--mark`)."""
     import argparse
     import signal
 
@@ -247,16 +257,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", default="", help="GPU indices, comma-separated")
     parser.add_argument("--interval", type=float, default=1.0)
     parser.add_argument("--host", default=None, help="the node's name in the samples")
+    parser.add_argument("--mark", default="", help="with --out -: what each line starts with")
     args = parser.parse_args(argv)
     indices = [int(i) for i in args.gpus.split(",") if i.strip()]
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    sampler = Sampler(args.out, indices, args.interval)
+    import sys
+
+    to_log = str(args.out) == "-"
+    sampler = Sampler(
+        args.out, indices, args.interval, stream=sys.stdout if to_log else None, mark=args.mark
+    )
     if args.host:
         sampler.hostname = args.host
     with sampler:
-        print("sampling", flush=True)  # the backend waits for this line: sampling has begun
+        if not to_log:  # the backend waits for this line: sampling has begun
+            print("sampling", flush=True)
         stop.wait()
     return 0
 

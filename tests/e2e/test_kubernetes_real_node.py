@@ -488,3 +488,35 @@ def test_real_node_render_chunks_run_blender_in_pods_that_upload_their_frames(
         assert pod_s3.secret not in json.dumps(pod)
     run_id = str(state.state_details.flow_run_id)
     assert wait_gone(kube, run_id) == []
+
+
+def test_real_node_the_runs_samples_come_from_the_node_its_pod_ran_on(
+    kube, real_node, prefect_api, gpuflow_home
+):
+    """On Kubernetes the run's metric samples are taken in the unit's pod, on the node it
+    landed on (the job image has gpuflow's sampler), not on the host where the flow runs:
+    every sample names the real node, and the pod's log lines stay the job's alone."""
+    from flows.pipeline import gpu_pipeline
+    from tasks.metrics.sampler import read_samples
+    from tests.e2e.helpers import logs_of
+
+    spec = load_spec(
+        {
+            "name": "real-samples",
+            "job": {"kind": "command", "command": ["sh", "-c", "echo busy; sleep 3; echo idle"]},
+            "resources": {"gpus": 1, "gpu_product": PRODUCT},
+            "placement": {"backend": "kubernetes", "image": IMAGE},
+            "metrics": {"interval_s": 0.5, "plot": False},
+        }
+    )
+    state = gpu_pipeline(spec, return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    samples = read_samples(Path(result.artifacts_dir) / "samples.jsonl")
+    assert len(samples) >= 4, samples
+    assert {s["Hostname"] for s in samples} == {real_node.name}
+    assert result.metrics.samples == len(samples)
+    lines = logs_of(result.flow_run_id)
+    assert any(line.endswith("busy") for line in lines)
+    assert not any("@@gpuflow-sample" in line for line in lines)
+    assert wait_gone(kube, result.flow_run_id) == []

@@ -48,6 +48,7 @@ from tasks.contract import (
 from tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
 from tasks.host import env_number, gpuflow_home, this_process
 from tasks.metrics.cost import PriceTable, hourly_rate
+from tasks.metrics.sampler import NODE_SAMPLES, SAMPLES
 from tasks.spec import JobSpec, Placement
 
 POLL_S = 1.0
@@ -64,7 +65,15 @@ class KubernetesBackend:
     name = "kubernetes"
     # the scheduler matches nodes; the job's GPUs are not this machine's. file:// URLs are
     # not refused: they reach pods whose nodes share those paths with this host
-    capabilities = Capabilities(runs_here=False, where="the cluster's nodes", local_files=True)
+    capabilities = Capabilities(
+        runs_here=False,
+        where="the cluster's nodes",
+        local_files=True,
+        # each unit's pod samples its node's GPUs into its log; the samples are written
+        # into the run's workspace here as they come
+        samples_nodes=True,
+        node_samples_in_workspace=True,
+    )
 
     @classmethod
     def at(cls, placement: Placement | None = None) -> KubernetesBackend:
@@ -140,6 +149,7 @@ class KubernetesBackend:
                 "cpu": spec.resources.cpu,
                 "memory_bytes": spec.resources.memory,
                 "stop_grace_s": spec.limits.stop_grace_s,
+                "sample_interval_s": spec.metrics.interval_s,
             }
         values = {k: v for k, v in values.items() if v is not None}
         return objects.KubeSettings(**values)
@@ -338,7 +348,9 @@ class KubernetesBackend:
         except KubeError as exc:
             raise ProvisionError(f"could not create {manifest['kind']} {name}: {exc}") from None
         started = datetime.now(UTC)
-        follower = LogFollower(api, on_line, Path(cluster.workspace) / "outputs")
+        workspace = Path(cluster.workspace)
+        node_samples = workspace / NODE_SAMPLES.replace("*", name)
+        follower = LogFollower(api, on_line, workspace / "outputs", node_samples)
         # this object's pods only: an earlier try's pod may linger (Terminating on a lost node)
         selector = (
             f"{MPI_JOB_LABEL}={name}"
@@ -349,7 +361,16 @@ class KubernetesBackend:
         end = follow_unit(pod, timeout_s, should_stop, grace_s, every_s=POLL_S)
         # a pod that ended has its last lines still on the way: let them arrive
         follower.stop(drain_s=0 if end.stop else LOG_DRAIN_S)
+        self._join_samples(node_samples, workspace / SAMPLES)
         return end.result(started, datetime.now(UTC), list(follower.tail))
+
+    def _join_samples(self, node_samples: Path, samples: Path) -> None:
+        """Add a unit's node samples to the run's (units end in threads of their own)."""
+        with self._lock, contextlib.suppress(OSError):
+            data = node_samples.read_bytes()
+            with samples.open("ab") as out:
+                out.write(data)
+            node_samples.unlink()
 
     def _serves_mpijobs(self) -> bool:
         """Return True when the cluster serves Kubeflow's MPIJob API (the MPI Operator)."""

@@ -1,11 +1,12 @@
-"""A Kubernetes unit's log, followed: its lines to the run as the pod prints them, and the
-output files the unit wrapper (k8s_objects.UNIT_WRAPPER) prints at its end written into the
-run's outputs instead."""
+"""A Kubernetes unit's log, followed: its lines to the run as the pod prints them; the
+metric samples of its node, and the output files the unit wrapper (manifests.UNIT_WRAPPER)
+prints at its end, written into the run's workspace instead."""
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import threading
 from collections import deque
 from pathlib import Path, PurePosixPath
@@ -19,8 +20,11 @@ class LogFollower:
     """Streams a running pod's log lines to the sink in a thread of its own, and writes the
     output files the unit's wrapper prints at its end into `outputs` (not to the sink)."""
 
-    def __init__(self, api: KubeApi, on_line: LineSink, outputs: Path) -> None:
+    def __init__(
+        self, api: KubeApi, on_line: LineSink, outputs: Path, samples: Path | None = None
+    ) -> None:
         self.api, self.on_line, self.outputs = api, on_line, outputs
+        self.samples = samples  # where the node's samples go, one JSON line each
         self.tail: deque[str] = deque(maxlen=40)
         self.thread: threading.Thread | None = None
         self.path: str | None = None
@@ -74,12 +78,26 @@ class LogFollower:
         return taken
 
     def _line(self, line: str) -> None:
+        if line.startswith(objects.SAMPLE_MARK + " "):
+            self._sample(line.split(" ", 1)[1])
+            return
         if line.startswith((objects.OUTPUT_MARK + " ", objects.OUTPUT_LEFT_MARK + " ")):
             with contextlib.suppress(ValueError):  # not the wrapper's shape: an ordinary line
                 self._receive(line)
                 return
         self.tail.append(line)
         self.on_line("stdout", line)
+
+    def _sample(self, text: str) -> None:
+        """Keep one sample of the pod's node (a torn one is dropped: the next follows)."""
+        if self.samples is None:
+            return
+        try:
+            json.loads(text)
+        except ValueError:
+            return
+        with contextlib.suppress(OSError), self.samples.open("a") as out:
+            out.write(text + "\n")
 
     def _receive(self, line: str) -> None:
         """Write one output file the unit sent back, or say why one stayed in the pod; raise

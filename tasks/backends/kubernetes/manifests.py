@@ -26,21 +26,30 @@ WORKSPACE = "/workspace"
 OUTPUT_MARK = "@@gpuflow-output"  # a log line carrying one of the unit's output files
 OUTPUT_LEFT_MARK = "@@gpuflow-output-left"  # one too large to come back through the log
 OUTPUT_MAX_KIB = 1024
+SAMPLE_MARK = "@@gpuflow-sample"  # a log line carrying one metric sample of the pod's node
 # Every unit runs under this POSIX sh (any image has one): it makes $GPUFLOW_OUTPUT_DIR (an
-# image's own folders are not the pod's workspace), passes SIGTERM/SIGINT on to
+# image's own folders are not the pod's workspace), samples the node's GPUs beside the unit
+# where the image has gpuflow (one log line per sample), passes SIGTERM/SIGINT on to
 # the unit, and when the unit ends prints each file of $GPUFLOW_OUTPUT_DIR (error.txt,
 # result.json, ... up to OUTPUT_MAX_KIB each) as one base64 line the orchestrator takes out
 # of the log and writes to the run's outputs, as the job contract says. Then it exits with
 # the unit's code.
 UNIT_WRAPPER = f"""\
 mkdir -p "$GPUFLOW_OUTPUT_DIR" 2>/dev/null  # the job contract: the folder is there
-child= stopping=
+child= stopping= sampler=
 trap 'stopping=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null' TERM INT
+if [ -n "$GPUFLOW_SAMPLE_INTERVAL" ]; then  # this node's GPUs, sampled where they are
+  "$GPUFLOW_PYTHON" -m tasks.metrics.sampler --out - --mark '{SAMPLE_MARK} ' \
+    --gpus "$GPUFLOW_SAMPLE_GPUS" --interval "$GPUFLOW_SAMPLE_INTERVAL" \
+    --host "$GPUFLOW_NODE_NAME" 2>/dev/null </dev/null &
+  sampler=$!
+fi
 "$@" &
 child=$!
 [ -n "$stopping" ] && kill -TERM "$child" 2>/dev/null
 wait "$child"; code=$?
 while kill -0 "$child" 2>/dev/null; do wait "$child"; code=$?; done
+if [ -n "$sampler" ]; then kill -TERM "$sampler" 2>/dev/null; wait "$sampler"; fi
 if [ -d "$GPUFLOW_OUTPUT_DIR" ] && cd "$GPUFLOW_OUTPUT_DIR"; then
   find . -type f | head -n 200 | while IFS= read -r f; do
     [ -f "$f" ] || continue  # a name with a newline in it: not sent
@@ -72,6 +81,7 @@ class KubeSettings(BaseModel):
     memory_bytes: int | None = None
     # what a real kubelet holds the pods to: gpuflow makes the pods, so gpuflow sets these
     stop_grace_s: float = 30.0  # limits.stop_grace_s: SIGTERM -> SIGKILL on any stop
+    sample_interval_s: float | None = 1.0  # metrics.interval_s; None: the pods sample nothing
     service_account: str | None = None  # none: no API token is mounted in the pod
     allow_privilege_escalation: bool = False  # False: no setuid gains, every capability dropped
 
@@ -156,7 +166,16 @@ def unit_job(
             for k, v in unit_env(unit.node, cluster.nodes, WORKSPACE, None).items()
         ),
         *({"name": k, "value": v} for k, v in sorted(unit.env.items())),
+        # the node the pod landed on, named in its samples
+        {"name": "GPUFLOW_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
     ]
+    if settings.sample_interval_s:
+        env += [
+            {"name": "GPUFLOW_PYTHON", "value": settings.python},
+            {"name": "GPUFLOW_SAMPLE_INTERVAL", "value": f"{settings.sample_interval_s:g}"},
+            # the container sees its own GPUs only, numbered from 0
+            {"name": "GPUFLOW_SAMPLE_GPUS", "value": ",".join(str(i) for i in range(gpus))},
+        ]
     volumes = [{"name": "workspace", "emptyDir": {}}]
     mounts = [{"name": "workspace", "mountPath": WORKSPACE}]
     shm: dict[str, Any] = {"medium": "Memory"}
