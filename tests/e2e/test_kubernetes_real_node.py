@@ -30,6 +30,7 @@ from tasks.diagnose import diagnose
 from tasks.errors import PREEMPTED_EXIT_CODE, ProvisionError
 from tasks.spec import load_spec
 from tests.conftest import S3Server, serve_s3
+from tests.e2e.test_kubernetes import wait_gone
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -176,27 +177,6 @@ def job_pods(kube: KubeApi, cluster_name: str) -> list[dict]:
         f"/api/v1/namespaces/{kube.namespace}/pods",
         params={"labelSelector": f"job-name={cluster_name}-main"},
     )["items"]
-
-
-def owned(kube: KubeApi, run_id: str) -> list[str]:
-    selector = {"labelSelector": f"gpuflow.io/flow-run-id={run_id}"}
-    left = []
-    for kind, path in [
-        ("service", f"/api/v1/namespaces/{kube.namespace}/services"),
-        ("secret", f"/api/v1/namespaces/{kube.namespace}/secrets"),
-        ("job", f"/apis/batch/v1/namespaces/{kube.namespace}/jobs"),
-        ("pod", f"/api/v1/namespaces/{kube.namespace}/pods"),
-    ]:
-        items = kube.request("GET", path, params=selector).get("items", [])
-        left += [f"{kind}/{i['metadata']['name']}" for i in items]
-    return left
-
-
-def wait_gone(kube: KubeApi, run_id: str, seconds: float = 90) -> list[str]:
-    until = time.monotonic() + seconds
-    while (left := owned(kube, run_id)) and time.monotonic() < until:
-        time.sleep(0.5)
-    return left
 
 
 def run_unit(backend, cluster, command, env=None, timeout_s=120, grace_s=30.0, stop=None):
