@@ -179,8 +179,10 @@ def job_pods(kube: KubeApi, cluster_name: str) -> list[dict]:
     )["items"]
 
 
-def run_unit(backend, cluster, command, env=None, timeout_s=120, grace_s=30.0, stop=None):
-    lines: list[str] = []
+def run_unit(
+    backend, cluster, command, env=None, timeout_s=120, grace_s=30.0, stop=None, lines=None
+):
+    lines = [] if lines is None else lines  # a caller's list sees the lines as they come
     result = backend.run(
         cluster,
         WorkUnit(name="main", command=command),
@@ -284,9 +286,11 @@ def test_real_node_an_eviction_gives_the_job_its_stop_grace_not_kubernetes_30_s(
     outcome: dict[str, Any] = {}
     program = GRACEFUL.format(sleep=35, code=PREEMPTED_EXIT_CODE)
 
+    seen: list[str] = []
+
     def follow() -> None:
-        outcome["result"], outcome["lines"] = run_unit(
-            backend, cluster, [sys.executable, "-c", program]
+        outcome["result"], _ = run_unit(
+            backend, cluster, [sys.executable, "-c", program], lines=seen
         )
 
     runner = threading.Thread(target=follow)
@@ -294,7 +298,10 @@ def test_real_node_an_eviction_gives_the_job_its_stop_grace_not_kubernetes_30_s(
     pod = watch.wait(running, 120)
     assert pod["spec"]["terminationGracePeriodSeconds"] == 60
     name = pod["metadata"]["name"]
-    time.sleep(1)  # "ready": the handler is in place (the log line may not have come yet)
+    until = time.monotonic() + 120
+    while "ready" not in seen:  # the job's SIGTERM handler is in place
+        assert time.monotonic() < until and runner.is_alive(), seen
+        time.sleep(0.1)
     evicted_at = time.time()
     kube.request(
         "POST",
@@ -392,7 +399,7 @@ def test_real_node_a_killed_gpuflow_leaves_a_pod_that_its_deadline_ends_and_reap
     job.write_text(
         "name: real-deadline\njob: {kind: command, command: [sleep, '600']}\n"
         f"resources: {{gpus: 1, gpu_product: {PRODUCT}}}\n"
-        f"placement: {{backend: kubernetes, image: '{IMAGE}'}}\nlimits: {{max_duration: 20s}}\n"
+        f"placement: {{backend: kubernetes, image: '{IMAGE}'}}\nlimits: {{max_duration: 45s}}\n"
     )
     env = {**subprocess_env(prefect_api, gpuflow_home), "KUBECONFIG": str(real_node.kubeconfig)}
     gpuflow = [sys.executable, "-m", "gpuflow"]
