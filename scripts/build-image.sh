@@ -71,8 +71,8 @@ if [[ ! -f $deps ]]; then
 fi
 
 # 3. gpuflow's own code (changes often: small)
-sources=$(cd "$ROOT" && git ls-files -co --exclude-standard -- gpuflow flows tasks blocks pyproject.toml |
-  grep -v '/__pycache__/' | sort)
+sources=$(cd "$ROOT" && { git ls-files -co --exclude-standard -- gpuflow flows tasks blocks pyproject.toml 2>/dev/null ||
+  find gpuflow flows tasks blocks pyproject.toml -type f; } | grep -v '/__pycache__/\|\.pyc$' | sort)
 app=$CACHE/app-$(key "$(cd "$ROOT" && sha256sum $sources)").tar
 if [[ ! -f $app ]]; then
   say "gpuflow's code"
