@@ -9,6 +9,8 @@
 #   scripts/k8s-testbed.sh up --dir DIR --real-node   and a real node beside the KWOK ones:
 #                                            containerd + a kubelet, pods in real containers
 #                                            (gpuflow's job image imported: scripts/build-image.sh)
+#   scripts/k8s-testbed.sh up --dir DIR --no-mpi-operator   without the MPI Operator (its
+#                                            health port, 8080, is fixed: one per machine)
 #   scripts/k8s-testbed.sh down --dir DIR    stop what `up` started, by PID
 #   scripts/k8s-testbed.sh restart-api --dir DIR   stop the API server and start it again (faults)
 #
@@ -266,12 +268,21 @@ EOF
   wait_for "the default service account" 60 api GET /api/v1/namespaces/default/serviceaccounts/default
   wait_for "Kueue's API" 60 api GET /apis/kueue.x-k8s.io/v1beta2/clusterqueues
   wait_for "the MPIJob API" 60 api GET /apis/kubeflow.org/v2beta1/mpijobs
-  api POST /api/v1/namespaces 'apiVersion: v1
+  local operator="the MPI Operator"
+  if $WITH_MPI_OPERATOR; then
+    # its health server listens on :8080, fixed (no flag): one MPI Operator per machine
+    if python3 -c 'import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); sys.exit(s.connect_ex(("127.0.0.1", 8080)) != 0)'; then
+      die "port 8080 is taken (another test cluster's MPI Operator?): the MPI Operator listens there; stop that one, or use --no-mpi-operator"
+    fi
+    api POST /api/v1/namespaces 'apiVersion: v1
 kind: Namespace
 metadata: {name: mpi-operator}' >/dev/null
-  start mpi-operator "$BIN/mpi-operator" -kubeConfig "$DIR/kubeconfig" -lock-namespace mpi-operator \
-    -monitoring-port 0 -threadiness 4 -kube-api-qps 50 -kube-api-burst 100
-  say "up: 4 nodes (2 x 8 H100, 4 L4, 1 CPU), the MPI Operator, Kueue's CRDs; kubeconfig: $DIR/kubeconfig"
+    start mpi-operator "$BIN/mpi-operator" -kubeConfig "$DIR/kubeconfig" -lock-namespace mpi-operator \
+      -monitoring-port 0 -threadiness 4 -kube-api-qps 50 -kube-api-burst 100
+  else
+    operator="no MPI Operator"
+  fi
+  say "up: 4 nodes (2 x 8 H100, 4 L4, 1 CPU), $operator, Kueue's CRDs; kubeconfig: $DIR/kubeconfig"
   if $WITH_REAL_NODE; then real_node_up; fi
 }
 
@@ -314,12 +325,13 @@ source "$HERE/testbed/real-node.sh"
 
 command=${1:-}
 shift || true
-DIR= WITH_REAL_NODE=false
+DIR= WITH_REAL_NODE=false WITH_MPI_OPERATOR=true
 while (($#)); do
   case $1 in
   --dir) DIR=$2; shift 2 ;;
   --real-node) WITH_REAL_NODE=true; shift ;;
-  *) die "unknown option $1; use build, up --dir DIR [--real-node] or down --dir DIR" ;;
+  --no-mpi-operator) WITH_MPI_OPERATOR=false; shift ;;
+  *) die "unknown option $1; use build, up --dir DIR [--real-node] [--no-mpi-operator] or down --dir DIR" ;;
   esac
 done
 case $command in

@@ -178,6 +178,7 @@ for pod in json.load(sys.stdin)["items"]:
     umount -l "$mount" 2>/dev/null || true
   done
   ip link delete "gfbr$id" 2>/dev/null || true
+  rm -rf "$rn/containerd/root" "$rn/containerd/state"  # the images' content and snapshots: GBs
   for cg in /sys/fs/cgroup/*/gpuflow-testbed-"$id"; do
     [[ -d $cg ]] && find "$cg" -depth -type d -exec rmdir {} \; 2>/dev/null
   done

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -246,7 +247,7 @@ class SampleTail:
 def main(argv: list[str] | None = None) -> int:
     """Sample this node's GPUs into a file until SIGTERM (or SIGINT), then write the last
     sample and exit 0: `python -m tasks.metrics.sampler --out F --gpus 0,1 [--interval S]
-    [--host NAME]`. A backend starts it on each node that runs a unit (Slurm: a step beside
+    [--host NAME] [--until-pid PID]`. A backend starts it on each node that runs a unit (Slurm: a step beside
     the unit's; Kubernetes: in each unit's pod, `--out -` printing each sample as one line
     of the pod's log, after `--mark`)."""
     import argparse
@@ -258,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=1.0)
     parser.add_argument("--host", default=None, help="the node's name in the samples")
     parser.add_argument("--mark", default="", help="with --out -: what each line starts with")
+    parser.add_argument("--until-pid", type=int, help="also stop once this process is gone")
     args = parser.parse_args(argv)
     indices = [int(i) for i in args.gpus.split(",") if i.strip()]
     stop = threading.Event()
@@ -274,8 +276,21 @@ def main(argv: list[str] | None = None) -> int:
     with sampler:
         if not to_log:  # the backend waits for this line: sampling has begun
             print("sampling", flush=True)
-        stop.wait()
+        while not stop.wait(0.2):
+            if args.until_pid and not _alive(args.until_pid):
+                break
     return 0
+
+
+def _alive(pid: int) -> bool:
+    """Return True while process `pid` exists (a zombie not yet reaped counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: it exists
+        return True
+    return True
 
 
 if __name__ == "__main__":

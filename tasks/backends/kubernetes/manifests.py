@@ -38,18 +38,19 @@ UNIT_WRAPPER = f"""\
 mkdir -p "$GPUFLOW_OUTPUT_DIR" 2>/dev/null  # the job contract: the folder is there
 child= stopping= sampler=
 trap 'stopping=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null' TERM INT
-if [ -n "$GPUFLOW_SAMPLE_INTERVAL" ]; then  # this node's GPUs, sampled where they are
-  "$GPUFLOW_PYTHON" -m tasks.metrics.sampler --out - --mark '{SAMPLE_MARK} ' \
-    --gpus "$GPUFLOW_SAMPLE_GPUS" --interval "$GPUFLOW_SAMPLE_INTERVAL" \
-    --host "$GPUFLOW_NODE_NAME" 2>/dev/null </dev/null &
-  sampler=$!
-fi
 "$@" &
 child=$!
 [ -n "$stopping" ] && kill -TERM "$child" 2>/dev/null
+if [ -n "$GPUFLOW_SAMPLE_INTERVAL" ]; then  # this node's GPUs, sampled where they are,
+  # until the unit is gone (a SIGTERM alone could land before the sampler is ready)
+  "$GPUFLOW_PYTHON" -m tasks.metrics.sampler --out - --mark '{SAMPLE_MARK} ' \
+    --gpus "$GPUFLOW_SAMPLE_GPUS" --interval "$GPUFLOW_SAMPLE_INTERVAL" \
+    --host "$GPUFLOW_NODE_NAME" --until-pid "$child" 2>/dev/null </dev/null &
+  sampler=$!
+fi
 wait "$child"; code=$?
 while kill -0 "$child" 2>/dev/null; do wait "$child"; code=$?; done
-if [ -n "$sampler" ]; then kill -TERM "$sampler" 2>/dev/null; wait "$sampler"; fi
+if [ -n "$sampler" ]; then kill -TERM "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null; fi
 if [ -d "$GPUFLOW_OUTPUT_DIR" ] && cd "$GPUFLOW_OUTPUT_DIR"; then
   find . -type f | head -n 200 | while IFS= read -r f; do
     [ -f "$f" ] || continue  # a name with a newline in it: not sent
