@@ -37,15 +37,6 @@ def _c(kind: str, pattern: str, advice: str, program: str = "any", **kw: Any) ->
 
 
 CAUSES: list[Cause] = [
-    # -- the program itself -----------------------------------------------------------------
-    _c(
-        "program_not_found",
-        # dash and bash say so after their $0 (sh, bash, a wrapper's name) and a line number
-        r"(?:^|\s)[\w./-]+: (?:\d+: |line \d+: )?([^\s:]+): (?:command )?not found\s*$"
-        r'|exec: "([^"]+)": executable file not found',
-        "the program {0} is not where the job runs (not in its image, or not on its PATH);"
-        " install it there or give job.command its full path.",
-    ),
     # -- PyTorch, CUDA, NCCL, gloo ---------------------------------------------------------
     _c(
         "cuda_out_of_memory",
@@ -143,6 +134,15 @@ CAUSES: list[Cause] = [
         "MPI could not start its daemons on every node; check that the nodes reach each other"
         " (ssh or the launcher's transport).",
         transient=True,
+    ),
+    # -- the program itself (last of the rows for any log: the more specific come first) ---
+    _c(
+        "program_not_found",
+        # dash and bash say so after their $0 (sh, bash, a wrapper's name) and a line number
+        r"(?:^|\s)[\w./-]+: (?:\d+: |line \d+: )?([^\s:]+): (?:command )?not found\s*$"
+        r'|exec: "([^"]+)": executable file not found',
+        "the program {0} is not where the job runs (not in its image, or not on its PATH);"
+        " install it there or give job.command its full path.",
     ),
     # -- Blender (its own errors) ----------------------------------------------------------
     _c(
