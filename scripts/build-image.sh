@@ -8,8 +8,12 @@
 # Three layers, each cached under $GPUFLOW_TESTBED_CACHE/images (default
 # ~/.cache/gpuflow/testbed/images) by what goes into it:
 #   1. Debian bookworm (mmdebstrap, minbase): python3, Blender (render pods), tini, procps
-#   2. gpuflow's Python dependencies (pip --target, this machine's pip cache), torch left out
-#   3. gpuflow itself (flows, tasks, blocks, gpuflow), put on PYTHONPATH
+#   2. gpuflow's Python dependencies (pip --target /opt/gpuflow-deps, this machine's pip
+#      cache), torch left out; their programs (prefect, ...) on PATH
+#   3. gpuflow itself at /opt/gpuflow (flows, tasks, blocks, gpuflow, prefect.yaml), where
+#      prefect.yaml's pull step looks for it, installed there (its `gpuflow` program and the
+#      entry point that names the worker type gpuflow-kubernetes)
+# So the image runs unit pods and flow-run pods alike (`prefect flow-run execute`).
 # The image runs as uid 10001, like infra/docker/Dockerfile's, which describes the same image
 # for a cluster with a registry (and a CUDA base and torch: that one trains; this one does not).
 set -euo pipefail
@@ -38,6 +42,7 @@ command -v mmdebstrap >/dev/null || die "mmdebstrap is not installed: apt-get in
 mkdir -p "$CACHE"
 key() { printf '%s' "$*" | sha256sum | cut -c1-16; }
 tar_dir() { # tar_dir DIR OUT: the folder's contents as a layer, owned by root
+  chmod 755 "$1"  # the layer's root: mktemp made it 700
   tar --create --file "$2.partial" --directory "$1" --owner=0 --group=0 --numeric-owner --sort=name .
   mv "$2.partial" "$2"
 }
@@ -59,28 +64,36 @@ fi
 # so its wheels and compiled files fit)
 pip=$ROOT/.venv/bin/pip
 [[ -x $pip ]] || die "no .venv: run scripts/setup.sh first (its pip and cache build the image)"
-deps=$CACHE/deps-$(key "${PIP_DEPS[*]}").tar
+DEPS_DIR=/opt/gpuflow-deps
+deps=$CACHE/deps-$(key "$DEPS_DIR ${PIP_DEPS[*]}").tar
 if [[ ! -f $deps ]]; then
   say "Python packages: ${PIP_DEPS[*]}"
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
-  "$pip" install --quiet --disable-pip-version-check --target "$work/opt/gpuflow/site" "${PIP_DEPS[@]}"
+  "$pip" install --quiet --disable-pip-version-check --target "$work$DEPS_DIR" "${PIP_DEPS[@]}"
+  # pip writes this machine's interpreter into its programs: the image's is /usr/bin/python3
+  rm -rf "$work$DEPS_DIR/bin/__pycache__"
+  find "$work$DEPS_DIR/bin" -maxdepth 1 -type f -exec sed -i '1s|^#!.*python.*$|#!/usr/bin/python3|' {} +
   tar_dir "$work" "$deps"
   rm -rf "$work"
   trap - EXIT
 fi
 
 # 3. gpuflow's own code (changes often: small)
-sources=$(cd "$ROOT" && { git ls-files -co --exclude-standard -- gpuflow flows tasks blocks pyproject.toml 2>/dev/null ||
-  find gpuflow flows tasks blocks pyproject.toml -type f; } | grep -v '/__pycache__/\|\.pyc$' | sort)
+CODE=(gpuflow flows tasks blocks deployments pyproject.toml prefect.yaml)
+sources=$(cd "$ROOT" && { git ls-files -co --exclude-standard -- "${CODE[@]}" 2>/dev/null ||
+  find "${CODE[@]}" -type f; } | grep -v '/__pycache__/\|\.pyc$' | sort)
 app=$CACHE/app-$(key "$(cd "$ROOT" && sha256sum $sources)").tar
 if [[ ! -f $app ]]; then
   say "gpuflow's code"
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
-  mkdir -p "$work/opt/gpuflow/app"
-  (cd "$ROOT" && tar --create $sources) | tar --extract --directory "$work/opt/gpuflow/app"
-  "$ROOT/.venv/bin/python" -m compileall -q "$work/opt/gpuflow/app" >/dev/null  # uid 10001 cannot write them there
+  mkdir -p "$work/opt/gpuflow" "$work/usr/local/bin"
+  (cd "$ROOT" && tar --create $sources) | tar --extract --directory "$work/opt/gpuflow"
+  "$ROOT/.venv/bin/python" -m compileall -q "$work/opt/gpuflow" >/dev/null  # uid 10001 cannot write them there
+  # installed where it lies (on PYTHONPATH): its metadata, entry points and program
+  "$ROOT/.venv/bin/python" "$ROOT/scripts/testbed/dist_info.py" "$ROOT/pyproject.toml" \
+    --into "$work/opt/gpuflow" --scripts "$work/usr/local/bin"
   tar_dir "$work" "$app"
   rm -rf "$work"
   trap - EXIT
@@ -90,13 +103,13 @@ out=$CACHE/gpuflow-job-testbed.tar
 stamp=$out.layers
 if [[ ! -f $out || $(cat "$stamp" 2>/dev/null) != "$base $deps $app" ]]; then
   python3 "$ROOT/scripts/testbed/oci_image.py" --name "$NAME" --out "$out" \
-    --layer "$base" --layer "$deps" --layer "$app" --workdir /workspace \
-    --env PATH=/usr/local/bin:/usr/bin:/bin --env PYTHONPATH=/opt/gpuflow/app:/opt/gpuflow/site \
+    --layer "$base" --layer "$deps" --layer "$app" --workdir /opt/gpuflow \
+    --env PATH=/usr/local/bin:$DEPS_DIR/bin:/usr/bin:/bin --env PYTHONPATH=/opt/gpuflow:$DEPS_DIR \
     --env PYTHONUNBUFFERED=1 --env HOME=/home/gpuflow --env GPUFLOW_HOME=/tmp/gpuflow \
     --user 10001 --entrypoint '["/usr/bin/tini", "--"]' >/dev/null
   echo "$base $deps $app" >"$stamp"
   # older layers of this image are not needed again
-  find "$CACHE" -maxdepth 1 -name 'app-*.tar' ! -path "$app" -delete
+  find "$CACHE" -maxdepth 1 \( -name 'app-*.tar' ! -path "$app" -o -name 'deps-*.tar' ! -path "$deps" \) -delete
   say "built $NAME: $out ($(du -h "$out" | cut -f1))"
 fi
 if [[ -n $import_into ]]; then

@@ -11,6 +11,9 @@
 #                                            (gpuflow's job image imported: scripts/build-image.sh)
 #   scripts/k8s-testbed.sh up --dir DIR --no-mpi-operator   without the MPI Operator (its
 #                                            health port, 8080, is fixed: one per machine)
+#   scripts/k8s-testbed.sh expose --dir DIR --port PORT   the real node's pods reach this
+#                                            host's 127.0.0.1:PORT at the node's address
+#                                            (a Prefect server for flow-run pods); gone at down
 #   scripts/k8s-testbed.sh down --dir DIR    stop what `up` started, by PID
 #   scripts/k8s-testbed.sh restart-api --dir DIR   stop the API server and start it again (faults)
 #
@@ -325,13 +328,14 @@ source "$HERE/testbed/real-node.sh"
 
 command=${1:-}
 shift || true
-DIR= WITH_REAL_NODE=false WITH_MPI_OPERATOR=true
+DIR= WITH_REAL_NODE=false WITH_MPI_OPERATOR=true PORT=
 while (($#)); do
   case $1 in
   --dir) DIR=$2; shift 2 ;;
+  --port) PORT=$2; shift 2 ;;
   --real-node) WITH_REAL_NODE=true; shift ;;
   --no-mpi-operator) WITH_MPI_OPERATOR=false; shift ;;
-  *) die "unknown option $1; use build, up --dir DIR [--real-node] [--no-mpi-operator] or down --dir DIR" ;;
+  *) die "unknown option $1; use build, up --dir DIR [--real-node] [--no-mpi-operator], expose --dir DIR --port PORT or down --dir DIR" ;;
   esac
 done
 case $command in
@@ -339,5 +343,11 @@ build) build ;;
 up) [[ -n $DIR ]] || die "up needs --dir DIR"; up ;;
 down) [[ -n $DIR ]] || die "down needs --dir DIR"; down ;;
 restart-api) [[ -n $DIR ]] || die "restart-api needs --dir DIR"; restart_api ;;
-*) die "use: $0 build | up --dir DIR | down --dir DIR | restart-api --dir DIR" ;;
+expose)
+  [[ -n $DIR && $PORT =~ ^[0-9]+$ ]] && ((PORT >= 1 && PORT <= 65535)) || die "expose needs --dir DIR --port PORT (1 to 65535)"
+  [[ -f $DIR/ports/real-node ]] || die "no real node runs in $DIR: start it with up --real-node"
+  real_node_expose "$(cat "$DIR/real-node/node-ip")" "$PORT" "$PORT"
+  say "the real node's pods reach 127.0.0.1:$PORT at $(cat "$DIR/real-node/node-ip"):$PORT"
+  ;;
+*) die "use: $0 build | up --dir DIR | expose --dir DIR --port PORT | down --dir DIR | restart-api --dir DIR" ;;
 esac

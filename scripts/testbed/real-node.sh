@@ -33,6 +33,13 @@ pause_image() { # the pod sandbox image: a 1.4 MB static program, built and pack
   echo "$out"
 }
 
+real_node_chain() { echo "GPUFLOW-TB-$(real_node_id)"; }
+
+real_node_expose() { # real_node_expose ADDRESS PORT LOOPBACK_PORT: pods reach 127.0.0.1's port there
+  iptables -t nat -C "$(real_node_chain)" -d "$1/32" -p tcp --dport "$2" -j DNAT --to-destination "127.0.0.1:$3" 2>/dev/null ||
+    iptables -t nat -A "$(real_node_chain)" -d "$1/32" -p tcp --dport "$2" -j DNAT --to-destination "127.0.0.1:$3"
+}
+
 ctr_() { ctr --address "$DIR/real-node/containerd/containerd.sock" --namespace k8s.io "$@"; }
 
 real_node_up() {
@@ -73,6 +80,14 @@ EOF
   ip addr replace "$node_ip/24" dev "gfbr$id"
   ip link set "gfbr$id" up
   echo "$node_ip" >"$rn/node-ip"
+  # No kube-proxy: the API server's Service address (10.96.0.1:443, which its certificate
+  # names) leads from the pods to its loopback port, so in-cluster clients (a flow-run pod
+  # making unit pods) reach it. The rules live in a chain of this node's own.
+  sysctl -qw "net.ipv4.conf.gfbr$id.route_localnet=1"
+  iptables -t nat -N "$(real_node_chain)" 2>/dev/null || iptables -t nat -F "$(real_node_chain)"
+  iptables -t nat -C PREROUTING -i "gfbr$id" -j "$(real_node_chain)" 2>/dev/null ||
+    iptables -t nat -A PREROUTING -i "gfbr$id" -j "$(real_node_chain)"
+  real_node_expose 10.96.0.1 443 "$(cat "$DIR/ports/api")"
   local pki=$DIR/pki
   openssl req -newkey rsa:2048 -nodes -subj "/CN=system:node:$REAL_NODE" -keyout "$pki/real-node.key" \
     -out "$pki/real-node.csr" 2>/dev/null
@@ -81,7 +96,8 @@ EOF
   cat >"$rn/net.d/10-gpuflow.conflist" <<EOF
 {"cniVersion": "1.0.0", "name": "gpuflow-testbed", "plugins": [
   {"type": "bridge", "bridge": "gfbr$id", "isGateway": true, "ipMasq": false,
-   "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.$id.0/24"}]], "dataDir": "$rn/ipam"}},
+   "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.$id.0/24"}]],
+            "routes": [{"dst": "0.0.0.0/0"}], "dataDir": "$rn/ipam"}},
   {"type": "loopback"}]}
 EOF
   start containerd containerd --config "$rn/containerd/config.toml"
@@ -178,6 +194,9 @@ for pod in json.load(sys.stdin)["items"]:
     umount -l "$mount" 2>/dev/null || true
   done
   ip link delete "gfbr$id" 2>/dev/null || true
+  iptables -t nat -D PREROUTING -i "gfbr$id" -j "$(real_node_chain)" 2>/dev/null || true
+  iptables -t nat -F "$(real_node_chain)" 2>/dev/null || true
+  iptables -t nat -X "$(real_node_chain)" 2>/dev/null || true
   rm -rf "$rn/containerd/root" "$rn/containerd/state"  # the images' content and snapshots: GBs
   for cg in /sys/fs/cgroup/*/gpuflow-testbed-"$id"; do
     [[ -d $cg ]] && find "$cg" -depth -type d -exec rmdir {} \; 2>/dev/null

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,6 +46,11 @@ class RealNode:
     name: str
     runtime: str  # the container runtime its kubelet reports
     ip: str  # its address: this host's side of the pods' bridge
+
+    @property
+    def testbed(self) -> Path:
+        """The test cluster's folder (scripts/k8s-testbed.sh --dir)."""
+        return self.kubeconfig.parent
 
 
 @pytest.fixture(scope="session")
@@ -508,3 +514,116 @@ def test_real_node_the_runs_samples_come_from_the_node_its_pod_ran_on(
     assert any(line.endswith("busy") for line in lines)
     assert not any("@@gpuflow-sample" in line for line in lines)
     assert wait_gone(kube, result.flow_run_id) == []
+
+
+def test_real_node_a_deployment_run_is_a_flow_run_pod_whose_pipeline_makes_its_unit_pods(
+    kube, real_node, tmp_path
+):
+    """`prefect deployment run` of command-k8s on gpuflow's pool: the worker (with exactly
+    worker-rbac.yaml's rights) makes the flow-run Job; its pod runs the pipeline from the job
+    image on the real node (`prefect flow-run execute` in /opt/gpuflow, prefect.yaml's pull
+    step), as the `gpuflow` account of backend-rbac.yaml, in-cluster; that pipeline makes the
+    unit's pod on the same node; the unit's output is in the run's log on the Prefect server,
+    and the run's own objects are gone at its end."""
+    from uuid import UUID
+
+    from tests.conftest import free_port
+    from tests.e2e.helpers import Platform
+    from tests.e2e.test_kubernetes import apply, token_kubeconfig
+
+    namespace = "flows-real"
+    kube.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace}})
+    for name in ("worker-rbac.yaml", "backend-rbac.yaml"):
+        for doc in yaml.safe_load_all((ROOT / "infra" / "kubernetes" / name).read_text()):
+            if doc["kind"] != "ClusterRole":  # optional, cluster-wide: not needed to run
+                apply(kube, doc, namespace)
+    in_namespace = KubeApi(load_config(yaml.safe_load(real_node.kubeconfig.read_text())))
+    in_namespace.namespace = namespace
+    watch = PodWatch(in_namespace, "gpuflow.io/owner=gpuflow")  # the unit pods, gone at teardown
+    watches = [watch]
+    kubeconfig = token_kubeconfig(kube, namespace, "prefect-worker", tmp_path / "kubeconfig")
+    platform = Platform(tmp_path / "home", free_port())
+    platform.env["KUBECONFIG"] = "/nonexistent"  # the worker must use --kubeconfig's cluster
+    try:
+        up = platform.gpuflow(
+            "platform", "up", "--port", str(platform.port),
+            "--kubeconfig", str(kubeconfig), "--image", IMAGE,
+        )  # fmt: skip
+        assert up.returncode == 0, up.stdout + up.stderr
+        # the Prefect server listens on this host's loopback: pods reach it at the node's address
+        expose = ["bash", str(ROOT / "scripts" / "k8s-testbed.sh"), "expose"]
+        expose += ["--dir", str(real_node.testbed), "--port", str(platform.port)]
+        subprocess.run(expose, check=True, timeout=60)
+        spec = {
+            "name": "flow-pod",
+            "job": {"kind": "command", "command": ["sh", "-c", 'echo "unit on $GPUFLOW_NODE_NAME as $(id -u)"']},
+            "resources": {"gpus": 1, "gpu_product": PRODUCT},
+            "placement": {"backend": "kubernetes", "image": IMAGE},
+        }  # fmt: skip
+        variables = {
+            "gpu_count": "0",  # the flow-run pod only drives the run: its unit holds the GPU
+            "gpu_product": PRODUCT,
+            "service_account_name": "gpuflow",
+            "env": json.dumps({"PREFECT_API_URL": f"http://{real_node.ip}:{platform.port}/api"}),
+        }
+        argv = [
+            "deployment",
+            "run",
+            "gpu-pipeline/command-k8s",
+            "--params",
+            json.dumps({"spec": spec}),
+        ]
+        for key, value in variables.items():
+            argv += ["--job-variable", f"{key}={value}"]
+        ran = platform.run(sys.executable, "-m", "prefect", *argv)
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        run_id = re.search(r"UUID: ([0-9a-f-]{36})", ran.stdout).group(1)
+        flow_watch = PodWatch(in_namespace, f"prefect.io/flow-run-id={run_id}")
+        watches.append(flow_watch)
+
+        until, state = time.monotonic() + 600, None
+        while time.monotonic() < until:
+            with platform.client() as client:
+                state = client.read_flow_run(UUID(run_id)).state
+            if state is not None and state.is_final():
+                break
+            time.sleep(1)
+        flow_pods = in_namespace.request(
+            "GET",
+            f"/api/v1/namespaces/{namespace}/pods",
+            params={"labelSelector": f"prefect.io/flow-run-id={run_id}"},
+        )["items"]
+        said = (platform.home / "platform" / "k8s-worker.log").read_text()[-3000:]
+        for pod in flow_pods:  # what the flow-run pod printed, when it got that far
+            path = f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}/log"
+            said = in_namespace.http.get(path).text[-3000:]
+        assert state is not None and state.is_completed(), f"{state}: {said}"
+
+        flow_pod = flow_watch.wait(  # the run is Completed just before its process exits
+            lambda w: next((p for p in w.last.values() if terminated(p)), None), 120
+        )
+        on_the_real_node(flow_pod, real_node)
+        assert terminated(flow_pod)["exitCode"] == 0, terminated(flow_pod)
+        assert flow_pod["spec"]["serviceAccountName"] == "gpuflow"
+        assert flow_pod["spec"]["containers"][0]["args"] == ["prefect", "flow-run", "execute"]
+        [unit] = [
+            p for p in watch.last.values()
+            if p["metadata"]["labels"].get("gpuflow.io/flow-run-id") == run_id
+        ]  # fmt: skip
+        on_the_real_node(unit, real_node)
+        assert terminated(unit)["exitCode"] == 0, terminated(unit)
+        assert unit["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert unit["metadata"]["name"] != flow_pod["metadata"]["name"]
+        with platform.client() as client:
+            from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(run_id)])))
+        messages = [log.message for log in logs]
+        assert any(f"unit on {real_node.name} as 10001" in m for m in messages), messages[-20:]
+        assert wait_gone(in_namespace, run_id) == []
+    finally:
+        for watching in watches:
+            watching.stop()
+        down = platform.gpuflow("platform", "down", timeout=120)
+        kube.request("DELETE", f"/api/v1/namespaces/{namespace}")
+    assert down.returncode == 0, down.stdout + down.stderr
