@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from uuid import UUID
 
@@ -121,6 +122,17 @@ class Platform:
                 inner.settings.__exit__(*exc)
 
         return _Client()
+
+    def final_state(self, flow_run_id: str, seconds: float):
+        """Return the run's state once it is final, or the last one seen after `seconds`."""
+        until, state = time.monotonic() + seconds, None
+        while time.monotonic() < until:
+            with self.client() as client:
+                state = client.read_flow_run(UUID(str(flow_run_id))).state
+            if state is not None and state.is_final():
+                break
+            time.sleep(0.5)
+        return state
 
     def state(self) -> dict:
         return json.loads((self.home / "platform" / "state.json").read_text())

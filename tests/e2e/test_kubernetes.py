@@ -427,6 +427,33 @@ def token_kubeconfig(kube: KubeApi, namespace: str, account: str, path: Path) ->
     return path
 
 
+def worker_platform(kube: KubeApi, namespace: str, tmp_path: Path):
+    """Return a platform (not started) whose Kubernetes worker will run with exactly
+    worker-rbac.yaml's Role in `namespace`, and the kubeconfig holding that token."""
+    import yaml
+
+    from tests.conftest import free_port
+    from tests.e2e.helpers import Platform
+
+    for doc in yaml.safe_load_all((ROOT / "infra/kubernetes/worker-rbac.yaml").read_text()):
+        apply(kube, doc, namespace)
+    kubeconfig = token_kubeconfig(kube, namespace, "prefect-worker", tmp_path / "kubeconfig")
+    platform = Platform(tmp_path / "home", free_port())
+    platform.env["KUBECONFIG"] = "/nonexistent"  # the worker must use --kubeconfig's cluster
+    return platform, kubeconfig
+
+
+def up_with_worker(platform, kubeconfig: Path, image: str) -> subprocess.CompletedProcess:
+    """`gpuflow platform up` with a Kubernetes worker on `kubeconfig`'s cluster, jobs running
+    `image`; asserts that it started."""
+    up = platform.gpuflow(
+        "platform", "up", "--port", str(platform.port),
+        "--kubeconfig", str(kubeconfig), "--image", image,
+    )  # fmt: skip
+    assert up.returncode == 0, up.stdout + up.stderr
+    return up
+
+
 def test_the_backend_runs_with_exactly_its_role_and_one_verb_less_is_named(
     kube, tmp_path, monkeypatch
 ):
@@ -742,25 +769,12 @@ def test_the_prefect_worker_runs_a_deployment_as_a_gpu_job_on_a_node_of_the_runs
     deployment whose GPU product and count come only from the run's job variables (what the
     UI's run form sends) becomes a Job with those on the real API server, and its pod lands on
     a node of that product. A bad job variable fails the run with one sentence, nothing made."""
-    import yaml
-
-    from tests.conftest import free_port
-    from tests.e2e.helpers import Platform
-
     namespace = "worker-e2e"
     kube.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace}})
-    for doc in yaml.safe_load_all((ROOT / "infra/kubernetes/worker-rbac.yaml").read_text()):
-        apply(kube, doc, namespace)  # the worker runs with exactly this Role
-    kubeconfig = token_kubeconfig(kube, namespace, "prefect-worker", tmp_path / "kubeconfig")
-    platform = Platform(tmp_path / "home", free_port())
-    platform.env["KUBECONFIG"] = "/nonexistent"  # the worker must use --kubeconfig's cluster
+    platform, kubeconfig = worker_platform(kube, namespace, tmp_path)
     image = "registry.internal/ml/gpuflow-job:0.1"
     try:
-        up = platform.gpuflow(
-            "platform", "up", "--port", str(platform.port),
-            "--kubeconfig", str(kubeconfig), "--image", image,
-        )  # fmt: skip
-        assert up.returncode == 0, up.stdout + up.stderr
+        up = up_with_worker(platform, kubeconfig, image)
         assert "started a Kubernetes worker" in up.stdout
         with platform.client() as client:
             pool = client.read_work_pool("gpuflow-gpu-k8s")
@@ -805,13 +819,7 @@ def test_the_prefect_worker_runs_a_deployment_as_a_gpu_job_on_a_node_of_the_runs
         assert node == "gpu-l4-0"  # the only node of that product
 
         bad = start("shm_size=lots")
-        until, state = time.monotonic() + 60, None
-        while time.monotonic() < until:
-            with platform.client() as client:
-                state = client.read_flow_run(UUID(bad)).state
-            if state.is_final():
-                break
-            time.sleep(0.5)
+        state = platform.final_state(bad, 60)
         assert state.is_crashed()
         assert "job_variables.shm_size: 'lots' is not a size; write e.g. 8Gi" in state.message
         bad_selector = {"labelSelector": f"prefect.io/flow-run-id={bad}"}

@@ -527,29 +527,22 @@ def test_real_node_a_deployment_run_is_a_flow_run_pod_whose_pipeline_makes_its_u
     and the run's own objects are gone at its end."""
     from uuid import UUID
 
-    from tests.conftest import free_port
-    from tests.e2e.helpers import Platform
-    from tests.e2e.test_kubernetes import apply, token_kubeconfig
+    from tests.e2e.test_kubernetes import apply, up_with_worker, worker_platform
 
     namespace = "flows-real"
     kube.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace}})
-    for name in ("worker-rbac.yaml", "backend-rbac.yaml"):
-        for doc in yaml.safe_load_all((ROOT / "infra" / "kubernetes" / name).read_text()):
-            if doc["kind"] != "ClusterRole":  # optional, cluster-wide: not needed to run
-                apply(kube, doc, namespace)
+    for doc in yaml.safe_load_all(
+        (ROOT / "infra" / "kubernetes" / "backend-rbac.yaml").read_text()
+    ):
+        if doc["kind"] != "ClusterRole":  # optional, cluster-wide: not needed to run
+            apply(kube, doc, namespace)
     in_namespace = KubeApi(load_config(yaml.safe_load(real_node.kubeconfig.read_text())))
     in_namespace.namespace = namespace
     watch = PodWatch(in_namespace, "gpuflow.io/owner=gpuflow")  # the unit pods, gone at teardown
     watches = [watch]
-    kubeconfig = token_kubeconfig(kube, namespace, "prefect-worker", tmp_path / "kubeconfig")
-    platform = Platform(tmp_path / "home", free_port())
-    platform.env["KUBECONFIG"] = "/nonexistent"  # the worker must use --kubeconfig's cluster
+    platform, kubeconfig = worker_platform(kube, namespace, tmp_path)
     try:
-        up = platform.gpuflow(
-            "platform", "up", "--port", str(platform.port),
-            "--kubeconfig", str(kubeconfig), "--image", IMAGE,
-        )  # fmt: skip
-        assert up.returncode == 0, up.stdout + up.stderr
+        up_with_worker(platform, kubeconfig, IMAGE)
         # the Prefect server listens on this host's loopback: pods reach it at the node's address
         expose = ["bash", str(ROOT / "scripts" / "k8s-testbed.sh"), "expose"]
         expose += ["--dir", str(real_node.testbed), "--port", str(platform.port)]
@@ -581,13 +574,7 @@ def test_real_node_a_deployment_run_is_a_flow_run_pod_whose_pipeline_makes_its_u
         flow_watch = PodWatch(in_namespace, f"prefect.io/flow-run-id={run_id}")
         watches.append(flow_watch)
 
-        until, state = time.monotonic() + 600, None
-        while time.monotonic() < until:
-            with platform.client() as client:
-                state = client.read_flow_run(UUID(run_id)).state
-            if state is not None and state.is_final():
-                break
-            time.sleep(1)
+        state = platform.final_state(run_id, 600)
         flow_pods = in_namespace.request(
             "GET",
             f"/api/v1/namespaces/{namespace}/pods",
