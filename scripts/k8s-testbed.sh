@@ -83,7 +83,7 @@ build() {
   say "built: $want in $BIN"
 }
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+free_port() { python3 "$HERE/testbed/free_port.py"; } # below the ephemeral range: see the script
 
 start() { # start NAME ARGS...: in a session of its own, logging to DIR/logs/NAME.log
   local name=$1
@@ -345,7 +345,7 @@ down) [[ -n $DIR ]] || die "down needs --dir DIR"; down ;;
 restart-api) [[ -n $DIR ]] || die "restart-api needs --dir DIR"; restart_api ;;
 expose)
   [[ -n $DIR && $PORT =~ ^[0-9]+$ ]] && ((PORT >= 1 && PORT <= 65535)) || die "expose needs --dir DIR --port PORT (1 to 65535)"
-  [[ -f $DIR/ports/real-node ]] || die "no real node runs in $DIR: start it with up --real-node"
+  [[ -f $DIR/real-node/id ]] || die "no real node runs in $DIR: start it with up --real-node"
   real_node_expose "$(cat "$DIR/real-node/node-ip")" "$PORT" "$PORT"
   say "the real node's pods reach 127.0.0.1:$PORT at $(cat "$DIR/real-node/node-ip"):$PORT"
   ;;

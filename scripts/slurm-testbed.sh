@@ -21,7 +21,8 @@ set -euo pipefail
 START=$SECONDS
 say() { printf '[slurm-testbed] %s (%ds)\n' "$*" $((SECONDS - START)) >&2; }
 die() { printf 'slurm-testbed: %s\n' "$*" >&2; exit 1; }
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+FREE_PORT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/testbed/free_port.py
+free_port() { python3 "$FREE_PORT"; } # below the ephemeral range: see the script
 
 # name, gres type, gres count, partition (set once the arguments are read)
 nodes() { NODES=("g1 h100 $H100 gpu" "g2 h100 $H100 gpu" "l1 l4 2 l4"); }

@@ -61,11 +61,19 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: FIRST.index(g) if (g := _group(item)) in FIRST else len(FIRST))
 
 
-def load_fake_nvml(**config) -> ModuleType:
-    """Return a fresh fake pynvml module with `config` overriding its defaults."""
-    spec = importlib.util.spec_from_file_location("fake_pynvml", FAKES / "pynvml.py")
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+_FREE_PORT = _load("free_port", Path(__file__).parents[1] / "scripts" / "testbed" / "free_port.py")
+
+
+def load_fake_nvml(**config) -> ModuleType:
+    """Return a fresh fake pynvml module with `config` overriding its defaults."""
+    module = _load("fake_pynvml", FAKES / "pynvml.py")
     module.config.update(config)
     return module
 
@@ -128,11 +136,9 @@ def subprocess_env(api_url: str, home: Path, fake_gpus: int | None = None) -> di
 
 
 def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free on every address, below the kernel's ephemeral range, where no outgoing
+    connection or bind to port 0 takes it before its server starts (scripts/testbed/free_port.py)."""
+    return _FREE_PORT.free_port()
 
 
 def wait_until_serving(url: str, seconds: float = 10.0) -> None:

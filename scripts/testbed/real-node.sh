@@ -18,7 +18,18 @@ real_node_tools() {
 }
 
 real_node_id() { # a number of its own for each test cluster: its bridge, subnet and cgroups
-  echo $(($(cat "$DIR/ports/real-node") % 250 + 1))
+  cat "$DIR/real-node/id"
+}
+
+real_node_claim_id() { # the first of 1..250 in a random order whose bridge this host lacks,
+  local id # claimed by making that bridge: two clusters starting at once never share one
+  for id in $(shuf -i 1-250); do
+    if ip link add "gfbr$id" type bridge 2>/dev/null; then
+      echo "$id" >"$DIR/real-node/id"
+      return 0
+    fi
+  done
+  die "no free bridge name gfbr1 to gfbr250 for the real node: remove stale ones (ip link delete gfbrN)"
 }
 
 pause_image() { # the pod sandbox image: a 1.4 MB static program, built and packed here
@@ -46,7 +57,7 @@ real_node_up() {
   real_node_tools
   local rn=$DIR/real-node id
   mkdir -p "$rn"/{containerd,net.d,ipam,kubelet,pod-logs}
-  free_port >"$DIR/ports/real-node"
+  real_node_claim_id
   id=$(real_node_id)
   cat >"$rn/containerd/config.toml" <<EOF
 version = 2
@@ -76,7 +87,6 @@ EOF
   # and this one is reachable from this host and its pods only. Pods reach this host there;
   # nothing is masqueraded or forwarded.
   local node_ip=10.244.$id.1
-  ip link show "gfbr$id" >/dev/null 2>&1 || ip link add "gfbr$id" type bridge
   ip addr replace "$node_ip/24" dev "gfbr$id"
   ip link set "gfbr$id" up
   echo "$node_ip" >"$rn/node-ip"
@@ -113,7 +123,7 @@ EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 address: $node_ip
-port: $(cat "$DIR/ports/real-node")
+port: KUBELET_PORT
 readOnlyPort: 0
 healthzPort: 0
 tlsCertFile: $DIR/pki/real-node.crt
@@ -144,13 +154,19 @@ EOF
       cat "$hierarchy/cpuset.mems" >"$hierarchy/gpuflow-testbed-$id/cpuset.mems"
     fi
   done
-  start kubelet "$BIN/kubelet" --config "$rn/kubelet.yaml" --kubeconfig "$DIR/kubeconfig" \
-    --root-dir "$rn/kubelet" --hostname-override "$REAL_NODE" --node-ip "$node_ip" \
-    --node-labels "nvidia.com/gpu.present=true,nvidia.com/gpu.count=$REAL_NODE_GPUS,nvidia.com/gpu.product=$REAL_NODE_PRODUCT,type=real"
-  local until=$((SECONDS + 180)) node="/api/v1/nodes/$REAL_NODE"
+  real_node_start_kubelet "$node_ip"
+  local until=$((SECONDS + 180)) node="/api/v1/nodes/$REAL_NODE" tries=1
   until api GET "$node" 2>/dev/null | grep -q '"reason": "KubeletReady"'; do
-    kill -0 "$(cat "$DIR/pids/kubelet")" 2>/dev/null ||
+    if ! kill -0 "$(cat "$DIR/pids/kubelet")" 2>/dev/null; then
+      # its port, free when chosen, was taken before it bound it: choose again (twice at most)
+      if ((tries < 3)) && grep -q 'bind: address already in use' "$DIR/logs/kubelet.log"; then
+        say "the kubelet's port $(cat "$DIR/ports/kubelet") was taken; choosing another"
+        tries=$((tries + 1))
+        real_node_start_kubelet "$node_ip"
+        continue
+      fi
       die "the kubelet exited: $(grep -m1 'command failed' "$DIR/logs/kubelet.log" || tail -n 3 "$DIR/logs/kubelet.log")"
+    fi
     ((SECONDS < until)) || die "the real node $REAL_NODE was not Ready within 180 s; see $DIR/logs/kubelet.log"
     sleep 0.5
   done
@@ -164,9 +180,19 @@ EOF
   say "real node $REAL_NODE up: containerd + kubelet on $node_ip, $REAL_NODE_GPUS x $REAL_NODE_PRODUCT, pods on 10.244.$id.0/24"
 }
 
+real_node_start_kubelet() { # real_node_start_kubelet NODE_IP: on a port chosen now
+  local rn=$DIR/real-node
+  free_port >"$DIR/ports/kubelet"
+  sed "s/^port: .*/port: $(cat "$DIR/ports/kubelet")/" "$rn/kubelet.yaml" >"$rn/kubelet.yaml.new"
+  mv "$rn/kubelet.yaml.new" "$rn/kubelet.yaml"
+  start kubelet "$BIN/kubelet" --config "$rn/kubelet.yaml" --kubeconfig "$DIR/kubeconfig" \
+    --root-dir "$rn/kubelet" --hostname-override "$REAL_NODE" --node-ip "$1" \
+    --node-labels "nvidia.com/gpu.present=true,nvidia.com/gpu.count=$REAL_NODE_GPUS,nvidia.com/gpu.product=$REAL_NODE_PRODUCT,type=real"
+}
+
 real_node_down() {
   local rn=$DIR/real-node id task mount cg
-  [[ -f $DIR/ports/real-node ]] || return 0
+  [[ -f $rn/id ]] || return 0
   id=$(real_node_id)
   if [[ -f $DIR/pids/kubelet && -f $DIR/pids/kube-apiserver ]]; then
     # the kubelet stops the node's pods itself: their sandboxes, networks and mounts go
@@ -201,5 +227,5 @@ for pod in json.load(sys.stdin)["items"]:
   for cg in /sys/fs/cgroup/*/gpuflow-testbed-"$id"; do
     [[ -d $cg ]] && find "$cg" -depth -type d -exec rmdir {} \; 2>/dev/null
   done
-  rm -f "$DIR/ports/real-node"
+  rm -f "$rn/id" "$DIR/ports/kubelet"
 }

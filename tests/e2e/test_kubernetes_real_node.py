@@ -69,7 +69,11 @@ def real_node(tmp_path_factory) -> RealNode:
         started = tmp_path_factory.mktemp("k8s-real-node")
         # the MPI Operator's health port is fixed: the Kubernetes tests' cluster has it
         up = ["bash", str(script), "up", "--dir", str(started), "--real-node", "--no-mpi-operator"]
-        subprocess.run(up, check=True, timeout=900)
+        try:
+            subprocess.run(up, check=True, timeout=900)
+        except BaseException:  # what it started stops, and its bridge and chain go
+            subprocess.run(["bash", str(script), "down", "--dir", str(started)], timeout=300)
+            raise
         kubeconfig = started / "kubeconfig"
     api = KubeApi(load_config(yaml.safe_load(kubeconfig.read_text())))
     [node] = api.request("GET", "/api/v1/nodes", params={"labelSelector": "type=real"})["items"]
