@@ -31,6 +31,13 @@ def gpuflow_jobs() -> list[str]:
     return [line for line in out.splitlines() if "gpuflow.io/owner" in line]
 
 
+def cancel_gpuflow_jobs() -> None:
+    """Cancel the jobs gpuflow made: what a failed test's run still holds."""
+    jobs = [line.split(" ", 1)[0] for line in gpuflow_jobs()]
+    if jobs:
+        subprocess.run(["scancel", *jobs], check=False)
+
+
 def wait_for_main_step(going: Callable[[], bool], limit_s: float = 120) -> str:
     """Return the node of a run's unit `main` once it runs as a step; fail when `going()`
     turns false (the orchestrator ended) or after `limit_s`."""
@@ -277,7 +284,7 @@ def test_a_unit_whose_gpus_are_taken_saves_its_state_and_the_run_resumes_when_sl
         'n=$(cat "$GPUFLOW_WORKSPACE/../saved" 2>/dev/null || echo 0); echo "attempt $n";'
         ' if [ "$n" -ge 1 ]; then echo resumed; exit 0; fi;'
         " trap 'echo $((n+1)) > \"$GPUFLOW_WORKSPACE/../saved\"; echo saved; exit 75' TERM;"
-        " sleep 300 & wait"
+        ' touch "$GPUFLOW_WORKSPACE/../ready"; sleep 300 & wait'
     )
     raw = spec(tmp_path, ["bash", "-c", script], resources={"nodes": 1})
     raw["retry"] = {"run": {"retries": 2, "delay_s": 1}}
@@ -288,6 +295,11 @@ def test_a_unit_whose_gpus_are_taken_saves_its_state_and_the_run_resumes_when_sl
     flow.start()
 
     node = wait_for_main_step(flow.is_alive)
+    # the step runs before its unit does: take the GPUs once the unit would save its state
+    until = time.monotonic() + 120
+    while not list(tmp_path.glob("workspaces/**/ready")):
+        assert flow.is_alive() and time.monotonic() < until, "the unit never started"
+        time.sleep(0.1)
     try:
         check = take(node)
         flow.join(timeout=240)
@@ -298,6 +310,7 @@ def test_a_unit_whose_gpus_are_taken_saves_its_state_and_the_run_resumes_when_sl
         import traceback
 
         stack = "".join(traceback.format_stack(sys._current_frames()[flow.ident]))
+        cancel_gpuflow_jobs()  # the next test finds the cluster free
         pytest.fail(f"the run did not end; it waits in:\n{stack}")
     state = done["state"]
     assert state.is_completed(), state.message
