@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         blender = subprocess.Popen(
             command,
+            env={**os.environ, "TMPDIR": str(scratch)},  # its temporary folder goes with scratch
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -65,6 +65,9 @@ def chunk_unit(
     return WorkUnit(
         name=f"chunk-{index}",
         command=argv,
+        # Blender's own temporary folder goes with the chunk's scratch: one Blender stops
+        # with (killed, or stopped with a signal) is not left in the host's /tmp
+        env={"TMPDIR": str(scratch)} if cluster.capabilities.runs_here else {},
         node=node,
         gpus=[gpu] if gpu is not None else [],
         judge="frames",

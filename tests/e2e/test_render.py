@@ -144,6 +144,8 @@ def test_a_killed_render_resumes_with_only_the_missing_frames(prefect_api, tmp_p
     blender = wrapper(tmp_path, "")
     out = tmp_path / "out"
     env = subprocess_env(prefect_api, gpuflow_home)
+    env["TMPDIR"] = str(tmp_path / "tmp")  # this host's temporary folder, as gpuflow sees it
+    (tmp_path / "tmp").mkdir()
     args = [sys.executable, "-m", "gpuflow", "render", str(slow), "--out", f"file://{out}"]
     args += ["--frames", "1-10", "--chunk", "10", "--blender", str(blender)]
     first = subprocess.Popen(
@@ -178,6 +180,8 @@ def test_a_killed_render_resumes_with_only_the_missing_frames(prefect_api, tmp_p
     assert len(final) == 10 and all(final[name] == kept[name] for name in kept)
     assert all(check_image(out / name, "PNG") is None for name in final)
     assert nothing_left(gpuflow_home)
+    # the killed Blender's temporary folder went with the chunk's workspace
+    assert not list((tmp_path / "tmp").glob("blender_*"))
 
 
 def test_a_crashed_chunk_is_retried_without_redoing_its_saved_frames(
