@@ -15,8 +15,10 @@ from prefect.client.schemas.objects import FlowRun
 from prefect_kubernetes.worker import KubernetesWorker, KubernetesWorkerJobConfiguration
 
 from tasks.errors import InvalidSpec
+from tasks.platform.k8s_worker import GpuJobConfiguration
 from tasks.platform.pool_template import (
     GPU,
+    TEARDOWN_MARGIN_S,
     check_job_variables,
     default_gpu_template,
     gpu_template,
@@ -35,6 +37,14 @@ def render(deployment: dict, run: dict | None = None, template: dict = TEMPLATE)
         KubernetesWorkerJobConfiguration.from_template_and_values(template, values)
     )
     config.prepare_for_flow_run(FlowRun(id=uuid.uuid4(), name="brave-otter", flow_id=uuid.uuid4()))
+    return config.job_manifest
+
+
+def render_run(variables: dict, parameters: dict) -> dict:
+    """Return the Job gpuflow's worker makes for a run with these parameters."""
+    config = asyncio.run(GpuJobConfiguration.from_template_and_values(TEMPLATE, variables))
+    run = FlowRun(id=uuid.uuid4(), name="brave-otter", flow_id=uuid.uuid4(), parameters=parameters)
+    config.prepare_for_flow_run(run)
     return config.job_manifest
 
 
@@ -135,6 +145,18 @@ BAD = [
     ({"node_selector": {"pool": 3}}, "job_variables.node_selector.pool: 3 is not a string"),
     ({"shm_size": "lots"}, "job_variables.shm_size: 'lots' is not a size; write e.g. 8Gi"),
     (
+        {"termination_grace_period_seconds": 0},
+        "job_variables.termination_grace_period_seconds: must be at least 1 (got 0)",
+    ),
+    (
+        {"termination_grace_period_seconds": "90s"},
+        "job_variables.termination_grace_period_seconds: '90s' is not a whole number, e.g. 2",
+    ),
+    (
+        {"security_context": "unprivileged"},
+        "job_variables.security_context: 'unprivileged' is not a mapping; change it",
+    ),
+    (
         {"image_pull_policy": "Sometimes"},
         "job_variables.image_pull_policy: 'Sometimes' is not one of IfNotPresent",
     ),
@@ -155,3 +177,54 @@ def test_the_builder_leaves_its_input_alone():
     before = json.dumps(default, sort_keys=True)
     gpu_template(default)
     assert json.dumps(default, sort_keys=True) == before
+
+
+def test_a_flow_run_pod_drops_privileges_and_gets_its_runs_stop_grace_and_teardown():
+    spec = {"name": "long-save", "job": {"kind": "command", "command": ["true"]}}
+    spec["limits"] = {"stop_grace_s": 120}
+    job = render_run({"image": "img:1"}, {"spec": spec})
+    strict(job)
+    assert job_problems(job) == []
+    pod = job["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 120 + TEARDOWN_MARGIN_S
+    assert pod["containers"][0]["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    # a spec naming no grace: the spec's default; one gpuflow cannot read: the same (the run
+    # then fails in its pod, saying why)
+    for limits in (None, {"stop_grace_s": "forever"}):
+        spec = {"name": "x", "job": {"kind": "command", "command": ["true"]}, "limits": limits}
+        pod = render_run({"image": "img:1"}, {"spec": spec})["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] == 30 + TEARDOWN_MARGIN_S
+
+
+def test_job_variables_name_the_grace_and_the_security_context_over_the_defaults():
+    spec = {"name": "x", "job": {"kind": "command", "command": ["true"]}}
+    spec["limits"] = {"stop_grace_s": 600}
+    variables = {"image": "img:1", "termination_grace_period_seconds": 45, "security_context": {}}
+    job = render_run(check_job_variables(TEMPLATE, variables), {"spec": spec})
+    strict(job)
+    pod = job["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 45  # the variable wins over the spec
+    assert pod["containers"][0]["securityContext"] == {}  # the image's own
+
+
+def test_a_flow_run_pod_inherits_the_workers_settings_but_not_its_prefect_home(tmp_path):
+    from prefect.settings import PREFECT_HOME, PREFECT_WORKER_QUERY_SECONDS, temporary_settings
+
+    spec = {"name": "x", "job": {"kind": "command", "command": ["true"]}}
+    with temporary_settings(
+        {PREFECT_HOME: tmp_path / "worker-home", PREFECT_WORKER_QUERY_SECONDS: 3}
+    ):
+        job = render_run({"image": "img:1"}, {"spec": spec})
+        given = render_run({"image": "img:1", "env": {"PREFECT_HOME": "/home/app/.prefect"}}, {})
+    env = {
+        e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["PREFECT_WORKER_QUERY_SECONDS"] == "3.0"  # the worker's settings still go along
+    assert "PREFECT_HOME" not in env  # a folder on the worker's host
+    env = {
+        e["name"]: e.get("value") for e in given["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["PREFECT_HOME"] == "/home/app/.prefect"  # one the job variables name

@@ -6,7 +6,8 @@ through `gpuflow deploy`, so its job variables are checked and completed here, b
 Kubernetes object is made: an ill-typed variable fails the submission with one sentence
 (the run is marked Crashed with it), and `gpu_product` is merged into the pod's node
 selector, which the base job template alone cannot do (it can place a whole map, not add a
-key to one).
+key to one). Where no job variable names the pod's termination grace, the worker sets it from
+the run's spec: its limits.stop_grace_s and the time gpuflow's teardown takes.
 
 Prefect finds the worker type `gpuflow-kubernetes` through gpuflow's `prefect.collections`
 entry point, so `prefect worker start --pool gpuflow-gpu-k8s --type gpuflow-kubernetes`
@@ -20,7 +21,11 @@ from typing import Any
 from prefect_kubernetes.worker import KubernetesWorker, KubernetesWorkerJobConfiguration
 
 from tasks.errors import InvalidSpec
-from tasks.platform.pool_template import check_job_variables, default_gpu_template
+from tasks.platform.pool_template import (
+    check_job_variables,
+    default_gpu_template,
+    flow_run_grace_seconds,
+)
 
 WORKER_TYPE = "gpuflow-kubernetes"
 
@@ -47,6 +52,20 @@ class GpuJobConfiguration(KubernetesWorkerJobConfiguration):
         return await super().from_template_and_values(
             base_job_template, {**checked, **dotted}, client=client
         )
+
+    @classmethod
+    def _base_environment(cls) -> dict[str, str]:
+        """The worker's Prefect settings the pod inherits, less PREFECT_HOME: a folder on the
+        worker's host, which the pod cannot make (the job variable `env` may still set one)."""
+        inherited = super()._base_environment()
+        inherited.pop("PREFECT_HOME", None)
+        return inherited
+
+    def prepare_for_flow_run(self, flow_run: Any, *args: Any, **kwargs: Any) -> None:
+        super().prepare_for_flow_run(flow_run, *args, **kwargs)
+        pod = self.job_manifest["spec"]["template"]["spec"]
+        if "terminationGracePeriodSeconds" not in pod:  # no job variable names one
+            pod["terminationGracePeriodSeconds"] = flow_run_grace_seconds(flow_run.parameters)
 
 
 class GpuKubernetesWorker(KubernetesWorker):

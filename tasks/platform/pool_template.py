@@ -10,18 +10,24 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 import re
 from typing import Any
 
 from tasks.errors import InvalidSpec
 from tasks.gpus import GPU_PRODUCT_LABEL
 from tasks.gpus import GPU_RESOURCE as GPU
+from tasks.spec import Limits
 
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 TOLERATION_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 TOLERATION_OPERATORS = ("Exists", "Equal")
 _DNS_1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?$")
+
+# A deleted flow-run pod's pipeline stops its units (each gets limits.stop_grace_s), then
+# tears down, uploads artifacts and records the run's state: this much on top.
+TEARDOWN_MARGIN_S = 30
 
 GPU_VARIABLES: dict[str, dict[str, Any]] = {
     "gpu_count": {
@@ -82,6 +88,23 @@ GPU_VARIABLES: dict[str, dict[str, Any]] = {
         "description": "PriorityClass of the pod.",
         "type": "string",
     },
+    "termination_grace_period_seconds": {
+        "title": "Termination grace (seconds)",
+        "description": "Between SIGTERM and SIGKILL when the pod is deleted, evicted or"
+        " preempted. Unset: the run's limits.stop_grace_s plus"
+        f" {TEARDOWN_MARGIN_S} s for gpuflow's teardown (Kubernetes' own default is 30 s"
+        " whatever the job needs).",
+        "type": "integer",
+        "minimum": 1,
+        "maximum": 7200,
+    },
+    "security_context": {
+        "title": "Container security context",
+        "description": "The container's securityContext; the default lets no process gain"
+        " privileges and drops every capability. {} for the image's own.",
+        "type": "object",
+        "default": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    },
 }
 
 
@@ -104,9 +127,12 @@ def gpu_template(default: dict[str, Any]) -> dict[str, Any]:
         {"name": "scratch", "mountPath": "/scratch"},
     ]
     container["env"] = "{{ env }}"
+    container["securityContext"] = "{{ security_context }}"
     pod["nodeSelector"] = "{{ node_selector }}"
     pod["tolerations"] = "{{ tolerations }}"
     pod["priorityClassName"] = "{{ priority_class_name }}"
+    # unset: the worker sets it from the run's spec (flow_run_grace_seconds)
+    pod["terminationGracePeriodSeconds"] = "{{ termination_grace_period_seconds }}"
     pod["volumes"] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "{{ shm_size }}"}},
         {"name": "scratch", "emptyDir": {"sizeLimit": "{{ scratch_size }}"}},
@@ -114,9 +140,23 @@ def gpu_template(default: dict[str, Any]) -> dict[str, Any]:
     template["variables"]["properties"].update(copy.deepcopy(GPU_VARIABLES))
     template["variables"]["description"] = (
         "Variables of gpuflow's GPU Kubernetes pool: prefect-kubernetes' own plus GPUs,"
-        " placement, deadline, shared memory, scratch and queueing."
+        " placement, deadline, termination grace, security context, shared memory, scratch"
+        " and queueing."
     )
     return template
+
+
+def flow_run_grace_seconds(parameters: dict[str, Any] | None) -> int:
+    """Return the flow-run pod's terminationGracePeriodSeconds for a run of gpuflow's flows:
+    its spec's limits.stop_grace_s (the default where the spec names none, or is not one
+    gpuflow can read: the run then fails in its pod, with the reason) plus the teardown's."""
+    spec = (parameters or {}).get("spec")
+    limits = spec.get("limits") if isinstance(spec, dict) else None
+    try:
+        grace = Limits.model_validate(limits or {}).stop_grace_s
+    except ValueError:
+        grace = Limits().stop_grace_s
+    return math.ceil(grace) + TEARDOWN_MARGIN_S
 
 
 def check_job_variables(

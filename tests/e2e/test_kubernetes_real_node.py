@@ -520,20 +520,60 @@ def test_real_node_the_runs_samples_come_from_the_node_its_pod_ran_on(
     assert wait_gone(kube, result.flow_run_id) == []
 
 
-def test_real_node_a_deployment_run_is_a_flow_run_pod_whose_pipeline_makes_its_unit_pods(
-    kube, real_node, tmp_path
-):
-    """`prefect deployment run` of command-k8s on gpuflow's pool: the worker (with exactly
-    worker-rbac.yaml's rights) makes the flow-run Job; its pod runs the pipeline from the job
-    image on the real node (`prefect flow-run execute` in /opt/gpuflow, prefect.yaml's pull
-    step), as the `gpuflow` account of backend-rbac.yaml, in-cluster; that pipeline makes the
-    unit's pod on the same node; the unit's output is in the run's log on the Prefect server,
-    and the run's own objects are gone at its end."""
-    from uuid import UUID
+@dataclass
+class FlowPlatform:
+    """A platform whose Kubernetes worker (with exactly worker-rbac.yaml's rights) puts flow
+    runs in `namespace` on the real node's cluster, where backend-rbac.yaml's `gpuflow`
+    account may make unit pods; its Prefect server reachable from the pods."""
 
+    platform: Any
+    namespace: str
+    kube: KubeApi  # in the namespace
+    api_url: str  # the Prefect API as the pods reach it
+
+    def deployment_run(self, spec: dict, **variables: str) -> str:
+        """`prefect deployment run gpu-pipeline/command-k8s` of `spec` with these job
+        variables; return the run's id."""
+        argv = ["deployment", "run", "gpu-pipeline/command-k8s"]
+        argv += ["--params", json.dumps({"spec": spec})]
+        variables.setdefault("env", json.dumps({"PREFECT_API_URL": self.api_url}))
+        for key, value in variables.items():
+            argv += ["--job-variable", f"{key}={value}"]
+        ran = self.platform.run(sys.executable, "-m", "prefect", *argv)
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        return re.search(r"UUID: ([0-9a-f-]{36})", ran.stdout).group(1)
+
+    def pods_said(self, run_id: str) -> str:
+        """What the run's flow-run pod printed, else what the worker did: for a failure."""
+        said = (self.platform.home / "platform" / "k8s-worker.log").read_text()[-3000:]
+        for pod in self.kube.request(
+            "GET",
+            f"/api/v1/namespaces/{self.namespace}/pods",
+            params={"labelSelector": f"prefect.io/flow-run-id={run_id}"},
+        )["items"]:
+            path = f"/api/v1/namespaces/{self.namespace}/pods/{pod['metadata']['name']}/log"
+            said = self.kube.http.get(path).text[-3000:]
+        return said
+
+    def messages(self, run_id: str) -> list[str]:
+        """The run's log on the Prefect server."""
+        from uuid import UUID
+
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+        with self.platform.client() as client:
+            found = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(run_id)]))
+            return [log.message for log in client.read_logs(found)]
+
+
+@pytest.fixture(scope="module")
+def flow_platform(real_node, tmp_path_factory) -> Iterator[FlowPlatform]:
     from tests.e2e.test_kubernetes import apply, up_with_worker, worker_platform
 
-    namespace = "flows-real"
+    with pytest.MonkeyPatch.context() as env:  # as `kube` makes it: its source is the file
+        env.setenv("KUBECONFIG", str(real_node.kubeconfig))
+        kube = KubeApi(load_config())
+    namespace = f"flows-real-{os.urandom(3).hex()}"  # a kept test cluster may have older ones
     kube.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace}})
     for doc in yaml.safe_load_all(
         (ROOT / "infra" / "kubernetes" / "backend-rbac.yaml").read_text()
@@ -542,53 +582,54 @@ def test_real_node_a_deployment_run_is_a_flow_run_pod_whose_pipeline_makes_its_u
             apply(kube, doc, namespace)
     in_namespace = KubeApi(load_config(yaml.safe_load(real_node.kubeconfig.read_text())))
     in_namespace.namespace = namespace
-    watch = PodWatch(in_namespace, "gpuflow.io/owner=gpuflow")  # the unit pods, gone at teardown
-    watches = [watch]
-    platform, kubeconfig = worker_platform(kube, namespace, tmp_path)
+    platform, kubeconfig = worker_platform(kube, namespace, tmp_path_factory.mktemp("flows"))
     try:
         up_with_worker(platform, kubeconfig, IMAGE)
         # the Prefect server listens on this host's loopback: pods reach it at the node's address
         expose = ["bash", str(ROOT / "scripts" / "k8s-testbed.sh"), "expose"]
         expose += ["--dir", str(real_node.testbed), "--port", str(platform.port)]
         subprocess.run(expose, check=True, timeout=60)
+        api_url = f"http://{real_node.ip}:{platform.port}/api"
+        yield FlowPlatform(platform, namespace, in_namespace, api_url)
+    finally:
+        down = platform.gpuflow("platform", "down", timeout=120)
+        kube.request("DELETE", f"/api/v1/namespaces/{namespace}")
+    assert down.returncode == 0, down.stdout + down.stderr
+
+
+def test_real_node_a_deployment_run_is_a_flow_run_pod_whose_pipeline_makes_its_unit_pods(
+    flow_platform, real_node
+):
+    """`prefect deployment run` of command-k8s on gpuflow's pool: the worker (with exactly
+    worker-rbac.yaml's rights) makes the flow-run Job; its pod runs the pipeline from the job
+    image on the real node (`prefect flow-run execute` in /opt/gpuflow, prefect.yaml's pull
+    step), as the `gpuflow` account of backend-rbac.yaml, in-cluster; that pipeline makes the
+    unit's pod on the same node; the unit's output is in the run's log on the Prefect server,
+    and the run's own objects are gone at its end."""
+    from tasks.platform.pool_template import TEARDOWN_MARGIN_S
+
+    fp = flow_platform
+    watch = PodWatch(fp.kube, "gpuflow.io/owner=gpuflow")  # the unit pods, gone at teardown
+    watches = [watch]
+    try:
         spec = {
             "name": "flow-pod",
             "job": {"kind": "command", "command": ["sh", "-c", 'echo "unit on $GPUFLOW_NODE_NAME as $(id -u)"']},
             "resources": {"gpus": 1, "gpu_product": PRODUCT},
             "placement": {"backend": "kubernetes", "image": IMAGE},
+            "limits": {"stop_grace_s": 75},
         }  # fmt: skip
-        variables = {
-            "gpu_count": "0",  # the flow-run pod only drives the run: its unit holds the GPU
-            "gpu_product": PRODUCT,
-            "service_account_name": "gpuflow",
-            "env": json.dumps({"PREFECT_API_URL": f"http://{real_node.ip}:{platform.port}/api"}),
-        }
-        argv = [
-            "deployment",
-            "run",
-            "gpu-pipeline/command-k8s",
-            "--params",
-            json.dumps({"spec": spec}),
-        ]
-        for key, value in variables.items():
-            argv += ["--job-variable", f"{key}={value}"]
-        ran = platform.run(sys.executable, "-m", "prefect", *argv)
-        assert ran.returncode == 0, ran.stdout + ran.stderr
-        run_id = re.search(r"UUID: ([0-9a-f-]{36})", ran.stdout).group(1)
-        flow_watch = PodWatch(in_namespace, f"prefect.io/flow-run-id={run_id}")
+        run_id = fp.deployment_run(
+            spec,
+            gpu_count="0",  # the flow-run pod only drives the run: its unit holds the GPU
+            gpu_product=PRODUCT,
+            service_account_name="gpuflow",
+        )
+        flow_watch = PodWatch(fp.kube, f"prefect.io/flow-run-id={run_id}")
         watches.append(flow_watch)
 
-        state = platform.final_state(run_id, 600)
-        flow_pods = in_namespace.request(
-            "GET",
-            f"/api/v1/namespaces/{namespace}/pods",
-            params={"labelSelector": f"prefect.io/flow-run-id={run_id}"},
-        )["items"]
-        said = (platform.home / "platform" / "k8s-worker.log").read_text()[-3000:]
-        for pod in flow_pods:  # what the flow-run pod printed, when it got that far
-            path = f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}/log"
-            said = in_namespace.http.get(path).text[-3000:]
-        assert state is not None and state.is_completed(), f"{state}: {said}"
+        state = fp.platform.final_state(run_id, 600)
+        assert state is not None and state.is_completed(), f"{state}: {fp.pods_said(run_id)}"
 
         flow_pod = flow_watch.wait(  # the run is Completed just before its process exits
             lambda w: next((p for p in w.last.values() if terminated(p)), None), 120
@@ -597,6 +638,12 @@ def test_real_node_a_deployment_run_is_a_flow_run_pod_whose_pipeline_makes_its_u
         assert terminated(flow_pod)["exitCode"] == 0, terminated(flow_pod)
         assert flow_pod["spec"]["serviceAccountName"] == "gpuflow"
         assert flow_pod["spec"]["containers"][0]["args"] == ["prefect", "flow-run", "execute"]
+        # the pool's defaults: the run's grace and teardown's; no privileges, and it needs none
+        assert flow_pod["spec"]["terminationGracePeriodSeconds"] == 75 + TEARDOWN_MARGIN_S
+        assert flow_pod["spec"]["containers"][0]["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        }
         [unit] = [
             p for p in watch.last.values()
             if p["metadata"]["labels"].get("gpuflow.io/flow-run-id") == run_id
@@ -605,16 +652,106 @@ def test_real_node_a_deployment_run_is_a_flow_run_pod_whose_pipeline_makes_its_u
         assert terminated(unit)["exitCode"] == 0, terminated(unit)
         assert unit["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert unit["metadata"]["name"] != flow_pod["metadata"]["name"]
-        with platform.client() as client:
-            from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
-            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(run_id)])))
-        messages = [log.message for log in logs]
+        messages = fp.messages(run_id)
         assert any(f"unit on {real_node.name} as 10001" in m for m in messages), messages[-20:]
-        assert wait_gone(in_namespace, run_id) == []
+        assert wait_gone(fp.kube, run_id) == []
     finally:
         for watching in watches:
             watching.stop()
-        down = platform.gpuflow("platform", "down", timeout=120)
-        kube.request("DELETE", f"/api/v1/namespaces/{namespace}")
-    assert down.returncode == 0, down.stdout + down.stderr
+
+
+UNIT_SAVES = """
+import os, signal, sys, time
+import boto3
+s3 = boto3.client("s3", endpoint_url=os.environ["S3_ENDPOINT"], region_name="us-east-1")
+bucket, key = os.environ["S3_BUCKET"], "state/" + os.environ["STATE_KEY"]
+try:
+    s3.head_object(Bucket=bucket, Key=key)
+    print("unit resumed from its saved state", flush=True)
+    sys.exit(0)
+except s3.exceptions.ClientError:
+    pass
+def on_term(*_):
+    print("unit got SIGTERM", flush=True)
+    time.sleep(12)  # saving takes a while: longer than the run takes to come back
+    s3.put_object(Bucket=bucket, Key=key, Body=b"saved")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("unit started", flush=True)
+while True:
+    time.sleep(0.2)
+"""
+
+
+def test_real_node_an_evicted_flow_run_pod_comes_back_and_its_unit_resumes_once_the_old_one_saved(
+    flow_platform, real_node, pod_s3
+):
+    """The flow-run pod deleted while its unit runs (a drained node, `kubectl delete pod`):
+    its pipeline stops the unit (SIGTERM, the run's grace) and tears down; Prefect puts the
+    run in a new pod, whose pipeline waits until the old unit has saved and gone before its
+    own unit starts; that one resumes from the saved state and the run completes, leaving
+    none of its objects. The S3 secret reaches the units from a Prefect Secret block."""
+    fp = flow_platform
+    secret = "pod-s3-secret"
+    saved = fp.platform.run(
+        sys.executable, "-c",
+        f"from prefect.blocks.system import Secret; Secret(value={pod_s3.secret!r}).save({secret!r}, overwrite=True)",
+    )  # fmt: skip
+    assert saved.returncode == 0, saved.stderr
+    spec = {
+        "name": "flow-pod-evicted",
+        "job": {"kind": "command", "command": ["python3", "-c", UNIT_SAVES]},
+        "resources": {"gpus": 1, "gpu_product": PRODUCT},
+        "placement": {"backend": "kubernetes", "image": IMAGE},
+        "limits": {"stop_grace_s": 20},
+        "env": {
+            "S3_ENDPOINT": pod_s3.endpoint,
+            "S3_BUCKET": pod_s3.bucket,
+            "STATE_KEY": os.urandom(4).hex(),
+            "AWS_ACCESS_KEY_ID": pod_s3.key_id,
+        },
+        "secret_env": {"AWS_SECRET_ACCESS_KEY": secret},
+    }
+    run_id = fp.deployment_run(
+        spec, gpu_count="0", gpu_product=PRODUCT, service_account_name="gpuflow"
+    )
+    units = PodWatch(fp.kube, f"gpuflow.io/flow-run-id={run_id}")
+    flows = PodWatch(fp.kube, f"prefect.io/flow-run-id={run_id}")
+    try:
+        first = flows.wait(running, 120)
+        deadline = time.monotonic() + 120
+        while not any("unit started" in m for m in fp.messages(run_id)):
+            assert time.monotonic() < deadline, fp.pods_said(run_id)
+            time.sleep(0.5)
+        name = first["metadata"]["name"]
+        fp.kube.request("DELETE", f"/api/v1/namespaces/{fp.namespace}/pods/{name}")
+
+        state = fp.platform.final_state(run_id, 300)
+        assert state is not None and state.is_completed(), f"{state}: {fp.pods_said(run_id)}"
+        messages = fp.messages(run_id)
+        assert any("unit resumed from its saved state" in m for m in messages), messages[-30:]
+        assert sum("unit started" in m for m in messages) == 1, messages[-30:]
+        # two flow-run pods, the first deleted; two unit pods, the second started once the
+        # first had ended (its SIGTERM handler saved within the grace, exit 0)
+        both = flows.wait(lambda w: list(w.last.values()) if len(w.last) == 2 else None, 60)
+        assert name in flows.deleted and all(p["spec"]["nodeName"] == real_node.name for p in both)
+        pods = units.wait(
+            lambda w: (
+                sorted(w.last.values(), key=lambda p: p["metadata"]["creationTimestamp"])
+                if len(w.last) == 2 and all(terminated(p) for p in w.last.values())
+                else None
+            ),
+            120,
+        )
+        old, new = pods
+        assert terminated(old)["exitCode"] == 0, terminated(old)
+        assert old["spec"]["terminationGracePeriodSeconds"] == 20
+        started = container(new)["state"]["terminated"]["startedAt"]
+        assert terminated(old)["finishedAt"] <= started, (terminated(old), started)
+        assert terminated(new)["exitCode"] == 0, terminated(new)
+        for pod in (*both, *pods):
+            assert pod_s3.secret not in json.dumps(pod)
+        assert wait_gone(fp.kube, run_id) == []
+    finally:
+        units.stop()
+        flows.stop()
