@@ -9,7 +9,7 @@
 # ~/.cache/gpuflow/testbed/images) by what goes into it:
 #   1. Debian bookworm (mmdebstrap, minbase): python3, Blender (render pods), tini, procps
 #   2. gpuflow's Python dependencies (pip --target /opt/gpuflow-deps, this machine's pip
-#      cache), torch left out; their programs (prefect, ...) on PATH
+#      cache), torch, webdataset and mpi4py left out; their programs (prefect, ...) on PATH
 #   3. gpuflow itself at /opt/gpuflow (flows, tasks, blocks, gpuflow, prefect.yaml), where
 #      prefect.yaml's pull step looks for it, installed there (its `gpuflow` program and the
 #      entry point that names the worker type gpuflow-kubernetes)
@@ -24,8 +24,10 @@ NAME=gpuflow.local/gpuflow-job:testbed
 SUITE=bookworm
 DEBS=python3,python-is-python3,ca-certificates,procps,tini,blender
 # what the unit wrapper, the render pod program and gpuflow's modules import (no torch)
+# gpuflow's dependencies less torch, webdataset and mpi4py (no training or MPI here); with
+# matplotlib, which a flow-run pod's pipeline draws the run's utilisation with
 PIP_DEPS=("prefect>=3.9,<4" "pydantic>=2.7,<3" "pyyaml>=6" "psutil>=5.9" "nvidia-ml-py>=12.535"
-  "boto3>=1.34" "prefect-aws>=0.5" "prefect-kubernetes>=0.7" "pillow>=10")
+  "matplotlib>=3.8" "boto3>=1.34" "prefect-aws>=0.5" "prefect-kubernetes>=0.7" "pillow>=10")
 START=$SECONDS
 say() { printf '[image] %s (%ds)\n' "$*" $((SECONDS - START)) >&2; }
 die() { printf 'build-image: %s\n' "$*" >&2; exit 1; }

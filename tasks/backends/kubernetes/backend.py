@@ -57,7 +57,6 @@ MPI_JOB_LABEL = "training.kubeflow.org/job-name"
 MPI_ROLE_LABEL = "training.kubeflow.org/job-role"
 LOG_DRAIN_S = 5.0  # how long an ended pod's last log lines may take to arrive
 UNCLEAR_WAIT_S = 30.0  # pending for a reason gpuflow cannot weigh: wait at least this
-LINGER_S = 10.0  # past its deletion deadline, a pod is on a lost node: no longer waited for
 
 
 class KubernetesBackend:
@@ -344,7 +343,6 @@ class KubernetesBackend:
         if self._read(path) is not None:  # an earlier try's object: a retry starts afresh
             self._delete(path, grace_s=0)
             self._wait_gone(path)
-        self._await_stopping_pods(cluster, unit)
         try:
             made = api.request("POST", kind_path, manifest)
         except KubeError as exc:
@@ -512,31 +510,6 @@ class KubernetesBackend:
         except KubeError as exc:
             if exc.status != 404:
                 raise
-
-    def _await_stopping_pods(self, cluster: Cluster, unit: WorkUnit) -> None:
-        """Wait while an earlier attempt's pod of this unit is in its grace (SIGTERM sent, its
-        state being saved): a flow-run pod that was evicted and rescheduled by Prefect comes
-        back to the same run, and its unit must not start beside the one still saving, nor
-        read that state half-written. Not past the pod's deletion deadline (plus LINGER_S):
-        a pod Terminating on a lost node may never go."""
-        api = self.api()
-        selector = f"{objects.CLUSTER_LABEL}={cluster.name},{objects.UNIT_LABEL}="
-        selector += objects.dns_name(unit.name)
-        while True:
-            pods = api.request(
-                "GET",
-                f"/api/v1/namespaces/{api.namespace}/pods",
-                params={"labelSelector": selector},
-            ).get("items", [])
-            deadlines = [
-                datetime.fromisoformat(p["metadata"]["deletionTimestamp"].replace("Z", "+00:00"))
-                for p in pods
-                if p["metadata"].get("deletionTimestamp")
-            ]
-            now = datetime.now(UTC)
-            if not any((deadline - now).total_seconds() > -LINGER_S for deadline in deadlines):
-                return
-            time.sleep(POLL_S)
 
     def _wait_gone(self, path: str, limit_s: float = 30.0) -> None:
         until = time.monotonic() + limit_s
