@@ -23,7 +23,6 @@ CACHE=${GPUFLOW_TESTBED_CACHE:-$HOME/.cache/gpuflow/testbed}/images
 NAME=gpuflow.local/gpuflow-job:testbed
 SUITE=bookworm
 DEBS=python3,python-is-python3,ca-certificates,procps,tini,blender
-# what the unit wrapper, the render pod program and gpuflow's modules import (no torch)
 # gpuflow's dependencies less torch, webdataset and mpi4py (no training or MPI here); with
 # matplotlib, which a flow-run pod's pipeline draws the run's utilisation with
 PIP_DEPS=("prefect>=3.9,<4" "pydantic>=2.7,<3" "pyyaml>=6" "psutil>=5.9" "nvidia-ml-py>=12.535"

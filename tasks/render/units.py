@@ -65,8 +65,8 @@ def chunk_unit(
     return WorkUnit(
         name=f"chunk-{index}",
         command=argv,
-        # Blender's own temporary folder goes with the chunk's scratch: one Blender stops
-        # with (killed, or stopped with a signal) is not left in the host's /tmp
+        # Blender's temporary folder lies in the chunk's scratch, which the run removes: a
+        # Blender that is killed or stopped leaves none in the host's /tmp
         env={"TMPDIR": str(scratch)} if cluster.capabilities.runs_here else {},
         node=node,
         gpus=[gpu] if gpu is not None else [],
