@@ -190,9 +190,18 @@ real_node_start_kubelet() { # real_node_start_kubelet NODE_IP: on a port chosen 
     --node-labels "nvidia.com/gpu.present=true,nvidia.com/gpu.count=$REAL_NODE_GPUS,nvidia.com/gpu.product=$REAL_NODE_PRODUCT,type=real"
 }
 
+real_node_unmount() { # what the kubelet (its root dir) and the pods (root file systems,
+  # emptyDirs, /dev/shm) left mounted, deepest first, stacked ones too
+  local mount
+  for _ in 1 2 3; do
+    awk -v root="$DIR/real-node/" 'index($2, root) == 1 {print $2}' /proc/mounts | sort -r |
+      while read -r mount; do umount -l "$mount" 2>/dev/null || true; done
+  done
+}
+
 real_node_down() {
-  local rn=$DIR/real-node id task mount cg
-  [[ -f $rn/id ]] || return 0
+  local rn=$DIR/real-node id task cg
+  [[ -f $rn/id ]] || { real_node_unmount; return 0; }
   id=$(real_node_id)
   if [[ -f $DIR/pids/kubelet && -f $DIR/pids/kube-apiserver ]]; then
     # the kubelet stops the node's pods itself: their sandboxes, networks and mounts go
@@ -215,10 +224,7 @@ for pod in json.load(sys.stdin)["items"]:
   fi
   stop_pid containerd
   pkill -KILL -f "containerd-shim-runc-v2 .*-address $rn/containerd/containerd.sock" 2>/dev/null || true
-  # what a pod left mounted (its root file system, emptyDirs, /dev/shm), deepest first
-  awk -v root="$rn/" 'index($2, root) == 1 {print $2}' /proc/mounts | sort -r | while read -r mount; do
-    umount -l "$mount" 2>/dev/null || true
-  done
+  real_node_unmount
   ip link delete "gfbr$id" 2>/dev/null || true
   iptables -t nat -D PREROUTING -i "gfbr$id" -j "$(real_node_chain)" 2>/dev/null || true
   iptables -t nat -F "$(real_node_chain)" 2>/dev/null || true

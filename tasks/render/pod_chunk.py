@@ -62,8 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     printing = threading.Lock()
 
     def say(line: str) -> None:
+        # one write per line: the node's sampler writes to the same log, and unbuffered
+        # (as in the job image) print() writes the text and its newline apart
         with printing:
-            print(line, flush=True)
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
 
     s3 = S3Settings.from_env()
     try:

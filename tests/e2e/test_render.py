@@ -460,9 +460,9 @@ def test_render_command_rejects_bad_input_with_exit_2(prefect_api, scene, tmp_pa
     assert nothing_left(gpuflow_home)
 
 
-def pod_chunk(tmp_path: Path, s3_server, **chunk) -> subprocess.Popen:
-    """The chunk program as a pod runs it: its own GPUFLOW_HOME, storage access from AWS_*
-    variables only (as the run's Secret gives them)."""
+def pod_chunk(tmp_path: Path, s3_server, *, stdout=subprocess.PIPE, **chunk) -> subprocess.Popen:
+    """The chunk program as a pod runs it: its own GPUFLOW_HOME, unbuffered output (as the job
+    image sets), storage access from AWS_* variables only (as the run's Secret gives them)."""
     root = Path(__file__).resolve().parents[2]
     body = {
         "output": s3_server.url("pod-renders", tmp_path.name),
@@ -478,13 +478,14 @@ def pod_chunk(tmp_path: Path, s3_server, **chunk) -> subprocess.Popen:
         "PATH": os.environ["PATH"],
         "HOME": str(tmp_path),
         "GPUFLOW_HOME": str(tmp_path / "pod-home"),
+        "PYTHONUNBUFFERED": "1",
         **s3_server.settings().child_env(),
     }
     return subprocess.Popen(
         [sys.executable, "-m", "tasks.render.pod_chunk", "--chunk-json", json.dumps(body)],
         cwd=root,
         env=env,
-        stdout=subprocess.PIPE,
+        stdout=stdout,
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -535,3 +536,45 @@ def test_a_stopped_pod_chunk_keeps_the_frames_blender_saved(s3_server, tmp_path)
     for record in records:
         assert record.size == stored[record.url].size
         assert record.sha256 == store.checksum(record.url)
+
+
+def test_a_pod_chunk_s_lines_stay_whole_beside_another_writer_of_its_log(s3_server, tmp_path):
+    """In a pod the node's sampler writes to the same log as the chunk program: every line
+    either of them writes stays whole, so each frame is counted (a frame line cut by a
+    sample was a frame lost)."""
+    from tasks.render.output import FRAME_MARK, FrameRecord
+    from tasks.render.pod_chunk import record_of
+    from tasks.storage import store_for
+
+    blend = make_scene(tmp_path / "short.blend", frames=40, size=8)
+    scene = s3_server.url("pod-scenes", f"{tmp_path.name}.blend")
+    store_for(scene, s3_server.settings()).upload_file(scene, blend)
+    sample = b'@@gpuflow-sample {"t": 1.0, "host": {"cpu_percent": 99.0}, "gpus": []}\n'
+    noisy = f"import os, time\nwhile True:\n    os.write(1, {sample!r})\n    time.sleep(1e-4)"
+    read_end, write_end = os.pipe()
+    noise = subprocess.Popen([sys.executable, "-c", noisy], stdout=write_end)
+    samples, kept = 0, []  # the samples are counted, not kept
+
+    def read() -> None:
+        nonlocal samples
+        for line in os.fdopen(read_end, errors="replace"):
+            if line == sample.decode():
+                samples += 1
+            else:
+                kept.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        frames = list(range(1, 41))
+        proc = pod_chunk(tmp_path, s3_server, stdout=write_end, scene=scene, frames=frames)
+        os.close(write_end)
+        assert proc.wait(timeout=240) == 0, proc.stderr.read() if proc.stderr else ""
+    finally:
+        noise.kill()
+        noise.wait()
+    reader.join(timeout=60)
+    assert samples > 100 and len(kept) > 40
+    assert [line for line in kept if "@@gpuflow-sample" in line] == []  # none cut another
+    records = [record_of(line.rstrip("\n")) for line in kept if line.startswith(FRAME_MARK)]
+    assert sorted(r.frame for r in records if isinstance(r, FrameRecord)) == frames
