@@ -78,6 +78,12 @@ def marked(marker: str) -> list[psutil.Process]:
     return found
 
 
+def marker_for(tmp_path: Path) -> str:
+    """Return a comment that marks this test's processes only: tmp_path's full path, since
+    each xdist worker numbers its folders from 0 and two tests may share a folder name."""
+    return f"# marker {tmp_path}"
+
+
 def ranks_of(gpuflow_home: Path) -> list[psutil.Process]:
     """Return this test's live rank wrappers (tasks.hpc.rank --status-dir names its
     workspace) and whatever else names it; other tests' MPI jobs may run beside it."""
@@ -202,7 +208,7 @@ def test_a_failing_rank_is_named_and_no_mpi_process_is_left(
     prefect_api, tmp_path, gpuflow_home, case
 ):
     code, how = FAILING[case]
-    marker = f"# marker {tmp_path.name}"
+    marker = marker_for(tmp_path)
     spec = hpc_spec(ranks=2, program=[sys.executable, "-c", f"{code}{marker}\n"])
     state = run_hpc(spec)
     assert state.is_failed()
@@ -213,7 +219,7 @@ def test_a_failing_rank_is_named_and_no_mpi_process_is_left(
 
 
 def test_a_job_past_its_time_limit_is_stopped_with_every_rank(prefect_api, tmp_path, gpuflow_home):
-    marker = f"# marker {tmp_path.name}"
+    marker = marker_for(tmp_path)
     spec = hpc_spec(
         ranks=2, program=[sys.executable, "-c", f"import time; time.sleep(120){marker}"]
     )
