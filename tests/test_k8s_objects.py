@@ -361,6 +361,28 @@ def test_the_unit_wrapper_samples_the_node_beside_the_unit_into_its_log(tmp_path
     assert said == ["working", "done"] and len(
         (tmp_path / "node.jsonl").read_text().splitlines()
     ) == len(samples)
+    # a job that prints without a newline (a progress bar) while a sample is written: the
+    # sample lands inside the job's line; it is kept, and the job's text stays the job's
+    go = tmp_path / "go"  # made once a sample is in the job's line
+    script = f"printf 'step 1/2'; until [ -e {go} ]; do sleep 0.05; done; echo ' done'"
+    proc = _wrapped(tmp_path, "sh", "-c", script, **sampling)
+    lines = []
+    for raw in proc.stdout:  # a sample may come before the job's text
+        lines.append(raw.rstrip("\n"))
+        if raw.startswith("step"):
+            break
+    go.touch()
+    assert lines[-1].startswith("step 1/2@@gpuflow-sample {")
+    lines += proc.communicate(timeout=60)[0].splitlines()
+    said.clear()
+    kept = len((tmp_path / "node.jsonl").read_text().splitlines())
+    for line in lines:
+        follower._line(line)
+    assert said == ["step 1/2", " done"]
+    taken = (tmp_path / "node.jsonl").read_text().splitlines()[kept:]
+    assert taken and {json.loads(line)["Hostname"] for line in taken} == {"gpu-node-7"}
+    follower._line("echo @@gpuflow-sample {not a sample")  # the mark in a job's own text
+    assert said[-1] == "echo @@gpuflow-sample {not a sample"
     no_gpuflow = {**sampling, "GPUFLOW_PYTHON": "/nonexistent/python"}
     proc = _wrapped(tmp_path, "sh", "-c", "echo alone", **no_gpuflow)
     assert proc.communicate(timeout=60)[0].splitlines() == ["alone"]

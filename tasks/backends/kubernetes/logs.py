@@ -78,9 +78,14 @@ class LogFollower:
         return taken
 
     def _line(self, line: str) -> None:
-        if line.startswith(objects.SAMPLE_MARK + " "):
-            self._sample(line.split(" ", 1)[1])
+        before, mark, sample = line.rpartition(objects.SAMPLE_MARK + " ")
+        if mark and not before:
+            self._sample(sample)
             return
+        if mark and self._sample(sample):
+            # a sample that landed in a line the job left unfinished (a progress bar): the
+            # sample is kept, and the job's text before it is the job's line
+            line = before
         if line.startswith((objects.OUTPUT_MARK + " ", objects.OUTPUT_LEFT_MARK + " ")):
             with contextlib.suppress(ValueError):  # not the wrapper's shape: an ordinary line
                 self._receive(line)
@@ -88,16 +93,18 @@ class LogFollower:
         self.tail.append(line)
         self.on_line("stdout", line)
 
-    def _sample(self, text: str) -> None:
-        """Keep one sample of the pod's node (a torn one is dropped: the next follows)."""
-        if self.samples is None:
-            return
+    def _sample(self, text: str) -> bool:
+        """Keep one sample of the pod's node and say whether it was one (a torn one is
+        dropped: the next follows)."""
         try:
-            json.loads(text)
+            if not isinstance(json.loads(text), dict):
+                return False
         except ValueError:
-            return
-        with contextlib.suppress(OSError), self.samples.open("a") as out:
-            out.write(text + "\n")
+            return False
+        if self.samples is not None:
+            with contextlib.suppress(OSError), self.samples.open("a") as out:
+                out.write(text + "\n")
+        return True
 
     def _receive(self, line: str) -> None:
         """Write one output file the unit sent back, or say why one stayed in the pod; raise
