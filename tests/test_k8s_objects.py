@@ -383,6 +383,10 @@ def test_the_unit_wrapper_samples_the_node_beside_the_unit_into_its_log(tmp_path
     assert taken and {json.loads(line)["Hostname"] for line in taken} == {"gpu-node-7"}
     follower._line("echo @@gpuflow-sample {not a sample")  # the mark in a job's own text
     assert said[-1] == "echo @@gpuflow-sample {not a sample"
+    nested = "@@gpuflow-sample " + "[" * 100_000  # deeper than json can parse: the job's line
+    follower._line(f"x{nested}")
+    follower._line(nested)  # and at a line's start: dropped, as a torn sample is
+    assert said[-1] == f"x{nested}"
     no_gpuflow = {**sampling, "GPUFLOW_PYTHON": "/nonexistent/python"}
     proc = _wrapped(tmp_path, "sh", "-c", "echo alone", **no_gpuflow)
     assert proc.communicate(timeout=60)[0].splitlines() == ["alone"]

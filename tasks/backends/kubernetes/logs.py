@@ -99,7 +99,7 @@ class LogFollower:
         try:
             if not isinstance(json.loads(text), dict):
                 return False
-        except ValueError:
+        except (ValueError, RecursionError):  # torn, or not JSON a sampler writes
             return False
         if self.samples is not None:
             with contextlib.suppress(OSError), self.samples.open("a") as out:
