@@ -655,9 +655,14 @@ def _collect(
     result_file = out / "outputs" / "result.json"
     if result_file.is_file():
         try:
-            job_result = json.loads(result_file.read_text())
-        except json.JSONDecodeError as exc:
+            job_result = json.loads(result_file.read_text(errors="replace"))
+        except (ValueError, RecursionError) as exc:  # not JSON, or nested past the parser
             raise CollectError(f"the job wrote an unreadable result.json: {exc}") from None
+        if not isinstance(job_result, dict):
+            raise CollectError(
+                "the job wrote a result.json that is not a JSON object: write its figures as"
+                ' {"name": value, ...}'
+            )
     run_cost = cost_of(spec, cluster, prices, outcome.result.duration_s)
     idle = spec.limits.idle_gpu
     metrics = summarise(

@@ -95,6 +95,29 @@ STAGES = {
 }
 
 
+@pytest.mark.parametrize(
+    "written, said",
+    [
+        ("{oops", "the job wrote an unreadable result.json: Expecting property name"),
+        ("[" * 100_000, "the job wrote an unreadable result.json: maximum recursion depth"),
+        ("[1, 2]", "the job wrote a result.json that is not a JSON object: write its figures"),
+    ],
+    ids=["not-json", "nested-too-deep", "a-list"],
+)
+def test_a_result_json_gpuflow_cannot_read_is_one_sentence(
+    written, said, prefect_api, gpuflow_home, tmp_path
+):
+    (tmp_path / "result").write_text(written)
+    copy = f'cp {tmp_path / "result"} "$GPUFLOW_OUTPUT_DIR/result.json"'
+    raw = {"job": {"kind": "command", "command": ["sh", "-c", copy]}, "retry": NO_RETRY}
+    state, _ = run_pipeline(raw)
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, CollectError) and str(error).startswith(said), error
+    assert "\n" not in str(error)
+    assert nothing_left(gpuflow_home)
+
+
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_failure_at_each_stage_leaves_nothing(
     stage, prefect_api, gpuflow_home, fake_nvml, gpu_limit, monkeypatch, tmp_path
