@@ -18,6 +18,8 @@ from tests.e2e.helpers import artifacts_of, events_named, logs_of
 pytestmark = pytest.mark.e2e
 
 L4 = "NVIDIA-L4"
+# what pool runs with a local candidate ask for: that candidate needs it free on this machine
+POOL_DISK = "8Gi"
 BLOCKER = {
     "apiVersion": "v1",
     "kind": "Pod",
@@ -210,7 +212,8 @@ def test_pool_training_preempted_on_ec2_spot_resumes_on_the_next_candidate_bitwi
     raw = train_on_ec2(dataset, s3_server.url("runs/pool-spot"), **job)
     spot = {**raw["placement"], "market": "spot"}
     raw["placement"] = [spot, {"backend": "local"}]
-    raw["resources"] = {**raw["resources"], "allow_cpu": True}  # this machine has no GPU
+    # this machine has no GPU; the local candidate checks its free disk: ask for little
+    raw["resources"] = {**raw["resources"], "allow_cpu": True, "disk": POOL_DISK}
     interrupted: list[str] = []
     # the first checkpoint is in S3: EC2 wants the instance back
     reclaim = interrupt_when(
@@ -256,7 +259,7 @@ def spot_offer(aws: dict, instance_id: str) -> float:
     spec = load_spec(
         {
             "job": {"kind": "command", "command": ["true"]},
-            "resources": {"gpus": 1, "gpu_product": "L4", "disk": "50Gi"},
+            "resources": {"gpus": 1, "gpu_product": "L4", "disk": POOL_DISK},
             "placement": {"backend": "ec2", "block": FLEET, "market": "spot"},
         }
     )
@@ -296,7 +299,7 @@ def test_pool_a_render_preempted_on_ec2_spot_renders_only_the_missing_frames_els
     output = "s3://pool-frames/renders/cube"
     raw = spec([])
     raw["job"] = {"kind": "render", "scene": scene, "output": output, "chunk": 8, "device": "CPU"}
-    raw["resources"] = {"gpus": 1, "gpu_product": "L4", "disk": "50Gi", "allow_cpu": True}
+    raw["resources"] = {"gpus": 1, "gpu_product": "L4", "disk": POOL_DISK, "allow_cpu": True}
     raw["metrics"] = {"plot": False}
     raw["placement"] = [{**raw["placement"], "market": "spot"}, {"backend": "local"}]
     struck: list[str] = []
