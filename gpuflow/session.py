@@ -76,12 +76,13 @@ def with_api(body: Callable[[Any], int], temporary: bool = True) -> int:
     its exit code; an unreachable API ends it with one sentence. With `temporary` False
     (deployments live on a lasting server) no temporary API is started."""
     from tasks.errors import GpuflowError, InvalidSpec
-    from tasks.host import gpuflow_home
+    from tasks.host import StateFileError, gpuflow_home, secure_home
     from tasks.platform import api as prefect_api
 
     try:
+        secure_home()  # the runs, logs and keys below it: this user's alone
         chosen = prefect_api.choose(say, temporary)
-    except prefect_api.ApiUnavailable as exc:
+    except (prefect_api.ApiUnavailable, StateFileError) as exc:
         fail(str(exc))
         return EXIT_FAILED
     except InvalidSpec as exc:  # a setting in the environment

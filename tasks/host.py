@@ -5,12 +5,15 @@ reused pid."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 import math
 import os
 import selectors
 import shutil
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -21,7 +24,7 @@ from typing import IO
 import psutil
 from pydantic import BaseModel
 
-from tasks.errors import InvalidSpec
+from tasks.errors import GpuflowError, InvalidSpec
 
 STOP_GRACE_S = 30.0
 # How long a child's pipes are still read after the child ended: what it wrote last is
@@ -32,6 +35,17 @@ OUTPUT_DRAIN_S = 2.0
 def gpuflow_home() -> Path:
     """Return gpuflow's state folder ($GPUFLOW_HOME, default ~/.gpuflow)."""
     return Path(os.environ.get("GPUFLOW_HOME") or Path.home() / ".gpuflow").expanduser().absolute()
+
+
+# Secrets gpuflow itself put into this process's environment (a server's auth string for
+# Prefect's clients): a job started from here never inherits them.
+OWN_SECRETS: set[str] = set()
+
+
+def job_environ() -> dict[str, str]:
+    """Return this process's environment as a job inherits it: without the secrets gpuflow
+    put there for itself."""
+    return {k: v for k, v in os.environ.items() if v not in OWN_SECRETS}
 
 
 def env_number(name: str, default: float, low: float, high: float) -> float:
@@ -60,22 +74,135 @@ def resolve_program(program: str, path: str | None = None) -> str | None:
     return shutil.which(program, path=path)
 
 
+def same_process(pid: int, started: float) -> bool:
+    """Return True when `pid` exists (a zombie too) and is the process created at `started`."""
+    try:
+        return abs(psutil.Process(pid).create_time() - started) < 1.0
+    except psutil.NoSuchProcess:
+        return False
+
+
 def alive(pid: int, started: float | None) -> bool:
-    """Return True when `pid` runs and, given its create time `started`, is that process."""
+    """Return True when `pid` runs and, given its create time `started`, is that process.
+    A zombie (ended, its parent has not collected it) does not run."""
     try:
         proc = psutil.Process(pid)
-        return started is None or abs(proc.create_time() - started) < 1.0
+        same = started is None or abs(proc.create_time() - started) < 1.0
+        return same and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write `path` whole or not at all: a temporary sibling named after this process
-    (`.NAME.PID.tmp`, so sweep_partial_writes can tell a dead writer's), then a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write `path` whole or not at all, readable by this user alone (0600): a temporary
+    sibling named after this process (`.NAME.PID.tmp`, so sweep_partial_writes can tell a
+    dead writer's), then a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
+    tmp.unlink(missing_ok=True)  # O_EXCL below: never through a link someone left there
+    descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(descriptor, "w") as out:
+        out.write(text)
     tmp.replace(path)
+
+
+class StateFileError(GpuflowError):
+    """One of gpuflow's own state files is not a plain file this user owns."""
+
+
+def read_private(path: Path, limit: int = 1 << 20) -> str:
+    """Return the text of one of gpuflow's own state files. A FIFO, a device, a link or a
+    folder where the file should be is refused in one sentence (opened without blocking,
+    its type checked before a byte is read), and so is a file over `limit` bytes;
+    FileNotFoundError when there is none."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StateFileError(
+                f"{path} is a symbolic link, not gpuflow's own file; remove it (gpuflow makes"
+                " it anew)."
+            ) from None
+        raise
+    with os.fdopen(descriptor, "rb") as handle:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            raise StateFileError(
+                f"{path} is not a regular file (a FIFO, device or folder stands there);"
+                " remove it (gpuflow makes it anew)."
+            )
+        if info.st_uid != os.geteuid():
+            raise StateFileError(
+                f"{path} belongs to uid {info.st_uid}, not to you; remove it (gpuflow makes"
+                " it anew)."
+            )
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise StateFileError(f"{path} is over {limit} bytes: not gpuflow's; remove it.")
+    return data.decode("utf-8", errors="replace")
+
+
+def read_state_json(path: Path) -> dict | None:
+    """Return the JSON object in one of gpuflow's state files; None when there is none, or
+    it is half-written or not an object; StateFileError (one sentence) when something other
+    than a plain file of this user's stands there."""
+    try:
+        found = json.loads(read_private(path))
+    except (FileNotFoundError, ValueError, RecursionError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def private_dir(path: Path) -> Path:
+    """Make `path` (and missing parents) a folder this user alone may enter (0700), and
+    return it. One that exists with wider modes is narrowed; one that is not this user's
+    (or not a folder) is refused in one sentence."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise StateFileError(f"{path} is not a folder; remove it or point GPUFLOW_HOME elsewhere.")
+    if info.st_uid != os.geteuid():
+        raise StateFileError(
+            f"{path} belongs to uid {info.st_uid}, not to you: another user could read your"
+            " runs and secrets there; point GPUFLOW_HOME at a folder of your own."
+        )
+    if info.st_mode & 0o077:
+        path.chmod(0o700)
+    return path
+
+
+def secure_home() -> Path:
+    """Return GPUFLOW_HOME, made (or narrowed to) a folder this user alone may enter: it
+    holds runs, logs, keys and outputs. One sentence when it cannot be used."""
+    home = gpuflow_home()
+    try:
+        return private_dir(home)
+    except OSError as exc:
+        raise StateFileError(
+            f"GPUFLOW_HOME {home} cannot be used ({exc.strerror or exc}); free space there,"
+            " make it writable, or point GPUFLOW_HOME at another folder."
+        ) from None
+
+
+def open_private(path: Path, append: bool = True) -> IO[bytes]:
+    """Open a log file of gpuflow's for writing, 0600 (created so, never through a link)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags |= os.O_APPEND if append else os.O_TRUNC
+    descriptor = os.open(path, flags, 0o600)
+    return os.fdopen(descriptor, "ab" if append else "wb")
+
+
+def auth_string(path: Path) -> str:
+    """Return the Prefect API auth string kept in `path` (0600), made the first time: a
+    user name and 32 random bytes, `gpuflow:<token>`."""
+    with contextlib.suppress(FileNotFoundError):
+        text = read_private(path).strip()
+        if text:
+            return text
+    import secrets
+
+    write_atomic(path, f"gpuflow:{secrets.token_urlsafe(32)}\n")
+    return read_private(path).strip()
 
 
 def sweep_partial_writes(folder: Path) -> list[Path]:
@@ -116,7 +243,7 @@ def _wait_while(running: Callable[[], bool], limit_s: float) -> None:
 def stop_group(pgid: int, started: float | None, grace_s: float = STOP_GRACE_S) -> int:
     """SIGTERM the process group, wait up to `grace_s`, then SIGKILL; return how many died."""
     members = [p for p in psutil.process_iter() if _pgid(p.pid) == pgid]
-    if started is not None and not alive(pgid, started):
+    if started is not None and not same_process(pgid, started):
         return 0  # the pid was reused by something else: not ours to kill
 
     def signal_group(number: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 import re
 import shlex
 from pathlib import Path
@@ -62,10 +63,40 @@ def storage_url(value: str) -> str:
 StorageUrl = Annotated[str, AfterValidator(storage_url)]
 
 
+SHELL_OPERATORS = frozenset(";|&<>()")
+SHELL_EXPANSION = re.compile(r"`|\$[\w({]")
+
+
+def shell_syntax(line: str) -> str | None:
+    """Return the first shell operator or expansion outside quotes in a one-string
+    command (`;`, `&&`, `|`, `>`, `$(`, `$HOME`, a backquote), or None: split into words
+    without a shell, `echo hi; echo there` would print `hi; echo there`."""
+    lexer = shlex.shlex(line, posix=False, punctuation_chars=True)
+    lexer.whitespace_split = True
+    try:
+        tokens = list(lexer)
+    except ValueError:
+        return None  # an unclosed quote: shlex.split names it
+    for token in tokens:
+        if token[:1] in ("'", '"') and token[-1:] == token[:1]:
+            continue  # quoted: the program gets it as it is
+        if set(token) <= SHELL_OPERATORS:
+            return token
+        if SHELL_EXPANSION.search(token):
+            return token
+    return None
+
+
 def split_argv(value: Any) -> Any:
     """Return a command as a list of words: a string split like a shell does, and YAML's
     numbers and booleans in a list written as text (`[train.py, --epochs, 10, --fp16, true]`)."""
     if isinstance(value, str):
+        if operator := shell_syntax(value):
+            raise ValueError(
+                f"holds the shell syntax {operator!r}, but a command runs without a shell;"
+                " give it as a list of words, or run a shell on purpose:"
+                f" [sh, -c, {json.dumps(value)}]"
+            )
         return shlex.split(value)
     if isinstance(value, list):
         return [

@@ -58,7 +58,37 @@ BAD = [
     ({"job": CMD, "env": {"N": 4}}, 'env.N: environment values are text; quote it, e.g. N: "4"'),
     ({"job": CMD, "limits": {"max_duration": 1e400}}, "limits.max_duration: inf is not a finite"),
     ({"job": CMD, "limits": {"max_duration": "1e400"}}, "'1e400' is not a finite duration"),
+    # a one-string command with shell syntax is refused, never run as split words
+    (
+        {"job": {"kind": "command", "command": "echo hi; echo there"}},
+        "job.command: holds the shell syntax ';', but a command runs without a shell; give it"
+        ' as a list of words, or run a shell on purpose: [sh, -c, "echo hi; echo there"]',
+    ),
+    ({"job": {"kind": "command", "command": "make && ./run"}}, "shell syntax '&&'"),
+    ({"job": {"kind": "command", "command": "cat a | wc"}}, "shell syntax '|'"),
+    ({"job": {"kind": "command", "command": "echo x > out"}}, "shell syntax '>'"),
+    ({"job": {"kind": "command", "command": "echo $HOME"}}, "shell syntax '$HOME'"),
+    ({"job": {"kind": "command", "command": "echo `id`"}}, "shell syntax '`id`'"),
+    ({"job": {"kind": "command", "command": "sleep 9 &"}}, "shell syntax '&'"),
+    (
+        {"job": {"kind": "hpc", "ranks": 1, "program": ["true"], "build": "make; exit 3"}},
+        "job.build: holds the shell syntax ';'",
+    ),
 ]
+
+
+@pytest.mark.parametrize(
+    ("line", "argv"),
+    [
+        ('echo "a;b" x', ["echo", "a;b", "x"]),
+        ("echo '$HOME'", ["echo", "$HOME"]),
+        ('python -c "print(1)"', ["python", "-c", "print(1)"]),
+        ("train.py --lr 1e-3", ["train.py", "--lr", "1e-3"]),
+    ],
+)
+def test_quoted_shell_characters_stay_words(line, argv):
+    spec = load_spec({"job": {"kind": "command", "command": line}})
+    assert spec.job.command == argv
 
 
 @pytest.mark.parametrize(("raw", "expected"), BAD)

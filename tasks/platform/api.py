@@ -13,6 +13,7 @@ is stopped by PID when the command ends.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -33,7 +34,20 @@ from typing import Any
 import psutil
 
 from tasks.errors import GpuflowError
-from tasks.host import alive, env_number, gpuflow_home, stop_group, write_atomic
+from tasks.host import (
+    OWN_SECRETS,
+    StateFileError,
+    alive,
+    auth_string,
+    env_number,
+    gpuflow_home,
+    open_private,
+    private_dir,
+    read_private,
+    secure_home,
+    stop_group,
+    write_atomic,
+)
 from tasks.platform import kept_api
 from tasks.platform import state as platform_state
 
@@ -52,6 +66,7 @@ class Api:
     kind: str  # "configured" (PREFECT_API_URL), "platform" or "temporary"
     ui: str | None = None
     server: dict[str, Any] | None = None  # the temporary server's record
+    auth: str | None = None  # the server's auth string, sent by this process's clients
 
     def describe(self) -> str:
         if self.kind == "configured":
@@ -71,6 +86,18 @@ def prefect_home() -> str:
 
 def servers_dir() -> Path:
     return gpuflow_home() / "servers"
+
+
+def temporary_auth() -> str:
+    """Return the auth string of this GPUFLOW_HOME's temporary APIs (made the first time)."""
+    return auth_string(private_dir(servers_dir()) / "auth")
+
+
+def auth_headers(auth: str | None) -> dict[str, str]:
+    """Return the header a request to a server with `auth` carries."""
+    if not auth:
+        return {}
+    return {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()}
 
 
 def health_error(url: str, timeout_s: float = 10.0) -> str | None:
@@ -95,6 +122,28 @@ def health_error(url: str, timeout_s: float = 10.0) -> str | None:
         return str(exc)
 
 
+def auth_refused(api: Api) -> str | None:
+    """Return the sentence for a server that refuses this process's auth string (HTTP 401),
+    or None when it lets it in."""
+    request = urllib.request.Request(f"{api.url.rstrip('/')}/admin/version")
+    for name, value in auth_headers(api.auth).items():
+        request.add_header(name, value)
+    try:
+        with urllib.request.urlopen(request, timeout=10):
+            return None
+    except urllib.error.HTTPError as exc:
+        if exc.code != 401:
+            return None
+    except (OSError, ValueError):
+        return None  # not an answer about auth: the command meets it with its real cause
+    given = "the auth string given is wrong" if api.auth else "it asks for an auth string"
+    return (
+        f"the Prefect API at {api.url} refuses gpuflow (HTTP 401: {given}); set"
+        " PREFECT_API_AUTH_STRING to that server's (the local platform's is in"
+        " $GPUFLOW_HOME/platform/auth)."
+    )
+
+
 def configured_url() -> str | None:
     """Return PREFECT_API_URL from the environment or the active Prefect profile."""
     from prefect.settings import PREFECT_API_URL
@@ -116,12 +165,15 @@ def choose(say: Callable[[str], None], temporary: bool = True) -> Api:
             )
         from prefect.settings import PREFECT_UI_URL
 
-        return Api(url, "configured", ui=PREFECT_UI_URL.value() or None)
+        api = Api(url, "configured", ui=PREFECT_UI_URL.value() or None, auth=auth_for(url))
+        if refused := auth_refused(api):
+            raise ApiUnavailable(refused)
+        return api
     state = platform_state.read_state()
     if state and all(platform_state.running(p) for p in state["processes"].values()):
         problem = health_error(state["api"], timeout_s=5)
         if problem is None:
-            return Api(state["api"], "platform", ui=state["ui"])
+            return Api(state["api"], "platform", ui=state["ui"], auth=platform_state.auth())
         say(
             f"the local platform's server does not answer ({problem});"
             " `gpuflow platform down && gpuflow platform up` restarts it"
@@ -142,8 +194,40 @@ def choose(say: Callable[[str], None], temporary: bool = True) -> Api:
                 f" started by an earlier command; it stops after {record['idle_s']:.0f} s"
                 " without one)"
             )
-            return Api(record["api"], "temporary", server=record)
+            return Api(record["api"], "temporary", server=record, auth=temporary_auth())
         return start_temporary(say)
+
+
+def auth_for(url: str) -> str | None:
+    """Return the auth string to send to the API at `url`: the local platform's or this
+    GPUFLOW_HOME's temporary API's when `url` is one of theirs (PREFECT_API_URL may name the
+    platform, as `gpuflow platform up` says), else Prefect's own setting (None when unset).
+    A server's string is never sent to another server."""
+    from prefect.settings import PREFECT_API_AUTH_STRING
+
+    wanted = url.rstrip("/")
+    state = platform_state.read_state()
+    if state and wanted == state["api"].rstrip("/"):
+        return platform_state.auth()
+    if any(wanted == record["api"].rstrip("/") for record in _records()):
+        return temporary_auth()
+    given = PREFECT_API_AUTH_STRING.value()
+    return given if given and given not in OWN_SECRETS else None
+
+
+@contextlib.contextmanager
+def talking_to(url: str) -> Iterator[None]:
+    """Point Prefect's settings in this thread at `url`, with that server's auth string
+    (and no other server's)."""
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    auth = auth_for(url)
+    if auth:
+        with temporary_settings({PREFECT_API_URL: url, PREFECT_API_AUTH_STRING: auth}):
+            yield
+    else:
+        with temporary_settings({PREFECT_API_URL: url}, restore_defaults={PREFECT_API_AUTH_STRING}):
+            yield
 
 
 def start_timeout_s() -> float:
@@ -159,8 +243,10 @@ def start_temporary(
     with this one). A kept server carries this command's lease once it answers."""
     timeout_s = start_timeout_s() if timeout_s is None else timeout_s
     keep_s = kept_api.idle_s() if keep_s is None else keep_s
-    servers = servers_dir()
-    servers.mkdir(parents=True, exist_ok=True)
+    secure_home()
+    servers = private_dir(servers_dir())
+    auth_file = servers / "auth"
+    auth = auth_string(auth_file)
     started = time.monotonic()
     kept = f", kept for later commands until {keep_s:.0f} s without one" if keep_s else ""
     say(
@@ -179,13 +265,14 @@ def start_temporary(
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_HOME": prefect_home(),
         }
-        argv = [sys.executable, "-m", "tasks.platform.kept_api", "--port", str(port)]
-        argv += ["--servers", str(servers), "--idle-s", str(keep_s), "--log", str(log)]
+        argv = [sys.executable, "-m", "tasks.platform.server", "--port", str(port)]
+        argv += ["--auth-file", str(auth_file), "--servers", str(servers)]
+        argv += ["--idle-s", str(keep_s), "--log", str(log)]
         # No signal between starting the server and recording it: then an interruption
         # (handled below) always knows what to stop.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
-            with log.open("wb") as out:
+            with open_private(log, append=False) as out:
                 proc = subprocess.Popen(
                     argv,
                     env=env,
@@ -218,7 +305,7 @@ def start_temporary(
         except BaseException:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             raise
-        api = Api(record["api"], "temporary", server=record)
+        api = Api(record["api"], "temporary", server=record, auth=auth)
         try:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a pending signal lands here
             code = _wait_until_healthy(proc, record["api"], started + timeout_s)
@@ -287,11 +374,15 @@ def _records() -> list[dict[str, Any]]:
     found = []
     for path in sorted(servers_dir().glob("*.json")):
         try:
-            found.append(json.loads(path.read_text()))
+            record = json.loads(read_private(path, limit=65536))
+            int(record["pid"]), float(record["started"])
         except FileNotFoundError:
             continue  # a kept server that stopped meanwhile
-        except (OSError, json.JSONDecodeError):
-            path.unlink(missing_ok=True)  # half-written by a process that died
+        except (OSError, ValueError, TypeError, KeyError, StateFileError):
+            # half-written by a process that died, or not a record at all (a FIFO, a link)
+            path.unlink(missing_ok=True)
+            continue
+        found.append(record)
     return found
 
 
@@ -339,6 +430,7 @@ def using(api: Api) -> Iterator[Api]:
     temporary server if this process started one, and put the settings back."""
     import prefect.context
     from prefect.settings import (
+        PREFECT_API_AUTH_STRING,
         PREFECT_API_URL,
         PREFECT_SERVER_ALLOW_EPHEMERAL_MODE,
         PREFECT_UI_URL,
@@ -351,18 +443,22 @@ def using(api: Api) -> Iterator[Api]:
         "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE": "false",
         "PREFECT_UI_URL": api.ui or "",
     }
+    if api.auth:  # Prefect's clients in every thread send it; jobs never get it (host.py)
+        updates["PREFECT_API_AUTH_STRING"] = api.auth
+        OWN_SECRETS.add(api.auth)
     before = {name: os.environ.get(name) for name in updates}
     prior_global = prefect.context.GLOBAL_SETTINGS_CONTEXT
     os.environ.update(updates)
     prefect.context.refresh_global_settings_context()  # what other threads see
     try:
-        with temporary_settings(  # what this thread sees, whatever context it is in
-            {
-                PREFECT_API_URL: api.url,
-                PREFECT_SERVER_ALLOW_EPHEMERAL_MODE: False,
-                PREFECT_UI_URL: api.ui or "",
-            }
-        ):
+        settings: dict[Any, Any] = {
+            PREFECT_API_URL: api.url,
+            PREFECT_SERVER_ALLOW_EPHEMERAL_MODE: False,
+            PREFECT_UI_URL: api.ui or "",
+        }
+        if api.auth:
+            settings[PREFECT_API_AUTH_STRING] = api.auth
+        with temporary_settings(settings):  # what this thread sees, whatever its context
             try:
                 yield api
             finally:

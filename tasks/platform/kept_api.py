@@ -1,8 +1,8 @@
 """A temporary Prefect API kept for the commands that follow.
 
 The first command that finds no API configured and no platform running starts Prefect's
-server (tasks.platform.api.start_temporary) as this module's program: uvicorn, no UI, in a
-session of its own, and a thread that stops it once no gpuflow command has held it for
+server (tasks.platform.api.start_temporary) as tasks.platform.server's program: uvicorn, no
+UI, its auth string from $GPUFLOW_HOME/servers/auth, in a session of its own, and a thread that stops it once no gpuflow command has held it for
 GPUFLOW_API_IDLE_S (default 600 s; 0: the server stops with the command that started it).
 Later commands of the same user, with the same GPUFLOW_HOME, PREFECT_HOME, Python and
 Prefect server settings (the record's `fingerprint`), find it through its record under
@@ -20,7 +20,6 @@ record (and starts a server of its own).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import hashlib
@@ -28,7 +27,6 @@ import json
 import os
 import shutil
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +34,7 @@ from typing import Any
 
 import psutil
 
-from tasks.host import alive, env_number, write_atomic
+from tasks.host import StateFileError, alive, env_number, read_private, write_atomic
 
 IDLE_S = 600.0
 STARTUP_FAILED = 3  # uvicorn's exit code when it cannot bind or the app fails to start
@@ -102,10 +100,13 @@ def leases(folder: Path) -> tuple[int, int]:
     live = gone = 0
     for path in folder.glob("[0-9]*") if folder.is_dir() else []:
         try:
-            holder = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # being written, or half-written by a killed command: not a holder
-        if alive(holder["pid"], holder["started"]):
+            holder = json.loads(read_private(path, limit=4096))
+            pid, started = int(holder["pid"]), float(holder["started"])
+        except (OSError, ValueError, TypeError, KeyError, StateFileError):
+            # being written, half-written by a killed command, or not a lease at all (a
+            # FIFO, a link): not a holder, and never waited on
+            continue
+        if alive(pid, started):
             live += 1
         else:
             gone += 1
@@ -134,7 +135,7 @@ def forgotten(servers: Path, record: dict[str, Any]) -> bool:
     return live == 0 and gone > 0
 
 
-def _stop_when_idle(server: Any, servers: Path, idle_for_s: float, stopped: list[bool]) -> None:
+def stop_when_idle(server: Any, servers: Path, idle_for_s: float, stopped: list[bool]) -> None:
     record_path = servers / f"{os.getpid()}.json"
     folder = leases_of(servers, os.getpid())
     last_used = time.monotonic()
@@ -146,8 +147,8 @@ def _stop_when_idle(server: Any, servers: Path, idle_for_s: float, stopped: list
         if time.monotonic() - last_used < idle_for_s:
             continue
         try:
-            text = record_path.read_text()
-        except FileNotFoundError:
+            text = read_private(record_path)
+        except (OSError, StateFileError):
             text = ""
         record_path.unlink(missing_ok=True)
         if leases(folder)[0]:  # a command took a lease meanwhile: it uses this server
@@ -159,45 +160,3 @@ def _stop_when_idle(server: Any, servers: Path, idle_for_s: float, stopped: list
         stopped.append(True)
         server.should_exit = True
         return
-
-
-def serve(argv: list[str]) -> int:
-    """Run Prefect's API server on 127.0.0.1:PORT until SIGTERM, or until it has been idle
-    for --idle-s (then remove its record and log); return the exit code."""
-    parser = argparse.ArgumentParser(prog="python -m tasks.platform.kept_api")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--servers", type=Path, required=True)
-    parser.add_argument("--idle-s", type=float, default=0.0)
-    parser.add_argument("--log", type=Path)
-    args = parser.parse_args(argv)
-    import uvicorn
-
-    config = uvicorn.Config(
-        "prefect.server.api.server:create_app",
-        factory=True,
-        host="127.0.0.1",
-        port=args.port,
-        log_level="error",
-        lifespan="on",
-        # Stopping must not wait for keep-alive connections the commands still hold.
-        timeout_graceful_shutdown=2,
-    )
-    server = uvicorn.Server(config)
-    stopped: list[bool] = []
-    if args.idle_s > 0:
-        threading.Thread(
-            target=_stop_when_idle,
-            args=(server, args.servers, args.idle_s, stopped),
-            daemon=True,
-            name="idle-stop",
-        ).start()
-    server.run()
-    if stopped:
-        if args.log:
-            args.log.unlink(missing_ok=True)
-        return 0
-    return 0 if server.started else STARTUP_FAILED
-
-
-if __name__ == "__main__":
-    sys.exit(serve(sys.argv[1:]))

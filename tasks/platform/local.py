@@ -28,7 +28,7 @@ from tasks import nvml, yamlfile
 from tasks.backends.kubernetes.kubeapi import KubeApi, KubeError, KubeUnreachable, load_config
 from tasks.backends.local.gpu_slots import LIMIT_NAME
 from tasks.errors import GpuflowError, InvalidSpec
-from tasks.host import stop_group, write_atomic
+from tasks.host import open_private, private_dir, secure_home, stop_group, write_atomic
 from tasks.platform import postgres
 from tasks.platform.api import stop_kept
 from tasks.platform.blocks_setup import init_blocks
@@ -42,7 +42,8 @@ from tasks.platform.deploy import (
     prefect_deploy,
 )
 from tasks.platform.reap import reap
-from tasks.platform.state import platform_dir, read_state, running, state_path
+from tasks.platform.state import auth as platform_auth
+from tasks.platform.state import auth_path, platform_dir, read_state, running, state_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,7 +53,7 @@ class PlatformError(GpuflowError):
 
 
 def _start(argv: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
-    with log.open("ab") as out:
+    with open_private(log) as out:
         proc = subprocess.Popen(
             argv,
             env=env,
@@ -101,7 +102,7 @@ def _wait_healthy(api: str, server: dict[str, Any], timeout_s: float, port: int)
             with (
                 contextlib.suppress(OSError),
                 urllib.request.urlopen(f"{api}/health", timeout=2) as response,
-            ):
+            ):  # /health answers without the auth string, as Prefect's probes expect
                 if response.status == 200:
                     return
         time.sleep(0.25)
@@ -115,10 +116,12 @@ DATABASES = ("sqlite", "postgresql")
 
 
 def platform_env(api: str) -> dict[str, str]:
-    """Return the environment for processes that talk to the platform's server."""
+    """Return the environment for processes that talk to the platform's server (its auth
+    string included: the worker's flow runs inherit it)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(
         PREFECT_API_URL=api,
+        PREFECT_API_AUTH_STRING=platform_auth(),
         PREFECT_HOME=str(platform_dir() / "prefect"),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         PREFECT_WORKER_QUERY_SECONDS="2",
@@ -187,7 +190,9 @@ def up(
             " stop it, or start the platform on a free port with --port."
         )
     started = time.monotonic()
-    platform_dir().mkdir(parents=True, exist_ok=True)
+    secure_home()
+    private_dir(platform_dir())
+    platform_auth()  # made before anything that needs it starts
     api, ui = f"http://127.0.0.1:{port}/api", f"http://127.0.0.1:{port}"
     env = platform_env(api)
     python = sys.executable
@@ -203,13 +208,12 @@ def up(
             [
                 python,
                 "-m",
-                "prefect",
-                "server",
-                "start",
-                "--host",
-                "127.0.0.1",
+                "tasks.platform.server",
+                "--ui",
                 "--port",
                 str(port),
+                "--auth-file",
+                str(auth_path()),
             ],
             _server_env(env, state["database"]),
             platform_dir() / "server.log",
@@ -239,6 +243,7 @@ def up(
                 [python, "-m", "prefect", *worker],
                 {
                     **env,
+                    **_auth_secret(cluster),
                     "KUBECONFIG": str(cluster["kubeconfig"]),
                     # watch the jobs' namespace only: what worker-rbac.yaml grants
                     "PREFECT_INTEGRATIONS_KUBERNETES_OBSERVER_NAMESPACES": cluster["namespace"],
@@ -263,6 +268,10 @@ def up(
     say(
         f"up in {state['up_seconds']} s: UI {ui}; runs kept in {runs_kept_in(state['database'])};"
         " `gpuflow run` now records runs here; `gpuflow platform down` stops it"
+    )
+    say(
+        f"only you get in: the UI and Prefect's CLI ask for the auth string in {auth_path()}"
+        f' (export PREFECT_API_URL={api} PREFECT_API_AUTH_STRING="$(cat {auth_path()})")'
     )
     return state
 
@@ -308,10 +317,51 @@ def _cluster(kubeconfig: Path, image: str | None) -> dict[str, Any]:
     }
 
 
+# The Secret in the jobs' namespace that holds the platform's auth string: the Kubernetes
+# worker makes flow-run pods read it from there (prefect-kubernetes' own settings), so it is
+# never in a Job's manifest.
+AUTH_SECRET, AUTH_SECRET_KEY = "gpuflow-prefect-auth", "auth-string"
+
+
+def _auth_secret(cluster: dict[str, Any]) -> dict[str, str]:
+    """Write the platform's auth string into the Secret AUTH_SECRET of the cluster's
+    namespace (made, or replaced by a new platform's); return the worker's settings that
+    name it. One sentence when the account may not."""
+    namespace = cluster["namespace"]
+    config = load_config(yamlfile.read(cluster["kubeconfig"], "your kubeconfig") or {})
+    kube = KubeApi(config.model_copy(update={"source": str(cluster["kubeconfig"])}))
+    body = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": AUTH_SECRET, "labels": {"app.kubernetes.io/managed-by": "gpuflow"}},
+        "type": "Opaque",
+        "stringData": {AUTH_SECRET_KEY: platform_auth()},
+    }
+    path = f"/api/v1/namespaces/{namespace}/secrets"
+    try:
+        try:
+            kube.request("PUT", f"{path}/{AUTH_SECRET}", body)
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+            kube.request("POST", path, body)
+    except (KubeError, KubeUnreachable) as exc:
+        raise PlatformError(
+            f"the platform's auth string could not be put into the Secret {AUTH_SECRET} in"
+            f" {namespace} ({exc}); grant the account what infra/kubernetes/worker-rbac.yaml"
+            f" grants, or create it: kubectl -n {namespace} create secret generic"
+            f" {AUTH_SECRET} --from-file={AUTH_SECRET_KEY}={auth_path()}"
+        ) from None
+    finally:
+        kube.close()
+    prefix = "PREFECT_INTEGRATIONS_KUBERNETES_WORKER_API_AUTH_STRING_SECRET_"
+    return {f"{prefix}NAME": AUTH_SECRET, f"{prefix}KEY": AUTH_SECRET_KEY}
+
+
 def _configure(api: str, env: dict[str, str], say, cluster: dict[str, Any] | None) -> int:
     """Create the pools, the `gpu` limit and the blocks, then deploy prefect.yaml (its
     Kubernetes deployments only with a cluster, running its image as given)."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     pools = pool_templates()
     project = load_project(ROOT / "prefect.yaml")
@@ -328,7 +378,7 @@ def _configure(api: str, env: dict[str, str], say, cluster: dict[str, Any] | Non
                 variables.setdefault("namespace", cluster["namespace"])
         prefect_file = platform_dir() / "prefect.yaml"
         write_atomic(prefect_file, yaml.safe_dump(project, sort_keys=False))
-    with temporary_settings({PREFECT_API_URL: api}):
+    with temporary_settings({PREFECT_API_URL: api, PREFECT_API_AUTH_STRING: platform_auth()}):
         _pools(pools)
         gpus = _gpu_limit()
 

@@ -22,7 +22,15 @@ from tasks.backends.ec2.backend import Ec2Backend
 from tasks.backends.kubernetes.backend import KubernetesBackend
 from tasks.backends.local.backend import LocalBackend
 from tasks.backends.slurm.backend import SlurmBackend
-from tasks.host import gpuflow_home, write_atomic
+from tasks.host import (
+    StateFileError,
+    gpuflow_home,
+    open_private,
+    private_dir,
+    read_private,
+    read_state_json,
+    write_atomic,
+)
 from tasks.platform import api as prefect_api
 from tasks.platform.state import read_state
 
@@ -52,8 +60,8 @@ def spill_logs(run_id: str, api_url: str, bodies: list[bytes]) -> Path:
     """Keep logs (LogCreate JSON, one per line) the API at `api_url` has not taken for
     run `run_id`, for `deliver_unreported`."""
     path = unreported_dir() / f"{run_id}.logs.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("ab") as out:
+    private_dir(path.parent)
+    with open_private(path) as out:
         if out.tell() == 0:
             out.write(json.dumps({"api_url": api_url}).encode() + b"\n")
         out.write(b"".join(body + b"\n" for body in bodies))
@@ -62,24 +70,20 @@ def spill_logs(run_id: str, api_url: str, bodies: list[bytes]) -> Path:
 
 def _deliver_logs(path: Path, urls: list[str], say: Callable[[str], None]) -> None:
     """Post the kept logs in `path` to the first API that answers, then remove the file."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from tasks.api_client import api_client
 
     try:
-        header, *bodies = path.read_bytes().splitlines()
+        header, *bodies = read_private(path, limit=1 << 30).encode().splitlines()
         recorded = json.loads(header)["api_url"]
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError, StateFileError):
         path.unlink(missing_ok=True)
         return
     for url in dict.fromkeys([recorded, *urls]):
         if not url or prefect_api.health_error(url, timeout_s=3):
             continue
         try:
-            with (
-                temporary_settings({PREFECT_API_URL: url}),
-                api_client() as client,
-            ):
+            with prefect_api.talking_to(url), api_client() as client:
                 for start in range(0, len(bodies), 2000):
                     client.request(
                         "POST",
@@ -111,8 +115,10 @@ def deliver_unreported(say: Callable[[str], None], current_url: str | None = Non
     marked = 0
     for path in sorted(folder.glob("*.json")):
         try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
+            record = read_state_json(path)
+        except StateFileError:
+            record = None  # not a file gpuflow wrote: never read, never waited on
+        if record is None or not isinstance(record.get("api_url"), str):
             path.unlink(missing_ok=True)
             continue
         for url in dict.fromkeys([record["api_url"], *urls]):
@@ -231,7 +237,6 @@ def _run_states(run_ids: list[str], url: str | None, page: int = 200) -> dict[st
     """Return for each run "running", "away" (the API does not answer), "unknown" to the
     API, or its final state's name in lower case: one health check, one read per `page`."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from tasks.api_client import api_client
 
@@ -244,7 +249,7 @@ def _run_states(run_ids: list[str], url: str | None, page: int = 200) -> dict[st
             ids[UUID(run_id)] = run_id
     wanted = list(ids)
     with (
-        temporary_settings({PREFECT_API_URL: url} if url else {}),
+        prefect_api.talking_to(url) if url else contextlib.nullcontext(),
         api_client() as client,
     ):
         for start in range(0, len(wanted), page):
@@ -277,12 +282,11 @@ def _mark_crashed(runs: list[tuple[str, str | None]], say: Callable[[str], None]
 
 
 def _crash(run_id: str, url: str, message: str = CRASHED_MESSAGE) -> bool:
-    from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import Crashed
 
     from tasks.api_client import api_client
 
-    with temporary_settings({PREFECT_API_URL: url}), api_client() as client:
+    with prefect_api.talking_to(url), api_client() as client:
         state = client.read_flow_run(UUID(run_id)).state
         if state is not None and state.is_final():
             return False

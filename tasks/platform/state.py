@@ -1,5 +1,6 @@
 """The local platform's state file: what `gpuflow platform up` started, read by `down` and
-by the choice of Prefect API."""
+by the choice of Prefect API; and the platform's auth string, which every client of its
+server sends."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tasks.host import alive, gpuflow_home
+from tasks.host import StateFileError, alive, auth_string, gpuflow_home, read_private
 
 
 def platform_dir() -> Path:
@@ -18,11 +19,25 @@ def state_path() -> Path:
     return platform_dir() / "state.json"
 
 
+def auth_path() -> Path:
+    """Return the file holding the platform's auth string (0600, made by `platform up`)."""
+    return platform_dir() / "auth"
+
+
+def auth() -> str:
+    """Return the platform's auth string (`user:token`, as Prefect's PREFECT_API_AUTH_STRING
+    takes it), made the first time."""
+    return auth_string(auth_path())
+
+
 def read_state() -> dict[str, Any] | None:
+    """Return what `platform up` recorded, or None when nothing is (or the file is not the
+    platform's: a FIFO or a link there is never read)."""
     try:
-        return json.loads(state_path().read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        state = json.loads(read_private(state_path()))
+    except (FileNotFoundError, json.JSONDecodeError, StateFileError):
         return None
+    return state if isinstance(state, dict) and "processes" in state else None
 
 
 def running(entry: dict[str, Any]) -> bool:

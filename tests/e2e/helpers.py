@@ -14,6 +14,7 @@ from uuid import UUID
 import psutil
 
 from tasks.backends.local import gpu_slots
+from tasks.platform.api import auth_headers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -98,9 +99,17 @@ class Platform:
         self.env.update(PREFECT_UI_URL=self.ui, PREFECT_SERVER_ANALYTICS_ENABLED="false")
         self.env.pop("CUDA_VISIBLE_DEVICES", None)
 
+    @property
+    def auth(self) -> str | None:
+        """Return the platform's auth string (`platform up` makes it), or None before."""
+        path = self.home / "platform" / "auth"
+        return path.read_text().strip() if path.is_file() else None
+
     def run(self, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        """Run a program as a user who exported what `platform up` says (URL, auth)."""
+        env = {**self.env, "PREFECT_API_AUTH_STRING": self.auth} if self.auth else self.env
         return subprocess.run(
-            list(argv), env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+            list(argv), env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
         )
 
     def gpuflow(self, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -108,11 +117,10 @@ class Platform:
 
     def client(self):
         from prefect.client.orchestration import get_client
-        from prefect.settings import PREFECT_API_URL, temporary_settings
 
         class _Client:
             def __enter__(inner):
-                inner.settings = temporary_settings({PREFECT_API_URL: self.api})
+                inner.settings = self.settings()
                 inner.settings.__enter__()
                 inner.client = get_client(sync_client=True)
                 return inner.client.__enter__()
@@ -122,6 +130,12 @@ class Platform:
                 inner.settings.__exit__(*exc)
 
         return _Client()
+
+    def settings(self):
+        """Return a settings context pointing Prefect at the platform, with its auth."""
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+        return temporary_settings({PREFECT_API_URL: self.api, PREFECT_API_AUTH_STRING: self.auth})
 
     def final_state(self, flow_run_id: str, seconds: float):
         """Return the run's state once it is final, or the last one seen after `seconds`."""
@@ -174,7 +188,7 @@ def events_named(name: str, resource_id: str, wait_s: float = 30.0) -> list[dict
 
     import httpx
     from prefect.events.worker import EventsWorker
-    from prefect.settings import PREFECT_API_URL
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL
 
     EventsWorker.drain_all()
     body = {
@@ -187,9 +201,100 @@ def events_named(name: str, resource_id: str, wait_s: float = 30.0) -> list[dict
     }
     deadline = time.monotonic() + wait_s
     while True:
-        answer = httpx.post(f"{PREFECT_API_URL.value()}/events/filter", json=body, timeout=10)
+        answer = httpx.post(
+            f"{PREFECT_API_URL.value()}/events/filter",
+            json=body,
+            timeout=10,
+            headers=auth_headers(PREFECT_API_AUTH_STRING.value()),
+        )
         answer.raise_for_status()
         found = answer.json()["events"]
         if found or time.monotonic() > deadline:
             return found
         time.sleep(0.2)
+
+
+# What another local user tries against a user's API and GPUFLOW_HOME: stdlib only, run
+# as `nobody` by a test that runs as root (CI does); each probe's answer as one word.
+OUTSIDER = r"""
+import json, sys, urllib.error, urllib.request
+home, api, secret_file = sys.argv[1:4]
+found = {}
+def answer(name, path, body=None, host=None, auth=None):
+    request = urllib.request.Request(api + path, data=body, method="POST" if body else "GET")
+    request.add_header("Content-Type", "application/json")
+    if host:
+        request.add_header("Host", host)
+    if auth:
+        request.add_header("Authorization", auth)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            found[name] = response.status
+    except urllib.error.HTTPError as exc:
+        found[name] = exc.code
+for name, path in [("control", home + ".control"), ("home", home), ("secret", secret_file)]:
+    try:
+        __import__("os").listdir(path) if name == "home" else open(path).read()
+        found[name] = "read"
+    except PermissionError:
+        found[name] = "denied"
+answer("secrets", "/block_documents/filter", b'{"include_secrets": true}')
+answer("deployments", "/deployments/filter", b"{}")
+answer("guessed", "/deployments/filter", b"{}", auth="Basic Z3B1Zmxvdzp4")
+answer("rebound", "/health", host="attacker.example")
+print(json.dumps(found))
+"""
+
+
+def outsider(home: Path, api: str, secret_file: Path) -> dict:
+    """Return what `nobody` got from `api`, GPUFLOW_HOME and the auth string's file. A
+    world-readable control file beside the home must be readable to nobody, or the probe
+    proves nothing (a parent folder nobody cannot enter)."""
+    control = home.with_name(home.name + ".control")
+    control.write_text("anyone may read this\n")
+    control.chmod(0o644)
+    done = subprocess.run(
+        ["/usr/bin/python3", "-c", OUTSIDER, str(home), api, str(secret_file)],
+        user=65534,
+        group=65534,
+        extra_groups=[],
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+SHUT_OUT = {
+    "control": "read",
+    "home": "denied",
+    "secret": "denied",
+    "secrets": 401,
+    "deployments": 401,
+    "guessed": 401,
+    "rebound": 421,
+}
+
+
+def shared_folder(prefix: str) -> Path:
+    """Return a new folder under /tmp that every local user may enter (as a home's parent
+    is on a shared machine): pytest's own base folder is 0700, which would hide a home from
+    another user whatever its own modes."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    folder.chmod(0o755)
+    return folder
+
+
+def wider_than_private(folder: Path) -> list[str]:
+    """Return every file under `folder` that another user could read or enter (mode)."""
+    wide = []
+    for path in [folder, *folder.rglob("*")]:
+        info = path.lstat()
+        if not path.is_symlink() and info.st_mode & 0o077:
+            wide.append(f"{path} {oct(info.st_mode & 0o777)}")
+    return wide

@@ -41,7 +41,7 @@ def servers_of(prefect_home: Path) -> list[psutil.Process]:
     for proc in psutil.process_iter():
         try:
             program = " ".join(proc.cmdline())
-            if "tasks.platform.kept_api" in program and proc.environ().get("PREFECT_HOME") == str(
+            if "tasks.platform.server" in program and proc.environ().get("PREFECT_HOME") == str(
                 prefect_home
             ):
                 found.append(proc)
@@ -83,7 +83,12 @@ def flow_run_states(env: dict[str, str], monkeypatch) -> list[tuple[str, str]]:
     monkeypatch.setenv("PREFECT_HOME", env["PREFECT_HOME"])
     server = api.start_temporary(lambda _: None)
     try:
-        runs = httpx.post(f"{server.url}/flow_runs/filter", json={}, timeout=30).json()
+        runs = httpx.post(
+            f"{server.url}/flow_runs/filter",
+            json={},
+            timeout=30,
+            headers=api.auth_headers(server.auth),
+        ).json()
     finally:
         api.stop_server(server.server)
     return [(run["state"]["type"], run["state"]["message"]) for run in runs]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tasks.platform.api import health_error
+from tasks.platform.api import auth_headers, health_error
 from tests.e2e.helpers import nothing_left, process_gone
 from tests.e2e.test_first_run import GPUFLOW, fresh_env, servers_of, start_run, wait_for
 
@@ -33,12 +34,22 @@ def records(home: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in (home / "servers").glob("*.json")]
 
 
+def left_in(servers: Path) -> list[str]:
+    """Return what a stopped temporary API left in `servers`, less the auth string's file
+    (0600), which every later temporary API of that GPUFLOW_HOME uses."""
+    assert (servers / "auth").stat().st_mode & 0o777 == 0o600
+    return sorted(p.name for p in servers.iterdir() if p.name != "auth")
+
+
 def first_line(out: str) -> str:
     return next(line for line in out.splitlines() if line.startswith("[gpuflow]"))
 
 
-def states(api: str) -> list[str]:
-    runs = httpx.post(f"{api}/flow_runs/filter", json={}, timeout=30).json()
+def states(api: str, home: Path) -> list[str]:
+    auth = (home / "servers" / "auth").read_text().strip()
+    runs = httpx.post(
+        f"{api}/flow_runs/filter", json={}, timeout=30, headers=auth_headers(auth)
+    ).json()
     return sorted(run["state"]["type"] for run in runs)
 
 
@@ -61,7 +72,7 @@ def test_later_commands_share_the_kept_api_and_nothing_is_left(tmp_path, gpuflow
         f" {record['pid']}, started by an earlier command; it stops after 600 s without one)"
     )
     assert [p.pid for p in servers_of(tmp_path / "prefect-home")] == [record["pid"]]
-    assert states(record["api"]) == ["COMPLETED", "COMPLETED"]
+    assert states(record["api"], gpuflow_home) == ["COMPLETED", "COMPLETED"]
 
     # Ctrl-C to a later command's process group stops the command, not the kept API, and
     # the run is recorded Crashed through it.
@@ -74,7 +85,7 @@ def test_later_commands_share_the_kept_api_and_nothing_is_left(tmp_path, gpuflow
     assert proc.returncode == 130, out[-3000:]
     assert first_line(out).startswith("[gpuflow] using the temporary Prefect API kept at")
     assert health_error(record["api"], timeout_s=10) is None
-    assert states(record["api"]) == ["COMPLETED", "COMPLETED", "CRASHED"]
+    assert states(record["api"], gpuflow_home) == ["COMPLETED", "COMPLETED", "CRASHED"]
 
     # Another GPUFLOW_HOME (the same PREFECT_HOME) never shares it; `platform down` there
     # stops its own server and leaves this one.
@@ -100,7 +111,7 @@ def test_later_commands_share_the_kept_api_and_nothing_is_left(tmp_path, gpuflow
     assert down.returncode == 0, down.stdout + down.stderr
     assert f"stopped the temporary Prefect API at {theirs['api']}" in down.stdout
     assert process_gone(theirs["pid"]) and not records(other)
-    assert not list((other / "servers").iterdir())
+    assert left_in(other / "servers") == []
     assert [p.pid for p in servers_of(tmp_path / "prefect-home")] == [record["pid"]]
 
     # A command killed by SIGKILL leaves its job and the kept API: `gpuflow reap` ends both.
@@ -117,7 +128,7 @@ def test_later_commands_share_the_kept_api_and_nothing_is_left(tmp_path, gpuflow
     )
     assert process_gone(job_pid) and process_gone(record["pid"])
     assert servers_of(tmp_path / "prefect-home") == []
-    assert not list((gpuflow_home / "servers").iterdir())
+    assert left_in(gpuflow_home / "servers") == []
     assert nothing_left(gpuflow_home)
 
 
@@ -136,5 +147,38 @@ def test_a_kept_api_stops_by_itself_after_its_idle_period(tmp_path, gpuflow_home
         assert time.monotonic() < deadline, "the kept API never stopped"
         time.sleep(0.2)
     assert servers_of(tmp_path / "prefect-home") == []
-    assert not list((gpuflow_home / "servers").iterdir())  # record, leases and log gone
+    assert left_in(gpuflow_home / "servers") == []  # record, leases and log gone
     assert nothing_left(gpuflow_home)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another local user")
+def test_nobody_else_reaches_a_kept_api_its_secrets_or_its_database(tmp_path, monkeypatch):
+    """A temporary API admits only its user: another local user (nobody) reads neither
+    GPUFLOW_HOME nor the auth string, and the API answers them 401 (block secrets, the
+    deployments) or 421 (a name rebound to 127.0.0.1). An older PREFECT_HOME whose database
+    was 0644 is narrowed to this user's."""
+    from tasks.platform import api
+    from tests.e2e.helpers import SHUT_OUT, outsider, shared_folder, wider_than_private
+
+    shared = shared_folder("gpuflow-kept-")
+    home, prefect_home = shared / "gpuflow-home", shared / "prefect-home"
+    prefect_home.mkdir(mode=0o755)
+    (prefect_home / "prefect.db").touch(mode=0o644)  # as an older Prefect left it
+    monkeypatch.setenv("GPUFLOW_HOME", str(home))
+    monkeypatch.setenv("PREFECT_HOME", str(prefect_home))
+    server = api.start_temporary(lambda _: None, keep_s=0)
+    try:
+        assert outsider(home, server.url, home / "servers" / "auth") == SHUT_OUT
+        assert wider_than_private(home) == [] and wider_than_private(prefect_home) == []
+        import psutil
+
+        assert server.auth and server.auth not in " ".join(
+            psutil.Process(server.server["pid"]).cmdline()
+        )
+        answer = httpx.post(
+            f"{server.url}/flow_runs/filter", json={}, headers=auth_headers(server.auth)
+        )
+        assert answer.status_code == 200
+    finally:
+        api.stop_server(server.server)
+        shutil.rmtree(shared)

@@ -5,6 +5,7 @@ UI in headless Chromium, and `gpuflow platform down` stopping everything by PID.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,23 +19,31 @@ import psutil
 import pytest
 
 from tests.conftest import free_port
-from tests.e2e.helpers import Platform, nothing_left
+from tests.e2e.browser import CHROMIUM, ui_page
+from tests.e2e.helpers import (
+    SHUT_OUT,
+    Platform,
+    nothing_left,
+    outsider,
+    shared_folder,
+    wider_than_private,
+)
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.fixture(scope="module")
-def platform(tmp_path_factory):
-    home = tmp_path_factory.mktemp("platform-home")
-    platform = Platform(home, free_port())
+def platform():
+    shared = shared_folder("gpuflow-platform-")  # a home another local user could reach
+    platform = Platform(shared / "home", free_port())
     started = time.monotonic()
     up = platform.gpuflow("platform", "up", "--port", str(platform.port), timeout=300)
     assert up.returncode == 0, up.stdout + up.stderr
     platform.up_output, platform.up_seconds = up.stdout, time.monotonic() - started
     yield platform
     platform.gpuflow("platform", "down", timeout=120)
+    shutil.rmtree(shared, ignore_errors=True)
 
 
 def test_up_brings_server_pools_limit_blocks_deployments_and_worker(platform):
@@ -60,6 +69,31 @@ def test_up_brings_server_pools_limit_blocks_deployments_and_worker(platform):
     assert again.returncode == 0 and "already running" in again.stdout
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another local user")
+def test_nobody_else_reaches_the_platform_its_secrets_or_its_files(platform):
+    """Another local user (nobody) and a page that rebinds a name to 127.0.0.1 get nothing:
+    not the runs' folder, not the auth string, no block secret, no deployment to start."""
+    assert outsider(platform.home, platform.api, platform.home / "platform" / "auth") == SHUT_OUT
+    assert wider_than_private(platform.home) == []
+    # the auth string is in no process's argv, and in none of the platform's logs
+    secret = platform.auth
+    assert secret and len(secret) > 40
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            assert secret not in " ".join(proc.cmdline())
+    for log in (platform.home / "platform").glob("*.log"):
+        assert secret not in log.read_text(errors="replace"), log
+    # a page of another origin: no CORS grant; the UI's own origin: granted
+    import httpx
+
+    for origin, granted in [("http://attacker.example", None), (platform.ui, platform.ui)]:
+        answer = httpx.options(
+            f"{platform.api}/deployments/filter",
+            headers={"Origin": origin, "Access-Control-Request-Method": "POST"},
+        )
+        assert answer.headers.get("access-control-allow-origin") == granted, origin
+
+
 def latest_run(platform, deployment_name: str, completed: bool = False):
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
     from prefect.client.schemas.sorting import FlowRunSort
@@ -83,11 +117,9 @@ def test_prefect_deployment_run_watch_completes_and_fails(platform):
     assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
     run = latest_run(platform, "command-local")
     assert run.state.is_completed()
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     from tests.e2e.helpers import artifacts_of
 
-    with temporary_settings({PREFECT_API_URL: platform.api}):
+    with platform.settings():
         artifacts = artifacts_of(run.id)
     assert {"gpuflow-preflight", "gpuflow-metrics", "gpuflow-summary"} <= set(artifacts)
     assert "command: completed" in artifacts["gpuflow-summary"].data
@@ -172,20 +204,21 @@ def _render_runs(platform):
         )
 
 
-def chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    base = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
-    base += ["--window-size=1400,1000", "--virtual-time-budget=15000"]
-    return subprocess.run([*base, *args], capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"), reason="no chromium")
 def test_the_ui_shows_the_run_and_its_artifacts(platform, tmp_path):
     assert CHROMIUM is not None, "chromium is not installed; the test command installs it"
     run = latest_run(platform, "command-local", completed=True)
     page = f"{platform.ui}/runs/flow-run/{run.id}"
-    dom = chromium("--dump-dom", page).stdout
+    # without the auth string the UI shows its login, and nothing of the run
+    locked = ui_page(page, None, wait_for=(run.name,), timeout_s=15)
+    assert run.name not in locked
+    shot = Path(os.environ.get("GPUFLOW_SCREENSHOTS", tmp_path)) / "flow-run.png"
+    shot.parent.mkdir(parents=True, exist_ok=True)
+    shown = (run.name, "gpu-pipeline", "command-local", "Completed")
+    dom = ui_page(page, platform.auth, wait_for=shown, screenshot=shot)
     assert run.name in dom and "gpu-pipeline" in dom and "command-local" in dom
     assert "Completed" in dom
+    assert shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from prefect.client.schemas.filters import (
         ArtifactFilter,
         ArtifactFilterKey,
@@ -198,12 +231,9 @@ def test_the_ui_shows_the_run_and_its_artifacts(platform, tmp_path):
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["gpuflow-summary"])),
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[UUID(str(run.id))])),
         )
-    artifact_dom = chromium("--dump-dom", f"{platform.ui}/artifacts/artifact/{summary.id}").stdout
+    artifact = f"{platform.ui}/artifacts/artifact/{summary.id}"
+    artifact_dom = ui_page(artifact, platform.auth, wait_for=("duration:", "cost: $"))
     assert "duration:" in artifact_dom and "cost: $" in artifact_dom
-    shot = Path(os.environ.get("GPUFLOW_SCREENSHOTS", tmp_path)) / "flow-run.png"
-    shot.parent.mkdir(parents=True, exist_ok=True)
-    chromium(f"--screenshot={shot}", page)
-    assert shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_gpuflow_run_records_its_run_on_the_running_platform(platform, tmp_path):

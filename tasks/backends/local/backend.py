@@ -50,6 +50,8 @@ from tasks.host import (
     OutputPump,
     alive,
     gpuflow_home,
+    job_environ,
+    read_state_json,
     resolve_program,
     start_time,
     stop_group,
@@ -97,10 +99,7 @@ class LocalBackend:
         return self.home / "clusters" / f"{name}.json"
 
     def _read_record(self, name: str) -> dict | None:
-        try:
-            return json.loads(self._record_path(name).read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
+        return read_state_json(self._record_path(name))
 
     def _write_record(self, record: dict) -> None:
         write_atomic(self._record_path(record["cluster"]["name"]), json.dumps(record, default=str))
@@ -229,11 +228,8 @@ class LocalBackend:
     def _claimed(self, index: int) -> bool:
         """Return True when another live gpuflow cluster holds GPU `index` of this host."""
         path = self.home / "gpus" / f"{index}.json"
-        try:
-            claim = json.loads(path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return False
-        return self._read_record(claim.get("cluster", "")) is not None
+        claim = read_state_json(path)
+        return claim is not None and self._read_record(str(claim.get("cluster", ""))) is not None
 
     def provision(self, spec: JobSpec, owner: Mapping[str, str]) -> Cluster:
         """Reserve GPUs and make the workspace. Retried with the same owner, it adopts what
@@ -328,11 +324,10 @@ class LocalBackend:
         return [i for i, _ in taken], [p for _, p in taken]
 
     def _drop_stale_claim(self, path: Path) -> None:
-        try:
-            claim = json.loads(path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+        claim = read_state_json(path)
+        if claim is None:
             return
-        if self._read_record(claim.get("cluster", "")) is None:
+        if self._read_record(str(claim.get("cluster", ""))) is None:
             path.unlink(missing_ok=True)
 
     def run(
@@ -357,7 +352,7 @@ class LocalBackend:
             )
         gpus = cluster.gpu_indices if unit.gpus is None else unit.gpus
         child_env = {
-            **os.environ,
+            **job_environ(),
             **env,
             **unit.env,
             **unit_env(unit.node, cluster.nodes, cluster.workspace, gpus),
@@ -473,10 +468,9 @@ class LocalBackend:
         claims = self.home / "gpus"
         for index in cluster.gpu_indices:
             path = claims / f"{index}.json"
-            with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
-                if json.loads(path.read_text()).get("cluster") == cluster.name:
-                    path.unlink(missing_ok=True)
-                    report.released_gpus.append(index)
+            if _claim_owner(path) == cluster.name:
+                path.unlink(missing_ok=True)
+                report.released_gpus.append(index)
         if cluster.gpu_lease_id:
             report.released_lease = gpu_slots.release(cluster.gpu_lease_id)
         workspace = Path(cluster.workspace)
@@ -533,7 +527,5 @@ def _stop_strays(workspace: str, grace_s: float = 5.0, cwd_since: float | None =
 
 
 def _claim_owner(path: Path) -> str | None:
-    try:
-        return json.loads(path.read_text()).get("cluster")
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+    claim = read_state_json(path)
+    return None if claim is None else claim.get("cluster")

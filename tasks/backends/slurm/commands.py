@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from tasks.errors import InvalidSpec, ProvisionError
+from tasks.host import job_environ
 
 # Every Slurm command gpuflow runs answers within this (slurmctld down: it says so sooner).
 TIMEOUT_S = 60.0
@@ -75,7 +76,7 @@ class LocalClient:
         """Start a Slurm command (srun) with `env` added to this process's environment."""
         return subprocess.Popen(
             argv,
-            env={**os.environ, **env},
+            env={**job_environ(), **env},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,

@@ -1,0 +1,171 @@
+"""Prefect's API server as gpuflow runs it, for the local platform and the temporary API:
+only its user gets in, and no web page drives it.
+
+- Authentication: Prefect's own basic-auth string (PREFECT_SERVER_API_AUTH_STRING), made
+  per platform or per GPUFLOW_HOME's temporary API, kept in a 0600 file that only this
+  user can read. The program reads it from that file (never from its argv, which every
+  local user sees in `ps`); every request without it gets 401 (Prefect's /health and
+  /ready excepted), and websockets are refused without it too.
+- A Host check against DNS rebinding: a page whose name resolves to 127.0.0.1 sends its
+  own name as Host; only IP literals, `localhost` and the names the platform was given
+  get through (421 otherwise).
+- CORS only for the server's own origin (PREFECT_SERVER_CORS_ALLOWED_ORIGINS), so another
+  page's script cannot read the answers.
+- umask 077: the database, its journal and the logs the server writes are 0600.
+
+Run as `python -m tasks.platform.server --port PORT --auth-file FILE [--ui] [--idle-s S]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ipaddress
+import os
+import stat
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from tasks.host import read_private
+from tasks.platform import kept_api
+
+STARTUP_FAILED = kept_api.STARTUP_FAILED
+LOCAL_NAMES = ("localhost",)
+
+
+def host_allowed(host_header: str, names: frozenset[str]) -> bool:
+    """Return True when a request's Host header names this server by an address (an IP
+    literal, which a rebinding page cannot send: its own origin is a name), `localhost`, or
+    one of `names` the server was told it is reached by."""
+    host = host_header.strip().lower()
+    if host.startswith("["):  # [::1]:4200
+        host = host[1 : host.find("]")] if "]" in host else ""
+    elif host.count(":") == 1:
+        host = host.rsplit(":", 1)[0]
+    if not host:
+        return False
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return host in LOCAL_NAMES or host in names
+
+
+class HostCheck:
+    """ASGI middleware: a request (or websocket) whose Host this server does not answer to
+    is refused before Prefect sees it."""
+
+    def __init__(self, app: Any, names: frozenset[str]) -> None:
+        self.app, self.names = app, names
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            headers = dict(scope.get("headers") or [])
+            host = headers.get(b"host", b"").decode("latin-1")
+            if not host_allowed(host, self.names):
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                body = b'{"detail": "this server does not answer to that Host"}'
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 421,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                        ],
+                    }
+                )
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app() -> Any:
+    """Return Prefect's server app (API, and the UI when enabled) behind the Host check."""
+    from prefect.server.api.server import create_app as prefect_app
+
+    names = frozenset(n for n in os.environ.get("GPUFLOW_SERVER_NAMES", "").split(",") if n)
+    final = os.environ.get("PREFECT__SERVER_FINAL") == "1"
+    return HostCheck(prefect_app(final=final), names)
+
+
+def narrow_database() -> None:
+    """Make the server's SQLite database, its journal files and their folder this user's
+    alone (an older one, or one Prefect made, may be 0644: it holds the key that decrypts
+    the blocks' secrets). A database of another user's is left as it is."""
+    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
+
+    url = PREFECT_API_DATABASE_CONNECTION_URL.value() or ""
+    if not url.startswith("sqlite") or ":///" not in url:
+        return
+    database = Path(url.split(":///", 1)[1].split("?", 1)[0])
+    for path, mode in [(database.parent, 0o700)] + [
+        (database.with_name(database.name + suffix), 0o600) for suffix in ("", "-wal", "-shm")
+    ]:
+        with contextlib.suppress(OSError):
+            info = path.lstat()
+            mine = info.st_uid == os.geteuid() and not stat.S_ISLNK(info.st_mode)
+            if mine and info.st_mode & 0o077:
+                path.chmod(mode)
+
+
+def serve(argv: list[str]) -> int:
+    """Run Prefect's API server on HOST:PORT until SIGTERM, or until it has been idle for
+    --idle-s (then remove its record and log); return the exit code."""
+    parser = argparse.ArgumentParser(prog="python -m tasks.platform.server")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--auth-file", type=Path, required=True)
+    parser.add_argument("--ui", action="store_true")
+    parser.add_argument("--name", action="append", default=[], help="a Host name it answers to")
+    parser.add_argument("--servers", type=Path)
+    parser.add_argument("--idle-s", type=float, default=0.0)
+    parser.add_argument("--log", type=Path)
+    args = parser.parse_args(argv)
+    os.umask(0o077)
+    origin_host = f"[{args.host}]" if ":" in args.host else args.host
+    os.environ.update(
+        PREFECT_SERVER_API_AUTH_STRING=read_private(args.auth_file).strip(),
+        PREFECT_SERVER_CORS_ALLOWED_ORIGINS=",".join(
+            f"http://{name}:{args.port}" for name in dict.fromkeys([origin_host, "localhost"])
+        ),
+        PREFECT_SERVER_UI_ENABLED="true" if args.ui else "false",
+        GPUFLOW_SERVER_NAMES=",".join(args.name),
+        PREFECT__SERVER_FINAL="1",
+    )
+    narrow_database()
+    import uvicorn
+
+    config = uvicorn.Config(
+        "tasks.platform.server:create_app",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        log_level="error",
+        lifespan="on",
+        # Stopping must not wait for keep-alive connections the commands still hold.
+        timeout_graceful_shutdown=2,
+    )
+    server = uvicorn.Server(config)
+    stopped: list[bool] = []
+    if args.idle_s > 0 and args.servers:
+        threading.Thread(
+            target=kept_api.stop_when_idle,
+            args=(server, args.servers, args.idle_s, stopped),
+            daemon=True,
+            name="idle-stop",
+        ).start()
+    server.run()
+    if stopped:
+        if args.log:
+            args.log.unlink(missing_ok=True)
+        return 0
+    return 0 if server.started else STARTUP_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(serve(sys.argv[1:]))
