@@ -364,6 +364,31 @@ class OutputPump:
 
 
 @contextlib.contextmanager
+def signals_held(what: str) -> Iterator[None]:
+    """Hold SIGINT and SIGTERM while the body runs (work that must not be cut short); the
+    first that arrived meanwhile is delivered, to the handler it would have met, once the
+    body has ended. Only the main thread handles signals; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        if not arrived:
+            print(f"[gpuflow] stopping once {what} is done", file=sys.stderr, flush=True)
+        arrived.append(signum)
+
+    previous = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if arrived:
+            signal.raise_signal(arrived[0])
+
+
+@contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
     """While a job is being stopped after an interruption, a second SIGINT or SIGTERM is
     absorbed (with one line), so that the stop keeps the job's grace and runs once.

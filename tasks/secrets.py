@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 
 from tasks.errors import InvalidSpec
@@ -25,9 +26,40 @@ class Redactor:
         self._values = sorted((p for p in parts if len(p) >= MIN_MASKED), key=len, reverse=True)
 
     def __call__(self, text: str) -> str:
+        """Return `text` fit to show: every known secret masked, control characters
+        escaped (`printable`)."""
         for value in self._values:
             text = text.replace(value, MASK)
-        return text
+        return printable(text)
+
+
+# C0 controls but tab and newline, DEL, C1 controls and lone surrogates: a terminal obeys the
+# controls (ESC starts its sequences, CR overwrites a line), PostgreSQL refuses NUL, and no
+# encoder takes a lone surrogate.
+CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def printable(text: str) -> str:
+    """Return `text` with every control character (but tab and newline) written out as
+    \\xNN (\\uNNNN for a lone surrogate): what a job prints can be stored by any
+    database Prefect uses and shown on a terminal without acting on it."""
+    return CONTROL.sub(_escape, text)
+
+
+def _escape(found: re.Match[str]) -> str:
+    code = ord(found.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable_json(value: object) -> object:
+    """Return a JSON value with every string in it (keys too) made `printable`."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, list):
+        return [printable_json(item) for item in value]
+    if isinstance(value, dict):
+        return {printable(str(k)): printable_json(v) for k, v in value.items()}
+    return value
 
 
 def _parts(secret: str) -> set[str]:

@@ -57,7 +57,17 @@ def storage_url(value: str) -> str:
         raise ValueError(
             f"{value!r} is not a storage URL; write file:///absolute/path or s3://bucket/prefix"
         )
-    return value.rstrip("/")
+    return no_climbing(value).rstrip("/")
+
+
+def no_climbing(value: str) -> str:
+    """Return a file:// URL whose path has no `..`: `file:///x/../../etc` would land in
+    /etc, not under /x."""
+    if value.startswith("file://") and ".." in value.removeprefix("file://").split("/"):
+        raise ValueError(
+            f"{value!r} climbs out of its folder with '..'; write the folder's own absolute path"
+        )
+    return value
 
 
 StorageUrl = Annotated[str, AfterValidator(storage_url)]
@@ -216,7 +226,7 @@ class Storage(SpecModel):
             )
         if not re.match(r"^file:///.+", value):
             raise ValueError(f"{value!r} is not a storage URL; write file:///absolute/path")
-        return value
+        return no_climbing(value)
 
 
 class IdleGpu(SpecModel):

@@ -41,6 +41,59 @@ def test_links_are_never_followed_out_of_the_outputs(tmp_path):
     ]
 
 
+def test_modes_are_kept_never_widened_and_hard_links_out_are_left_out(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("someone else's")
+    source = tmp_path / "outputs"
+    source.mkdir()
+    (source / "key.pem").write_text("private")
+    (source / "key.pem").chmod(0o600)
+    (source / "run.sh").write_text("#!/bin/sh\n")
+    (source / "run.sh").chmod(0o750)
+    (source / "a.txt").write_text("shared inside")
+    os.link(source / "a.txt", source / "b.txt")  # two names inside: both copied
+    os.link(outside, source / "stolen.txt")  # a name for a file outside: left out
+    target = tmp_path / "artifacts"
+    skipped = copy_outputs(source, target, lambda text: text)
+    assert skipped == ["stolen.txt (a hard link to a file outside the outputs)"]
+    assert (target / "key.pem").stat().st_mode & 0o777 == 0o600
+    assert (target / "run.sh").stat().st_mode & 0o777 == 0o750
+    assert (target / "b.txt").read_text() == "shared inside"
+    assert not list(target.glob(".*.part"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a file of another user's")
+def test_a_file_of_another_user_is_left_out(tmp_path):
+    source = tmp_path / "outputs"
+    source.mkdir()
+    (source / "theirs.txt").write_text("not the job's")
+    os.chown(source / "theirs.txt", 65534, 65534)
+    skipped = copy_outputs(source, tmp_path / "artifacts", lambda text: text)
+    assert skipped == ["theirs.txt (not the job's own file: it belongs to uid 65534)"]
+
+
+def test_a_full_disk_leaves_no_truncated_file_under_its_final_name(tmp_path):
+    """The copy of a 3 MiB file into a 1 MiB tmpfs fails with ENOSPC: the error reaches
+    the caller and nothing is left under the file's name."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    source = tmp_path / "outputs"
+    source.mkdir()
+    (source / "big.bin").write_bytes(os.urandom(3 << 20))
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        with pytest.raises(OSError) as caught:
+            copy_outputs(source, small / "artifacts", lambda text: text)
+        assert caught.value.errno == 28  # ENOSPC
+        assert sorted(p.name for p in (small / "artifacts").iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
 def test_error_and_result_files_are_copied_masked(tmp_path):
     source = tmp_path / "outputs"
     source.mkdir()
@@ -74,3 +127,30 @@ def test_redactor_masks_every_line_and_leaf(case):
 def test_json_secrets_reach_the_job_as_json():
     assert json.loads(as_env_value({"api_key": "x", "n": 1})) == {"api_key": "x", "n": 1}
     assert as_env_value("plain text") == "plain text"
+
+
+PRINTABLE = [
+    ("plain text, tabs\tand\nnewlines", "plain text, tabs\tand\nnewlines"),
+    ("nul\x00byte", "nul\\x00byte"),
+    ("\x1b[2Jcleared", "\\x1b[2Jcleared"),
+    ("over\rwritten", "over\\x0dwritten"),
+    ("c1 \x9b control", "c1 \\x9b control"),
+    ("del\x7f", "del\\x7f"),
+    ("lone \udcff surrogate", "lone \\udcff surrogate"),
+    ("accents é and 漢字 stay", "accents é and 漢字 stay"),
+]
+
+
+@pytest.mark.parametrize(("text", "shown"), PRINTABLE)
+def test_what_a_job_prints_is_made_printable(text, shown):
+    from tasks.secrets import printable
+
+    assert printable(text) == shown
+    shown.encode("utf-8")  # any database and terminal take it
+
+
+def test_result_figures_are_made_printable_keys_and_all():
+    from tasks.secrets import printable_json
+
+    figures = {"a\x00": ["x\x1by", {"n": 1.5, "ok": True, "s": "\r"}]}
+    assert printable_json(figures) == {"a\\x00": ["x\\x1by", {"n": 1.5, "ok": True, "s": "\\x0d"}]}

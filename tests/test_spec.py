@@ -58,6 +58,14 @@ BAD = [
     ({"job": CMD, "env": {"N": 4}}, 'env.N: environment values are text; quote it, e.g. N: "4"'),
     ({"job": CMD, "limits": {"max_duration": 1e400}}, "limits.max_duration: inf is not a finite"),
     ({"job": CMD, "limits": {"max_duration": "1e400"}}, "'1e400' is not a finite duration"),
+    (
+        {"job": CMD, "storage": {"artifacts": "file:///x/../../etc/y"}},
+        "storage.artifacts: 'file:///x/../../etc/y' climbs out of its folder with '..'",
+    ),
+    (
+        {"job": {"kind": "render", "scene": "/s.blend", "output": "file:///o/../../etc"}},
+        "climbs out of its folder with '..'",
+    ),
     # a one-string command with shell syntax is refused, never run as split words
     (
         {"job": {"kind": "command", "command": "echo hi; echo there"}},

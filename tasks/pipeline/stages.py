@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
+import os
 import shutil
 import socket
 import threading
@@ -47,7 +48,7 @@ from tasks.errors import (
     retry_unless,
     retry_when_retryable,
 )
-from tasks.host import gpuflow_home
+from tasks.host import gpuflow_home, signals_held
 from tasks.kinds.registry import kind_of
 from tasks.logstream import LineBatcher, job_output_sink
 from tasks.metrics import cost as pricing
@@ -56,7 +57,7 @@ from tasks.metrics.plot import utilisation_png
 from tasks.metrics.prometheus import LivePush, delete, exposition, push
 from tasks.metrics.sampler import NODE_SAMPLES, SAMPLES, Sampler, SampleTail, read_samples
 from tasks.metrics.summary import IDLE_PCT, RunMetrics, summarise
-from tasks.outputs import copy_outputs
+from tasks.outputs import copy_outputs, keep_whole
 from tasks.pipeline import preflight as preflight_checks
 from tasks.pipeline.inflight import unit_running
 from tasks.pipeline.pool import Use
@@ -577,6 +578,9 @@ def _failure(
     return None
 
 
+RESULT_LIMIT = 1 << 20  # result.json holds figures, not data
+
+
 @task(name="collect", cache_policy=None)
 def collect(
     spec: JobSpec,
@@ -648,12 +652,38 @@ def _collect(
         shutil.copyfile(samples_path, out / "samples.jsonl")
     outputs = Path(cluster.workspace) / "outputs"
     redact = secrets.Redactor(secrets.resolve(spec.secret_env).values())
-    if outputs.is_dir():
-        for left_out in copy_outputs(outputs, out / "outputs", redact):
-            logger.warning("outputs/%s was not copied to the artifacts", left_out)
+    if outputs.is_symlink():  # the job replaced its outputs folder: nothing is followed
+        logger.warning(
+            "outputs is a link (to %s), not the job's folder: nothing of it was copied to the"
+            " artifacts",
+            os.readlink(outputs),
+        )
+    elif outputs.is_dir():
+        # A signal now waits for the copy: what a completed job produced is not cut short
+        # by Ctrl-C, and teardown (which removes the workspace) runs after it.
+        with signals_held("the job's outputs are copied to the artifacts"):
+            try:
+                left_out = copy_outputs(outputs, out / "outputs", redact)
+            except OSError as exc:  # a full or read-only artifacts disk
+                kept = keep_whole(outputs)
+                raise CollectError(
+                    f"the job's outputs could not be copied to {out} ({exc.strerror or exc});"
+                    f" they are kept whole in {kept}: free space there, then copy them"
+                ) from None
+        for left in left_out:
+            logger.warning("outputs/%s was not copied to the artifacts", left)
     job_result: dict[str, Any] = {}
     result_file = out / "outputs" / "result.json"
-    if result_file.is_file():
+    too_big = result_file.is_file() and result_file.stat().st_size > RESULT_LIMIT
+    if too_big:
+        logger.warning(
+            "outputs/result.json is %.1f MiB: gpuflow shows the figures of a result.json of"
+            " up to %d MiB; it is in the artifacts, its figures are not shown (write large"
+            " data to other files)",
+            result_file.stat().st_size / 2**20,
+            RESULT_LIMIT // 2**20,
+        )
+    elif result_file.is_file():
         try:
             job_result = json.loads(result_file.read_text(errors="replace"))
         except (ValueError, RecursionError) as exc:  # not JSON, or nested past the parser
@@ -663,6 +693,7 @@ def _collect(
                 "the job wrote a result.json that is not a JSON object: write its figures as"
                 ' {"name": value, ...}'
             )
+        job_result = secrets.printable_json(job_result)  # as any database takes it
     run_cost = cost_of(spec, cluster, prices, outcome.result.duration_s)
     idle = spec.limits.idle_gpu
     metrics = summarise(

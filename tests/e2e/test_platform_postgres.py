@@ -68,6 +68,30 @@ def test_runs_and_logs_land_in_postgresql(platform, tmp_path):
     assert "runs kept in PostgreSQL" in status.stdout
 
 
+def test_a_job_that_prints_bytes_postgresql_refuses_still_ends_its_run(platform, tmp_path):
+    """NUL, invalid UTF-8 and a terminal's escape sequence in a failing job's last lines
+    (and in its result.json) are escaped before they reach the API: the run ends Failed,
+    its log holds the lines, and gpuflow's own sentence carries no raw control byte."""
+    spec = tmp_path / "job.yaml"
+    script = (
+        'printf "nul\\000here bad\\377utf8 \\033[2Jcleared\\n"; '
+        'printf \'{"note": "a\\\\u0000b"}\' > "$GPUFLOW_OUTPUT_DIR/result.json"; exit 3'
+    )
+    spec.write_text(
+        json.dumps({"name": "bytes", "job": {"kind": "command", "command": ["sh", "-c", script]}})
+    )
+    run = platform.gpuflow("run", str(spec), timeout=300)
+    assert run.returncode == 1, run.stdout + run.stderr
+    said = run.stdout + run.stderr
+    assert "\x00" not in said and "\x1b" not in said
+    assert "gpuflow: failed: the job exited with code 3; last lines: nul\\x00here" in said
+    [row] = platform.sql("select id, state_type from flow_run order by created desc limit 1")
+    run_id, state = row.split("|")
+    assert state == "FAILED", row
+    logged = "\n".join(platform.sql(f"select message from log where flow_run_id = '{run_id}'"))
+    assert "nul\\x00here bad\ufffdutf8 \\x1b[2Jcleared" in logged
+
+
 def test_the_database_password_stays_out_of_state_logs_and_the_worker(platform):
     password = (platform.home / "platform" / "postgres.password").read_text().strip()
     assert len(password) >= 24

@@ -1,0 +1,56 @@
+"""A job's outputs reach the artifacts as the job left them, never more, and what a completed
+job produced is not lost to a signal: a job that swaps its outputs folder for a link to /etc
+gets nothing of /etc copied; Ctrl-C while collect copies 20,000 files waits for the copy."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.helpers import nothing_left
+from tests.e2e.test_first_run import fresh_env, start_run, wait_for
+from tests.e2e.test_pipeline import NO_RETRY, run_pipeline
+
+pytestmark = pytest.mark.e2e
+
+
+def test_an_outputs_folder_swapped_for_a_link_copies_nothing(prefect_api, gpuflow_home):
+    swap = 'echo x > "$GPUFLOW_OUTPUT_DIR/mine.txt"; rm -rf "$GPUFLOW_OUTPUT_DIR"'
+    swap += ' && ln -s /etc "$GPUFLOW_OUTPUT_DIR"'
+    raw = {"job": {"kind": "command", "command": ["sh", "-c", swap]}, "retry": NO_RETRY}
+    state, _ = run_pipeline(raw)
+    assert state.is_completed(), state.message
+    out = Path(state.result().artifacts_dir)
+    assert not (out / "outputs").exists()  # neither /etc's files nor a link to them
+    assert not any(p.name in ("passwd", "shadow", "hostname") for p in out.rglob("*"))
+    assert nothing_left(gpuflow_home)
+
+
+def test_ctrl_c_while_collect_copies_keeps_every_output(tmp_path):
+    files = 20_000
+    home = tmp_path / "home"
+    env = fresh_env(tmp_path, home) | {"GPUFLOW_API_IDLE_S": "0"}
+    make = f'cd "$GPUFLOW_OUTPUT_DIR" && seq 1 {files} | xargs touch'
+    proc = start_run(tmp_path, f"[sh, -c, '{make}']", env, start_new_session=True)
+    copied = home / "runs"
+
+    def copying() -> bool:
+        return any(copied.glob("*/outputs"))
+
+    wait_for(proc, copying)
+    os.kill(proc.pid, signal.SIGSTOP)  # frozen in the copy: the signal lands there
+    try:
+        (run,) = copied.iterdir()
+        partial = sum(1 for _ in (run / "outputs").iterdir()) < files
+        os.killpg(proc.pid, signal.SIGINT)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130, out[-3000:]
+    assert sorted(int(p.name) for p in (run / "outputs").iterdir()) == list(range(1, files + 1))
+    if partial:  # as good as always: 20,000 files take far longer than one look
+        assert "[gpuflow] stopping once the job's outputs are copied to the artifacts" in out
+    assert not list((home / "workspaces").iterdir())  # teardown still ran, after the copy
