@@ -54,3 +54,34 @@ def test_ctrl_c_while_collect_copies_keeps_every_output(tmp_path):
     if partial:  # as good as always: 20,000 files take far longer than one look
         assert "[gpuflow] stopping once the job's outputs are copied to the artifacts" in out
     assert not list((home / "workspaces").iterdir())  # teardown still ran, after the copy
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small tmpfs")
+def test_a_full_artifacts_disk_keeps_the_outputs_whole_and_says_where(
+    prefect_api, gpuflow_home, tmp_path
+):
+    import subprocess
+
+    from tasks.errors import CollectError
+
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        write = 'head -c 3000000 /dev/urandom > "$GPUFLOW_OUTPUT_DIR/model.bin"'
+        raw = {
+            "job": {"kind": "command", "command": ["sh", "-c", write]},
+            "storage": {"artifacts": f"file://{small}"},
+            "retry": NO_RETRY,
+        }
+        state, _ = run_pipeline(raw)
+        assert state.is_failed()
+        error = state.result(raise_on_failure=False)
+        assert isinstance(error, CollectError), error
+        said = str(error)
+        assert "could not be copied to" in said and "No space left on device" in said
+        kept = Path(said.split("they are kept whole in ")[1].split(":")[0])
+        assert (kept / "model.bin").stat().st_size == 3_000_000
+        assert not list(small.rglob("model.bin*"))  # nothing truncated under its name
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
