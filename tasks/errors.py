@@ -38,6 +38,12 @@ class TransientError(GpuflowError):
     retryable = True
 
 
+class Unreachable(TransientError):
+    """A service a placement needs (a cloud's API, a cluster) did not answer; the message
+    names it and the real cause. In a placement list it makes that candidate one that
+    cannot start, not a refusal of the job."""
+
+
 class PreflightFailed(GpuflowError):
     """The host cannot run this job as asked (no GPU, driver too old, disk full)."""
 

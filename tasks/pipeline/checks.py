@@ -7,7 +7,7 @@ from __future__ import annotations
 from tasks import placement, secrets
 from tasks.backends.registry import get_backend
 from tasks.contract import Capabilities, Needs
-from tasks.errors import InvalidSpec
+from tasks.errors import InvalidSpec, Unreachable
 from tasks.host import resolve_program
 from tasks.kinds.registry import kind_of
 from tasks.metrics.cost import PriceTable
@@ -33,16 +33,24 @@ def check_pool(spec: JobSpec) -> list[tuple[JobSpec, PriceTable]]:
     passed every check; InvalidSpec naming the candidate otherwise. Nothing is made."""
     if not spec.candidates:
         return [check_spec(spec)]
-    checked = []
+    checked, away = [], []
     for index, candidate in enumerate(spec.candidates):
+        placed = spec.model_copy(update={"placement": candidate})
         try:
-            checked.append(check_spec(spec.model_copy(update={"placement": candidate})))
+            checked.append(check_spec(placed))
+        except Unreachable as exc:
+            # a candidate whose service is away is one that cannot start now (its offers
+            # say why), not a job that cannot run: another candidate may take it
+            away.append(exc)
+            checked.append(placement.resolve(placed))
         except InvalidSpec as exc:
             named = f"placement[{index}]"
             said = str(exc).replace("placement.", f"{named}.")
             if not said.startswith(named):
                 said = f"{named} ({candidate.backend}): {said}"
             raise InvalidSpec(said) from None
+    if len(away) == len(checked):
+        raise away[0]
     return checked
 
 

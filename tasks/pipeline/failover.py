@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from tasks.api_client import publish
 from tasks.backends.registry import get_backend
 from tasks.contract import Cluster, Offer, RunOutcome
-from tasks.errors import CapacityError, GpuflowError, PreemptedError, retry_unless
+from tasks.errors import CapacityError, GpuflowError, PreemptedError, Unreachable, retry_unless
 from tasks.metrics.cost import PriceTable
 from tasks.pipeline.pool import (
     Candidate,
@@ -175,7 +175,9 @@ def place_on(pool: list[tuple[JobSpec, PriceTable]], run_id: str, owner: dict[st
         moving = moves_on_preempt(spec.placement_policy, candidate.offer)
         # a pool hands capacity (and, where it moves on, a preemption) to the next
         # candidate instead of retrying the same one
-        handed_on = (CapacityError, PreemptedError) if moving else (CapacityError,)
+        handed_on = (
+            (CapacityError, Unreachable, PreemptedError) if moving else (CapacityError, Unreachable)
+        )
         condition = retry_unless(*handed_on)
         cluster: Cluster | None = None
         try:
@@ -185,7 +187,7 @@ def place_on(pool: list[tuple[JobSpec, PriceTable]], run_id: str, owner: dict[st
             log.info("%s", placed_line(candidate, ranked))
             tell(spec, ranked, run_id, CHOSEN_EVENT, chosen=candidate.name)
             outcome = run_stage(job, cluster, prices, run_id, handed_on)
-        except CapacityError as exc:
+        except (CapacityError, Unreachable) as exc:  # full, or its service is away
             candidate.verdict, candidate.reason = "given up", str(exc).rstrip(".")
             _release(job, run_id, cluster, candidate, prices, "given up", earlier)
             following = queue[0].name if queue else "none left"
@@ -233,7 +235,17 @@ def _release(
     ended: str,
     earlier: list[Use],
 ) -> None:
-    """Tear down what a candidate given up or preempted made, noting what it held."""
+    """Tear down what a candidate given up or preempted made, noting what it held. One
+    whose service does not answer is named: its owner labels and deadlines stand, and
+    `gpuflow reap` finds what it made once it answers."""
     if cluster is not None and ended == "preempted":
         earlier.append(use_of(candidate, job, cluster, prices, ended))
-    teardown_owned(job.placement, run_id)
+    try:
+        teardown_owned(job.placement, run_id)
+    except Unreachable as exc:
+        get_run_logger().warning(
+            "%s: what this run made there could not be checked now (%s); `gpuflow reap` removes"
+            " it once it answers",
+            candidate.name,
+            exc,
+        )

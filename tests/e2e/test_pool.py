@@ -6,6 +6,7 @@ in test_pool_clusters.py."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -220,3 +221,44 @@ def test_pool_offers_prints_every_candidate_side_by_side(prefect_api, gpuflow_ho
         " placement[0].block."
     )
     assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
+
+
+def test_pool_a_candidate_whose_cloud_does_not_answer_is_passed_over(
+    aws, prefect_api, gpuflow_home
+):
+    """A candidate whose EC2 endpoint is down is a candidate that cannot start, with the
+    real cause, not a refusal of the job: the job runs on the next one. With no other
+    candidate, the run says the same cause and is not called invalid input."""
+    from prefect_aws import AwsCredentials
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    from blocks.ec2_fleet import Ec2GpuFleet
+    from tasks.errors import Unreachable
+    from tests.conftest import free_port
+    from tests.e2e.conftest import FLEET
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    AwsCredentials(
+        aws_access_key_id="x",
+        aws_secret_access_key="y",
+        region_name="us-east-1",
+        aws_client_parameters=AwsClientParameters(
+            endpoint_url=dead, config={"retries": {"max_attempts": 1, "mode": "standard"}}
+        ),
+    ).save("gpuflow-down-aws", overwrite=True)
+    fleet = Ec2GpuFleet.load(FLEET)
+    fleet.aws_credentials = "gpuflow-down-aws"
+    fleet.save("gpuflow-down-fleet", overwrite=True)
+    down = {"backend": "ec2", "block": "gpuflow-down-fleet"}
+    raw = pooled(down, {"backend": "local"})
+    assert len(check_pool(load_spec(raw))) == 2
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    assert state.is_completed(), state.message
+    rows = {
+        r["candidate"]: r
+        for r in _rows(latest(state.result().flow_run_id, "gpuflow-placement").data)
+    }
+    ec2_row = next(r for name, r in rows.items() if name.startswith("[0] ec2"))
+    assert "did not answer" in json.dumps(ec2_row) and dead in json.dumps(ec2_row)
+    with pytest.raises(Unreachable, match=r"^EC2 in us-east-1 did not answer when asked to"):
+        check_pool(load_spec({**raw, "placement": down}))

@@ -488,11 +488,14 @@ class Ec2Backend:
         filters = [{"Name": f"tag:{k}", "Values": [v]} for k, v in selector.items()]
         filters.append({"Name": "instance-state-name", "Values": launching.LIVE})
         runs: dict[str, list[dict]] = {}
-        for page in ec2.get_paginator("describe_instances").paginate(Filters=filters):
-            for reservation in page["Reservations"]:
-                for i in reservation["Instances"]:
-                    tags = {t["Key"]: t["Value"] for t in i.get("Tags", [])}
-                    runs.setdefault(tags.get(RUN_LABEL, ""), []).append(i | {"tags": tags})
+        try:
+            for page in ec2.get_paginator("describe_instances").paginate(Filters=filters):
+                for reservation in page["Reservations"]:
+                    for i in reservation["Instances"]:
+                        tags = {t["Key"]: t["Value"] for t in i.get("Tags", [])}
+                        runs.setdefault(tags.get(RUN_LABEL, ""), []).append(i | {"tags": tags})
+        except Exception as exc:
+            raise aws_error(exc, fleet, "list the run's instances") from None
         one = selector.get(RUN_LABEL)
         if one and one not in runs:
             runs[one] = [{"tags": {**selector}, "LaunchTime": datetime.now(UTC)}]

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tasks.errors import InvalidSpec
+from tasks.errors import InvalidSpec, Unreachable
 from tasks.gpus import canonical_product, product_from_ec2
 from tasks.metrics.cost import HOURS_PER_MONTH, PriceTable
 from tasks.spec import JobSpec
@@ -159,10 +159,11 @@ def ec2_client(fleet: Fleet) -> Any:
     return aws_client(fleet, "ec2")
 
 
-def aws_error(exc: Exception, fleet: Fleet, doing: str) -> InvalidSpec:
+def aws_error(exc: Exception, fleet: Fleet, doing: str) -> InvalidSpec | Unreachable:
     """Return what went wrong talking to EC2 as one sentence with its real cause."""
     from botocore.exceptions import (
         ClientError,
+        ConnectTimeoutError,
         EndpointConnectionError,
         NoCredentialsError,
         ReadTimeoutError,
@@ -188,8 +189,8 @@ def aws_error(exc: Exception, fleet: Fleet, doing: str) -> InvalidSpec:
                 f" or grant ec2:Describe* to {doing}."
             )
         return InvalidSpec(f"{where} said {code} ({message}) when asked to {doing}.")
-    if isinstance(exc, EndpointConnectionError | ReadTimeoutError):
-        return InvalidSpec(f"{where} did not answer when asked to {doing}: {exc}.")
+    if isinstance(exc, EndpointConnectionError | ReadTimeoutError | ConnectTimeoutError):
+        return Unreachable(f"{where} did not answer when asked to {doing}: {exc}.")
     return InvalidSpec(f"{where} could not {doing}: {type(exc).__name__}: {exc}.")
 
 

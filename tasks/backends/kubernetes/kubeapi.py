@@ -24,7 +24,7 @@ import httpx
 from pydantic import BaseModel, SecretStr
 
 from tasks import yamlfile
-from tasks.errors import GpuflowError, InvalidSpec, TransientError
+from tasks.errors import GpuflowError, InvalidSpec, Unreachable
 
 IN_CLUSTER = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 IDEMPOTENT = {"GET", "PUT", "DELETE"}
@@ -41,7 +41,7 @@ class KubeError(GpuflowError):
         self.status, self.reason = status, reason
 
 
-class KubeUnreachable(TransientError):
+class KubeUnreachable(Unreachable):
     """The API server did not answer."""
 
 
