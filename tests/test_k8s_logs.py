@@ -110,14 +110,16 @@ def test_the_last_lines_and_outputs_arrive_when_the_follow_stream_outlives_its_p
     server = kubelet()
     server.lines = ["step 1", "step 2"]
     said: list[tuple[str, str]] = []
-    follower = LogFollower(server.api(), lambda s, line: said.append((s, line)), tmp_path)
+    follower = LogFollower(
+        server.api(), lambda s, line: said.append((s, line)), tmp_path, nonce="n0nce"
+    )
     follower.start(LOG_PATH)
     _wait_for(lambda: len(said) == 2)
     server.hold = False  # the open stream sends nothing more
     server.closing.set()
     server.closing = threading.Event()
     encoded = base64.b64encode(b'{"loss": 0.1}').decode()
-    server.lines += ["step 3", "done", f"@@gpuflow-output result.json {encoded}"]
+    server.lines += ["step 3", "done", f"@@gpuflow-output-n0nce result.json {encoded}"]
     follower.stop(drain_s=0.5)
     assert said == [("stdout", f"step {i}") for i in (1, 2, 3)] + [("stdout", "done")]
     assert (tmp_path / "result.json").read_text() == '{"loss": 0.1}'

@@ -280,12 +280,20 @@ def test_an_mpi_launcher_becomes_an_mpijob_of_one_worker_per_node():
         assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": f"gpuflow-{RUN}-env"}}]
 
 
+NONCE = "f00dfeed"  # the run's nonce, as the pod's Secret gives it
+
+
 def _wrapped(tmp_path, *program: str, **env: str) -> subprocess.Popen:
     from tasks.backends.kubernetes.manifests import UNIT_WRAPPER
 
     return subprocess.Popen(
         ["/bin/sh", "-c", UNIT_WRAPPER, "gpuflow-unit", *program],
-        env={"PATH": os.environ["PATH"], "GPUFLOW_OUTPUT_DIR": str(tmp_path / "out"), **env},
+        env={
+            "PATH": os.environ["PATH"],
+            "GPUFLOW_OUTPUT_DIR": str(tmp_path / "out"),
+            "GPUFLOW_LOG_NONCE": NONCE,
+            **env,
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -308,7 +316,7 @@ def test_the_unit_wrapper_keeps_the_exit_code_and_sends_the_outputs_back(tmp_pat
     assert lines[0] == "training"
     said: list[tuple[str, str]] = []
     follower = LogFollower(
-        None, lambda stream, line: said.append((stream, line)), tmp_path / "back"
+        None, lambda stream, line: said.append((stream, line)), tmp_path / "back", nonce=NONCE
     )
     for line in lines[1:]:
         follower._receive(line)
@@ -323,7 +331,7 @@ def test_the_unit_wrapper_keeps_the_exit_code_and_sends_the_outputs_back(tmp_pat
             " only from storage (write them to your job's output URL)",
         )
     ]
-    follower._receive("@@gpuflow-output ../../etc/cron.d/x aGk=")  # a name that climbs out
+    follower._receive(f"@@gpuflow-output-{NONCE} ../../etc/cron.d/x aGk=")  # climbs out
     assert said[-1] == (
         "stderr",
         "outputs/../../etc/cron.d/x was not taken: it would land outside outputs",
@@ -350,14 +358,18 @@ def test_the_unit_wrapper_samples_the_node_beside_the_unit_into_its_log(tmp_path
     assert proc.returncode == 0
     said: list[str] = []
     follower = LogFollower(
-        None, lambda _stream, line: said.append(line), tmp_path / "back", tmp_path / "node.jsonl"
+        None,
+        lambda _stream, line: said.append(line),
+        tmp_path / "back",
+        tmp_path / "node.jsonl",
+        nonce=NONCE,
     )
     for line in lines:
         follower._line(line)
     assert said == ["working", "done"]
     samples = [json.loads(line) for line in (tmp_path / "node.jsonl").read_text().splitlines()]
     assert len(samples) >= 3 and {s["Hostname"] for s in samples} == {"gpu-node-7"}
-    follower._line("@@gpuflow-sample {torn")  # half a line: dropped, not the run's
+    follower._line(f"@@gpuflow-sample-{NONCE} {{torn")  # half a line: dropped, not the run's
     assert said == ["working", "done"] and len(
         (tmp_path / "node.jsonl").read_text().splitlines()
     ) == len(samples)
@@ -372,7 +384,7 @@ def test_the_unit_wrapper_samples_the_node_beside_the_unit_into_its_log(tmp_path
         if raw.startswith("step"):
             break
     go.touch()
-    assert lines[-1].startswith("step 1/2@@gpuflow-sample {")
+    assert lines[-1].startswith(f"step 1/2@@gpuflow-sample-{NONCE} {{")
     lines += proc.communicate(timeout=60)[0].splitlines()
     said.clear()
     kept = len((tmp_path / "node.jsonl").read_text().splitlines())
@@ -381,9 +393,9 @@ def test_the_unit_wrapper_samples_the_node_beside_the_unit_into_its_log(tmp_path
     assert said == ["step 1/2", " done"]
     taken = (tmp_path / "node.jsonl").read_text().splitlines()[kept:]
     assert taken and {json.loads(line)["Hostname"] for line in taken} == {"gpu-node-7"}
-    follower._line("echo @@gpuflow-sample {not a sample")  # the mark in a job's own text
-    assert said[-1] == "echo @@gpuflow-sample {not a sample"
-    nested = "@@gpuflow-sample " + "[" * 100_000  # deeper than json can parse: the job's line
+    follower._line(f"echo @@gpuflow-sample-{NONCE} {{not a sample")  # the mark in job text
+    assert said[-1] == f"echo @@gpuflow-sample-{NONCE} {{not a sample"
+    nested = f"@@gpuflow-sample-{NONCE} " + "[" * 100_000  # deeper than json parses
     follower._line(f"x{nested}")
     follower._line(nested)  # and at a line's start: dropped, as a torn sample is
     assert said[-1] == f"x{nested}"
@@ -426,7 +438,7 @@ def test_output_lines_of_the_wrong_shape_and_odd_file_names_lose_nothing(tmp_pat
     assert stderr == ""
     said: list[tuple[str, str]] = []
     follower = LogFollower(
-        None, lambda stream, line: said.append((stream, line)), tmp_path / "back"
+        None, lambda stream, line: said.append((stream, line)), tmp_path / "back", nonce=NONCE
     )
     for line in stdout.splitlines():
         follower._line(line)
@@ -435,6 +447,43 @@ def test_output_lines_of_the_wrong_shape_and_odd_file_names_lose_nothing(tmp_pat
         ("stdout", "@@gpuflow-output-left n x"),
     ]
     assert [p.name for p in (tmp_path / "back").iterdir()] == ["result.json"]
+
+
+def test_a_job_cannot_print_a_record_of_the_wrapper_s(tmp_path):
+    """The run's nonce is taken out of the unit's environment before it starts: a job that
+    prints records as the wrapper does (the mark alone, a nonce it guessed, or a record it
+    copied from another run's log) writes no file and adds no sample; its lines are its
+    own. A Sample or output from the wrapper, with the nonce, still counts."""
+    from tasks.backends.kubernetes.logs import LogFollower
+
+    spoof = (
+        'env | grep -c GPUFLOW_LOG_NONCE; echo "$GPUFLOW_LOG_NONCE";'
+        " echo '@@gpuflow-output result.json eyJ4IjogMX0=';"
+        " echo '@@gpuflow-output-0ther result.json eyJ4IjogMX0=';"
+        """ echo '@@gpuflow-sample-0ther {"t": 1, "gpus": []}';"""
+        ' echo \'{"real": 1}\' > "$GPUFLOW_OUTPUT_DIR/result.json"'
+    )
+    proc = _wrapped(tmp_path, "sh", "-c", spoof)
+    stdout, _ = proc.communicate(timeout=60)
+    said: list[str] = []
+    follower = LogFollower(
+        None,
+        lambda _stream, line: said.append(line),
+        tmp_path / "back",
+        tmp_path / "node.jsonl",
+        nonce=NONCE,
+    )
+    for line in stdout.splitlines():
+        follower._line(line)
+    assert said == [
+        "0",
+        "",
+        "@@gpuflow-output result.json eyJ4IjogMX0=",
+        "@@gpuflow-output-0ther result.json eyJ4IjogMX0=",
+        '@@gpuflow-sample-0ther {"t": 1, "gpus": []}',
+    ]
+    assert json.loads((tmp_path / "back" / "result.json").read_text()) == {"real": 1}
+    assert not (tmp_path / "node.jsonl").exists()
 
 
 def test_an_api_server_that_answers_429_is_asked_again_after_its_retry_after():

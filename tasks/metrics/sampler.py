@@ -258,7 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", default="", help="GPU indices, comma-separated")
     parser.add_argument("--interval", type=float, default=1.0)
     parser.add_argument("--host", default=None, help="the node's name in the samples")
-    parser.add_argument("--mark", default="", help="with --out -: what each line starts with")
+    parser.add_argument(
+        "--mark",
+        default=os.environ.get("GPUFLOW_SAMPLE_MARK", ""),
+        help="with --out -: what each line starts with (default: $GPUFLOW_SAMPLE_MARK, which"
+        " no other process's command line shows)",
+    )
     parser.add_argument("--until-pid", type=int, help="also stop once this process is gone")
     args = parser.parse_args(argv)
     indices = [int(i) for i in args.gpus.split(",") if i.strip()]

@@ -117,7 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         assert blender.stdout is not None
         for line in blender.stdout:
-            say(line.rstrip("\n"))
+            # Blender's lines (the scene's own scripts print too) never pass for a record
+            # of this program's: one that starts with a mark is relayed behind a space
+            text = line.rstrip("\n")
+            say(f" {text}" if text.startswith("@@gpuflow") else text)
             saved.feed(line)
         code = blender.wait()
     finally:

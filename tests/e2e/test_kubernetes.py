@@ -964,6 +964,8 @@ def test_a_units_log_lines_stream_to_the_run_as_the_pod_prints_them(kube, testbe
     node's endpoint) reaches `on_line` line by line, in order, and ends the result's tail."""
     from datetime import UTC, datetime
 
+    from tasks.backends.kubernetes.logs import log_nonce
+
     namespace = "gpuflow-logs"  # where the testbed's ClusterLogs serves pod-logs/unit.log
     kube.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace}})
     printed = [f"step {i}: loss {1 / (i + 1):.3f}" for i in range(5)] + ["done"]
@@ -989,9 +991,10 @@ def test_a_units_log_lines_stream_to_the_run_as_the_pod_prints_them(kube, testbe
 
     # what the unit wrapper prints at the end: the unit's output files, sent back
     result_json = base64.b64encode(b'{"loss": 0.167}').decode()
+    nonce = log_nonce(cluster.name)  # what the wrapper has from the pod's Secret
     printed += [
-        f"@@gpuflow-output result.json {result_json}",
-        "@@gpuflow-output-left 3221225472 model.safetensors",
+        f"@@gpuflow-output-{nonce} result.json {result_json}",
+        f"@@gpuflow-output-left-{nonce} 3221225472 model.safetensors",
     ]
     try:
         result = backend.run(

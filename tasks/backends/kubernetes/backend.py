@@ -25,7 +25,7 @@ from tasks.backends.base import follow_unit
 from tasks.backends.kubernetes import manifests as objects
 from tasks.backends.kubernetes import reap as reaping
 from tasks.backends.kubernetes.kubeapi import KubeApi, KubeError, KubeUnreachable, load_config
-from tasks.backends.kubernetes.logs import LogFollower
+from tasks.backends.kubernetes.logs import LogFollower, log_nonce
 from tasks.backends.kubernetes.pending import explain_pending, free_now, used_gpus
 from tasks.backends.kubernetes.state import KubeState
 from tasks.contract import (
@@ -330,7 +330,8 @@ class KubernetesBackend:
         self._use_cluster(cluster)
         api = self.api()
         settings = state_of(cluster, KubeState).settings
-        self._put_secret(cluster, dict(env))
+        nonce = log_nonce(cluster.name)
+        self._put_secret(cluster, {**env, objects.NONCE_VARIABLE: nonce})
         deadline_s = int(timeout_s) + 1
         if unit.judge == "rank_status" and self._serves_mpijobs():
             manifest = objects.mpi_job(cluster, unit, settings, deadline_s, _slots(unit))
@@ -350,7 +351,7 @@ class KubernetesBackend:
         started = datetime.now(UTC)
         workspace = Path(cluster.workspace)
         node_samples = workspace / NODE_SAMPLES.replace("*", name)
-        follower = LogFollower(api, on_line, workspace / "outputs", node_samples)
+        follower = LogFollower(api, on_line, workspace / "outputs", node_samples, nonce)
         # this object's pods only: an earlier try's pod may linger (Terminating on a lost node)
         selector = (
             f"{MPI_JOB_LABEL}={name}"

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
+import hmac
 import json
+import secrets
 import threading
 from collections import deque
 from pathlib import Path, PurePosixPath
@@ -15,15 +18,33 @@ from tasks.backends.kubernetes import manifests as objects
 from tasks.backends.kubernetes.kubeapi import KubeApi
 from tasks.contract import LineSink
 
+# This process's key: the nonce of a cluster's pods is derived from it and the cluster's
+# name, the same for every unit this process runs there, known to no job.
+_NONCE_KEY = secrets.token_bytes(32)
+
+
+def log_nonce(cluster_name: str) -> str:
+    """Return the nonce the unit wrapper's log records carry for `cluster_name`'s pods."""
+    return hmac.new(_NONCE_KEY, cluster_name.encode(), hashlib.sha256).hexdigest()[:24]
+
 
 class LogFollower:
     """Streams a running pod's log lines to the sink in a thread of its own, and writes the
     output files the unit's wrapper prints at its end into `outputs` (not to the sink)."""
 
     def __init__(
-        self, api: KubeApi, on_line: LineSink, outputs: Path, samples: Path | None = None
+        self,
+        api: KubeApi,
+        on_line: LineSink,
+        outputs: Path,
+        samples: Path | None = None,
+        nonce: str = "",
     ) -> None:
         self.api, self.on_line, self.outputs = api, on_line, outputs
+        # the wrapper's records carry the run's nonce: a job's own line never passes for one
+        self.sample_mark = f"{objects.SAMPLE_MARK}-{nonce} "
+        self.output_mark = f"{objects.OUTPUT_MARK}-{nonce}"
+        self.left_mark = f"{objects.OUTPUT_LEFT_MARK}-{nonce}"
         self.samples = samples  # where the node's samples go, one JSON line each
         self.tail: deque[str] = deque(maxlen=40)
         self.thread: threading.Thread | None = None
@@ -78,7 +99,7 @@ class LogFollower:
         return taken
 
     def _line(self, line: str) -> None:
-        before, mark, sample = line.rpartition(objects.SAMPLE_MARK + " ")
+        before, mark, sample = line.rpartition(self.sample_mark)
         if mark and not before:
             self._sample(sample)
             return
@@ -86,7 +107,7 @@ class LogFollower:
             # a sample that landed in a line the job left unfinished (a progress bar): the
             # sample is kept, and the job's text before it is the job's line
             line = before
-        if line.startswith((objects.OUTPUT_MARK + " ", objects.OUTPUT_LEFT_MARK + " ")):
+        if line.startswith((self.output_mark + " ", self.left_mark + " ")):
             with contextlib.suppress(ValueError):  # not the wrapper's shape: an ordinary line
                 self._receive(line)
                 return
@@ -110,7 +131,7 @@ class LogFollower:
         """Write one output file the unit sent back, or say why one stayed in the pod; raise
         ValueError, nothing written, for a line not in the wrapper's shape."""
         mark, rest = line.split(" ", 1)
-        if mark == objects.OUTPUT_LEFT_MARK:
+        if mark == self.left_mark:
             size, name = rest.split(" ", 1)
             size_mib = int(size) / 2**20
             self.on_line(

@@ -23,10 +23,15 @@ CLUSTER_ANNOTATION = "gpuflow.io/cluster-json"
 
 RENDEZVOUS_PORT = 29400
 WORKSPACE = "/workspace"
+# The wrapper's log records start with one of these marks and the run's nonce
+# (`@@gpuflow-sample-<nonce> {...}`): the nonce comes in the pod's Secret as NONCE_VARIABLE,
+# which the wrapper takes out of the environment before the unit starts, so the job cannot
+# print a record of gpuflow's by chance or by copying another run's log.
 OUTPUT_MARK = "@@gpuflow-output"  # a log line carrying one of the unit's output files
 OUTPUT_LEFT_MARK = "@@gpuflow-output-left"  # one too large to come back through the log
 OUTPUT_MAX_KIB = 1024
 SAMPLE_MARK = "@@gpuflow-sample"  # a log line carrying one metric sample of the pod's node
+NONCE_VARIABLE = "GPUFLOW_LOG_NONCE"
 # Every unit runs under this POSIX sh (any image has one): it makes $GPUFLOW_OUTPUT_DIR (an
 # image's own folders are not the pod's workspace), samples the node's GPUs beside the unit
 # where the image has gpuflow (one log line per sample), passes SIGTERM/SIGINT on to
@@ -36,6 +41,7 @@ SAMPLE_MARK = "@@gpuflow-sample"  # a log line carrying one metric sample of the
 # the unit's code.
 UNIT_WRAPPER = f"""\
 mkdir -p "$GPUFLOW_OUTPUT_DIR" 2>/dev/null  # the job contract: the folder is there
+nonce=${{{NONCE_VARIABLE}:-}}; unset {NONCE_VARIABLE}  # the unit never sees it
 child= stopping= sampler=
 trap 'stopping=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null' TERM INT
 "$@" &
@@ -43,7 +49,8 @@ child=$!
 [ -n "$stopping" ] && kill -TERM "$child" 2>/dev/null
 if [ -n "$GPUFLOW_SAMPLE_INTERVAL" ]; then  # this node's GPUs, sampled where they are,
   # until the unit is gone (a SIGTERM alone could land before the sampler is ready)
-  "$GPUFLOW_PYTHON" -m tasks.metrics.sampler --out - --mark '{SAMPLE_MARK} ' \
+  GPUFLOW_SAMPLE_MARK="{SAMPLE_MARK}-$nonce " \
+  "$GPUFLOW_PYTHON" -m tasks.metrics.sampler --out - \
     --gpus "$GPUFLOW_SAMPLE_GPUS" --interval "$GPUFLOW_SAMPLE_INTERVAL" \
     --host "$GPUFLOW_NODE_NAME" --until-pid "$child" 2>/dev/null </dev/null &
   sampler=$!
@@ -55,9 +62,9 @@ if [ -d "$GPUFLOW_OUTPUT_DIR" ] && cd "$GPUFLOW_OUTPUT_DIR"; then
   find . -type f | head -n 200 | while IFS= read -r f; do
     [ -f "$f" ] || continue  # a name with a newline in it: not sent
     if [ "$(wc -c < "$f")" -le {OUTPUT_MAX_KIB * 1024} ]; then
-      printf '{OUTPUT_MARK} %s ' "${{f#./}}"; base64 < "$f" | tr -d '\\n'; echo
+      printf '{OUTPUT_MARK}-%s %s ' "$nonce" "${{f#./}}"; base64 < "$f" | tr -d '\\n'; echo
     else
-      printf '{OUTPUT_LEFT_MARK} %s %s\\n' "$(wc -c < "$f")" "${{f#./}}"
+      printf '{OUTPUT_LEFT_MARK}-%s %s %s\\n' "$nonce" "$(wc -c < "$f")" "${{f#./}}"
     fi
   done
 fi
