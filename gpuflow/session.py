@@ -71,6 +71,17 @@ def signal_of(exc: BaseException) -> int | None:
     return None
 
 
+def settings_checked() -> None:
+    """Read every GPUFLOW_* number a command may use (InvalidSpec, one sentence, for one
+    that is no number or out of range), so none is found wrong half-way."""
+    from gpuflow.outage import outage_bound_s
+    from tasks.platform import api, kept_api
+
+    kept_api.idle_s()
+    api.start_timeout_s()
+    outage_bound_s()
+
+
 def with_api(body: Callable[[Any], int], temporary: bool = True) -> int:
     """Run `body(api)` against the chosen Prefect API (see tasks.platform.api) and return
     its exit code; an unreachable API ends it with one sentence. With `temporary` False
@@ -81,6 +92,7 @@ def with_api(body: Callable[[Any], int], temporary: bool = True) -> int:
 
     try:
         secure_home()  # the runs, logs and keys below it: this user's alone
+        settings_checked()  # gpuflow's own variables: refused before any server starts
         chosen = prefect_api.choose(say, temporary)
     except (prefect_api.ApiUnavailable, StateFileError) as exc:
         fail(str(exc))

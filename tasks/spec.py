@@ -97,6 +97,12 @@ def shell_syntax(line: str) -> str | None:
     return None
 
 
+MAX_CANDIDATES = 16  # a placement list's length
+
+# Linux's limit on one environment string (NAME=value) and on one argument (MAX_ARG_STRLEN)
+ENV_STRING_MAX = 128 * 1024
+
+
 def split_argv(value: Any) -> Any:
     """Return a command as a list of words: a string split like a shell does, and YAML's
     numbers and booleans in a list written as text (`[train.py, --epochs, 10, --fp16, true]`)."""
@@ -107,12 +113,24 @@ def split_argv(value: Any) -> Any:
                 " give it as a list of words, or run a shell on purpose:"
                 f" [sh, -c, {json.dumps(value)}]"
             )
-        return shlex.split(value)
+        value = shlex.split(value)
     if isinstance(value, list):
-        return [
+        words = [
             str(v).lower() if isinstance(v, bool) else str(v) if isinstance(v, int | float) else v
             for v in value
         ]
+        for number, word in enumerate(words, start=1):
+            if isinstance(word, str) and "\0" in word:
+                raise ValueError(
+                    f"word {number} holds a NUL byte, which no program can receive; remove it"
+                )
+            if isinstance(word, str) and len(word.encode()) >= ENV_STRING_MAX:
+                raise ValueError(
+                    f"word {number} is {len(word.encode()) / 1024:.0f} KiB; Linux passes at"
+                    f" most {ENV_STRING_MAX // 1024} KiB in one argument: write it to a file"
+                    " and pass the file's path"
+                )
+        return words
     return value
 
 
@@ -122,9 +140,14 @@ JOB_MODELS: dict[str, type[BaseModel]] = {}
 
 
 class Resources(SpecModel):
-    gpus: int = Field(0, ge=0, le=64, description="GPUs to reserve on each node.")
+    # strict: `gpus: true` is not 1 GPU
+    gpus: int = Field(0, ge=0, le=64, strict=True, description="GPUs to reserve on each node.")
     nodes: int = Field(
-        1, ge=1, le=256, description="Machines the job spans, each with resources.gpus GPUs."
+        1,
+        ge=1,
+        le=256,
+        strict=True,
+        description="Machines the job spans, each with resources.gpus GPUs.",
     )
     gpu_product: str | None = Field(None, description="e.g. NVIDIA-H100-80GB-HBM3 or H100.")
     allow_cpu: bool = Field(False, description="Run on CPU when no GPU is present.")
@@ -359,6 +382,12 @@ class JobSpec(SpecModel):
                 raise ValueError(
                     "candidates: is filled from a placement list; give the list in placement only"
                 )
+            if len(given) > MAX_CANDIDATES:
+                raise ValueError(
+                    f"placement: {len(given)} candidates; a placement list holds at most"
+                    f" {MAX_CANDIDATES} (each is checked and asked for offers before the job"
+                    " starts)"
+                )
             data = {**data, "placement": given[0], "candidates": given}
         return data
 
@@ -404,6 +433,13 @@ class JobSpec(SpecModel):
                 raise ValueError(
                     f"the value of {key} holds a NUL byte, which no environment can carry;"
                     " remove it"
+                )
+            size = len(key) + 1 + len(item.encode())
+            if size >= ENV_STRING_MAX:
+                raise ValueError(
+                    f"the value of {key} is {size / 1024:.0f} KiB; Linux passes at most"
+                    f" {ENV_STRING_MAX // 1024} KiB in one environment variable: write it to a"
+                    " file and pass the file's path"
                 )
         return value
 

@@ -66,6 +66,27 @@ BAD = [
         {"job": {"kind": "render", "scene": "/s.blend", "output": "file:///o/../../etc"}},
         "climbs out of its folder with '..'",
     ),
+    ({"job": CMD, "resources": {"gpus": True}}, "resources.gpus: input should be a valid integer"),
+    ({"job": CMD, "resources": {"nodes": True}}, "resources.nodes: input should be a valid"),
+    (
+        {"job": {"kind": "command", "command": ["echo", "a\x00b"]}},
+        "job.command: word 2 holds a NUL byte, which no program can receive; remove it",
+    ),
+    (
+        {"job": {"kind": "command", "command": ["echo", "x" * 200_000]}},
+        "job.command: word 2 is 195 KiB; Linux passes at most 128 KiB in one argument",
+    ),
+    (
+        {"job": CMD, "env": {"BIG": "x" * 200_000}},
+        "env: the value of BIG is 195 KiB; Linux passes at most 128 KiB in one environment",
+    ),
+    (
+        {
+            "job": CMD,
+            "placement": [{"backend": "local", "workspace_root": f"/w/{i}"} for i in range(1000)],
+        },
+        "placement: 1000 candidates; a placement list holds at most 16",
+    ),
     # a one-string command with shell syntax is refused, never run as split words
     (
         {"job": {"kind": "command", "command": "echo hi; echo there"}},

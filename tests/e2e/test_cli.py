@@ -167,14 +167,27 @@ def test_numeric_options_out_of_range_are_refused(case, gpuflow_home):
     assert not (gpuflow_home / "workspaces").exists()
 
 
-@pytest.mark.parametrize("value", ["abc", "-3", "nan", "1e9"])
-def test_a_tuning_variable_that_is_no_number_is_named(value, tmp_path, gpuflow_home):
-    env = subprocess_env(None, gpuflow_home) | {"GPUFLOW_API_START_TIMEOUT_S": value}
+TUNING = {
+    "start timeout abc": ("GPUFLOW_API_START_TIMEOUT_S", "abc", "from 1 to 3600"),
+    "start timeout -3": ("GPUFLOW_API_START_TIMEOUT_S", "-3", "from 1 to 3600"),
+    "start timeout nan": ("GPUFLOW_API_START_TIMEOUT_S", "nan", "from 1 to 3600"),
+    "start timeout 1e9": ("GPUFLOW_API_START_TIMEOUT_S", "1e9", "from 1 to 3600"),
+    "outage -1": ("GPUFLOW_API_OUTAGE_S", "-1", "from 1 to 604800"),
+    "idle x": ("GPUFLOW_API_IDLE_S", "x", "from 0 to 604800"),
+}
+
+
+@pytest.mark.parametrize("case", list(TUNING))
+def test_a_tuning_variable_that_is_no_number_is_named(case, tmp_path, gpuflow_home):
+    """Refused before any server starts: nothing is left running for a typo."""
+    name, value, bounds = TUNING[case]
+    env = subprocess_env(None, gpuflow_home) | {name: value}
     env.pop("PREFECT_API_URL", None)
     env["PREFECT_HOME"] = str(tmp_path / "prefect")
     out = gpuflow(["run", str(write(tmp_path, "job: {kind: command, command: [true]}\n"))], env)
-    one_sentence(out, f"GPUFLOW_API_START_TIMEOUT_S: {value!r} is not a number from 1 to 3600")
+    one_sentence(out, f"{name}: {value!r} is not a number {bounds}")
     assert "starting a temporary Prefect API" not in out.stderr
+    assert not (gpuflow_home / "servers").exists()
 
 
 def test_reap_kubernetes_without_a_usable_kubeconfig_says_so(tmp_path, prefect_api, gpuflow_home):
