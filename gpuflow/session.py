@@ -97,6 +97,13 @@ def with_api(body: Callable[[Any], int], temporary: bool = True) -> int:
     except (prefect_api.ApiUnavailable, StateFileError) as exc:
         fail(str(exc))
         return EXIT_FAILED
+    except OSError as exc:  # a full or read-only GPUFLOW_HOME while looking for an API
+        fail(
+            f"gpuflow could not keep its state under GPUFLOW_HOME {gpuflow_home()}"
+            f" ({exc.strerror or exc}); free space there, make it writable, or point"
+            " GPUFLOW_HOME at another folder."
+        )
+        return EXIT_FAILED
     except InvalidSpec as exc:  # a setting in the environment
         fail(f"invalid input: {exc}")
         return EXIT_INVALID

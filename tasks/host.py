@@ -124,13 +124,14 @@ def read_private(path: Path, limit: int = 1 << 20) -> str:
                 " it anew)."
             ) from None
         raise
+    info = os.fstat(descriptor)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(descriptor)
+        raise StateFileError(
+            f"{path} is not a regular file (a FIFO, device or folder stands there);"
+            " remove it (gpuflow makes it anew)."
+        )
     with os.fdopen(descriptor, "rb") as handle:
-        info = os.fstat(descriptor)
-        if not stat.S_ISREG(info.st_mode):
-            raise StateFileError(
-                f"{path} is not a regular file (a FIFO, device or folder stands there);"
-                " remove it (gpuflow makes it anew)."
-            )
         if info.st_uid != os.geteuid():
             raise StateFileError(
                 f"{path} belongs to uid {info.st_uid}, not to you; remove it (gpuflow makes"
@@ -157,7 +158,8 @@ def private_dir(path: Path) -> Path:
     """Make `path` (and missing parents) a folder this user alone may enter (0700), and
     return it. One that exists with wider modes is narrowed; one that is not this user's
     (or not a folder) is refused in one sentence."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if not path.is_symlink() and not path.exists():
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
     info = path.lstat()
     if not stat.S_ISDIR(info.st_mode):
         raise StateFileError(f"{path} is not a folder; remove it or point GPUFLOW_HOME elsewhere.")

@@ -271,6 +271,7 @@ def start_temporary(
         # No signal between starting the server and recording it: then an interruption
         # (handled below) always knows what to stop.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        proc = None
         try:
             with open_private(log, append=False) as out:
                 proc = subprocess.Popen(
@@ -302,8 +303,19 @@ def start_temporary(
             write_atomic(servers / f"{proc.pid}.json", json.dumps(record))
             if keep_s:
                 kept_api.take_lease(servers, record)
-        except BaseException:
+        except BaseException as exc:
+            if proc is not None:  # started, but not recorded (a full disk): stopped here
+                stop_group(proc.pid, None, grace_s=5.0)
+                proc.wait()
+                (servers / f"{proc.pid}.json").unlink(missing_ok=True)
+                shutil.rmtree(kept_api.leases_of(servers, proc.pid), ignore_errors=True)
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            if isinstance(exc, OSError):
+                raise StateFileError(
+                    f"GPUFLOW_HOME {gpuflow_home()} cannot hold the temporary API's record"
+                    f" ({exc.strerror or exc}); free space there, or point GPUFLOW_HOME at"
+                    " another folder."
+                ) from None
             raise
         api = Api(record["api"], "temporary", server=record, auth=auth)
         try:

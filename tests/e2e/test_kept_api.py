@@ -182,3 +182,22 @@ def test_nobody_else_reaches_a_kept_api_its_secrets_or_its_database(tmp_path, mo
     finally:
         api.stop_server(server.server)
         shutil.rmtree(shared)
+
+
+def test_fifos_where_gpuflow_keeps_its_records_hang_no_command(tmp_path, gpuflow_home):
+    """A FIFO where a kept API's record or a command's lease should be (anyone who can
+    write to GPUFLOW_HOME could leave one) is never opened for reading: `run`, `reap` and
+    `platform down` go on, and the run still gets its API."""
+    servers = gpuflow_home / "servers"
+    (servers / "4243.leases").mkdir(parents=True)
+    os.mkfifo(servers / "4242.json")
+    os.mkfifo(servers / "4243.leases" / "777")
+    env = kept_env(tmp_path, gpuflow_home, GPUFLOW_API_IDLE_S="0")
+    for argv in (["reap"], ["platform", "down"]):
+        done = subprocess.run(
+            [*GPUFLOW, *argv], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    proc = start_run(tmp_path, "[echo, past-the-fifos]", env)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "past-the-fifos" in out, out[-3000:]
