@@ -85,3 +85,20 @@ def test_a_full_artifacts_disk_keeps_the_outputs_whole_and_says_where(
         assert not list(small.rglob("model.bin*"))  # nothing truncated under its name
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+def test_a_job_s_temporary_files_go_with_its_workspace(prefect_api, gpuflow_home, tmp_path):
+    """A job's TMPDIR lies in its workspace: what it leaves in its temporary folder (mktemp,
+    Python's tempfile) is removed by teardown, not left in the host's /tmp."""
+    said = tmp_path / "said"
+    script = (
+        f'mktemp > {said}; python3 -c "import tempfile; print(tempfile.gettempdir())" >> {said}'
+    )
+    raw = {"job": {"kind": "command", "command": ["sh", "-c", script]}, "retry": NO_RETRY}
+    state, _ = run_pipeline(raw)
+    assert state.is_completed(), state.message
+    left, folder = said.read_text().split()
+    assert Path(left).parent == Path(folder)
+    assert Path(folder).is_relative_to(gpuflow_home / "workspaces")
+    assert not Path(left).exists()
+    assert nothing_left(gpuflow_home)

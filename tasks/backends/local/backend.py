@@ -79,6 +79,9 @@ class LocalState(BaseModel):
     memory_bytes: int | None = None
 
 
+JOB_TMP = ".tmp"  # the job's TMPDIR, inside its workspace: teardown removes it
+
+
 class LocalBackend:
     """This host: GPUs by CUDA_VISIBLE_DEVICES, a workspace folder, process groups."""
 
@@ -261,6 +264,7 @@ class LocalBackend:
         workspace = Path(cluster.workspace)
         try:
             (workspace / "outputs").mkdir(parents=True, exist_ok=True)
+            (workspace / JOB_TMP).mkdir(mode=0o700, exist_ok=True)
         except OSError as exc:
             raise ProvisionError(
                 f"could not create the workspace {workspace}: {exc.strerror}"
@@ -353,6 +357,8 @@ class LocalBackend:
         gpus = cluster.gpu_indices if unit.gpus is None else unit.gpus
         child_env = {
             **job_environ(),
+            # the job's temporary files go with its workspace (a spec's env may say otherwise)
+            "TMPDIR": str(Path(cluster.workspace) / JOB_TMP),
             **env,
             **unit.env,
             **unit_env(unit.node, cluster.nodes, cluster.workspace, gpus),
