@@ -16,7 +16,7 @@ def add(commands: Any) -> list[tuple[str, str]]:
     )
     plat.add_argument("action", choices=["up", "down", "status"])
     plat.add_argument(
-        "--port", type=number(1, 65535), default=4200, help="server port on 127.0.0.1"
+        "--port", type=number(1, 65535), default=4200, help="server port (default 4200)"
     )
     plat.add_argument(
         "--kubeconfig",
@@ -37,9 +37,26 @@ def add(commands: Any) -> list[tuple[str, str]]:
         " PostgreSQL server started for the platform from the host's PostgreSQL (Debian's"
         " postgresql package), for many runs at once",
     )
+    plat.add_argument(
+        "--listen",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only); an address of this"
+        " host, or 0.0.0.0 for all, shares the platform with a team over TLS 1.3",
+    )
+    plat.add_argument("--tls-cert", type=Path, help="with --listen: the certificate (PEM)")
+    plat.add_argument(
+        "--tls-key",
+        type=Path,
+        help="with --listen: its private key (PEM); without both, one is generated for this host",
+    )
     plat.set_defaults(
         handler=lambda args: platform(
-            args.action, args.port, args.kubeconfig, args.image, args.database
+            args.action,
+            args.port,
+            args.kubeconfig,
+            args.image,
+            args.database,
+            (args.listen, args.tls_cert, args.tls_key),
         )
     )
     blk = commands.add_parser(
@@ -95,6 +112,7 @@ def platform(
     kubeconfig: Path | None = None,
     image: str | None = None,
     database: str = "sqlite",
+    exposure: tuple[str, Path | None, Path | None] = ("127.0.0.1", None, None),
 ) -> int:
     """Bring the local platform up or down, or say whether it runs."""
     from tasks.platform import local
@@ -107,7 +125,16 @@ def platform(
     from tasks.errors import GpuflowError, InvalidSpec
 
     try:
-        local.up(port, kubeconfig=kubeconfig, image=image, database=database)
+        listen, cert, key = exposure
+        local.up(
+            port,
+            kubeconfig=kubeconfig,
+            image=image,
+            database=database,
+            listen=listen,
+            tls_cert=cert,
+            tls_key=key,
+        )
     except InvalidSpec as exc:
         return invalid(exc)
     except GpuflowError as exc:

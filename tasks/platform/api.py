@@ -21,6 +21,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -67,6 +68,7 @@ class Api:
     ui: str | None = None
     server: dict[str, Any] | None = None  # the temporary server's record
     auth: str | None = None  # the server's auth string, sent by this process's clients
+    trust: str | None = None  # the certificate a platform shared over TLS is trusted by
 
     def describe(self) -> str:
         if self.kind == "configured":
@@ -103,7 +105,9 @@ def auth_headers(auth: str | None) -> dict[str, str]:
 def health_error(url: str, timeout_s: float = 10.0) -> str | None:
     """Return why `url`/health does not answer 200 (one phrase), or None when it does."""
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s) as response:
+        with urllib.request.urlopen(
+            f"{url.rstrip('/')}/health", timeout=timeout_s, context=tls_for(url)
+        ) as response:
             return None if response.status == 200 else f"it answered HTTP {response.status}"
     except urllib.error.HTTPError as exc:
         return f"it answered HTTP {exc.code}"
@@ -129,7 +133,7 @@ def auth_refused(api: Api) -> str | None:
     for name, value in auth_headers(api.auth).items():
         request.add_header(name, value)
     try:
-        with urllib.request.urlopen(request, timeout=10):
+        with urllib.request.urlopen(request, timeout=10, context=tls_for(api.url)):
             return None
     except urllib.error.HTTPError as exc:
         if exc.code != 401:
@@ -142,6 +146,24 @@ def auth_refused(api: Api) -> str | None:
         " PREFECT_API_AUTH_STRING to that server's (the local platform's is in"
         " $GPUFLOW_HOME/platform/auth)."
     )
+
+
+def tls_for(url: str) -> ssl.SSLContext | None:
+    """Return the TLS context to check `url`'s certificate with: the local platform's own
+    (a generated one) for the platform's URL, else Prefect's PREFECT_API_SSL_CERT_FILE, else
+    the system's default (None)."""
+    if not url.startswith("https://"):
+        return None
+    trust = trust_for(url) or os.environ.get("PREFECT_API_SSL_CERT_FILE")
+    return ssl.create_default_context(cafile=trust) if trust else None
+
+
+def trust_for(url: str) -> str | None:
+    """Return the certificate file the local platform is trusted by, when `url` is its."""
+    state = platform_state.read_state()
+    if state and url.rstrip("/").startswith(state["api"].rstrip("/").removesuffix("/api")):
+        return platform_state.trust(state)
+    return None
 
 
 def configured_url() -> str | None:
@@ -173,7 +195,13 @@ def choose(say: Callable[[str], None], temporary: bool = True) -> Api:
     if state and all(platform_state.running(p) for p in state["processes"].values()):
         problem = health_error(state["api"], timeout_s=5)
         if problem is None:
-            return Api(state["api"], "platform", ui=state["ui"], auth=platform_state.auth())
+            return Api(
+                state["api"],
+                "platform",
+                ui=state["ui"],
+                auth=platform_state.auth(),
+                trust=platform_state.trust(state),
+            )
         say(
             f"the local platform's server does not answer ({problem});"
             " `gpuflow platform down && gpuflow platform up` restarts it"
@@ -218,12 +246,21 @@ def auth_for(url: str) -> str | None:
 @contextlib.contextmanager
 def talking_to(url: str) -> Iterator[None]:
     """Point Prefect's settings in this thread at `url`, with that server's auth string
-    (and no other server's)."""
-    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+    (and no other server's) and, for the local platform shared over TLS, its certificate."""
+    from prefect.settings import (
+        PREFECT_API_AUTH_STRING,
+        PREFECT_API_SSL_CERT_FILE,
+        PREFECT_API_URL,
+        temporary_settings,
+    )
 
     auth = auth_for(url)
+    trust = trust_for(url)
     if auth:
-        with temporary_settings({PREFECT_API_URL: url, PREFECT_API_AUTH_STRING: auth}):
+        settings: dict[Any, Any] = {PREFECT_API_URL: url, PREFECT_API_AUTH_STRING: auth}
+        if trust:
+            settings[PREFECT_API_SSL_CERT_FILE] = trust
+        with temporary_settings(settings):
             yield
     else:
         with temporary_settings({PREFECT_API_URL: url}, restore_defaults={PREFECT_API_AUTH_STRING}):
@@ -443,6 +480,7 @@ def using(api: Api) -> Iterator[Api]:
     import prefect.context
     from prefect.settings import (
         PREFECT_API_AUTH_STRING,
+        PREFECT_API_SSL_CERT_FILE,
         PREFECT_API_URL,
         PREFECT_SERVER_ALLOW_EPHEMERAL_MODE,
         PREFECT_UI_URL,
@@ -458,6 +496,8 @@ def using(api: Api) -> Iterator[Api]:
     if api.auth:  # Prefect's clients in every thread send it; jobs never get it (host.py)
         updates["PREFECT_API_AUTH_STRING"] = api.auth
         OWN_SECRETS.add(api.auth)
+    if api.trust:  # a platform shared over TLS, with the certificate generated for it
+        updates["PREFECT_API_SSL_CERT_FILE"] = api.trust
     before = {name: os.environ.get(name) for name in updates}
     prior_global = prefect.context.GLOBAL_SETTINGS_CONTEXT
     os.environ.update(updates)
@@ -470,6 +510,8 @@ def using(api: Api) -> Iterator[Api]:
         }
         if api.auth:
             settings[PREFECT_API_AUTH_STRING] = api.auth
+        if api.trust:
+            settings[PREFECT_API_SSL_CERT_FILE] = api.trust
         with temporary_settings(settings):  # what this thread sees, whatever its context
             try:
                 yield api

@@ -44,6 +44,7 @@ from tasks.platform.deploy import (
 from tasks.platform.reap import reap
 from tasks.platform.state import auth as platform_auth
 from tasks.platform.state import auth_path, platform_dir, read_state, running, state_path
+from tasks.platform.tls import Listening, client_context, listening
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,15 +67,16 @@ def _start(argv: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
     return {"pid": proc.pid, "started": psutil.Process(proc.pid).create_time(), "log": str(log)}
 
 
-def _port_taken(port: int) -> str | None:
-    """Return who holds `port` on 127.0.0.1 (a sentence), or None when it is free."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+def _port_taken(port: int, address: str = "127.0.0.1") -> str | None:
+    """Return who holds `port` on `address` (a sentence), or None when it is free."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind(("127.0.0.1", port))
+            probe.bind((address, port))
             return None
         except OSError as exc:
-            return f"port {port} on 127.0.0.1 is taken ({exc.strerror or exc})"
+            return f"port {port} on {address} is taken ({exc.strerror or exc})"
 
 
 def _listens(pid: int, port: int) -> bool:
@@ -92,7 +94,9 @@ def _listens(pid: int, port: int) -> bool:
     return False
 
 
-def _wait_healthy(api: str, server: dict[str, Any], timeout_s: float, port: int) -> None:
+def _wait_healthy(
+    api: str, server: dict[str, Any], timeout_s: float, port: int, trust: str | None = None
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not running(server):
@@ -101,7 +105,9 @@ def _wait_healthy(api: str, server: dict[str, Any], timeout_s: float, port: int)
         if _listens(server["pid"], port):
             with (
                 contextlib.suppress(OSError),
-                urllib.request.urlopen(f"{api}/health", timeout=2) as response,
+                urllib.request.urlopen(
+                    f"{api}/health", timeout=2, context=client_context(trust)
+                ) as response,
             ):  # /health answers without the auth string, as Prefect's probes expect
                 if response.status == 200:
                     return
@@ -115,9 +121,10 @@ def _wait_healthy(api: str, server: dict[str, Any], timeout_s: float, port: int)
 DATABASES = ("sqlite", "postgresql")
 
 
-def platform_env(api: str) -> dict[str, str]:
+def platform_env(api: str, trust: str | None = None) -> dict[str, str]:
     """Return the environment for processes that talk to the platform's server (its auth
-    string included: the worker's flow runs inherit it)."""
+    string included: the worker's flow runs inherit it; and the certificate it is trusted
+    by, when it serves TLS with a generated one)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(
         PREFECT_API_URL=api,
@@ -126,6 +133,8 @@ def platform_env(api: str) -> dict[str, str]:
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         PREFECT_WORKER_QUERY_SECONDS="2",
     )
+    if trust:
+        env["PREFECT_API_SSL_CERT_FILE"] = trust
     return env
 
 
@@ -156,10 +165,14 @@ def up(
     kubeconfig: Path | None = None,
     image: str | None = None,
     database: str = "sqlite",
+    listen: str = "127.0.0.1",
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
 ) -> dict[str, Any]:
     """Start (or find running) the local platform; return its state: api, ui, processes.
     With `kubeconfig`, also a Kubernetes worker on that cluster running `image`; with
-    `database="postgresql"`, the server keeps its runs in a PostgreSQL server started for it."""
+    `database="postgresql"`, the server keeps its runs in a PostgreSQL server started for it;
+    with `listen` other than loopback, the server is shared over TLS 1.3 (tasks/platform/tls.py)."""
     if database not in DATABASES:
         raise InvalidSpec(f"--database: {database!r} is not one of {', '.join(DATABASES)}.")
     state = read_state()
@@ -182,22 +195,28 @@ def up(
     if database == "postgresql":
         postgres.programs()  # installed? (one sentence before anything starts)
     cluster = _cluster(kubeconfig, image) if kubeconfig else None
+    secure_home()
+    where = listening(listen, tls_cert, tls_key, platform_dir() / "tls")
     if state:
         down(say=lambda *_: None)  # a half-dead platform: clear it first
-    if taken := _port_taken(port):
+    if taken := _port_taken(port, where.bind):
         raise PlatformError(
             f"{taken}: another program (perhaps another Prefect server) listens there;"
             " stop it, or start the platform on a free port with --port."
         )
     started = time.monotonic()
-    secure_home()
     private_dir(platform_dir())
     platform_auth()  # made before anything that needs it starts
-    api, ui = f"http://127.0.0.1:{port}/api", f"http://127.0.0.1:{port}"
-    env = platform_env(api)
+    api, ui = f"{where.url(port)}/api", where.url(port, where.shown)
+    env = platform_env(api, where.trust)
     python = sys.executable
     processes: dict[str, Any] = {}
-    state: dict[str, Any] = {"api": api, "ui": ui, "processes": processes}
+    state: dict[str, Any] = {
+        "api": api,
+        "ui": ui,
+        "processes": processes,
+        "listening": where.model_dump(),
+    }
     try:
         if database == "postgresql":
             processes["postgres"], state["database"] = postgres.start(say)
@@ -210,16 +229,20 @@ def up(
                 "-m",
                 "tasks.platform.server",
                 "--ui",
+                "--host",
+                where.bind,
                 "--port",
                 str(port),
                 "--auth-file",
                 str(auth_path()),
+                *_server_tls(where),
             ],
-            _server_env(env, state["database"]),
+            # the UI's pages call the API by the address a teammate's browser reaches
+            {**_server_env(env, state["database"]), "PREFECT_UI_API_URL": f"{ui}/api"},
             platform_dir() / "server.log",
         )
         _write_state(state)
-        _wait_healthy(api, processes["server"], 90, port)
+        _wait_healthy(api, processes["server"], 90, port, where.trust)
         say(
             f"started the Prefect server (pid {processes['server']['pid']}) at {ui} in"
             f" {time.monotonic() - started:.1f} s; log {processes['server']['log']}"
@@ -271,9 +294,27 @@ def up(
     )
     say(
         f"only you get in: the UI and Prefect's CLI ask for the auth string in {auth_path()}"
-        f' (export PREFECT_API_URL={api} PREFECT_API_AUTH_STRING="$(cat {auth_path()})")'
+        f' (export PREFECT_API_URL={api} PREFECT_API_AUTH_STRING="$(cat {auth_path()})"'
+        + (f" PREFECT_API_SSL_CERT_FILE={where.trust})" if where.trust else ")")
     )
+    if where.bind != where.local or where.local != "127.0.0.1":
+        say(
+            f"shared over TLS 1.3 on {where.bind}:{port}: a teammate sets PREFECT_API_URL="
+            f"{ui}/api, PREFECT_API_AUTH_STRING (from you, not by mail or chat in the clear)"
+            + (f" and PREFECT_API_SSL_CERT_FILE (a copy of {where.trust})" if where.trust else "")
+        )
     return state
+
+
+def _server_tls(where: Listening) -> list[str]:
+    """Return the server program's options for TLS and the names it answers to."""
+    if not where.cert:
+        return []
+    names = sorted({socket.gethostname(), socket.getfqdn(), where.shown})
+    argv = ["--tls-cert", where.cert, "--tls-key", str(where.key)]
+    for name in names:
+        argv += ["--name", name]
+    return argv
 
 
 def _cluster(kubeconfig: Path, image: str | None) -> dict[str, Any]:
@@ -361,7 +402,12 @@ def _auth_secret(cluster: dict[str, Any]) -> dict[str, str]:
 def _configure(api: str, env: dict[str, str], say, cluster: dict[str, Any] | None) -> int:
     """Create the pools, the `gpu` limit and the blocks, then deploy prefect.yaml (its
     Kubernetes deployments only with a cluster, running its image as given)."""
-    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+    from prefect.settings import (
+        PREFECT_API_AUTH_STRING,
+        PREFECT_API_SSL_CERT_FILE,
+        PREFECT_API_URL,
+        temporary_settings,
+    )
 
     pools = pool_templates()
     project = load_project(ROOT / "prefect.yaml")
@@ -378,7 +424,10 @@ def _configure(api: str, env: dict[str, str], say, cluster: dict[str, Any] | Non
                 variables.setdefault("namespace", cluster["namespace"])
         prefect_file = platform_dir() / "prefect.yaml"
         write_atomic(prefect_file, yaml.safe_dump(project, sort_keys=False))
-    with temporary_settings({PREFECT_API_URL: api, PREFECT_API_AUTH_STRING: platform_auth()}):
+    settings = {PREFECT_API_URL: api, PREFECT_API_AUTH_STRING: platform_auth()}
+    if env.get("PREFECT_API_SSL_CERT_FILE"):
+        settings[PREFECT_API_SSL_CERT_FILE] = env["PREFECT_API_SSL_CERT_FILE"]
+    with temporary_settings(settings):
         _pools(pools)
         gpus = _gpu_limit()
 

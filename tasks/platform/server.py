@@ -13,6 +13,8 @@ only its user gets in, and no web page drives it.
   page's script cannot read the answers.
 - umask 077: the database, its journal and the logs the server writes are 0600.
 
+- TLS 1.3 only, with --tls-cert and --tls-key (a platform shared with `--listen`).
+
 Run as `python -m tasks.platform.server --port PORT --auth-file FILE [--ui] [--idle-s S]`.
 """
 
@@ -30,6 +32,7 @@ from typing import Any
 
 from tasks.host import read_private
 from tasks.platform import kept_api
+from tasks.platform.tls import server_context
 
 STARTUP_FAILED = kept_api.STARTUP_FAILED
 LOCAL_NAMES = ("localhost",)
@@ -122,17 +125,23 @@ def serve(argv: list[str]) -> int:
     parser.add_argument("--auth-file", type=Path, required=True)
     parser.add_argument("--ui", action="store_true")
     parser.add_argument("--name", action="append", default=[], help="a Host name it answers to")
+    parser.add_argument("--tls-cert", help="serve TLS 1.3 only, with this certificate (PEM)")
+    parser.add_argument("--tls-key", help="the certificate's private key (PEM)")
     parser.add_argument("--servers", type=Path)
     parser.add_argument("--idle-s", type=float, default=0.0)
     parser.add_argument("--log", type=Path)
     args = parser.parse_args(argv)
     os.umask(0o077)
-    origin_host = f"[{args.host}]" if ":" in args.host else args.host
+    scheme = "https" if args.tls_cert else "http"
+    hosts = [args.host, "127.0.0.1", "localhost", *args.name]
+    origins = [
+        f"{scheme}://{f'[{h}]' if ':' in h else h}:{args.port}"
+        for h in dict.fromkeys(hosts)
+        if h not in ("0.0.0.0", "::")
+    ]
     os.environ.update(
         PREFECT_SERVER_API_AUTH_STRING=read_private(args.auth_file).strip(),
-        PREFECT_SERVER_CORS_ALLOWED_ORIGINS=",".join(
-            f"http://{name}:{args.port}" for name in dict.fromkeys([origin_host, "localhost"])
-        ),
+        PREFECT_SERVER_CORS_ALLOWED_ORIGINS=",".join(origins),
         PREFECT_SERVER_UI_ENABLED="true" if args.ui else "false",
         GPUFLOW_SERVER_NAMES=",".join(args.name),
         PREFECT__SERVER_FINAL="1",
@@ -150,6 +159,10 @@ def serve(argv: list[str]) -> int:
         # Stopping must not wait for keep-alive connections the commands still hold.
         timeout_graceful_shutdown=2,
     )
+    if args.tls_cert:
+        config.ssl_certfile, config.ssl_keyfile = args.tls_cert, args.tls_key
+        config.load()
+        config.ssl = server_context(args.tls_cert, args.tls_key)  # TLS 1.3 only
     server = uvicorn.Server(config)
     stopped: list[bool] = []
     if args.idle_s > 0 and args.servers:

@@ -30,6 +30,12 @@ def auth() -> str:
     return auth_string(auth_path())
 
 
+def trust(state: dict[str, Any]) -> str | None:
+    """Return the certificate file this host's clients trust the platform by (a platform
+    shared over TLS with a self-signed certificate), or None."""
+    return (state.get("listening") or {}).get("trust")
+
+
 def read_state() -> dict[str, Any] | None:
     """Return what `platform up` recorded, or None when nothing is (or the file is not the
     platform's: a FIFO or a link there is never read)."""

@@ -306,3 +306,92 @@ def test_down_stops_everything_it_started(platform):
     assert nothing_left(platform.home), down.stdout
     status = platform.gpuflow("platform", "status")
     assert status.returncode == 1 and "not running" in status.stdout
+
+
+def test_a_platform_shared_on_purpose_speaks_tls_1_3_and_still_asks_the_auth_string(tmp_path):
+    """`up --listen 0.0.0.0`: a certificate is generated for this host (0600), the server
+    answers TLS 1.3 only (not TLS 1.2, not plain HTTP), every request still needs the auth
+    string, and Prefect's CLI works as a teammate sets it up; gpuflow's own commands trust
+    the generated certificate by themselves. Asked only on 127.0.0.1 here."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    from tasks.platform.api import auth_headers
+
+    shared = Platform(tmp_path / "shared-home", free_port())
+    up = shared.gpuflow(
+        "platform", "up", "--port", str(shared.port), "--listen", "0.0.0.0", timeout=300
+    )
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "shared over TLS 1.3 on 0.0.0.0" in up.stdout
+        cert = shared.home / "platform" / "tls" / "cert.pem"
+        assert (shared.home / "platform" / "tls" / "key.pem").stat().st_mode & 0o777 == 0o600
+        api = f"https://127.0.0.1:{shared.port}/api"
+        assert shared.state()["api"] == api
+        trusted = ssl.create_default_context(cafile=cert)
+        with urllib.request.urlopen(f"{api}/health", context=trusted, timeout=30) as answer:
+            assert answer.status == 200 and answer.version == 11
+        old = ssl.create_default_context(cafile=cert)
+        old.maximum_version = ssl.TLSVersion.TLSv1_2
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(f"{api}/health", context=old, timeout=30)
+        with pytest.raises(OSError):  # plain HTTP: the connection is closed unanswered
+            urllib.request.urlopen(f"http://127.0.0.1:{shared.port}/api/health", timeout=30)
+        body = b'{"include_secrets": true}'
+        for headers, code in (({}, 401), (auth_headers(shared.auth), 200)):
+            request = urllib.request.Request(
+                f"{api}/block_documents/filter",
+                data=body,
+                headers={"Content-Type": "application/json", **headers},
+            )
+            try:
+                with urllib.request.urlopen(request, context=trusted, timeout=30) as answer:
+                    assert answer.status == code
+            except urllib.error.HTTPError as exc:
+                assert exc.code == code
+        teammate = {"PREFECT_API_URL": api, "PREFECT_API_SSL_CERT_FILE": str(cert)}
+        shared.env.update(teammate)
+        listed = shared.run(sys.executable, "-m", "prefect", "deployment", "ls")
+        assert listed.returncode == 0 and "command-local" in listed.stdout, listed.stderr[-2000:]
+        job = tmp_path / "job.yaml"
+        job.write_text("name: over-tls\njob: {kind: command, command: [echo, hi]}\n")
+        env = {k: v for k, v in shared.env.items() if not k.startswith("PREFECT_")}
+        ran = subprocess.run(
+            [sys.executable, "-m", "gpuflow", "run", str(job)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        assert "[gpuflow] using the local platform (UI https://" in ran.stderr
+    finally:
+        shared.gpuflow("platform", "down", timeout=120)
+
+
+TLS_BAD = {
+    "not an address": (["--listen", "nonsense"], "--listen: 'nonsense' is not an IP address"),
+    "not this host's": (["--listen", "203.0.113.9"], "--listen: 203.0.113.9 is not an address of"),
+    "cert alone": (["--listen", "0.0.0.0", "--tls-cert", "c.pem"], "go together"),
+    "no such file": (
+        ["--listen", "0.0.0.0", "--tls-cert", "/nope.pem", "--tls-key", "/nope.key"],
+        "--tls-cert: /nope.pem is not a file",
+    ),
+    "not pem": (
+        ["--listen", "0.0.0.0", "--tls-cert", "/etc/hostname", "--tls-key", "/etc/hostname"],
+        "are not a PEM certificate and its private key",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(TLS_BAD))
+def test_sharing_the_platform_wrongly_is_one_sentence_and_starts_nothing(case, tmp_path):
+    extra, said = TLS_BAD[case]
+    other = Platform(tmp_path / "home", free_port())
+    out = other.gpuflow("platform", "up", "--port", str(other.port), *extra, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    (line,) = [line for line in out.stderr.splitlines() if line.startswith("gpuflow:")]
+    assert said in line and "Traceback" not in out.stderr
+    assert not (tmp_path / "home" / "platform" / "state.json").exists()
