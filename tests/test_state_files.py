@@ -66,3 +66,26 @@ def test_state_is_written_for_this_user_alone(tmp_path):
     (folder / "file").write_text("x")
     with pytest.raises(StateFileError, match="is not a folder"):
         private_dir(folder / "file")
+
+
+def test_a_zombie_is_not_alive():
+    """A process that ended but was not collected by its parent (a zombie) counts as gone:
+    `gpuflow reap` then cleans up after an orchestrator that is only a zombie."""
+    import time
+
+    import psutil
+
+    from tasks.host import alive, same_process
+
+    pid = os.fork()
+    if pid == 0:  # the child ends at once; the parent does not collect it yet
+        os._exit(0)
+    try:
+        started = psutil.Process(pid).create_time()
+        while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.01)
+        assert not alive(pid, started)
+        assert same_process(pid, started)  # still that process: its group may be stopped
+    finally:
+        os.waitpid(pid, 0)
+    assert not alive(pid, started)

@@ -102,3 +102,40 @@ def test_a_job_s_temporary_files_go_with_its_workspace(prefect_api, gpuflow_home
     assert Path(folder).is_relative_to(gpuflow_home / "workspaces")
     assert not Path(left).exists()
     assert nothing_left(gpuflow_home)
+
+
+def test_a_huge_result_json_is_kept_but_its_figures_are_not_shown(prefect_api, gpuflow_home):
+    """A result.json over 1 MiB stays in the artifacts; its figures are not read into the
+    run's metrics or artifacts (a 115 MB one was a 140-million-character artifact)."""
+    big = 'python3 -c "import json; print(json.dumps({\\"x\\": \\"y\\" * 3000000}))"'
+    raw = {
+        "job": {
+            "kind": "command",
+            "command": ["sh", "-c", f'{big} > "$GPUFLOW_OUTPUT_DIR/result.json"'],
+        },
+        "retry": NO_RETRY,
+    }
+    state, _ = run_pipeline(raw)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result.metrics.job == {}
+    assert (Path(result.artifacts_dir) / "outputs" / "result.json").stat().st_size > 3_000_000
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a read-only folder")
+def test_a_read_only_gpuflow_home_is_one_sentence(tmp_path):
+    import subprocess
+
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(home)], check=True)
+    try:
+        env = fresh_env(tmp_path, home) | {"GPUFLOW_API_IDLE_S": "0"}
+        proc = start_run(tmp_path, "[echo, hi]", env)
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode in (1, 2), out[-3000:]
+        assert "Traceback" not in out
+        [said] = [line for line in out.splitlines() if line.startswith("gpuflow:")]
+        assert str(home) in said and "Read-only file system" in said
+    finally:
+        subprocess.run(["umount", str(home)], check=True)
