@@ -366,13 +366,25 @@ class OutputPump:
 
 
 @contextlib.contextmanager
+def _stop_signals_to(handler: Callable[[int, object], None]) -> Iterator[bool]:
+    """Send SIGINT and SIGTERM to `handler` while the body runs, then put the handlers back;
+    yield whether it could (only the main thread handles signals; elsewhere: nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield False
+        return
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield True
+    finally:
+        for signum, former in previous.items():
+            signal.signal(signum, former)
+
+
+@contextlib.contextmanager
 def signals_held(what: str) -> Iterator[None]:
     """Hold SIGINT and SIGTERM while the body runs (work that must not be cut short); the
     first that arrived meanwhile is delivered, to the handler it would have met, once the
-    body has ended. Only the main thread handles signals; elsewhere this does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    body has ended."""
     arrived: list[int] = []
 
     def hold(signum: int, frame: object) -> None:
@@ -380,12 +392,10 @@ def signals_held(what: str) -> Iterator[None]:
             print(f"[gpuflow] stopping once {what} is done", file=sys.stderr, flush=True)
         arrived.append(signum)
 
-    previous = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        with _stop_signals_to(hold):
+            yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
         if arrived:
             signal.raise_signal(arrived[0])
 
@@ -393,11 +403,7 @@ def signals_held(what: str) -> Iterator[None]:
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
     """While a job is being stopped after an interruption, a second SIGINT or SIGTERM is
-    absorbed (with one line), so that the stop keeps the job's grace and runs once.
-    Only the main thread handles signals; elsewhere this does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    absorbed (with one line), so that the stop keeps the job's grace and runs once."""
 
     def absorb(signum: int, frame: object) -> None:
         print(
@@ -406,9 +412,5 @@ def signals_deferred() -> Iterator[None]:
             flush=True,
         )
 
-    previous = {s: signal.signal(s, absorb) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with _stop_signals_to(absorb):
         yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)

@@ -112,6 +112,17 @@ class Platform:
             list(argv), env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
         )
 
+    def as_user(self, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        """Run `gpuflow ARGV` as the platform's user with no Prefect setting of their own:
+        gpuflow finds the platform (its URL, auth string and certificate) by itself."""
+        return subprocess.run(
+            [sys.executable, "-m", "gpuflow", *argv],
+            env={k: v for k, v in self.env.items() if not k.startswith("PREFECT_")},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
     def gpuflow(self, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
         return self.run(sys.executable, "-m", "gpuflow", *argv, timeout=timeout)
 

@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -241,14 +240,7 @@ def test_gpuflow_run_records_its_run_on_the_running_platform(platform, tmp_path)
     assert status.returncode == 0 and f"running: UI {platform.ui}" in status.stdout
     job = tmp_path / "job.yaml"
     job.write_text("name: on-platform\njob: {kind: command, command: [echo, hi]}\n")
-    env = {k: v for k, v in platform.env.items() if not k.startswith("PREFECT_")}
-    out = subprocess.run(
-        [sys.executable, "-m", "gpuflow", "run", str(job)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = platform.as_user("run", str(job))
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"[gpuflow] using the local platform (UI {platform.ui})" in out.stderr
     assert "temporary" not in out.stderr
@@ -357,14 +349,7 @@ def test_a_platform_shared_on_purpose_speaks_tls_1_3_and_still_asks_the_auth_str
         assert listed.returncode == 0 and "command-local" in listed.stdout, listed.stderr[-2000:]
         job = tmp_path / "job.yaml"
         job.write_text("name: over-tls\njob: {kind: command, command: [echo, hi]}\n")
-        env = {k: v for k, v in shared.env.items() if not k.startswith("PREFECT_")}
-        ran = subprocess.run(
-            [sys.executable, "-m", "gpuflow", "run", str(job)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        ran = shared.as_user("run", str(job))
         assert ran.returncode == 0, ran.stderr[-3000:]
         assert "[gpuflow] using the local platform (UI https://" in ran.stderr
     finally:
