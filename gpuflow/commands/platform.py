@@ -10,7 +10,7 @@ from gpuflow import session
 from gpuflow.commands.common import EXIT_FAILED, EXIT_OK, invalid, number
 
 
-def add(commands: Any) -> list[tuple[str, str]]:
+def _platform_parser(commands: Any) -> None:
     plat = commands.add_parser(
         "platform", description="A local Prefect server, pools, blocks, deployments and a worker."
     )
@@ -59,6 +59,10 @@ def add(commands: Any) -> list[tuple[str, str]]:
             (args.listen, args.tls_cert, args.tls_key),
         )
     )
+
+
+def add(commands: Any) -> list[tuple[str, str]]:
+    _platform_parser(commands)
     blk = commands.add_parser(
         "blocks", description="Register gpuflow's block types and default blocks."
     )

@@ -581,6 +581,60 @@ def _failure(
 RESULT_LIMIT = 1 << 20  # result.json holds figures, not data
 
 
+def _copy_outputs(outputs: Path, out: Path, redact: Callable[[str], str], logger: Any) -> None:
+    """Copy the job's outputs folder into the artifacts `out` as the job left it (never
+    following it when the job swapped it for a link); what was left out is logged. A signal
+    waits for the copy; a disk that cannot take it keeps the outputs whole (CollectError)."""
+    if outputs.is_symlink():
+        logger.warning(
+            "outputs is a link (to %s), not the job's folder: nothing of it was copied to the"
+            " artifacts",
+            os.readlink(outputs),
+        )
+        return
+    if not outputs.is_dir():
+        return
+    # A completed job's outputs are not cut short by Ctrl-C: teardown (which removes the
+    # workspace) runs after the copy.
+    with signals_held("the job's outputs are copied to the artifacts"):
+        try:
+            left_out = copy_outputs(outputs, out / "outputs", redact)
+        except OSError as exc:  # a full or read-only artifacts disk
+            kept = keep_whole(outputs)
+            raise CollectError(
+                f"the job's outputs could not be copied to {out} ({exc.strerror or exc});"
+                f" they are kept whole in {kept}: free space there, then copy them"
+            ) from None
+    for left in left_out:
+        logger.warning("outputs/%s was not copied to the artifacts", left)
+
+
+def _job_figures(result_file: Path, logger: Any) -> dict[str, Any]:
+    """Return the figures of the job's result.json (one JSON object; its text made
+    printable), {} without one or for one over RESULT_LIMIT (kept, not shown)."""
+    if not result_file.is_file():
+        return {}
+    if result_file.stat().st_size > RESULT_LIMIT:
+        logger.warning(
+            "outputs/result.json is %.1f MiB: gpuflow shows the figures of a result.json of"
+            " up to %d MiB; it is in the artifacts, its figures are not shown (write large"
+            " data to other files)",
+            result_file.stat().st_size / 2**20,
+            RESULT_LIMIT // 2**20,
+        )
+        return {}
+    try:
+        figures = json.loads(result_file.read_text(errors="replace"))
+    except (ValueError, RecursionError) as exc:  # not JSON, or nested past the parser
+        raise CollectError(f"the job wrote an unreadable result.json: {exc}") from None
+    if not isinstance(figures, dict):
+        raise CollectError(
+            "the job wrote a result.json that is not a JSON object: write its figures as"
+            ' {"name": value, ...}'
+        )
+    return secrets.printable_json(figures)  # type: ignore[return-value]
+
+
 @task(name="collect", cache_policy=None)
 def collect(
     spec: JobSpec,
@@ -650,50 +704,9 @@ def _collect(
     samples = read_samples(samples_path)
     if samples_path.exists():
         shutil.copyfile(samples_path, out / "samples.jsonl")
-    outputs = Path(cluster.workspace) / "outputs"
     redact = secrets.Redactor(secrets.resolve(spec.secret_env).values())
-    if outputs.is_symlink():  # the job replaced its outputs folder: nothing is followed
-        logger.warning(
-            "outputs is a link (to %s), not the job's folder: nothing of it was copied to the"
-            " artifacts",
-            os.readlink(outputs),
-        )
-    elif outputs.is_dir():
-        # A signal now waits for the copy: what a completed job produced is not cut short
-        # by Ctrl-C, and teardown (which removes the workspace) runs after it.
-        with signals_held("the job's outputs are copied to the artifacts"):
-            try:
-                left_out = copy_outputs(outputs, out / "outputs", redact)
-            except OSError as exc:  # a full or read-only artifacts disk
-                kept = keep_whole(outputs)
-                raise CollectError(
-                    f"the job's outputs could not be copied to {out} ({exc.strerror or exc});"
-                    f" they are kept whole in {kept}: free space there, then copy them"
-                ) from None
-        for left in left_out:
-            logger.warning("outputs/%s was not copied to the artifacts", left)
-    job_result: dict[str, Any] = {}
-    result_file = out / "outputs" / "result.json"
-    too_big = result_file.is_file() and result_file.stat().st_size > RESULT_LIMIT
-    if too_big:
-        logger.warning(
-            "outputs/result.json is %.1f MiB: gpuflow shows the figures of a result.json of"
-            " up to %d MiB; it is in the artifacts, its figures are not shown (write large"
-            " data to other files)",
-            result_file.stat().st_size / 2**20,
-            RESULT_LIMIT // 2**20,
-        )
-    elif result_file.is_file():
-        try:
-            job_result = json.loads(result_file.read_text(errors="replace"))
-        except (ValueError, RecursionError) as exc:  # not JSON, or nested past the parser
-            raise CollectError(f"the job wrote an unreadable result.json: {exc}") from None
-        if not isinstance(job_result, dict):
-            raise CollectError(
-                "the job wrote a result.json that is not a JSON object: write its figures as"
-                ' {"name": value, ...}'
-            )
-        job_result = secrets.printable_json(job_result)  # as any database takes it
+    _copy_outputs(Path(cluster.workspace) / "outputs", out, redact, logger)
+    job_result = _job_figures(out / "outputs" / "result.json", logger)
     run_cost = cost_of(spec, cluster, prices, outcome.result.duration_s)
     idle = spec.limits.idle_gpu
     metrics = summarise(

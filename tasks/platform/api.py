@@ -342,10 +342,7 @@ def start_temporary(
                 kept_api.take_lease(servers, record)
         except BaseException as exc:
             if proc is not None:  # started, but not recorded (a full disk): stopped here
-                stop_group(proc.pid, None, grace_s=5.0)
-                proc.wait()
-                (servers / f"{proc.pid}.json").unlink(missing_ok=True)
-                shutil.rmtree(kept_api.leases_of(servers, proc.pid), ignore_errors=True)
+                _stop_unrecorded(proc, servers)
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             if isinstance(exc, OSError):
                 raise StateFileError(
@@ -383,6 +380,14 @@ def start_temporary(
         "the temporary Prefect API found no free port on 127.0.0.1 in 5 tries; stop what"
         " holds them, or start one with `gpuflow platform up`."
     )
+
+
+def _stop_unrecorded(proc: subprocess.Popen, servers: Path) -> None:
+    """Stop a temporary server whose record could not be written, and forget it."""
+    stop_group(proc.pid, None, grace_s=5.0)
+    proc.wait()
+    (servers / f"{proc.pid}.json").unlink(missing_ok=True)
+    shutil.rmtree(kept_api.leases_of(servers, proc.pid), ignore_errors=True)
 
 
 def _wait_until_healthy(proc: subprocess.Popen, url: str, deadline: float) -> int | None:

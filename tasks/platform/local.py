@@ -223,24 +223,7 @@ def up(
             _write_state(state)
         else:
             state["database"] = {"kind": "sqlite", "file": str(platform_dir() / "prefect.db")}
-        processes["server"] = _start(
-            [
-                python,
-                "-m",
-                "tasks.platform.server",
-                "--ui",
-                "--host",
-                where.bind,
-                "--port",
-                str(port),
-                "--auth-file",
-                str(auth_path()),
-                *_server_tls(where),
-            ],
-            # the UI's pages call the API by the address a teammate's browser reaches
-            {**_server_env(env, state["database"]), "PREFECT_UI_API_URL": f"{ui}/api"},
-            platform_dir() / "server.log",
-        )
+        processes["server"] = _start_server(where, port, env, state)
         _write_state(state)
         _wait_healthy(api, processes["server"], 90, port, where.trust)
         say(
@@ -292,29 +275,39 @@ def up(
         f"up in {state['up_seconds']} s: UI {ui}; runs kept in {runs_kept_in(state['database'])};"
         " `gpuflow run` now records runs here; `gpuflow platform down` stops it"
     )
+    _say_who_gets_in(say, where, api, ui, port)
+    return state
+
+
+def _start_server(
+    where: Listening, port: int, env: dict[str, str], state: dict[str, Any]
+) -> dict[str, Any]:
+    """Start the platform's Prefect server (tasks/platform/server.py: the UI, the auth
+    string from its file, TLS when shared); return its process entry."""
+    argv = [sys.executable, "-m", "tasks.platform.server", "--ui", "--host", where.bind]
+    argv += ["--port", str(port), "--auth-file", str(auth_path())]
+    if where.cert:
+        argv += ["--tls-cert", where.cert, "--tls-key", str(where.key)]
+        for name in sorted({socket.gethostname(), socket.getfqdn(), where.shown}):
+            argv += ["--name", name]  # the Host names it answers to besides addresses
+    # the UI's pages call the API by the address a teammate's browser reaches
+    server_env = {**_server_env(env, state["database"]), "PREFECT_UI_API_URL": f"{state['ui']}/api"}
+    return _start(argv, server_env, platform_dir() / "server.log")
+
+
+def _say_who_gets_in(say, where: Listening, api: str, ui: str, port: int) -> None:
+    """Say how the user's own tools get in, and a teammate's when the platform is shared."""
     say(
         f"only you get in: the UI and Prefect's CLI ask for the auth string in {auth_path()}"
         f' (export PREFECT_API_URL={api} PREFECT_API_AUTH_STRING="$(cat {auth_path()})"'
         + (f" PREFECT_API_SSL_CERT_FILE={where.trust})" if where.trust else ")")
     )
-    if where.bind != where.local or where.local != "127.0.0.1":
+    if where.shared:
         say(
             f"shared over TLS 1.3 on {where.bind}:{port}: a teammate sets PREFECT_API_URL="
             f"{ui}/api, PREFECT_API_AUTH_STRING (from you, not by mail or chat in the clear)"
             + (f" and PREFECT_API_SSL_CERT_FILE (a copy of {where.trust})" if where.trust else "")
         )
-    return state
-
-
-def _server_tls(where: Listening) -> list[str]:
-    """Return the server program's options for TLS and the names it answers to."""
-    if not where.cert:
-        return []
-    names = sorted({socket.gethostname(), socket.getfqdn(), where.shown})
-    argv = ["--tls-cert", where.cert, "--tls-key", str(where.key)]
-    for name in names:
-        argv += ["--name", name]
-    return argv
 
 
 def _cluster(kubeconfig: Path, image: str | None) -> dict[str, Any]:

@@ -38,6 +38,11 @@ class Listening(BaseModel):
     trust: str | None = None  # the file clients trust it by (a self-signed certificate)
 
     @property
+    def shared(self) -> bool:
+        """True when other machines reach it (not a loopback address)."""
+        return not ipaddress.ip_address(self.bind).is_loopback
+
+    @property
     def scheme(self) -> str:
         return "https" if self.cert else "http"
 
