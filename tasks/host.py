@@ -97,7 +97,7 @@ def write_atomic(path: Path, text: str) -> None:
     """Write `path` whole or not at all, readable by this user alone (0600): a temporary
     sibling named after this process (`.NAME.PID.tmp`, so sweep_partial_writes can tell a
     dead writer's), then a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    make_dirs(path.parent, private=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)  # O_EXCL below: never through a link someone left there
     descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -154,12 +154,32 @@ def read_state_json(path: Path) -> dict | None:
     return found if isinstance(found, dict) else None
 
 
+def make_dirs(path: Path, private: bool | None = None) -> Path:
+    """Make `path` and its missing parents, and return it. Private (0700, each folder made,
+    not only the last: Path.mkdir gives parents the default mode) when `private` is True,
+    or when None and `path` lies in GPUFLOW_HOME; else with the user's umask."""
+    if private is None:
+        private = path.absolute().is_relative_to(gpuflow_home())
+    if not private:
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    missing = []
+    for folder in [path, *path.parents]:
+        if folder.exists() or folder.is_symlink():
+            break
+        missing.append(folder)
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made meanwhile by another process
+            folder.mkdir(mode=0o700)
+    return path
+
+
 def private_dir(path: Path) -> Path:
     """Make `path` (and missing parents) a folder this user alone may enter (0700), and
     return it. One that exists with wider modes is narrowed; one that is not this user's
     (or not a folder) is refused in one sentence."""
     if not path.is_symlink() and not path.exists():
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_dirs(path, private=True)
     info = path.lstat()
     if not stat.S_ISDIR(info.st_mode):
         raise StateFileError(f"{path} is not a folder; remove it or point GPUFLOW_HOME elsewhere.")

@@ -48,7 +48,7 @@ from tasks.errors import (
     retry_unless,
     retry_when_retryable,
 )
-from tasks.host import gpuflow_home, signals_held
+from tasks.host import gpuflow_home, make_dirs, signals_held
 from tasks.kinds.registry import kind_of
 from tasks.logstream import LineBatcher, job_output_sink
 from tasks.metrics import cost as pricing
@@ -699,7 +699,7 @@ def _collect(
 ) -> RunMetrics:
     logger = get_run_logger()
     out = Path(artifacts_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    make_dirs(out)  # this user's alone under GPUFLOW_HOME; elsewhere as the user makes folders
     samples_path = Path(cluster.workspace) / SAMPLES
     samples = read_samples(samples_path)
     if samples_path.exists():

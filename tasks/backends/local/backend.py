@@ -51,6 +51,7 @@ from tasks.host import (
     alive,
     gpuflow_home,
     job_environ,
+    make_dirs,
     read_state_json,
     resolve_program,
     start_time,
@@ -158,7 +159,7 @@ class LocalBackend:
         root = workspace_root(spec)
         probe = root / f".gpuflow-probe-{os.getpid()}"
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            make_dirs(root)
             probe.write_bytes(b"ok")
         except OSError as exc:
             field = (
@@ -263,7 +264,8 @@ class LocalBackend:
         self._save(cluster, complete=False)
         workspace = Path(cluster.workspace)
         try:
-            (workspace / "outputs").mkdir(parents=True, exist_ok=True)
+            make_dirs(workspace)  # this user's alone under GPUFLOW_HOME
+            (workspace / "outputs").mkdir(exist_ok=True)
             (workspace / JOB_TMP).mkdir(mode=0o700, exist_ok=True)
         except OSError as exc:
             raise ProvisionError(
@@ -302,7 +304,7 @@ class LocalBackend:
         if not gpus and spec.resources.allow_cpu:
             return [], []
         claims = self.home / "gpus"
-        claims.mkdir(parents=True, exist_ok=True)
+        make_dirs(claims)
         taken: list[tuple[int, str]] = []
         for gpu in gpus:
             if len(taken) == wanted:
