@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -109,9 +110,23 @@ def _copy_file(
     return None
 
 
-def keep_whole(outputs: Path) -> Path:
-    """Move the job's outputs folder beside its workspace, out of teardown's reach (a
-    rename: no space needed on a full disk); return where it now is."""
-    kept = outputs.parent.with_name(outputs.parent.name + ".outputs-kept")
-    outputs.rename(kept)
-    return kept
+class OutputsKept(OSError):
+    """The outputs could not be copied; they were moved whole to `kept`."""
+
+    def __init__(self, cause: OSError, kept: Path) -> None:
+        super().__init__(cause.errno, cause.strerror)
+        self.kept = kept
+
+
+def keep_whole(outputs: Path, kept_root: Path) -> Path:
+    """Move the job's outputs folder out of teardown's reach, whole, and return where it
+    now is: `kept_root`/<workspace name> (a rename: no space needed on a full disk), else,
+    where that folder cannot be made or lies on another filesystem, beside the workspace."""
+    name = outputs.parent.name
+    with contextlib.suppress(OSError):
+        kept_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        outputs.rename(kept_root / name)
+        return kept_root / name
+    beside = outputs.parent.with_name(name + ".outputs-kept")
+    outputs.rename(beside)
+    return beside

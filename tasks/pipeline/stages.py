@@ -57,7 +57,7 @@ from tasks.metrics.plot import utilisation_png
 from tasks.metrics.prometheus import LivePush, delete, exposition, push
 from tasks.metrics.sampler import NODE_SAMPLES, SAMPLES, Sampler, SampleTail, read_samples
 from tasks.metrics.summary import IDLE_PCT, RunMetrics, summarise
-from tasks.outputs import copy_outputs, keep_whole
+from tasks.outputs import OutputsKept, copy_outputs, keep_whole
 from tasks.pipeline import preflight as preflight_checks
 from tasks.pipeline.inflight import unit_running
 from tasks.pipeline.pool import Use
@@ -599,12 +599,8 @@ def _copy_outputs(outputs: Path, out: Path, redact: Callable[[str], str], logger
     with signals_held("the job's outputs are copied to the artifacts"):
         try:
             left_out = copy_outputs(outputs, out / "outputs", redact)
-        except OSError as exc:  # a full or read-only artifacts disk
-            kept = keep_whole(outputs)
-            raise CollectError(
-                f"the job's outputs could not be copied to {out} ({exc.strerror or exc});"
-                f" they are kept whole in {kept}: free space there, then copy them"
-            ) from None
+        except OSError as exc:  # a full or read-only artifacts disk: collect names it
+            raise OutputsKept(exc, keep_whole(outputs, gpuflow_home() / "kept")) from None
     for left in left_out:
         logger.warning("outputs/%s was not copied to the artifacts", left)
 
@@ -657,10 +653,11 @@ def collect(
         )
     except OSError as exc:
         code = outcome.result.exit_code
+        kept = f"; its outputs are kept whole in {exc.kept}" if isinstance(exc, OutputsKept) else ""
         raise CollectError(
             f"the run's artifacts could not be written to {artifacts_dir} ({exc.strerror or exc});"
             " free space there or set storage.artifacts to another folder. The job itself"
-            f" ended with {'exit code ' + str(code) if code is not None else 'a signal'}."
+            f" ended with {'exit code ' + str(code) if code is not None else 'a signal'}{kept}."
         ) from None
 
 

@@ -79,8 +79,10 @@ def test_a_full_artifacts_disk_keeps_the_outputs_whole_and_says_where(
         error = state.result(raise_on_failure=False)
         assert isinstance(error, CollectError), error
         said = str(error)
-        assert "could not be copied to" in said and "No space left on device" in said
-        kept = Path(said.split("they are kept whole in ")[1].split(":")[0])
+        assert f"could not be written to {small}" in said and "No space left on device" in said
+        assert "ended with exit code 0; its outputs are kept whole in " in said
+        kept = Path(said.split("its outputs are kept whole in ")[1].rstrip("."))
+        assert kept.parent == gpuflow_home / "kept"
         assert (kept / "model.bin").stat().st_size == 3_000_000
         assert not list(small.rglob("model.bin*"))  # nothing truncated under its name
     finally:
