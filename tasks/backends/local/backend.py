@@ -52,6 +52,7 @@ from tasks.host import (
     gpuflow_home,
     job_environ,
     make_dirs,
+    private_dir,
     read_state_json,
     resolve_program,
     start_time,
@@ -80,7 +81,12 @@ class LocalState(BaseModel):
     memory_bytes: int | None = None
 
 
-JOB_TMP = ".tmp"  # the job's TMPDIR, inside its workspace: teardown removes it
+def job_tmp(workspace: str) -> Path:
+    """Return the job's TMPDIR: a short folder of its own under /tmp (programs put Unix
+    sockets there, whose paths may not pass 107 bytes: a workspace's path can be longer),
+    named after its workspace, made 0700 at provision and removed by teardown."""
+    digest = hashlib.sha256(workspace.encode()).hexdigest()[:16]
+    return Path("/tmp") / f"gpuflow-job-{digest}"
 
 
 class LocalBackend:
@@ -266,7 +272,7 @@ class LocalBackend:
         try:
             make_dirs(workspace)  # this user's alone under GPUFLOW_HOME
             (workspace / "outputs").mkdir(exist_ok=True)
-            (workspace / JOB_TMP).mkdir(mode=0o700, exist_ok=True)
+            private_dir(job_tmp(cluster.workspace))  # refused if another user's
         except OSError as exc:
             raise ProvisionError(
                 f"could not create the workspace {workspace}: {exc.strerror}"
@@ -360,7 +366,7 @@ class LocalBackend:
         child_env = {
             **job_environ(),
             # the job's temporary files go with its workspace (a spec's env may say otherwise)
-            "TMPDIR": str(Path(cluster.workspace) / JOB_TMP),
+            "TMPDIR": str(job_tmp(cluster.workspace)),
             **env,
             **unit.env,
             **unit_env(unit.node, cluster.nodes, cluster.workspace, gpus),
@@ -485,6 +491,14 @@ class LocalBackend:
         if workspace.exists():
             shutil.rmtree(workspace, ignore_errors=True)
             report.removed_workspace = not workspace.exists()
+        scratch = job_tmp(cluster.workspace)
+        with contextlib.suppress(OSError):
+            if (
+                scratch.lstat().st_uid == os.geteuid()
+                and scratch.is_dir()
+                and not scratch.is_symlink()
+            ):
+                shutil.rmtree(scratch, ignore_errors=True)
         self._record_path(cluster.name).unlink(missing_ok=True)
         return report
 
