@@ -283,6 +283,20 @@ def test_an_mpi_launcher_becomes_an_mpijob_of_one_worker_per_node():
 NONCE = "f00dfeed"  # the run's nonce, as the pod's Secret gives it
 
 
+def _sampling_follower(tmp_path, said: list[str]):
+    """Return a follower of a wrapped unit's log with the run's nonce: the job's lines go
+    to `said`, the node's samples to tmp_path/node.jsonl, output files to tmp_path/back."""
+    from tasks.backends.kubernetes.logs import LogFollower
+
+    return LogFollower(
+        None,
+        lambda _stream, line: said.append(line),
+        tmp_path / "back",
+        tmp_path / "node.jsonl",
+        nonce=NONCE,
+    )
+
+
 def _wrapped(tmp_path, *program: str, **env: str) -> subprocess.Popen:
     from tasks.backends.kubernetes.manifests import UNIT_WRAPPER
 
@@ -344,7 +358,6 @@ def test_the_unit_wrapper_samples_the_node_beside_the_unit_into_its_log(tmp_path
     samples are log lines (named after the pod's node) the follower writes to the node's
     samples file, never to the run's log; the last one comes after the unit ended. Without
     gpuflow in the image the sampler is silently absent and the unit runs all the same."""
-    from tasks.backends.kubernetes.logs import LogFollower
 
     sampling = {
         "GPUFLOW_SAMPLE_INTERVAL": "0.1",
@@ -357,13 +370,7 @@ def test_the_unit_wrapper_samples_the_node_beside_the_unit_into_its_log(tmp_path
     lines = proc.communicate(timeout=60)[0].splitlines()
     assert proc.returncode == 0
     said: list[str] = []
-    follower = LogFollower(
-        None,
-        lambda _stream, line: said.append(line),
-        tmp_path / "back",
-        tmp_path / "node.jsonl",
-        nonce=NONCE,
-    )
+    follower = _sampling_follower(tmp_path, said)
     for line in lines:
         follower._line(line)
     assert said == ["working", "done"]
@@ -454,7 +461,6 @@ def test_a_job_cannot_print_a_record_of_the_wrapper_s(tmp_path):
     prints records as the wrapper does (the mark alone, a nonce it guessed, or a record it
     copied from another run's log) writes no file and adds no sample; its lines are its
     own. A Sample or output from the wrapper, with the nonce, still counts."""
-    from tasks.backends.kubernetes.logs import LogFollower
 
     spoof = (
         'env | grep -c GPUFLOW_LOG_NONCE; echo "$GPUFLOW_LOG_NONCE";'
@@ -466,13 +472,7 @@ def test_a_job_cannot_print_a_record_of_the_wrapper_s(tmp_path):
     proc = _wrapped(tmp_path, "sh", "-c", spoof)
     stdout, _ = proc.communicate(timeout=60)
     said: list[str] = []
-    follower = LogFollower(
-        None,
-        lambda _stream, line: said.append(line),
-        tmp_path / "back",
-        tmp_path / "node.jsonl",
-        nonce=NONCE,
-    )
+    follower = _sampling_follower(tmp_path, said)
     for line in stdout.splitlines():
         follower._line(line)
     assert said == [
