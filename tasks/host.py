@@ -101,9 +101,13 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)  # O_EXCL below: never through a link someone left there
     descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(descriptor, "w") as out:
-        out.write(text)
-    tmp.replace(path)
+    try:
+        with os.fdopen(descriptor, "w") as out:
+            out.write(text)
+        tmp.replace(path)
+    except BaseException:  # a full disk: no half-written sibling stays behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class StateFileError(GpuflowError):

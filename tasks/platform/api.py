@@ -215,7 +215,10 @@ def choose(say: Callable[[str], None], temporary: bool = True) -> Api:
     servers = servers_dir()
     with kept_api.starting(servers):
         records = [r for r in _records() if r.get("idle_s")]
-        record = kept_api.find(servers, records, lambda url: health_error(url, 3) is None)
+        try:
+            record = kept_api.find(servers, records, lambda url: health_error(url, 3) is None)
+        except OSError as exc:  # the lease on a kept server could not be written
+            raise _home_cannot_hold("this command's lease on the kept API", exc) from None
         if record is not None:
             say(
                 f"using the temporary Prefect API kept at {record['api']} (pid {record['pid']},"
@@ -326,30 +329,13 @@ def start_temporary(
                         signal.SIG_SETMASK, mask
                     ),
                 )
-            record = {
-                "pid": proc.pid,
-                "started": psutil.Process(proc.pid).create_time(),
-                "owner_pid": os.getpid(),
-                "owner_started": psutil.Process().create_time(),
-                "api": f"http://127.0.0.1:{port}/api",
-                "log": str(log),
-                "prefect_home": prefect_home(),
-                "idle_s": keep_s,
-                "fingerprint": fingerprint,
-            }
-            write_atomic(servers / f"{proc.pid}.json", json.dumps(record))
-            if keep_s:
-                kept_api.take_lease(servers, record)
+            record = _record_started(proc, port, log, keep_s, fingerprint, servers)
         except BaseException as exc:
             if proc is not None:  # started, but not recorded (a full disk): stopped here
-                _stop_unrecorded(proc, servers)
+                _stop_unrecorded(proc, servers, log)
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             if isinstance(exc, OSError):
-                raise StateFileError(
-                    f"GPUFLOW_HOME {gpuflow_home()} cannot hold the temporary API's record"
-                    f" ({exc.strerror or exc}); free space there, or point GPUFLOW_HOME at"
-                    " another folder."
-                ) from None
+                raise _home_cannot_hold("the temporary API's record", exc) from None
             raise
         api = Api(record["api"], "temporary", server=record, auth=auth)
         try:
@@ -382,12 +368,43 @@ def start_temporary(
     )
 
 
-def _stop_unrecorded(proc: subprocess.Popen, servers: Path) -> None:
+def _record_started(
+    proc: subprocess.Popen, port: int, log: Path, keep_s: float, fingerprint: str, servers: Path
+) -> dict[str, Any]:
+    """Write the record of the server just started (what reap, `platform down` and later
+    commands find it by) and, when it is kept, this command's lease on it."""
+    record = {
+        "pid": proc.pid,
+        "started": psutil.Process(proc.pid).create_time(),
+        "owner_pid": os.getpid(),
+        "owner_started": psutil.Process().create_time(),
+        "api": f"http://127.0.0.1:{port}/api",
+        "log": str(log),
+        "prefect_home": prefect_home(),
+        "idle_s": keep_s,
+        "fingerprint": fingerprint,
+    }
+    write_atomic(servers / f"{proc.pid}.json", json.dumps(record))
+    if keep_s:
+        kept_api.take_lease(servers, record)
+    return record
+
+
+def _stop_unrecorded(proc: subprocess.Popen, servers: Path, log: Path) -> None:
     """Stop a temporary server whose record could not be written, and forget it."""
     stop_group(proc.pid, None, grace_s=5.0)
     proc.wait()
     (servers / f"{proc.pid}.json").unlink(missing_ok=True)
     shutil.rmtree(kept_api.leases_of(servers, proc.pid), ignore_errors=True)
+    log.unlink(missing_ok=True)  # it said nothing worth keeping: it never served
+
+
+def _home_cannot_hold(what: str, exc: OSError) -> StateFileError:
+    """The sentence for a GPUFLOW_HOME that cannot take a write (full, read-only)."""
+    return StateFileError(
+        f"GPUFLOW_HOME {gpuflow_home()} cannot hold {what} ({exc.strerror or exc}); free"
+        " space there, or point GPUFLOW_HOME at another folder."
+    )
 
 
 def _wait_until_healthy(proc: subprocess.Popen, url: str, deadline: float) -> int | None:

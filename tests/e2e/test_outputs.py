@@ -4,6 +4,7 @@ gets nothing of /etc copied; Ctrl-C while collect copies 20,000 files waits for 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.helpers import nothing_left
-from tests.e2e.test_first_run import fresh_env, start_run, wait_for
+from tests.e2e.test_first_run import GPUFLOW, fresh_env, start_run, wait_for
 from tests.e2e.test_pipeline import NO_RETRY, run_pipeline
 
 pytestmark = pytest.mark.e2e
@@ -142,3 +143,70 @@ def test_a_read_only_gpuflow_home_is_one_sentence(tmp_path):
         assert str(home) in said and "Read-only file system" in said
     finally:
         subprocess.run(["umount", str(home)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small tmpfs")
+def test_a_full_gpuflow_home_is_one_sentence_and_leaves_no_server_behind(tmp_path):
+    """GPUFLOW_HOME fills up: before the first command's temporary API is recorded (the
+    server is stopped, and neither a half-written record nor its log stays), and after a
+    kept one was (the next command cannot write its lease on it)."""
+    import subprocess
+
+    import psutil
+
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(home)], check=True)
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"job: {{kind: command, command: [echo, hi]}}\n"
+        f"placement: {{workspace_root: {tmp_path / 'workspaces'}}}\n"
+    )
+    env = fresh_env(tmp_path, home) | {"GPUFLOW_API_IDLE_S": "600"}
+
+    def run() -> tuple[int, str]:
+        done = subprocess.run(
+            [*GPUFLOW, "run", str(job)], env=env, capture_output=True, text=True, timeout=300
+        )
+        return done.returncode, done.stdout + done.stderr
+
+    def fill() -> None:
+        with open(home / "filler", "ab", buffering=0) as out:
+            try:
+                while True:
+                    out.write(b"x" * 4096)
+            except OSError:
+                pass
+
+    servers = home / "servers"
+    try:
+        code, out = run()
+        assert code == 0, out[-3000:]
+        [kept] = [json.loads(p.read_text()) for p in servers.glob("[0-9]*.json")]
+        fill()
+        code, out = run()  # the kept server answers, but the lease on it cannot be written
+        assert code == 1, out[-3000:]
+        assert "Traceback" not in out
+        [said] = [line for line in out.splitlines() if line.startswith("gpuflow:")]
+        assert said == (
+            f"gpuflow: GPUFLOW_HOME {home} cannot hold this command's lease on the kept API"
+            " (No space left on device); free space there, or point GPUFLOW_HOME at another"
+            " folder."
+        )
+        os.kill(kept["pid"], signal.SIGTERM)
+        psutil.Process(kept["pid"]).wait(timeout=60)
+        for path in servers.glob("server-*.log"):
+            path.unlink()
+        before = {p.name for p in servers.iterdir()}
+        code, out = run()  # a server starts, but its record cannot be written: it is stopped
+        assert code == 1, out[-3000:]
+        assert "cannot hold the temporary API's record (No space left on device)" in out
+        assert {p.name for p in servers.iterdir()} == before  # no .tmp, no log
+        assert not [
+            p
+            for p in psutil.process_iter(["cmdline", "environ"])
+            if "tasks.platform.server" in " ".join(p.info["cmdline"] or [])
+            and (p.info["environ"] or {}).get("GPUFLOW_HOME") == str(home)
+        ]
+    finally:
+        subprocess.run(["umount", "-l", str(home)], check=True)
