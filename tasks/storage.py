@@ -39,6 +39,8 @@ class S3Settings(BaseModel):
     access_key_id: str | None = None
     secret_access_key: SecretStr | None = None
     session_token: SecretStr | None = None
+    # the block's aws_client_parameters.config (botocore's Config: retries, timeouts)
+    client_config: dict[str, Any] = {}
 
     @classmethod
     def from_env(cls) -> S3Settings:
@@ -72,6 +74,7 @@ class S3Settings(BaseModel):
             access_key_id=block.aws_access_key_id,
             secret_access_key=block.aws_secret_access_key,
             session_token=block.aws_session_token,
+            client_config=dict(params.config or {}) if params else {},
         )
 
     def child_env(self) -> dict[str, str]:

@@ -224,7 +224,7 @@ def test_pool_offers_prints_every_candidate_side_by_side(prefect_api, gpuflow_ho
 
 
 def test_pool_a_candidate_whose_cloud_does_not_answer_is_passed_over(
-    aws, prefect_api, gpuflow_home
+    aws, prefect_api, gpuflow_home, tmp_path, capsys
 ):
     """A candidate whose EC2 endpoint is down is a candidate that cannot start, with the
     real cause, not a refusal of the job: the job runs on the next one. With no other
@@ -252,6 +252,16 @@ def test_pool_a_candidate_whose_cloud_does_not_answer_is_passed_over(
     down = {"backend": "ec2", "block": "gpuflow-down-fleet"}
     raw = pooled(down, {"backend": "local"})
     assert len(check_pool(load_spec(raw))) == 2
+    # `gpuflow offers` shows both: the down one as a candidate that cannot start, and why
+    from gpuflow.commands.offers import offers
+
+    job = tmp_path / "pool.json"  # JSON is YAML
+    job.write_text(json.dumps(raw))
+    capsys.readouterr()
+    assert offers(str(job), as_json=True) == 0
+    shown = {row["index"]: row for row in json.loads(capsys.readouterr().out)}
+    assert shown[0]["error"].startswith("EC2 in us-east-1 did not answer") and dead in str(shown[0])
+    assert shown[1]["candidate"] == "local" and shown[1]["can_start"] is True
     state = gpu_pipeline(load_spec(raw), return_state=True)
     assert state.is_completed(), state.message
     rows = {
@@ -262,3 +272,19 @@ def test_pool_a_candidate_whose_cloud_does_not_answer_is_passed_over(
     assert "did not answer" in json.dumps(ec2_row) and dead in json.dumps(ec2_row)
     with pytest.raises(Unreachable, match=r"^EC2 in us-east-1 did not answer when asked to"):
         check_pool(load_spec({**raw, "placement": down}))
+    # the block's botocore config is the user's (it made the dead endpoint fail fast
+    # above); one botocore does not know is named, before anything is asked
+    from tasks.errors import InvalidSpec
+
+    AwsCredentials(
+        aws_access_key_id="x",
+        aws_secret_access_key="y",
+        region_name="us-east-1",
+        aws_client_parameters=AwsClientParameters(endpoint_url=dead, config={"retrys": 1}),
+    ).save("gpuflow-down-aws", overwrite=True)
+    with pytest.raises(InvalidSpec) as caught:
+        check_pool(load_spec({**raw, "placement": down}))
+    assert str(caught.value).startswith(
+        "the AwsCredentials block 'gpuflow-down-aws': aws_client_parameters.config is not"
+        " botocore's Config (Got unexpected keyword argument 'retrys')"
+    ), str(caught.value)

@@ -138,6 +138,10 @@ def aws_client(fleet: Fleet, service: str) -> Any:
             " us-east-1, us-west-2 or eu-west-1."
         )
     params: dict[str, Any] = {"region_name": fleet.region}
+    # Throttling (RequestLimitExceeded) and 5xx answers are retried with backoff and
+    # jitter; RunInstances carries a ClientToken, so a retry never launches twice. The
+    # block's own botocore config (aws_client_parameters.config) comes first.
+    config: dict[str, Any] = {"retries": {"max_attempts": 8, "mode": "standard"}}
     if fleet.aws_credentials:
         try:
             settings = S3Settings.from_block(fleet.aws_credentials)
@@ -146,11 +150,16 @@ def aws_client(fleet: Fleet, service: str) -> Any:
                 str(exc).replace("storage.aws_credentials", fleet.field("aws_credentials"))
             ) from None
         params |= settings.client_kwargs()
+        config |= settings.client_config
     from botocore.config import Config
 
-    # Throttling (RequestLimitExceeded) and 5xx answers are retried with backoff and
-    # jitter; RunInstances carries a ClientToken, so a retry never launches twice.
-    params["config"] = Config(retries={"max_attempts": 8, "mode": "standard"})
+    try:
+        params["config"] = Config(**config)
+    except (TypeError, ValueError) as exc:
+        raise InvalidSpec(
+            f"the AwsCredentials block {fleet.aws_credentials!r}: aws_client_parameters.config"
+            f" is not botocore's Config ({exc}); fix or remove it."
+        ) from None
     return boto3.client(service, **params)
 
 
