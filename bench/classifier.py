@@ -59,11 +59,11 @@ def write_log(path: Path, megabytes: int) -> int:
 
 def stream(log: Path, per_line) -> tuple[float, object]:
     """Run `cat log` as a job on the local backend; return the wall time and the diagnosis."""
-    from tasks.backends.local.backend import LocalBackend
-    from tasks.contract import WorkUnit, owner_labels
-    from tasks.diagnose import diagnose
-    from tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
-    from tasks.spec import load_spec
+    from gpuflow.tasks.backends.local.backend import LocalBackend
+    from gpuflow.tasks.contract import WorkUnit, owner_labels
+    from gpuflow.tasks.diagnose import diagnose
+    from gpuflow.tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
+    from gpuflow.tasks.spec import load_spec
 
     spec = load_spec({"name": "bench", "job": {"kind": "command", "command": ["true"]}})
     backend = LocalBackend()
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    from tasks.diagnose import match
+    from gpuflow.tasks.diagnose import match
 
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["GPUFLOW_HOME"] = str(Path(tmp) / "home")

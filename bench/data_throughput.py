@@ -36,10 +36,10 @@ def main() -> None:
 
     import torch
 
-    from tasks.storage import FileStore, S3Settings, S3Store
-    from tasks.training import data as wdata
-    from tasks.training.prepare import prepare
-    from tasks.training.shards import synthetic_samples
+    from gpuflow.tasks.storage import FileStore, S3Settings, S3Store
+    from gpuflow.tasks.training import data as wdata
+    from gpuflow.tasks.training.prepare import prepare
+    from gpuflow.tasks.training.shards import synthetic_samples
 
     proc, endpoint = start_moto()
     os.environ.update(

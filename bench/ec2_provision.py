@@ -70,11 +70,11 @@ def measure(endpoint: str, mock: str, counts: list[int], rounds: int) -> list[tu
     from prefect_aws import AwsCredentials
     from prefect_aws.client_parameters import AwsClientParameters
 
-    from blocks.ec2_fleet import Ec2GpuFleet
-    from tasks.backends.ec2.backend import Ec2Backend
-    from tasks.contract import owner_labels
-    from tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
-    from tasks.spec import load_spec
+    from gpuflow.blocks.ec2_fleet import Ec2GpuFleet
+    from gpuflow.tasks.backends.ec2.backend import Ec2Backend
+    from gpuflow.tasks.contract import owner_labels
+    from gpuflow.tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
+    from gpuflow.tasks.spec import load_spec
     from tests.e2e.instances import PlayedInstances
 
     keys = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}

@@ -85,11 +85,11 @@ def main() -> None:
 
 def pods_running(count: int) -> float:
     """Return seconds from provision to every one of `count` CPU pods Running."""
-    from tasks.backends.kubernetes.backend import KubernetesBackend
-    from tasks.contract import WorkUnit, owner_labels
-    from tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
-    from tasks.pipeline.stages import run_units
-    from tasks.spec import load_spec
+    from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
+    from gpuflow.tasks.contract import WorkUnit, owner_labels
+    from gpuflow.tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
+    from gpuflow.tasks.pipeline.stages import run_units
+    from gpuflow.tasks.spec import load_spec
 
     backend = KubernetesBackend()
     spec = load_spec(
@@ -130,12 +130,12 @@ def reap_objects(runs: int) -> float:
     whose flow runs the API does not know."""
     import uuid
 
-    from tasks.backends.kubernetes.backend import KubernetesBackend
-    from tasks.backends.kubernetes.manifests import secret
-    from tasks.contract import owner_labels
-    from tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
-    from tasks.platform.reap import reap_kubernetes
-    from tasks.spec import load_spec
+    from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
+    from gpuflow.tasks.backends.kubernetes.manifests import secret
+    from gpuflow.tasks.contract import owner_labels
+    from gpuflow.tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
+    from gpuflow.tasks.platform.reap import reap_kubernetes
+    from gpuflow.tasks.spec import load_spec
 
     backend = KubernetesBackend()
     api = backend.api()
@@ -165,9 +165,9 @@ def pipeline_pair(job_s: float, rounds: int = 3) -> tuple[float, float]:
     alternating so that machine noise hits both (a first, warm-up pair is not counted)."""
     import statistics
 
-    from flows.pipeline import gpu_pipeline
-    from tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
-    from tasks.spec import load_spec
+    from gpuflow.flows.pipeline import gpu_pipeline
+    from gpuflow.tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
+    from gpuflow.tasks.spec import load_spec
 
     timings: dict[str, list[float]] = {"local": [], "kubernetes": []}
     for round_ in range(rounds + 1):
@@ -208,11 +208,11 @@ def real_node_pair(rounds: int) -> tuple[dict[str, float], dict[str, float]]:
     a gpuflow unit pod on the real node (same image, same command), alternating."""
     import statistics
 
-    from tasks.backends.kubernetes.backend import KubernetesBackend
-    from tasks.backends.kubernetes.kubeapi import KubeError
-    from tasks.contract import WorkUnit, owner_labels
-    from tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
-    from tasks.spec import load_spec
+    from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
+    from gpuflow.tasks.backends.kubernetes.kubeapi import KubeError
+    from gpuflow.tasks.contract import WorkUnit, owner_labels
+    from gpuflow.tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
+    from gpuflow.tasks.spec import load_spec
 
     backend = KubernetesBackend()
     api = backend.api()

@@ -78,7 +78,7 @@ def main() -> None:
         work = Path(tmp)
         os.environ["GPUFLOW_HOME"] = str(work / "home")
         os.environ["PREFECT_HOME"] = str(work / "prefect")
-        from tasks.platform import api
+        from gpuflow.tasks.platform import api
 
         server = api.start_temporary(lambda _: None, keep_s=0)
         env = dict(os.environ, PREFECT_API_URL=server.url)

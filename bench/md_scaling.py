@@ -1,7 +1,7 @@
 """MD throughput (atom-steps/s) on 1 and 2 MPI ranks at two system sizes, side by side.
 
 Each run is the built-in workload under Debian's mpirun, as the hpc flow starts it
-(`python -m mpi4py -m tasks.hpc.md_run`), timed by the kernel itself (the integration loop,
+(`python -m mpi4py -m gpuflow.tasks.hpc.md_run`), timed by the kernel itself (the integration loop,
 not start-up). Printed per size: 1 rank on every core, 1 rank on one core, 2 ranks on one
 core each; the 2-rank/1-rank ratio, and parallel efficiency = rate(2 ranks) / (2 x rate(1
 rank on one core)). On a GPU machine it also runs 1 rank on the GPU and prints the
@@ -38,7 +38,7 @@ def run(atoms: int, steps: int, ranks: int, threads: int, gpu: bool) -> dict:
     if os.geteuid() == 0:
         argv.append("--allow-run-as-root")
     argv += ["-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH", "-x", "GPUFLOW_OUTPUT_DIR"]
-    argv += [sys.executable, "-m", "mpi4py", "-m", "tasks.hpc.md_run"]
+    argv += [sys.executable, "-m", "mpi4py", "-m", "gpuflow.tasks.hpc.md_run"]
     argv += ["--settings", json.dumps(settings)]
     subprocess.run(argv, env=env, check=True, stdout=subprocess.DEVNULL)
     result = json.loads((out / "result.json").read_text())

@@ -32,9 +32,9 @@ def main() -> None:
 
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.pipeline import gpu_pipeline
-    from tasks.pipeline.heartbeat import heartbeats_sent_by_gpuflow
-    from tasks.spec import load_spec
+    from gpuflow.flows.pipeline import gpu_pipeline
+    from gpuflow.tasks.pipeline.heartbeat import heartbeats_sent_by_gpuflow
+    from gpuflow.tasks.spec import load_spec
 
     command = ["sleep", str(args.seconds)]
     spec = load_spec({"name": "bench", "job": {"kind": "command", "command": command}})

@@ -33,8 +33,8 @@ def start_training(work: Path, model: str, ranks: int) -> tuple[subprocess.Popen
     """Start the training launcher on `model` in a session of its own; return it once it
     has logged 5 steps, with the model's parameter count."""
     task, args, source = MODELS[model]
-    from tasks.storage import FileStore
-    from tasks.training.prepare import prepare
+    from gpuflow.tasks.storage import FileStore
+    from gpuflow.tasks.training.prepare import prepare
 
     data = f"file://{work}/{model}-data"
     prepare(source, data, 20_000, FileStore())
@@ -42,7 +42,7 @@ def start_training(work: Path, model: str, ranks: int) -> tuple[subprocess.Popen
         "kind": "train",
         "dataset": data,
         "output": f"file://{work}/{model}-out-{time.time_ns()}",
-        "model": f"tasks.training.models:{model}",
+        "model": f"gpuflow.tasks.training.models:{model}",
         "model_args": args,
         "task": task,
         "batch_size": 16,
@@ -58,7 +58,7 @@ def start_training(work: Path, model: str, ranks: int) -> tuple[subprocess.Popen
         os.environ, GPUFLOW_WORKSPACE=str(workspace), GPUFLOW_OUTPUT_DIR=str(workspace / "outputs")
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tasks.training.launch", "--job-json", json.dumps(job)],
+        [sys.executable, "-m", "gpuflow.tasks.training.launch", "--job-json", json.dumps(job)],
         env=env,
         cwd=workspace,
         stdout=subprocess.DEVNULL,
@@ -70,7 +70,7 @@ def start_training(work: Path, model: str, ranks: int) -> tuple[subprocess.Popen
         time.sleep(0.05)
     params = sum(
         p.numel()
-        for p in __import__("tasks.training.models", fromlist=[model])
+        for p in __import__("gpuflow.tasks.training.models", fromlist=[model])
         .__dict__[model]()
         .parameters()
     )

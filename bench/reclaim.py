@@ -106,9 +106,9 @@ def report(args: argparse.Namespace, gateway: str, prometheus: str) -> None:
     from prefect.client.orchestration import get_client
     from prefect.states import Running
 
-    from tasks.metrics.prometheus import delete, exposition, push
-    from tasks.platform import api
-    from tasks.platform import reclaim as reclaiming
+    from gpuflow.tasks.metrics.prometheus import delete, exposition, push
+    from gpuflow.tasks.platform import api
+    from gpuflow.tasks.platform import reclaim as reclaiming
 
     @flow(name="bench-held")
     def held() -> None:

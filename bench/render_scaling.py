@@ -32,7 +32,7 @@ def main() -> None:
     blender = shutil.which("blender") or sys.exit("blender is not installed")
     work = Path(tempfile.mkdtemp(prefix="render-scaling-"))
     scene = work / "trivial.blend"
-    from tasks.render.scene import demo_scene
+    from gpuflow.tasks.render.scene import demo_scene
 
     demo_scene(
         blender,
@@ -44,8 +44,8 @@ def main() -> None:
 
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.render import render
-    from tasks.pipeline.heartbeat import heartbeats_sent_by_gpuflow
+    from gpuflow.flows.render import render
+    from gpuflow.tasks.pipeline.heartbeat import heartbeats_sent_by_gpuflow
 
     rows = []
     with prefect_test_harness(server_startup_timeout=120):

@@ -40,8 +40,8 @@ def main() -> None:
     parser.add_argument("--fake-gpus", type=int, default=0)
     args = parser.parse_args()
 
-    from tasks import nvml
-    from tasks.metrics.sampler import Sampler
+    from gpuflow.tasks import nvml
+    from gpuflow.tasks.metrics.sampler import Sampler
 
     module = None
     if args.fake_gpus:

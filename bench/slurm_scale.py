@@ -79,9 +79,9 @@ def through_gpuflow(
     """Run the units through gpuflow: with `one_run`, one run whose command has a copy on
     each GPU of 2 nodes x units/2 GPUs (one allocation, its copies as steps); else
     `units` runs of one GPU each at once (each its own allocation and step)."""
-    from flows.pipeline import gpu_pipeline
-    from tasks.pipeline.heartbeat import heartbeats_sent_by_gpuflow
-    from tasks.spec import load_spec
+    from gpuflow.flows.pipeline import gpu_pipeline
+    from gpuflow.tasks.pipeline.heartbeat import heartbeats_sent_by_gpuflow
+    from gpuflow.tasks.spec import load_spec
 
     job = {"kind": "command", "command": ["sleep", str(seconds)]}
     resources = {"gpus": 1, "gpu_product": "H100"}
@@ -162,7 +162,7 @@ def main() -> None:
         )
     finally:
         subprocess.run([*gpuflow, "down"], check=False)
-        from tasks.platform.postgres import data_folder
+        from gpuflow.tasks.platform.postgres import data_folder
 
         shutil.rmtree(data_folder().parent, ignore_errors=True)  # the bench's runs go
         shutil.rmtree(os.environ["GPUFLOW_HOME"], ignore_errors=True)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from preempt_grace import MODELS, start_training, stop  # noqa: E402
 
-from tasks.backends.ec2.imds import Imds, Notice, NoticeWatcher  # noqa: E402
+from gpuflow.tasks.backends.ec2.imds import Imds, Notice, NoticeWatcher  # noqa: E402
 
 
 def mock(port: int, delay_s: int) -> tuple[subprocess.Popen, float]:

@@ -31,7 +31,7 @@ def bare_loop(shards: list[str], steps: int, batch_size: int) -> float:
     from PIL import Image
     from torch.nn import functional as F
 
-    from tasks.training.models import small_cnn
+    from gpuflow.tasks.training.models import small_cnn
 
     def decode(sample):
         image = np.asarray(
@@ -75,11 +75,11 @@ def main() -> None:
 
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.train import train
-    from tasks.storage import FileStore
-    from tasks.training.prepare import prepare
-    from tasks.training.report import read_metrics
-    from tasks.training.shards import DatasetIndex
+    from gpuflow.flows.train import train
+    from gpuflow.tasks.storage import FileStore
+    from gpuflow.tasks.training.prepare import prepare
+    from gpuflow.tasks.training.report import read_metrics
+    from gpuflow.tasks.training.shards import DatasetIndex
 
     data_url = f"file://{work}/data"
     prepare("synthetic:classify?samples=2000", data_url, 200_000, FileStore())

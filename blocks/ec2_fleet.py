@@ -12,7 +12,7 @@ class Ec2GpuFleet(Block):
     Examples:
         Rent L4s and A10Gs in two zones of us-east-1:
         ```python
-        from blocks import Ec2GpuFleet
+        from gpuflow.blocks import Ec2GpuFleet
         Ec2GpuFleet(region="us-east-1", zones=["us-east-1a", "us-east-1b"],
                     families=["g6", "g5"], aws_credentials="aws").save("gpus")
         ```

@@ -9,7 +9,7 @@ from prefect.blocks.core import Block
 from prefect_kubernetes.credentials import KubernetesClusterConfig
 from pydantic import Field
 
-from tasks.gpus import GPU_RESOURCE as GPU
+from gpuflow.tasks.gpus import GPU_RESOURCE as GPU
 
 
 class KubernetesGpuPool(Block):
@@ -20,7 +20,7 @@ class KubernetesGpuPool(Block):
     Examples:
         ```python
         from prefect_kubernetes.credentials import KubernetesClusterConfig
-        from blocks import KubernetesGpuPool
+        from gpuflow.blocks import KubernetesGpuPool
         KubernetesGpuPool(
             cluster_config=KubernetesClusterConfig.load("prod"),
             work_pool_name="gpu-k8s",

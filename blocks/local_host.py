@@ -12,7 +12,7 @@ class LocalGpuHost(Block):
     Examples:
         Save settings once, then point a job at them with `placement.block`:
         ```python
-        from blocks import LocalGpuHost
+        from gpuflow.blocks import LocalGpuHost
         LocalGpuHost(workspace_root="/scratch/gpuflow", gpu_hourly_usd=1.2).save("workstation")
         ```
     """

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect.blocks.core import Block
 from pydantic import Field
 
-from tasks.metrics.cost import PriceTable
+from gpuflow.tasks.metrics.cost import PriceTable
 
 _DEFAULT = PriceTable()
 
@@ -17,7 +17,7 @@ class GpuPriceTable(Block):
     Examples:
         Reserved H100s at a negotiated rate:
         ```python
-        from blocks import GpuPriceTable
+        from gpuflow.blocks import GpuPriceTable
         GpuPriceTable(gpu_hourly_usd={"ec2": {"NVIDIA-H100-80GB-HBM3": 7.5}}).save("team")
         ```
         then `placement.price_table: team` in a job spec.

@@ -39,7 +39,7 @@ class SlurmCluster(Block):
 
     Examples:
         ```python
-        from blocks import SlurmCluster
+        from gpuflow.blocks import SlurmCluster
         SlurmCluster(
             partition="gpu", account="ml-team", gres_types={"H100": "h100"},
             workspace_root="/shared/gpuflow", gpu_hourly_usd=2.0,
@@ -113,7 +113,7 @@ class SlurmCluster(Block):
     @field_validator("gres_types")
     @classmethod
     def _known_products(cls, value: dict[str, str]) -> dict[str, str]:
-        from tasks.gpus import canonical_product
+        from gpuflow.tasks.gpus import canonical_product
 
         return {canonical_product(product): kind.lower() for product, kind in value.items()}
 

@@ -11,10 +11,10 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from tasks.errors import InvalidSpec
-from tasks.host import gpuflow_home
-from tasks.metrics import spend
-from tasks.units import parse_duration
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.host import gpuflow_home
+from gpuflow.tasks.metrics import spend
+from gpuflow.tasks.units import parse_duration
 
 BUDGET_EVENT = "gpuflow.budget.exceeded"
 
@@ -56,7 +56,7 @@ def cost_report(
     the folder for the PNG (default GPUFLOW_HOME/reports)."""
     from prefect.events import emit_event
 
-    from tasks.api_client import api_client
+    from gpuflow.tasks.api_client import api_client
 
     since, end = _settings(window, until, budget_usd_per_day)
     logger = get_run_logger()

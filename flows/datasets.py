@@ -5,11 +5,11 @@ from __future__ import annotations
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from tasks.errors import InvalidSpec
-from tasks.pipeline.stages import retry_when_retryable
-from tasks.storage import S3Settings, StorageError, store_for
-from tasks.training.prepare import PrepareResult, check_request, prepare
-from tasks.units import format_bytes
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.pipeline.stages import retry_when_retryable
+from gpuflow.tasks.storage import S3Settings, StorageError, store_for
+from gpuflow.tasks.training.prepare import PrepareResult, check_request, prepare
+from gpuflow.tasks.units import format_bytes
 
 
 @task(

@@ -10,15 +10,15 @@ from prefect.runtime import flow_run as current_run
 from prefect.states import Cancelled, State
 from pydantic import BaseModel
 
-from tasks.contract import Cluster, owner_labels
-from tasks.errors import InvalidSpec, JobCancelled, JobFailed
-from tasks.host import gpuflow_home, signals_deferred
-from tasks.metrics.summary import RunMetrics
-from tasks.pipeline.checks import check_pool
-from tasks.pipeline.failover import place_on
-from tasks.pipeline.heartbeat import flow_run_heartbeat
-from tasks.pipeline.inflight import run_in_flight
-from tasks.pipeline.stages import (
+from gpuflow.tasks.contract import Cluster, owner_labels
+from gpuflow.tasks.errors import InvalidSpec, JobCancelled, JobFailed
+from gpuflow.tasks.host import gpuflow_home, signals_deferred
+from gpuflow.tasks.metrics.summary import RunMetrics
+from gpuflow.tasks.pipeline.checks import check_pool
+from gpuflow.tasks.pipeline.failover import place_on
+from gpuflow.tasks.pipeline.heartbeat import flow_run_heartbeat
+from gpuflow.tasks.pipeline.inflight import run_in_flight
+from gpuflow.tasks.pipeline.stages import (
     collect,
     nothing_to_do,
     preflight,
@@ -30,7 +30,7 @@ from tasks.pipeline.stages import (
     teardown_owned,
     unprovisioned,
 )
-from tasks.spec import JobSpec, Placement, load_spec
+from gpuflow.tasks.spec import JobSpec, Placement, load_spec
 
 
 class PipelineResult(BaseModel):

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from tasks.platform import reap as reaping
+from gpuflow.tasks.platform import reap as reaping
 
 
 @flow(name="reap")

@@ -8,7 +8,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from tasks.platform import reclaim as reclaiming
+from gpuflow.tasks.platform import reclaim as reclaiming
 
 
 @flow(name="reclaim")

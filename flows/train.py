@@ -6,8 +6,8 @@ from typing import Any
 
 from prefect import flow
 
-from flows.pipeline import TEARDOWN_HOOKS, run_kind
-from tasks.spec import JobSpec
+from gpuflow.flows.pipeline import TEARDOWN_HOOKS, run_kind
+from gpuflow.tasks.spec import JobSpec
 
 
 @flow(name="train", validate_parameters=False, **TEARDOWN_HOOKS)

@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from tasks.platform.reap import spill_logs
+from gpuflow.tasks.platform.reap import spill_logs
 
 BATCH_BYTES = 2 * 1024 * 1024
 HELD_BYTES = 128 * 1024 * 1024
@@ -49,7 +49,7 @@ class LogRelay:
     def __enter__(self) -> LogRelay:
         from prefect.logging.handlers import set_api_log_sink
 
-        from tasks.api_client import api_client
+        from gpuflow.tasks.api_client import api_client
 
         self._client = api_client().__enter__()  # this command's API
         self._thread.start()

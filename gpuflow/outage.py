@@ -19,11 +19,11 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from tasks.host import env_number
-from tasks.pipeline.inflight import snapshot
-from tasks.pipeline.stages import teardown_owned
-from tasks.platform.api import health_error
-from tasks.platform.reap import record_unreported
+from gpuflow.tasks.host import env_number
+from gpuflow.tasks.pipeline.inflight import snapshot
+from gpuflow.tasks.pipeline.stages import teardown_owned
+from gpuflow.tasks.platform.api import health_error
+from gpuflow.tasks.platform.reap import record_unreported
 
 EXIT_FAILED = 1
 

@@ -75,7 +75,7 @@ def settings_checked() -> None:
     """Read every GPUFLOW_* number a command may use (InvalidSpec, one sentence, for one
     that is no number or out of range), so none is found wrong half-way."""
     from gpuflow.outage import outage_bound_s
-    from tasks.platform import api, kept_api
+    from gpuflow.tasks.platform import api, kept_api
 
     kept_api.idle_s()
     api.start_timeout_s()
@@ -83,12 +83,12 @@ def settings_checked() -> None:
 
 
 def with_api(body: Callable[[Any], int], temporary: bool = True) -> int:
-    """Run `body(api)` against the chosen Prefect API (see tasks.platform.api) and return
+    """Run `body(api)` against the chosen Prefect API (see gpuflow.tasks.platform.api) and return
     its exit code; an unreachable API ends it with one sentence. With `temporary` False
     (deployments live on a lasting server) no temporary API is started."""
-    from tasks.errors import GpuflowError, InvalidSpec
-    from tasks.host import StateFileError, gpuflow_home, secure_home
-    from tasks.platform import api as prefect_api
+    from gpuflow.tasks.errors import GpuflowError, InvalidSpec
+    from gpuflow.tasks.host import StateFileError, gpuflow_home, secure_home
+    from gpuflow.tasks.platform import api as prefect_api
 
     try:
         secure_home()  # the runs, logs and keys below it: this user's alone
@@ -111,7 +111,7 @@ def with_api(body: Callable[[Any], int], temporary: bool = True) -> int:
         say(f"using {chosen.describe()}")
     with prefect_api.using(chosen):
         if (gpuflow_home() / "unreported").is_dir():  # runs an API outage left Running
-            from tasks.platform.reap import deliver_unreported
+            from gpuflow.tasks.platform.reap import deliver_unreported
 
             deliver_unreported(say, chosen.url)
         try:
@@ -178,7 +178,7 @@ class _Sentence(logging.Formatter):
         self.inner = inner or logging.Formatter()
 
     def format(self, record: logging.LogRecord) -> str:
-        from tasks.errors import GpuflowError
+        from gpuflow.tasks.errors import GpuflowError
 
         if record.exc_info and isinstance(record.exc_info[1], GpuflowError):
             record = logging.makeLogRecord(

@@ -10,7 +10,8 @@
 #   1. Debian bookworm (mmdebstrap, minbase): python3, Blender (render pods), tini, procps
 #   2. gpuflow's Python dependencies (pip --target /opt/gpuflow-deps, this machine's pip
 #      cache), torch, webdataset and mpi4py left out; their programs (prefect, ...) on PATH
-#   3. gpuflow itself at /opt/gpuflow (flows, tasks, blocks, gpuflow, prefect.yaml), where
+#   3. gpuflow itself at /opt/gpuflow (gpuflow, with its links to flows, tasks and blocks;
+#      prefect.yaml), where
 #      prefect.yaml's pull step looks for it, installed there (its `gpuflow` program and the
 #      entry point that names the worker type gpuflow-kubernetes)
 # So the image runs unit pods and flow-run pods alike (`prefect flow-run execute`).
@@ -84,7 +85,12 @@ fi
 CODE=(gpuflow flows tasks blocks deployments pyproject.toml prefect.yaml)
 sources=$(cd "$ROOT" && { git ls-files -co --exclude-standard -- "${CODE[@]}" 2>/dev/null ||
   find "${CODE[@]}" -type f; } | grep -v '/__pycache__/\|\.pyc$' | sort)
-app=$CACHE/app-$(key "$(cd "$ROOT" && sha256sum $sources)").tar
+# gpuflow/tasks, gpuflow/flows and gpuflow/blocks are links to the top-level folders: the
+# archive keeps them as links (so /opt/gpuflow on PYTHONPATH imports gpuflow.tasks), the key
+# hashes what they point to
+app=$CACHE/app-$(key "$(cd "$ROOT" && for f in $sources; do
+  if [[ -L $f ]]; then echo "$f -> $(readlink "$f")"; else sha256sum "$f"; fi
+done)").tar
 if [[ ! -f $app ]]; then
   say "gpuflow's code"
   work=$(mktemp -d)

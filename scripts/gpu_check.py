@@ -66,7 +66,7 @@ def step(check: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
 
 def gpus() -> tuple[list[str], str]:
     """Return the GPU names the driver reports, or [] and why there are none."""
-    from tasks import nvml
+    from gpuflow.tasks import nvml
 
     status = nvml.query()
     return [gpu.name for gpu in status.gpus], status.reason
@@ -89,7 +89,7 @@ def check_preflight(on_gpu: bool) -> None:
 
 @step("NVML vs nvidia-smi")
 def check_nvml_vs_smi(work: Path) -> None:
-    from tasks.metrics.sampler import Sampler
+    from gpuflow.tasks.metrics.sampler import Sampler
 
     load = matmul_process("bfloat16", 25)
     pairs: list[tuple[dict[str, Any], list[float]]] = []
@@ -121,7 +121,7 @@ def check_nvml_vs_smi(work: Path) -> None:
 
 def matmul_process(dtype: str, seconds: float) -> subprocess.Popen:
     out = Path(tempfile.mkdtemp(prefix="gpu-check-matmul-"))
-    argv = [sys.executable, "-m", "tasks.kinds.matmul_run", "--dtype", dtype]
+    argv = [sys.executable, "-m", "gpuflow.tasks.kinds.matmul_run", "--dtype", dtype]
     argv += ["--seconds", str(seconds)]
     env = dict(os.environ, GPUFLOW_OUTPUT_DIR=str(out))
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
@@ -158,10 +158,10 @@ def prefect_api() -> Iterator[None]:
 def check_training(names: list[str], work: Path, steps: int) -> None:
     import torch
 
-    from flows.train import train
-    from tasks.spec import load_spec
-    from tasks.storage import FileStore
-    from tasks.training.prepare import prepare
+    from gpuflow.flows.train import train
+    from gpuflow.tasks.spec import load_spec
+    from gpuflow.tasks.storage import FileStore
+    from gpuflow.tasks.training.prepare import prepare
 
     dataset = f"file://{work}/dataset"
     prepare("synthetic:classify?samples=512", dataset, 200_000, FileStore())
@@ -214,10 +214,10 @@ def check_training(names: list[str], work: Path, steps: int) -> None:
 
 @step("render")
 def check_render(names: list[str], work: Path) -> None:
-    from flows.render import render
-    from tasks.host import resolve_program
-    from tasks.render.scene import demo_scene
-    from tasks.spec import load_spec
+    from gpuflow.flows.render import render
+    from gpuflow.tasks.host import resolve_program
+    from gpuflow.tasks.render.scene import demo_scene
+    from gpuflow.tasks.spec import load_spec
 
     blender = resolve_program("blender")
     if blender is None:
@@ -255,7 +255,7 @@ def check_md(names: list[str], atoms: int, steps: int) -> None:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     if not names:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    argv = [sys.executable, "-m", "tasks.hpc.md_run", "--settings", json.dumps(settings)]
+    argv = [sys.executable, "-m", "gpuflow.tasks.hpc.md_run", "--settings", json.dumps(settings)]
     subprocess.run(argv, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, timeout=600)
     result = json.loads((out / "result.json").read_text())
     shutil.rmtree(out, ignore_errors=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path, PurePosixPath
 
-from tasks.storage import FileStore, ObjectInfo, S3Store, StorageError
+from gpuflow.tasks.storage import FileStore, ObjectInfo, S3Store, StorageError
 
 
 class UnsafeKey(StorageError):

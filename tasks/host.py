@@ -24,7 +24,7 @@ from typing import IO
 import psutil
 from pydantic import BaseModel
 
-from tasks.errors import GpuflowError, InvalidSpec
+from gpuflow.tasks.errors import GpuflowError, InvalidSpec
 
 STOP_GRACE_S = 30.0
 # How long a child's pipes are still read after the child ended: what it wrote last is

@@ -13,8 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tasks.compat import cuda_from_nvml
-from tasks.gpus import product_from_nvml_name
+from gpuflow.tasks.compat import cuda_from_nvml
+from gpuflow.tasks.gpus import product_from_nvml_name
 
 logger = logging.getLogger(__name__)
 

@@ -3,9 +3,9 @@ spec needs the Prefect API, both before anything runs."""
 
 from __future__ import annotations
 
-from tasks.errors import InvalidSpec
-from tasks.metrics.cost import PriceTable
-from tasks.spec import JobSpec
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.metrics.cost import PriceTable
+from gpuflow.tasks.spec import JobSpec
 
 
 def resolve(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
@@ -34,7 +34,7 @@ def _price_table(name: str | None) -> PriceTable:
 
     try:
         # blocks import prefect-aws and prefect-kubernetes (about 1 s): read one only when used
-        from blocks.prices import GpuPriceTable
+        from gpuflow.blocks.prices import GpuPriceTable
 
         return GpuPriceTable.load(name).table()
     except ValueError:

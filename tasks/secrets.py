@@ -6,7 +6,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 
-from tasks.errors import InvalidSpec
+from gpuflow.tasks.errors import InvalidSpec
 
 MASK = "***"
 # Shorter values are not masked: "ok" or "1" would mask ordinary text everywhere.

@@ -22,10 +22,10 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
-from tasks import yamlfile
-from tasks.errors import InvalidSpec
-from tasks.gpus import canonical_product
-from tasks.units import parse_duration, parse_size
+from gpuflow.tasks import yamlfile
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.gpus import canonical_product
+from gpuflow.tasks.units import parse_duration, parse_size
 
 # A number or text with a unit ("16Gi", "30m"): the JSON schema Prefect checks a
 # deployment's parameters against says so too, or it would refuse "30m" before the flow.
@@ -135,7 +135,7 @@ def split_argv(value: Any) -> Any:
 
 
 # job.kind -> the model of that kind's `job` section; each kind registers its own
-# (tasks.kinds.registry), so this module knows no kind
+# (gpuflow.tasks.kinds.registry), so this module knows no kind
 JOB_MODELS: dict[str, type[BaseModel]] = {}
 
 
@@ -326,7 +326,7 @@ class MetricsSettings(SpecModel):
 
 def _no_kinds(value: Any) -> Any:
     raise ValueError(
-        "no job kinds are registered in this process; import tasks.kinds.registry (the"
+        "no job kinds are registered in this process; import gpuflow.tasks.kinds.registry (the"
         " pipeline and the CLI do) before reading a spec"
     )
 

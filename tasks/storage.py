@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, SecretStr
 
-from tasks.errors import GpuflowError, InvalidSpec, TransientError
+from gpuflow.tasks.errors import GpuflowError, InvalidSpec, TransientError
 
 CHUNK = 8 * 2**20
 

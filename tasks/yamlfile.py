@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from tasks.errors import InvalidSpec
+from gpuflow.tasks.errors import InvalidSpec
 
 MAX_BYTES = 16 * 1024 * 1024
 # What a document may hold once its aliases are expanded (an alias is shared when read,

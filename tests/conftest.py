@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-import tasks.kinds.registry  # noqa: F401 - registers the built-in kinds with the spec
+import gpuflow.tasks.kinds.registry  # noqa: F401 - registers the built-in kinds with the spec
 
 FAKES = Path(__file__).parent / "fakes"
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -180,7 +180,7 @@ class S3Server:
     def settings(self, secret: str | None = None):
         from pydantic import SecretStr
 
-        from tasks.storage import S3Settings
+        from gpuflow.tasks.storage import S3Settings
 
         return S3Settings(
             endpoint_url=self.endpoint,

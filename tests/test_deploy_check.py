@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.errors import InvalidSpec
-from tasks.platform.deploy import check_project, load_project, pool_templates
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.platform.deploy import check_project, load_project, pool_templates
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = load_project(ROOT / "prefect.yaml")
@@ -88,6 +88,21 @@ BAD = {
     "not a flow": (
         lambda p: deployment(p, "hpc-local").update(entrypoint="flows/hpc.py:TEARDOWN_HOOKS"),
         "deployments[hpc-local].entrypoint: 'TEARDOWN_HOOKS' in flows/hpc.py is not a Prefect flow",
+    ),
+    "a module flow that is not there": (
+        lambda p: deployment(p, "hpc-local").update(entrypoint="gpuflow.flows.hcp:hpc"),
+        "deployments[hpc-local].entrypoint: 'gpuflow.flows.hcp:hpc': module 'gpuflow.flows.hcp'"
+        " cannot be imported (No module named 'gpuflow.flows.hcp'); fix the name, or install"
+        " the package that has it.",
+    ),
+    "a file that is not there": (
+        lambda p: deployment(p, "hpc-local").update(entrypoint="flows/hcp.py:hpc"),
+        "deployments[hpc-local].entrypoint: 'flows/hcp.py:hpc' names",
+    ),
+    "no function": (
+        lambda p: deployment(p, "hpc-local").update(entrypoint="gpuflow.flows.hpc"),
+        "deployments[hpc-local].entrypoint: 'gpuflow.flows.hpc' is neither"
+        " path/to/file.py:flow_function nor package.module:flow_function; write one of them.",
     ),
 }
 

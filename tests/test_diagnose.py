@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.diagnose import CAUSES, causes_for, diagnose, match
+from gpuflow.tasks.diagnose import CAUSES, causes_for, diagnose, match
 
 TORCH_OOM = (
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a"
@@ -161,7 +161,7 @@ def test_blender_rows_read_blenders_errors_only():
 
 
 def test_a_pod_the_kubelet_oom_killed_is_diagnosed_from_its_status():
-    from tasks.backends.kubernetes.backend import _terminated
+    from gpuflow.tasks.backends.kubernetes.backend import _terminated
 
     status = {
         "phase": "Failed",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.render.frames import (
+from gpuflow.tasks.render.frames import (
     FrameSpecError,
     auto_chunk_size,
     blender_frames,
@@ -118,7 +118,7 @@ SIZER = [
 
 @pytest.mark.parametrize(("size", "startup", "workers", "learned", "remaining", "expected"), SIZER)
 def test_chunk_sizer(size, startup, workers, learned, remaining, expected):
-    from tasks.render.frames import ChunkSizer
+    from gpuflow.tasks.render.frames import ChunkSizer
 
     sizer = ChunkSizer(size, startup, workers)
     if learned:

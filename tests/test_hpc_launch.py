@@ -8,8 +8,15 @@ import sys
 
 import pytest
 
-from tasks.hpc.launch import JobError, describe, first_failure, hosts_for, program_argv, resolve
-from tasks.hpc.model import HpcJob
+from gpuflow.tasks.hpc.launch import (
+    JobError,
+    describe,
+    first_failure,
+    hosts_for,
+    program_argv,
+    resolve,
+)
+from gpuflow.tasks.hpc.model import HpcJob
 
 
 def write(folder, **ranks):
@@ -56,7 +63,7 @@ def test_hosts_default_to_this_one(job, gpus, slots, host_gpus):
 
 def test_md_runs_under_mpi4pys_runner():
     argv = program_argv(HpcJob(md={"atoms": 500}))
-    assert argv[:5] == [sys.executable, "-m", "mpi4py", "-m", "tasks.hpc.md_run"]
+    assert argv[:5] == [sys.executable, "-m", "mpi4py", "-m", "gpuflow.tasks.hpc.md_run"]
     assert json.loads(argv[-1])["atoms"] == 500
 
 
@@ -83,7 +90,7 @@ def test_the_rank_wrapper_gives_each_local_rank_its_gpus(tmp_path, visible, owne
     code = "import os, sys; print(os.environ['CUDA_VISIBLE_DEVICES']); sys.exit(4)"
     args = ["--status-dir", str(tmp_path), "--gpus-per-rank", per_rank]
     done = subprocess.run(
-        [sys.executable, "-m", "tasks.hpc.rank", *args, "--", sys.executable, "-c", code],
+        [sys.executable, "-m", "gpuflow.tasks.hpc.rank", *args, "--", sys.executable, "-c", code],
         env=env,
         capture_output=True,
         text=True,
@@ -96,7 +103,7 @@ def test_the_rank_wrapper_gives_each_local_rank_its_gpus(tmp_path, visible, owne
 def test_the_example_specs_load():
     from pathlib import Path
 
-    from tasks.spec import load_spec
+    from gpuflow.tasks.spec import load_spec
 
     examples = Path(__file__).resolve().parent.parent / "examples"
     md = load_spec(examples / "hpc-md.yaml")

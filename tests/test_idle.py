@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tasks.metrics.idle import IdleWatch, watch_of
-from tasks.spec import IdleGpu
+from gpuflow.tasks.metrics.idle import IdleWatch, watch_of
+from gpuflow.tasks.spec import IdleGpu
 
 
 def _watch(action: str = "warn", for_s: float = 10.0):

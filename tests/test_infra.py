@@ -45,8 +45,8 @@ def test_alerts_fire_when_they_should(promtool):
 
 
 def test_alerts_use_the_names_gpuflow_pushes():
-    from tasks.metrics.prometheus import _SUMMARY
-    from tasks.metrics.sampler import GPU_FIELDS
+    from gpuflow.tasks.metrics.prometheus import _SUMMARY
+    from gpuflow.tasks.metrics.sampler import GPU_FIELDS
 
     rules = (RULES / "gpuflow-rules.yml").read_text()
     for name in ("DCGM_FI_DEV_GPU_UTIL", "gpuflow_run_gpu_util_mean", "gpuflow_run_gpu_hours"):

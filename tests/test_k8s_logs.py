@@ -12,8 +12,8 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from tasks.backends.kubernetes.kubeapi import KubeApi, load_config
-from tasks.backends.kubernetes.logs import LogFollower
+from gpuflow.tasks.backends.kubernetes.kubeapi import KubeApi, load_config
+from gpuflow.tasks.backends.kubernetes.logs import LogFollower
 
 LOG_PATH = "/api/v1/namespaces/ns/pods/unit-0/log"
 

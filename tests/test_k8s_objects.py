@@ -14,10 +14,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tasks.backends.kubernetes.kubeapi import refusal
-from tasks.backends.kubernetes.manifests import KubeSettings, mpi_job, secret, service, unit_job
-from tasks.backends.kubernetes.pending import explain_pending, used_gpus
-from tasks.contract import Cluster, WorkUnit, owner_labels
+from gpuflow.tasks.backends.kubernetes.kubeapi import refusal
+from gpuflow.tasks.backends.kubernetes.manifests import (
+    KubeSettings,
+    mpi_job,
+    secret,
+    service,
+    unit_job,
+)
+from gpuflow.tasks.backends.kubernetes.pending import explain_pending, used_gpus
+from gpuflow.tasks.contract import Cluster, WorkUnit, owner_labels
 
 RUN = "5b0c9c2e-58a4-4d43-9d7e-2f0f4a3a1b11"
 
@@ -47,7 +53,9 @@ def test_a_unit_job_asks_for_its_gpus_product_and_limits_on_the_object():
         priority_class_name="batch-high",
         shm_bytes=8 * 2**30,
     )
-    unit = WorkUnit(name="node-1", command=[sys.executable, "-m", "tasks.training.launch"], node=1)
+    unit = WorkUnit(
+        name="node-1", command=[sys.executable, "-m", "gpuflow.tasks.training.launch"], node=1
+    )
     job = unit_job(cluster(), unit, settings, deadline_s=3600)
     pod = job["spec"]["template"]["spec"]
     [container] = pod["containers"]
@@ -64,7 +72,7 @@ def test_a_unit_job_asks_for_its_gpus_product_and_limits_on_the_object():
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
     assert job["metadata"]["labels"]["gpuflow.io/flow-run-id"] == RUN
     assert pod["hostname"] == f"gpuflow-{RUN}-1" and pod["subdomain"] == f"gpuflow-{RUN}"
-    assert container["args"][:3] == ["python", "-m", "tasks.training.launch"]  # the image's
+    assert container["args"][:3] == ["python", "-m", "gpuflow.tasks.training.launch"]  # the image's
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"]
     assert shm == {"medium": "Memory", "sizeLimit": str(8 * 2**30)}
     assert container["envFrom"] == [{"secretRef": {"name": f"gpuflow-{RUN}-env"}}]
@@ -100,9 +108,9 @@ def test_unit_pods_get_the_runs_grace_no_token_and_no_privileges(settings, grace
 
 
 def test_the_grace_comes_from_the_specs_stop_grace_and_the_rest_from_the_block():
-    from blocks.kubernetes_pool import KubernetesGpuPool
-    from tasks.backends.kubernetes.backend import KubernetesBackend
-    from tasks.spec import load_spec
+    from gpuflow.blocks.kubernetes_pool import KubernetesGpuPool
+    from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
+    from gpuflow.tasks.spec import load_spec
 
     backend = KubernetesBackend(block="team")  # the block as read, no API asked
     backend._loaded = (
@@ -244,14 +252,14 @@ def test_an_rbac_refusal_names_the_verb_the_resource_and_the_namespace():
 
 
 def test_an_mpi_launcher_becomes_an_mpijob_of_one_worker_per_node():
-    from tasks.backends.kubernetes.mpijob import problems
+    from gpuflow.tasks.backends.kubernetes.mpijob import problems
 
     settings = KubeSettings(
         namespace="ml", gpu_product="NVIDIA-H100-80GB-HBM3", queue_name="team-a", shm_bytes=2**30
     )
     launcher = WorkUnit(
         name="launcher",
-        command=[sys.executable, "-m", "tasks.hpc.launch", "--job-json", "{}"],
+        command=[sys.executable, "-m", "gpuflow.tasks.hpc.launch", "--job-json", "{}"],
         judge="rank_status",
         hostfile="a slots=8\nb slots=8\n",
     )
@@ -269,7 +277,7 @@ def test_an_mpi_launcher_becomes_an_mpijob_of_one_worker_per_node():
     assert worker["containers"][0]["command"] == ["/usr/sbin/sshd", "-De"]
     assert worker["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert {v["name"]: v for v in worker["volumes"]}["dshm"]["emptyDir"]["medium"] == "Memory"
-    assert head["containers"][0]["args"][:3] == ["python", "-m", "tasks.hpc.launch"]
+    assert head["containers"][0]["args"][:3] == ["python", "-m", "gpuflow.tasks.hpc.launch"]
     assert "nvidia.com/gpu" not in head["containers"][0]["resources"]["limits"]
     assert {"name": "GPUFLOW_MPI_HOSTFILE", "value": "/etc/mpi/hostfile"} in head["containers"][0][
         "env"
@@ -286,7 +294,7 @@ NONCE = "f00dfeed"  # the run's nonce, as the pod's Secret gives it
 def _sampling_follower(tmp_path, said: list[str]):
     """Return a follower of a wrapped unit's log with the run's nonce: the job's lines go
     to `said`, the node's samples to tmp_path/node.jsonl, output files to tmp_path/back."""
-    from tasks.backends.kubernetes.logs import LogFollower
+    from gpuflow.tasks.backends.kubernetes.logs import LogFollower
 
     return LogFollower(
         None,
@@ -298,7 +306,7 @@ def _sampling_follower(tmp_path, said: list[str]):
 
 
 def _wrapped(tmp_path, *program: str, **env: str) -> subprocess.Popen:
-    from tasks.backends.kubernetes.manifests import UNIT_WRAPPER
+    from gpuflow.tasks.backends.kubernetes.manifests import UNIT_WRAPPER
 
     return subprocess.Popen(
         ["/bin/sh", "-c", UNIT_WRAPPER, "gpuflow-unit", *program],
@@ -317,7 +325,7 @@ def _wrapped(tmp_path, *program: str, **env: str) -> subprocess.Popen:
 def test_the_unit_wrapper_keeps_the_exit_code_and_sends_the_outputs_back(tmp_path):
     """What every pod runs around its unit, run here with this host's sh: the unit's lines,
     then its output files as lines the orchestrator turns back into files."""
-    from tasks.backends.kubernetes.logs import LogFollower
+    from gpuflow.tasks.backends.kubernetes.logs import LogFollower
 
     out = tmp_path / "out"
     (out / "sub dir").mkdir(parents=True)
@@ -432,7 +440,7 @@ def test_output_lines_of_the_wrong_shape_and_odd_file_names_lose_nothing(tmp_pat
     """A unit printing marker-like lines of its own, or an output whose name holds a
     newline: those lines stay ordinary log lines, the good files still come back, and the
     wrapper says nothing on stderr."""
-    from tasks.backends.kubernetes.logs import LogFollower
+    from gpuflow.tasks.backends.kubernetes.logs import LogFollower
 
     out = tmp_path / "out"
     out.mkdir()
@@ -493,7 +501,7 @@ def test_an_api_server_that_answers_429_is_asked_again_after_its_retry_after():
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from tasks.backends.kubernetes.kubeapi import KubeApi, KubeConfig
+    from gpuflow.tasks.backends.kubernetes.kubeapi import KubeApi, KubeConfig
 
     seen: list[str] = []
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.backends.local.backend import LocalBackend
-from tasks.contract import WorkUnit, owner_labels
-from tasks.errors import InvalidSpec
-from tasks.pipeline.checks import check_job
-from tasks.spec import load_spec
+from gpuflow.tasks.backends.local.backend import LocalBackend
+from gpuflow.tasks.contract import WorkUnit, owner_labels
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.pipeline.checks import check_job
+from gpuflow.tasks.spec import load_spec
 from tests.e2e.helpers import process_gone
 
 
@@ -159,7 +159,7 @@ def test_gpu_claims_without_a_limit_and_capacity(backend, fake_nvml, prefect_api
     spec = spec_for(["true"], resources={"gpus": 2})
     first = backend.provision(spec, owner_labels("run-6", "job"))
     assert first.gpu_indices == [0, 1] and first.gpu_lease_id is None  # no `gpu` limit exists
-    from tasks.errors import CapacityError
+    from gpuflow.tasks.errors import CapacityError
 
     with pytest.raises(CapacityError, match="only 0 of the 2 GPU"):
         backend.provision(spec, owner_labels("run-7", "job"))
@@ -278,7 +278,7 @@ def test_strays_are_found_by_working_directory_without_a_cgroup(tmp_path):
     working directory is in the workspace is stopped; one elsewhere is spared."""
     import subprocess
 
-    from tasks.backends.local.backend import _stop_strays
+    from gpuflow.tasks.backends.local.backend import _stop_strays
 
     workspace = tmp_path / "ws"
     (workspace / "sub").mkdir(parents=True)
@@ -304,7 +304,7 @@ def test_empty_cgroups_a_killed_process_left_are_swept_and_busy_ones_kept(tmp_pa
     import subprocess
     import uuid
 
-    from tasks.backends.local import cgroups
+    from gpuflow.tasks.backends.local import cgroups
 
     prefix = f"gpuflow-sweep-{uuid.uuid4().hex[:8]}-"
     empty, busy = cgroups.create(f"{prefix}empty"), cgroups.create(f"{prefix}busy")
@@ -328,7 +328,7 @@ def test_empty_cgroups_a_killed_process_left_are_swept_and_busy_ones_kept(tmp_pa
 def _escape_one_hierarchy(marker: str) -> str:
     """A root job that moves itself into the root of the first tracking hierarchy, clears
     its environment, leaves its workspace and its session."""
-    from tasks.backends.local import cgroups
+    from gpuflow.tasks.backends.local import cgroups
 
     (first,) = cgroups.create("gpuflow-probe-escape")[:1] or [None]
     if first is None:
@@ -345,7 +345,7 @@ def test_a_root_job_that_leaves_one_cgroup_hierarchy_is_still_torn_down(backend)
     """On a cgroup v1 host the job is tracked in the pids and the freezer hierarchy: moving
     itself out of one of them (root may) leaves it in the other, so teardown still stops
     it, and the report says what a root job could still do."""
-    from tasks.backends.local import cgroups
+    from gpuflow.tasks.backends.local import cgroups
 
     if os.geteuid() != 0 or len(cgroups.create("gpuflow-probe-two")) < 2:
         cgroups.stop(cgroups.create("gpuflow-probe-two"), grace_s=1)
@@ -372,7 +372,7 @@ def test_a_root_job_that_leaves_one_cgroup_hierarchy_is_still_torn_down(backend)
 
 
 def test_units_run_at_once_and_the_first_failure_stops_the_rest(backend, tmp_path):
-    from tasks.pipeline.stages import run_units
+    from gpuflow.tasks.pipeline.stages import run_units
 
     cluster = backend.provision(spec_for(["sh"]), owner_labels("run-9", "job"))
     pidfile = tmp_path / "sleeper.pid"
@@ -394,7 +394,7 @@ def test_units_run_at_once_and_the_first_failure_stops_the_rest(backend, tmp_pat
 
 
 def test_units_all_succeeding_report_the_whole_span(backend):
-    from tasks.pipeline.stages import run_units
+    from gpuflow.tasks.pipeline.stages import run_units
 
     cluster = backend.provision(spec_for(["sh"]), owner_labels("run-10", "job"))
     units = [WorkUnit(name=f"u{i}", command=["sh", "-c", f"sleep 0.{i}"]) for i in (2, 5)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from tasks.logstream import LineBatcher
+from gpuflow.tasks.logstream import LineBatcher
 
 
 def test_every_line_arrives_once_in_order_in_few_batches():

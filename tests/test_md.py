@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.hpc import md
-from tasks.hpc.box import box_for, ns_per_day
-from tasks.hpc.md_run import simulate
+from gpuflow.tasks.hpc import md
+from gpuflow.tasks.hpc.box import box_for, ns_per_day
+from gpuflow.tasks.hpc.md_run import simulate
 
 # Velocity Verlet with dt 0.005 and a shifted cutoff of 2.5 keeps the total energy within
 # ~2e-4 epsilon per atom over 1,000 steps of the triple-point liquid; the bound leaves 5x.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.hpc.mpi import (
+from gpuflow.tasks.hpc.mpi import (
     Host,
     LayoutError,
     check_layout,
@@ -13,7 +13,7 @@ from tasks.hpc.mpi import (
     mpirun_argv,
     place,
 )
-from tasks.hpc.rank import local_gpus
+from gpuflow.tasks.hpc.rank import local_gpus
 
 TWO = [Host(name="server1", slots=2, gpus=2), Host(name="server2", slots=2, gpus=2)]
 
@@ -128,7 +128,7 @@ def test_local_gpus_too_few():
 
 
 def test_hosts_take_the_names_of_an_operators_hostfile_in_order():
-    from tasks.hpc.mpi import renamed
+    from gpuflow.tasks.hpc.mpi import renamed
 
     hosts = [Host(name="node-0", slots=4, gpus=4), Host(name="node-1", slots=4, gpus=4)]
     text = "md-mpi-worker-0.md-mpi.ml.svc slots=4\nmd-mpi-worker-1.md-mpi.ml.svc slots=4\n"

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from gpuflow.commands.mpijob import GPU, MpiJobError, build, layout
-from tasks.backends.kubernetes.mpijob import pods, problems
-from tasks.spec import load_spec
+from gpuflow.tasks.backends.kubernetes.mpijob import pods, problems
+from gpuflow.tasks.spec import load_spec
 
 RUN_ID = "0f8e7d6c-5b4a-4321-9876-543210fedcba"
 

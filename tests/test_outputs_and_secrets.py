@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from tasks.outputs import copy_outputs
-from tasks.secrets import Redactor, as_env_value
+from gpuflow.tasks.outputs import copy_outputs
+from gpuflow.tasks.secrets import Redactor, as_env_value
 
 
 def test_links_are_never_followed_out_of_the_outputs(tmp_path):
@@ -143,14 +143,14 @@ PRINTABLE = [
 
 @pytest.mark.parametrize(("text", "shown"), PRINTABLE)
 def test_what_a_job_prints_is_made_printable(text, shown):
-    from tasks.secrets import printable
+    from gpuflow.tasks.secrets import printable
 
     assert printable(text) == shown
     shown.encode("utf-8")  # any database and terminal take it
 
 
 def test_result_figures_are_made_printable_keys_and_all():
-    from tasks.secrets import printable_json
+    from gpuflow.tasks.secrets import printable_json
 
     figures = {"a\x00": ["x\x1by", {"n": 1.5, "ok": True, "s": "\r"}]}
     assert printable_json(figures) == {"a\\x00": ["x\\x1by", {"n": 1.5, "ok": True, "s": "\\x0d"}]}

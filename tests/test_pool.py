@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.contract import Offer
-from tasks.errors import InvalidSpec
-from tasks.pipeline.pool import (
+from gpuflow.tasks.contract import Offer
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.pipeline.pool import (
     Candidate,
     Use,
     candidate_name,
@@ -19,7 +19,7 @@ from tasks.pipeline.pool import (
     placed_line,
     table,
 )
-from tasks.spec import Placement, PlacementPolicy, load_spec
+from gpuflow.tasks.spec import Placement, PlacementPolicy, load_spec
 
 CMD = {"kind": "command", "command": ["true"]}
 K8S = {"backend": "kubernetes", "namespace": "onprem"}
@@ -275,7 +275,7 @@ FREE = [
 def test_kubernetes_offers_count_free_gpus_on_ready_schedulable_nodes(
     gpus, pods, product, used, expected
 ):
-    from tasks.backends.kubernetes.pending import free_now
+    from gpuflow.tasks.backends.kubernetes.pending import free_now
 
     assert free_now(gpus, pods, product, NODES, used) == expected
 
@@ -296,7 +296,7 @@ ROOM = [
 
 @pytest.mark.parametrize(("gpus", "kind", "expected"), ROOM)
 def test_slurm_offers_count_idle_gres_on_up_nodes(gpus, kind, expected):
-    from tasks.backends.slurm.fit import room_now
+    from gpuflow.tasks.backends.slurm.fit import room_now
 
     assert room_now(SINFO, gpus, kind) == expected
 
@@ -307,7 +307,7 @@ def test_a_deployments_parameters_may_carry_a_candidate_list():
     from prefect.utilities.callables import parameter_schema
     from prefect.utilities.schema_tools.validation import is_valid
 
-    from flows.pipeline import gpu_pipeline
+    from gpuflow.flows.pipeline import gpu_pipeline
 
     schema = parameter_schema(gpu_pipeline.fn).model_dump()
     pooled = {"job": CMD, "placement": [K8S, SPOT], "placement_policy": {"choose": "soonest"}}

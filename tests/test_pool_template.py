@@ -14,9 +14,9 @@ import pytest
 from prefect.client.schemas.objects import FlowRun
 from prefect_kubernetes.worker import KubernetesWorker, KubernetesWorkerJobConfiguration
 
-from tasks.errors import InvalidSpec
-from tasks.platform.k8s_worker import GpuJobConfiguration
-from tasks.platform.pool_template import (
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.platform.k8s_worker import GpuJobConfiguration
+from gpuflow.tasks.platform.pool_template import (
     GPU,
     TEARDOWN_MARGIN_S,
     check_job_variables,

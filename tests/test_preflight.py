@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tasks import nvml
-from tasks.pipeline import preflight
-from tasks.spec import load_spec
+from gpuflow.tasks import nvml
+from gpuflow.tasks.pipeline import preflight
+from gpuflow.tasks.spec import load_spec
 from tests.conftest import load_fake_nvml
 
 GPU_JOB = {"job": {"kind": "command", "command": ["true"]}, "resources": {"gpus": 1}}

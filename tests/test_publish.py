@@ -7,7 +7,7 @@ import logging
 import httpx
 import pytest
 
-from tasks.api_client import publish
+from gpuflow.tasks.api_client import publish
 
 
 def refused(**artifact):

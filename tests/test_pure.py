@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tasks import compat
-from tasks.gpus import canonical_product, product_from_ec2, product_from_nvml_name
-from tasks.metrics.cost import PriceTable, budget_seconds, run_cost
-from tasks.metrics.prometheus import exposition
-from tasks.metrics.summary import summarise
-from tasks.units import parse_duration, parse_size
+from gpuflow.tasks import compat
+from gpuflow.tasks.gpus import canonical_product, product_from_ec2, product_from_nvml_name
+from gpuflow.tasks.metrics.cost import PriceTable, budget_seconds, run_cost
+from gpuflow.tasks.metrics.prometheus import exposition
+from gpuflow.tasks.metrics.summary import summarise
+from gpuflow.tasks.units import parse_duration, parse_size
 
 
 @pytest.mark.parametrize(
@@ -194,7 +194,7 @@ def test_ec2_gpu_names_map_to_product_labels_by_name_and_memory(name, memory_mib
 def test_credentials_in_a_metrics_url_become_a_basic_auth_header():
     import base64
 
-    from tasks.metrics.prometheus import without_credentials
+    from gpuflow.tasks.metrics.prometheus import without_credentials
 
     bare, headers = without_credentials("http://ops:s3cr%40t@prom.example:9090/api")
     assert bare == "http://prom.example:9090/api"

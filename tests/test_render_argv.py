@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.render.argv import (
+from gpuflow.tasks.render.argv import (
     RenderSettings,
     frame_filename,
     output_pattern,

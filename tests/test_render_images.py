@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tasks.render.images import check_image
+from gpuflow.tasks.render.images import check_image
 
 FIXTURES = Path(__file__).parent / "fixtures" / "render"
 PILLOW_FORMATS = {

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.render.logparse import classify, parse
+from gpuflow.tasks.render.logparse import classify, parse
 
 FIXTURES = Path(__file__).parent / "fixtures" / "blender"
 
@@ -85,7 +85,7 @@ def test_signals_and_silent_exits_are_transient():
     ],
 )
 def test_saved_and_time_lines_without_fra_lines(line, path, seconds):
-    from tasks.render.logparse import frame_time, saved_path
+    from gpuflow.tasks.render.logparse import frame_time, saved_path
 
     assert saved_path(line) == path
     assert frame_time(line) == seconds

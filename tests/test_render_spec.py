@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.errors import InvalidSpec
-from tasks.spec import load_spec
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.spec import load_spec
 
 
 def spec(**job):
@@ -58,7 +58,7 @@ def test_missing_scene_and_output():
 
 
 def test_job_blend_can_not_leave_the_scene_folder(tmp_path):
-    from tasks.render.scene import find_blend
+    from gpuflow.tasks.render.scene import find_blend
 
     scene = tmp_path / "scene"
     (scene / "sub").mkdir(parents=True)

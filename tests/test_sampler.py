@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tasks.metrics.sampler import Sampler, read_samples
+from gpuflow.tasks.metrics.sampler import Sampler, read_samples
 from tests.conftest import load_fake_nvml
 
 
@@ -64,7 +64,7 @@ def test_a_full_disk_loses_samples_not_the_sampler():
 def test_a_sample_tail_hands_on_whole_lines_as_files_grow(tmp_path):
     """The nodes' sample files in a shared folder: each whole line once, a line still being
     written when it is whole, a removed file forgotten, other files never read."""
-    from tasks.metrics.sampler import NODE_SAMPLES, SAMPLES, SampleTail
+    from gpuflow.tasks.metrics.sampler import NODE_SAMPLES, SAMPLES, SampleTail
 
     got: list[dict] = []
     tail = SampleTail(tmp_path, NODE_SAMPLES, got.append)

@@ -8,11 +8,11 @@ import tarfile
 
 import pytest
 
-from tasks.errors import InvalidSpec
-from tasks.storage import FileStore
-from tasks.training import checkpoint as ckpt
-from tasks.training.prepare import prepare
-from tasks.training.shards import folder_samples, pack, synthetic_samples
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.storage import FileStore
+from gpuflow.tasks.training import checkpoint as ckpt
+from gpuflow.tasks.training.prepare import prepare
+from gpuflow.tasks.training.shards import folder_samples, pack, synthetic_samples
 
 
 def test_packing_is_deterministic_and_sized():
@@ -97,7 +97,7 @@ def test_prune_keeps_the_newest_valid(tmp_path):
 
 
 def test_tar_reader_matches_tarfile_and_reads_long_names():
-    from tasks.training.data import tar_members
+    from gpuflow.tasks.training.data import tar_members
 
     data, _ = next(pack(list(synthetic_samples("classify", 12)), 10**9))
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
@@ -118,7 +118,7 @@ def test_tar_reader_matches_tarfile_and_reads_long_names():
 
 @pytest.mark.parametrize("policy", ["skip", "fail"])
 def test_truncated_shard_is_skipped_or_named(policy):
-    from tasks.training.data import DataError, tar_samples
+    from gpuflow.tasks.training.data import DataError, tar_samples
 
     data, keys = next(pack(list(synthetic_samples("classify", 12)), 10**9))
     cut = io.BytesIO(data[: len(data) // 2])
@@ -134,7 +134,7 @@ def test_truncated_shard_is_skipped_or_named(policy):
 
 
 def test_a_link_out_of_the_source_folder_is_refused_not_packed(tmp_path):
-    from tasks.training.prepare import open_source
+    from gpuflow.tasks.training.prepare import open_source
 
     source = tmp_path / "source"
     source.mkdir()
@@ -155,7 +155,7 @@ def test_a_link_out_of_the_source_folder_is_refused_not_packed(tmp_path):
     ["samples=0", "image_size=100000", "image_size=0", "classes=0", "seed=-1", "seed=99999999999"],
 )
 def test_synthetic_parameters_out_of_range_are_named(query):
-    from tasks.training.prepare import open_source
+    from gpuflow.tasks.training.prepare import open_source
 
     name = query.split("=")[0]
     with pytest.raises(InvalidSpec, match=f"source: {name}=.* is out of range; give"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.backends.slurm.fit import Request, parse_sinfo, refusal
+from gpuflow.tasks.backends.slurm.fit import Request, parse_sinfo, refusal
 
 # as `sinfo -h -N -o '%P|%N|%G|%l'` prints the test cluster
 SINFO = """\
@@ -96,7 +96,7 @@ def test_a_cluster_without_a_default_partition_asks_for_one():
 
 
 def test_idle_gpus_count_what_up_nodes_have_free():
-    from tasks.backends.slurm.fit import idle_gpus
+    from gpuflow.tasks.backends.slurm.fit import idle_gpus
 
     rows = (
         "g1   gpu:h100:4   gpu:h100:2(IDX:0-1)   mix\n"
@@ -134,7 +134,7 @@ def test_idle_gpus_count_what_up_nodes_have_free():
     ],
 )
 def test_each_pending_reason_that_waiting_will_not_clear_is_said_with_its_fix(reason, said):
-    from tasks.backends.slurm.fit import pending_reason
+    from gpuflow.tasks.backends.slurm.fit import pending_reason
 
     request = Request(partition="gpu", nodes=2, gpus=4, gres_type="h100", minutes=30)
     assert said in pending_reason(reason, request, "gpu")
@@ -160,7 +160,7 @@ AccountingStorageUser   = root
     ],
 )  # fmt: skip
 def test_a_qos_the_cluster_lacks_is_one_sentence(plugin, known, said):
-    from tasks.backends.slurm.fit import accounting, qos_refusal
+    from gpuflow.tasks.backends.slurm.fit import accounting, qos_refusal
 
     assert accounting(CONFIG.format(plugin=plugin)) == plugin
     got = qos_refusal("gold", plugin, known)
@@ -177,7 +177,7 @@ def test_threads_asking_slurm_at_once_share_one_answer_given_after_they_asked():
     import threading
     import time
 
-    from tasks.backends.slurm.queue import shared
+    from gpuflow.tasks.backends.slurm.queue import shared
 
     class Client:
         calls = 0

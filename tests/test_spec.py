@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.errors import InvalidSpec
-from tasks.spec import JobSpec, load_spec
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.spec import JobSpec, load_spec
 
 CMD = {"kind": "command", "command": ["echo", "hi"]}
 

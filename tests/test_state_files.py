@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tasks.host import (
+from gpuflow.tasks.host import (
     StateFileError,
     private_dir,
     read_private,
@@ -75,7 +75,7 @@ def test_a_zombie_is_not_alive():
 
     import psutil
 
-    from tasks.host import alive, same_process
+    from gpuflow.tasks.host import alive, same_process
 
     pid = os.fork()
     if pid == 0:  # the child ends at once; the parent does not collect it yet

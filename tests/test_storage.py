@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from tasks.errors import TransientError
-from tasks.storage import FileStore, S3Store, StorageError, store_for
+from gpuflow.tasks.errors import TransientError
+from gpuflow.tasks.storage import FileStore, S3Store, StorageError, store_for
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -82,7 +82,7 @@ def test_listing_sweeps_what_a_dead_writer_left_and_spares_a_live_one(tmp_path):
     import os
     import subprocess
 
-    from tasks.storage import FileStore
+    from gpuflow.tasks.storage import FileStore
 
     gone = subprocess.Popen(["true"])
     gone.wait()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tasks.render.thumbs import kind_of, read_radiance, to_srgb8, tone_map
+from gpuflow.tasks.render.thumbs import kind_of, read_radiance, to_srgb8, tone_map
 
 TONE = [  # linear light -> Reinhard -> 8-bit sRGB
     (0.0, 0),

@@ -9,13 +9,13 @@ from datetime import UTC, datetime
 
 import pytest
 
-from tasks.backends.registry import get_backend
-from tasks.contract import Cluster
-from tasks.kinds.registry import get_kind
-from tasks.kinds.render import units_for
-from tasks.render.frames import blender_frames
-from tasks.render.scene import RenderPlan, SceneInfo
-from tasks.spec import load_spec
+from gpuflow.tasks.backends.registry import get_backend
+from gpuflow.tasks.contract import Cluster
+from gpuflow.tasks.kinds.registry import get_kind
+from gpuflow.tasks.kinds.render import units_for
+from gpuflow.tasks.render.frames import blender_frames
+from gpuflow.tasks.render.scene import RenderPlan, SceneInfo
+from gpuflow.tasks.spec import load_spec
 
 TRAIN = {"kind": "train", "dataset": "file:///data", "output": "file:///models"}
 
@@ -99,7 +99,7 @@ def test_render_chunks_in_pods_run_the_chunk_program_with_no_path_of_this_host()
     scratch folder, its fetched .blend) is in the command."""
     import json
 
-    from tasks.render.pod_chunk import PodChunk
+    from gpuflow.tasks.render.pod_chunk import PodChunk
 
     spec = load_spec(
         {
@@ -119,7 +119,12 @@ def test_render_chunks_in_pods_run_the_chunk_program_with_no_path_of_this_host()
     assert [u.frames for u in units] == [[1, 2, 3], [4, 5, 6], [7]]
     assert [u.gpus for u in units] == [[0], [1], [0]]
     for index, unit in enumerate(units):
-        assert unit.command[:4] == [sys.executable, "-m", "tasks.render.pod_chunk", "--chunk-json"]
+        assert unit.command[:4] == [
+            sys.executable,
+            "-m",
+            "gpuflow.tasks.render.pod_chunk",
+            "--chunk-json",
+        ]
         chunk = PodChunk.model_validate_json(unit.command[4])
         assert (chunk.scene, chunk.blend, chunk.output) == (
             "s3://scenes/shot.zip",
@@ -140,7 +145,7 @@ def test_train_runs_one_unit_per_node_meeting_at_one_rendezvous():
     assert [a[a.index("--node-rank") + 1] for a in argvs] == ["0", "1"]
     assert {a[a.index("--rendezvous") + 1] for a in argvs} == {"node-0:29400"}
     assert {a[a.index("--nnodes") + 1] for a in argvs} == {"2"}
-    assert argvs[0][:3] == [sys.executable, "-m", "tasks.training.launch"]
+    assert argvs[0][:3] == [sys.executable, "-m", "gpuflow.tasks.training.launch"]
 
 
 def test_train_on_one_node_is_standalone():
@@ -150,7 +155,7 @@ def test_train_on_one_node_is_standalone():
 
 
 def test_torchrun_options_for_one_node_and_many():
-    from tasks.training.launch import rendezvous_args
+    from gpuflow.tasks.training.launch import rendezvous_args
 
     assert rendezvous_args(1, 0, None, "r") == ["--standalone"]
     assert rendezvous_args(2, 1, "node-0:29400", "r") == [
@@ -214,7 +219,7 @@ def test_command_copies_are_one_unit_per_node_or_per_gpu(copies, nodes, gpus, ex
 
 
 def test_command_copies_per_gpu_needs_gpus():
-    from tasks.errors import InvalidSpec
+    from gpuflow.tasks.errors import InvalidSpec
 
     spec = load_spec({"job": {"kind": "command", "command": "echo hi", "copies": "per_gpu"}})
     with pytest.raises(InvalidSpec, match=r"^job.copies: per_gpu .* resources.gpus is 0"):

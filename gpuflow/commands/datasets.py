@@ -29,9 +29,9 @@ def add(commands: Any) -> list[tuple[str, str]]:
 
 def prepare(source: str, output: str, shard_size: str, aws_credentials: str | None) -> int:
     """Shard `source` into `output` through the prepare-dataset flow."""
-    from tasks.errors import InvalidSpec
-    from tasks.storage import S3Settings, StorageError, check_writable
-    from tasks.training.prepare import check_request
+    from gpuflow.tasks.errors import InvalidSpec
+    from gpuflow.tasks.storage import S3Settings, StorageError, check_writable
+    from gpuflow.tasks.training.prepare import check_request
 
     try:
         check_request(source, output, shard_size)
@@ -39,7 +39,7 @@ def prepare(source: str, output: str, shard_size: str, aws_credentials: str | No
         return invalid(exc)
 
     def body(api: Any) -> int:
-        from flows.datasets import prepare_dataset
+        from gpuflow.flows.datasets import prepare_dataset
 
         try:
             settings = S3Settings.from_block(aws_credentials) if aws_credentials else None

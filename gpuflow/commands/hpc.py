@@ -81,7 +81,7 @@ def mpijob(spec: dict, image: str) -> int:
     import yaml
 
     from gpuflow.commands.mpijob import MpiJobError, build
-    from tasks.errors import InvalidSpec
+    from gpuflow.tasks.errors import InvalidSpec
 
     try:
         manifest = build(load_job_spec(spec), image, str(uuid.uuid4()))
@@ -95,7 +95,7 @@ def hpc_demo() -> int:
     """Run the MD workload on up to two ranks of this machine through the hpc flow."""
     import os
 
-    from tasks import nvml
+    from gpuflow.tasks import nvml
 
     gpus = len(nvml.query().gpus)
     ranks = min(2, gpus) if gpus else min(2, os.cpu_count() or 1)

@@ -15,8 +15,8 @@ from gpuflow.commands.common import EXIT_FAILED, EXIT_OK, invalid, load_job_spec
 def run_job(path: str | dict) -> int:
     """Run a job spec (a path or a dict) through its flow; read and check it first, before
     any API is started when the checks need none."""
-    from tasks import placement
-    from tasks.errors import InvalidSpec
+    from gpuflow.tasks import placement
+    from gpuflow.tasks.errors import InvalidSpec
 
     try:
         spec = load_job_spec(path)
@@ -31,7 +31,7 @@ def run_job(path: str | dict) -> int:
 def checked_spec(spec: Any) -> Any:
     """Return the spec with its placement applied, once every check before provisioning
     passed (InvalidSpec otherwise)."""
-    from tasks.pipeline.checks import check_spec
+    from gpuflow.tasks.pipeline.checks import check_spec
 
     spec, _ = check_spec(spec)
     return spec
@@ -39,15 +39,15 @@ def checked_spec(spec: Any) -> Any:
 
 def flow_for(spec: Any) -> Any:
     """Return the Prefect flow that runs the spec's kind: its own, else gpu_pipeline."""
-    from tasks.kinds.registry import kind_of
+    from gpuflow.tasks.kinds.registry import kind_of
 
-    where = kind_of(spec).flow or "flows.pipeline:gpu_pipeline"
+    where = kind_of(spec).flow or "gpuflow.flows.pipeline:gpu_pipeline"
     module, name = where.split(":")
     return getattr(import_module(module), name)
 
 
 def _run_spec(spec: Any, api: Any, checked: bool) -> int:
-    from tasks.errors import GpuflowError, InvalidSpec
+    from gpuflow.tasks.errors import GpuflowError, InvalidSpec
 
     try:
         spec = spec if checked else checked_spec(spec)
@@ -55,7 +55,7 @@ def _run_spec(spec: Any, api: Any, checked: bool) -> int:
         return invalid(exc)
     from gpuflow.logrelay import LogRelay
     from gpuflow.outage import OutageWatch, outage_bound_s
-    from tasks.pipeline.heartbeat import heartbeats_sent_by_gpuflow
+    from gpuflow.tasks.pipeline.heartbeat import heartbeats_sent_by_gpuflow
 
     with (
         heartbeats_sent_by_gpuflow(),
@@ -81,7 +81,7 @@ def _run_spec(spec: Any, api: Any, checked: bool) -> int:
 
 
 def _print_summary(spec: Any, result: Any) -> None:
-    from tasks.kinds.registry import kind_of
+    from gpuflow.tasks.kinds.registry import kind_of
 
     metrics = result.metrics
     print(f"\n{result.name}: completed (preflight {result.preflight})")

@@ -65,8 +65,8 @@ def add(commands: Any) -> list[tuple[str, str]]:
 def reclaim(prometheus: str, below_pct: float, window: str, grace: str, dry_run: bool) -> int:
     """Print what one reclaim pass found, and what it cancelled (or would)."""
     from gpuflow import session
-    from tasks.errors import InvalidSpec, TransientError
-    from tasks.platform import reclaim as reclaiming
+    from gpuflow.tasks.errors import InvalidSpec, TransientError
+    from gpuflow.tasks.platform import reclaim as reclaiming
 
     try:
         settings = reclaiming.check(prometheus, below_pct, window, grace)
@@ -86,16 +86,16 @@ def reclaim(prometheus: str, below_pct: float, window: str, grace: str, dry_run:
 
 def preflight(path: str | None, as_json: bool) -> int:
     """Print this host's preflight report for the job at `path` (default: a 1-GPU job)."""
-    from tasks.errors import InvalidSpec
-    from tasks.kinds.registry import kind_of
-    from tasks.pipeline import preflight as checks
+    from gpuflow.tasks.errors import InvalidSpec
+    from gpuflow.tasks.kinds.registry import kind_of
+    from gpuflow.tasks.pipeline import preflight as checks
 
     default = {"job": {"kind": "matmul"}, "resources": {"gpus": 1, "allow_cpu": True}}
     try:
         spec = load_job_spec(path) if path else load_job_spec(default)
     except InvalidSpec as exc:
         return invalid(exc)
-    from tasks.backends.registry import get_backend
+    from gpuflow.tasks.backends.registry import get_backend
 
     try:
         backend = get_backend(spec.placement.backend, spec.placement)
@@ -127,8 +127,8 @@ def reap(
     dry_run: bool, backend: str = "local", namespace: str | None = None, block: str | None = None
 ) -> int:
     """Tear down clusters, servers and files that killed runs left; say how many."""
-    from tasks.platform.reap import reap as reap_leftovers
-    from tasks.platform.reap import reap_ec2, reap_kubernetes, reap_slurm
+    from gpuflow.tasks.platform.reap import reap as reap_leftovers
+    from gpuflow.tasks.platform.reap import reap_ec2, reap_kubernetes, reap_slurm
 
     if backend == "ec2":
         from gpuflow import session
@@ -155,7 +155,7 @@ def _said(done: dict) -> int:
 
 
 def _said_slurm(dry_run: bool, reap_slurm: Any, block: str | None) -> int:
-    from tasks.errors import InvalidSpec, ProvisionError
+    from gpuflow.tasks.errors import InvalidSpec, ProvisionError
 
     try:
         return _said(reap_slurm(dry_run, block))
@@ -167,7 +167,7 @@ def _said_slurm(dry_run: bool, reap_slurm: Any, block: str | None) -> int:
 
 
 def _said_ec2(dry_run: bool, reap_ec2: Any, block: str | None) -> int:
-    from tasks.errors import InvalidSpec
+    from gpuflow.tasks.errors import InvalidSpec
 
     try:
         done = reap_ec2(dry_run, block)

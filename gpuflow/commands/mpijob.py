@@ -5,7 +5,7 @@ backend's MPIJob builder), for clusters that run the operator. Pure: dicts in, d
 One Launcher pod runs mpirun (no GPU); Worker pods, one per node, each hold
 `resources.gpus` GPUs and `slotsPerWorker` ranks. The operator writes the hostfile from the
 workers and points Open MPI at it, so mpirun needs no -H here. Every rank starts through
-tasks.hpc.rank, as on this host, and takes its block of the pod's GPUs by local rank.
+gpuflow.tasks.hpc.rank, as on this host, and takes its block of the pod's GPUs by local rank.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import math
 import re
 from typing import Any
 
-from tasks.backends.kubernetes.mpijob import MAX_NAME, manifest
-from tasks.contract import owner_labels
-from tasks.gpus import GPU_PRODUCT_LABEL
-from tasks.gpus import GPU_RESOURCE as GPU
-from tasks.hpc import mpi
-from tasks.hpc.launch import program_argv
-from tasks.hpc.model import HpcJob
-from tasks.spec import JobSpec
+from gpuflow.tasks.backends.kubernetes.mpijob import MAX_NAME, manifest
+from gpuflow.tasks.contract import owner_labels
+from gpuflow.tasks.gpus import GPU_PRODUCT_LABEL
+from gpuflow.tasks.gpus import GPU_RESOURCE as GPU
+from gpuflow.tasks.hpc import mpi
+from gpuflow.tasks.hpc.launch import program_argv
+from gpuflow.tasks.hpc.model import HpcJob
+from gpuflow.tasks.spec import JobSpec
 
 
 class MpiJobError(ValueError):
@@ -68,7 +68,7 @@ def build(
     ranks_argv = [
         "python",
         "-m",
-        "tasks.hpc.rank",
+        "gpuflow.tasks.hpc.rank",
         "--status-dir",
         "/tmp/gpuflow-ranks",
         "--gpus-per-rank",

@@ -31,8 +31,8 @@ def add(commands: Any) -> list[tuple[str, str]]:
 
 def offers(path: str, top: int = 15, as_json: bool = False) -> int:
     """Print the ranked offers for the job at `path`."""
-    from tasks import placement
-    from tasks.errors import InvalidSpec
+    from gpuflow.tasks import placement
+    from gpuflow.tasks.errors import InvalidSpec
 
     try:
         spec = load_job_spec(path)
@@ -45,10 +45,10 @@ def offers(path: str, top: int = 15, as_json: bool = False) -> int:
 
 
 def _print_pool(spec: Any, top: int, as_json: bool) -> int:
-    from tasks.errors import InvalidSpec
-    from tasks.pipeline.checks import check_pool
-    from tasks.pipeline.failover import offers_of
-    from tasks.pipeline.pool import order
+    from gpuflow.tasks.errors import InvalidSpec
+    from gpuflow.tasks.pipeline.checks import check_pool
+    from gpuflow.tasks.pipeline.failover import offers_of
+    from gpuflow.tasks.pipeline.pool import order
 
     try:
         asked = offers_of(check_pool(spec))
@@ -96,9 +96,9 @@ def _print_pool(spec: Any, top: int, as_json: bool) -> int:
 
 
 def _print(spec: Any, top: int, as_json: bool) -> int:
-    from tasks import placement
-    from tasks.backends.ec2.catalog import find_offers
-    from tasks.errors import InvalidSpec
+    from gpuflow.tasks import placement
+    from gpuflow.tasks.backends.ec2.catalog import find_offers
+    from gpuflow.tasks.errors import InvalidSpec
 
     try:
         _, prices = placement.resolve(spec)

@@ -119,14 +119,14 @@ def platform(
     exposure: tuple[str, Path | None, Path | None] = ("127.0.0.1", None, None),
 ) -> int:
     """Bring the local platform up or down, or say whether it runs."""
-    from tasks.platform import local
+    from gpuflow.tasks.platform import local
 
     if action == "down":
         local.down()
         return EXIT_OK
     if action == "status":
         return _status(local)
-    from tasks.errors import GpuflowError, InvalidSpec
+    from gpuflow.tasks.errors import GpuflowError, InvalidSpec
 
     try:
         listen, cert, key = exposure
@@ -148,7 +148,7 @@ def platform(
 
 
 def _status(local: Any) -> int:
-    from tasks.platform.api import health_error
+    from gpuflow.tasks.platform.api import health_error
 
     state = local.read_state()
     if state is None:
@@ -169,7 +169,7 @@ def _status(local: Any) -> int:
 
 def blocks_init() -> int:
     """Register gpuflow's block types and create the default documents that are missing."""
-    from tasks.platform.blocks_setup import init_blocks
+    from gpuflow.tasks.platform.blocks_setup import init_blocks
 
     def body(api: Any) -> int:
         for slug, name, what in init_blocks():
@@ -182,8 +182,8 @@ def blocks_init() -> int:
 def deploy_all(pools: list[str] | None = None) -> int:
     """Check prefect.yaml (pools, entrypoints, parameters, triggers, job variables, the job
     image), then run `prefect deploy` for the deployments on `pools` against PREFECT_API_URL."""
-    from tasks.errors import InvalidSpec
-    from tasks.platform import deploy
+    from gpuflow.tasks.errors import InvalidSpec
+    from gpuflow.tasks.platform import deploy
 
     root = Path.cwd() if (Path.cwd() / "prefect.yaml").is_file() else deploy_root()
     try:
@@ -215,10 +215,10 @@ def deploy_root() -> Path:
 
 def submit(name: str, pairs: list[str], wait: bool, timeout_s: float) -> int:
     """Run deployment `name` with `pairs` as parameters; follow it with `wait`."""
-    from tasks.errors import InvalidSpec
-    from tasks.platform.submit import EXIT_INVALID as INVALID
-    from tasks.platform.submit import parse_params
-    from tasks.platform.submit import submit as submit_run
+    from gpuflow.tasks.errors import InvalidSpec
+    from gpuflow.tasks.platform.submit import EXIT_INVALID as INVALID
+    from gpuflow.tasks.platform.submit import parse_params
+    from gpuflow.tasks.platform.submit import submit as submit_run
 
     try:
         params = parse_params(pairs)

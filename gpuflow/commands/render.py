@@ -51,7 +51,7 @@ def render_spec(args: argparse.Namespace) -> dict:
 
 def render_demo() -> int:
     """Build a small animated scene with Blender and render it to $GPUFLOW_HOME/renders."""
-    from tasks.host import gpuflow_home, resolve_program
+    from gpuflow.tasks.host import gpuflow_home, resolve_program
 
     blender = resolve_program("blender")
     if blender is None:
@@ -61,7 +61,7 @@ def render_demo() -> int:
             file=sys.stderr,
         )
         return EXIT_INVALID
-    from tasks.render.scene import demo_scene
+    from gpuflow.tasks.render.scene import demo_scene
 
     home = gpuflow_home()
     scene = home / "demo" / "turning-cube.blend"

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import ClassVar, Protocol
 
-from tasks.contract import (
+from gpuflow.tasks.contract import (
     Capabilities,
     Cluster,
     JobResult,
@@ -25,9 +25,9 @@ from tasks.contract import (
     UnitEnd,
     WorkUnit,
 )
-from tasks.host import signals_deferred, stop_group
-from tasks.metrics.cost import PriceTable
-from tasks.spec import JobSpec, Placement
+from gpuflow.tasks.host import signals_deferred, stop_group
+from gpuflow.tasks.metrics.cost import PriceTable
+from gpuflow.tasks.spec import JobSpec, Placement
 
 
 class UnitHandle(Protocol):

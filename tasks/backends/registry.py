@@ -1,15 +1,15 @@
-"""Backends by name. Every backend implements tasks.backends.base.Backend; adding one is a
+"""Backends by name. Every backend implements gpuflow.tasks.backends.base.Backend; adding one is a
 package with a class that has `name`, `capabilities` and the verbs, plus a `register` call."""
 
 from __future__ import annotations
 
-from tasks.backends.base import Backend
-from tasks.backends.ec2.backend import Ec2Backend
-from tasks.backends.kubernetes.backend import KubernetesBackend
-from tasks.backends.local.backend import LocalBackend
-from tasks.backends.slurm.backend import SlurmBackend
-from tasks.errors import InvalidSpec
-from tasks.spec import Placement
+from gpuflow.tasks.backends.base import Backend
+from gpuflow.tasks.backends.ec2.backend import Ec2Backend
+from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
+from gpuflow.tasks.backends.local.backend import LocalBackend
+from gpuflow.tasks.backends.slurm.backend import SlurmBackend
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.spec import Placement
 
 _BACKENDS: dict[str, type[Backend]] = {}
 BUILT_IN = ("local", "kubernetes", "ec2", "slurm")

@@ -6,13 +6,13 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tasks.errors import InvalidSpec
-from tasks.fetching import relative_names
-from tasks.hpc import mpi
-from tasks.hpc.launch import hosts_for
-from tasks.hpc.model import HpcJob
-from tasks.spec import JobSpec
-from tasks.storage import S3Settings, StorageError, check_writable, store_for
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.fetching import relative_names
+from gpuflow.tasks.hpc import mpi
+from gpuflow.tasks.hpc.launch import hosts_for
+from gpuflow.tasks.hpc.model import HpcJob
+from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.storage import S3Settings, StorageError, check_writable, store_for
 
 
 def check_hpc(spec: JobSpec, s3: S3Settings | None, on_host: bool) -> None:

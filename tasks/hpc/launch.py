@@ -1,5 +1,5 @@
 """Run an HPC job in its workspace: fetch the inputs, run the build step, start mpirun with
-every rank wrapped by tasks.hpc.rank, name the first rank that failed, upload the outputs.
+every rank wrapped by gpuflow.tasks.hpc.rank, name the first rank that failed, upload the outputs.
 
 The backend runs this as the job's command, in the job's own process group: a stop
 (SIGTERM to the group) reaches mpirun directly, which stops its ranks; this process only
@@ -19,11 +19,11 @@ import sys
 from collections import deque
 from pathlib import Path
 
-from tasks.errors import ERROR_FILE
-from tasks.fetching import UnsafeKey, fetch_prefix, relative_names
-from tasks.hpc import mpi
-from tasks.hpc.model import HpcJob
-from tasks.storage import S3Settings, StorageError, join, store_for
+from gpuflow.tasks.errors import ERROR_FILE
+from gpuflow.tasks.fetching import UnsafeKey, fetch_prefix, relative_names
+from gpuflow.tasks.hpc import mpi
+from gpuflow.tasks.hpc.model import HpcJob
+from gpuflow.tasks.storage import S3Settings, StorageError, join, store_for
 
 STATUS_DIR = "ranks"
 BUILD_TAIL = 15  # lines of a failed build shown in the error
@@ -56,7 +56,15 @@ def program_argv(job: HpcJob) -> list[str]:
     runner (an exception on one rank aborts them all instead of leaving a hang)."""
     if job.md is not None:
         settings = job.md.model_dump_json()
-        return [sys.executable, "-m", "mpi4py", "-m", "tasks.hpc.md_run", "--settings", settings]
+        return [
+            sys.executable,
+            "-m",
+            "mpi4py",
+            "-m",
+            "gpuflow.tasks.hpc.md_run",
+            "--settings",
+            settings,
+        ]
     assert job.program is not None
     return list(job.program)
 
@@ -184,7 +192,7 @@ def run_mpi(job: HpcJob, workspace: Path, hosts: list[mpi.Host] | None = None) -
     wrapped = [
         sys.executable,
         "-m",
-        "tasks.hpc.rank",
+        "gpuflow.tasks.hpc.rank",
         "--status-dir",
         str(status_dir),
         "--gpus-per-rank",

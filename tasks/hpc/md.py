@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from tasks.hpc.box import Box
+from gpuflow.tasks.hpc.box import Box
 
 
 def lattice(box: Box, dtype: torch.dtype = torch.float64) -> torch.Tensor:

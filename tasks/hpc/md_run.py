@@ -2,7 +2,7 @@
 forces of its share of the cells, and one allreduce per step sums them (replicated data).
 Rank 0 writes thermo.csv and result.json to the outputs folder.
 
-Run it as `python -m mpi4py -m tasks.hpc.md_run --settings JSON` so that an exception on
+Run it as `python -m mpi4py -m gpuflow.tasks.hpc.md_run --settings JSON` so that an exception on
 one rank aborts them all instead of leaving the others waiting in the allreduce.
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from tasks.hpc import md
-from tasks.hpc.box import box_for, ns_per_day
+from gpuflow.tasks.hpc import md
+from gpuflow.tasks.hpc.box import box_for, ns_per_day
 
 DEFAULTS: dict[str, Any] = {
     "atoms": 4000,

@@ -6,9 +6,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tasks.hpc.box import MAX_DENSITY, MAX_TEMPERATURE, box_for
-from tasks.hpc.mpi import Host
-from tasks.spec import SpecModel, StorageUrl, split_argv
+from gpuflow.tasks.hpc.box import MAX_DENSITY, MAX_TEMPERATURE, box_for
+from gpuflow.tasks.hpc.mpi import Host
+from gpuflow.tasks.spec import SpecModel, StorageUrl, split_argv
 
 
 class MdSettings(SpecModel):

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tasks.metrics.plot import pyplot
+from gpuflow.tasks.metrics.plot import pyplot
 
 
 def read_thermo(path: Path) -> list[dict[str, float]]:

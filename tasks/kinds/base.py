@@ -13,8 +13,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
-from tasks.contract import Capabilities, Cluster, Needs, RunOutcome, UnitRunner, WorkUnit
-from tasks.spec import JobSpec
+from gpuflow.tasks.contract import Capabilities, Cluster, Needs, RunOutcome, UnitRunner, WorkUnit
+from gpuflow.tasks.spec import JobSpec
 
 __all__ = ["JobKind", "Report", "WorkUnit"]
 

@@ -8,10 +8,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from tasks.contract import Capabilities, Cluster, Needs, WorkUnit
-from tasks.errors import InvalidSpec
-from tasks.kinds.base import JobKind
-from tasks.spec import JobSpec, SpecModel, split_argv
+from gpuflow.tasks.contract import Capabilities, Cluster, Needs, WorkUnit
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.kinds.base import JobKind
+from gpuflow.tasks.spec import JobSpec, SpecModel, split_argv
 
 
 class CommandJob(SpecModel):

@@ -12,21 +12,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tasks.contract import Capabilities, Cluster, Needs, WorkUnit
-from tasks.hpc.check import check_hpc, preflight_checks
-from tasks.hpc.launch import hosts_for
-from tasks.hpc.model import HpcJob
-from tasks.hpc.mpi import hostfile
-from tasks.hpc.report import summary
-from tasks.kinds.base import JobKind, Report
-from tasks.spec import JobSpec
-from tasks.storage import s3_settings
+from gpuflow.tasks.contract import Capabilities, Cluster, Needs, WorkUnit
+from gpuflow.tasks.hpc.check import check_hpc, preflight_checks
+from gpuflow.tasks.hpc.launch import hosts_for
+from gpuflow.tasks.hpc.model import HpcJob
+from gpuflow.tasks.hpc.mpi import hostfile
+from gpuflow.tasks.hpc.report import summary
+from gpuflow.tasks.kinds.base import JobKind, Report
+from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.storage import s3_settings
 
 
 class HpcKind(JobKind):
     name = "hpc"
     model = HpcJob
-    flow = "flows.hpc:hpc"
+    flow = "gpuflow.flows.hpc:hpc"
 
     def needs(self, spec: JobSpec) -> Needs:
         job = spec.job
@@ -52,7 +52,7 @@ class HpcKind(JobKind):
     def units(self, spec: JobSpec, cluster: Cluster) -> list[WorkUnit]:
 
         hosts = self.hosts(spec, cluster)
-        command = [sys.executable, "-m", "tasks.hpc.launch", "--job-json"]
+        command = [sys.executable, "-m", "gpuflow.tasks.hpc.launch", "--job-json"]
         command += [spec.job.model_dump_json()]
         command += ["--hosts-json", json.dumps([h.model_dump() for h in hosts])]
         return [

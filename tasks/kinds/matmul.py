@@ -1,4 +1,4 @@
-"""Kind `matmul`: the GPU smoke job (tasks.kinds.matmul_run), reporting achieved TFLOP/s."""
+"""Kind `matmul`: the GPU smoke job (gpuflow.tasks.kinds.matmul_run), reporting achieved TFLOP/s."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from tasks.contract import Cluster, WorkUnit
-from tasks.kinds.base import JobKind, Report
-from tasks.spec import JobSpec, SpecModel
+from gpuflow.tasks.contract import Cluster, WorkUnit
+from gpuflow.tasks.kinds.base import JobKind, Report
+from gpuflow.tasks.spec import JobSpec, SpecModel
 
 
 class MatmulJob(SpecModel):
@@ -32,7 +32,7 @@ class MatmulKind(JobKind):
     def units(self, spec: JobSpec, cluster: Cluster) -> list[WorkUnit]:
         job = spec.job
         assert isinstance(job, MatmulJob)
-        command = [sys.executable, "-m", "tasks.kinds.matmul_run", "--size", str(job.size)]
+        command = [sys.executable, "-m", "gpuflow.tasks.kinds.matmul_run", "--size", str(job.size)]
         command += ["--dtype", job.dtype, "--seconds", str(job.seconds)]
         return [WorkUnit(name="main", command=command)]
 

@@ -1,15 +1,15 @@
-"""Job kinds by name. Each kind is one module implementing tasks.kinds.base.JobKind; adding
+"""Job kinds by name. Each kind is one module implementing gpuflow.tasks.kinds.base.JobKind; adding
 a kind is that module plus a `register` call, which also teaches the spec its `job:` model."""
 
 from __future__ import annotations
 
-from tasks.kinds.base import JobKind
-from tasks.kinds.command import CommandKind
-from tasks.kinds.hpc import HpcKind
-from tasks.kinds.matmul import MatmulKind
-from tasks.kinds.render import RenderKind
-from tasks.kinds.train import TrainKind
-from tasks.spec import JobSpec, add_job_model, remove_job_model
+from gpuflow.tasks.kinds.base import JobKind
+from gpuflow.tasks.kinds.command import CommandKind
+from gpuflow.tasks.kinds.hpc import HpcKind
+from gpuflow.tasks.kinds.matmul import MatmulKind
+from gpuflow.tasks.kinds.render import RenderKind
+from gpuflow.tasks.kinds.train import TrainKind
+from gpuflow.tasks.spec import JobSpec, add_job_model, remove_job_model
 
 BUILT_IN = ("command", "matmul", "train", "render", "hpc")
 _KINDS: dict[str, JobKind] = {}

@@ -3,7 +3,7 @@
 Each chunk is a work unit: one Blender process for a run of frames, on one GPU, judged
 by the frames it leaves (valid) in storage. The render stage hands chunks out as workers
 free up, sized from measured start-up and per-frame times, and skips frames already in
-storage (tasks.render.stage).
+storage (gpuflow.tasks.render.stage).
 """
 
 from __future__ import annotations
@@ -11,21 +11,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tasks.contract import Capabilities, Cluster, Needs, RunOutcome, UnitRunner, WorkUnit
-from tasks.errors import InvalidSpec
-from tasks.kinds.base import JobKind, Report
-from tasks.render import scene, stage
-from tasks.render.model import RenderJob
-from tasks.render.report import summary
-from tasks.render.units import units_for
-from tasks.spec import JobSpec
-from tasks.storage import StorageError, check_writable, s3_settings
+from gpuflow.tasks.contract import Capabilities, Cluster, Needs, RunOutcome, UnitRunner, WorkUnit
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.kinds.base import JobKind, Report
+from gpuflow.tasks.render import scene, stage
+from gpuflow.tasks.render.model import RenderJob
+from gpuflow.tasks.render.report import summary
+from gpuflow.tasks.render.units import units_for
+from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.storage import StorageError, check_writable, s3_settings
 
 
 class RenderKind(JobKind):
     name = "render"
     model = RenderJob
-    flow = "flows.render:render"
+    flow = "gpuflow.flows.render:render"
     schedules_units = True  # chunks are handed out as GPU slots free up
 
     def needs(self, spec: JobSpec) -> Needs:

@@ -1,6 +1,6 @@
 """Kind `train`: PyTorch training on webdataset shards, one torchrun per node.
 
-Each node runs tasks.training.launch, which starts one rank per GPU it sees (or
+Each node runs gpuflow.tasks.training.launch, which starts one rank per GPU it sees (or
 `cpu_processes` CPU ranks). On one node torchrun is standalone; on N nodes every node's
 torchrun meets at the cluster's one rendezvous address, so N nodes x G GPUs is one job.
 """
@@ -11,15 +11,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tasks.contract import Capabilities, Cluster, Needs, WorkUnit
-from tasks.errors import InvalidSpec
-from tasks.kinds.base import JobKind, Report
-from tasks.spec import JobSpec
-from tasks.storage import StorageError, s3_settings
-from tasks.training.model import TrainJob
-from tasks.training.profile import read
-from tasks.training.report import summary
-from tasks.training.validate import check_train
+from gpuflow.tasks.contract import Capabilities, Cluster, Needs, WorkUnit
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.kinds.base import JobKind, Report
+from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.storage import StorageError, s3_settings
+from gpuflow.tasks.training.model import TrainJob
+from gpuflow.tasks.training.profile import read
+from gpuflow.tasks.training.report import summary
+from gpuflow.tasks.training.validate import check_train
 
 RENDEZVOUS_PORT = 29400
 
@@ -27,7 +27,7 @@ RENDEZVOUS_PORT = 29400
 class TrainKind(JobKind):
     name = "train"
     model = TrainJob
-    flow = None  # `gpuflow run` trains inside gpu_pipeline; deployments use flows.train
+    flow = None  # `gpuflow run` trains inside gpu_pipeline; deployments use gpuflow.flows.train
 
     def needs(self, spec: JobSpec) -> Needs:
         job = spec.job
@@ -49,7 +49,7 @@ class TrainKind(JobKind):
         job = spec.job
         assert isinstance(job, TrainJob)
         per_node = cluster.gpus_per_node or job.cpu_processes
-        command = [sys.executable, "-m", "tasks.training.launch", "--job-json"]
+        command = [sys.executable, "-m", "gpuflow.tasks.training.launch", "--job-json"]
         command += [job.model_dump_json(), "--run-name", spec.name]
         if cluster.nodes == 1:
             return [WorkUnit(name="main", command=command, world_size=per_node)]
@@ -102,7 +102,7 @@ def _profile_artifacts(outputs: Path, title: str) -> None:
     """Publish a profiled run's top operators and per-step split as table artifacts."""
     from prefect.artifacts import create_table_artifact
 
-    from tasks.api_client import publish
+    from gpuflow.tasks.api_client import publish
 
     profiled = read(outputs)
     if profiled is None:

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from tasks.spec import IdleGpu
+from gpuflow.tasks.spec import IdleGpu
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from tasks.errors import TransientError
-from tasks.metrics.sampler import GPU_FIELDS
-from tasks.metrics.summary import RunMetrics
+from gpuflow.tasks.errors import TransientError
+from gpuflow.tasks.metrics.sampler import GPU_FIELDS
+from gpuflow.tasks.metrics.summary import RunMetrics
 
 _HELP = {
     "DCGM_FI_DEV_GPU_UTIL": "GPU utilization (in %).",

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 import psutil
 
-from tasks.nvml import load_nvml
+from gpuflow.tasks.nvml import load_nvml
 
 logger = logging.getLogger(__name__)
 
@@ -246,14 +246,14 @@ class SampleTail:
 
 def main(argv: list[str] | None = None) -> int:
     """Sample this node's GPUs into a file until SIGTERM (or SIGINT), then write the last
-    sample and exit 0: `python -m tasks.metrics.sampler --out F --gpus 0,1 [--interval S]
+    sample and exit 0: `python -m gpuflow.tasks.metrics.sampler --out F --gpus 0,1 [--interval S]
     [--host NAME] [--until-pid PID]`. A backend starts it on each node that runs a unit (Slurm: a step beside
     the unit's; Kubernetes: in each unit's pod, `--out -` printing each sample as one line
     of the pod's log, after `--mark`)."""
     import argparse
     import signal
 
-    parser = argparse.ArgumentParser(prog="python -m tasks.metrics.sampler")
+    parser = argparse.ArgumentParser(prog="python -m gpuflow.tasks.metrics.sampler")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--gpus", default="", help="GPU indices, comma-separated")
     parser.add_argument("--interval", type=float, default=1.0)

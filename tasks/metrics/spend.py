@@ -17,7 +17,7 @@ from uuid import UUID
 
 from pydantic import BaseModel
 
-from tasks.metrics.plot import pyplot
+from gpuflow.tasks.metrics.plot import pyplot
 
 METRICS_KEY = "gpuflow-metrics"  # the table artifact collect writes for every run
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tasks.metrics.cost import Cost
+from gpuflow.tasks.metrics.cost import Cost
 
 IDLE_PCT = 5.0  # a GPU under this utilisation (in %) is idle, unless limits.idle_gpu says
 

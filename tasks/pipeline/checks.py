@@ -4,15 +4,15 @@ and the secrets. One sentence per problem (InvalidSpec), naming the field and th
 
 from __future__ import annotations
 
-from tasks import placement, secrets
-from tasks.backends.registry import get_backend
-from tasks.contract import Capabilities, Needs
-from tasks.errors import InvalidSpec, Unreachable
-from tasks.host import resolve_program
-from tasks.kinds.registry import kind_of
-from tasks.metrics.cost import PriceTable
-from tasks.spec import JobSpec
-from tasks.storage import StorageError, check_writable
+from gpuflow.tasks import placement, secrets
+from gpuflow.tasks.backends.registry import get_backend
+from gpuflow.tasks.contract import Capabilities, Needs
+from gpuflow.tasks.errors import InvalidSpec, Unreachable
+from gpuflow.tasks.host import resolve_program
+from gpuflow.tasks.kinds.registry import kind_of
+from gpuflow.tasks.metrics.cost import PriceTable
+from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.storage import StorageError, check_writable
 
 
 def check_spec(spec: JobSpec) -> tuple[JobSpec, PriceTable]:

@@ -14,12 +14,18 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
-from tasks.api_client import publish
-from tasks.backends.registry import get_backend
-from tasks.contract import Cluster, Offer, RunOutcome
-from tasks.errors import CapacityError, GpuflowError, PreemptedError, Unreachable, retry_unless
-from tasks.metrics.cost import PriceTable
-from tasks.pipeline.pool import (
+from gpuflow.tasks.api_client import publish
+from gpuflow.tasks.backends.registry import get_backend
+from gpuflow.tasks.contract import Cluster, Offer, RunOutcome
+from gpuflow.tasks.errors import (
+    CapacityError,
+    GpuflowError,
+    PreemptedError,
+    Unreachable,
+    retry_unless,
+)
+from gpuflow.tasks.metrics.cost import PriceTable
+from gpuflow.tasks.pipeline.pool import (
     Candidate,
     Use,
     candidate_name,
@@ -30,7 +36,7 @@ from tasks.pipeline.pool import (
     placed_line,
     table,
 )
-from tasks.pipeline.stages import (
+from gpuflow.tasks.pipeline.stages import (
     hourly_paid,
     preflight,
     provision,
@@ -38,7 +44,7 @@ from tasks.pipeline.stages import (
     run_stage,
     teardown_owned,
 )
-from tasks.spec import JobSpec
+from gpuflow.tasks.spec import JobSpec
 
 CHOSEN_EVENT = "gpuflow.placement.chosen"
 FAILOVER_EVENT = "gpuflow.placement.failover"

@@ -8,7 +8,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-from tasks.spec import Placement
+from gpuflow.tasks.spec import Placement
 
 _LOCK = threading.Lock()
 _RUNS: dict[str, tuple[Placement, ...]] = {}

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from tasks.contract import Offer
-from tasks.spec import Placement, PlacementPolicy
+from gpuflow.tasks.contract import Offer
+from gpuflow.tasks.spec import Placement, PlacementPolicy
 
 
 class Candidate(BaseModel):

@@ -16,11 +16,11 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from tasks import compat, nvml
-from tasks.host import resolve_program
-from tasks.kinds.registry import kind_of
-from tasks.spec import JobSpec
-from tasks.units import format_bytes
+from gpuflow.tasks import compat, nvml
+from gpuflow.tasks.host import resolve_program
+from gpuflow.tasks.kinds.registry import kind_of
+from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.units import format_bytes
 
 Level = Literal["pass", "warn", "fail"]
 

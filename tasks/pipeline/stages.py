@@ -24,10 +24,10 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import TaskRunContext
 from prefect.tasks import exponential_backoff
 
-from tasks import secrets
-from tasks.api_client import publish
-from tasks.backends.registry import get_backend
-from tasks.contract import (
+from gpuflow.tasks import secrets
+from gpuflow.tasks.api_client import publish
+from gpuflow.tasks.backends.registry import get_backend
+from gpuflow.tasks.contract import (
     RUN_LABEL,
     Cluster,
     JobResult,
@@ -36,8 +36,8 @@ from tasks.contract import (
     TeardownReport,
     WorkUnit,
 )
-from tasks.diagnose import diagnose
-from tasks.errors import (
+from gpuflow.tasks.diagnose import diagnose
+from gpuflow.tasks.errors import (
     ERROR_FILE,
     PREEMPTED_EXIT_CODE,
     CollectError,
@@ -48,21 +48,21 @@ from tasks.errors import (
     retry_unless,
     retry_when_retryable,
 )
-from tasks.host import gpuflow_home, make_dirs, signals_held
-from tasks.kinds.registry import kind_of
-from tasks.logstream import LineBatcher, job_output_sink
-from tasks.metrics import cost as pricing
-from tasks.metrics.idle import IdleWatch, watch_of
-from tasks.metrics.plot import utilisation_png
-from tasks.metrics.prometheus import LivePush, delete, exposition, push
-from tasks.metrics.sampler import NODE_SAMPLES, SAMPLES, Sampler, SampleTail, read_samples
-from tasks.metrics.summary import IDLE_PCT, RunMetrics, summarise
-from tasks.outputs import OutputsKept, copy_outputs, keep_whole
-from tasks.pipeline import preflight as preflight_checks
-from tasks.pipeline.inflight import unit_running
-from tasks.pipeline.pool import Use
-from tasks.spec import JobSpec, Placement, StageRetry
-from tasks.storage import s3_settings
+from gpuflow.tasks.host import gpuflow_home, make_dirs, signals_held
+from gpuflow.tasks.kinds.registry import kind_of
+from gpuflow.tasks.logstream import LineBatcher, job_output_sink
+from gpuflow.tasks.metrics import cost as pricing
+from gpuflow.tasks.metrics.idle import IdleWatch, watch_of
+from gpuflow.tasks.metrics.plot import utilisation_png
+from gpuflow.tasks.metrics.prometheus import LivePush, delete, exposition, push
+from gpuflow.tasks.metrics.sampler import NODE_SAMPLES, SAMPLES, Sampler, SampleTail, read_samples
+from gpuflow.tasks.metrics.summary import IDLE_PCT, RunMetrics, summarise
+from gpuflow.tasks.outputs import OutputsKept, copy_outputs, keep_whole
+from gpuflow.tasks.pipeline import preflight as preflight_checks
+from gpuflow.tasks.pipeline.inflight import unit_running
+from gpuflow.tasks.pipeline.pool import Use
+from gpuflow.tasks.spec import JobSpec, Placement, StageRetry
+from gpuflow.tasks.storage import s3_settings
 
 
 def _retries_left() -> bool:
@@ -182,7 +182,7 @@ def cancel_requested(flow_run_id: str, every_s: float = 2.0) -> Callable[[], boo
 
     from prefect.client.schemas.objects import StateType
 
-    from tasks.api_client import api_client
+    from gpuflow.tasks.api_client import api_client
 
     cancelled = threading.Event()
     last_called = [time.monotonic()]

@@ -34,8 +34,8 @@ from typing import Any
 
 import psutil
 
-from tasks.errors import GpuflowError
-from tasks.host import (
+from gpuflow.tasks.errors import GpuflowError
+from gpuflow.tasks.host import (
     OWN_SECRETS,
     StateFileError,
     alive,
@@ -49,8 +49,8 @@ from tasks.host import (
     stop_group,
     write_atomic,
 )
-from tasks.platform import kept_api
-from tasks.platform import state as platform_state
+from gpuflow.tasks.platform import kept_api
+from gpuflow.tasks.platform import state as platform_state
 
 # A cold first start (no bytecode yet, a new SQLite database) took 34 s on a busy
 # 2-core machine; Prefect's own ephemeral start gives up after 20 s.
@@ -305,7 +305,7 @@ def start_temporary(
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_HOME": prefect_home(),
         }
-        argv = [sys.executable, "-m", "tasks.platform.server", "--port", str(port)]
+        argv = [sys.executable, "-m", "gpuflow.tasks.platform.server", "--port", str(port)]
         argv += ["--auth-file", str(auth_file), "--servers", str(servers)]
         argv += ["--idle-s", str(keep_s), "--log", str(log)]
         # No signal between starting the server and recording it: then an interruption

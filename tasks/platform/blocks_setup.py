@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from prefect.blocks.core import Block
 
-from blocks import Ec2GpuFleet, GpuPriceTable, KubernetesGpuPool, LocalGpuHost, SlurmCluster
+from gpuflow.blocks import Ec2GpuFleet, GpuPriceTable, KubernetesGpuPool, LocalGpuHost, SlurmCluster
 
 DEFAULT_LOCAL_HOST = "local"
 DEFAULT_PRICES = "default"

@@ -16,12 +16,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tasks import yamlfile
-from tasks.errors import InvalidSpec
-from tasks.kinds import registry as _kinds  # noqa: F401 - registers the kinds' job models
-from tasks.platform.k8s_worker import WORKER_TYPE
-from tasks.platform.pool_template import check_job_variables, default_gpu_template
-from tasks.spec import load_spec
+from gpuflow.tasks import yamlfile
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.kinds import registry as _kinds  # noqa: F401 - registers the kinds' job models
+from gpuflow.tasks.platform.k8s_worker import WORKER_TYPE
+from gpuflow.tasks.platform.pool_template import check_job_variables, default_gpu_template
+from gpuflow.tasks.spec import load_spec
 
 LOCAL_POOL = "gpuflow-local"
 GPU_K8S_POOL = "gpuflow-gpu-k8s"
@@ -50,17 +50,35 @@ def load_project(path: Path) -> dict[str, Any]:
 
 
 def flow_parameters(root: Path, entrypoint: str, where: str) -> inspect.Signature:
-    """Return the signature of the flow `entrypoint` (path.py:function) names."""
-    path, _, name = entrypoint.partition(":")
-    module_path = root / path
-    if not name or not module_path.is_file():
+    """Return the signature of the flow `entrypoint` names: path/to/file.py:function (under
+    `root`) or package.module:function (imported, as Prefect does)."""
+    path, _, name = entrypoint.rpartition(":")
+    if not path or not name:
         raise InvalidSpec(
-            f"{where}.entrypoint: {entrypoint!r} is not path/to/file.py:flow_function"
+            f"{where}.entrypoint: {entrypoint!r} is neither path/to/file.py:flow_function nor"
+            " package.module:flow_function; write one of them."
         )
-    spec = importlib.util.spec_from_file_location(f"_gpuflow_entry_{module_path.stem}", module_path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    if path.endswith(".py"):
+        module_path = root / path
+        if not module_path.is_file():
+            raise InvalidSpec(
+                f"{where}.entrypoint: {entrypoint!r} names {module_path}, which is not a file;"
+                " fix the path (it is read from the project folder)."
+            )
+        spec = importlib.util.spec_from_file_location(
+            f"_gpuflow_entry_{module_path.stem}", module_path
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(path)
+        except ImportError as exc:
+            raise InvalidSpec(
+                f"{where}.entrypoint: {entrypoint!r}: module {path!r} cannot be imported"
+                f" ({exc}); fix the name, or install the package that has it."
+            ) from None
     flow = getattr(module, name, None)
     if flow is None or not hasattr(flow, "fn"):
         raise InvalidSpec(f"{where}.entrypoint: {name!r} in {path} is not a Prefect flow")

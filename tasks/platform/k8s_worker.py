@@ -20,8 +20,8 @@ from typing import Any
 
 from prefect_kubernetes.worker import KubernetesWorker, KubernetesWorkerJobConfiguration
 
-from tasks.errors import InvalidSpec
-from tasks.platform.pool_template import (
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.platform.pool_template import (
     check_job_variables,
     default_gpu_template,
     flow_run_grace_seconds,

@@ -1,7 +1,7 @@
 """A temporary Prefect API kept for the commands that follow.
 
 The first command that finds no API configured and no platform running starts Prefect's
-server (tasks.platform.api.start_temporary) as tasks.platform.server's program: uvicorn, no
+server (gpuflow.tasks.platform.api.start_temporary) as gpuflow.tasks.platform.server's program: uvicorn, no
 UI, its auth string from $GPUFLOW_HOME/servers/auth, in a session of its own, and a thread that stops it once no gpuflow command has held it for
 GPUFLOW_API_IDLE_S (default 600 s; 0: the server stops with the command that started it).
 Later commands of the same user, with the same GPUFLOW_HOME, PREFECT_HOME, Python and
@@ -34,7 +34,7 @@ from typing import Any
 
 import psutil
 
-from tasks.host import StateFileError, alive, env_number, read_private, write_atomic
+from gpuflow.tasks.host import StateFileError, alive, env_number, read_private, write_atomic
 
 IDLE_S = 600.0
 STARTUP_FAILED = 3  # uvicorn's exit code when it cannot bind or the app fails to start

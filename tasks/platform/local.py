@@ -24,15 +24,20 @@ from typing import Any
 import psutil
 import yaml
 
-from tasks import nvml, yamlfile
-from tasks.backends.kubernetes.kubeapi import KubeApi, KubeError, KubeUnreachable, load_config
-from tasks.backends.local.gpu_slots import LIMIT_NAME
-from tasks.errors import GpuflowError, InvalidSpec
-from tasks.host import open_private, private_dir, secure_home, stop_group, write_atomic
-from tasks.platform import postgres
-from tasks.platform.api import stop_kept
-from tasks.platform.blocks_setup import init_blocks
-from tasks.platform.deploy import (
+from gpuflow.tasks import nvml, yamlfile
+from gpuflow.tasks.backends.kubernetes.kubeapi import (
+    KubeApi,
+    KubeError,
+    KubeUnreachable,
+    load_config,
+)
+from gpuflow.tasks.backends.local.gpu_slots import LIMIT_NAME
+from gpuflow.tasks.errors import GpuflowError, InvalidSpec
+from gpuflow.tasks.host import open_private, private_dir, secure_home, stop_group, write_atomic
+from gpuflow.tasks.platform import postgres
+from gpuflow.tasks.platform.api import stop_kept
+from gpuflow.tasks.platform.blocks_setup import init_blocks
+from gpuflow.tasks.platform.deploy import (
     GPU_K8S_POOL,
     IMAGE_VARIABLE,
     LOCAL_POOL,
@@ -41,10 +46,10 @@ from tasks.platform.deploy import (
     pool_templates,
     prefect_deploy,
 )
-from tasks.platform.reap import reap
-from tasks.platform.state import auth as platform_auth
-from tasks.platform.state import auth_path, platform_dir, read_state, running, state_path
-from tasks.platform.tls import Listening, client_context, listening
+from gpuflow.tasks.platform.reap import reap
+from gpuflow.tasks.platform.state import auth as platform_auth
+from gpuflow.tasks.platform.state import auth_path, platform_dir, read_state, running, state_path
+from gpuflow.tasks.platform.tls import Listening, client_context, listening
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -284,7 +289,7 @@ def _start_server(
 ) -> dict[str, Any]:
     """Start the platform's Prefect server (tasks/platform/server.py: the UI, the auth
     string from its file, TLS when shared); return its process entry."""
-    argv = [sys.executable, "-m", "tasks.platform.server", "--ui", "--host", where.bind]
+    argv = [sys.executable, "-m", "gpuflow.tasks.platform.server", "--ui", "--host", where.bind]
     argv += ["--port", str(port), "--auth-file", str(auth_path())]
     if where.cert:
         argv += ["--tls-cert", where.cert, "--tls-key", str(where.key)]
@@ -437,7 +442,7 @@ def _pools(pools: dict[str, tuple[str, dict[str, Any]]]) -> None:
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectNotFound
 
-    from tasks.api_client import api_client
+    from gpuflow.tasks.api_client import api_client
 
     with api_client() as client:
         for name, (kind, template) in pools.items():
@@ -458,7 +463,7 @@ def _gpu_limit() -> int:
     )
     from prefect.exceptions import ObjectNotFound
 
-    from tasks.api_client import api_client
+    from gpuflow.tasks.api_client import api_client
 
     gpus = len(nvml.query().gpus)
     with api_client() as client:

@@ -14,10 +14,10 @@ import math
 import re
 from typing import Any
 
-from tasks.errors import InvalidSpec
-from tasks.gpus import GPU_PRODUCT_LABEL
-from tasks.gpus import GPU_RESOURCE as GPU
-from tasks.spec import Limits
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.gpus import GPU_PRODUCT_LABEL
+from gpuflow.tasks.gpus import GPU_RESOURCE as GPU
+from gpuflow.tasks.spec import Limits
 
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 TOLERATION_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")

@@ -27,9 +27,9 @@ from typing import Any
 
 import psutil
 
-from tasks.errors import GpuflowError, InvalidSpec
-from tasks.host import alive, escalate, stop_group, write_atomic
-from tasks.platform.state import platform_dir
+from gpuflow.tasks.errors import GpuflowError, InvalidSpec
+from gpuflow.tasks.host import alive, escalate, stop_group, write_atomic
+from gpuflow.tasks.platform.state import platform_dir
 
 USER, DATABASE = "gpuflow", "prefect"
 SERVER_PROGRAMS = ("initdb", "postgres", "pg_isready", "createdb")

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-from tasks.backends.ec2.backend import Ec2Backend
-from tasks.backends.kubernetes.backend import KubernetesBackend
-from tasks.backends.local.backend import LocalBackend
-from tasks.backends.slurm.backend import SlurmBackend
-from tasks.host import (
+from gpuflow.tasks.backends.ec2.backend import Ec2Backend
+from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
+from gpuflow.tasks.backends.local.backend import LocalBackend
+from gpuflow.tasks.backends.slurm.backend import SlurmBackend
+from gpuflow.tasks.host import (
     StateFileError,
     gpuflow_home,
     open_private,
@@ -31,8 +31,8 @@ from tasks.host import (
     read_state_json,
     write_atomic,
 )
-from tasks.platform import api as prefect_api
-from tasks.platform.state import read_state
+from gpuflow.tasks.platform import api as prefect_api
+from gpuflow.tasks.platform.state import read_state
 
 CRASHED_MESSAGE = "its gpuflow process was killed; `gpuflow reap` tore down what it left"
 OUTAGE_MESSAGE = (
@@ -71,7 +71,7 @@ def spill_logs(run_id: str, api_url: str, bodies: list[bytes]) -> Path:
 def _deliver_logs(path: Path, urls: list[str], say: Callable[[str], None]) -> None:
     """Post the kept logs in `path` to the first API that answers, then remove the file."""
 
-    from tasks.api_client import api_client
+    from gpuflow.tasks.api_client import api_client
 
     try:
         header, *bodies = read_private(path, limit=1 << 30).encode().splitlines()
@@ -238,7 +238,7 @@ def _run_states(run_ids: list[str], url: str | None, page: int = 200) -> dict[st
     API, or its final state's name in lower case: one health check, one read per `page`."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    from tasks.api_client import api_client
+    from gpuflow.tasks.api_client import api_client
 
     if url and prefect_api.health_error(url, timeout_s=5):
         return dict.fromkeys(run_ids, "away")
@@ -284,7 +284,7 @@ def _mark_crashed(runs: list[tuple[str, str | None]], say: Callable[[str], None]
 def _crash(run_id: str, url: str, message: str = CRASHED_MESSAGE) -> bool:
     from prefect.states import Crashed
 
-    from tasks.api_client import api_client
+    from gpuflow.tasks.api_client import api_client
 
     with prefect_api.talking_to(url), api_client() as client:
         state = client.read_flow_run(UUID(run_id)).state

@@ -26,10 +26,10 @@ from uuid import UUID
 
 from pydantic import BaseModel
 
-from tasks.errors import InvalidSpec, TransientError
-from tasks.metrics.idle import send_idle_event
-from tasks.metrics.prometheus import without_credentials
-from tasks.units import parse_duration
+from gpuflow.tasks.errors import InvalidSpec, TransientError
+from gpuflow.tasks.metrics.idle import send_idle_event
+from gpuflow.tasks.metrics.prometheus import without_credentials
+from gpuflow.tasks.units import parse_duration
 
 KEEP = "gpuflow.io/keep"
 UTIL = 'DCGM_FI_DEV_GPU_UTIL{stage="run"}'
@@ -243,7 +243,7 @@ def reclaim_pass(
     loud lines are about runs warned or cancelled."""
     from prefect.states import Cancelling
 
-    from tasks.api_client import api_client
+    from gpuflow.tasks.api_client import api_client
 
     started = time.monotonic()
     with api_client() as client:

@@ -15,7 +15,7 @@ only its user gets in, and no web page drives it.
 
 - TLS 1.3 only, with --tls-cert and --tls-key (a platform shared with `--listen`).
 
-Run as `python -m tasks.platform.server --port PORT --auth-file FILE [--ui] [--idle-s S]`.
+Run as `python -m gpuflow.tasks.platform.server --port PORT --auth-file FILE [--ui] [--idle-s S]`.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from tasks.host import read_private
-from tasks.platform import kept_api
-from tasks.platform.tls import server_context
+from gpuflow.tasks.host import read_private
+from gpuflow.tasks.platform import kept_api
+from gpuflow.tasks.platform.tls import server_context
 
 STARTUP_FAILED = kept_api.STARTUP_FAILED
 LOCAL_NAMES = ("localhost",)
@@ -119,7 +119,7 @@ def narrow_database() -> None:
 def serve(argv: list[str]) -> int:
     """Run Prefect's API server on HOST:PORT until SIGTERM, or until it has been idle for
     --idle-s (then remove its record and log); return the exit code."""
-    parser = argparse.ArgumentParser(prog="python -m tasks.platform.server")
+    parser = argparse.ArgumentParser(prog="python -m gpuflow.tasks.platform.server")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--auth-file", type=Path, required=True)
@@ -150,7 +150,7 @@ def serve(argv: list[str]) -> int:
     import uvicorn
 
     config = uvicorn.Config(
-        "tasks.platform.server:create_app",
+        "gpuflow.tasks.platform.server:create_app",
         factory=True,
         host=args.host,
         port=args.port,

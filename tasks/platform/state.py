@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tasks.host import StateFileError, alive, auth_string, gpuflow_home, read_private
+from gpuflow.tasks.host import StateFileError, alive, auth_string, gpuflow_home, read_private
 
 
 def platform_dir() -> Path:

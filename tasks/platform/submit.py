@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tasks import yamlfile
-from tasks.errors import InvalidSpec
-from tasks.kinds import registry as _kinds  # noqa: F401 - registers the kinds' job models
-from tasks.spec import load_spec
+from gpuflow.tasks import yamlfile
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.kinds import registry as _kinds  # noqa: F401 - registers the kinds' job models
+from gpuflow.tasks.spec import load_spec
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_TIMEOUT = 0, 1, 2, 3
 
@@ -64,7 +64,7 @@ def submit(
     defaults; with `wait`, follow it until it ends or `timeout_s` passes."""
     from prefect.exceptions import ObjectNotFound
 
-    from tasks.api_client import api_client
+    from gpuflow.tasks.api_client import api_client
 
     with api_client() as client:
         try:

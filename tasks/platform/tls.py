@@ -20,8 +20,8 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel
 
-from tasks.errors import InvalidSpec
-from tasks.host import private_dir, write_atomic
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.host import private_dir, write_atomic
 
 EVERYWHERE = ("0.0.0.0", "::")
 CERT_DAYS = 825  # what browsers still accept for a certificate's life

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from tasks import diagnose
+from gpuflow.tasks import diagnose
 
 _FRA = re.compile(r"\bFra:(\d+)\b")
 _CYCLES = re.compile(r"\| Sample (\d+)/(\d+)")

@@ -8,9 +8,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, field_validator
 
-from tasks.render.argv import DEVICES, ENGINES, FORMATS
-from tasks.render.frames import FrameSpecError, parse_frames
-from tasks.spec import SpecModel, StorageUrl
+from gpuflow.tasks.render.argv import DEVICES, ENGINES, FORMATS
+from gpuflow.tasks.render.frames import FrameSpecError, parse_frames
+from gpuflow.tasks.spec import SpecModel, StorageUrl
 
 
 def _chunk(value: Any) -> Any:

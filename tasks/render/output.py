@@ -15,15 +15,15 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from tasks.render import logparse
-from tasks.render.argv import frame_filename
-from tasks.render.images import check_image
-from tasks.render.thumbs import thumbnail_rgb
-from tasks.storage import FileStore, ObjectInfo, S3Store, join
+from gpuflow.tasks.render import logparse
+from gpuflow.tasks.render.argv import frame_filename
+from gpuflow.tasks.render.images import check_image
+from gpuflow.tasks.render.thumbs import thumbnail_rgb
+from gpuflow.tasks.storage import FileStore, ObjectInfo, S3Store, join
 
 THUMB_PX = 160
 # What a chunk rendering in a pod prints for each frame it put in storage (a FrameRecord
-# as JSON), and for each frame it could not (the frame, then why): tasks.render.pod_chunk.
+# as JSON), and for each frame it could not (the frame, then why): gpuflow.tasks.render.pod_chunk.
 FRAME_MARK = "@@gpuflow-frame"
 FRAME_PROBLEM_MARK = "@@gpuflow-frame-problem"
 

@@ -8,7 +8,7 @@ Blender's lines are printed as they come; each frame put in storage is printed a
 frames by those lines. The exit code is Blender's (2 when the scene cannot be fetched).
 SIGTERM (the pod being stopped) reaches Blender; frames it saved are still uploaded.
 
-    python -m tasks.render.pod_chunk --chunk-json '{"scene": "s3://...", ...}'
+    python -m gpuflow.tasks.render.pod_chunk --chunk-json '{"scene": "s3://...", ...}'
 """
 
 from __future__ import annotations
@@ -25,18 +25,18 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from tasks.errors import InvalidSpec
-from tasks.render.argv import RenderSettings, render_argv
-from tasks.render.frames import blender_frames
-from tasks.render.output import (
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.render.argv import RenderSettings, render_argv
+from gpuflow.tasks.render.frames import blender_frames
+from gpuflow.tasks.render.output import (
     FRAME_MARK,
     FRAME_PROBLEM_MARK,
     FrameRecord,
     SavedFrames,
     Uploader,
 )
-from tasks.render.scene import fetch, find_blend
-from tasks.storage import S3Settings, StorageError, store_for
+from gpuflow.tasks.render.scene import fetch, find_blend
+from gpuflow.tasks.storage import S3Settings, StorageError, store_for
 
 
 class PodChunk(BaseModel):
@@ -55,7 +55,7 @@ class PodChunk(BaseModel):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tasks.render.pod_chunk")
+    parser = argparse.ArgumentParser(prog="python -m gpuflow.tasks.render.pod_chunk")
     parser.add_argument("--chunk-json", required=True)
     chunk = PodChunk.model_validate_json(parser.parse_args(argv).chunk_json)
 

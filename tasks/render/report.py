@@ -8,7 +8,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from tasks.render.output import FrameRecord
+from gpuflow.tasks.render.output import FrameRecord
 
 SHEET_MAX = 48  # thumbnails on one contact sheet
 
@@ -106,7 +106,7 @@ def summary(outputs: Path, out: Path, name: str) -> list[str]:
 
     from prefect.artifacts import create_table_artifact
 
-    from tasks.api_client import publish
+    from gpuflow.tasks.api_client import publish
 
     lines: list[str] = []
     frames_file = out / "outputs" / "frames.json"

@@ -20,16 +20,16 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel
 
-from tasks import nvml
-from tasks.errors import InvalidSpec, TransientError
-from tasks.fetching import fetch_prefix, relative_names
-from tasks.host import gpuflow_home, resolve_program
-from tasks.render import logparse
-from tasks.render.argv import ENGINES, EXTENSIONS, FORMATS, MOVIE_FORMATS, safe_path
-from tasks.render.frames import label, outside, parse_frames
-from tasks.render.model import RenderJob
-from tasks.spec import JobSpec
-from tasks.storage import ObjectMissing, S3Settings, StorageError, store_for
+from gpuflow.tasks import nvml
+from gpuflow.tasks.errors import InvalidSpec, TransientError
+from gpuflow.tasks.fetching import fetch_prefix, relative_names
+from gpuflow.tasks.host import gpuflow_home, resolve_program
+from gpuflow.tasks.render import logparse
+from gpuflow.tasks.render.argv import ENGINES, EXTENSIONS, FORMATS, MOVIE_FORMATS, safe_path
+from gpuflow.tasks.render.frames import label, outside, parse_frames
+from gpuflow.tasks.render.model import RenderJob
+from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.storage import ObjectMissing, S3Settings, StorageError, store_for
 
 INSPECT_SCRIPT = Path(__file__).with_name("blender_inspect.py")
 DEMO_SCRIPT = Path(__file__).with_name("blender_demo_scene.py")

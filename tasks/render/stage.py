@@ -26,9 +26,9 @@ from prefect.client.schemas.actions import ArtifactUpdate
 from prefect.futures import as_completed
 from pydantic import BaseModel
 
-from tasks.api_client import api_client
-from tasks.contract import JobResult, RunOutcome, UnitRunner
-from tasks.errors import (
+from gpuflow.tasks.api_client import api_client
+from gpuflow.tasks.contract import JobResult, RunOutcome, UnitRunner
+from gpuflow.tasks.errors import (
     PREEMPTED_EXIT_CODE,
     JobCancelled,
     JobFailed,
@@ -36,12 +36,12 @@ from tasks.errors import (
     TransientError,
     retry_unless,
 )
-from tasks.render import logparse, pod_chunk, report
-from tasks.render import scene as scenes
-from tasks.render.argv import output_pattern
-from tasks.render.frames import ChunkSizer, label
-from tasks.render.model import RenderJob
-from tasks.render.output import (
+from gpuflow.tasks.render import logparse, pod_chunk, report
+from gpuflow.tasks.render import scene as scenes
+from gpuflow.tasks.render.argv import output_pattern
+from gpuflow.tasks.render.frames import ChunkSizer, label
+from gpuflow.tasks.render.model import RenderJob
+from gpuflow.tasks.render.output import (
     FrameRecord,
     SavedFrames,
     Uploader,
@@ -49,9 +49,9 @@ from tasks.render.output import (
     frame_url,
     make_thumbnail,
 )
-from tasks.render.units import chunk_unit, slots
-from tasks.spec import JobSpec
-from tasks.storage import s3_settings, store_for
+from gpuflow.tasks.render.units import chunk_unit, slots
+from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.storage import s3_settings, store_for
 
 # Failures after which Blender still renders every frame, but not as asked.
 WRONG_SETTINGS = ("device_unknown", "device_absent", "python_error")

@@ -1,6 +1,6 @@
 """A render's work units: chunks of frames, each one Blender process on one GPU slot,
 rendered here (frames uploaded from this host) or, where units run elsewhere, by the chunk
-program (tasks.render.pod_chunk), which fetches the scene and uploads its own frames."""
+program (gpuflow.tasks.render.pod_chunk), which fetches the scene and uploads its own frames."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tasks.contract import Cluster, WorkUnit
-from tasks.render.argv import RenderSettings, output_pattern, render_argv
-from tasks.render.frames import ChunkSizer, blender_frames
-from tasks.render.model import RenderJob
-from tasks.render.pod_chunk import PodChunk
-from tasks.render.scene import blender_program
-from tasks.spec import JobSpec
+from gpuflow.tasks.contract import Cluster, WorkUnit
+from gpuflow.tasks.render.argv import RenderSettings, output_pattern, render_argv
+from gpuflow.tasks.render.frames import ChunkSizer, blender_frames
+from gpuflow.tasks.render.model import RenderJob
+from gpuflow.tasks.render.pod_chunk import PodChunk
+from gpuflow.tasks.render.scene import blender_program
+from gpuflow.tasks.spec import JobSpec
 
 
 def workers(spec: JobSpec, cluster: Cluster) -> int:
@@ -33,7 +33,7 @@ def chunk_unit(
     scratch: Path,
 ) -> WorkUnit:
     """Return the unit that renders `frames` on `slot` (node, GPU or None): Blender writing
-    into `scratch` on this host, or in a pod, the chunk program (tasks.render.pod_chunk)."""
+    into `scratch` on this host, or in a pod, the chunk program (gpuflow.tasks.render.pod_chunk)."""
     job = spec.job
     assert isinstance(job, RenderJob)
     pattern, _ = output_pattern(job.pattern)
@@ -59,7 +59,7 @@ def chunk_unit(
             blender=job.blender,
             settings=settings,
         )
-        argv = [sys.executable, "-m", "tasks.render.pod_chunk", "--chunk-json"]
+        argv = [sys.executable, "-m", "gpuflow.tasks.render.pod_chunk", "--chunk-json"]
         argv.append(chunk.model_dump_json(exclude_defaults=True))
     node, gpu = slot
     return WorkUnit(

@@ -12,8 +12,8 @@ import re
 from datetime import UTC, datetime
 from typing import Any
 
-from tasks.storage import FileStore, S3Store, StorageError, join
-from tasks.training.shards import sha256
+from gpuflow.tasks.storage import FileStore, S3Store, StorageError, join
+from gpuflow.tasks.training.shards import sha256
 
 Store = FileStore | S3Store
 _STEP_RE = re.compile(r"/step-(\d{8})/")

@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from tasks.errors import GpuflowError, InvalidSpec
-from tasks.storage import FileStore, ObjectMissing, S3Store, StorageError, join
-from tasks.training.shards import DatasetIndex
+from gpuflow.tasks.errors import GpuflowError, InvalidSpec
+from gpuflow.tasks.storage import FileStore, ObjectMissing, S3Store, StorageError, join
+from gpuflow.tasks.training.shards import DatasetIndex
 
 Store = FileStore | S3Store
 Policy = Literal["skip", "fail"]

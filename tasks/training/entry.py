@@ -25,13 +25,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from tasks.errors import ERROR_FILE, PREEMPTED_EXIT_CODE, GpuflowError, InvalidSpec
-from tasks.storage import join, store_for
-from tasks.training import checkpoint as ckpt
-from tasks.training import data as wdata
-from tasks.training.model import TrainJob
-from tasks.training.profile import StepProfiler
-from tasks.training.shards import sha256
+from gpuflow.tasks.errors import ERROR_FILE, PREEMPTED_EXIT_CODE, GpuflowError, InvalidSpec
+from gpuflow.tasks.storage import join, store_for
+from gpuflow.tasks.training import checkpoint as ckpt
+from gpuflow.tasks.training import data as wdata
+from gpuflow.tasks.training.model import TrainJob
+from gpuflow.tasks.training.profile import StepProfiler
+from gpuflow.tasks.training.shards import sha256
 
 PREEMPTED_MARKER = ".gpuflow-preempted-rank{rank}"
 _stop_requested = False

@@ -17,9 +17,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tasks.errors import PREEMPTED_EXIT_CODE
-from tasks.training.entry import PREEMPTED_MARKER
-from tasks.training.model import TrainJob
+from gpuflow.tasks.errors import PREEMPTED_EXIT_CODE
+from gpuflow.tasks.training.entry import PREEMPTED_MARKER
+from gpuflow.tasks.training.model import TrainJob
 
 
 def ranks(job: TrainJob) -> int:
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         *rendezvous_args(args.nnodes, args.node_rank, args.rendezvous, args.rendezvous_id),
         f"--nproc_per_node={nproc}",
         "-m",
-        "tasks.training.entry",
+        "gpuflow.tasks.training.entry",
     ]
     print(f"launching {nproc} rank(s): {'NCCL on GPUs' if _cuda() else 'gloo on CPU'}", flush=True)
     child = subprocess.Popen(command, env=env)

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from tasks.spec import SpecModel, StorageUrl
+from gpuflow.tasks.spec import SpecModel, StorageUrl
 
 
 class CheckpointSettings(SpecModel):
@@ -30,7 +30,7 @@ class TrainJob(SpecModel):
     dataset: StorageUrl = Field(description="Prefix holding index.json and the shards.")
     eval_dataset: StorageUrl | None = Field(None, description="Held-out shards for evaluation.")
     output: StorageUrl = Field(description="Prefix for checkpoints/ and models/.")
-    model: str = Field("tasks.training.models:small_cnn", description="module:factory.")
+    model: str = Field("gpuflow.tasks.training.models:small_cnn", description="module:factory.")
     model_args: dict[str, Any] = Field(default_factory=dict)
     task: Literal["classify", "lm"] = "classify"
     batch_size: int = Field(32, ge=1, le=65536, description="Samples per rank per micro-step.")

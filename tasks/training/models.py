@@ -1,4 +1,4 @@
-"""Built-in models, chosen by import path: tasks.training.models:small_cnn / :tiny_lm.
+"""Built-in models, chosen by import path: gpuflow.tasks.training.models:small_cnn / :tiny_lm.
 
 Each factory takes keyword arguments (the job's model_args) and returns an nn.Module.
 Modules that support activation checkpointing expose set_activation_checkpointing().

@@ -14,9 +14,9 @@ from urllib.parse import parse_qs, urlparse
 
 from pydantic import BaseModel
 
-from tasks.errors import InvalidSpec
-from tasks.storage import FileStore, S3Store, StorageError, join, store_for
-from tasks.training.shards import (
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.storage import FileStore, S3Store, StorageError, join, store_for
+from gpuflow.tasks.training.shards import (
     DatasetIndex,
     Sample,
     ShardInfo,
@@ -26,7 +26,7 @@ from tasks.training.shards import (
     shard_name,
     synthetic_samples,
 )
-from tasks.units import parse_size
+from gpuflow.tasks.units import parse_size
 
 INDEX = "index.json"
 _SHARD_RE = re.compile(r"shard-\d{6}\.tar$")

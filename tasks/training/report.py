@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tasks.metrics.plot import pyplot
-from tasks.training.profile import PROFILE_DIR, read
+from gpuflow.tasks.metrics.plot import pyplot
+from gpuflow.tasks.training.profile import PROFILE_DIR, read
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tasks.errors import InvalidSpec
+from gpuflow.tasks.errors import InvalidSpec
 
 Sample = dict[str, Any]
 TAR_BLOCK = 512

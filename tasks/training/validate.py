@@ -5,12 +5,12 @@ from __future__ import annotations
 import importlib.util
 import uuid
 
-from tasks import nvml
-from tasks.errors import InvalidSpec
-from tasks.spec import JobSpec
-from tasks.storage import S3Settings, StorageError, join, store_for
-from tasks.training import data
-from tasks.training.model import TrainJob
+from gpuflow.tasks import nvml
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.storage import S3Settings, StorageError, join, store_for
+from gpuflow.tasks.training import data
+from gpuflow.tasks.training.model import TrainJob
 
 
 def ranks_for(spec: JobSpec, job: TrainJob, host_gpus: int) -> int:
@@ -34,7 +34,7 @@ def check_model(job: TrainJob, here: bool) -> None:
         and factory_name.isidentifier()
     ):
         raise InvalidSpec(
-            f"job.model: {job.model!r} is not an import path; write module:factory, e.g. tasks.training.models:small_cnn."
+            f"job.model: {job.model!r} is not an import path; write module:factory, e.g. gpuflow.tasks.training.models:small_cnn."
         )
     top = module_name.split(".")[0]
     if here and importlib.util.find_spec(top) is None:  # finds, does not run, the package

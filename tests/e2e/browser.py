@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tasks.host import stop_group
+from gpuflow.tasks.host import stop_group
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

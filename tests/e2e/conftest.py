@@ -11,7 +11,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from tasks.backends.kubernetes.kubeapi import KubeApi, load_config
+from gpuflow.tasks.backends.kubernetes.kubeapi import KubeApi, load_config
 from tests.conftest import save_aws_block
 from tests.e2e.instances import PlayedInstances
 
@@ -67,7 +67,7 @@ def clients(s3_server) -> dict:
 @pytest.fixture
 def aws(s3_server, prefect_api, gpuflow_home, monkeypatch) -> dict:
     """An Ec2GpuFleet block for moto (the local build as the install step) and clients."""
-    from blocks.ec2_fleet import Ec2GpuFleet
+    from gpuflow.blocks.ec2_fleet import Ec2GpuFleet
 
     for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(key, raising=False)
@@ -103,8 +103,8 @@ def s3_scene(s3_server, tmp_path, monkeypatch) -> str:
     environment) has the bucket's credentials as AWS_* variables."""
     import shutil as sh
 
-    from tasks.render.scene import demo_scene
-    from tasks.storage import store_for
+    from gpuflow.tasks.render.scene import demo_scene
+    from gpuflow.tasks.storage import store_for
 
     blender = sh.which("blender")
     assert blender, "blender is not installed; the test command installs it"

@@ -13,8 +13,8 @@ from uuid import UUID
 
 import psutil
 
-from tasks.backends.local import gpu_slots
-from tasks.platform.api import auth_headers
+from gpuflow.tasks.backends.local import gpu_slots
+from gpuflow.tasks.platform.api import auth_headers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -165,7 +165,7 @@ class Platform:
     def sql(self, query: str) -> list[str]:
         """Run `query` on the platform's PostgreSQL database (as its login, over TCP, the
         way the Prefect server connects); return the rows, fields joined by |."""
-        from tasks.platform import postgres
+        from gpuflow.tasks.platform import postgres
 
         database = self.state()["database"]
         password = (self.home / "platform" / "postgres.password").read_text().strip()
@@ -181,7 +181,7 @@ class Platform:
 def purge_database(platform: Platform) -> None:
     """Remove a PostgreSQL data folder the platform kept outside its GPUFLOW_HOME (a root
     run with a home the postgres account cannot enter keeps it under /var/lib/gpuflow)."""
-    from tasks.platform import postgres
+    from gpuflow.tasks.platform import postgres
 
     folder = postgres.SHARED_ROOT
     for data in folder.glob("*/postgres") if folder.is_dir() else []:

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tasks.backends.kubernetes.kubeapi import KubeApi, KubeError
+from gpuflow.tasks.backends.kubernetes.kubeapi import KubeApi, KubeError
 
 NAMESPACE = "gpuflow-kubelet"
 ROOT = Path(__file__).resolve().parents[2]

@@ -44,7 +44,7 @@ class Server:
         argv += ["--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out)
-        from tasks.platform.api import health_error
+        from gpuflow.tasks.platform.api import health_error
 
         deadline = time.monotonic() + 180
         while health_error(self.url, timeout_s=2):

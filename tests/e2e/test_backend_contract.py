@@ -24,11 +24,11 @@ import psutil
 import pytest
 
 import tests.e2e.toy_backend  # noqa: F401 - registers the toy backend
-from tasks.backends.base import Backend
-from tasks.backends.registry import get_backend
-from tasks.contract import RUN_LABEL, WorkUnit, owner_labels
-from tasks.kinds.registry import kind_of
-from tasks.spec import JobSpec, load_spec
+from gpuflow.tasks.backends.base import Backend
+from gpuflow.tasks.backends.registry import get_backend
+from gpuflow.tasks.contract import RUN_LABEL, WorkUnit, owner_labels
+from gpuflow.tasks.kinds.registry import kind_of
+from gpuflow.tasks.spec import JobSpec, load_spec
 from tests.conftest import subprocess_env
 from tests.e2e.kubelet import NAMESPACE as KUBELET_NS
 from tests.e2e.kubelet import PlayedKubelet
@@ -57,10 +57,10 @@ STOPPABLE = (
 ORCHESTRATOR = (
     "import json, sys\n"
     "import tests.e2e.toy_backend\n"
-    "from tasks.kinds import registry\n"
-    "from tasks.backends.registry import get_backend\n"
-    "from tasks.contract import WorkUnit, owner_labels\n"
-    "from tasks.spec import load_spec\n"
+    "from gpuflow.tasks.kinds import registry\n"
+    "from gpuflow.tasks.backends.registry import get_backend\n"
+    "from gpuflow.tasks.contract import WorkUnit, owner_labels\n"
+    "from gpuflow.tasks.spec import load_spec\n"
     "spec = load_spec(json.loads(sys.argv[1]))\n"
     "backend = get_backend(spec.placement.backend, spec.placement)\n"
     "needs = registry.kind_of(spec).needs(spec)\n"
@@ -213,7 +213,7 @@ def test_contract_provision_adopts_lines_arrive_in_order_and_teardown_leaves_not
 def test_contract_offers_price_the_job(place):
     """What a backend could give the job now (a pool's candidate row): at least one offer,
     each saying where, at a price of zero or more, and why not when it cannot start now."""
-    from tasks.pipeline.checks import check_spec
+    from gpuflow.tasks.pipeline.checks import check_spec
 
     spec, prices = check_spec(place.spec(["true"]))
     found = place.backend.offers(spec, prices)
@@ -297,7 +297,7 @@ def test_contract_the_reaper_finds_what_a_killed_orchestrator_left(place, tmp_pa
 def test_a_backend_from_the_tests_runs_a_job_through_gpu_pipeline(prefect_api, gpuflow_home):
     """The toy backend, defined outside gpuflow's package, runs a job through the whole
     pipeline with no change to stages, flows or the CLI; teardown leaves nothing."""
-    from flows.pipeline import gpu_pipeline
+    from gpuflow.flows.pipeline import gpu_pipeline
 
     script = "import os; print('node', os.environ['GPUFLOW_NODE_RANK'], 'of', os.environ['GPUFLOW_NODES'])"
     spec = load_spec(
@@ -318,8 +318,8 @@ def test_a_backend_from_the_tests_runs_a_job_through_gpu_pipeline(prefect_api, g
 
 
 def test_an_unknown_backend_is_refused_by_name_before_anything_is_made():
-    from tasks.errors import InvalidSpec
-    from tasks.pipeline.checks import check_spec
+    from gpuflow.tasks.errors import InvalidSpec
+    from gpuflow.tasks.pipeline.checks import check_spec
 
     spec = load_spec(
         {"job": {"kind": "command", "command": ["true"]}, "placement": {"backend": "nomad"}}

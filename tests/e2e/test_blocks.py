@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from tasks.errors import InvalidSpec
+from gpuflow.tasks.errors import InvalidSpec
 from tests.conftest import subprocess_env
 
 pytestmark = pytest.mark.e2e
 
 
 def test_blocks_init_creates_once_and_keeps_edits(prefect_api, gpuflow_home, capsys):
-    from blocks import GpuPriceTable, LocalGpuHost
+    from gpuflow.blocks import GpuPriceTable, LocalGpuHost
     from gpuflow.cli import main
 
     assert main(["blocks", "init"]) == 0
@@ -55,8 +55,8 @@ def test_prefect_block_register_finds_the_module(prefect_api, gpuflow_home):
 def test_kubernetes_pool_round_trips_with_its_cluster_config(prefect_api):
     from prefect_kubernetes.credentials import KubernetesClusterConfig
 
-    from blocks import KubernetesGpuPool
-    from tasks.platform.pool_template import check_job_variables, default_gpu_template
+    from gpuflow.blocks import KubernetesGpuPool
+    from gpuflow.tasks.platform.pool_template import check_job_variables, default_gpu_template
 
     kubeconfig = {
         "apiVersion": "v1",
@@ -99,9 +99,9 @@ def test_secrets_stay_out_of_the_block_document_listing(prefect_api):
 
 
 def test_a_price_table_block_prices_the_run(prefect_api, gpuflow_home):
-    from blocks import GpuPriceTable
-    from tasks import placement
-    from tasks.spec import load_spec
+    from gpuflow.blocks import GpuPriceTable
+    from gpuflow.tasks import placement
+    from gpuflow.tasks.spec import load_spec
 
     GpuPriceTable(gpu_hourly_usd={"local": {"*": 3.0}}).save("lab-prices", overwrite=True)
     spec = load_spec(

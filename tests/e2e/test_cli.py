@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.backends.local import gpu_slots
+from gpuflow.tasks.backends.local import gpu_slots
 from tests.conftest import subprocess_env
 from tests.e2e.helpers import flow_run, leftovers, nothing_left, process_gone
 from tests.test_spec import BOMB

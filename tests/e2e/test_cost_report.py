@@ -8,10 +8,10 @@ from datetime import UTC, datetime
 
 import pytest
 
-from flows.cost_report import cost_report
-from flows.pipeline import gpu_pipeline
-from tasks.errors import InvalidSpec
-from tasks.spec import load_spec
+from gpuflow.flows.cost_report import cost_report
+from gpuflow.flows.pipeline import gpu_pipeline
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.spec import load_spec
 from tests.e2e.helpers import artifacts_of, events_named
 
 pytestmark = pytest.mark.e2e
@@ -37,7 +37,7 @@ def _window(since: datetime, until: datetime) -> str:
 
 
 def test_the_report_adds_up_the_runs_own_summaries(prefect_api, gpuflow_home, fake_nvml):
-    from blocks import LocalGpuHost
+    from gpuflow.blocks import LocalGpuHost
 
     LocalGpuHost(gpu_hourly_usd=36.0).save("gpuflow-priced-host", overwrite=True)  # 1 ¢/s
     since = datetime.now(UTC)
@@ -76,7 +76,7 @@ def test_the_report_adds_up_the_runs_own_summaries(prefect_api, gpuflow_home, fa
 
 
 def test_the_markdown_lists_every_group(prefect_api, gpuflow_home, fake_nvml):
-    from blocks import LocalGpuHost
+    from gpuflow.blocks import LocalGpuHost
 
     LocalGpuHost(gpu_hourly_usd=36.0).save("gpuflow-priced-host", overwrite=True)
     since = datetime.now(UTC)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from flows.pipeline import gpu_pipeline
-from tasks.metrics.prometheus import exposition, push
-from tasks.metrics.sampler import Sampler, read_samples
-from tasks.spec import load_spec
+from gpuflow.flows.pipeline import gpu_pipeline
+from gpuflow.tasks.metrics.prometheus import exposition, push
+from gpuflow.tasks.metrics.sampler import Sampler, read_samples
+from gpuflow.tasks.spec import load_spec
 from tests.conftest import load_fake_nvml
 
 pytestmark = pytest.mark.e2e
@@ -53,7 +53,7 @@ def _live(gateway: str, run_id: str, job: str, util: float | None, tmp_path: Pat
 def test_every_panel_returns_series_from_gpuflows_metrics(
     prefect_api, gpuflow_home, fake_nvml, prometheus, tmp_path
 ):
-    from blocks import LocalGpuHost
+    from gpuflow.blocks import LocalGpuHost
 
     LocalGpuHost(gpu_hourly_usd=3.6).save("gpuflow-dash-host", overwrite=True)
     for name, command in (("dash-ok", "pass"), ("dash-bad", "raise SystemExit(3)")):

@@ -81,8 +81,8 @@ def test_one_instance_boots_its_user_data_runs_the_job_and_teardown_leaves_nothi
 ):
     from prefect.settings import PREFECT_API_KEY, temporary_settings
 
-    from flows.pipeline import gpu_pipeline
-    from tasks.spec import load_spec
+    from gpuflow.flows.pipeline import gpu_pipeline
+    from gpuflow.tasks.spec import load_spec
     from tests.e2e.helpers import logs_of
 
     metrics = {"pushgateway": pushgateway, "interval_s": 0.2, "push_interval_s": 0.2}
@@ -104,7 +104,7 @@ def test_one_instance_boots_its_user_data_runs_the_job_and_teardown_leaves_nothi
     # nothing secret went to the instance in clear: user-data, console, the run's log
     described = aws["ec2"].describe_instance_attribute(InstanceId=instance.id, Attribute="userData")
     sent = base64.b64decode(described["UserData"]["Value"]).decode()
-    assert sent == instance.user_data and "tasks.backends.ec2.agent" in sent
+    assert sent == instance.user_data and "gpuflow.tasks.backends.ec2.agent" in sent
     for text in (sent, instance.console(), logs):
         assert s3_server.secret not in text and api_key not in text
     assert left_of(aws, s3_server, run_id) == {
@@ -121,8 +121,8 @@ def pipeline_while(raw: dict, meanwhile) -> tuple:
     state and flow run id."""
     import threading
 
-    from flows.pipeline import gpu_pipeline
-    from tasks.spec import load_spec
+    from gpuflow.flows.pipeline import gpu_pipeline
+    from gpuflow.tasks.spec import load_spec
 
     watcher = threading.Thread(target=meanwhile, daemon=True)
     watcher.start()
@@ -173,10 +173,10 @@ def test_a_spot_notice_checkpoints_and_the_run_resumes_on_a_new_instance_exactly
     SIGTERM, the job checkpoints to S3 and exits 75, the run stage retries on a new spot
     instance and resumes; the final weights equal those of an uninterrupted run."""
 
-    from flows.datasets import prepare_dataset
-    from flows.train import train
-    from tasks.spec import load_spec
-    from tasks.storage import S3Store
+    from gpuflow.flows.datasets import prepare_dataset
+    from gpuflow.flows.train import train
+    from gpuflow.tasks.spec import load_spec
+    from gpuflow.tasks.storage import S3Store
     from tests.e2e.helpers import logs_of, task_runs_of
     from tests.e2e.test_training import _weights, train_spec
 
@@ -338,7 +338,7 @@ def test_an_orphaned_instance_terminates_itself_and_reap_removes_the_rest(
     assert reaped.returncode == 0, reaped.stderr
     assert not any(left_of(aws, s3_server, run_id).values())
     assert flow_run(run_id).state.type.value == "CRASHED"
-    from flows.reap import reap as reap_flow  # the scheduled deployment's flow
+    from gpuflow.flows.reap import reap as reap_flow  # the scheduled deployment's flow
 
     state = reap_flow(backend="ec2", block=FLEET, dry_run=True, return_state=True)
     assert state.is_completed(), state.message
@@ -353,9 +353,9 @@ def test_an_orphaned_instance_terminates_itself_and_reap_removes_the_rest(
 def test_two_instances_train_one_job_and_teardown_leaves_nothing(aws, played, s3_server):
     """resources.nodes: 2 launches two instances in one security group that lets only the
     run's nodes in; one torchrun per instance meets at node 0's address (two ranks)."""
-    from flows.datasets import prepare_dataset
-    from flows.train import train
-    from tasks.spec import load_spec
+    from gpuflow.flows.datasets import prepare_dataset
+    from gpuflow.flows.train import train
+    from gpuflow.tasks.spec import load_spec
 
     dataset = s3_server.url("datasets/ec2-two")
     prepare_dataset("synthetic:classify?samples=128", dataset, "40KB", "gpuflow-test-aws")
@@ -427,7 +427,7 @@ def test_bad_input_is_one_sentence_and_nothing_is_launched(
 ):
     import yaml
 
-    from blocks.ec2_fleet import Ec2GpuFleet
+    from gpuflow.blocks.ec2_fleet import Ec2GpuFleet
     from gpuflow.cli import main
 
     settings = Ec2GpuFleet.load(FLEET).model_dump(exclude={"block_type_slug"}) | fleet
@@ -461,10 +461,10 @@ def test_render_chunks_run_side_by_side_on_an_instance_that_uploads_its_frames(
     frames; the run counts them from the units' lines. A rerun renders nothing."""
     import shutil as sh
 
-    from flows.render import render
-    from tasks.render.scene import demo_scene
-    from tasks.spec import load_spec
-    from tasks.storage import store_for
+    from gpuflow.flows.render import render
+    from gpuflow.tasks.render.scene import demo_scene
+    from gpuflow.tasks.spec import load_spec
+    from gpuflow.tasks.storage import store_for
 
     blender = sh.which("blender")
     assert blender, "blender is not installed; the test command installs it"
@@ -503,9 +503,9 @@ def test_an_agent_whose_job_outlives_max_duration_terminates_its_instance(
     import json
     import time
 
-    from tasks.backends.ec2.agent import AgentConfig, UnitSpec
-    from tasks.backends.ec2.backend import Heartbeat
-    from tasks.backends.ec2.mailbox import Mailbox, unit_key
+    from gpuflow.tasks.backends.ec2.agent import AgentConfig, UnitSpec
+    from gpuflow.tasks.backends.ec2.backend import Heartbeat
+    from gpuflow.tasks.backends.ec2.mailbox import Mailbox, unit_key
 
     ec2 = aws["ec2"]
     image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
@@ -540,7 +540,7 @@ def test_an_agent_whose_job_outlives_max_duration_terminates_its_instance(
     )
     user_data = (
         "#!/bin/bash\nexec "
-        f"{sys.executable} -m tasks.backends.ec2.agent --config {config.encode()}\n"
+        f"{sys.executable} -m gpuflow.tasks.backends.ec2.agent --config {config.encode()}\n"
     )
     try:
         with played:

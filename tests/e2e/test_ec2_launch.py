@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.backends.ec2.catalog import Fleet, Offer, ec2_client
-from tasks.backends.ec2.launch import launch, owned_instances, remove
-from tasks.contract import owner_labels
-from tasks.errors import CapacityError
+from gpuflow.tasks.backends.ec2.catalog import Fleet, Offer, ec2_client
+from gpuflow.tasks.backends.ec2.launch import launch, owned_instances, remove
+from gpuflow.tasks.contract import owner_labels
+from gpuflow.tasks.errors import CapacityError
 
 pytestmark = pytest.mark.e2e
 USER_DATA = "#!/bin/sh\necho gpuflow agent\n"

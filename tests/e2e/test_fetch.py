@@ -6,11 +6,11 @@ from __future__ import annotations
 import boto3
 import pytest
 
-from tasks.errors import InvalidSpec
-from tasks.fetching import UnsafeKey, fetch_prefix
-from tasks.pipeline.checks import check_job
-from tasks.spec import load_spec
-from tasks.storage import store_for
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.fetching import UnsafeKey, fetch_prefix
+from gpuflow.tasks.pipeline.checks import check_job
+from gpuflow.tasks.spec import load_spec
+from gpuflow.tasks.storage import store_for
 
 pytestmark = pytest.mark.e2e
 CLIMBING = "../../escaped.txt"

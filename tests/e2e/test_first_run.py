@@ -41,9 +41,9 @@ def servers_of(prefect_home: Path) -> list[psutil.Process]:
     for proc in psutil.process_iter():
         try:
             program = " ".join(proc.cmdline())
-            if "tasks.platform.server" in program and proc.environ().get("PREFECT_HOME") == str(
-                prefect_home
-            ):
+            if "gpuflow.tasks.platform.server" in program and proc.environ().get(
+                "PREFECT_HOME"
+            ) == str(prefect_home):
                 found.append(proc)
         except psutil.Error:
             continue
@@ -78,7 +78,7 @@ def flow_run_states(env: dict[str, str], monkeypatch) -> list[tuple[str, str]]:
     PREFECT_HOME, read through a new temporary API on it."""
     import httpx
 
-    from tasks.platform import api
+    from gpuflow.tasks.platform import api
 
     monkeypatch.setenv("PREFECT_HOME", env["PREFECT_HOME"])
     server = api.start_temporary(lambda _: None)
@@ -216,7 +216,7 @@ def test_the_temporary_api_stops_on_sigterm_not_sigkill(tmp_path, gpuflow_home, 
     """It is started with SIGINT and SIGTERM blocked in gpuflow (so that no signal lands
     between starting and recording it); the server itself must not inherit that mask, or
     it ignores SIGTERM and dies by SIGKILL, its last writes lost."""
-    from tasks.platform import api
+    from gpuflow.tasks.platform import api
 
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
     server = api.start_temporary(lambda _: None)

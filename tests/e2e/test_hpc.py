@@ -38,20 +38,20 @@ def hpc_spec(name: str = "hpc-test", **job) -> dict:
 
 
 def run_hpc(spec: dict):
-    from flows.hpc import hpc
+    from gpuflow.flows.hpc import hpc
 
     return hpc(spec, return_state=True)
 
 
 def launch(tmp_path: Path, name: str, **job) -> tuple[subprocess.CompletedProcess, Path]:
     """Run the launcher as the backend would, without Prefect; return it and its workspace."""
-    from tasks.hpc.model import HpcJob
+    from gpuflow.tasks.hpc.model import HpcJob
 
     workspace = tmp_path / name
     (workspace / "outputs").mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     env |= {"GPUFLOW_WORKSPACE": str(workspace), "GPUFLOW_OUTPUT_DIR": str(workspace / "outputs")}
-    command = [sys.executable, "-m", "tasks.hpc.launch", "--job-json"]
+    command = [sys.executable, "-m", "gpuflow.tasks.hpc.launch", "--job-json"]
     done = subprocess.run(
         [*command, HpcJob(kind="hpc", **job).model_dump_json()],
         cwd=workspace,
@@ -85,7 +85,7 @@ def marker_for(tmp_path: Path) -> str:
 
 
 def ranks_of(gpuflow_home: Path) -> list[psutil.Process]:
-    """Return this test's live rank wrappers (tasks.hpc.rank --status-dir names its
+    """Return this test's live rank wrappers (gpuflow.tasks.hpc.rank --status-dir names its
     workspace) and whatever else names it; other tests' MPI jobs may run beside it."""
     return marked(str(gpuflow_home))
 
@@ -234,7 +234,7 @@ def test_a_job_past_its_time_limit_is_stopped_with_every_rank(prefect_api, tmp_p
 def test_inputs_and_outputs_on_s3_keep_the_secret_out_of_logs(
     prefect_api, s3_server, aws_block, tmp_path, gpuflow_home
 ):
-    from tasks.storage import store_for
+    from gpuflow.tasks.storage import store_for
 
     store = store_for(s3_server.url("hpc/in/params.txt"), s3_server.settings())
     store.write_bytes(s3_server.url("hpc/in/params.txt"), b"atoms 500\n")

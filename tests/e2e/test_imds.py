@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tasks.backends.ec2.imds import Imds, ImdsUnavailable, Notice, NoticeWatcher
+from gpuflow.tasks.backends.ec2.imds import Imds, ImdsUnavailable, Notice, NoticeWatcher
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.e2e
@@ -94,9 +94,9 @@ def test_a_spot_notice_stops_the_job_which_saves_its_state_and_exits_75(
 ):
     """The notice reaches a running job as SIGTERM at once (the local backend's stop): the
     job writes its checkpoint and exits 75, which the run stage takes as a preemption."""
-    from tasks.backends.local.backend import LocalBackend
-    from tasks.contract import WorkUnit, owner_labels
-    from tasks.spec import load_spec
+    from gpuflow.tasks.backends.local.backend import LocalBackend
+    from gpuflow.tasks.contract import WorkUnit, owner_labels
+    from gpuflow.tasks.spec import load_spec
 
     url = metadata_mock("spot", "-a", "terminate", "-d", "4")
     checkpoint = tmp_path / "checkpoint.txt"

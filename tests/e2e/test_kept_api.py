@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tasks.platform.api import auth_headers, health_error
+from gpuflow.tasks.platform.api import auth_headers, health_error
 from tests.e2e.helpers import nothing_left, process_gone
 from tests.e2e.test_first_run import GPUFLOW, fresh_env, servers_of, start_run, wait_for
 
@@ -157,7 +157,7 @@ def test_nobody_else_reaches_a_kept_api_its_secrets_or_its_database(tmp_path, mo
     GPUFLOW_HOME nor the auth string, and the API answers them 401 (block secrets, the
     deployments) or 421 (a name rebound to 127.0.0.1). An older PREFECT_HOME whose database
     was 0644 is narrowed to this user's."""
-    from tasks.platform import api
+    from gpuflow.tasks.platform import api
     from tests.e2e.helpers import SHUT_OUT, outsider, shared_folder, wider_than_private
 
     shared = shared_folder("gpuflow-kept-")

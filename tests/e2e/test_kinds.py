@@ -11,11 +11,11 @@ from typing import Any, Literal
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from tasks.contract import Capabilities, Cluster, WorkUnit
-from tasks.errors import InvalidSpec
-from tasks.kinds.base import JobKind, Report
-from tasks.kinds.registry import register, unregister
-from tasks.spec import JobSpec
+from gpuflow.tasks.contract import Capabilities, Cluster, WorkUnit
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.kinds.base import JobKind, Report
+from gpuflow.tasks.kinds.registry import register, unregister
+from gpuflow.tasks.spec import JobSpec
 from tests.e2e.helpers import artifacts_of, logs_of, nothing_left
 
 pytestmark = pytest.mark.e2e
@@ -82,8 +82,8 @@ def words_kind():
 
 
 def test_a_kind_from_the_tests_runs_through_the_pipeline(prefect_api, gpuflow_home, words_kind):
-    from flows.pipeline import gpu_pipeline
-    from tasks.spec import load_spec
+    from gpuflow.flows.pipeline import gpu_pipeline
+    from gpuflow.tasks.spec import load_spec
 
     spec = load_spec(
         {"name": "words", "job": {"kind": "words", "words": ["a", "b", "c", "d", "e"]}}
@@ -120,7 +120,7 @@ def test_a_kind_from_the_tests_runs_from_the_cli(
 
 
 def test_an_unregistered_kind_is_refused_by_name(words_kind):
-    from tasks.spec import load_spec
+    from gpuflow.tasks.spec import load_spec
 
     unregister("words")
     with pytest.raises(

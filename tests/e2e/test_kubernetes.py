@@ -19,13 +19,13 @@ from uuid import UUID
 
 import pytest
 
-from tasks.backends.kubernetes.backend import KubernetesBackend
-from tasks.backends.kubernetes.kubeapi import KubeApi
-from tasks.contract import WorkUnit, owner_labels
-from tasks.errors import ProvisionError
-from tasks.kinds.registry import get_kind
-from tasks.pipeline.stages import run_units
-from tasks.spec import load_spec
+from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
+from gpuflow.tasks.backends.kubernetes.kubeapi import KubeApi
+from gpuflow.tasks.contract import WorkUnit, owner_labels
+from gpuflow.tasks.errors import ProvisionError
+from gpuflow.tasks.kinds.registry import get_kind
+from gpuflow.tasks.pipeline.stages import run_units
+from gpuflow.tasks.spec import load_spec
 from tests.e2e.kubelet import NAMESPACE as KUBELET_NS
 from tests.e2e.kubelet import PlayedKubelet
 
@@ -192,7 +192,7 @@ def test_a_unit_that_fails_reports_its_exit_code(kube):
 
 
 def test_the_pipeline_runs_a_job_on_kubernetes_and_leaves_nothing(kube, prefect_api, gpuflow_home):
-    from flows.pipeline import gpu_pipeline
+    from gpuflow.flows.pipeline import gpu_pipeline
     from tests.e2e.helpers import artifacts_of
 
     state = gpu_pipeline(spec_for(gpus=8), return_state=True)
@@ -284,7 +284,7 @@ def wait_ready(kube: KubeApi, names: list[str], seconds: float = 60) -> None:
 
 
 def test_busy_gpus_are_waited_for_then_a_retryable_capacity_error(kube):
-    from tasks.errors import CapacityError, is_retryable
+    from gpuflow.tasks.errors import CapacityError, is_retryable
 
     blocker = {
         "apiVersion": "v1",
@@ -348,7 +348,7 @@ def test_a_gpu_quota_is_named(kube):
 
 
 def test_a_missing_namespace_is_named_before_anything_is_made(kube):
-    from tasks.errors import InvalidSpec
+    from gpuflow.tasks.errors import InvalidSpec
 
     with pytest.raises(
         InvalidSpec, match=r"placement\.namespace: the namespace 'no-such-team' does not exist"
@@ -385,7 +385,7 @@ def test_a_stopped_unit_is_deleted_and_teardown_leaves_nothing(kube):
 
 
 def _exists(kube: KubeApi, path: str) -> bool:
-    from tasks.backends.kubernetes.kubeapi import KubeError
+    from gpuflow.tasks.backends.kubernetes.kubeapi import KubeError
 
     try:
         found = kube.request("GET", path)
@@ -602,7 +602,7 @@ def test_preflight_shows_where_a_kubernetes_job_would_run(kube, testbed, tmp_pat
 def test_the_pipeline_retries_a_unit_whose_node_was_lost_and_completes(
     kube, testbed, prefect_api, gpuflow_home
 ):
-    from flows.pipeline import gpu_pipeline
+    from gpuflow.flows.pipeline import gpu_pipeline
     from tests.e2e.helpers import logs_of
 
     spec = load_spec(
@@ -636,7 +636,7 @@ def test_the_pipeline_retries_a_unit_whose_node_was_lost_and_completes(
 def test_the_job_network_policy_is_accepted_and_selects_gpuflows_pods(kube):
     import yaml
 
-    from tasks.backends.kubernetes.manifests import labels
+    from gpuflow.tasks.backends.kubernetes.manifests import labels
 
     policy = yaml.safe_load((ROOT / "infra" / "kubernetes" / "job-networkpolicy.yaml").read_text())
     path = "/apis/networking.k8s.io/v1/namespaces/default/networkpolicies"
@@ -657,7 +657,7 @@ def test_the_job_network_policy_is_accepted_and_selects_gpuflows_pods(kube):
 def pipeline_noting(spec, note) -> Any:
     """Run `spec` through gpu_pipeline while `note()` is called every 0.1 s in a thread:
     the objects live only while the run does, so tests note them as they come."""
-    from flows.pipeline import gpu_pipeline
+    from gpuflow.flows.pipeline import gpu_pipeline
 
     stop = threading.Event()
 
@@ -678,8 +678,8 @@ def pipeline_noting(spec, note) -> Any:
 def test_training_on_two_nodes_is_one_torchrun_per_node_meeting_at_one_address(
     kube, prefect_api, gpuflow_home, tmp_path
 ):
-    from tasks.storage import FileStore
-    from tasks.training.prepare import prepare
+    from gpuflow.tasks.storage import FileStore
+    from gpuflow.tasks.training.prepare import prepare
 
     dataset = f"file://{tmp_path}/data"
     prepare("synthetic:classify?samples=64", dataset, 4_096, FileStore())
@@ -719,7 +719,7 @@ def test_training_on_two_nodes_is_one_torchrun_per_node_meeting_at_one_address(
     for job in seen.values():
         pod = job["spec"]["template"]["spec"]
         assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
-        assert pod["containers"][0]["args"][:3] == ["python", "-m", "tasks.training.launch"]
+        assert pod["containers"][0]["args"][:3] == ["python", "-m", "gpuflow.tasks.training.launch"]
     assert wait_gone(kube, str(state.state_details.flow_run_id)) == []
 
 
@@ -729,7 +729,7 @@ def test_a_kubernetes_gpu_pool_block_names_the_cluster_and_how_pods_are_made(
     import yaml
     from prefect_kubernetes.credentials import KubernetesClusterConfig
 
-    from blocks.kubernetes_pool import KubernetesGpuPool
+    from gpuflow.blocks.kubernetes_pool import KubernetesGpuPool
 
     config = KubernetesClusterConfig(
         config=yaml.safe_load(testbed.read_text()), context_name="gpuflow-testbed"
@@ -853,7 +853,7 @@ def test_the_kueue_gpu_queue_examples_are_accepted_by_kueues_own_api(kube):
             made.append(f"{path}/{doc['metadata']['name']}")
         bad = next(d for d in docs if d["kind"] == "ClusterQueue")
         bad = {**bad, "metadata": {"name": "bad"}, "spec": {**bad["spec"], "gpuQuota": 8}}
-        from tasks.backends.kubernetes.kubeapi import KubeError
+        from gpuflow.tasks.backends.kubernetes.kubeapi import KubeError
 
         with pytest.raises(KubeError, match="gpuQuota"):  # strict: a field Kueue lacks fails
             kube.request(
@@ -883,7 +883,7 @@ def test_an_hpc_job_on_two_nodes_is_an_mpijob_run_by_the_mpi_operator(
     """8 ranks on 2 nodes x 4 H100: gpuflow submits a Kubeflow MPIJob (the testbed runs the
     real MPI Operator), whose worker pods hold the GPUs on nodes of the product and whose
     launcher runs gpuflow's MPI launcher over the operator's hostfile; nothing is left."""
-    from tasks.backends.kubernetes.mpijob import problems
+    from gpuflow.tasks.backends.kubernetes.mpijob import problems
 
     spec = load_spec(
         {
@@ -919,7 +919,7 @@ def test_an_hpc_job_on_two_nodes_is_an_mpijob_run_by_the_mpi_operator(
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
     assert worker["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": H100}
     launcher = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
-    assert launcher["args"][:3] == ["python", "-m", "tasks.hpc.launch"]
+    assert launcher["args"][:3] == ["python", "-m", "gpuflow.tasks.hpc.launch"]
     assert {"name": "GPUFLOW_MPI_HOSTFILE", "value": "/etc/mpi/hostfile"} in launcher["env"]
     assert "nvidia.com/gpu" not in launcher["resources"].get("limits", {})
     roles = {
@@ -964,7 +964,7 @@ def test_a_units_log_lines_stream_to_the_run_as_the_pod_prints_them(kube, testbe
     node's endpoint) reaches `on_line` line by line, in order, and ends the result's tail."""
     from datetime import UTC, datetime
 
-    from tasks.backends.kubernetes.logs import log_nonce
+    from gpuflow.tasks.backends.kubernetes.logs import log_nonce
 
     namespace = "gpuflow-logs"  # where the testbed's ClusterLogs serves pod-logs/unit.log
     kube.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace}})
@@ -1081,8 +1081,8 @@ def test_render_chunks_spread_over_gpu_pods_that_upload_their_own_frames(
     from storage, and leaves no object. A rerun renders nothing."""
     from PIL import Image
 
-    from flows.render import render
-    from tasks.storage import store_for
+    from gpuflow.flows.render import render
+    from gpuflow.tasks.storage import store_for
     from tests.e2e.helpers import logs_of
 
     output = s3_server.url("k8s-renders/cube")
@@ -1130,7 +1130,7 @@ def test_a_render_whose_scene_or_output_pods_cannot_reach_is_refused_before_anyt
 ):
     """A scene on this host's disk, or frames to a local folder: pods cannot read or write
     there, so the run fails in one sentence naming the field, and makes nothing."""
-    from flows.render import render
+    from gpuflow.flows.render import render
 
     local = {"scene": str(tmp_path / "cube.blend"), "output": (tmp_path / "out").as_uri()}
     places = {"scene": s3_scene, "output": "s3://gpuflow-test/k8s-renders/refused"}
@@ -1152,8 +1152,8 @@ def test_hpc_on_several_nodes_without_the_mpi_operator_is_refused_before_anythin
 ):
     """The cluster stops serving MPIJobs (the CRD removed; put back afterwards): an hpc job
     on 2 nodes is refused by `check` in one sentence, one node still passes."""
-    from tasks.backends.kubernetes.kubeapi import KubeError
-    from tasks.errors import InvalidSpec
+    from gpuflow.tasks.backends.kubernetes.kubeapi import KubeError
+    from gpuflow.tasks.errors import InvalidSpec
 
     crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
     saved = kube.request("GET", f"{crds}/mpijobs.kubeflow.org")

@@ -12,10 +12,10 @@ import uuid
 
 import pytest
 
-from tasks.backends.kubernetes.backend import KubernetesBackend
-from tasks.contract import WorkUnit, owner_labels
-from tasks.errors import ProvisionError
-from tasks.spec import load_spec
+from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
+from gpuflow.tasks.contract import WorkUnit, owner_labels
+from gpuflow.tasks.errors import ProvisionError
+from gpuflow.tasks.spec import load_spec
 
 pytestmark = [
     pytest.mark.e2e,

@@ -23,13 +23,13 @@ from typing import Any
 import pytest
 import yaml
 
-import tasks.kinds.registry  # noqa: F401 - the job kinds, for load_spec
-from tasks.backends.kubernetes.backend import KubernetesBackend
-from tasks.backends.kubernetes.kubeapi import KubeApi, load_config
-from tasks.contract import WorkUnit, owner_labels
-from tasks.diagnose import diagnose
-from tasks.errors import PREEMPTED_EXIT_CODE, ProvisionError
-from tasks.spec import load_spec
+import gpuflow.tasks.kinds.registry  # noqa: F401 - the job kinds, for load_spec
+from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
+from gpuflow.tasks.backends.kubernetes.kubeapi import KubeApi, load_config
+from gpuflow.tasks.contract import WorkUnit, owner_labels
+from gpuflow.tasks.diagnose import diagnose
+from gpuflow.tasks.errors import PREEMPTED_EXIT_CODE, ProvisionError
+from gpuflow.tasks.spec import load_spec
 from tests.conftest import S3Server, serve_s3
 from tests.e2e.test_kubernetes import wait_gone
 
@@ -454,9 +454,9 @@ def test_real_node_render_chunks_run_blender_in_pods_that_upload_their_frames(
     kubelet's logs; the credentials reach the pods through the Secret only."""
     import shutil
 
-    from flows.render import render
-    from tasks.render.scene import demo_scene
-    from tasks.storage import store_for
+    from gpuflow.flows.render import render
+    from gpuflow.tasks.render.scene import demo_scene
+    from gpuflow.tasks.storage import store_for
 
     blend = demo_scene(shutil.which("blender"), tmp_path / "cube.blend", 8, 32, None)
     scene = pod_s3.url("scenes/cube.blend")
@@ -494,8 +494,8 @@ def test_real_node_the_runs_samples_come_from_the_node_its_pod_ran_on(
     """On Kubernetes the run's metric samples are taken in the unit's pod, on the node it
     landed on (the job image has gpuflow's sampler), not on the host where the flow runs:
     every sample names the real node, and the pod's log lines stay the job's alone."""
-    from flows.pipeline import gpu_pipeline
-    from tasks.metrics.sampler import read_samples
+    from gpuflow.flows.pipeline import gpu_pipeline
+    from gpuflow.tasks.metrics.sampler import read_samples
     from tests.e2e.helpers import logs_of
 
     spec = load_spec(
@@ -606,7 +606,7 @@ def test_real_node_a_deployment_run_is_a_flow_run_pod_whose_pipeline_makes_its_u
     step), as the `gpuflow` account of backend-rbac.yaml, in-cluster; that pipeline makes the
     unit's pod on the same node; the unit's output is in the run's log on the Prefect server,
     and the run's own objects are gone at its end."""
-    from tasks.platform.pool_template import TEARDOWN_MARGIN_S
+    from gpuflow.tasks.platform.pool_template import TEARDOWN_MARGIN_S
 
     fp = flow_platform
     watch = PodWatch(fp.kube, "gpuflow.io/owner=gpuflow")  # the unit pods, gone at teardown

@@ -106,7 +106,7 @@ def test_a_fleet_block_limits_zones_and_families_with_its_own_credentials(
 ):
     """The Ec2GpuFleet block says where; its AwsCredentials block says who (no AWS_*
     variables at all)."""
-    from blocks import Ec2GpuFleet
+    from gpuflow.blocks import Ec2GpuFleet
 
     save_aws_block(s3_server, "offers-aws")
     Ec2GpuFleet(

@@ -63,7 +63,7 @@ def test_a_full_artifacts_disk_keeps_the_outputs_whole_and_says_where(
 ):
     import subprocess
 
-    from tasks.errors import CollectError
+    from gpuflow.tasks.errors import CollectError
 
     small = tmp_path / "small"
     small.mkdir()
@@ -205,7 +205,7 @@ def test_a_full_gpuflow_home_is_one_sentence_and_leaves_no_server_behind(tmp_pat
         assert not [
             p
             for p in psutil.process_iter(["cmdline", "environ"])
-            if "tasks.platform.server" in " ".join(p.info["cmdline"] or [])
+            if "gpuflow.tasks.platform.server" in " ".join(p.info["cmdline"] or [])
             and (p.info["environ"] or {}).get("GPUFLOW_HOME") == str(home)
         ]
     finally:

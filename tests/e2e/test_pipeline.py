@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from flows.pipeline import gpu_pipeline
-from tasks.backends.local import gpu_slots
-from tasks.backends.local.backend import LocalBackend
-from tasks.errors import (
+from gpuflow.flows.pipeline import gpu_pipeline
+from gpuflow.tasks.backends.local import gpu_slots
+from gpuflow.tasks.backends.local.backend import LocalBackend
+from gpuflow.tasks.errors import (
     CapacityError,
     CollectError,
     InvalidSpec,
@@ -22,8 +22,8 @@ from tasks.errors import (
     PreflightFailed,
     ProvisionError,
 )
-from tasks.pipeline import stages
-from tasks.spec import load_spec
+from gpuflow.tasks.pipeline import stages
+from gpuflow.tasks.spec import load_spec
 from tests.e2e.helpers import (
     artifacts_of,
     leftovers,
@@ -332,7 +332,7 @@ def test_python_is_the_venv_python():
 
 
 def test_placement_block_sets_workspace_and_price(prefect_api, gpuflow_home, fake_nvml, tmp_path):
-    from blocks import LocalGpuHost
+    from gpuflow.blocks import LocalGpuHost
 
     LocalGpuHost(workspace_root=str(tmp_path / "scratch"), gpu_hourly_usd=3.6).save(
         "gpuflow-test-host", overwrite=True
@@ -373,7 +373,7 @@ def test_strict_gpu_limit_without_the_limit_is_invalid_input(prefect_api, gpuflo
 
 
 def test_max_cost_stops_the_job(prefect_api, gpuflow_home, fake_nvml):
-    from blocks import LocalGpuHost
+    from gpuflow.blocks import LocalGpuHost
 
     LocalGpuHost(gpu_hourly_usd=3600.0).save("gpuflow-pricey-host", overwrite=True)  # $1 a second
     raw = {
@@ -392,8 +392,8 @@ def test_crash_hook_tears_down_by_labels(gpuflow_home, tmp_path):
     import types
     import uuid
 
-    from flows.pipeline import _teardown_hook
-    from tasks.contract import owner_labels
+    from gpuflow.flows.pipeline import _teardown_hook
+    from gpuflow.tasks.contract import owner_labels
 
     run_id = str(uuid.uuid4())
     spec = load_spec({"job": {"kind": "command", "command": ["true"]}})
@@ -491,7 +491,7 @@ def test_idle_gpus_with_action_warn_only_warn(prefect_api, gpuflow_home, fake_nv
 
 
 def _memory_cgroups_here() -> bool:
-    from tasks.backends.local import cgroups
+    from gpuflow.tasks.backends.local import cgroups
 
     probe = cgroups.limit_memory(f"gpuflow-probe-{time.time_ns()}", None, 1 << 30)
     if probe is None:
@@ -606,7 +606,7 @@ def test_a_run_started_here_sends_one_heartbeat_that_stops_with_it(prefect_api, 
 
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-    from tasks.pipeline.heartbeat import THREAD_NAME, heartbeats_sent_by_gpuflow
+    from gpuflow.tasks.pipeline.heartbeat import THREAD_NAME, heartbeats_sent_by_gpuflow
     from tests.e2e.helpers import events_named
 
     raw = {"name": "beat", "job": {"kind": "command", "command": ["true"]}}

@@ -55,7 +55,7 @@ def test_up_brings_server_pools_limit_blocks_deployments_and_worker(platform):
         assert pools["gpuflow-local"] == "process"
         assert pools["gpuflow-gpu-k8s"] == "gpuflow-kubernetes"
         limit = client.read_global_concurrency_limit_by_name("gpu")
-        from tasks import nvml
+        from gpuflow.tasks import nvml
 
         assert limit.limit == len(nvml.query().gpus)
         deployments = {d.name for d in client.read_deployments()}
@@ -160,7 +160,7 @@ def test_submit_tells_each_outcome_apart(platform):
 
 @pytest.mark.skipif(shutil.which("blender") is None, reason="blender is not installed")
 def test_a_scene_uploaded_event_starts_a_render(platform, tmp_path):
-    from tasks.render.scene import demo_scene
+    from gpuflow.tasks.render.scene import demo_scene
 
     scene = demo_scene(shutil.which("blender"), tmp_path / "shot.blend", 2, 32)
     out = tmp_path / "frames"
@@ -309,7 +309,7 @@ def test_a_platform_shared_on_purpose_speaks_tls_1_3_and_still_asks_the_auth_str
     import urllib.error
     import urllib.request
 
-    from tasks.platform.api import auth_headers
+    from gpuflow.tasks.platform.api import auth_headers
 
     shared = Platform(tmp_path / "shared-home", free_port())
     up = shared.gpuflow(

@@ -149,7 +149,7 @@ def test_bad_database_inputs_are_one_sentence_and_start_nothing(tmp_path):
         [
             sys.executable,
             "-c",
-            "from tasks.platform import postgres; print(postgres.data_folder())",
+            "from gpuflow.tasks.platform import postgres; print(postgres.data_folder())",
         ],
         env=platform.env,
         cwd=ROOT,

@@ -12,12 +12,12 @@ import sys
 import pytest
 
 import tests.e2e.toy_backend  # noqa: F401 - registers the toy backend
-from flows.pipeline import gpu_pipeline
-from tasks.backends.local.backend import LocalBackend
-from tasks.contract import RUN_LABEL, owner_labels
-from tasks.errors import InvalidSpec
-from tasks.pipeline.checks import check_pool
-from tasks.spec import load_spec
+from gpuflow.flows.pipeline import gpu_pipeline
+from gpuflow.tasks.backends.local.backend import LocalBackend
+from gpuflow.tasks.contract import RUN_LABEL, owner_labels
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.pipeline.checks import check_pool
+from gpuflow.tasks.spec import load_spec
 from tests.e2e.helpers import events_named, leftovers, logs_of
 from tests.e2e.test_pool_clusters import latest
 
@@ -100,7 +100,7 @@ def test_pool_every_candidate_full_is_one_sentence_and_leaves_nothing(
         "no candidate of the placement list could give the GPUs (local: only 0 of the 1" in message
     )
     assert message.count("only 0 of the 1 GPU(s) asked for are free on this host") == 2
-    from tasks.errors import CapacityError
+    from gpuflow.tasks.errors import CapacityError
 
     with pytest.raises(CapacityError):
         state.result()
@@ -114,7 +114,7 @@ def test_pool_every_candidate_full_is_one_sentence_and_leaves_nothing(
 def test_pool_cheapest_and_soonest_choose_from_the_offers(prefect_api, gpuflow_home, fake_nvml):
     """This machine priced at $5/h by its block, the toy backend free: cheapest picks
     the toy; soonest picks this machine (listed first, and it can start now)."""
-    from blocks.local_host import LocalGpuHost
+    from gpuflow.blocks.local_host import LocalGpuHost
 
     LocalGpuHost(gpu_hourly_usd=5.0).save("priced-host", overwrite=True)
     local = {"backend": "local", "block": "priced-host"}
@@ -172,7 +172,7 @@ def test_pool_offers_prints_every_candidate_side_by_side(prefect_api, gpuflow_ho
 
     import yaml
 
-    from blocks.local_host import LocalGpuHost
+    from gpuflow.blocks.local_host import LocalGpuHost
     from tests.conftest import subprocess_env
 
     LocalGpuHost(gpu_hourly_usd=2.5).save("offers-host", overwrite=True)
@@ -232,8 +232,8 @@ def test_pool_a_candidate_whose_cloud_does_not_answer_is_passed_over(
     from prefect_aws import AwsCredentials
     from prefect_aws.client_parameters import AwsClientParameters
 
-    from blocks.ec2_fleet import Ec2GpuFleet
-    from tasks.errors import Unreachable
+    from gpuflow.blocks.ec2_fleet import Ec2GpuFleet
+    from gpuflow.tasks.errors import Unreachable
     from tests.conftest import free_port
     from tests.e2e.conftest import FLEET
 
@@ -274,7 +274,7 @@ def test_pool_a_candidate_whose_cloud_does_not_answer_is_passed_over(
         check_pool(load_spec({**raw, "placement": down}))
     # the block's botocore config is the user's (it made the dead endpoint fail fast
     # above); one botocore does not know is named, before anything is asked
-    from tasks.errors import InvalidSpec
+    from gpuflow.tasks.errors import InvalidSpec
 
     AwsCredentials(
         aws_access_key_id="x",

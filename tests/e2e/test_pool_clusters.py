@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.pipeline import gpu_pipeline
-from tasks.spec import load_spec
+from gpuflow.flows.pipeline import gpu_pipeline
+from gpuflow.tasks.spec import load_spec
 from tests.e2e.helpers import artifacts_of, events_named, logs_of
 
 pytestmark = pytest.mark.e2e
@@ -94,7 +94,7 @@ def k8s_then_slurm(tmp_path: Path, **sections) -> dict:
 @pytest.fixture
 def site_prices(prefect_api):
     """The Slurm cluster's GPUs at $2/h; Kubernetes' at the table's (free)."""
-    from blocks.prices import GpuPriceTable
+    from gpuflow.blocks.prices import GpuPriceTable
 
     GpuPriceTable(gpu_hourly_usd={"slurm": {"*": 2.0}}).save("pool-site", overwrite=True)
 
@@ -188,9 +188,9 @@ def test_pool_training_preempted_on_ec2_spot_resumes_on_the_next_candidate_bitwi
     the pool moves it to the next candidate (this machine), which resumes from the
     checkpoint in S3; the final weights equal an uninterrupted run's, and the summary
     splits GPU-hours and cost between the two, the spot instance at its spot price."""
-    from flows.datasets import prepare_dataset
-    from flows.train import train
-    from tasks.storage import S3Store
+    from gpuflow.flows.datasets import prepare_dataset
+    from gpuflow.flows.train import train
+    from gpuflow.tasks.storage import S3Store
     from tests.e2e.test_ec2 import (
         checkpoints,
         interrupt_when,
@@ -250,8 +250,8 @@ def test_pool_training_preempted_on_ec2_spot_resumes_on_the_next_candidate_bitwi
 def spot_offer(aws: dict, instance_id: str) -> float:
     """Return the hourly price gpuflow's catalog gives the instance's type in its zone,
     spot, with its root volume (what the offer it was launched from said)."""
-    from tasks.backends.ec2.catalog import find_offers
-    from tasks.metrics.cost import PriceTable
+    from gpuflow.tasks.backends.ec2.catalog import find_offers
+    from gpuflow.tasks.metrics.cost import PriceTable
     from tests.e2e.conftest import FLEET
 
     [reservation] = aws["ec2"].describe_instances(InstanceIds=[instance_id])["Reservations"]
@@ -281,8 +281,8 @@ def test_pool_a_render_preempted_on_ec2_spot_renders_only_the_missing_frames_els
     is uploaded twice (the bucket keeps every version of every object)."""
     import shutil as sh
 
-    from tasks.render.scene import demo_scene
-    from tasks.storage import store_for
+    from gpuflow.tasks.render.scene import demo_scene
+    from gpuflow.tasks.storage import store_for
     from tests.e2e.test_ec2 import interrupt_when, left_of, pipeline_while, spec
 
     blender = sh.which("blender")

@@ -8,8 +8,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from flows.pipeline import gpu_pipeline
-from tasks.spec import load_spec
+from gpuflow.flows.pipeline import gpu_pipeline
+from gpuflow.tasks.spec import load_spec
 from tests.conftest import free_port
 from tests.e2e.helpers import logs_of
 

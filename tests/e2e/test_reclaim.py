@@ -14,9 +14,9 @@ from uuid import UUID
 
 import pytest
 
-from flows.reclaim import reclaim
-from tasks.errors import InvalidSpec
-from tasks.platform import reclaim as reclaiming
+from gpuflow.flows.reclaim import reclaim
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.platform import reclaim as reclaiming
 from tests.conftest import free_port, subprocess_env
 from tests.e2e.helpers import ROOT, events_named, flow_run, nothing_left
 
@@ -25,8 +25,8 @@ pytestmark = pytest.mark.e2e
 RUN_TAGGED = """
 import json, sys
 from prefect import tags
-from flows.pipeline import gpu_pipeline
-from tasks.spec import load_spec
+from gpuflow.flows.pipeline import gpu_pipeline
+from gpuflow.tasks.spec import load_spec
 with tags(*sys.argv[2:]):
     gpu_pipeline(load_spec(json.loads(sys.argv[1])), return_state=True)
 """

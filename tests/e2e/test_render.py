@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tasks.errors import InvalidSpec
-from tasks.render.images import check_image
-from tasks.spec import load_spec
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.render.images import check_image
+from gpuflow.tasks.spec import load_spec
 from tests.conftest import subprocess_env
 from tests.e2e.helpers import artifacts_of, logs_of, nothing_left, task_runs_of
 
@@ -35,7 +35,7 @@ if BLENDER is None:
 
 def make_scene(path: Path, frames: int = 6, size: int = 32, expr: str | None = None) -> Path:
     """Save the demo scene (a moving cube) at `path`, then apply `expr` (bpy code) to it."""
-    from tasks.render.scene import demo_scene
+    from gpuflow.tasks.render.scene import demo_scene
 
     return demo_scene(BLENDER, path, frames, size, expr)
 
@@ -55,7 +55,7 @@ def render_spec(scene: Path | str, out: str, **job) -> dict:
 
 
 def run_render(spec: dict):
-    from flows.render import render
+    from gpuflow.flows.render import render
 
     return render(spec, return_state=True)
 
@@ -170,7 +170,7 @@ def test_a_killed_render_resumes_with_only_the_missing_frames(prefect_api, tmp_p
     assert f"rendered {10 - len(kept)} frames ({len(kept)} already in storage)" in second.stdout
     render_calls = calls(tmp_path)
     assert frames_asked(render_calls[0]) == "1..10"
-    from tasks.render.frames import parse_frames
+    from gpuflow.tasks.render.frames import parse_frames
 
     again = set().union(
         *(parse_frames(frames_asked(c).replace("..", "-")) for c in render_calls[1:])
@@ -273,7 +273,7 @@ def test_failures_blender_exits_zero_on_are_caught(
 
 def check(spec: dict) -> str:
     """Return the one sentence validation gives `spec`, checking nothing was provisioned."""
-    from tasks.pipeline.checks import check_job
+    from gpuflow.tasks.pipeline.checks import check_job
 
     with pytest.raises(InvalidSpec) as caught:
         check_job(load_spec(spec))
@@ -299,7 +299,7 @@ def test_scene_problems_are_named_before_anything_starts(scene, tmp_path, gpuflo
         render_spec(scene, out, frames="5-9")
     )
     assert "job.frames_outside_scene: warn" in check(render_spec(scene, out, frames="5-9"))
-    from tasks.render.scene import plan
+    from gpuflow.tasks.render.scene import plan
 
     warned = plan(
         load_spec(render_spec(scene, out, frames="5-9", frames_outside_scene="warn")),
@@ -343,8 +343,8 @@ node.image = image
         in sentence
     )
     assert "or set job.missing_files: warn" in sentence
-    from tasks.pipeline.checks import check_job
-    from tasks.render.scene import plan
+    from gpuflow.tasks.pipeline.checks import check_job
+    from gpuflow.tasks.render.scene import plan
 
     allowed = load_spec(render_spec(textured, out, missing_files="warn"))
     check_job(allowed)
@@ -384,7 +384,7 @@ node.image = image
         archive.write(work / "shot.blend", "shot.blend")
         archive.write(work / "textures" / "brick.png", "textures/brick.png")
     shutil.rmtree(work)
-    from tasks.storage import store_for
+    from gpuflow.tasks.storage import store_for
 
     store = store_for(s3_server.url("scenes/shot.zip"), s3_server.settings())
     store.upload_file(s3_server.url("scenes/shot.zip"), bundle)
@@ -482,7 +482,7 @@ def pod_chunk(tmp_path: Path, s3_server, *, stdout=subprocess.PIPE, **chunk) -> 
         **s3_server.settings().child_env(),
     }
     return subprocess.Popen(
-        [sys.executable, "-m", "tasks.render.pod_chunk", "--chunk-json", json.dumps(body)],
+        [sys.executable, "-m", "gpuflow.tasks.render.pod_chunk", "--chunk-json", json.dumps(body)],
         cwd=root,
         env=env,
         stdout=stdout,
@@ -494,7 +494,7 @@ def pod_chunk(tmp_path: Path, s3_server, *, stdout=subprocess.PIPE, **chunk) -> 
 def test_the_pod_chunk_program_says_in_one_line_when_its_scene_is_gone(s3_server, tmp_path):
     """The scene was removed from storage after the run checked it: the pod's program
     exits 2 with one sentence naming the field and the URL, no traceback, nothing uploaded."""
-    from tasks.storage import store_for
+    from gpuflow.tasks.storage import store_for
 
     missing = s3_server.url("pod-scenes", "gone.blend")
     proc = pod_chunk(tmp_path, s3_server, scene=missing, frames=[1, 2])
@@ -512,9 +512,9 @@ def test_the_pod_chunk_program_says_in_one_line_when_its_scene_is_gone(s3_server
 def test_a_stopped_pod_chunk_keeps_the_frames_blender_saved(s3_server, tmp_path):
     """SIGTERM (the pod stopped) after the first frame is in storage: Blender is stopped,
     every frame it saved is uploaded and reported, each report matching the object."""
-    from tasks.render.output import FrameRecord
-    from tasks.render.pod_chunk import record_of
-    from tasks.storage import store_for
+    from gpuflow.tasks.render.output import FrameRecord
+    from gpuflow.tasks.render.pod_chunk import record_of
+    from gpuflow.tasks.storage import store_for
 
     blend = make_scene(tmp_path / "long.blend", frames=400, size=96)
     scene = s3_server.url("pod-scenes", f"{tmp_path.name}.blend")
@@ -542,9 +542,9 @@ def test_a_pod_chunk_s_lines_stay_whole_beside_another_writer_of_its_log(s3_serv
     """In a pod the node's sampler writes to the same log as the chunk program: every line
     either of them writes stays whole, so each frame is counted (a frame line cut by a
     sample was a frame lost)."""
-    from tasks.render.output import FRAME_MARK, FrameRecord
-    from tasks.render.pod_chunk import record_of
-    from tasks.storage import store_for
+    from gpuflow.tasks.render.output import FRAME_MARK, FrameRecord
+    from gpuflow.tasks.render.pod_chunk import record_of
+    from gpuflow.tasks.storage import store_for
 
     blend = make_scene(tmp_path / "short.blend", frames=40, size=8)
     scene = s3_server.url("pod-scenes", f"{tmp_path.name}.blend")

@@ -14,10 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from flows.pipeline import gpu_pipeline
-from tasks.errors import InvalidSpec
-from tasks.pipeline.checks import check_spec
-from tasks.spec import load_spec
+from gpuflow.flows.pipeline import gpu_pipeline
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.pipeline.checks import check_spec
+from gpuflow.tasks.spec import load_spec
 from tests.e2e.helpers import logs_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -187,7 +187,7 @@ def test_reap_cancels_what_a_killed_gpuflow_left_and_marks_its_run_crashed(
     import signal
     import sys
 
-    from tasks.api_client import api_client
+    from gpuflow.tasks.api_client import api_client
     from tests.conftest import subprocess_env
     from tests.e2e.helpers import process_gone
 
@@ -348,9 +348,9 @@ def test_an_allocation_that_waits_for_busy_gpus_past_gpu_wait_is_a_capacity_erro
 ):
     import time
 
-    from tasks.backends.registry import get_backend
-    from tasks.contract import owner_labels
-    from tasks.errors import CapacityError
+    from gpuflow.tasks.backends.registry import get_backend
+    from gpuflow.tasks.contract import owner_labels
+    from gpuflow.tasks.errors import CapacityError
 
     holder = subprocess.run(
         ["sbatch", "--parsable", "-p", "gpu", "-N2", "--gres=gpu:h100:4", "-o", "/dev/null",
@@ -437,8 +437,8 @@ def test_render_chunks_spread_over_both_nodes_and_upload_their_frames(
 ):
     """8 frames in chunks of 2 on 2 nodes x 4 GPUs: each chunk a step of one GPU that
     fetches the scene from S3, runs Blender and uploads its frames; a rerun renders none."""
-    from flows.render import render
-    from tasks.storage import store_for
+    from gpuflow.flows.render import render
+    from gpuflow.tasks.storage import store_for
 
     output = s3_server.url("slurm-renders/cube")
     raw = {
@@ -480,9 +480,9 @@ def test_training_on_two_nodes_preempted_part_way_resumes_to_the_weights_of_a_st
 
     import torch
 
-    from flows.datasets import prepare_dataset
-    from flows.train import train
-    from tasks.storage import S3Store
+    from gpuflow.flows.datasets import prepare_dataset
+    from gpuflow.flows.train import train
+    from gpuflow.tasks.storage import S3Store
     from tests.conftest import save_aws_block
     from tests.e2e.test_training import train_spec
 
@@ -548,7 +548,7 @@ def test_a_slurm_cluster_block_sets_partition_account_gres_and_price(
     """The block's partition and gres map place the job (here on the L4 node, its gres
     named by the map), its account and extra options reach sbatch, its price costs the
     run; a block that does not exist is named before anything is submitted."""
-    from blocks import SlurmCluster
+    from gpuflow.blocks import SlurmCluster
 
     SlurmCluster(
         partition="l4",
@@ -595,7 +595,7 @@ def test_a_slurm_cluster_block_sets_partition_account_gres_and_price(
 
 
 def test_a_slurm_cluster_block_refuses_options_gpuflow_sets():
-    from blocks import SlurmCluster
+    from gpuflow.blocks import SlurmCluster
 
     with pytest.raises(ValueError, match="--time is set by gpuflow from the job spec"):
         SlurmCluster(sbatch_options=["--time=10"])
@@ -620,7 +620,7 @@ def test_md_over_two_nodes_runs_mpirun_in_the_allocation_and_matches_the_local_e
     """An hpc job on 2 nodes: one launcher step on the first node starts mpirun, whose
     daemons Slurm starts on both nodes (srun inside the job); the ranks' step-0 energy is
     the energy of the same MD run on this machine."""
-    from flows.hpc import hpc
+    from gpuflow.flows.hpc import hpc
     from tests.e2e.test_hpc import RANKS_AGREE_REL, hpc_spec, thermo
 
     md = {"atoms": 500, "steps": 40, "thermo_every": 20}
@@ -666,7 +666,7 @@ def login_node(slurm, tmp_path):
 def save_login_block(name: str, node, key: str, tmp_path: Path, **over) -> None:
     from prefect.blocks.system import Secret
 
-    from blocks import SlurmCluster
+    from gpuflow.blocks import SlurmCluster
 
     Secret(value=key).save(f"{name}-key", overwrite=True)
     settings = {
@@ -837,8 +837,8 @@ def test_reap_through_the_login_node_cancels_the_job_of_a_run_its_api_does_not_k
     allocation of a run its API does not know is cancelled and its workspace removed, over
     SSH; a block whose key the login node refuses is one sentence."""
     from gpuflow.cli import main
-    from tasks.backends.slurm.backend import SlurmBackend
-    from tasks.contract import owner_labels
+    from gpuflow.tasks.backends.slurm.backend import SlurmBackend
+    from gpuflow.tasks.contract import owner_labels
     from tests.e2e.sshd import keypair
 
     node, key = login_node

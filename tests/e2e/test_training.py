@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from flows.datasets import prepare_dataset
-from flows.train import train
-from tasks.errors import InvalidSpec, JobFailed
-from tasks.spec import load_spec
-from tasks.storage import FileStore, S3Store
+from gpuflow.flows.datasets import prepare_dataset
+from gpuflow.flows.train import train
+from gpuflow.tasks.errors import InvalidSpec, JobFailed
+from gpuflow.tasks.spec import load_spec
+from gpuflow.tasks.storage import FileStore, S3Store
 from tests.conftest import save_aws_block
 from tests.e2e.helpers import logs_of, nothing_left, task_runs_of
 
@@ -113,7 +113,7 @@ def test_eval_runs_on_its_own_schedule_and_at_the_end_and_is_shown(
     the metrics table, the summary, the result and the plot."""
     from prefect.client.orchestration import get_client
 
-    from tasks.training.report import read_metrics
+    from gpuflow.tasks.training.report import read_metrics
 
     raw = train_spec(
         s3_dataset,
@@ -192,7 +192,7 @@ def test_resume_after_sigterm_is_exact(s3_dataset, s3_server, gpuflow_home, aws_
 
 
 def _corrupt_dataset(tmp_path: Path) -> str:
-    from tasks.training.prepare import prepare
+    from gpuflow.tasks.training.prepare import prepare
 
     url = f"file://{tmp_path}/corrupt"
     prepare("synthetic:classify?samples=64", url, 20_000, FileStore())
@@ -239,7 +239,7 @@ def test_corrupt_sample_skip_or_fail(tmp_path, prefect_api, gpuflow_home):
 
 
 def _bad(tmp_path: Path, s3_server) -> dict:
-    from tasks.training.prepare import prepare
+    from gpuflow.tasks.training.prepare import prepare
 
     store = FileStore()
     good = f"file://{tmp_path}/good"
@@ -382,7 +382,7 @@ def test_the_model_factory_runs_only_in_the_job_process(tmp_path, prefect_api, g
     """job.model os:system with a command in model_args: checking the spec (and refusing
     it) runs nothing in gpuflow's process; the factory is called in the job's own process,
     whose failure is one sentence naming job.model."""
-    from tasks.training.prepare import prepare
+    from gpuflow.tasks.training.prepare import prepare
 
     data = f"file://{tmp_path}/data"
     prepare("synthetic:classify?samples=32", data, 20_000, FileStore())
@@ -402,7 +402,7 @@ def test_the_model_factory_runs_only_in_the_job_process(tmp_path, prefect_api, g
         "os.path:join": ({"model": "os.path:join"}, "job.model: os.path:join(**model_args) failed"),
         "no factory": ({"model": "json:no_such"}, "json has no function 'no_such'"),
     }
-    from tasks.pipeline.checks import check_spec
+    from gpuflow.tasks.pipeline.checks import check_spec
 
     for case, (job, _) in cases.items():
         check_spec(load_spec(spec(job)))

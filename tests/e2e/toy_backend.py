@@ -15,9 +15,9 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel
 
-from tasks.backends.base import ProcessGroupUnit, follow_unit
-from tasks.backends.registry import register
-from tasks.contract import (
+from gpuflow.tasks.backends.base import ProcessGroupUnit, follow_unit
+from gpuflow.tasks.backends.registry import register
+from gpuflow.tasks.contract import (
     OWNER_LABEL,
     RUN_LABEL,
     Capabilities,
@@ -34,10 +34,17 @@ from tasks.contract import (
     state_of,
     unit_env,
 )
-from tasks.errors import InvalidSpec
-from tasks.host import Orchestrator, alive, gpuflow_home, stop_group, this_process, write_atomic
-from tasks.metrics.cost import PriceTable
-from tasks.spec import JobSpec, Placement
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.host import (
+    Orchestrator,
+    alive,
+    gpuflow_home,
+    stop_group,
+    this_process,
+    write_atomic,
+)
+from gpuflow.tasks.metrics.cost import PriceTable
+from gpuflow.tasks.spec import JobSpec, Placement
 
 
 class ToyState(BaseModel):

@@ -1,7 +1,7 @@
 """gpuflow's agent on an EC2 instance: started by the instance's user-data, it pulls the
-run's work from its mailbox in S3 (tasks.backends.ec2.mailbox) and answers there.
+run's work from its mailbox in S3 (gpuflow.tasks.backends.ec2.mailbox) and answers there.
 
-    python -m tasks.backends.ec2.agent --config <base64 JSON, no secrets in it>
+    python -m gpuflow.tasks.backends.ec2.agent --config <base64 JSON, no secrets in it>
 
 What it does, in one loop:
 - says it is ready (address, GPUs, CPUs) and runs each unit written for its instance, in
@@ -36,13 +36,13 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tasks import nvml
-from tasks.backends.ec2.imds import ENDPOINT, Imds, Notice, NoticeWatcher
-from tasks.backends.ec2.mailbox import HEARTBEAT, Mailbox, log_key, unit_key
-from tasks.contract import unit_env
-from tasks.host import OutputPump, stop_group
-from tasks.metrics.prometheus import LivePush
-from tasks.metrics.sampler import Sampler
+from gpuflow.tasks import nvml
+from gpuflow.tasks.backends.ec2.imds import ENDPOINT, Imds, Notice, NoticeWatcher
+from gpuflow.tasks.backends.ec2.mailbox import HEARTBEAT, Mailbox, log_key, unit_key
+from gpuflow.tasks.contract import unit_env
+from gpuflow.tasks.host import OutputPump, stop_group
+from gpuflow.tasks.metrics.prometheus import LivePush
+from gpuflow.tasks.metrics.sampler import Sampler
 
 PYTHON = "{python}"  # a unit's command naming gpuflow's interpreter: the agent's own
 OUTPUT_MAX_BYTES = 8 * 1024 * 1024
@@ -416,7 +416,7 @@ def gpu_count() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tasks.backends.ec2.agent")
+    parser = argparse.ArgumentParser(prog="python -m gpuflow.tasks.backends.ec2.agent")
     parser.add_argument("--config", required=True, help="base64 of the agent's JSON settings")
     args = parser.parse_args(argv)
     config = AgentConfig.model_validate_json(base64.b64decode(args.config))

@@ -1,9 +1,9 @@
 """The EC2 backend: a run rents GPU instances, whose agents pull its units from S3.
 
-- `provision` ranks the offers (tasks.backends.ec2.catalog), keeps the run's variables and
+- `provision` ranks the offers (gpuflow.tasks.backends.ec2.catalog), keeps the run's variables and
   the agent's Prefect token in a Secrets Manager secret (never in user-data), makes a
   security group with no inbound rule from outside (nodes of one run reach each other),
-  launches (tasks.backends.ec2.launch) with user-data that installs gpuflow and starts its
+  launches (gpuflow.tasks.backends.ec2.launch) with user-data that installs gpuflow and starts its
   agent, and waits until every agent says it is ready. From then until teardown this
   process rewrites the run's heartbeat; agents that stop seeing it terminate themselves.
 - `run` writes the unit into the node's mailbox and follows its log lines, its end and its
@@ -33,12 +33,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tasks import contract
-from tasks.backends.base import follow_unit
-from tasks.backends.ec2 import launch as launching
-from tasks.backends.ec2 import reap as reaping
-from tasks.backends.ec2.agent import PYTHON, AgentConfig, UnitSpec
-from tasks.backends.ec2.catalog import (
+from gpuflow.tasks import contract
+from gpuflow.tasks.backends.base import follow_unit
+from gpuflow.tasks.backends.ec2 import launch as launching
+from gpuflow.tasks.backends.ec2 import reap as reaping
+from gpuflow.tasks.backends.ec2.agent import PYTHON, AgentConfig, UnitSpec
+from gpuflow.tasks.backends.ec2.catalog import (
     Fleet,
     Offer,
     aws_client,
@@ -47,15 +47,15 @@ from tasks.backends.ec2.catalog import (
     find_offers,
     fleet_named,
 )
-from tasks.backends.ec2.mailbox import HEARTBEAT, Mailbox, unit_key
-from tasks.backends.ec2.reap import (
+from gpuflow.tasks.backends.ec2.mailbox import HEARTBEAT, Mailbox, unit_key
+from gpuflow.tasks.backends.ec2.reap import (
     CONTROL_TAG,
     ORPHAN_TAG,
     prefect_api_url,
     remove_leftovers,
     secret_name,
 )
-from tasks.contract import (
+from gpuflow.tasks.contract import (
     RUN_LABEL,
     Capabilities,
     Cluster,
@@ -71,13 +71,13 @@ from tasks.contract import (
     WorkUnit,
     state_of,
 )
-from tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
-from tasks.host import gpuflow_home
-from tasks.metrics.cost import PriceTable
-from tasks.metrics.sampler import SAMPLES
-from tasks.placement import resolve
-from tasks.spec import JobSpec, Placement
-from tasks.storage import S3Settings
+from gpuflow.tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
+from gpuflow.tasks.host import gpuflow_home
+from gpuflow.tasks.metrics.cost import PriceTable
+from gpuflow.tasks.metrics.sampler import SAMPLES
+from gpuflow.tasks.placement import resolve
+from gpuflow.tasks.spec import JobSpec, Placement
+from gpuflow.tasks.storage import S3Settings
 
 STATE_EVERY_S = 5.0
 _heartbeats: dict[str, Heartbeat] = {}
@@ -131,7 +131,8 @@ def user_data(fleet: Fleet, config: AgentConfig) -> str:
             "GPUFLOW_PYTHON=python3",
             "# install gpuflow (sets GPUFLOW_PYTHON)",
             fleet.install or ":",
-            'exec "$GPUFLOW_PYTHON" -m tasks.backends.ec2.agent --config ' + config.encode(),
+            'exec "$GPUFLOW_PYTHON" -m gpuflow.tasks.backends.ec2.agent --config '
+            + config.encode(),
             "",
         ]
     )

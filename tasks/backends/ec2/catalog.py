@@ -16,11 +16,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tasks.errors import InvalidSpec, Unreachable
-from tasks.gpus import canonical_product, product_from_ec2
-from tasks.metrics.cost import HOURS_PER_MONTH, PriceTable
-from tasks.spec import JobSpec
-from tasks.storage import S3Settings, StorageError
+from gpuflow.tasks.errors import InvalidSpec, Unreachable
+from gpuflow.tasks.gpus import canonical_product, product_from_ec2
+from gpuflow.tasks.metrics.cost import HOURS_PER_MONTH, PriceTable
+from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.storage import S3Settings, StorageError
 
 BACKEND = "ec2"
 REFUSED = {
@@ -97,7 +97,7 @@ def fleet_named(name: str | None, field: str = "placement.block") -> Fleet:
 
     try:
         # blocks import prefect-aws and prefect-kubernetes (about 1 s): read one only when used
-        from blocks.ec2_fleet import Ec2GpuFleet
+        from gpuflow.blocks.ec2_fleet import Ec2GpuFleet
 
         block = Ec2GpuFleet.load(name)
     except ValueError:

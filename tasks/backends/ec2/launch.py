@@ -20,9 +20,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tasks.backends.ec2.catalog import Offer
-from tasks.contract import RUN_LABEL
-from tasks.errors import CapacityError
+from gpuflow.tasks.backends.ec2.catalog import Offer
+from gpuflow.tasks.contract import RUN_LABEL
+from gpuflow.tasks.errors import CapacityError
 
 # Errors after which another offer (type, zone or market) may still launch.
 NEXT_OFFER = {

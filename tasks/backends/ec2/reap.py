@@ -8,7 +8,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from tasks.backends.ec2.catalog import (
+from gpuflow.tasks.backends.ec2.catalog import (
     BACKEND,
     Fleet,
     aws_client,
@@ -16,10 +16,10 @@ from tasks.backends.ec2.catalog import (
     ec2_client,
     gpu_types,
 )
-from tasks.backends.ec2.launch import LIVE, remove
-from tasks.backends.ec2.mailbox import HEARTBEAT, Mailbox
-from tasks.contract import OWNER_LABEL, RUN_LABEL, ReapReport, RunStates
-from tasks.metrics.cost import PriceTable
+from gpuflow.tasks.backends.ec2.launch import LIVE, remove
+from gpuflow.tasks.backends.ec2.mailbox import HEARTBEAT, Mailbox
+from gpuflow.tasks.contract import OWNER_LABEL, RUN_LABEL, ReapReport, RunStates
+from gpuflow.tasks.metrics.cost import PriceTable
 
 CONTROL_TAG = "gpuflow.io/control"  # the run's mailbox, for a reaper
 ORPHAN_TAG = "gpuflow.io/orphan-after"

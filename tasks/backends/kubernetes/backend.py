@@ -21,14 +21,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tasks.backends.base import follow_unit
-from tasks.backends.kubernetes import manifests as objects
-from tasks.backends.kubernetes import reap as reaping
-from tasks.backends.kubernetes.kubeapi import KubeApi, KubeError, KubeUnreachable, load_config
-from tasks.backends.kubernetes.logs import LogFollower, log_nonce
-from tasks.backends.kubernetes.pending import explain_pending, free_now, used_gpus
-from tasks.backends.kubernetes.state import KubeState
-from tasks.contract import (
+from gpuflow.tasks.backends.base import follow_unit
+from gpuflow.tasks.backends.kubernetes import manifests as objects
+from gpuflow.tasks.backends.kubernetes import reap as reaping
+from gpuflow.tasks.backends.kubernetes.kubeapi import (
+    KubeApi,
+    KubeError,
+    KubeUnreachable,
+    load_config,
+)
+from gpuflow.tasks.backends.kubernetes.logs import LogFollower, log_nonce
+from gpuflow.tasks.backends.kubernetes.pending import explain_pending, free_now, used_gpus
+from gpuflow.tasks.backends.kubernetes.state import KubeState
+from gpuflow.tasks.contract import (
     RUN_LABEL,
     Capabilities,
     Cluster,
@@ -45,11 +50,11 @@ from tasks.contract import (
     WorkUnit,
     state_of,
 )
-from tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
-from tasks.host import env_number, gpuflow_home, this_process
-from tasks.metrics.cost import PriceTable, hourly_rate
-from tasks.metrics.sampler import NODE_SAMPLES, SAMPLES
-from tasks.spec import JobSpec, Placement
+from gpuflow.tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
+from gpuflow.tasks.host import env_number, gpuflow_home, this_process
+from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
+from gpuflow.tasks.metrics.sampler import NODE_SAMPLES, SAMPLES
+from gpuflow.tasks.spec import JobSpec, Placement
 
 POLL_S = 1.0
 MPIJOB_API = "kubeflow.org/v2beta1"  # the Kubeflow MPI Operator's
@@ -99,7 +104,7 @@ class KubernetesBackend:
 
         try:
             # blocks import prefect-aws and prefect-kubernetes (about 1 s): read one only when used
-            from blocks.kubernetes_pool import KubernetesGpuPool
+            from gpuflow.blocks.kubernetes_pool import KubernetesGpuPool
 
             self._loaded = (self.block, KubernetesGpuPool.load(self.block))
             return self._loaded[1]

@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, SecretStr
 
-from tasks import yamlfile
-from tasks.errors import GpuflowError, InvalidSpec, Unreachable
+from gpuflow.tasks import yamlfile
+from gpuflow.tasks.errors import GpuflowError, InvalidSpec, Unreachable
 
 IN_CLUSTER = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 IDEMPOTENT = {"GET", "PUT", "DELETE"}

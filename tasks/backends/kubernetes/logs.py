@@ -14,9 +14,9 @@ import threading
 from collections import deque
 from pathlib import Path, PurePosixPath
 
-from tasks.backends.kubernetes import manifests as objects
-from tasks.backends.kubernetes.kubeapi import KubeApi
-from tasks.contract import LineSink
+from gpuflow.tasks.backends.kubernetes import manifests as objects
+from gpuflow.tasks.backends.kubernetes.kubeapi import KubeApi
+from gpuflow.tasks.contract import LineSink
 
 # This process's key: the nonce of a cluster's pods is derived from it and the cluster's
 # name, the same for every unit this process runs there, known to no job.

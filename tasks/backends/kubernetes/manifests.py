@@ -12,10 +12,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tasks.backends.kubernetes.mpijob import manifest
-from tasks.contract import Cluster, WorkUnit, unit_env
-from tasks.gpus import GPU_PRODUCT_LABEL as PRODUCT_LABEL
-from tasks.gpus import GPU_RESOURCE as GPU
+from gpuflow.tasks.backends.kubernetes.mpijob import manifest
+from gpuflow.tasks.contract import Cluster, WorkUnit, unit_env
+from gpuflow.tasks.gpus import GPU_PRODUCT_LABEL as PRODUCT_LABEL
+from gpuflow.tasks.gpus import GPU_RESOURCE as GPU
 
 CLUSTER_LABEL = "gpuflow.io/cluster"
 UNIT_LABEL = "gpuflow.io/unit"
@@ -50,7 +50,7 @@ child=$!
 if [ -n "$GPUFLOW_SAMPLE_INTERVAL" ]; then  # this node's GPUs, sampled where they are,
   # until the unit is gone (a SIGTERM alone could land before the sampler is ready)
   GPUFLOW_SAMPLE_MARK="{SAMPLE_MARK}-$nonce " \
-  "$GPUFLOW_PYTHON" -m tasks.metrics.sampler --out - \
+  "$GPUFLOW_PYTHON" -m gpuflow.tasks.metrics.sampler --out - \
     --gpus "$GPUFLOW_SAMPLE_GPUS" --interval "$GPUFLOW_SAMPLE_INTERVAL" \
     --host "$GPUFLOW_NODE_NAME" --until-pid "$child" 2>/dev/null </dev/null &
   sampler=$!

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tasks.gpus import GPU_RESOURCE as GPU
+from gpuflow.tasks.gpus import GPU_RESOURCE as GPU
 
 API_VERSION = "kubeflow.org/v2beta1"
 

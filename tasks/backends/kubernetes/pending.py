@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tasks.backends.kubernetes.manifests import GPU, PRODUCT_LABEL
+from gpuflow.tasks.backends.kubernetes.manifests import GPU, PRODUCT_LABEL
 
 
 def gpus_of(resources: dict[str, Any]) -> int:

@@ -7,11 +7,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from tasks.backends.kubernetes.state import KubeState
-from tasks.contract import OWNER_LABEL, RUN_LABEL, Cluster, ReapReport, RunStates, state_of
+from gpuflow.tasks.backends.kubernetes.state import KubeState
+from gpuflow.tasks.contract import OWNER_LABEL, RUN_LABEL, Cluster, ReapReport, RunStates, state_of
 
 if TYPE_CHECKING:
-    from tasks.backends.kubernetes.backend import KubernetesBackend
+    from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
 
 CHUNK = 100  # clusters a request to delete (a label selector of about 5 KB)
 

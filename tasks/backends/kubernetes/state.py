@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from tasks.backends.kubernetes.manifests import KubeSettings
-from tasks.host import Orchestrator
+from gpuflow.tasks.backends.kubernetes.manifests import KubeSettings
+from gpuflow.tasks.host import Orchestrator
 
 
 class KubeState(BaseModel):

@@ -24,11 +24,11 @@ from typing import Any
 import psutil
 from pydantic import BaseModel
 
-from tasks import nvml
-from tasks.backends.base import ProcessGroupUnit, follow_unit
-from tasks.backends.local import cgroups, gpu_slots
-from tasks.backends.local import reap as reaping
-from tasks.contract import (
+from gpuflow.tasks import nvml
+from gpuflow.tasks.backends.base import ProcessGroupUnit, follow_unit
+from gpuflow.tasks.backends.local import cgroups, gpu_slots
+from gpuflow.tasks.backends.local import reap as reaping
+from gpuflow.tasks.contract import (
     RUN_LABEL,
     Capabilities,
     Cluster,
@@ -44,8 +44,8 @@ from tasks.contract import (
     state_of,
     unit_env,
 )
-from tasks.errors import CapacityError, InvalidSpec, ProvisionError
-from tasks.host import (
+from gpuflow.tasks.errors import CapacityError, InvalidSpec, ProvisionError
+from gpuflow.tasks.host import (
     STOP_GRACE_S,
     OutputPump,
     alive,
@@ -60,9 +60,9 @@ from tasks.host import (
     sweep_partial_writes,
     write_atomic,
 )
-from tasks.metrics.cost import PriceTable, hourly_rate
-from tasks.spec import JobSpec, Placement
-from tasks.units import format_bytes
+from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
+from gpuflow.tasks.spec import JobSpec, Placement
+from gpuflow.tasks.units import format_bytes
 
 # Chunks of a render run side by side on one cluster: their records must not race.
 _RECORD_LOCK = threading.Lock()
@@ -137,7 +137,7 @@ class LocalBackend:
             return spec, prices
         try:
             # blocks import prefect-aws and prefect-kubernetes (about 1 s): read one only when used
-            from blocks.local_host import LocalGpuHost
+            from gpuflow.blocks.local_host import LocalGpuHost
 
             host = LocalGpuHost.load(name)
         except ValueError:

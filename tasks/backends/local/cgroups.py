@@ -17,7 +17,7 @@ import signal
 import time
 from pathlib import Path
 
-from tasks.host import escalate
+from gpuflow.tasks.host import escalate
 
 
 def _mount() -> Path | None:

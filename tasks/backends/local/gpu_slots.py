@@ -12,8 +12,8 @@ import threading
 import time
 from uuid import UUID
 
-from tasks.api_client import api_client
-from tasks.errors import CapacityError, ProvisionError, TransientError
+from gpuflow.tasks.api_client import api_client
+from gpuflow.tasks.errors import CapacityError, ProvisionError, TransientError
 
 LIMIT_NAME = "gpu"
 LEASE_SECONDS = 120.0

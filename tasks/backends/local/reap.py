@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tasks.backends.local import cgroups
-from tasks.contract import OWNER_LABEL, RUN_LABEL, ReapReport
-from tasks.host import alive
+from gpuflow.tasks.backends.local import cgroups
+from gpuflow.tasks.contract import OWNER_LABEL, RUN_LABEL, ReapReport
+from gpuflow.tasks.host import alive
 
 if TYPE_CHECKING:
-    from tasks.backends.local.backend import LocalBackend
+    from gpuflow.tasks.backends.local.backend import LocalBackend
 
 
 def reap(backend: LocalBackend, dry_run: bool, say: Callable[[str], None]) -> ReapReport:

@@ -31,9 +31,9 @@ from typing import Any
 import psutil
 from pydantic import BaseModel
 
-from tasks.backends.base import follow_unit
-from tasks.backends.slurm.commands import HERE, LocalClient, LoginNode, said
-from tasks.backends.slurm.fit import (
+from gpuflow.tasks.backends.base import follow_unit
+from gpuflow.tasks.backends.slurm.commands import HERE, LocalClient, LoginNode, said
+from gpuflow.tasks.backends.slurm.fit import (
     IDLE_FORMAT,
     SINFO_FORMAT,
     Request,
@@ -45,8 +45,8 @@ from tasks.backends.slurm.fit import (
     refusal,
     room_now,
 )
-from tasks.backends.slurm.queue import FIELDS, hostnames, job_row, job_shown, parse, shared
-from tasks.contract import (
+from gpuflow.tasks.backends.slurm.queue import FIELDS, hostnames, job_row, job_shown, parse, shared
+from gpuflow.tasks.contract import (
     OWNER_LABEL,
     RUN_LABEL,
     Capabilities,
@@ -65,12 +65,12 @@ from tasks.contract import (
     state_of,
     unit_env,
 )
-from tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
-from tasks.gpus import PRODUCTS
-from tasks.host import STOP_GRACE_S, OutputPump, alive, gpuflow_home, start_time
-from tasks.metrics.cost import PriceTable, hourly_rate
-from tasks.metrics.sampler import NODE_SAMPLES, SAMPLES
-from tasks.spec import JobSpec, Placement
+from gpuflow.tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
+from gpuflow.tasks.gpus import PRODUCTS
+from gpuflow.tasks.host import STOP_GRACE_S, OutputPump, alive, gpuflow_home, start_time
+from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
+from gpuflow.tasks.metrics.sampler import NODE_SAMPLES, SAMPLES
+from gpuflow.tasks.spec import JobSpec, Placement
 
 # squeue's states of a job that still holds (or waits for) its allocation
 ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
@@ -599,7 +599,7 @@ class SlurmBackend:
 class NodeSampler:
     """The GPUs a run holds on one node, sampled on that node: a step beside its units'
     steps, with the run's GPUs of the node (--overlap), running `python -m
-    tasks.metrics.sampler` into the shared workspace. The units on a node share one
+    gpuflow.tasks.metrics.sampler` into the shared workspace. The units on a node share one
     (`join`, `leave`): the last to leave stops it and its samples join the run's."""
 
     _lock = threading.Lock()
@@ -644,7 +644,7 @@ class NodeSampler:
             *("sh", "-c", 'exec "$@" --gpus "${SLURM_STEP_GPUS:-$CUDA_VISIBLE_DEVICES}"', "sh"),
             sys.executable,
             "-m",
-            "tasks.metrics.sampler",
+            "gpuflow.tasks.metrics.sampler",
             "--out",
             str(self.path),
             "--interval",
@@ -902,7 +902,7 @@ def _block(spec: JobSpec) -> Any:
 
 
 def _load(name: str) -> Any:
-    from blocks.slurm_cluster import SlurmCluster
+    from gpuflow.blocks.slurm_cluster import SlurmCluster
 
     try:
         return SlurmCluster.load(name)

@@ -14,8 +14,8 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from tasks.errors import InvalidSpec, ProvisionError
-from tasks.host import job_environ
+from gpuflow.tasks.errors import InvalidSpec, ProvisionError
+from gpuflow.tasks.host import job_environ
 
 # Every Slurm command gpuflow runs answers within this (slurmctld down: it says so sooner).
 TIMEOUT_S = 60.0

@@ -11,8 +11,8 @@ import threading
 import time
 from typing import Any
 
-from tasks.backends.slurm.commands import LocalClient, said
-from tasks.errors import ProvisionError
+from gpuflow.tasks.backends.slurm.commands import LocalClient, said
+from gpuflow.tasks.errors import ProvisionError
 
 # how many commands' answers are kept (a job's `scontrol show job` is one)
 KEPT = 256
