@@ -1,6 +1,6 @@
 """gpuflow's Prefect block types: configuration and credentials.
 
-Register them with `prefect block register -m blocks` (or `gpuflow blocks init`, which also
+Register them with `prefect block register -m gpuflow.blocks` (or `gpuflow blocks init`, which also
 creates the documents a fresh setup needs).
 """
 

@@ -1,3 +1,160 @@
-"""gpuflow: GPU work as Prefect pipelines."""
+"""gpuflow: GPU work as Prefect pipelines.
+
+From a Prefect user's own flow::
+
+    from prefect import flow
+    from gpuflow import CommandJob, JobSpec, Resources, gpu_job
+
+    @flow
+    def nightly():
+        run = gpu_job(JobSpec(name="eval", job=CommandJob(command=["python", "eval.py"]),
+                              resources=Resources(gpus=1)))
+        print(run.exit_code, run.gpu_hours, run.cost_usd, run.url)
+
+The names below load on first use: `import gpuflow` alone imports neither Prefect's engine
+nor gpuflow's CLI, and `python -m gpuflow.tasks...` on a node stays quick.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # what an editor completes
+    from gpuflow.api import JobRun, gpu_job, gpu_job_async, gpu_jobs, job_spec, offers
+    from gpuflow.blocks import (
+        Ec2GpuFleet,
+        GpuPriceTable,
+        KubernetesGpuPool,
+        LocalGpuHost,
+        SlurmCluster,
+    )
+    from gpuflow.tasks.errors import (
+        CapacityError,
+        CollectError,
+        GpuflowError,
+        InvalidSpec,
+        JobCancelled,
+        JobFailed,
+        PreemptedError,
+        PreflightFailed,
+        ProvisionError,
+    )
+    from gpuflow.tasks.hpc.model import HpcJob
+    from gpuflow.tasks.kinds.command import CommandJob
+    from gpuflow.tasks.kinds.matmul import MatmulJob
+    from gpuflow.tasks.render.model import RenderJob
+    from gpuflow.tasks.spec import (
+        IdleGpu,
+        JobSpec,
+        Limits,
+        MetricsSettings,
+        Placement,
+        PlacementPolicy,
+        Resources,
+        RetryPolicy,
+        StageRetry,
+        Storage,
+    )
+    from gpuflow.tasks.training.model import TrainJob
+
+# public name -> the module it lives in
+_PUBLIC = {
+    **dict.fromkeys(
+        ["JobRun", "gpu_job", "gpu_job_async", "gpu_jobs", "job_spec", "offers"], "gpuflow.api"
+    ),
+    **dict.fromkeys(
+        ["Ec2GpuFleet", "GpuPriceTable", "KubernetesGpuPool", "LocalGpuHost", "SlurmCluster"],
+        "gpuflow.blocks",
+    ),
+    **dict.fromkeys(
+        [
+            "CapacityError",
+            "CollectError",
+            "GpuflowError",
+            "InvalidSpec",
+            "JobCancelled",
+            "JobFailed",
+            "PreemptedError",
+            "PreflightFailed",
+            "ProvisionError",
+        ],
+        "gpuflow.tasks.errors",
+    ),
+    **dict.fromkeys(
+        [
+            "IdleGpu",
+            "JobSpec",
+            "Limits",
+            "MetricsSettings",
+            "Placement",
+            "PlacementPolicy",
+            "Resources",
+            "RetryPolicy",
+            "StageRetry",
+            "Storage",
+        ],
+        "gpuflow.tasks.spec",
+    ),
+    "CommandJob": "gpuflow.tasks.kinds.command",
+    "MatmulJob": "gpuflow.tasks.kinds.matmul",
+    "TrainJob": "gpuflow.tasks.training.model",
+    "RenderJob": "gpuflow.tasks.render.model",
+    "HpcJob": "gpuflow.tasks.hpc.model",
+}
+
+__all__ = [
+    "CapacityError",
+    "CollectError",
+    "CommandJob",
+    "Ec2GpuFleet",
+    "GpuPriceTable",
+    "GpuflowError",
+    "HpcJob",
+    "IdleGpu",
+    "InvalidSpec",
+    "JobCancelled",
+    "JobFailed",
+    "JobRun",
+    "JobSpec",
+    "KubernetesGpuPool",
+    "Limits",
+    "LocalGpuHost",
+    "MatmulJob",
+    "MetricsSettings",
+    "Placement",
+    "PlacementPolicy",
+    "PreemptedError",
+    "PreflightFailed",
+    "ProvisionError",
+    "RenderJob",
+    "Resources",
+    "RetryPolicy",
+    "SlurmCluster",
+    "StageRetry",
+    "Storage",
+    "TrainJob",
+    "__version__",
+    "gpu_job",
+    "gpu_job_async",
+    "gpu_jobs",
+    "job_spec",
+    "offers",
+]
+
+
+def __getattr__(name: str) -> Any:
+    where = _PUBLIC.get(name)
+    if where is None:
+        raise AttributeError(f"module 'gpuflow' has no attribute {name!r}")
+    if where.startswith("gpuflow.tasks.spec"):
+        import_module("gpuflow.tasks.kinds.registry")  # a JobSpec accepts every kind's job
+    value = getattr(import_module(where), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -44,9 +44,16 @@ _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class SpecModel(BaseModel):
-    """A section of a spec: unknown keys refused, values frozen."""
+    """A section of a spec: unknown keys refused, values frozen. Built in Python
+    (`Resources(gpus=2)`), a mistake is InvalidSpec with the same sentence YAML gets."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise InvalidSpec(explain(exc)) from None
 
 
 _STORAGE_URL = re.compile(r"^(file:///|s3://[^/]+).*")
@@ -140,6 +147,8 @@ JOB_MODELS: dict[str, type[BaseModel]] = {}
 
 
 class Resources(SpecModel):
+    """What each node of the job needs: GPUs, their product, memory, disk (spec `resources:`)."""
+
     # strict: `gpus: true` is not 1 GPU
     gpus: int = Field(0, ge=0, le=64, strict=True, description="GPUs to reserve on each node.")
     nodes: int = Field(
@@ -172,6 +181,8 @@ class Resources(SpecModel):
 
 
 class Placement(SpecModel):
+    """Where the job runs: a backend, its block and its options (spec `placement:`)."""
+
     # a registered backend's name; the pipeline refuses others before provisioning
     backend: str = Field("local", description="Where the job runs: local, kubernetes, ec2, slurm.")
     block: str | None = Field(
@@ -233,6 +244,8 @@ class PlacementPolicy(SpecModel):
 
 
 class Storage(SpecModel):
+    """Where artifacts go and the credentials storage URLs use (spec `storage:`)."""
+
     artifacts: str | None = Field(None, description="file:// folder for run artifacts.")
     aws_credentials: str | None = Field(
         None, description="Name of a prefect-aws AwsCredentials block for s3:// URLs."
@@ -274,6 +287,8 @@ class IdleGpu(SpecModel):
 
 
 class Limits(SpecModel):
+    """How long the job may run and how it is stopped (spec `limits:`)."""
+
     max_duration: Seconds = Field(
         24 * 3600.0, gt=0, description="Longest the job may run, e.g. 2h; it is stopped after."
     )
@@ -293,6 +308,8 @@ class Limits(SpecModel):
 
 
 class StageRetry(SpecModel):
+    """How often one stage is retried, and after what delay."""
+
     retries: int = Field(0, ge=0, le=20)
     delay_s: float = Field(5.0, ge=0, le=3600)
     jitter: float = Field(0.5, ge=0, le=1, description="Random spread as a fraction of the delay.")
@@ -308,6 +325,8 @@ class RetryPolicy(SpecModel):
 
 
 class MetricsSettings(SpecModel):
+    """How the job's GPUs are sampled and where the samples go (spec `metrics:`)."""
+
     interval_s: float = Field(1.0, ge=0.05, le=3600, description="Seconds between samples.")
     pushgateway: str | None = Field(None, description="Pushgateway URL, e.g. http://host:9091.")
     push_interval_s: float = Field(

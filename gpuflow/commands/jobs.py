@@ -5,10 +5,11 @@ when the checks need none; the kind says which flow runs it and what its summary
 from __future__ import annotations
 
 import sys
-from importlib import import_module
 from typing import Any
 
 from gpuflow import session
+from gpuflow.api import checked as checked_spec
+from gpuflow.api import flow_for
 from gpuflow.commands.common import EXIT_FAILED, EXIT_OK, invalid, load_job_spec, print_link
 
 
@@ -26,24 +27,6 @@ def run_job(path: str | dict) -> int:
     except InvalidSpec as exc:
         return invalid(exc)
     return session.with_api(lambda api: _run_spec(spec, api, checked))
-
-
-def checked_spec(spec: Any) -> Any:
-    """Return the spec with its placement applied, once every check before provisioning
-    passed (InvalidSpec otherwise)."""
-    from gpuflow.tasks.pipeline.checks import check_spec
-
-    spec, _ = check_spec(spec)
-    return spec
-
-
-def flow_for(spec: Any) -> Any:
-    """Return the Prefect flow that runs the spec's kind: its own, else gpu_pipeline."""
-    from gpuflow.tasks.kinds.registry import kind_of
-
-    where = kind_of(spec).flow or "gpuflow.flows.pipeline:gpu_pipeline"
-    module, name = where.split(":")
-    return getattr(import_module(module), name)
 
 
 def _run_spec(spec: Any, api: Any, checked: bool) -> int:

@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
@@ -277,7 +278,7 @@ class LocalBackend:
             raise ProvisionError(
                 f"could not create the workspace {workspace}: {exc.strerror}"
             ) from None
-        indices, products = self._claim_gpus(spec, name)
+        indices, products = self._claim_within(spec, name)
         cluster = cluster.model_copy(update={"gpu_indices": indices, "gpu_products": products})
         self._save(cluster, complete=False)
         if indices and cluster.gpu_lease_id is None:
@@ -301,6 +302,19 @@ class LocalBackend:
                 "complete": complete,
             }
         )
+
+    def _claim_within(self, spec: JobSpec, name: str) -> tuple[list[int], list[str]]:
+        """Claim the job's GPUs, waiting up to placement.gpu_wait for other runs to free
+        them (a sweep of one-GPU jobs on a few GPUs: each starts when one is free)."""
+        deadline = time.monotonic() + spec.placement.gpu_wait
+        while True:
+            try:
+                return self._claim_gpus(spec, name)
+            except CapacityError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                time.sleep(min(0.5, left))
 
     def _claim_gpus(self, spec: JobSpec, name: str) -> tuple[list[int], list[str]]:
         wanted = spec.resources.gpus

@@ -1,0 +1,95 @@
+"""gpuflow installs one import name, `gpuflow`: the wheel holds exactly that package (the
+repository's flows/, tasks/ and blocks/ inside it) and its dist-info, and no module of the
+project imports the top-level folders by their own names, which only a checkout has."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MAPPED = ("flows", "tasks", "blocks")
+PIP_WHEEL = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    out = tmp_path_factory.mktemp("wheel")
+    built = subprocess.run(
+        [*PIP_WHEEL, "--wheel-dir", str(out), str(ROOT)],
+        capture_output=True,
+        text=True,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    [path] = out.glob("gpuflow-*.whl")
+    return zipfile.ZipFile(path)
+
+
+def test_the_wheel_installs_one_import_name(wheel):
+    tops = {name.split("/")[0] for name in wheel.namelist()}
+    version = next(t for t in tops if t.endswith(".dist-info"))
+    assert tops == {"gpuflow", version}
+    points = wheel.read(f"{version}/entry_points.txt").decode()
+    assert "gpuflow = gpuflow.tasks.platform.k8s_worker" in points
+
+
+def test_every_source_file_is_in_the_wheel_under_gpuflow(wheel):
+    tracked = subprocess.run(
+        ["git", "ls-files", "gpuflow", *MAPPED], capture_output=True, text=True, cwd=ROOT
+    ).stdout.split()
+    wanted = set()
+    for name in tracked:
+        path = ROOT / name
+        if path.is_symlink() or path.suffix not in (".py", ".yaml"):
+            continue
+        wanted.add(name if name.startswith("gpuflow/") else f"gpuflow/{name}")
+    assert wanted, "no sources found"
+    assert sorted(wanted - set(wheel.namelist())) == []
+
+
+def _imported(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def test_nothing_imports_the_top_level_folders_by_their_own_names():
+    """In a checkout `import tasks` would work (the repository root is on sys.path) and
+    load a second copy of gpuflow.tasks; in the wheel it fails."""
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.py"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.split()
+    wrong = [
+        f"{name}: {module}"
+        for name in tracked
+        if not (ROOT / name).is_symlink()
+        for module in _imported(ROOT / name)
+        if module.split(".")[0] in MAPPED
+    ]
+    assert wrong == []
+
+
+def test_importing_gpuflow_imports_neither_prefect_nor_the_cli():
+    """`python -m gpuflow.tasks...` on a node and `import gpuflow` stay quick; the public
+    names load on first use."""
+    code = (
+        "import sys, gpuflow\n"
+        "assert 'prefect' not in sys.modules and 'gpuflow.cli' not in sys.modules\n"
+        "from gpuflow import JobSpec, gpu_job\n"
+        "assert 'gpuflow.cli' not in sys.modules and 'gpuflow.commands' not in sys.modules\n"
+        "print(sorted(set(gpuflow.__all__) - set(dir(gpuflow))))\n"
+        "print(all(getattr(gpuflow, n).__doc__ for n in gpuflow.__all__ if n[0] != '_'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["[]", "True"]
