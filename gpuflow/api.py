@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import contextvars
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from importlib import import_module
@@ -115,9 +116,9 @@ def gpu_job(spec: SpecLike, *, return_state: bool = False) -> JobRun | Any:
         >>> run.state, run.exit_code, run.gpu_hours
     """
     job = job_spec(spec)
-    with _api_for_a_run():
+    with _api_for_a_run(), _sentences_on_console():
         state = _run(job)
-        return state if return_state else outcome(state)
+    return state if return_state else outcome(state)
 
 
 async def gpu_job_async(spec: SpecLike, *, return_state: bool = False) -> JobRun | Any:
@@ -143,6 +144,7 @@ def gpu_jobs(
         raise InvalidSpec(f"at_once: {at_once} is below 1; give at least 1, or None for all.")
     with (
         _api_for_a_run(),
+        _sentences_on_console(),
         ThreadPoolExecutor(
             max_workers=min(at_once or len(jobs), len(jobs)), thread_name_prefix="gpuflow-job"
         ) as pool,
@@ -173,8 +175,9 @@ def offers(spec: SpecLike) -> list[tuple[Any, list[Any]]]:
 def outcome(state: Any) -> JobRun:
     """Return the JobRun of a finished job's state; raise its error when it did not
     complete."""
+    # _sync: in a worker thread of an async flow Prefect would hand back a coroutine
     if state.is_completed():
-        result = state.result()
+        result = state.result(_sync=True)  # type: ignore[call-overload]
         return JobRun(
             name=result.name,
             flow_run_id=result.flow_run_id,
@@ -184,7 +187,7 @@ def outcome(state: Any) -> JobRun:
             artifacts_dir=Path(result.artifacts_dir),
             url=_link(result.flow_run_id),
         )
-    error = state.result(raise_on_failure=False)
+    error = state.result(raise_on_failure=False, _sync=True)  # type: ignore[call-overload]
     if isinstance(error, BaseException):
         raise error
     if state.is_cancelled():
@@ -234,3 +237,28 @@ def _link(flow_run_id: str) -> str | None:
 
     ui = PREFECT_UI_URL.value()
     return f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}" if ui else None
+
+
+_CONSOLE_LOCK = threading.Lock()
+_console: list[Any] = []  # the context that formats the console, while jobs run
+
+
+@contextlib.contextmanager
+def _sentences_on_console() -> Iterator[None]:
+    """While any job runs, the console shows gpuflow's errors as their one sentence (the
+    run's log in Prefect keeps the traceback); jobs on several threads share one."""
+    from gpuflow.session import sentences_on_console
+
+    with _CONSOLE_LOCK:
+        if not _console:
+            entered = sentences_on_console()
+            entered.__enter__()
+            _console.append(entered)
+        _console.append(None)
+    try:
+        yield
+    finally:
+        with _CONSOLE_LOCK:
+            _console.pop()
+            if len(_console) == 1:
+                _console.pop().__exit__(None, None, None)

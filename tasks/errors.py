@@ -22,6 +22,11 @@ class InvalidSpec(GpuflowError):
     """The user's input is wrong; nothing was provisioned."""
 
 
+class InvalidValue(InvalidSpec, ValueError):
+    """A spec's section built with a wrong value (`Resources(gpus=-1)`, `model_validate`):
+    the sentence of InvalidSpec, and the ValueError pydantic's own error is."""
+
+
 class ProvisionError(GpuflowError):
     """The backend could not make the resources for a reason retrying won't fix."""
 

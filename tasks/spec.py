@@ -6,6 +6,7 @@ import difflib
 import json
 import re
 import shlex
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args
 
@@ -23,7 +24,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from gpuflow.tasks import yamlfile
-from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.errors import InvalidSpec, InvalidValue
 from gpuflow.tasks.gpus import canonical_product
 from gpuflow.tasks.units import parse_duration, parse_size
 
@@ -43,6 +44,9 @@ _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+_BUILDING: ContextVar[bool] = ContextVar("gpuflow_spec_building", default=False)
+
+
 class SpecModel(BaseModel):
     """A section of a spec: unknown keys refused, values frozen. Built in Python
     (`Resources(gpus=2)`), a mistake is InvalidSpec with the same sentence YAML gets."""
@@ -50,10 +54,18 @@ class SpecModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     def __init__(self, /, **data: Any) -> None:
+        # pydantic calls this for every section it validates: only the outermost turns the
+        # error into a sentence, with the whole field path (limits.max_duration)
+        outermost = not _BUILDING.get()
+        token = _BUILDING.set(True)
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            raise InvalidSpec(explain(exc)) from None
+            if not outermost:
+                raise
+            raise InvalidValue(explain(exc, type(self))) from None
+        finally:
+            _BUILDING.reset(token)
 
 
 _STORAGE_URL = re.compile(r"^(file:///|s3://[^/]+).*")
@@ -488,12 +500,15 @@ class JobSpec(SpecModel):
         return self
 
 
-def _field_names(loc: tuple[Any, ...]) -> list[str]:
-    """Return the field names allowed where `loc` points, for 'did you mean' hints."""
+def _field_names(loc: tuple[Any, ...], root: Any = None) -> list[str]:
+    """Return the field names allowed where `loc` points (in `root`, default a JobSpec),
+    for 'did you mean' hints."""
     kinds = JOB_MODELS
-    model: Any = JobSpec
+    model: Any = root or JobSpec
     parts = list(loc[:-1])
-    if parts[:1] == ["job"] and len(parts) > 1 and parts[1] in kinds:
+    if model is not JobSpec:
+        pass
+    elif parts[:1] == ["job"] and len(parts) > 1 and parts[1] in kinds:
         model, parts = kinds[parts[1]], parts[2:]
     elif parts[:1] == ["candidates"]:  # one of a placement list
         model, parts = Placement, parts[2:]
@@ -508,7 +523,7 @@ def _field_names(loc: tuple[Any, ...]) -> list[str]:
     return [field.alias or name for name, field in model.model_fields.items()]
 
 
-def _sentence(error: dict[str, Any]) -> str:
+def _sentence(error: dict[str, Any], root: Any = None) -> str:
     loc = tuple(error["loc"])
     if loc[:1] == ("job",) and len(loc) > 1 and loc[1] in JOB_MODELS:
         loc = loc[:1] + loc[2:]  # drop the union's tag: job.command.command -> job.command
@@ -517,7 +532,7 @@ def _sentence(error: dict[str, Any]) -> str:
     where = ".".join(str(p) for p in loc) or "spec"
     kind = error["type"]
     if kind == "extra_forbidden":
-        known = _field_names(tuple(error["loc"]))
+        known = _field_names(tuple(error["loc"]), root)
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
         fix = f"did you mean {close[0]!r}?" if close else f"remove it (known: {', '.join(known)})"
         return f"{where}: unknown field; {fix}"
@@ -581,9 +596,11 @@ def _rebuild_job_union() -> None:
     JobSpec.model_rebuild(force=True)
 
 
-def explain(exc: ValidationError) -> str:
-    """Return one sentence per problem, each naming the field and the fix."""
-    return " ".join(s if s.endswith((".", "?")) else s + "." for s in map(_sentence, exc.errors()))
+def explain(exc: ValidationError, root: Any = None) -> str:
+    """Return one sentence per problem, each naming the field and the fix (fields of
+    `root`, default a JobSpec)."""
+    said = (_sentence(error, root) for error in exc.errors())
+    return " ".join(s if s.endswith((".", "?")) else s + "." for s in said)
 
 
 def load_spec(source: JobSpec | dict[str, Any] | str | Path) -> JobSpec:

@@ -1,0 +1,3 @@
+"""A Prefect project's own `blocks` module, which gpuflow must never shadow."""
+
+NAME = "their-blocks"

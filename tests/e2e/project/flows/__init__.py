@@ -1,0 +1,1 @@
+"""A Prefect project's own `flows` package."""
