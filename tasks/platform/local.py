@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -281,7 +282,54 @@ def up(
         " `gpuflow run` now records runs here; `gpuflow platform down` stops it"
     )
     _say_who_gets_in(say, where, api, ui, port)
+    try:
+        _say_profile(say, write_profile(api, where.trust))
+    except OSError as exc:  # a read-only PREFECT_HOME: the export line above still works
+        say(f"Prefect's profile {PROFILE} could not be written ({exc.strerror or exc})")
     return state
+
+
+PROFILE = "gpuflow"
+
+
+def write_profile(api: str, trust: str | None) -> tuple[Path, str | None]:
+    """Write (or update) the Prefect profile `gpuflow` that points Prefect's CLI and the
+    user's own scripts at the platform, with its auth string; the active profile stays as
+    it was. Return the profiles file and the active profile's name."""
+    from prefect.settings import (
+        PREFECT_API_AUTH_STRING,
+        PREFECT_API_SSL_CERT_FILE,
+        PREFECT_API_URL,
+        PREFECT_PROFILES_PATH,
+        load_profiles,
+        save_profiles,
+    )
+
+    profiles = load_profiles(include_defaults=False)
+    profiles.update_profile(
+        PROFILE,
+        {
+            PREFECT_API_URL: api,
+            PREFECT_API_AUTH_STRING: platform_auth(),
+            PREFECT_API_SSL_CERT_FILE: trust,  # None drops an earlier one
+        },
+    )
+    save_profiles(profiles)
+    path = Path(PREFECT_PROFILES_PATH.value())
+    os.chmod(path, 0o600)  # it holds the auth string now
+    return path, profiles.active_name
+
+
+def _say_profile(say: Callable[[str], None], written: tuple[Path, str | None]) -> None:
+    path, active = written
+    still = (
+        f"your active profile ({active}) is unchanged" if active else "no profile was made active"
+    )
+    say(
+        f"Prefect's CLI and your own flows reach it with the profile {PROFILE}"
+        f" (`prefect profile use {PROFILE}`, or PREFECT_PROFILE={PROFILE} for one command),"
+        f" written to {path}; {still}"
+    )
 
 
 def _start_server(

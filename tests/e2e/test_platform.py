@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -128,6 +129,46 @@ def test_prefect_deployment_run_watch_completes_and_fails(platform):
         "--param", f"spec={failing}", "--watch", "--watch-timeout", "240",
     )  # fmt: skip
     assert bad.returncode != 0
+
+
+def test_prefects_cli_and_a_users_script_find_the_platform_through_its_profile(platform):
+    """`platform up` writes the Prefect profile `gpuflow` (URL and auth string, 0600) and
+    says how to use it, leaving the active profile alone: with PREFECT_PROFILE=gpuflow and
+    nothing exported, `prefect deployment ls` lists the platform's deployments and a job
+    started from a script outside any flow is recorded there, with its page in the UI."""
+    import tomllib
+
+    profiles = platform.home / "prefect-home" / "profiles.toml"
+    assert profiles.stat().st_mode & 0o777 == 0o600
+    written = tomllib.loads(profiles.read_text())
+    assert written.get("active") != "gpuflow"  # never made active behind the user's back
+    assert written["profiles"]["gpuflow"]["PREFECT_API_URL"] == platform.api
+    assert written["profiles"]["gpuflow"]["PREFECT_API_AUTH_STRING"] == platform.auth
+    said = "with the profile gpuflow (`prefect profile use gpuflow`, or PREFECT_PROFILE=gpuflow"
+    assert said in platform.up_output
+    env = {k: v for k, v in platform.env.items() if k not in ("PREFECT_API_URL", "PREFECT_UI_URL")}
+    env["PREFECT_PROFILE"] = "gpuflow"
+    listed = subprocess.run(
+        [sys.executable, "-m", "prefect", "deployment", "ls"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stdout[-2000:] + listed.stderr[-2000:]
+    assert "gpu-pipeline/command-local" in listed.stdout.replace("\n", "")
+    script = (
+        "from gpuflow import gpu_job\n"
+        "run = gpu_job({'name': 'from-a-script', 'job': {'kind': 'command', 'command': ['true']}})\n"
+        "print('RUN', run.flow_run_id, run.url)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    [(_, run_id, url)] = [
+        line.split() for line in done.stdout.splitlines() if line.startswith("RUN ")
+    ]
+    assert url == f"{platform.ui}/runs/flow-run/{run_id}"
+    with platform.client() as client:
+        assert client.read_flow_run(UUID(run_id)).state.is_completed()
 
 
 def test_submit_tells_each_outcome_apart(platform):
