@@ -209,8 +209,9 @@ def deploy_all(pools: list[str] | None = None) -> int:
 
 
 def deploy_root() -> Path:
-    """Return the folder gpuflow's own prefect.yaml is in."""
-    return Path(__file__).resolve().parent.parent.parent
+    """Return the folder gpuflow's own prefect.yaml is in: the repository's, or the
+    installed package's copy."""
+    return (Path(__file__).parents[1] / "prefect.yaml").resolve().parent
 
 
 def submit(name: str, pairs: list[str], wait: bool, timeout_s: float) -> int:

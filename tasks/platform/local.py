@@ -52,7 +52,10 @@ from gpuflow.tasks.platform.state import auth as platform_auth
 from gpuflow.tasks.platform.state import auth_path, platform_dir, read_state, running, state_path
 from gpuflow.tasks.platform.tls import Listening, client_context, listening
 
-ROOT = Path(__file__).resolve().parents[2]
+# gpuflow's own prefect.yaml: the repository's (gpuflow/prefect.yaml links to it), or the
+# copy inside the installed package; its folder is where `prefect deploy` runs
+PROJECT_FILE = (Path(__file__).parents[2] / "prefect.yaml").resolve()
+ROOT = PROJECT_FILE.parent
 
 
 class PlatformError(GpuflowError):
@@ -456,7 +459,7 @@ def _configure(api: str, env: dict[str, str], say, cluster: dict[str, Any] | Non
     )
 
     pools = pool_templates()
-    project = load_project(ROOT / "prefect.yaml")
+    project = load_project(PROJECT_FILE)
     only = {LOCAL_POOL, GPU_K8S_POOL} if cluster else {LOCAL_POOL}
     deploy_env = {**env, IMAGE_VARIABLE: cluster["image"]} if cluster else env
     names = check_project(project, ROOT, pools, only=only, env=deploy_env)
