@@ -5,6 +5,21 @@ from __future__ import annotations
 from prefect.blocks.core import Block
 from pydantic import Field
 
+# The orchestrator's own build of gpuflow, never a package of that name from an index:
+# user-data sets GPUFLOW_WHEEL_URL (s3://, beside the run's mailbox), GPUFLOW_WHEEL_SHA256
+# and GPUFLOW_WHEEL (where to put it).
+INSTALL_OWN_WHEEL = (
+    'aws s3 cp --only-show-errors "$GPUFLOW_WHEEL_URL" "$GPUFLOW_WHEEL"'
+    ' && echo "$GPUFLOW_WHEEL_SHA256  $GPUFLOW_WHEEL" | sha256sum --check --quiet'
+    ' && python3 -m venv /opt/gpuflow && /opt/gpuflow/bin/pip install --quiet "$GPUFLOW_WHEEL"'
+    " && GPUFLOW_PYTHON=/opt/gpuflow/bin/python"
+)
+# what earlier versions saved as the default: gpuflow by name from PyPI
+INSTALL_BY_NAME = (
+    "python3 -m venv /opt/gpuflow && /opt/gpuflow/bin/pip install --quiet gpuflow"
+    " && GPUFLOW_PYTHON=/opt/gpuflow/bin/python"
+)
+
 
 class Ec2GpuFleet(Block):
     """The region, zones and instance families a job may use, and whose credentials.
@@ -57,11 +72,13 @@ class Ec2GpuFleet(Block):
         " lines, results and heartbeats; needed to launch.",
     )
     install: str = Field(
-        "python3 -m venv /opt/gpuflow && /opt/gpuflow/bin/pip install --quiet gpuflow"
-        " && GPUFLOW_PYTHON=/opt/gpuflow/bin/python",
+        INSTALL_OWN_WHEEL,
         title="Install step",
         description="The user-data's shell step that installs gpuflow on the instance and sets"
-        " GPUFLOW_PYTHON to the interpreter that runs its agent.",
+        " GPUFLOW_PYTHON to the interpreter that runs its agent. The default fetches the"
+        " orchestrator's own wheel ($GPUFLOW_WHEEL_URL, beside the run's mailbox) with the"
+        " AWS CLI and the instance's profile, checks it against $GPUFLOW_WHEEL_SHA256 and"
+        " installs it in a venv (its dependencies from PyPI).",
     )
     boot_timeout_s: float = Field(
         900.0,

@@ -94,3 +94,25 @@ def test_importing_gpuflow_imports_neither_prefect_nor_the_cli():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[:2] == ["[]", "True"]
+
+
+def test_the_running_gpuflow_builds_its_own_wheel_the_same_each_time(tmp_path):
+    """What an EC2 instance installs: the orchestrator's own files, one top-level name, the
+    same bytes (so the same SHA-256) for the same files; pip installs it."""
+    from gpuflow.tasks import own_wheel
+
+    name, data = own_wheel.build()
+    assert own_wheel.build() == (name, data)
+    path = tmp_path / name
+    path.write_bytes(data)
+    with zipfile.ZipFile(path) as built:
+        tops = {n.split("/")[0] for n in built.namelist()}
+        assert "gpuflow/tasks/backends/ec2/agent.py" in built.namelist()
+        assert not [n for n in built.namelist() if "__pycache__" in n or n.endswith(".pyc")]
+    assert tops == {"gpuflow", name.removesuffix("-py3-none-any.whl") + ".dist-info"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path / "t"), str(path)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "t" / "gpuflow" / "tasks" / "backends" / "ec2" / "agent.py").is_file()

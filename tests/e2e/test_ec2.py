@@ -76,14 +76,58 @@ HELLO = (
 )
 
 
+def own_wheel_install(endpoint: str) -> str:
+    """An install step as the default's, for a played instance: fetch the run's own wheel
+    from its s3:// URL (boto3 on moto here, the AWS CLI there), check its SHA-256, install
+    it apart (no dependencies: this machine's), and run the agent from it."""
+    fetch = (
+        "import boto3, os, sys; bucket, _, key = os.environ['GPUFLOW_WHEEL_URL'][5:]"
+        f".partition('/'); boto3.client('s3', endpoint_url='{endpoint}')"
+        ".download_file(bucket, key, os.environ['GPUFLOW_WHEEL'])"
+    )
+    return (
+        f'GPUFLOW_WHEEL="$PWD/$(basename "$GPUFLOW_WHEEL")" && {sys.executable} -c "{fetch}"'
+        ' && echo "$GPUFLOW_WHEEL_SHA256  $GPUFLOW_WHEEL" | sha256sum --check --quiet'
+        f' && {sys.executable} -m pip install -q --no-deps --target "$PWD/site" "$GPUFLOW_WHEEL"'
+        f' && export PYTHONPATH="$PWD/site" && GPUFLOW_PYTHON={sys.executable}'
+        ' && "$GPUFLOW_PYTHON" -c "import gpuflow; print(\'gpuflow from\', gpuflow.__file__)"'
+    )
+
+
+def test_a_fleet_saved_with_the_old_install_by_name_is_refused_before_launch(aws):
+    """The default once was `pip install gpuflow` from PyPI: a block saved with it is one
+    sentence before anything is made, not code of whoever holds that name."""
+    from gpuflow.blocks.ec2_fleet import INSTALL_BY_NAME, Ec2GpuFleet
+    from gpuflow.tasks.errors import InvalidSpec
+    from gpuflow.tasks.pipeline.checks import check_spec
+    from gpuflow.tasks.spec import load_spec
+
+    fleet = Ec2GpuFleet.load(FLEET)
+    fleet.install = INSTALL_BY_NAME
+    fleet.save("gpuflow-by-name", overwrite=True)
+    raw = spec(["true"], placement={"block": "gpuflow-by-name"})
+    with pytest.raises(InvalidSpec) as caught:
+        check_spec(load_spec(raw))
+    assert str(caught.value).startswith(
+        "Ec2GpuFleet 'gpuflow-by-name' install: it installs gpuflow by name from PyPI"
+    ), str(caught.value)
+    assert aws["ec2"].describe_instances()["Reservations"] == []
+
+
 def test_one_instance_boots_its_user_data_runs_the_job_and_teardown_leaves_nothing(
     aws, played, s3_server, pushgateway
 ):
     from prefect.settings import PREFECT_API_KEY, temporary_settings
 
+    from gpuflow.blocks.ec2_fleet import Ec2GpuFleet
     from gpuflow.flows.pipeline import gpu_pipeline
     from gpuflow.tasks.spec import load_spec
+    from tests.e2e.conftest import FLEET
     from tests.e2e.helpers import logs_of
+
+    fleet = Ec2GpuFleet.load(FLEET)  # the agent from the run's own wheel, checked by hash
+    fleet.install = own_wheel_install(s3_server.endpoint)
+    fleet.save(FLEET, overwrite=True)
 
     metrics = {"pushgateway": pushgateway, "interval_s": 0.2, "push_interval_s": 0.2}
     raw = spec([sys.executable, "-c", HELLO, pushgateway], metrics=metrics)
@@ -100,6 +144,7 @@ def test_one_instance_boots_its_user_data_runs_the_job_and_teardown_leaves_nothi
     assert "live metrics seen" in logs
     assert result.metrics.samples > 0  # taken on the instance by its agent
     assert f"agent on {instance.id}: ready at 127.0.0.1" in logs  # the agent's own log line
+    assert f"gpuflow from {instance.folder}/site/gpuflow/__init__.py" in instance.console()
     assert Path(result.artifacts_dir, "outputs", "answer.txt").read_text() == "42"
     # nothing secret went to the instance in clear: user-data, console, the run's log
     described = aws["ec2"].describe_instance_attribute(InstanceId=instance.id, Attribute="userData")

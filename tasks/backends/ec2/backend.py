@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import sys
 import threading
@@ -33,7 +34,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from gpuflow.tasks import contract
+from gpuflow.tasks import contract, own_wheel
 from gpuflow.tasks.backends.base import follow_unit
 from gpuflow.tasks.backends.ec2 import launch as launching
 from gpuflow.tasks.backends.ec2 import reap as reaping
@@ -119,9 +120,11 @@ class Heartbeat:
         self.stopping.set()
 
 
-def user_data(fleet: Fleet, config: AgentConfig) -> str:
-    """Return the instance's boot script: the fleet's install step, then the agent. Its
-    settings are base64 JSON with nothing secret in them."""
+def user_data(fleet: Fleet, config: AgentConfig, wheel: tuple[str, str]) -> str:
+    """Return the instance's boot script: where this gpuflow's own wheel is (`wheel`: its
+    s3:// URL beside the run's mailbox and its SHA-256), the fleet's install step, then the
+    agent. Its settings are base64 JSON with nothing secret in them."""
+    url, digest = wheel
     return "\n".join(
         [
             "#!/bin/bash",
@@ -129,8 +132,14 @@ def user_data(fleet: Fleet, config: AgentConfig) -> str:
             f" {config.control}",
             "set -euo pipefail",
             "GPUFLOW_PYTHON=python3",
-            "# install gpuflow (sets GPUFLOW_PYTHON)",
+            "# the orchestrator's own build of gpuflow, to be checked by its SHA-256",
+            f"export GPUFLOW_WHEEL_URL={shlex.quote(url)}",
+            f"export GPUFLOW_WHEEL_SHA256={digest}",
+            f"export GPUFLOW_WHEEL=/var/tmp/{shlex.quote(url.rsplit('/', 1)[1])}",
+            "# install gpuflow (sets GPUFLOW_PYTHON); a step that fails ends the boot here",
+            "{",
             fleet.install or ":",
+            "} || { echo 'gpuflow: the install step failed; the agent is not started' >&2; exit 1; }",
             'exec "$GPUFLOW_PYTHON" -m gpuflow.tasks.backends.ec2.agent --config '
             + config.encode(),
             "",
@@ -179,6 +188,15 @@ class Ec2Backend:
             raise InvalidSpec(
                 f"{fleet.field('image_id')}: no machine image is set; set it to an AMI with"
                 " NVIDIA's driver and Python 3.11+ in the fleet's region."
+            )
+        from gpuflow.blocks.ec2_fleet import INSTALL_BY_NAME
+
+        if fleet.install.strip() == INSTALL_BY_NAME:
+            raise InvalidSpec(
+                f"{fleet.field('install')}: it installs gpuflow by name from PyPI, where no"
+                " such package is this gpuflow (whoever registered the name would run code on"
+                " your instances); save the block again without install (the default installs"
+                " the orchestrator's own wheel, checked by its hash) or give your own step."
             )
         control = fleet.control_prefix or ""
         if not control.startswith("s3://") or len(control) <= len("s3://"):
@@ -282,6 +300,13 @@ class Ec2Backend:
         nodes, offer, adopted = self._nodes(cluster, fleet, ec2, mailbox)
         return self._with_nodes(cluster, nodes, offer).model_copy(update={"adopted": adopted})
 
+    def _own_wheel(self, mailbox: Mailbox) -> tuple[str, str]:
+        """Put this gpuflow's own wheel beside the run's mailbox (the instance installs it,
+        never a package of that name from an index); return its URL and SHA-256."""
+        name, data = own_wheel.build()
+        mailbox.put(f"gpuflow/{name}", data)
+        return f"{mailbox.url}gpuflow/{name}", own_wheel.sha256(data)
+
     def _with_nodes(self, cluster: Cluster, nodes: list[dict], offer: Offer | None) -> Cluster:
         state = state_of(cluster, Ec2State)
         state.instances = nodes
@@ -346,7 +371,7 @@ class Ec2Backend:
                     spec.resources.nodes,
                     max(8, int(spec.resources.disk / 2**30)),
                     fleet.image_id or "",
-                    user_data(fleet, config),
+                    user_data(fleet, config, self._own_wheel(mailbox)),
                     tags,
                     _say,
                     fleet.instance_profile,
