@@ -18,6 +18,7 @@ from uuid import UUID
 from pydantic import BaseModel
 
 from gpuflow.tasks.metrics.plot import pyplot
+from gpuflow.tasks.pictures import picture
 
 METRICS_KEY = "gpuflow-metrics"  # the table artifact collect writes for every run
 
@@ -175,7 +176,7 @@ def markdown(
     if unpriced:
         lines.append(f"- {unpriced} run(s) ended before their metrics were collected: not counted")
     if chart is not None:
-        lines.append(f"- chart: `{chart}`")
+        lines.append(picture("chart", chart))
     for title, field in (("job", "job"), ("backend", "backend"), ("GPU product", "gpu_product")):
         lines += [
             "",

@@ -58,6 +58,7 @@ from gpuflow.tasks.metrics.prometheus import LivePush, delete, exposition, push
 from gpuflow.tasks.metrics.sampler import NODE_SAMPLES, SAMPLES, Sampler, SampleTail, read_samples
 from gpuflow.tasks.metrics.summary import IDLE_PCT, RunMetrics, summarise
 from gpuflow.tasks.outputs import OutputsKept, copy_outputs, keep_whole
+from gpuflow.tasks.pictures import picture
 from gpuflow.tasks.pipeline import preflight as preflight_checks
 from gpuflow.tasks.pipeline.inflight import unit_running
 from gpuflow.tasks.pipeline.pool import Use
@@ -767,7 +768,7 @@ def _collect(
         for r in metrics.by_placement
     ]
     if png:
-        lines.append(f"- utilisation plot: `{png}`")
+        lines.append(picture("utilisation plot", png))
     lines += kind_report.lines
     if pushed:
         lines.append(f"- pushed to {pushed}")

@@ -8,6 +8,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from gpuflow.tasks.pictures import picture
 from gpuflow.tasks.render.output import FrameRecord
 
 SHEET_MAX = 48  # thumbnails on one contact sheet
@@ -135,7 +136,9 @@ def summary(outputs: Path, out: Path, name: str) -> list[str]:
             f" Blender {figures['blender']}, {figures['engine']})"
         )
         lines.append(f"- output: `{figures['output']}`")
-    for label_, file in (("contact sheet", "contact-sheet.png"), ("preview", "preview.mp4")):
-        if (out / "outputs" / file).is_file():
-            lines.append(f"- {label_}: `{out / 'outputs' / file}`")
+    sheet, preview = out / "outputs" / "contact-sheet.png", out / "outputs" / "preview.mp4"
+    if sheet.is_file():
+        lines.append(picture("contact sheet", sheet))
+    if preview.is_file():
+        lines.append(f"- preview: `{preview}`")
     return lines

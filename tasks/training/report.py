@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuflow.tasks.metrics.plot import pyplot
+from gpuflow.tasks.pictures import picture
 from gpuflow.tasks.training.profile import PROFILE_DIR, read
 
 
@@ -82,7 +83,7 @@ def summary(outputs: Path, out_dir: Path, title: str) -> tuple[list[dict[str, An
             score += f", top-1 accuracy {100 * last['eval_accuracy']:.1f}%"
         lines.append(f"- {score} at step {last['step']} ({len(evals)} evaluation(s))")
     if png:
-        lines.append(f"- loss and throughput curve: `{png}`")
+        lines.append(picture("loss and throughput curve", png))
     if result.get("weights"):
         lines.append(
             f"- final weights: {result['weights']} (manifest {result['weights_manifest']})"

@@ -65,10 +65,12 @@ def ui_page(
     wait_for: tuple[str, ...],
     screenshot: Path | None = None,
     timeout_s: float = 60.0,
-) -> str:
+    probe: str | None = None,
+) -> Any:
     """Return the HTML of the Prefect UI page `url` once it shows all of `wait_for`, as a
     user who typed `auth` into the UI's login (None: one who typed nothing); save a PNG
-    of it to `screenshot` when given."""
+    of it to `screenshot` when given. With `probe` (a JavaScript expression), return the
+    HTML and the expression's value once it is truthy (or as it is after `timeout_s`)."""
     assert CHROMIUM is not None, "chromium is not installed; the test command installs it"
     with tempfile.TemporaryDirectory(
         prefix="gpuflow-chromium-", ignore_cleanup_errors=True
@@ -88,7 +90,15 @@ def ui_page(
                 time.sleep(0.1)
             port, path = active.read_text().split()
             return asyncio.run(
-                _load(f"ws://127.0.0.1:{port}{path}", url, auth, wait_for, screenshot, timeout_s)
+                _load(
+                    f"ws://127.0.0.1:{port}{path}",
+                    url,
+                    auth,
+                    wait_for,
+                    screenshot,
+                    timeout_s,
+                    probe,
+                )
             )
         finally:
             stop_group(browser.pid, None, grace_s=5.0)  # its renderers and zygote too
@@ -102,7 +112,8 @@ async def _load(
     wait_for: tuple[str, ...],
     screenshot: Path | None,
     timeout_s: float,
-) -> str:
+    probe: str | None = None,
+) -> Any:
     from websockets.asyncio.client import connect
 
     async with connect(endpoint, max_size=64 * 1024 * 1024) as socket:
@@ -120,7 +131,12 @@ async def _load(
             await page.evaluate(f"localStorage.setItem('prefect-password', {json.dumps(token)})")
             await page.call("Page.navigate", url=url)
         dom = await page.wait_for_text(wait_for, timeout_s)
+        value = None
+        if probe is not None:  # a condition on what the page drew, waited for
+            deadline = time.monotonic() + timeout_s
+            while not (value := await page.evaluate(probe)) and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
         if screenshot is not None:
             shot = await page.call("Page.captureScreenshot", format="png")
             screenshot.write_bytes(base64.b64decode(shot["data"]))
-        return dom
+        return dom if probe is None else (dom, value)

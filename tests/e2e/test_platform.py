@@ -276,6 +276,43 @@ def test_the_ui_shows_the_run_and_its_artifacts(platform, tmp_path):
     assert "duration:" in artifact_dom and "cost: $" in artifact_dom
 
 
+def test_the_run_summary_shows_its_pictures_in_the_ui(platform, tmp_path):
+    """The utilisation plot is drawn on the summary's page (its pixels, not its path): an
+    <img> whose picture the artifact itself carries, loaded, with its own size."""
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        FlowRunFilter,
+        FlowRunFilterId,
+    )
+
+    job = tmp_path / "sampled.yaml"
+    job.write_text(
+        "name: sampled\njob: {kind: command, command: [sleep, '2']}\nmetrics: {interval_s: 0.1}\n"
+    )
+    ran = platform.gpuflow("run", str(job))
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    [run_id] = [line.rsplit("/", 1)[1] for line in ran.stdout.splitlines() if "flow run: " in line]
+    with platform.client() as client:
+        [summary] = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["gpuflow-summary"])),
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[UUID(run_id)])),
+        )
+    assert "![utilisation plot](data:image/png;base64," in summary.data
+    artifact = f"{platform.ui}/artifacts/artifact/{summary.id}"
+    drawn = (
+        "[...document.querySelectorAll('img')].filter(i => i.src.startsWith('data:image/png')"
+        " && i.complete && i.naturalWidth > 100 && i.naturalHeight > 50).map(i => i.alt)"
+        ".join(',')"
+    )
+    shot = Path(os.environ.get("GPUFLOW_SCREENSHOTS", tmp_path)) / "summary.png"
+    artifact_dom, pictures = ui_page(
+        artifact, platform.auth, wait_for=("duration:", "cost: $"), probe=drawn, screenshot=shot
+    )
+    assert "duration:" in artifact_dom and "cost: $" in artifact_dom
+    assert pictures == "utilisation plot", artifact_dom[-3000:]
+
+
 def test_gpuflow_run_records_its_run_on_the_running_platform(platform, tmp_path):
     status = platform.gpuflow("platform", "status")
     assert status.returncode == 0 and f"running: UI {platform.ui}" in status.stdout
