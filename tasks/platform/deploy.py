@@ -70,7 +70,16 @@ def flow_parameters(root: Path, entrypoint: str, where: str) -> inspect.Signatur
         )
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        sys.path.insert(0, str(root))  # as Prefect loads it: the project's own packages first
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            raise InvalidSpec(
+                f"{where}.entrypoint: {path} could not be imported ({type(exc).__name__}:"
+                f" {exc}); fix it, or install what it imports."
+            ) from None
+        finally:
+            sys.path.remove(str(root))
     else:
         try:
             module = importlib.import_module(path)

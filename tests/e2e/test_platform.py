@@ -313,6 +313,42 @@ def test_the_run_summary_shows_its_pictures_in_the_ui(platform, tmp_path):
     assert pictures == "utilisation plot", artifact_dom[-3000:]
 
 
+def test_gpuflow_deploy_deploys_a_users_own_prefect_yaml(platform):
+    """From a user's project folder (its own flows/, tasks/, blocks.py and prefect.yaml),
+    `gpuflow deploy` checks and deploys its flows onto gpuflow's pool; an entrypoint that
+    is not there is one sentence, and nothing is deployed."""
+    project = ROOT / "tests" / "e2e" / "project"
+    env = {**platform.env, "PREFECT_API_AUTH_STRING": platform.auth}
+
+    def deploy(folder: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "gpuflow", "deploy", "--pool", "gpuflow-local"],
+            cwd=folder, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    done = deploy(project)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "deployed 1: nightly" in done.stdout
+    with platform.client() as client:
+        found = client.read_deployment_by_name("nightly/nightly")
+    assert found.entrypoint == "flows/nightly.py:nightly"
+    assert str(project) in json.dumps(found.pull_steps)  # the worker runs it from there
+    broken = project.parent / "project-broken"
+    shutil.copytree(project, broken, ignore=shutil.ignore_patterns("__pycache__"))
+    try:
+        text = (broken / "prefect.yaml").read_text()
+        (broken / "prefect.yaml").write_text(text.replace("flows/nightly.py", "flows/nigthly.py"))
+        refused = deploy(broken)
+    finally:
+        shutil.rmtree(broken)
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    assert refused.stderr.strip() == (
+        "gpuflow: invalid input: deployments[nightly].entrypoint: 'flows/nigthly.py:nightly'"
+        f" names {broken}/flows/nigthly.py, which is not a file; fix the path (it is read from"
+        " the project folder)."
+    )
+
+
 def test_gpuflow_run_records_its_run_on_the_running_platform(platform, tmp_path):
     status = platform.gpuflow("platform", "status")
     assert status.returncode == 0 and f"running: UI {platform.ui}" in status.stdout
