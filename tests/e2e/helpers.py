@@ -96,7 +96,8 @@ class Platform:
         self.api, self.ui = f"http://127.0.0.1:{port}/api", f"http://127.0.0.1:{port}"
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
         self.env.update(GPUFLOW_HOME=str(home), PREFECT_API_URL=self.api)
-        self.env.update(PREFECT_HOME=str(home / "prefect-home"))  # its profiles.toml
+        self.prefect_home = home.parent / f"{home.name}-prefect"  # its profiles.toml
+        self.env.update(PREFECT_HOME=str(self.prefect_home))
         self.env.update(PREFECT_UI_URL=self.ui, PREFECT_SERVER_ANALYTICS_ENABLED="false")
         self.env.pop("CUDA_VISIBLE_DEVICES", None)
 

@@ -106,12 +106,18 @@ def test_a_fleet_saved_with_the_old_install_by_name_is_refused_before_launch(aws
     fleet.install = INSTALL_BY_NAME
     fleet.save("gpuflow-by-name", overwrite=True)
     raw = spec(["true"], placement={"block": "gpuflow-by-name"})
+
+    def instances() -> int:
+        found = aws["ec2"].describe_instances()["Reservations"]
+        return sum(len(r["Instances"]) for r in found)
+
+    before = instances()
     with pytest.raises(InvalidSpec) as caught:
         check_spec(load_spec(raw))
     assert str(caught.value).startswith(
         "Ec2GpuFleet 'gpuflow-by-name' install: it installs gpuflow by name from PyPI"
     ), str(caught.value)
-    assert aws["ec2"].describe_instances()["Reservations"] == []
+    assert instances() == before  # nothing launched
 
 
 def test_one_instance_boots_its_user_data_runs_the_job_and_teardown_leaves_nothing(

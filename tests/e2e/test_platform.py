@@ -138,7 +138,7 @@ def test_prefects_cli_and_a_users_script_find_the_platform_through_its_profile(p
     started from a script outside any flow is recorded there, with its page in the UI."""
     import tomllib
 
-    profiles = platform.home / "prefect-home" / "profiles.toml"
+    profiles = platform.prefect_home / "profiles.toml"
     assert profiles.stat().st_mode & 0o777 == 0o600
     written = tomllib.loads(profiles.read_text())
     assert written.get("active") != "gpuflow"  # never made active behind the user's back
