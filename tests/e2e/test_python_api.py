@@ -90,3 +90,35 @@ def test_a_users_own_flow_runs_gpu_jobs_as_subflows(prefect_api, gpuflow_home, t
     assert out["alone"]["state"] == "Completed" and parent_of(out["alone"]["id"]) is None
     assert "Traceback" not in done.stderr
     assert nothing_left(gpuflow_home)
+
+
+def test_a_kind_with_its_own_flow_runs_as_that_flow_from_a_users_flow(prefect_api, gpuflow_home):
+    """An hpc job from the Python API runs as the hpc flow (as `gpuflow hpc` and the
+    deployments run it), a subflow of the caller's, with the kind's typed model."""
+    import shutil
+
+    from prefect import flow
+
+    from gpuflow import HpcJob, JobSpec, gpu_job
+
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun is not installed (scripts/test.sh installs it)")
+    write = 'echo "rank $OMPI_COMM_WORLD_RANK" > "$GPUFLOW_OUTPUT_DIR/rank-$OMPI_COMM_WORLD_RANK"'
+
+    @flow(name="users-hpc")
+    def users() -> tuple[str, object]:
+        from prefect.runtime import flow_run
+
+        job = HpcJob(kind="hpc", ranks=2, program=["sh", "-c", write])
+        return str(flow_run.id), gpu_job(JobSpec(name="md-from-python", job=job))
+
+    parent, run = users()
+    assert (run.state, run.exit_code) == ("Completed", 0)
+    assert sorted(p.name for p in (run.artifacts_dir / "outputs").iterdir()) == ["rank-0", "rank-1"]
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        child = client.read_flow_run(UUID(run.flow_run_id))
+        assert client.read_flow(child.flow_id).name == "hpc"
+    assert parent_of(run.flow_run_id) == parent
+    assert nothing_left(gpuflow_home)
