@@ -149,6 +149,7 @@ def gpu_jobs(
             max_workers=min(at_once or len(jobs), len(jobs)), thread_name_prefix="gpuflow-job"
         ) as pool,
     ):
+        jobs = [checked(job) for job in jobs]  # every one, before any starts
         futures = [pool.submit(contextvars.copy_context().run, _run, job) for job in jobs]
         states = [f.result() for f in futures]
     if return_state:

@@ -122,3 +122,15 @@ def test_a_kind_with_its_own_flow_runs_as_that_flow_from_a_users_flow(prefect_ap
         assert client.read_flow(child.flow_id).name == "hpc"
     assert parent_of(run.flow_run_id) == parent
     assert nothing_left(gpuflow_home)
+
+
+def test_a_sweep_with_one_bad_spec_starts_none_of_its_jobs(prefect_api, gpuflow_home):
+    """gpu_jobs runs every spec's checks (the backend's too) before any job starts."""
+    from gpuflow import InvalidSpec, gpu_jobs
+
+    good = {"name": "good", "job": {"kind": "command", "command": ["true"]}}
+    bad = {**good, "name": "bad", "resources": {"disk": "100000Ti"}}
+    with pytest.raises(InvalidSpec, match=r"resources\.disk asks for"):
+        gpu_jobs([good, bad])
+    assert not (gpuflow_home / "runs").exists()  # nothing ran, nothing collected
+    assert nothing_left(gpuflow_home)
