@@ -88,7 +88,7 @@ def pods_running(count: int) -> float:
     from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
     from gpuflow.tasks.contract import WorkUnit, owner_labels
     from gpuflow.tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
-    from gpuflow.tasks.pipeline.stages import run_units
+    from gpuflow.tasks.pipeline.running import run_units
     from gpuflow.tasks.spec import load_spec
 
     backend = KubernetesBackend()

@@ -15,20 +15,16 @@ from gpuflow.tasks.errors import InvalidSpec, JobCancelled, JobFailed
 from gpuflow.tasks.host import gpuflow_home, signals_deferred
 from gpuflow.tasks.metrics.summary import RunMetrics
 from gpuflow.tasks.pipeline.checks import check_pool
+from gpuflow.tasks.pipeline.collect import collect
 from gpuflow.tasks.pipeline.failover import place_on
 from gpuflow.tasks.pipeline.heartbeat import flow_run_heartbeat
 from gpuflow.tasks.pipeline.inflight import run_in_flight
 from gpuflow.tasks.pipeline.stages import (
-    collect,
     nothing_to_do,
-    preflight,
-    provision,
     release_unprovisioned,
     retrying,
-    run_stage,
     teardown,
     teardown_owned,
-    unprovisioned,
 )
 from gpuflow.tasks.spec import JobSpec, Placement, load_spec
 
@@ -112,68 +108,31 @@ def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
 def _checked_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
     job = load_spec(spec.model_dump() if isinstance(spec, JobSpec) else spec)
     pool = check_pool(job)  # every candidate, before anything is provisioned
-    job, prices = pool[0]
     run_id = str(current_run.id)
-    out = artifacts_dir(job, run_id)
-    owner = owner_labels(run_id, job.name)
-    idle = nothing_to_do(job)
-    with run_in_flight(run_id, *(j.placement for j, _ in pool)):
-        if len(pool) > 1 and not idle:
-            return _pooled(pool, run_id, out, owner)
-        return _stages(job, prices, run_id, out, owner, idle)
+    out = artifacts_dir(pool[0][0], run_id)
+    idle = nothing_to_do(pool[0][0])
+    places = [j.placement for j, _ in pool]
+    with run_in_flight(run_id, *places):
+        return _attempt(pool, run_id, out, owner_labels(run_id, job.name), idle)
 
 
-def _stages(
-    job: JobSpec,
-    prices: Any,
+def _attempt(
+    pool: list[tuple[JobSpec, Any]],
     run_id: str,
     out: Path,
     owner: dict[str, str],
     idle: str | None,
 ) -> PipelineResult | State:
-    where = job.placement
-    try:
-        if idle:  # a rerun with nothing left to do: nothing is provisioned for it
-            get_run_logger().info("nothing to provision: %s", idle)
-            cluster, verdict = unprovisioned(job, owner), "skipped"
-        else:
-            cluster = retrying(provision, job.retry.provision)(job, owner)
-            verdict = retrying(preflight, job.retry.preflight)(job, cluster).verdict
-        outcome = run_stage(job, cluster, prices, run_id)
-        metrics = retrying(collect, job.retry.collect)(
-            job, cluster, outcome, prices, run_id, str(out)
-        )
-    except JobCancelled as exc:
-        _teardown(run_id, where)
-        return Cancelled(message=str(exc))
-    except Exception:
-        _teardown(run_id, where)
-        raise
-    except BaseException:
-        with signals_deferred():  # interrupted: the engine may be going down
-            teardown_owned(where, run_id)
-        raise
-    finally:
-        if idle:
-            release_unprovisioned(run_id)
-    _teardown(run_id, where)
-    return _result(job, run_id, cluster, verdict, outcome, metrics, out)
-
-
-def _pooled(
-    pool: list[tuple[JobSpec, Any]], run_id: str, out: Path, owner: dict[str, str]
-) -> PipelineResult | State:
-    """The stages for a job placed on a list of candidates: tried in the policy's order,
-    a candidate that cannot give the GPUs within its gpu_wait given up (what it made
-    removed) for the next, a preempted job moved on where the policy says, then collect
-    and teardown as for one placement."""
+    """The stages on the job's placement (a pool of one) or its list of candidates:
+    placed (provision, preflight, run: tasks/pipeline/failover.py), then collect and
+    teardown; whatever happens, what the run made anywhere is torn down."""
     places = [job.placement for job, _ in pool]
     try:
-        placed = place_on(pool, run_id, owner)
+        placed = place_on(pool, run_id, owner, idle)
         job, prices = pool[placed.candidate.index]
         metrics = retrying(collect, job.retry.collect)(
             job, placed.cluster, placed.outcome, prices, run_id, str(out),
-            placed.earlier, placed.candidate.name,
+            placed.earlier, placed.candidate.name if placed.pooled else None,
         )  # fmt: skip
     except JobCancelled as exc:
         _teardown(run_id, *places)
@@ -186,6 +145,9 @@ def _pooled(
             for where in places:
                 teardown_owned(where, run_id)
         raise
+    finally:
+        if idle:
+            release_unprovisioned(run_id)
     _teardown(run_id, job.placement)
     return _result(job, run_id, placed.cluster, placed.verdict, placed.outcome, metrics, out)
 

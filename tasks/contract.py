@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel
+
+from gpuflow.tasks.storage import S3Settings
 
 OWNER_LABEL = "gpuflow.io/owner"
 RUN_LABEL = "gpuflow.io/flow-run-id"
@@ -97,20 +99,36 @@ class Offer(BaseModel):
     preemptible: bool = False  # its GPUs may be taken back (spot): a preempted job moves on
 
 
+class MpiLaunch(BaseModel):
+    """What makes a unit an MPI launcher: its mpirun starts ranks on every node of the
+    cluster, at the hosts and slots of its hostfile (a backend may start it its own way:
+    an MPIJob, an srun that shares the job's allocation)."""
+
+    hostfile: str  # one `name slots=N` line per node, in node order
+
+    def hosts(self) -> list[tuple[str, int]]:
+        """Return each node's name and its ranks (slots), in node order."""
+        found = []
+        for line in self.hostfile.splitlines():
+            words = line.split()
+            if words:
+                slots = next((w[6:] for w in words if w.startswith("slots=")), "1")
+                found.append((words[0], int(slots)))
+        return found
+
+
 class WorkUnit(BaseModel):
-    """One command a backend runs on one node of its cluster, and how its success is
-    judged: by its exit code, by the frames it leaves in storage, or by the status files
-    of the MPI ranks it launches."""
+    """One command a backend runs on one node of its cluster; its exit code says how it
+    went (a render chunk's kind also looks for its `frames` in storage)."""
 
     name: str  # "main", "chunk-3", "node-1", "launcher": named so in logs
     command: list[str]
     env: dict[str, str] = {}  # the kind's own variables, over the run's environment
     node: int = 0
     gpus: list[int] | None = None  # GPU indices on its node; None: every GPU the node holds
-    judge: Literal["exit_code", "frames", "rank_status"] = "exit_code"
-    frames: list[int] = []  # judge "frames": what must be in storage afterwards
+    frames: list[int] = []  # a render chunk: the frames it must leave in storage
     world_size: int | None = None  # training: ranks over every node
-    hostfile: str | None = None  # an MPI launcher: the hosts and slots its ranks go to
+    launcher: MpiLaunch | None = None  # an MPI launcher: where its ranks go
 
 
 class JobResult(BaseModel):
@@ -192,6 +210,8 @@ class UnitRunner(Protocol):
     # errors a unit's end raises at once, not retried here: the run's pool hands the job
     # to its next candidate (capacity; a preemption where it moves on)
     handed_on: tuple[type[Exception], ...]
+    limit: str  # the limit the deadline comes from: max_duration, or max_cost_usd
+    storage: S3Settings  # the run's storage settings, resolved once for every unit
 
     def run(
         self, unit: WorkUnit, on_line: LineSink, env: Mapping[str, str], deadline: float

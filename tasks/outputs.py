@@ -25,6 +25,9 @@ import stat
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 MASKED = ("error.txt", "result.json")
 CHUNK = 1 << 20
@@ -130,3 +133,15 @@ def keep_whole(outputs: Path, kept_root: Path) -> Path:
     beside = outputs.parent.with_name(name + ".outputs-kept")
     outputs.rename(beside)
     return beside
+
+
+Figures = TypeVar("Figures", bound=BaseModel)
+
+
+def read_result(path: Path, model: type[Figures]) -> Figures | None:
+    """Return the figures a job wrote to `path` (its result.json) read through `model`;
+    None when it wrote none, or none of that shape (it stopped before its end)."""
+    try:
+        return model.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError):
+        return None

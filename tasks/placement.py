@@ -3,8 +3,8 @@ spec needs the Prefect API, both before anything runs."""
 
 from __future__ import annotations
 
-from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.metrics.cost import PriceTable
+from gpuflow.tasks.saved_blocks import load_block
 from gpuflow.tasks.spec import JobSpec
 
 
@@ -32,13 +32,13 @@ def _price_table(name: str | None) -> PriceTable:
     if name is None:
         return PriceTable()
 
-    try:
-        # blocks import prefect-aws and prefect-kubernetes (about 1 s): read one only when used
-        from gpuflow.blocks.prices import GpuPriceTable
+    # blocks import prefect-aws and prefect-kubernetes (about 1 s): read one only when used
+    from gpuflow.blocks.prices import GpuPriceTable
 
-        return GpuPriceTable.load(name).table()
-    except ValueError:
-        raise InvalidSpec(
-            f"placement.price_table: there is no GpuPriceTable block named {name!r}; create it"
-            " with `gpuflow blocks init` or GpuPriceTable(...).save(name), or remove the field."
-        ) from None
+    return load_block(
+        GpuPriceTable,
+        name,
+        "placement.price_table",
+        create=f"`gpuflow blocks init` or GpuPriceTable(...).save({name!r})",
+        otherwise="remove the field",
+    ).table()

@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.saved_blocks import load_block
 
 MASK = "***"
 # Shorter values are not masked: "ok" or "1" would mask ordinary text everywhere.
@@ -96,13 +97,13 @@ def resolve(secret_env: Mapping[str, str]) -> dict[str, str]:
 
     values = {}
     for env_name, block_name in secret_env.items():
-        try:
-            secret = Secret.load(block_name)
-        except ValueError:
-            raise InvalidSpec(
-                f"secret_env.{env_name}: there is no Prefect Secret block named {block_name!r};"
-                f" create it with Secret(value=...).save({block_name!r}) or fix the name."
-            ) from None
+        secret = load_block(
+            Secret,
+            block_name,
+            f"secret_env.{env_name}",
+            create=f"Secret(value=...).save({block_name!r})",
+            kind="Prefect Secret",
+        )
         value = as_env_value(secret.get())
         if len(value.strip()) < MIN_MASKED:
             raise InvalidSpec(

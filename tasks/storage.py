@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 from pydantic import BaseModel, SecretStr
 
 from gpuflow.tasks.errors import GpuflowError, InvalidSpec, TransientError
+from gpuflow.tasks.saved_blocks import load_block
 
 CHUNK = 8 * 2**20
 
@@ -60,13 +61,13 @@ class S3Settings(BaseModel):
         """Return settings from the prefect-aws AwsCredentials block `name`."""
         from prefect_aws import AwsCredentials
 
-        try:
-            block = AwsCredentials.load(name)
-        except ValueError:
-            raise StorageError(
-                f"storage.aws_credentials: there is no AwsCredentials block named {name!r};"
-                " create it with prefect-aws or fix the name."
-            ) from None
+        block = load_block(
+            AwsCredentials,
+            name,
+            "storage.aws_credentials",
+            create=f"prefect-aws (AwsCredentials(...).save({name!r}))",
+            error=StorageError,
+        )
         params = block.aws_client_parameters
         return cls(
             endpoint_url=params.endpoint_url if params else None,

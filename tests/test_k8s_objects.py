@@ -23,7 +23,7 @@ from gpuflow.tasks.backends.kubernetes.manifests import (
     unit_job,
 )
 from gpuflow.tasks.backends.kubernetes.pending import explain_pending, used_gpus
-from gpuflow.tasks.contract import Cluster, WorkUnit, owner_labels
+from gpuflow.tasks.contract import Cluster, MpiLaunch, WorkUnit, owner_labels
 
 RUN = "5b0c9c2e-58a4-4d43-9d7e-2f0f4a3a1b11"
 
@@ -113,10 +113,7 @@ def test_the_grace_comes_from_the_specs_stop_grace_and_the_rest_from_the_block()
     from gpuflow.tasks.spec import load_spec
 
     backend = KubernetesBackend(block="team")  # the block as read, no API asked
-    backend._loaded = (
-        "team",
-        KubernetesGpuPool(service_account="trainer", allow_privilege_escalation=True),
-    )
+    backend.pool = KubernetesGpuPool(service_account="trainer", allow_privilege_escalation=True)
     backend._api = type("Api", (), {"namespace": "ml"})()  # type: ignore[assignment]
     spec = load_spec(
         {
@@ -260,8 +257,7 @@ def test_an_mpi_launcher_becomes_an_mpijob_of_one_worker_per_node():
     launcher = WorkUnit(
         name="launcher",
         command=[sys.executable, "-m", "gpuflow.tasks.hpc.launch", "--job-json", "{}"],
-        judge="rank_status",
-        hostfile="a slots=8\nb slots=8\n",
+        launcher=MpiLaunch(hostfile="a slots=8\nb slots=8\n"),
     )
     job = mpi_job(cluster(gpus=8, nodes=2), launcher, settings, deadline_s=600, slots=8)
     assert problems(job) == []

@@ -106,7 +106,8 @@ def test_teardown_kills_a_running_job_from_another_handle(backend, tmp_path):
         if (
             pidfile.exists()
             and pidfile.read_text().strip()
-            and "job" in (backend._read_record(cluster.name) or {})
+            and (record := backend._read_record(cluster.name)) is not None
+            and record.jobs
         ):
             break
         time.sleep(0.05)
@@ -372,7 +373,7 @@ def test_a_root_job_that_leaves_one_cgroup_hierarchy_is_still_torn_down(backend)
 
 
 def test_units_run_at_once_and_the_first_failure_stops_the_rest(backend, tmp_path):
-    from gpuflow.tasks.pipeline.stages import run_units
+    from gpuflow.tasks.pipeline.running import run_units
 
     cluster = backend.provision(spec_for(["sh"]), owner_labels("run-9", "job"))
     pidfile = tmp_path / "sleeper.pid"
@@ -394,7 +395,7 @@ def test_units_run_at_once_and_the_first_failure_stops_the_rest(backend, tmp_pat
 
 
 def test_units_all_succeeding_report_the_whole_span(backend):
-    from gpuflow.tasks.pipeline.stages import run_units
+    from gpuflow.tasks.pipeline.running import run_units
 
     cluster = backend.provision(spec_for(["sh"]), owner_labels("run-10", "job"))
     units = [WorkUnit(name=f"u{i}", command=["sh", "-c", f"sleep 0.{i}"]) for i in (2, 5)]

@@ -71,7 +71,7 @@ def test_render_chunks_are_units_with_their_frames(frames, chunk, gpus, workers,
     spec = load_spec({"job": job, "resources": {"gpus": gpus, "allow_cpu": True}})
     units = units_for(spec, cluster(gpus=gpus), render_plan(list(frames)))
     assert [u.frames for u in units] == expected
-    assert all(u.judge == "frames" for u in units)
+    assert all(u.frames and u.launcher is None for u in units)
     assert [u.name for u in units] == [f"chunk-{i}" for i in range(len(expected))]
     for unit in units:  # Blender gets exactly the unit's frames
         assert unit.command[unit.command.index("-f") + 1] == blender_frames(unit.frames)
@@ -170,8 +170,9 @@ def test_torchrun_options_for_one_node_and_many():
 def test_hpc_is_one_launcher_over_the_hosts_slots():
     spec = load_spec({"job": {"kind": "hpc", "ranks": 8, "slots": 4, "program": ["./sim"]}})
     [unit] = get_kind("hpc").units(spec, cluster(nodes=2))
-    assert unit.name == "launcher" and unit.judge == "rank_status" and unit.node == 0
-    assert unit.hostfile == "node-0 slots=4\nnode-1 slots=4\n"
+    assert unit.name == "launcher" and unit.launcher is not None and unit.node == 0
+    assert unit.launcher.hostfile == "node-0 slots=4\nnode-1 slots=4\n"
+    assert unit.launcher.hosts() == [("node-0", 4), ("node-1", 4)]
     hosts = json.loads(unit.command[unit.command.index("--hosts-json") + 1])
     assert [(h["name"], h["slots"]) for h in hosts] == [("node-0", 4), ("node-1", 4)]
 
@@ -181,14 +182,14 @@ def test_hpc_slots_follow_gpus_per_rank():
         {"job": {"kind": "hpc", "ranks": 4, "gpus_per_rank": 2, "md": {}}, "resources": {"gpus": 4}}
     )
     [unit] = get_kind("hpc").units(spec, cluster(nodes=2, gpus=4))
-    assert unit.hostfile == "node-0 slots=2\nnode-1 slots=2\n"
+    assert unit.launcher.hostfile == "node-0 slots=2\nnode-1 slots=2\n"
 
 
 @pytest.mark.parametrize("kind", ["command", "matmul"])
 def test_single_command_kinds_are_one_unit_on_every_gpu(kind):
     job = {"kind": kind, "command": ["echo", "hi"]} if kind == "command" else {"kind": kind}
     [unit] = get_kind(kind).units(load_spec({"job": job}), cluster(gpus=2))
-    assert unit.node == 0 and unit.gpus is None and unit.judge == "exit_code"
+    assert unit.node == 0 and unit.gpus is None and unit.launcher is None and not unit.frames
     assert unit.command[:1] == (["echo"] if kind == "command" else [sys.executable])
 
 
@@ -215,7 +216,7 @@ def test_command_copies_are_one_unit_per_node_or_per_gpu(copies, nodes, gpus, ex
         {"GPUFLOW_TASK_INDEX": str(i), "GPUFLOW_TASKS": str(len(expected))}
         for i in range(len(expected))
     ]
-    assert all(u.command == ["echo", "hi"] and u.judge == "exit_code" for u in units)
+    assert all(u.command == ["echo", "hi"] and u.launcher is None for u in units)
 
 
 def test_command_copies_per_gpu_needs_gpus():

@@ -6,8 +6,12 @@ from __future__ import annotations
 import contextlib
 import math
 import subprocess
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import ClassVar, Protocol
 
 from gpuflow.tasks.contract import (
@@ -25,7 +29,7 @@ from gpuflow.tasks.contract import (
     UnitEnd,
     WorkUnit,
 )
-from gpuflow.tasks.host import signals_deferred, stop_group
+from gpuflow.tasks.host import STOP_GRACE_S, signals_deferred, stop_group
 from gpuflow.tasks.metrics.cost import PriceTable
 from gpuflow.tasks.spec import JobSpec, Placement
 
@@ -50,6 +54,107 @@ class UnitHandle(Protocol):
 
     def unconfirmed(self) -> UnitEnd:
         """Return the end to report when a stopped unit never confirmed its end."""
+
+
+class StartedUnit(UnitHandle, Protocol):
+    """A unit a backend started (`UnitBackend.start`): a handle for `follow_unit`, how
+    often to look at it, and what to do once it is over."""
+
+    every_s: float  # how often follow_unit polls it
+
+    def finish(self, end: UnitEnd | None) -> UnitEnd | None:
+        """Called once whatever happened (end None: this process was interrupted): read
+        the unit's last lines, outputs and samples, release what following it held;
+        return its end with what was learned."""
+
+
+TAIL_LINES = 40  # the last lines of a unit's log kept in its result
+
+
+class LogTail:
+    """A unit's line sink: every line goes on to the run's, the last TAIL_LINES are kept
+    for its result (and for the failure sentence)."""
+
+    def __init__(self, on_line: LineSink) -> None:
+        self.on_line = on_line
+        self._last: deque[str] = deque(maxlen=TAIL_LINES)
+
+    def __call__(self, stream: str, text: str) -> None:
+        self._last.append(text)
+        self.on_line(stream, text)
+
+    def note(self, text: str) -> None:
+        """Add a line of gpuflow's own about the unit (a lost node), on stderr."""
+        self("stderr", text)
+
+    def lines(self) -> list[str]:
+        return list(self._last)
+
+
+_SAMPLES_LOCK = threading.Lock()  # units end in threads of their own: one joins at a time
+
+
+def join_samples(samples: Path, node_samples: bytes | Path) -> None:
+    """Append a unit's node samples (JSON lines, or a file of them, removed once added)
+    to the run's `samples`; a file that is not there adds nothing."""
+    with _SAMPLES_LOCK, contextlib.suppress(OSError):
+        data = node_samples if isinstance(node_samples, bytes) else node_samples.read_bytes()
+        if data:
+            with samples.open("ab") as out:
+                out.write(data if data.endswith(b"\n") else data + b"\n")
+        if isinstance(node_samples, Path):
+            node_samples.unlink()
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> int:
+    """Stop one child process: SIGTERM, `grace_s` to end, then SIGKILL; return its code."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            return proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
+class UnitBackend:
+    """The run verb written once: a backend that derives from this says how to start a
+    unit (`start`); following it to its end, its log tail and its result are here."""
+
+    def start(
+        self,
+        cluster: Cluster,
+        unit: WorkUnit,
+        env: Mapping[str, str],
+        timeout_s: float,
+        tail: LogTail,
+    ) -> StartedUnit:
+        """Start `unit` on its node with `env` (the backend adds what its nodes need and
+        the unit's own env over it), its lines going to `tail`; return its handle.
+        Raises InvalidSpec or ProvisionError when it cannot start."""
+        raise NotImplementedError
+
+    def run(
+        self,
+        cluster: Cluster,
+        unit: WorkUnit,
+        env: Mapping[str, str],
+        timeout_s: float,
+        on_line: LineSink,
+        should_stop: StopCheck | None = None,
+        grace_s: float = STOP_GRACE_S,
+    ) -> JobResult:
+        """Run `unit` (see Backend.run): start it, follow it to its end, return its result."""
+        tail = LogTail(on_line)
+        started = datetime.now(UTC)
+        handle = self.start(cluster, unit, env, timeout_s, tail)
+        end: UnitEnd | None = None
+        try:
+            end = follow_unit(handle, timeout_s, should_stop, grace_s, handle.every_s)
+        finally:
+            end = handle.finish(end)
+        assert end is not None  # finish gives an end back for an end
+        return end.result(started, datetime.now(UTC), tail.lines())
 
 
 def follow_unit(
@@ -98,12 +203,14 @@ class ProcessGroupUnit:
     """A unit that is a process group on this machine (started in a session of its own),
     as follow_unit sees it: for backends whose units are local processes."""
 
+    every_s = 0.1
+
     def __init__(self, proc: subprocess.Popen) -> None:
         self.proc = proc
 
     def poll(self) -> UnitEnd | None:
         code = self.proc.poll()
-        return None if code is None else _ended(code)
+        return None if code is None else exit_end(code)
 
     def wait(self, seconds: float) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -111,7 +218,7 @@ class ProcessGroupUnit:
 
     def stop(self, reason: StopReason, grace_s: float) -> UnitEnd:
         stop_group(self.proc.pid, None, grace_s)
-        return _ended(self.proc.wait())
+        return exit_end(self.proc.wait())
 
     def interrupt(self, grace_s: float) -> None:
         stop_group(self.proc.pid, None, grace_s)
@@ -121,8 +228,11 @@ class ProcessGroupUnit:
     def unconfirmed(self) -> UnitEnd:
         return UnitEnd(signal=9)
 
+    def finish(self, end: UnitEnd | None) -> UnitEnd | None:
+        return end
 
-def _ended(code: int) -> UnitEnd:
+
+def exit_end(code: int) -> UnitEnd:
     """Return the end of a process that exited with `code` (negative: killed by a signal)."""
     return UnitEnd(exit_code=code if code >= 0 else None, signal=-code if code < 0 else None)
 
@@ -136,11 +246,17 @@ class Backend(Protocol):
 
     @classmethod
     def at(cls, placement: Placement | None = None) -> Backend:
-        """Return the backend for a spec's placement (its block, namespace); None: defaults."""
+        """Return the backend for a spec's placement (its block, namespace); None: defaults.
+        Its settings are read once, when first needed, and never change."""
+
+    @classmethod
+    def of(cls, cluster: Cluster) -> Backend:
+        """Return the backend `cluster` was made with, from what its state records."""
 
     def configure(self, spec: JobSpec, prices: PriceTable) -> tuple[JobSpec, PriceTable]:
         """Return the spec with its placement block's settings applied (values written in
-        the spec win) and the prices with the block's; InvalidSpec for a missing block."""
+        the spec win) and a new price table with the block's (`prices` is left as it is);
+        InvalidSpec for a missing block."""
 
     def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
         """Raise InvalidSpec if this backend cannot run `spec` (with what its kind `needs`;

@@ -8,6 +8,7 @@ from gpuflow.tasks.backends.ec2.backend import Ec2Backend
 from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
 from gpuflow.tasks.backends.local.backend import LocalBackend
 from gpuflow.tasks.backends.slurm.backend import SlurmBackend
+from gpuflow.tasks.contract import Cluster
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.spec import Placement
 
@@ -35,6 +36,11 @@ def get_backend(name: str, placement: Placement | None = None) -> Backend:
             f"placement.backend: {name!r} is not a backend; use one of: {', '.join(_BACKENDS)}"
         )
     return _BACKENDS[name].at(placement)
+
+
+def backend_for(cluster: Cluster) -> Backend:
+    """Return the backend `cluster` was made with, rebuilt from what its state records."""
+    return _BACKENDS[cluster.backend].of(cluster)
 
 
 for _builtin in (LocalBackend, KubernetesBackend, Ec2Backend, SlurmBackend):

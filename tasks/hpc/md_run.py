@@ -21,6 +21,7 @@ import torch
 
 from gpuflow.tasks.hpc import md
 from gpuflow.tasks.hpc.box import box_for, ns_per_day
+from gpuflow.tasks.hpc.result import MdResult
 
 DEFAULTS: dict[str, Any] = {
     "atoms": 4000,
@@ -174,7 +175,9 @@ def _write(out: Path, result: dict[str, Any]) -> None:
     header = list(rows[0])
     lines = [",".join(header)] + [",".join(f"{r[k]:.15g}" for k in header) for r in rows]
     (out / "thermo.csv").write_text("\n".join(lines) + "\n")
-    (out / "result.json").write_text(json.dumps(result, indent=2))
+    (out / "result.json").write_text(
+        MdResult(**result).model_dump_json(indent=2, exclude_none=True)
+    )
 
 
 def _comm() -> Any:

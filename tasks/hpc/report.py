@@ -8,7 +8,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from gpuflow.tasks.hpc.result import MdResult
 from gpuflow.tasks.metrics.plot import pyplot
+from gpuflow.tasks.outputs import read_result
 
 
 def read_thermo(path: Path) -> list[dict[str, float]]:
@@ -56,8 +58,7 @@ def summary(workspace: Path, out_dir: Path, title: str) -> tuple[list[dict[str, 
     """Return table rows and markdown lines for a finished (or failed) HPC run."""
     outputs = workspace / "outputs"
     ranks = rank_table(workspace)
-    result_path = outputs / "result.json"
-    result = json.loads(result_path.read_text()) if result_path.is_file() else {}
+    result = read_result(outputs / "result.json", MdResult)
     rows = [{"metric": "hpc.ranks_reported", "value": len(ranks)}]
     failed = [r for r in ranks if r["exit_code"] not in (0, None) or r["signal"]]
     rows.append({"metric": "hpc.ranks_failed", "value": len(failed)})
@@ -65,20 +66,18 @@ def summary(workspace: Path, out_dir: Path, title: str) -> tuple[list[dict[str, 
     if ranks:
         hosts = sorted({r["host"] for r in ranks})
         lines.append(f"- {len(ranks)} rank(s) on {', '.join(hosts)}; {len(failed)} failed")
-    if "atom_steps_per_s" in result:
+    if result is not None:
         lines.append(
-            f"- **{result['atom_steps_per_s']:.4g} atom-steps/s**, {result['ns_per_day']:.4g}"
-            f" ns/day (argon), {result['atoms']} atoms x {result['steps']} steps on"
-            f" {result['ranks']} rank(s) ({result['device']})"
+            f"- **{result.atom_steps_per_s:.4g} atom-steps/s**, {result.ns_per_day:.4g}"
+            f" ns/day (argon), {result.atoms} atoms x {result.steps} steps on"
+            f" {result.ranks} rank(s) ({result.device})"
         )
         lines.append(
-            f"- total-energy drift {result['energy_drift_per_atom']:.2e} per atom (largest"
-            f" deviation {result['max_energy_deviation_per_atom']:.2e})"
+            f"- total-energy drift {result.energy_drift_per_atom:.2e} per atom (largest"
+            f" deviation {result.max_energy_deviation_per_atom:.2e})"
         )
-        if "gpu_vs_cpu_speedup" in result:
-            lines.append(
-                f"- GPU vs CPU: **{result['gpu_vs_cpu_speedup']:.1f}x** on {result['gpu_name']}"
-            )
+        if result.gpu_vs_cpu_speedup is not None:
+            lines.append(f"- GPU vs CPU: **{result.gpu_vs_cpu_speedup:.1f}x** on {result.gpu_name}")
     png = energy_png(read_thermo(outputs / "thermo.csv"), out_dir / "energy.png", title)
     if png:
         lines.append(f"- energies over time: `{png}`")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from gpuflow.tasks.contract import Capabilities, Cluster, Needs, RunOutcome, UnitRunner, WorkUnit
 from gpuflow.tasks.spec import JobSpec
@@ -39,6 +39,8 @@ class JobKind:
     # True when the kind hands out its own units (`schedule`) instead of the run stage
     # running every unit of `units` at once
     schedules_units: ClassVar[bool] = False
+    # the figures its job writes to outputs/result.json; None: the job's own, free-form
+    result: ClassVar[type[BaseModel] | None] = None
 
     def check(self, spec: JobSpec, where: Capabilities) -> None:
         """Raise InvalidSpec when the job cannot run as written on a backend that can do
@@ -75,6 +77,16 @@ class JobKind:
     def report(self, spec: JobSpec, cluster: Cluster, artifacts: Path, title: str) -> Report:
         """Return what the job's outputs add to the summary; may write artifacts (plots)."""
         return Report()
+
+    def figures(self, job: dict[str, Any]) -> BaseModel | None:
+        """Return the job's result.json figures read through the kind's `result` model;
+        None without one, or for figures not of it (a job that stopped before its end)."""
+        if self.result is None or not job:
+            return None
+        try:
+            return self.result.model_validate(job)
+        except ValidationError:
+            return None
 
     def summary(self, job: dict[str, Any]) -> list[str]:
         """Return the lines the CLI prints about the job's result.json figures."""

@@ -12,12 +12,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gpuflow.tasks.contract import Capabilities, Cluster, Needs, WorkUnit
+from gpuflow.tasks.contract import Capabilities, Cluster, MpiLaunch, Needs, WorkUnit
 from gpuflow.tasks.hpc.check import check_hpc, preflight_checks
 from gpuflow.tasks.hpc.launch import hosts_for
 from gpuflow.tasks.hpc.model import HpcJob
 from gpuflow.tasks.hpc.mpi import hostfile
 from gpuflow.tasks.hpc.report import summary
+from gpuflow.tasks.hpc.result import MdResult
 from gpuflow.tasks.kinds.base import JobKind, Report
 from gpuflow.tasks.spec import JobSpec
 from gpuflow.tasks.storage import s3_settings
@@ -56,9 +57,7 @@ class HpcKind(JobKind):
         command += [spec.job.model_dump_json()]
         command += ["--hosts-json", json.dumps([h.model_dump() for h in hosts])]
         return [
-            WorkUnit(
-                name="launcher", command=command, judge="rank_status", hostfile=hostfile(hosts)
-            )
+            WorkUnit(name="launcher", command=command, launcher=MpiLaunch(hostfile=hostfile(hosts)))
         ]
 
     def report(self, spec: JobSpec, cluster: Cluster, artifacts: Path, title: str) -> Report:
@@ -67,14 +66,15 @@ class HpcKind(JobKind):
         return Report(rows=rows, lines=lines)
 
     def summary(self, job: dict[str, Any]) -> list[str]:
-        if "atom_steps_per_s" not in job:
+        done = self.figures(job)
+        if not isinstance(done, MdResult):
             return []
         lines = [
-            f"  md: {job['atoms']} atoms x {job['steps']} steps on {job['ranks']} rank(s)"
-            f" ({job['device']}): {job['atom_steps_per_s']:.4g} atom-steps/s,"
-            f" {job['ns_per_day']:.4g} ns/day (argon), energy drift"
-            f" {job['energy_drift_per_atom']:.2e} per atom"
+            f"  md: {done.atoms} atoms x {done.steps} steps on {done.ranks} rank(s)"
+            f" ({done.device}): {done.atom_steps_per_s:.4g} atom-steps/s,"
+            f" {done.ns_per_day:.4g} ns/day (argon), energy drift"
+            f" {done.energy_drift_per_atom:.2e} per atom"
         ]
-        if "gpu_vs_cpu_speedup" in job:
-            lines.append(f"  GPU vs CPU: {job['gpu_vs_cpu_speedup']:.1f}x on {job['gpu_name']}")
+        if done.gpu_vs_cpu_speedup is not None:
+            lines.append(f"  GPU vs CPU: {done.gpu_vs_cpu_speedup:.1f}x on {done.gpu_name}")
         return lines

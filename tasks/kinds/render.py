@@ -17,6 +17,7 @@ from gpuflow.tasks.kinds.base import JobKind, Report
 from gpuflow.tasks.render import scene, stage
 from gpuflow.tasks.render.model import RenderJob
 from gpuflow.tasks.render.report import summary
+from gpuflow.tasks.render.result import RenderResult
 from gpuflow.tasks.render.units import units_for
 from gpuflow.tasks.spec import JobSpec
 from gpuflow.tasks.storage import StorageError, check_writable, s3_settings
@@ -71,9 +72,10 @@ class RenderKind(JobKind):
         return Report(lines=summary(Path(cluster.workspace) / "outputs", artifacts, spec.name))
 
     def summary(self, job: dict[str, Any]) -> list[str]:
-        if "frames_rendered" not in job:
+        done = self.figures(job)
+        if not isinstance(done, RenderResult):
             return []
         return [
-            f"  rendered {job['frames_rendered']} frames ({job['frames_skipped']} already in"
-            f" storage) in {job['chunks']} chunk(s), {job['frames_per_s']} frames/s -> {job['output']}"
+            f"  rendered {done.frames_rendered} frames ({done.frames_skipped} already in"
+            f" storage) in {done.chunks} chunk(s), {done.frames_per_s} frames/s -> {done.output}"
         ]

@@ -19,6 +19,7 @@ from gpuflow.tasks.storage import StorageError, s3_settings
 from gpuflow.tasks.training.model import TrainJob
 from gpuflow.tasks.training.profile import read
 from gpuflow.tasks.training.report import summary
+from gpuflow.tasks.training.result import TrainResult
 from gpuflow.tasks.training.validate import check_train
 
 RENDEZVOUS_PORT = 29400
@@ -82,19 +83,19 @@ class TrainKind(JobKind):
         return Report(rows=rows, lines=lines)
 
     def summary(self, job: dict[str, Any]) -> list[str]:
-        if "world_size" not in job:
+        done = self.figures(job)
+        if not isinstance(done, TrainResult):
             return []
-        speed = job.get("images_per_s") or job.get("tokens_per_s")
-        unit = "images/s" if "images_per_s" in job else "tokens/s"
+        speed, unit = done.speed()
         lines = [
-            f"  trained {job['steps']} steps on {job['world_size']} rank(s) ({job['device']}):"
-            f" {job['samples_per_s']} samples/s, {speed} {unit}"
+            f"  trained {done.steps} steps on {done.world_size} rank(s) ({done.device}):"
+            f" {done.samples_per_s} samples/s, {speed} {unit}"
         ]
-        if "eval_loss" in job:
-            accuracy = job.get("eval_accuracy")
+        if done.eval_loss is not None:
+            accuracy = done.eval_accuracy
             top1 = f", top-1 accuracy {100 * accuracy:.1f}%" if accuracy is not None else ""
-            lines.append(f"  eval at step {job['eval_step']}: loss {job['eval_loss']:.4f}{top1}")
-        lines.append(f"  weights: {job['weights']}")
+            lines.append(f"  eval at step {done.eval_step}: loss {done.eval_loss:.4f}{top1}")
+        lines.append(f"  weights: {done.weights}")
         return lines
 
 

@@ -35,6 +35,17 @@ class PriceTable(BaseModel):
         prices = self.gpu_hourly_usd.get(backend, {})
         return prices.get(product or "", prices.get("*", 0.0))
 
+    def with_gpu_rate(
+        self, backend: str, gpu_usd: float, cpu_core_usd: float | None = None
+    ) -> PriceTable:
+        """Return a new table where every GPU on `backend` costs `gpu_usd` an hour (and a
+        CPU core `cpu_core_usd`, when given); this one is left as it is."""
+        gpu = {**self.gpu_hourly_usd, backend: {"*": gpu_usd}}
+        cpu = dict(self.cpu_core_hourly_usd)
+        if cpu_core_usd is not None:
+            cpu[backend] = cpu_core_usd
+        return self.model_copy(update={"gpu_hourly_usd": gpu, "cpu_core_hourly_usd": cpu})
+
 
 class Cost(BaseModel):
     usd: float

@@ -25,6 +25,7 @@ from gpuflow.tasks.errors import (
     retry_unless,
 )
 from gpuflow.tasks.metrics.cost import PriceTable
+from gpuflow.tasks.pipeline.costs import hourly_paid
 from gpuflow.tasks.pipeline.pool import (
     Candidate,
     Use,
@@ -36,13 +37,13 @@ from gpuflow.tasks.pipeline.pool import (
     placed_line,
     table,
 )
+from gpuflow.tasks.pipeline.running import run_stage
 from gpuflow.tasks.pipeline.stages import (
-    hourly_paid,
     preflight,
     provision,
     retrying,
-    run_stage,
     teardown_owned,
+    unprovisioned,
 )
 from gpuflow.tasks.spec import JobSpec
 
@@ -160,45 +161,52 @@ class Placed(BaseModel):
     verdict: str
     outcome: RunOutcome
     earlier: list[Use] = []
+    pooled: bool = True  # placed among several candidates (its summary splits the cost)
 
 
-def place_on(pool: list[tuple[JobSpec, PriceTable]], run_id: str, owner: dict[str, str]) -> Placed:
+def place_on(
+    pool: list[tuple[JobSpec, PriceTable]],
+    run_id: str,
+    owner: dict[str, str],
+    idle: str | None = None,
+) -> Placed:
     """Run the job on the first candidate, in the policy's order, that gives it its GPUs
-    and runs it to its end. A candidate that cannot give the GPUs within its gpu_wait
-    (CapacityError at provision or while its units wait) is given up and what it made
-    removed; a job preempted where the policy moves it on resumes on the next candidate
-    that can start it (at most retry.run.retries moves). CapacityError naming every
-    candidate's reason when none is left."""
-    log = get_run_logger()
+    and runs it to its end; one placement is a pool of one. A candidate that cannot give
+    the GPUs within its gpu_wait (CapacityError at provision or while its units wait) is
+    given up and what it made removed; a job preempted where the policy moves it on
+    resumes on the next candidate that can start it (at most retry.run.retries moves).
+    CapacityError naming every candidate's reason when none is left. A pool of one has no
+    next: its stages retry what may succeed on a retry, and its errors are its own. With
+    `idle` (why there is nothing to do), nothing is provisioned: the run stage and collect
+    work in a folder here."""
+    alone = len(pool) == 1 or idle is not None
     spec = pool[0][0]
-    ranked = place(pool)
+    ranked = [Candidate(index=0, name=candidate_name(spec.placement))] if alone else place(pool)
     queue = list(ranked)
     earlier: list[Use] = []
     moves = 0
     while queue:
         candidate = queue.pop(0)
         job, prices = pool[candidate.index]
-        moving = moves_on_preempt(spec.placement_policy, candidate.offer)
+        moving = not alone and moves_on_preempt(spec.placement_policy, candidate.offer)
         # a pool hands capacity (and, where it moves on, a preemption) to the next
         # candidate instead of retrying the same one
-        handed_on = (
-            (CapacityError, Unreachable, PreemptedError) if moving else (CapacityError, Unreachable)
+        handed_on: tuple[type[Exception], ...] = (
+            () if alone else (CapacityError, Unreachable, *([PreemptedError] if moving else []))
         )
-        condition = retry_unless(*handed_on)
         cluster: Cluster | None = None
         try:
-            cluster = retrying(provision, job.retry.provision, condition)(job, owner)
-            verdict = retrying(preflight, job.retry.preflight)(job, cluster).verdict
-            candidate.verdict, candidate.reason = "chosen", _chosen_reason(candidate, moves)
-            log.info("%s", placed_line(candidate, ranked))
-            tell(spec, ranked, run_id, CHOSEN_EVENT, chosen=candidate.name)
+            cluster, verdict = _provisioned(job, owner, idle, handed_on)
+            if not alone:
+                candidate.verdict, candidate.reason = "chosen", _chosen_reason(candidate, moves)
+                get_run_logger().info("%s", placed_line(candidate, ranked))
+                tell(spec, ranked, run_id, CHOSEN_EVENT, chosen=candidate.name)
             outcome = run_stage(job, cluster, prices, run_id, handed_on)
         except (CapacityError, Unreachable) as exc:  # full, or its service is away
-            candidate.verdict, candidate.reason = "given up", str(exc).rstrip(".")
+            if alone:
+                raise
+            _give_up(spec, ranked, candidate, queue, exc, run_id)
             _release(job, run_id, cluster, candidate, prices, "given up", earlier)
-            following = queue[0].name if queue else "none left"
-            log.warning("failover: %s gave up (%s); next: %s", candidate.name, exc, following)
-            tell(spec, ranked, run_id, FAILOVER_EVENT, given_up=candidate.name, next=following)
             continue
         except PreemptedError as exc:
             if not moving or moves >= spec.retry.run.retries or cluster is None:
@@ -207,21 +215,54 @@ def place_on(pool: list[tuple[JobSpec, PriceTable]], run_id: str, owner: dict[st
             candidate.verdict, candidate.reason = "preempted", str(exc).split(";")[0]
             _release(job, run_id, cluster, candidate, prices, "preempted", earlier)
             queue = next_after(ranked, candidate)
-            log.warning(
+            get_run_logger().warning(
                 "failover: %s was preempted; the job resumes on %s", candidate.name, queue[0].name
             )
             tell(spec, ranked, run_id, FAILOVER_EVENT, preempted=candidate.name, next=queue[0].name)
             continue
-        tell(
-            spec, ranked, run_id, CHOSEN_EVENT, chosen=candidate.name, ended=True
-        ) if moves else None
+        if moves:
+            tell(spec, ranked, run_id, CHOSEN_EVENT, chosen=candidate.name, ended=True)
         return Placed(
-            candidate=candidate, cluster=cluster, verdict=verdict, outcome=outcome, earlier=earlier
+            candidate=candidate,
+            cluster=cluster,
+            verdict=verdict,
+            outcome=outcome,
+            earlier=earlier,
+            pooled=not alone,
         )
     sentence = none_left(ranked)
-    log.error("%s", sentence)
+    get_run_logger().error("%s", sentence)
     publish_table(spec, ranked)
     raise CapacityError(sentence)
+
+
+def _provisioned(
+    job: JobSpec, owner: dict[str, str], idle: str | None, handed_on: tuple[type[Exception], ...]
+) -> tuple[Cluster, str]:
+    """Return the candidate's cluster and preflight's verdict: provisioned and checked,
+    or, for a job with nothing to do, a folder here and "skipped"."""
+    if idle:  # a rerun with nothing left to do: nothing is provisioned for it
+        get_run_logger().info("nothing to provision: %s", idle)
+        return unprovisioned(job, owner), "skipped"
+    condition = retry_unless(*handed_on)
+    cluster = retrying(provision, job.retry.provision, condition)(job, owner)
+    return cluster, retrying(preflight, job.retry.preflight)(job, cluster).verdict
+
+
+def _give_up(
+    spec: JobSpec,
+    ranked: list[Candidate],
+    candidate: Candidate,
+    queue: list[Candidate],
+    why: Exception,
+    run_id: str,
+) -> None:
+    """Mark a candidate that cannot give the GPUs (or whose service is away) given up,
+    and say which is next."""
+    candidate.verdict, candidate.reason = "given up", str(why).rstrip(".")
+    following = queue[0].name if queue else "none left"
+    get_run_logger().warning("failover: %s gave up (%s); next: %s", candidate.name, why, following)
+    tell(spec, ranked, run_id, FAILOVER_EVENT, given_up=candidate.name, next=following)
 
 
 def _chosen_reason(candidate: Candidate, moves: int) -> str:

@@ -126,12 +126,48 @@ def inspect(
 
 def verdict(spec: JobSpec, facts: HostFacts, reserved: list[int]) -> PreflightReport:
     """Return pass/warn/fail findings for running `spec` with `reserved` GPUs on this host."""
+    gpus = [g for g in facts.nvml.gpus if g.index in reserved] if reserved else []
+    checks = _gpu_checks(spec, facts)
+    if kind_of(spec).uses_torch(spec):
+        checks.append(_torch_check(spec, facts, bool(gpus)))
+    for gpu in gpus:
+        free = gpu.memory_free_mib / max(gpu.memory_total_mib, 1)
+        if free < 0.5:
+            checks.append(
+                Check(
+                    name=f"gpu{gpu.index}-memory",
+                    level="warn",
+                    message=f"GPU {gpu.index} has only {gpu.memory_free_mib:.0f} MiB of"
+                    f" {gpu.memory_total_mib:.0f} MiB free; another process is using it.",
+                )
+            )
+    checks += _disk_checks(spec, facts)
+    checks += _host_size_checks(spec, facts)
+    for field, program in kind_of(spec).needs(spec).programs.items():
+        found = resolve_program(program, spec.env.get("PATH") or os.environ.get("PATH"))
+        checks.append(
+            Check(
+                name="program",
+                level="pass" if found else "fail",
+                message=f"{field}: {program} is {found}."
+                if found
+                else f"{field}: {program!r} was not found here; install it or give its full path.",
+            )
+        )
+    if facts.nccl_env:
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(facts.nccl_env.items()))
+        checks.append(Check(name="nccl", level="pass", message=f"NCCL settings: {shown}."))
+
+    levels = {c.level for c in checks}
+    overall: Level = "fail" if "fail" in levels else "warn" if "warn" in levels else "pass"
+    return PreflightReport(verdict=overall, checks=checks, facts=facts, gpus_reserved=reserved)
+
+
+def _gpu_checks(spec: JobSpec, facts: HostFacts) -> list[Check]:
+    """Return what NVML says of this host's GPUs and driver against what the job asks."""
     checks: list[Check] = []
     res = spec.resources
-    uses_torch = kind_of(spec).uses_torch(spec)
     wants_gpu = res.gpus > 0
-    gpus = [g for g in facts.nvml.gpus if g.index in reserved] if reserved else []
-
     if facts.nvml.available and facts.nvml.gpus:
         names = ", ".join(
             f"{g.index}: {g.name} ({g.memory_total_mib / 1024:.0f} GiB)" for g in facts.nvml.gpus
@@ -174,56 +210,24 @@ def verdict(spec: JobSpec, facts: HostFacts, reserved: list[int]) -> PreflightRe
                 message="nvidia-smi is not on PATH; install the NVIDIA utilities to debug on this host.",
             )
         )
+    return checks
 
-    if uses_torch:
-        checks.append(_torch_check(spec, facts, bool(gpus)))
 
-    for gpu in gpus:
-        free = gpu.memory_free_mib / max(gpu.memory_total_mib, 1)
-        if free < 0.5:
-            checks.append(
-                Check(
-                    name=f"gpu{gpu.index}-memory",
-                    level="warn",
-                    message=f"GPU {gpu.index} has only {gpu.memory_free_mib:.0f} MiB of"
-                    f" {gpu.memory_total_mib:.0f} MiB free; another process is using it.",
-                )
-            )
-
-    if facts.disk_free_bytes is not None:
-        need = res.disk
-        ok = facts.disk_free_bytes >= need
-        checks.append(
-            Check(
-                name="disk",
-                level="pass" if ok else "fail",
-                message=f"{format_bytes(facts.disk_free_bytes)} free in the workspace"
-                + (
-                    "."
-                    if ok
-                    else f", less than resources.disk ({format_bytes(need)}); free space or lower it."
-                ),
-            )
+def _disk_checks(spec: JobSpec, facts: HostFacts) -> list[Check]:
+    """Return the workspace's free disk against resources.disk (none when not known)."""
+    if facts.disk_free_bytes is None:
+        return []
+    need = spec.resources.disk
+    ok = facts.disk_free_bytes >= need
+    short = f", less than resources.disk ({format_bytes(need)}); free space or lower it."
+    return [
+        Check(
+            name="disk",
+            level="pass" if ok else "fail",
+            message=f"{format_bytes(facts.disk_free_bytes)} free in the workspace"
+            + ("." if ok else short),
         )
-    checks += _host_size_checks(spec, facts)
-    for field, program in kind_of(spec).needs(spec).programs.items():
-        found = resolve_program(program, spec.env.get("PATH") or os.environ.get("PATH"))
-        checks.append(
-            Check(
-                name="program",
-                level="pass" if found else "fail",
-                message=f"{field}: {program} is {found}."
-                if found
-                else f"{field}: {program!r} was not found here; install it or give its full path.",
-            )
-        )
-    if facts.nccl_env:
-        shown = ", ".join(f"{k}={v}" for k, v in sorted(facts.nccl_env.items()))
-        checks.append(Check(name="nccl", level="pass", message=f"NCCL settings: {shown}."))
-
-    levels = {c.level for c in checks}
-    overall: Level = "fail" if "fail" in levels else "warn" if "warn" in levels else "pass"
-    return PreflightReport(verdict=overall, checks=checks, facts=facts, gpus_reserved=reserved)
+    ]
 
 
 def _host_size_checks(spec: JobSpec, facts: HostFacts) -> list[Check]:

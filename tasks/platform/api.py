@@ -297,38 +297,12 @@ def start_temporary(
     for _ in range(5):
         port = _free_port()
         log = servers / f"server-{port}.log"
-        env = {
-            **os.environ,
-            "PREFECT_UI_ENABLED": "0",
-            "PREFECT__SERVER_EPHEMERAL": "1",
-            "PREFECT__SERVER_FINAL": "1",
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_HOME": prefect_home(),
-        }
-        argv = [sys.executable, "-m", "gpuflow.tasks.platform.server", "--port", str(port)]
-        argv += ["--auth-file", str(auth_file), "--servers", str(servers)]
-        argv += ["--idle-s", str(keep_s), "--log", str(log)]
         # No signal between starting the server and recording it: then an interruption
         # (handled below) always knows what to stop.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         proc = None
         try:
-            with open_private(log, append=False) as out:
-                proc = subprocess.Popen(
-                    argv,
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    # Not in the folder the command was started in: a kept server outlives
-                    # it, and must not hold it (a job's workspace, a mount to unmount).
-                    cwd="/",
-                    start_new_session=True,
-                    # The child would inherit the blocked mask, and never see its SIGTERM.
-                    preexec_fn=lambda mask=blocked: signal.pthread_sigmask(
-                        signal.SIG_SETMASK, mask
-                    ),
-                )
+            proc = _spawn_server(port, log, auth_file, servers, keep_s, blocked)
             record = _record_started(proc, port, log, keep_s, fingerprint, servers)
         except BaseException as exc:
             if proc is not None:  # started, but not recorded (a full disk): stopped here
@@ -366,6 +340,38 @@ def start_temporary(
         "the temporary Prefect API found no free port on 127.0.0.1 in 5 tries; stop what"
         " holds them, or start one with `gpuflow platform up`."
     )
+
+
+def _spawn_server(
+    port: int, log: Path, auth_file: Path, servers: Path, keep_s: float, mask: Any
+) -> subprocess.Popen:
+    """Start gpuflow's API server process on `port` (no UI), its output in `log`; the
+    child gets the signal `mask` this process had before it blocked its own."""
+    env = {
+        **os.environ,
+        "PREFECT_UI_ENABLED": "0",
+        "PREFECT__SERVER_EPHEMERAL": "1",
+        "PREFECT__SERVER_FINAL": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_HOME": prefect_home(),
+    }
+    argv = [sys.executable, "-m", "gpuflow.tasks.platform.server", "--port", str(port)]
+    argv += ["--auth-file", str(auth_file), "--servers", str(servers)]
+    argv += ["--idle-s", str(keep_s), "--log", str(log)]
+    with open_private(log, append=False) as out:
+        return subprocess.Popen(
+            argv,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            # Not in the folder the command was started in: a kept server outlives it,
+            # and must not hold it (a job's workspace, a mount to unmount).
+            cwd="/",
+            start_new_session=True,
+            # The child would inherit the blocked mask, and never see its SIGTERM.
+            preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_SETMASK, mask),
+        )
 
 
 def _record_started(

@@ -186,17 +186,7 @@ def up(
         raise InvalidSpec(f"--database: {database!r} is not one of {', '.join(DATABASES)}.")
     state = read_state()
     if state and all(running(p) for p in state["processes"].values()):
-        if kubeconfig and "k8s-worker" not in state["processes"]:
-            raise PlatformError(
-                "the platform already runs without a Kubernetes worker; run `gpuflow platform"
-                " down`, then `up` again with --kubeconfig"
-            )
-        kind = state.get("database", {}).get("kind", "sqlite")
-        if kind != database:
-            raise PlatformError(
-                f"the platform already runs on {kind}; run `gpuflow platform down`, then `up`"
-                f" again with --database {database} (runs kept in {kind} stay there)"
-            )
+        _same_platform(state, kubeconfig, database)
         say(f"already running: UI {state['ui']}")
         return state
     if not 1 <= port <= 65535:
@@ -218,7 +208,6 @@ def up(
     platform_auth()  # made before anything that needs it starts
     api, ui = f"{where.url(port)}/api", where.url(port, where.shown)
     env = platform_env(api, where.trust)
-    python = sys.executable
     processes: dict[str, Any] = {}
     state: dict[str, Any] = {
         "api": api,
@@ -239,38 +228,7 @@ def up(
             f"started the Prefect server (pid {processes['server']['pid']}) at {ui} in"
             f" {time.monotonic() - started:.1f} s; log {processes['server']['log']}"
         )
-        gpus = _configure(api, env, say, cluster)
-        # Runs beyond what the GPUs take would only wait for a slot, each a Python process
-        # holding a database connection: the worker starts a few more than that, the rest
-        # wait as Scheduled (SQLite answered "database is locked" to 50 at once).
-        limit = max(4, gpus + 1)
-        worker = ["worker", "start", "--pool", LOCAL_POOL, "--type", "process"]
-        processes["worker"] = _start(
-            [python, "-m", "prefect", *worker, "--limit", str(limit)],
-            env,
-            platform_dir() / "worker.log",
-        )
-        _write_state(state)
-        if cluster:
-            worker = ["worker", "start", "--pool", GPU_K8S_POOL]
-            worker += ["--type", pool_templates()[GPU_K8S_POOL][0]]
-            processes["k8s-worker"] = _start(
-                [python, "-m", "prefect", *worker],
-                {
-                    **env,
-                    **_auth_secret(cluster),
-                    "KUBECONFIG": str(cluster["kubeconfig"]),
-                    # watch the jobs' namespace only: what worker-rbac.yaml grants
-                    "PREFECT_INTEGRATIONS_KUBERNETES_OBSERVER_NAMESPACES": cluster["namespace"],
-                },
-                platform_dir() / "k8s-worker.log",
-            )
-            _write_state(state)
-            say(
-                f"started a Kubernetes worker (pid {processes['k8s-worker']['pid']}) on the pool"
-                f" {GPU_K8S_POOL} for {cluster['server']}, namespace {cluster['namespace']};"
-                f" jobs run {cluster['image']}"
-            )
+        limit = _start_workers(state, env, say, cluster, _configure(api, env, say, cluster))
     except BaseException:
         down(say=lambda *_: None)
         raise
@@ -290,6 +248,66 @@ def up(
     except OSError as exc:  # a read-only PREFECT_HOME: the export line above still works
         say(f"Prefect's profile {PROFILE} could not be written ({exc.strerror or exc})")
     return state
+
+
+def _same_platform(state: dict[str, Any], kubeconfig: Path | None, database: str) -> None:
+    """Raise PlatformError when the platform already running is not the one asked for
+    (no Kubernetes worker, another database)."""
+    if kubeconfig and "k8s-worker" not in state["processes"]:
+        raise PlatformError(
+            "the platform already runs without a Kubernetes worker; run `gpuflow platform"
+            " down`, then `up` again with --kubeconfig"
+        )
+    kind = state.get("database", {}).get("kind", "sqlite")
+    if kind != database:
+        raise PlatformError(
+            f"the platform already runs on {kind}; run `gpuflow platform down`, then `up`"
+            f" again with --database {database} (runs kept in {kind} stay there)"
+        )
+
+
+def _start_workers(
+    state: dict[str, Any],
+    env: dict[str, str],
+    say: Any,
+    cluster: dict[str, Any] | None,
+    gpus: int,
+) -> int:
+    """Start the process worker (and, for a cluster, the Kubernetes worker), recording
+    each in `state`; return how many flow runs the process worker takes at once."""
+    processes, python = state["processes"], sys.executable
+    # Runs beyond what the GPUs take would only wait for a slot, each a Python process
+    # holding a database connection: the worker starts a few more than that, the rest
+    # wait as Scheduled (SQLite answered "database is locked" to 50 at once).
+    limit = max(4, gpus + 1)
+    worker = ["worker", "start", "--pool", LOCAL_POOL, "--type", "process"]
+    processes["worker"] = _start(
+        [python, "-m", "prefect", *worker, "--limit", str(limit)],
+        env,
+        platform_dir() / "worker.log",
+    )
+    _write_state(state)
+    if cluster:
+        worker = ["worker", "start", "--pool", GPU_K8S_POOL]
+        worker += ["--type", pool_templates()[GPU_K8S_POOL][0]]
+        processes["k8s-worker"] = _start(
+            [python, "-m", "prefect", *worker],
+            {
+                **env,
+                **_auth_secret(cluster),
+                "KUBECONFIG": str(cluster["kubeconfig"]),
+                # watch the jobs' namespace only: what worker-rbac.yaml grants
+                "PREFECT_INTEGRATIONS_KUBERNETES_OBSERVER_NAMESPACES": cluster["namespace"],
+            },
+            platform_dir() / "k8s-worker.log",
+        )
+        _write_state(state)
+        say(
+            f"started a Kubernetes worker (pid {processes['k8s-worker']['pid']}) on the pool"
+            f" {GPU_K8S_POOL} for {cluster['server']}, namespace {cluster['namespace']};"
+            f" jobs run {cluster['image']}"
+        )
+    return limit
 
 
 PROFILE = "gpuflow"

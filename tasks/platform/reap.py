@@ -225,7 +225,7 @@ def reap_ec2(
     heartbeat more than limits.orphan_after ago; such a run is marked Crashed). Runs still
     going are left alone. With `dry_run`, say what would go and what it costs an hour
     (on-demand prices from the price table: what is saved at most)."""
-    found = Ec2Backend(block).reap(dry_run, say, PrefectRuns())
+    found = Ec2Backend(block, field="--block").reap(dry_run, say, PrefectRuns())
     if not dry_run:
         _mark_crashed(found.crashed, say)
     done: dict[str, Any] = {k: int(v) for k, v in found.counts.items()}

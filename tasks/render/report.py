@@ -8,8 +8,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from gpuflow.tasks.outputs import read_result
 from gpuflow.tasks.pictures import picture
 from gpuflow.tasks.render.output import FrameRecord
+from gpuflow.tasks.render.result import RenderResult
 
 SHEET_MAX = 48  # thumbnails on one contact sheet
 
@@ -126,16 +128,15 @@ def summary(outputs: Path, out: Path, name: str) -> list[str]:
             table=shown,
             description=f"Per-frame render times for {name}{more}",
         )
-    result_file = out / "outputs" / "result.json"
-    figures = json.loads(result_file.read_text()) if result_file.is_file() else {}
-    if figures:
+    figures = read_result(out / "outputs" / "result.json", RenderResult)
+    if figures is not None:
         lines.append(
-            f"- frames: {figures['frames_rendered']} rendered, {figures['frames_skipped']}"
-            f" already in storage, {figures['frames_missing']} missing, of {figures['frames']}"
-            f" ({figures['chunks']} chunks, {figures['frames_per_s']} frames/s,"
-            f" Blender {figures['blender']}, {figures['engine']})"
+            f"- frames: {figures.frames_rendered} rendered, {figures.frames_skipped}"
+            f" already in storage, {figures.frames_missing} missing, of {figures.frames}"
+            f" ({figures.chunks} chunks, {figures.frames_per_s} frames/s,"
+            f" Blender {figures.blender}, {figures.engine})"
         )
-        lines.append(f"- output: `{figures['output']}`")
+        lines.append(f"- output: `{figures.output}`")
     sheet, preview = out / "outputs" / "contact-sheet.png", out / "outputs" / "preview.mp4"
     if sheet.is_file():
         lines.append(picture("contact sheet", sheet))

@@ -282,36 +282,8 @@ def _plan(spec: JobSpec, s3: S3Settings | None, here: bool) -> RenderPlan:
             f"job.scene: the scene {info.scene!r} has no active camera; set one in the .blend"
             " (Scene properties > Camera) and upload it again."
         )
-    scene_range = f"{info.frame_start}-{info.frame_end}"
-    frames = (
-        parse_frames(job.frames)
-        if job.frames
-        else list(range(info.frame_start, info.frame_end + 1, max(1, info.frame_step)))
-    )
-    if not frames:
-        raise InvalidSpec(
-            f"job.frames: the scene's range {scene_range} holds no frames; give job.frames."
-        )
-    stray = outside(frames, info.frame_start, info.frame_end)
-    if stray:
-        text = f"frames {label(stray)} are outside the scene's range {scene_range}"
-        if job.frames_outside_scene == "fail":
-            raise InvalidSpec(
-                f"job.frames: {text}; render frames inside it, or set"
-                " job.frames_outside_scene: warn to render them anyway."
-            )
-        warnings.append(f"{text}; rendering them as job.frames_outside_scene: warn allows.")
-    missing = [r for r in info.references if not r.exists]
-    if missing:
-        listed = "; ".join(f"{r.kind} {r.name!r} at {r.path}" for r in missing[:10])
-        more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
-        text = f"the scene refers to files that are not there: {listed}{more}"
-        if job.missing_files == "fail":
-            raise InvalidSpec(
-                f"job.scene: {text}; upload them with the scene (a folder or .zip keeping"
-                " their relative paths), or set job.missing_files: warn."
-            )
-        warnings.append(f"{text}; they will render as magenta or be left out.")
+    frames = _frames(job, info, warnings)
+    _missing_files(job, info, warnings)
     engine = _engine(job, info)
     if job.device and job.device != "CPU":
         if here and not info.devices.get(job.device):  # a pod's Blender is judged by its log
@@ -353,6 +325,48 @@ def _plan(spec: JobSpec, s3: S3Settings | None, here: bool) -> RenderPlan:
         device=device,
         warnings=warnings,
     )
+
+
+def _frames(job: RenderJob, info: SceneInfo, warnings: list[str]) -> list[int]:
+    """Return the frames to render: job.frames, else the scene's range; InvalidSpec for
+    none, or for frames outside the scene's range unless the job allows them (a warning)."""
+    scene_range = f"{info.frame_start}-{info.frame_end}"
+    frames = (
+        parse_frames(job.frames)
+        if job.frames
+        else list(range(info.frame_start, info.frame_end + 1, max(1, info.frame_step)))
+    )
+    if not frames:
+        raise InvalidSpec(
+            f"job.frames: the scene's range {scene_range} holds no frames; give job.frames."
+        )
+    stray = outside(frames, info.frame_start, info.frame_end)
+    if stray:
+        text = f"frames {label(stray)} are outside the scene's range {scene_range}"
+        if job.frames_outside_scene == "fail":
+            raise InvalidSpec(
+                f"job.frames: {text}; render frames inside it, or set"
+                " job.frames_outside_scene: warn to render them anyway."
+            )
+        warnings.append(f"{text}; rendering them as job.frames_outside_scene: warn allows.")
+    return frames
+
+
+def _missing_files(job: RenderJob, info: SceneInfo, warnings: list[str]) -> None:
+    """Raise InvalidSpec for files the scene refers to that are not there, unless the job
+    allows them (a warning)."""
+    missing = [r for r in info.references if not r.exists]
+    if not missing:
+        return
+    listed = "; ".join(f"{r.kind} {r.name!r} at {r.path}" for r in missing[:10])
+    more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+    text = f"the scene refers to files that are not there: {listed}{more}"
+    if job.missing_files == "fail":
+        raise InvalidSpec(
+            f"job.scene: {text}; upload them with the scene (a folder or .zip keeping"
+            " their relative paths), or set job.missing_files: warn."
+        )
+    warnings.append(f"{text}; they will render as magenta or be left out.")
 
 
 def _engine(job: RenderJob, info: SceneInfo) -> str:

@@ -16,7 +16,9 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,7 @@ from gpuflow.tasks.render.output import (
     frame_url,
     make_thumbnail,
 )
+from gpuflow.tasks.render.result import RenderResult
 from gpuflow.tasks.render.units import chunk_unit, slots
 from gpuflow.tasks.spec import JobSpec
 from gpuflow.tasks.storage import s3_settings, store_for
@@ -56,7 +59,6 @@ from gpuflow.tasks.storage import s3_settings, store_for
 # Failures after which Blender still renders every frame, but not as asked.
 WRONG_SETTINGS = ("device_unknown", "device_absent", "python_error")
 PREVIEW_MAX_FRAMES = 2000
-_RUNS: dict[str, _Progress] = {}  # cluster name -> the run's progress, shared with chunk threads
 
 
 class ChunkFailed(JobFailed):
@@ -121,7 +123,7 @@ class _Progress:
 @task(name="render-chunk", cache_policy=None)
 def render_chunk(
     spec: JobSpec,
-    run_key: str,
+    progress: _Progress,
     plan: scenes.RenderPlan,
     frames: list[int],
     index: int,
@@ -134,8 +136,6 @@ def render_chunk(
     at fault."""
     job = spec.job
     assert isinstance(job, RenderJob)
-    logger = get_run_logger()
-    progress = _RUNS[run_key]
     runner = progress.runner
     cluster = runner.cluster
     todo = [f for f in frames if f not in progress.done(frames)]
@@ -149,7 +149,7 @@ def render_chunk(
         scratch.mkdir(parents=True, exist_ok=True)
     pattern, _ = output_pattern(job.pattern)
     unit = chunk_unit(spec, cluster, plan, todo, index, slot, scratch)
-    s3 = s3_settings(spec)
+    s3 = runner.storage
     uploader = Uploader(
         store_for(job.output, s3),
         job.output,
@@ -162,40 +162,13 @@ def render_chunk(
         progress.add,
     )
     saved = SavedFrames(scratch, pattern, plan.extension, todo, uploader)
-    problems: dict[int, str] = {}  # what the pod said of frames it could not upload
-    log = logparse.RenderLog()
-    lines: deque[str] = deque(maxlen=20)
+    expect = partial(frame_url, job.output, pattern, extension=plan.extension)
+    said = _ChunkLines(index, todo, saved, progress, here, expect)
     started = time.monotonic()
-
-    def from_pod(line: str) -> bool:
-        said = pod_chunk.record_of(line)
-        if isinstance(said, FrameRecord):
-            # the chunk's own frames, where they belong (not a look-alike line of the scene's)
-            if said.frame in todo and said.url == frame_url(
-                job.output, pattern, said.frame, plan.extension
-            ):
-                progress.add(said)
-        elif said is not None:
-            problems[said[0]] = said[1]
-        return said is not None
-
-    def on_line(stream: str, line: str) -> None:
-        if not here and from_pod(line):
-            return
-        log.feed(line)
-        if here and saved.feed(line):
-            return
-        if not here and logparse.saved_path(line) is not None:
-            saved.saved_at.append(time.monotonic())
-        elif "Fra:" not in line:
-            lines.append(runner.redact(line))
-            if line.strip():
-                logger.info("chunk %d: %s", index, runner.redact(line))
-
     # a pod uploads its frames itself: it gets this host's access to storage
     storage_env = {} if here else s3.child_env()
     try:
-        run = runner.run(unit, on_line, storage_env, deadline)
+        run = runner.run(unit, said.on_line, storage_env, deadline)
     finally:
         saved.hand_over(None)
         uploader.finish()  # frames Blender saved are uploaded even when we are interrupted
@@ -207,6 +180,62 @@ def render_chunk(
         result.per_frame_s = (saved_at[-1] - saved_at[0]) / (len(saved_at) - 1)
         result.startup_s = max(0.0, saved_at[0] - started - result.per_frame_s)
     result.rendered = sorted(progress.done(todo))
+    said.problems |= uploader.problems
+    return _judged(result, todo, run, runner, said)
+
+
+class _ChunkLines:
+    """A chunk's lines as they come: frames saved here (handed to the uploader), records of
+    frames a pod uploaded itself, Blender's log for the verdict, and its last lines."""
+
+    def __init__(
+        self,
+        index: int,
+        todo: list[int],
+        saved: SavedFrames,
+        progress: _Progress,
+        here: bool,
+        expect: Callable[[int], str],
+    ) -> None:
+        self.index, self.todo, self.saved, self.progress = index, todo, saved, progress
+        self.here, self.expect = here, expect  # expect: a frame's URL in storage
+        self.problems: dict[int, str] = {}  # what the pod said of frames it could not upload
+        self.log = logparse.RenderLog()
+        self.last: deque[str] = deque(maxlen=20)
+        self.logger = get_run_logger()
+
+    def _from_pod(self, line: str) -> bool:
+        said = pod_chunk.record_of(line)
+        if isinstance(said, FrameRecord):
+            # the chunk's own frames, where they belong (not a look-alike line of the scene's)
+            if said.frame in self.todo and said.url == self.expect(said.frame):
+                self.progress.add(said)
+        elif said is not None:
+            self.problems[said[0]] = said[1]
+        return said is not None
+
+    def on_line(self, stream: str, line: str) -> None:
+        if not self.here and self._from_pod(line):
+            return
+        self.log.feed(line)
+        if self.here and self.saved.feed(line):
+            return
+        if not self.here and logparse.saved_path(line) is not None:
+            self.saved.saved_at.append(time.monotonic())
+        elif "Fra:" not in line:
+            redacted = self.progress.runner.redact(line)
+            self.last.append(redacted)
+            if line.strip():
+                self.logger.info("chunk %d: %s", self.index, redacted)
+
+
+def _judged(
+    result: ChunkResult, todo: list[int], run: JobResult, runner: UnitRunner, said: _ChunkLines
+) -> ChunkResult:
+    """Return the chunk's result when its frames are in storage; else raise what its end
+    says: stopped (idle, cancelled), preempted where the pool moves on, rendered with the
+    wrong settings, or its frames missing."""
+    index = result.index
     idled = runner.idle_stop()
     if run.cancelled and idled:
         raise ChunkFailed(f"chunk {index} (frames {label(todo)}): {idled.rstrip('.')}.")
@@ -221,11 +250,11 @@ def render_chunk(
             f"chunk {index} was preempted with {left}; the render resumes on the next"
             " candidate with the frames not in storage"
         )
-    wrong = logparse.classify(log, run.exit_code, run.signal)
+    wrong = logparse.classify(said.log, run.exit_code, run.signal)
     if wrong is not None and wrong.kind in WRONG_SETTINGS:
         # The frames exist but were not rendered as asked (on the CPU, without the settings).
         raise ChunkFailed(f"chunk {index} (frames {label(todo)}): {wrong.message}.")
-    logger.info(
+    said.logger.info(
         "chunk %d: frames %s rendered in %.1f s (%d in storage)",
         index,
         label(todo),
@@ -234,7 +263,8 @@ def render_chunk(
     )
     if not missing:
         return result
-    raise _chunk_error(index, missing, log, run, {**problems, **uploader.problems}, list(lines))
+    lines = list(said.last)
+    raise _chunk_error(index, missing, said.log, run, said.problems, lines, runner.limit)
 
 
 def _chunk_error(
@@ -244,11 +274,12 @@ def _chunk_error(
     run: JobResult,
     problems: dict[int, str],
     lines: list[str],
+    limit: str,
 ) -> Exception:
     where = f"chunk {index} (frames {label(missing)} missing)"
     if run.timed_out:
         return ChunkFailed(
-            f"{where}: the render ran past limits.max_duration and was stopped; raise it."
+            f"{where}: the render ran past limits.{limit} and was stopped; raise it."
         )
     failure = logparse.classify(log, run.exit_code, run.signal)
     if failure is not None:
@@ -285,13 +316,13 @@ def schedule(spec: JobSpec, runner: UnitRunner, deadline: float) -> RunOutcome:
     outcome, figures = render_frames(spec, runner, deadline)
     outputs = Path(runner.cluster.workspace) / "outputs"
     outputs.mkdir(parents=True, exist_ok=True)
-    (outputs / "result.json").write_text(json.dumps(figures, indent=1))
+    (outputs / "result.json").write_text(figures.model_dump_json(indent=1))
     return outcome
 
 
 def render_frames(
     spec: JobSpec, runner: UnitRunner, deadline: float
-) -> tuple[RunOutcome, dict[str, Any]]:
+) -> tuple[RunOutcome, RenderResult]:
     """Render every planned frame not yet in storage; return the outcome (a failure
     sentence when a chunk failed for good) and the figures for result.json."""
     job = spec.job
@@ -327,12 +358,47 @@ def render_frames(
         key="gpuflow-render-progress",
         description=f"{len(found)} of {len(plan.frames)} frames in storage",
     )
-    _RUNS[cluster.name] = progress
     thumbs = set(report.sheet_frames(plan.frames)) if job.contact_sheet else set()
     if job.preview_video and shutil.which("ffmpeg") and len(plan.frames) <= PREVIEW_MAX_FRAMES:
         thumbs = set(plan.frames)
     started = datetime.now(UTC)
-    sizer = ChunkSizer(job.chunk, plan.info.load_s, workers)
+    try:
+        results, failure, handed = _chunks(spec, plan, progress, todo, free_slots, thumbs, deadline)
+    finally:
+        progress.publish(force=True)
+    if handed is not None and failure is None:
+        raise handed
+    ended = datetime.now(UTC)
+    figures = _figures(plan, progress, results, (ended - started).total_seconds(), job.output)
+    records = list(progress.records.values())
+    outputs = Path(cluster.workspace) / "outputs"
+    _write_report(outputs, records, Path(cluster.workspace) / "thumbs", plan, spec, store)
+    result = JobResult(
+        exit_code=1 if failure else 0,
+        started_at=started,
+        ended_at=ended,
+        duration_s=(ended - started).total_seconds(),
+        log_tail=[failure] if failure else [],
+    )
+    return RunOutcome(result=result, failure=failure), figures
+
+
+def _chunks(
+    spec: JobSpec,
+    plan: scenes.RenderPlan,
+    progress: _Progress,
+    todo: list[int],
+    free_slots: list[tuple[int, int | None]],
+    thumbs: set[int],
+    deadline: float,
+) -> tuple[list[ChunkResult], str | None, Exception | None]:
+    """Hand `todo` out in chunks (sized as they go) to the free slots, a chunk task per
+    slot at a time; return the chunks' results, the first failure for good, and the first
+    error the run's pool moves on for (no chunk starts after either)."""
+    job = spec.job
+    assert isinstance(job, RenderJob)
+    runner = progress.runner
+    sizer = ChunkSizer(job.chunk, plan.info.load_s, len(free_slots))
     # what the run's pool hands to its next candidate is not retried here
     chunk_task = render_chunk.with_options(
         retries=job.chunk_retries,
@@ -345,70 +411,64 @@ def render_frames(
     pending = list(todo)
     in_flight: dict[Any, Any] = {}  # future -> the slot it holds
     submitted = 0
-    try:
-        while pending or in_flight:
-            while pending and free_slots and failure is None:
-                size = sizer.next(len(pending))
-                frames, pending = pending[:size], pending[size:]
-                slot = free_slots.pop(0)
-                future = chunk_task.submit(
-                    spec, cluster.name, plan, frames, submitted, slot, deadline,
-                    sorted(thumbs & set(frames)),
-                )  # fmt: skip
-                in_flight[future] = slot
-                submitted += 1
-            if not in_flight:
-                break
-            future = next(as_completed(list(in_flight)))
-            free_slots.append(in_flight.pop(future))
-            try:
-                chunk_result = future.result()
-            except JobCancelled:
-                raise
-            except runner.handed_on as exc:  # the pool moves the render on: no more chunks here
-                handed = handed or exc
-                pending = []  # those running finish their frames (or are preempted too)
-                continue
-            except Exception as exc:
-                failure = failure or str(exc)
-                pending = []  # stop starting chunks; those running finish their frames
-                continue
-            results.append(chunk_result)
-            if chunk_result.per_frame_s is not None and chunk_result.startup_s is not None:
-                sizer.learn(chunk_result.per_frame_s, chunk_result.startup_s)
-    finally:
-        progress.publish(force=True)
-        _RUNS.pop(cluster.name, None)
-    if handed is not None and failure is None:
-        raise handed
-    ended = datetime.now(UTC)
+    while pending or in_flight:
+        while pending and free_slots and failure is None:
+            size = sizer.next(len(pending))
+            frames, pending = pending[:size], pending[size:]
+            slot = free_slots.pop(0)
+            future = chunk_task.submit(
+                spec, progress, plan, frames, submitted, slot, deadline,
+                sorted(thumbs & set(frames)),
+            )  # fmt: skip
+            in_flight[future] = slot
+            submitted += 1
+        if not in_flight:
+            break
+        future = next(as_completed(list(in_flight)))
+        free_slots.append(in_flight.pop(future))
+        try:
+            chunk_result = future.result()
+        except JobCancelled:
+            raise
+        except runner.handed_on as exc:  # the pool moves the render on: no more chunks here
+            handed = handed or exc
+            pending = []  # those running finish their frames (or are preempted too)
+            continue
+        except Exception as exc:
+            failure = failure or str(exc)
+            pending = []  # stop starting chunks; those running finish their frames
+            continue
+        results.append(chunk_result)
+        if chunk_result.per_frame_s is not None and chunk_result.startup_s is not None:
+            sizer.learn(chunk_result.per_frame_s, chunk_result.startup_s)
+    return results, failure, handed
+
+
+def _figures(
+    plan: scenes.RenderPlan,
+    progress: _Progress,
+    results: list[ChunkResult],
+    seconds: float,
+    output: str,
+) -> RenderResult:
+    """Return the render's figures for result.json."""
     records = list(progress.records.values())
     rendered = sum(len(r.rendered) for r in results)
-    figures = {
-        "frames": len(plan.frames),
-        "frames_skipped": progress.skipped,
-        "frames_rendered": len(records) - progress.skipped,
-        "frames_missing": len(plan.frames) - len(records),
-        "chunks": len(results),
-        "blender_invocations": sum(r.invocations for r in results),
-        "render_s": round((ended - started).total_seconds(), 3),
-        "blender_s": round(sum(r.wall_s for r in results), 3),
-        "frames_per_s": round(rendered / max(1e-9, (ended - started).total_seconds()), 3),
-        "mean_frame_s": round(statistics.mean([r.seconds for r in records if r.seconds] or [0]), 4),
-        "blender": plan.info.blender,
-        "engine": plan.engine,
-        "output": job.output,
-    }
-    outputs = Path(cluster.workspace) / "outputs"
-    _write_report(outputs, records, Path(cluster.workspace) / "thumbs", plan, spec, store)
-    result = JobResult(
-        exit_code=1 if failure else 0,
-        started_at=started,
-        ended_at=ended,
-        duration_s=(ended - started).total_seconds(),
-        log_tail=[failure] if failure else [],
+    return RenderResult(
+        frames=len(plan.frames),
+        frames_skipped=progress.skipped,
+        frames_rendered=len(records) - progress.skipped,
+        frames_missing=len(plan.frames) - len(records),
+        chunks=len(results),
+        blender_invocations=sum(r.invocations for r in results),
+        render_s=round(seconds, 3),
+        blender_s=round(sum(r.wall_s for r in results), 3),
+        frames_per_s=round(rendered / max(1e-9, seconds), 3),
+        mean_frame_s=round(statistics.mean([r.seconds for r in records if r.seconds] or [0]), 4),
+        blender=plan.info.blender,
+        engine=plan.engine,
+        output=output,
     )
-    return RunOutcome(result=result, failure=failure), figures
 
 
 def _write_report(

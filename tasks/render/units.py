@@ -70,7 +70,6 @@ def chunk_unit(
         env={"TMPDIR": str(scratch)} if cluster.capabilities.runs_here else {},
         node=node,
         gpus=[gpu] if gpu is not None else [],
-        judge="frames",
         frames=list(frames),
     )
 

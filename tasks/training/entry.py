@@ -31,6 +31,7 @@ from gpuflow.tasks.training import checkpoint as ckpt
 from gpuflow.tasks.training import data as wdata
 from gpuflow.tasks.training.model import TrainJob
 from gpuflow.tasks.training.profile import StepProfiler
+from gpuflow.tasks.training.result import TrainResult
 from gpuflow.tasks.training.shards import sha256
 
 PREEMPTED_MARKER = ".gpuflow-preempted-rank{rank}"
@@ -530,30 +531,29 @@ class Trainer:
         seconds = time.perf_counter() - self.started
         steps_here = self.step - self.first_step
         samples_per_s = samples_here / max(seconds, 1e-9)
-        result = {
-            "steps": self.step,
-            "steps_this_attempt": steps_here,
-            "samples_per_s": round(samples_per_s, 2),
-            "images_per_s" if self.job.task == "classify" else "tokens_per_s": round(
-                samples_per_s
-                * (
-                    1
-                    if self.job.task == "classify"
-                    else int(self.job.model_args.get("seq_len", 128))
-                ),
-                2,
-            ),
-            "samples_seen": samples_seen,
-            "skipped_samples": skipped,
-            "world_size": self.world,
-            "device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
-            "weights": weights.url,
-            "weights_manifest": manifest_url,
-            "checkpoints": self.ckpt_prefix,
-            "amp": str(self.amp_dtype).removeprefix("torch.") if self.amp_dtype else "off",
+        per_sample = (
+            1 if self.job.task == "classify" else int(self.job.model_args.get("seq_len", 128))
+        )
+        speed = round(samples_per_s * per_sample, 2)
+        result = TrainResult(
+            steps=self.step,
+            steps_this_attempt=steps_here,
+            samples_per_s=round(samples_per_s, 2),
+            images_per_s=speed if self.job.task == "classify" else None,
+            tokens_per_s=None if self.job.task == "classify" else speed,
+            samples_seen=samples_seen,
+            skipped_samples=skipped,
+            world_size=self.world,
+            device=torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
+            weights=weights.url,
+            weights_manifest=manifest_url,
+            checkpoints=self.ckpt_prefix,
+            amp=str(self.amp_dtype).removeprefix("torch.") if self.amp_dtype else "off",
             **{("eval_step" if k == "step" else k): v for k, v in self.last_eval.items()},
-        }
-        (self.outputs / "result.json").write_text(json.dumps(result, indent=2))
+        )
+        (self.outputs / "result.json").write_text(
+            result.model_dump_json(indent=2, exclude_none=True)
+        )
         print(f"final weights: {weights.url}", flush=True)
 
 

@@ -7,8 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from gpuflow.tasks.metrics.plot import pyplot
+from gpuflow.tasks.outputs import read_result
 from gpuflow.tasks.pictures import picture
 from gpuflow.tasks.training.profile import PROFILE_DIR, read
+from gpuflow.tasks.training.result import TrainResult
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -61,8 +63,7 @@ def summary(outputs: Path, out_dir: Path, title: str) -> tuple[list[dict[str, An
     """Return table rows and markdown lines for a finished (or stopped) training run."""
     rows_in = read_metrics(outputs / "train_metrics.jsonl")
     png = curve_png(rows_in, out_dir / "training.png", title)
-    result_path = outputs / "result.json"
-    result = json.loads(result_path.read_text()) if result_path.is_file() else {}
+    result = read_result(outputs / "result.json", TrainResult)
     rows, lines = [], []
     train = [r for r in rows_in if "loss" in r]
     if train:
@@ -84,11 +85,9 @@ def summary(outputs: Path, out_dir: Path, title: str) -> tuple[list[dict[str, An
         lines.append(f"- {score} at step {last['step']} ({len(evals)} evaluation(s))")
     if png:
         lines.append(picture("loss and throughput curve", png))
-    if result.get("weights"):
-        lines.append(
-            f"- final weights: {result['weights']} (manifest {result['weights_manifest']})"
-        )
-        lines.append(f"- checkpoints: {result['checkpoints']}")
+    if result is not None and result.weights:
+        lines.append(f"- final weights: {result.weights} (manifest {result.weights_manifest})")
+        lines.append(f"- checkpoints: {result.checkpoints}")
     lines += profile_lines(outputs, out_dir)
     return rows, lines
 

@@ -21,10 +21,10 @@ import pytest
 
 from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
 from gpuflow.tasks.backends.kubernetes.kubeapi import KubeApi
-from gpuflow.tasks.contract import WorkUnit, owner_labels
+from gpuflow.tasks.contract import MpiLaunch, WorkUnit, owner_labels
 from gpuflow.tasks.errors import ProvisionError
 from gpuflow.tasks.kinds.registry import get_kind
-from gpuflow.tasks.pipeline.stages import run_units
+from gpuflow.tasks.pipeline.running import run_units
 from gpuflow.tasks.spec import load_spec
 from tests.e2e.kubelet import NAMESPACE as KUBELET_NS
 from tests.e2e.kubelet import PlayedKubelet
@@ -338,8 +338,8 @@ def test_a_gpu_quota_is_named(kube):
             break
         time.sleep(0.2)
     assert made.get("status", {}).get("hard"), "the quota controller never counted the quota"
-    backend = KubernetesBackend()
     spec = spec_for(gpus=4, product="NVIDIA-L4", namespace="quota-test")
+    backend = KubernetesBackend.at(spec.placement)
     backend.check(spec)
     cluster = backend.provision(spec, owner_labels("run-quota", "k8s-test"))
     with pytest.raises(ProvisionError, match="the namespace's ResourceQuota refuses the pod"):
@@ -353,7 +353,8 @@ def test_a_missing_namespace_is_named_before_anything_is_made(kube):
     with pytest.raises(
         InvalidSpec, match=r"placement\.namespace: the namespace 'no-such-team' does not exist"
     ):
-        KubernetesBackend().check(spec_for(namespace="no-such-team"))
+        spec = spec_for(namespace="no-such-team")
+        KubernetesBackend.at(spec.placement).check(spec)
 
 
 def test_a_stopped_unit_is_deleted_and_teardown_leaves_nothing(kube):
@@ -743,8 +744,8 @@ def test_a_kubernetes_gpu_pool_block_names_the_cluster_and_how_pods_are_made(
     ).save("testbed-l4", overwrite=True)
     monkeypatch.delenv("KUBECONFIG")  # the block alone says where the cluster is
     monkeypatch.setenv("HOME", str(testbed.parent))  # and no ~/.kube/config stands in
-    backend = KubernetesBackend()
     spec = spec_for(gpus=2, product=None, block="testbed-l4")
+    backend = KubernetesBackend.at(spec.placement)
     cluster = backend.provision(spec, owner_labels("run-block", "k8s-test"))
     try:
         assert (
@@ -946,8 +947,7 @@ def test_a_lost_mpi_worker_node_is_a_preemption(kube, testbed):
     launcher = WorkUnit(
         name="launcher",
         command=["sleep", "300"],  # the testbed runs it for 300 s
-        judge="rank_status",
-        hostfile="node-0 slots=8\nnode-1 slots=8\n",
+        launcher=MpiLaunch(hostfile="node-0 slots=8\nnode-1 slots=8\n"),
     )
     try:
         result = backend.run(cluster, launcher, {}, 300, lambda *_: None)
@@ -978,8 +978,8 @@ def test_a_units_log_lines_stream_to_the_run_as_the_pod_prints_them(kube, testbe
         log.write_text("".join(f"{stamp} stdout F {line}\n" for line in printed[:2]))
 
     writer = when_running(kube, "gpuflow.io/job=k8s-test", first_lines, namespace=namespace)
-    backend = KubernetesBackend()
     spec = spec_for(gpus=1, product="NVIDIA-L4", namespace=namespace)
+    backend = KubernetesBackend.at(spec.placement)
     cluster = backend.provision(spec, owner_labels("run-logs", "k8s-test"))
     lines: list[tuple[str, str]] = []
 

@@ -22,7 +22,7 @@ from gpuflow.tasks.errors import (
     PreflightFailed,
     ProvisionError,
 )
-from gpuflow.tasks.pipeline import stages
+from gpuflow.tasks.pipeline import collect as collect_stage
 from gpuflow.tasks.spec import load_spec
 from tests.e2e.helpers import (
     artifacts_of,
@@ -84,7 +84,7 @@ def _fail_collect(monkeypatch):
     def boom(*args, **kwargs):
         raise CollectError("injected collect failure")
 
-    monkeypatch.setattr(stages, "summarise", boom)
+    monkeypatch.setattr(collect_stage, "summarise", boom)
 
 
 STAGES = {

@@ -15,21 +15,19 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel
 
-from gpuflow.tasks.backends.base import ProcessGroupUnit, follow_unit
+from gpuflow.tasks.backends.base import LogTail, ProcessGroupUnit, UnitBackend
 from gpuflow.tasks.backends.registry import register
 from gpuflow.tasks.contract import (
     OWNER_LABEL,
     RUN_LABEL,
     Capabilities,
     Cluster,
-    JobResult,
-    LineSink,
     Needs,
     Offer,
     ReapReport,
     RunStates,
-    StopCheck,
     TeardownReport,
+    UnitEnd,
     WorkUnit,
     state_of,
     unit_env,
@@ -52,12 +50,16 @@ class ToyState(BaseModel):
     groups: dict[str, float] = {}  # process group -> its leader's start time
 
 
-class ToyBackend:
+class ToyBackend(UnitBackend):
     name = "toy"
     capabilities = Capabilities(runs_here=True, where="this machine, as toy processes")
 
     @classmethod
     def at(cls, placement: Placement | None = None) -> ToyBackend:
+        return cls()
+
+    @classmethod
+    def of(cls, cluster: Cluster) -> ToyBackend:
         return cls()
 
     def __init__(self) -> None:
@@ -93,17 +95,14 @@ class ToyBackend:
         self._write(cluster)
         return cluster
 
-    def run(
+    def start(
         self,
         cluster: Cluster,
         unit: WorkUnit,
         env: Mapping[str, str],
         timeout_s: float,
-        on_line: LineSink,
-        should_stop: StopCheck | None = None,
-        grace_s: float = 30.0,
-    ) -> JobResult:
-        started = datetime.now(UTC)
+        tail: LogTail,
+    ) -> ToyUnit:
         variables = {**os.environ, **env, **unit.env}
         variables |= unit_env(unit.node, cluster.nodes, cluster.workspace, [])
         proc = subprocess.Popen(
@@ -118,18 +117,7 @@ class ToyBackend:
         state = state_of(cluster, ToyState)
         state.groups[str(proc.pid)] = _started(proc.pid)
         self._write(cluster.model_copy(update={"state": state.model_dump()}))
-        lines: list[str] = []
-
-        def pump() -> None:
-            for line in proc.stdout:  # type: ignore[union-attr]
-                lines.append(line.rstrip("\n"))
-                on_line("stdout", lines[-1])
-
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        end = follow_unit(ProcessGroupUnit(proc), timeout_s, should_stop, grace_s, every_s=0.1)
-        reader.join(timeout=30)
-        return end.result(started, datetime.now(UTC), lines[-40:])
+        return ToyUnit(proc, tail)
 
     def teardown(self, cluster: Cluster) -> TeardownReport:
         record = self._read(cluster.name)
@@ -175,6 +163,23 @@ class ToyBackend:
 
     def _write(self, cluster: Cluster) -> None:
         write_atomic(self._path(cluster.name), cluster.model_dump_json(exclude={"adopted"}))
+
+
+class ToyUnit(ProcessGroupUnit):
+    """A toy unit: its process group, and a thread reading its output into the tail."""
+
+    def __init__(self, proc: subprocess.Popen, tail: LogTail) -> None:
+        super().__init__(proc)
+        self.reader = threading.Thread(target=self._read, args=(tail,), daemon=True)
+        self.reader.start()
+
+    def _read(self, tail: LogTail) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            tail("stdout", line.rstrip("\n"))
+
+    def finish(self, end: UnitEnd | None) -> UnitEnd | None:
+        self.reader.join(timeout=30)
+        return end
 
 
 def _started(pid: int) -> float:

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shlex
@@ -26,7 +27,6 @@ import sys
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,7 +35,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from gpuflow.tasks import contract, own_wheel
-from gpuflow.tasks.backends.base import follow_unit
+from gpuflow.tasks.backends.base import LogTail, UnitBackend, join_samples
 from gpuflow.tasks.backends.ec2 import launch as launching
 from gpuflow.tasks.backends.ec2 import reap as reaping
 from gpuflow.tasks.backends.ec2.agent import PYTHON, AgentConfig, UnitSpec
@@ -60,12 +60,9 @@ from gpuflow.tasks.contract import (
     RUN_LABEL,
     Capabilities,
     Cluster,
-    JobResult,
-    LineSink,
     Needs,
     ReapReport,
     RunStates,
-    StopCheck,
     StopReason,
     TeardownReport,
     UnitEnd,
@@ -84,7 +81,6 @@ STATE_EVERY_S = 5.0
 _heartbeats: dict[str, Heartbeat] = {}
 _locks: dict[str, threading.Lock] = {}
 _guard = threading.Lock()
-_samples_lock = threading.Lock()
 
 
 def group_name(run_id: str) -> str:
@@ -147,6 +143,13 @@ def user_data(fleet: Fleet, config: AgentConfig, wheel: tuple[str, str]) -> str:
     )
 
 
+class Ec2Node(BaseModel):
+    """One node of a run: the instance and the address its agent said it has."""
+
+    instance_id: str
+    address: str
+
+
 class Ec2State(BaseModel):
     """What the EC2 backend keeps on its cluster record."""
 
@@ -155,11 +158,11 @@ class Ec2State(BaseModel):
     security_group: str | None = None
     spec: dict[str, Any] = {}  # the run's spec as JSON (JobSpec.model_validate reads it)
     tags: dict[str, str] = {}  # put on everything the run makes
-    instances: list[dict[str, Any]] = []  # node 0 first: instance_id, address
+    instances: list[Ec2Node] = []  # node 0 first
     offer: Offer | None = None  # what the instances were launched from
 
 
-class Ec2Backend:
+class Ec2Backend(UnitBackend):
     name = "ec2"
     # each agent samples its instance; the run stage samples nothing here
     capabilities = Capabilities(
@@ -171,13 +174,25 @@ class Ec2Backend:
         """Return the backend for the placement's fleet block (else the default one)."""
         return cls(placement.block if placement is not None else None)
 
-    def __init__(self, block: str | None = None) -> None:
-        self.block = block
+    @classmethod
+    def of(cls, cluster: Cluster) -> Ec2Backend:
+        """Return the backend `cluster` was made with: its fleet block."""
+        return cls(state_of(cluster, Ec2State).block)
+
+    def __init__(self, block: str | None = None, field: str = "placement.block") -> None:
+        self.block, self.field = block, field
 
     # -- settings ----------------------------------------------------------------------
 
+    @functools.cached_property
+    def settings(self) -> Fleet:
+        """Return the fleet's settings: its Ec2GpuFleet block's (read once), else defaults."""
+        return fleet_named(self.block, self.field)
+
     def fleet(self) -> Fleet:
-        fleet = fleet_named(self.block)
+        """Return the fleet's settings, checked for launching: InvalidSpec for a missing
+        image, control prefix or an install step that cannot be trusted."""
+        fleet = self.settings
         if self.block is None:
             raise InvalidSpec(
                 "placement.block: launching on ec2 needs an Ec2GpuFleet block (its image_id"
@@ -214,11 +229,10 @@ class Ec2Backend:
         return spec, prices
 
     def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
-        self.block = spec.placement.block
         fleet = self.fleet()
 
         _, prices = resolve(spec)
-        find_offers(spec, prices)  # region, product, budget, credentials: said here
+        find_offers(spec, prices, fleet)  # region, product, budget, credentials: said here
         _, s3, _ = self._clients(fleet)
         bucket = fleet.control_prefix.removeprefix("s3://").split("/")[0]  # type: ignore[union-attr]
         try:
@@ -230,8 +244,7 @@ class Ec2Backend:
         """Return the fleet's ranked offers (spot and on-demand, cheapest first, the order a
         launch tries them), each priced for every node. Whether a zone has the capacity is
         known only when a launch asks: every offer says it can start."""
-        self.block = spec.placement.block
-        fleet, found = find_offers(spec, prices)
+        fleet, found = find_offers(spec, prices, self.settings)
         nodes = spec.resources.nodes
         return [
             contract.Offer(
@@ -246,7 +259,6 @@ class Ec2Backend:
         ]
 
     def describe(self, spec: JobSpec) -> list[dict[str, str]]:
-        self.block = spec.placement.block
         fleet = self.fleet()
         return [
             {
@@ -262,7 +274,6 @@ class Ec2Backend:
 
     def provision(self, spec: JobSpec, owner: Mapping[str, str]) -> Cluster:
         """Return the run's cluster of ready instances; a retry adopts them."""
-        self.block = spec.placement.block
         fleet = self.fleet()
         run_id = owner[RUN_LABEL]
         ec2, s3, secrets = self._clients(fleet)
@@ -307,13 +318,13 @@ class Ec2Backend:
         mailbox.put(f"gpuflow/{name}", data)
         return f"{mailbox.url}gpuflow/{name}", own_wheel.sha256(data)
 
-    def _with_nodes(self, cluster: Cluster, nodes: list[dict], offer: Offer | None) -> Cluster:
+    def _with_nodes(self, cluster: Cluster, nodes: list[Ec2Node], offer: Offer | None) -> Cluster:
         state = state_of(cluster, Ec2State)
         state.instances = nodes
         if offer is not None:
             state.offer = offer
         known = state.offer
-        addresses = [n["address"] for n in nodes]
+        addresses = [n.address for n in nodes]
         return cluster.model_copy(
             update={
                 "hostname": addresses[0],
@@ -328,7 +339,7 @@ class Ec2Backend:
 
     def _nodes(
         self, cluster: Cluster, fleet: Fleet, ec2: Any, mailbox: Mailbox
-    ) -> tuple[list[dict], Offer | None, bool]:
+    ) -> tuple[list[Ec2Node], Offer | None, bool]:
         """Return the run's live nodes (instance and address, node 0 first), the offer
         they were launched from (None when adopted) and whether they were adopted. Nodes
         lost or told of an interruption are terminated and replaced (all of them: a job
@@ -343,7 +354,7 @@ class Ec2Backend:
             # names them, and must not make every later unit replace its nodes again
             replaced = {k.split("/", 1)[1] for k in mailbox.keys("lost/")}
             known = state.instances
-            vanished = {n["instance_id"] for n in known} - {i["InstanceId"] for i in live}
+            vanished = {n.instance_id for n in known} - {i["InstanceId"] for i in live}
             lost = sorted((vanished | ({i["InstanceId"] for i in live} & noticed)) - replaced)
             if live and len(live) == spec.resources.nodes and not lost:
                 return self._ready(fleet, mailbox, live, spec), None, True
@@ -387,7 +398,7 @@ class Ec2Backend:
     def _offers(self, spec: JobSpec, losses: int) -> list[Offer]:
 
         _, prices = resolve(spec)
-        _, offers = find_offers(spec, prices)
+        _, offers = find_offers(spec, prices, self.settings)
         market = spec.placement.market
         if market == "spot-then-on-demand" and losses >= spec.placement.on_demand_after:
             _say(
@@ -397,18 +408,20 @@ class Ec2Backend:
             offers = [o for o in offers if o.market == "on-demand"]
         return offers
 
-    def _ready(self, fleet: Fleet, mailbox: Mailbox, live: list[dict], spec: JobSpec) -> list[dict]:
+    def _ready(
+        self, fleet: Fleet, mailbox: Mailbox, live: list[dict], spec: JobSpec
+    ) -> list[Ec2Node]:
         """Wait until every instance's agent said it is ready; return the nodes in launch
         order. ProvisionError when one is not ready within the fleet's boot timeout."""
         order = sorted(live, key=lambda i: (i.get("AmiLaunchIndex", 0), i["InstanceId"]))
         until = time.monotonic() + fleet.boot_timeout_s
-        nodes: list[dict] = []
+        nodes: list[Ec2Node] = []
         for instance in order:
             iid = instance["InstanceId"]
             while True:
                 ready = mailbox.get_json(f"nodes/{iid}/ready")
                 if ready:
-                    nodes.append({"instance_id": iid, "address": ready["address"]})
+                    nodes.append(Ec2Node(instance_id=iid, address=ready["address"]))
                     break
                 if time.monotonic() > until:
                     raise ProvisionError(
@@ -421,20 +434,17 @@ class Ec2Backend:
 
     # -- run -----------------------------------------------------------------------------
 
-    def run(
+    def start(
         self,
         cluster: Cluster,
         unit: WorkUnit,
         env: Mapping[str, str],
         timeout_s: float,
-        on_line: LineSink,
-        should_stop: StopCheck | None = None,
-        grace_s: float = 30.0,
-    ) -> JobResult:
-        """Run `unit` on its node's instance through the mailbox and follow it to its end.
-        An interruption notice or a lost instance ends it as a preemption (exit 75)."""
+        tail: LogTail,
+    ) -> _Ec2Unit:
+        """Hand `unit` to its node's instance through the mailbox. An interruption notice
+        or a lost instance ends it as a preemption (exit 75)."""
         state = state_of(cluster, Ec2State)
-        self.block = state.block
         fleet = self.fleet()
         ec2, s3, secrets = self._clients(fleet)
         run_id = cluster.owner[RUN_LABEL]
@@ -443,9 +453,9 @@ class Ec2Backend:
         self._beat(mailbox, spec.limits.orphan_after)
         self._put_secret(secrets, run_id, state.tags, dict(env))
         nodes, _, _ = self._nodes(cluster, fleet, ec2, mailbox)
-        instance = nodes[unit.node]["instance_id"]
+        instance = nodes[unit.node].instance_id
         name = f"{unit.name}-{uuid.uuid4().hex[:6]}"  # each try a unit of its own
-        command = _moved(list(unit.command), cluster.hosts(), [n["address"] for n in nodes])
+        command = _moved(list(unit.command), cluster.hosts(), [n.address for n in nodes])
         command = [PYTHON if c == sys.executable else c for c in command]
         spec_unit = UnitSpec(
             name=name,
@@ -454,7 +464,8 @@ class Ec2Backend:
             gpus=unit.gpus,
             node=unit.node,
             nodes=cluster.nodes,
-            timeout_s=timeout_s + grace_s + 60,  # the agent's own guard; this side stops first
+            # the agent's own guard; this side stops first (after the grace, at most a stop's)
+            timeout_s=timeout_s + spec.limits.stop_grace_s + 60,
             metrics={
                 "interval_s": spec.metrics.interval_s,
                 "pushgateway": spec.metrics.pushgateway,
@@ -463,31 +474,23 @@ class Ec2Backend:
             },
         )
         mailbox.put(unit_key(instance, name, "unit.json"), spec_unit.model_dump_json())
-        started = datetime.now(UTC)
-        follower = _Follower(mailbox, instance, name, on_line)
-        end = follow_unit(
-            _Ec2Unit(ec2, run_id, instance, follower), timeout_s, should_stop, grace_s, 0.5
-        )
-        follower.read()
-        follower.outputs(Path(cluster.workspace) / "outputs")
-        follower.samples(Path(cluster.workspace) / SAMPLES)
-        return end.result(started, datetime.now(UTC), list(follower.tail))
+        follower = _Follower(mailbox, instance, name, tail)
+        return _Ec2Unit(ec2, run_id, instance, follower, Path(cluster.workspace))
 
     # -- teardown ------------------------------------------------------------------------
 
     def reap(self, dry_run: bool, say: Callable[[str], None], runs: RunStates) -> ReapReport:
         """Remove what runs that are over, or orphaned, left (instances, volumes, groups,
         secrets, mailboxes); with `dry_run`, say what would go and its hourly price."""
-        return reaping.reap(fleet_named(self.block, "--block"), dry_run, say, runs)
+        return reaping.reap(self.settings, dry_run, say, runs)
 
     def teardown(self, cluster: Cluster) -> TeardownReport:
-        self.block = state_of(cluster, Ec2State).block
         return self.remove_run(cluster.owner[RUN_LABEL], cluster.name)
 
     def remove_run(self, run_id: str, name: str | None = None) -> TeardownReport:
         """Remove everything the run made: instances, their volumes, the security group,
         the placement group, the secret and the mailbox; idempotent."""
-        fleet = fleet_named(self.block)
+        fleet = self.settings
         beat = _heartbeats.pop(run_id, None)
         if beat is not None:
             beat.stop()
@@ -509,7 +512,7 @@ class Ec2Backend:
         """Return a cluster per run with live instances; asked for one run, that run's
         cluster even when only its secret, group or mailbox is left (teardown removes
         whatever there is)."""
-        fleet = fleet_named(self.block)
+        fleet = self.settings
         ec2 = ec2_client(fleet)
         filters = [{"Name": f"tag:{k}", "Values": [v]} for k, v in selector.items()]
         filters.append({"Name": "instance-state-name", "Values": launching.LIVE})
@@ -602,10 +605,24 @@ class _Ec2Unit:
     """A unit an agent runs on an instance, as follow_unit sees it through the mailbox:
     its result, stop requests, and the instance itself (checked every STATE_EVERY_S)."""
 
-    def __init__(self, ec2: Any, run_id: str, instance: str, follower: _Follower) -> None:
+    every_s = 0.5
+
+    def __init__(
+        self, ec2: Any, run_id: str, instance: str, follower: _Follower, workspace: Path
+    ) -> None:
         self.ec2, self.run_id, self.instance, self.follower = ec2, run_id, instance, follower
-        self.mailbox, self.name = follower.mailbox, follower.unit
+        self.mailbox, self.name, self.workspace = follower.mailbox, follower.unit, workspace
         self.state_at = time.monotonic()
+
+    def finish(self, end: UnitEnd | None) -> UnitEnd | None:
+        """Read the unit's last lines, its outputs and its samples from the mailbox."""
+        if end is None:
+            return None
+        self.follower.read()
+        self.follower.outputs(self.workspace / "outputs")
+        data = self.mailbox.get(unit_key(self.instance, self.name, "samples.jsonl"))
+        join_samples(self.workspace / SAMPLES, data or b"")
+        return end
 
     def poll(self) -> UnitEnd | None:
         self.follower.read()
@@ -649,30 +666,19 @@ class _Ec2Unit:
 class _Follower:
     """Reads a unit's log batches from the mailbox in order, once each."""
 
-    def __init__(self, mailbox: Mailbox, instance: str, unit: str, on_line: LineSink) -> None:
-        self.mailbox, self.instance, self.unit, self.on_line = mailbox, instance, unit, on_line
+    def __init__(self, mailbox: Mailbox, instance: str, unit: str, tail: LogTail) -> None:
+        self.mailbox, self.instance, self.unit, self.tail = mailbox, instance, unit, tail
         self.last = ""
-        self.tail: deque[str] = deque(maxlen=40)
 
     def read(self) -> None:
         under = unit_key(self.instance, self.unit, "log/")
         for key in self.mailbox.keys(under, after=self.last):
             for raw in (self.mailbox.get(key) or b"").decode(errors="replace").splitlines():
-                stream, line = json.loads(raw)
-                self.on_line(stream, line)
-                self.tail.append(line)
+                self.tail(*json.loads(raw))
             self.last = key
 
     def note(self, line: str) -> None:
-        self.on_line("stderr", line)
-        self.tail.append(line)
-
-    def samples(self, path: Path) -> None:
-        """Append the unit's metric samples (taken on its instance) to the run's."""
-        data = self.mailbox.get(unit_key(self.instance, self.unit, "samples.jsonl"))
-        if data:
-            with _samples_lock, path.open("ab") as out:
-                out.write(data if data.endswith(b"\n") else data + b"\n")
+        self.tail.note(line)
 
     def outputs(self, folder: Path) -> None:
         under = unit_key(self.instance, self.unit, "outputs/")

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from gpuflow.tasks.errors import InvalidSpec, Unreachable
 from gpuflow.tasks.gpus import canonical_product, product_from_ec2
 from gpuflow.tasks.metrics.cost import HOURS_PER_MONTH, PriceTable
+from gpuflow.tasks.saved_blocks import load_block
 from gpuflow.tasks.spec import JobSpec
 from gpuflow.tasks.storage import S3Settings, StorageError
 
@@ -95,16 +96,10 @@ def fleet_named(name: str | None, field: str = "placement.block") -> Fleet:
         region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
         return Fleet(region=region or "us-east-1")
 
-    try:
-        # blocks import prefect-aws and prefect-kubernetes (about 1 s): read one only when used
-        from gpuflow.blocks.ec2_fleet import Ec2GpuFleet
+    # blocks import prefect-aws and prefect-kubernetes (about 1 s): read one only when used
+    from gpuflow.blocks.ec2_fleet import Ec2GpuFleet
 
-        block = Ec2GpuFleet.load(name)
-    except ValueError:
-        raise InvalidSpec(
-            f"{field}: there is no Ec2GpuFleet block named {name!r}; create it"
-            f" (blocks.Ec2GpuFleet(...).save(name)) or remove {field}."
-        ) from None
+    block = load_block(Ec2GpuFleet, name, field, otherwise=f"remove {field}")
     return Fleet(
         name=name,
         region=block.region,
@@ -284,14 +279,7 @@ def rank(
             " use placement.backend: local."
         )
     product = canonical_product(res.gpu_product) if res.gpu_product else None
-    if fleet.zones:
-        known = {z for each in zones.values() for z in each}
-        stray = [z for z in fleet.zones if z not in known]
-        if stray and known:
-            raise InvalidSpec(
-                f"{fleet.field('zones')}: {', '.join(stray)} offer no GPU type in {fleet.region}"
-                f" (zones that do: {', '.join(sorted(known))}); fix the block."
-            )
+    _check_zones(fleet, zones)
     disk_hourly = res.disk / 2**30 * prices.disk_gb_month_usd.get(BACKEND, 0.0) / HOURS_PER_MONTH
     hours = spec.limits.max_duration / 3600.0
     fitting = [
@@ -314,14 +302,7 @@ def rank(
         for zone in zones.get(kind.instance_type, []):
             if fleet.zones and zone not in fleet.zones:
                 continue
-            choices = []
-            if market != "on-demand":
-                price = spot.get((kind.instance_type, zone))
-                if price is not None and price < on_demand:  # the cap: never over on-demand
-                    choices.append(("spot", price))
-            if market != "spot":
-                choices.append(("on-demand", on_demand))
-            for name, hourly in choices:
+            for name, hourly in _markets(market, on_demand, spot.get((kind.instance_type, zone))):
                 total = hourly + disk_hourly
                 offers.append(
                     Offer(
@@ -357,6 +338,30 @@ def rank(
     return offers
 
 
+def _check_zones(fleet: Fleet, zones: dict[str, list[str]]) -> None:
+    """Raise InvalidSpec for a zone the fleet names where no GPU type is offered."""
+    if not fleet.zones:
+        return
+    known = {z for each in zones.values() for z in each}
+    stray = [z for z in fleet.zones if z not in known]
+    if stray and known:
+        raise InvalidSpec(
+            f"{fleet.field('zones')}: {', '.join(stray)} offer no GPU type in {fleet.region}"
+            f" (zones that do: {', '.join(sorted(known))}); fix the block."
+        )
+
+
+def _markets(market: str, on_demand: float, spot: float | None) -> list[tuple[str, float]]:
+    """Return the markets an instance type in a zone is offered on, with their hourly
+    prices: spot when asked and under on-demand (the cap), on-demand when asked."""
+    choices = []
+    if market != "on-demand" and spot is not None and spot < on_demand:
+        choices.append(("spot", spot))
+    if market != "spot":
+        choices.append(("on-demand", on_demand))
+    return choices
+
+
 def _nothing_fits(spec: JobSpec, types: list[GpuType], product: str | None, fleet: Fleet) -> str:
     res = spec.resources
     families = f" (families {', '.join(fleet.families)})" if fleet.families else ""
@@ -380,9 +385,12 @@ def _nothing_fits(spec: JobSpec, types: list[GpuType], product: str | None, flee
     )
 
 
-def find_offers(spec: JobSpec, prices: PriceTable) -> tuple[Fleet, list[Offer]]:
-    """Return the fleet and the ranked offers for `spec`, read from EC2 (nothing launched)."""
-    fleet = fleet_of(spec)
+def find_offers(
+    spec: JobSpec, prices: PriceTable, fleet: Fleet | None = None
+) -> tuple[Fleet, list[Offer]]:
+    """Return the fleet (`fleet`, else the one placement.block names) and the ranked
+    offers for `spec`, read from EC2 (nothing launched)."""
+    fleet = fleet or fleet_of(spec)
     ec2 = ec2_client(fleet)
     try:
         types = gpu_types(ec2, fleet.families)

@@ -11,8 +11,8 @@ are only busy, and refused at once when no node could ever take it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-import re
 import shutil
 import threading
 import time
@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from gpuflow.tasks.backends.base import follow_unit
+from gpuflow.tasks.backends.base import LogTail, UnitBackend, join_samples
 from gpuflow.tasks.backends.kubernetes import manifests as objects
 from gpuflow.tasks.backends.kubernetes import reap as reaping
 from gpuflow.tasks.backends.kubernetes.kubeapi import (
@@ -37,13 +37,10 @@ from gpuflow.tasks.contract import (
     RUN_LABEL,
     Capabilities,
     Cluster,
-    JobResult,
-    LineSink,
     Needs,
     Offer,
     ReapReport,
     RunStates,
-    StopCheck,
     StopReason,
     TeardownReport,
     UnitEnd,
@@ -54,6 +51,7 @@ from gpuflow.tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec
 from gpuflow.tasks.host import env_number, gpuflow_home, this_process
 from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
 from gpuflow.tasks.metrics.sampler import NODE_SAMPLES, SAMPLES
+from gpuflow.tasks.saved_blocks import load_block
 from gpuflow.tasks.spec import JobSpec, Placement
 
 POLL_S = 1.0
@@ -64,7 +62,7 @@ LOG_DRAIN_S = 5.0  # how long an ended pod's last log lines may take to arrive
 UNCLEAR_WAIT_S = 30.0  # pending for a reason gpuflow cannot weigh: wait at least this
 
 
-class KubernetesBackend:
+class KubernetesBackend(UnitBackend):
     """provision -> a Service; run(unit) -> a Job; teardown -> every object of the run."""
 
     name = "kubernetes"
@@ -87,32 +85,29 @@ class KubernetesBackend:
             return cls()
         return cls(placement.block, placement.namespace)
 
+    @classmethod
+    def of(cls, cluster: Cluster) -> KubernetesBackend:
+        """Return the backend `cluster` was made with: its block and namespace."""
+        state = state_of(cluster, KubeState)
+        return cls(state.block, state.namespace)
+
     def __init__(self, block: str | None = None, namespace: str | None = None) -> None:
         self.block, self.namespace_wanted = block, namespace
-        self._api: KubeApi | None = None
-        self._loaded: tuple[str, Any] | None = None  # (block name, the block)
+        self._api: KubeApi | None = None  # connected on first use
         self._lock = threading.RLock()  # units of one job run in threads of their own
 
     # -- where and how -----------------------------------------------------------------
-    def _pool(self) -> Any:
-        """Return the KubernetesGpuPool block named, read once (api() and settings() both
-        need it)."""
+    @functools.cached_property
+    def pool(self) -> Any:
+        """Return the KubernetesGpuPool block named (read once), None without one."""
         if not self.block:
             return None
-        if self._loaded is not None and self._loaded[0] == self.block:
-            return self._loaded[1]
+        # blocks import prefect-aws and prefect-kubernetes (about 1 s): read one only when used
+        from gpuflow.blocks.kubernetes_pool import KubernetesGpuPool
 
-        try:
-            # blocks import prefect-aws and prefect-kubernetes (about 1 s): read one only when used
-            from gpuflow.blocks.kubernetes_pool import KubernetesGpuPool
-
-            self._loaded = (self.block, KubernetesGpuPool.load(self.block))
-            return self._loaded[1]
-        except ValueError:
-            raise InvalidSpec(
-                f"placement.block: there is no KubernetesGpuPool block named {self.block!r};"
-                " create it or remove placement.block."
-            ) from None
+        return load_block(
+            KubernetesGpuPool, self.block, "placement.block", otherwise="remove placement.block"
+        )
 
     def api(self) -> KubeApi:
         """Return the API client: the block's cluster config, else kubectl's resolution."""
@@ -121,7 +116,7 @@ class KubernetesBackend:
 
     def _connect(self) -> KubeApi:
         if self._api is None:
-            pool = self._pool()
+            pool = self.pool
             kubeconfig = None
             if pool is not None and pool.cluster_config is not None:
                 kubeconfig = pool.cluster_config.config
@@ -134,7 +129,7 @@ class KubernetesBackend:
 
     def settings(self, spec: JobSpec | None = None) -> objects.KubeSettings:
         """Return how pods are made: spec over block over defaults."""
-        pool = self._pool()
+        pool = self.pool
         values: dict[str, Any] = {"namespace": self.api().namespace}
         if pool is not None:
             values |= {
@@ -159,33 +154,18 @@ class KubernetesBackend:
         values = {k: v for k, v in values.items() if v is not None}
         return objects.KubeSettings(**values)
 
-    def _use(self, block: str | None, namespace: str | None) -> None:
-        """Point this backend at `block`'s cluster and `namespace` (a spec's or a cluster's)."""
-        with self._lock:
-            same_namespace = namespace in (None, self.namespace_wanted) or (
-                self._api is not None and self._api.namespace == namespace
-            )
-            if block != self.block or not same_namespace:
-                self.block, self.namespace_wanted, self._api = block, namespace, None
-
-    def _use_cluster(self, cluster: Cluster) -> None:
-        state = state_of(cluster, KubeState)
-        self._use(state.block, state.namespace)
-
     # -- verbs -------------------------------------------------------------------------
     def configure(self, spec: JobSpec, prices: PriceTable) -> tuple[JobSpec, PriceTable]:
         """Return the spec as it is (this backend reads its block itself) and the prices
         with the pool block's GPU price, where it gives one."""
-        self._use(spec.placement.block, spec.placement.namespace)
-        pool = self._pool()
-        if pool is not None and pool.gpu_hourly_usd is not None:
-            prices.gpu_hourly_usd[self.name] = {"*": pool.gpu_hourly_usd}
-        return spec, prices
+        pool = self.pool
+        if pool is None or pool.gpu_hourly_usd is None:
+            return spec, prices
+        return spec, prices.with_gpu_rate(self.name, pool.gpu_hourly_usd)
 
     def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
         """Raise InvalidSpec when the namespace is missing or the credentials cannot read
         it; makes nothing."""
-        self._use(spec.placement.block, spec.placement.namespace)
         api = self.api()
         try:
             api.request("GET", f"/api/v1/namespaces/{api.namespace}")
@@ -213,7 +193,6 @@ class KubernetesBackend:
         """Return the cluster's offer: GPUs of the product free now on schedulable ready
         nodes (allocatable minus what running pods hold, from the API), priced by the pool
         block or the price table. An API that does not answer is an offer that cannot start."""
-        self._use(spec.placement.block, spec.placement.namespace)
         settings = self.settings(spec)
         gpus, nodes = spec.resources.gpus, spec.resources.nodes
         hourly = hourly_rate(
@@ -244,7 +223,6 @@ class KubernetesBackend:
     def describe(self, spec: JobSpec) -> list[dict[str, str]]:
         """Return preflight rows for `spec`: the cluster, namespace, image and GPUs its pods
         would use (defaults shown), and whether the namespace is there."""
-        self._use(spec.placement.block, spec.placement.namespace)
         api, settings = self.api(), self.settings(spec)
         rows = [
             {
@@ -274,7 +252,6 @@ class KubernetesBackend:
     def provision(self, spec: JobSpec, owner: Mapping[str, str]) -> Cluster:
         """Return the run's cluster: its Service is the record. Idempotent: a retry adopts
         the Service an earlier try made. Raises ProvisionError when the API refuses."""
-        self._use(spec.placement.block, spec.placement.namespace)
         api = self.api()
         name = objects.dns_name(f"gpuflow-{owner[RUN_LABEL]}")
         path = f"/api/v1/namespaces/{api.namespace}/services"
@@ -317,28 +294,24 @@ class KubernetesBackend:
             raise ProvisionError(str(exc)) from None
         return cluster
 
-    def run(
+    def start(
         self,
         cluster: Cluster,
         unit: WorkUnit,
         env: Mapping[str, str],
         timeout_s: float,
-        on_line: LineSink,
-        should_stop: StopCheck | None = None,
-        grace_s: float = 30.0,
-    ) -> JobResult:
-        """Run `unit` as a Job of one pod (an MPI launcher: as an MPIJob over every node,
-        where the cluster runs the MPI Operator) and follow it to the end. A pod the
-        scheduler cannot place is explained; one evicted or whose node was lost is a
-        preemption (exit 75). On timeout, a stop or an interruption the object is deleted
-        (its pods get `grace_s`)."""
-        self._use_cluster(cluster)
+        tail: LogTail,
+    ) -> _KubeUnit:
+        """Start `unit` as a Job of one pod (an MPI launcher: as an MPIJob over every node,
+        where the cluster runs the MPI Operator). A pod the scheduler cannot place is
+        explained; one evicted or whose node was lost is a preemption (exit 75). On
+        timeout, a stop or an interruption the object is deleted (its pods get the grace)."""
         api = self.api()
         settings = state_of(cluster, KubeState).settings
         nonce = log_nonce(cluster.name)
         self._put_secret(cluster, {**env, objects.NONCE_VARIABLE: nonce})
         deadline_s = int(timeout_s) + 1
-        if unit.judge == "rank_status" and self._serves_mpijobs():
+        if unit.launcher is not None and self._serves_mpijobs():
             manifest = objects.mpi_job(cluster, unit, settings, deadline_s, _slots(unit))
             kind_path = f"/apis/{MPIJOB_API}/namespaces/{api.namespace}/mpijobs"
         else:
@@ -353,30 +326,18 @@ class KubernetesBackend:
             made = api.request("POST", kind_path, manifest)
         except KubeError as exc:
             raise ProvisionError(f"could not create {manifest['kind']} {name}: {exc}") from None
-        started = datetime.now(UTC)
         workspace = Path(cluster.workspace)
         node_samples = workspace / NODE_SAMPLES.replace("*", name)
-        follower = LogFollower(api, on_line, workspace / "outputs", node_samples, nonce)
+        follower = LogFollower(
+            api, tail, workspace / "outputs", node_samples, nonce, notes=tail.on_line
+        )
         # this object's pods only: an earlier try's pod may linger (Terminating on a lost node)
         selector = (
             f"{MPI_JOB_LABEL}={name}"
             if manifest["kind"] == "MPIJob"
             else f"batch.kubernetes.io/controller-uid={made['metadata']['uid']}"
         )
-        pod = _KubeUnit(self, cluster, unit, path, selector, follower)
-        end = follow_unit(pod, timeout_s, should_stop, grace_s, every_s=POLL_S)
-        # a pod that ended has its last lines still on the way: let them arrive
-        follower.stop(drain_s=0 if end.stop else LOG_DRAIN_S)
-        self._join_samples(node_samples, workspace / SAMPLES)
-        return end.result(started, datetime.now(UTC), list(follower.tail))
-
-    def _join_samples(self, node_samples: Path, samples: Path) -> None:
-        """Add a unit's node samples to the run's (units end in threads of their own)."""
-        with self._lock, contextlib.suppress(OSError):
-            data = node_samples.read_bytes()
-            with samples.open("ab") as out:
-                out.write(data)
-            node_samples.unlink()
+        return _KubeUnit(self, cluster, unit, path, selector, follower)
 
     def _serves_mpijobs(self) -> bool:
         """Return True when the cluster serves Kubeflow's MPIJob API (the MPI Operator)."""
@@ -426,7 +387,6 @@ class KubernetesBackend:
     def teardown(self, cluster: Cluster) -> TeardownReport:
         """Delete every object of `cluster` (Jobs and their pods, the Secret, the Service).
         Idempotent: objects already gone are no error."""
-        self._use_cluster(cluster)
         api = self.api()
         ns, selector = api.namespace, f"{objects.CLUSTER_LABEL}={cluster.name}"
         service = self._read(f"/api/v1/namespaces/{ns}/services/{cluster.name}")
@@ -550,6 +510,8 @@ class _KubeUnit:
     """A unit's Job (or MPIJob) and its pods, as follow_unit sees it: the launcher's (or
     the one pod's) end is the unit's; every pod is watched for placement and loss."""
 
+    every_s = POLL_S
+
     def __init__(
         self,
         backend: KubernetesBackend,
@@ -654,6 +616,15 @@ class _KubeUnit:
     def unconfirmed(self) -> UnitEnd:
         return UnitEnd()
 
+    def finish(self, end: UnitEnd | None) -> UnitEnd | None:
+        """Let an ended pod's last lines arrive, and add its node's samples to the run's."""
+        if end is None:  # interrupted: the follower stopped with it
+            return None
+        self.follower.stop(drain_s=0 if end.stop else LOG_DRAIN_S)
+        if self.follower.samples is not None:
+            join_samples(Path(self.cluster.workspace) / SAMPLES, self.follower.samples)
+        return end
+
 
 def _role(pod: dict[str, Any]) -> str:
     """Return an MPIJob pod's role (launcher, worker); "" for a unit Job's pod."""
@@ -662,8 +633,8 @@ def _role(pod: dict[str, Any]) -> str:
 
 def _slots(unit: WorkUnit) -> int:
     """Return the ranks per node of an MPI launcher unit, from its hostfile."""
-    found = re.findall(r"slots=(\d+)", unit.hostfile or "")
-    return int(found[0]) if found else 1
+    hosts = unit.launcher.hosts() if unit.launcher else []
+    return hosts[0][1] if hosts else 1
 
 
 def _unschedulable(status: dict[str, Any]) -> str | None:

@@ -11,7 +11,6 @@ import hmac
 import json
 import secrets
 import threading
-from collections import deque
 from pathlib import Path, PurePosixPath
 
 from gpuflow.tasks.backends.kubernetes import manifests as objects
@@ -39,14 +38,16 @@ class LogFollower:
         outputs: Path,
         samples: Path | None = None,
         nonce: str = "",
+        notes: LineSink | None = None,
     ) -> None:
         self.api, self.on_line, self.outputs = api, on_line, outputs
+        # what gpuflow says of the outputs the wrapper sent (default: with the job's lines)
+        self.notes = notes or on_line
         # the wrapper's records carry the run's nonce: a job's own line never passes for one
         self.sample_mark = f"{objects.SAMPLE_MARK}-{nonce} "
         self.output_mark = f"{objects.OUTPUT_MARK}-{nonce}"
         self.left_mark = f"{objects.OUTPUT_LEFT_MARK}-{nonce}"
         self.samples = samples  # where the node's samples go, one JSON line each
-        self.tail: deque[str] = deque(maxlen=40)
         self.thread: threading.Thread | None = None
         self.path: str | None = None
         self.seen = 0  # lines of the log taken so far (every read starts at its first line)
@@ -111,7 +112,6 @@ class LogFollower:
             with contextlib.suppress(ValueError):  # not the wrapper's shape: an ordinary line
                 self._receive(line)
                 return
-        self.tail.append(line)
         self.on_line("stdout", line)
 
     def _sample(self, text: str) -> bool:
@@ -134,7 +134,7 @@ class LogFollower:
         if mark == self.left_mark:
             size, name = rest.split(" ", 1)
             size_mib = int(size) / 2**20
-            self.on_line(
+            self.notes(
                 "stderr",
                 f"outputs/{name} ({size_mib:.1f} MiB) stayed in the pod: files over"
                 f" {objects.OUTPUT_MAX_KIB} KiB come back only from storage (write them to"
@@ -144,12 +144,12 @@ class LogFollower:
         name, data = rest.rsplit(" ", 1)
         relative = PurePosixPath(name)
         if relative.is_absolute() or ".." in relative.parts or not relative.parts:
-            self.on_line("stderr", f"outputs/{name} was not taken: it would land outside outputs")
+            self.notes("stderr", f"outputs/{name} was not taken: it would land outside outputs")
             return
         try:
             content = base64.b64decode(data, validate=True)
         except ValueError:
-            self.on_line("stderr", f"outputs/{name} arrived damaged and was not kept")
+            self.notes("stderr", f"outputs/{name} arrived damaged and was not kept")
             return
         target = self.outputs.joinpath(*relative.parts)
         target.parent.mkdir(parents=True, exist_ok=True)

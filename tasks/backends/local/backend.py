@@ -16,38 +16,33 @@ import socket
 import subprocess
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import psutil
 from pydantic import BaseModel
 
 from gpuflow.tasks import nvml
-from gpuflow.tasks.backends.base import ProcessGroupUnit, follow_unit
+from gpuflow.tasks.backends.base import LogTail, ProcessGroupUnit, UnitBackend
 from gpuflow.tasks.backends.local import cgroups, gpu_slots
 from gpuflow.tasks.backends.local import reap as reaping
 from gpuflow.tasks.contract import (
     RUN_LABEL,
     Capabilities,
     Cluster,
-    JobResult,
-    LineSink,
     Needs,
     Offer,
     ReapReport,
     RunStates,
-    StopCheck,
     TeardownReport,
+    UnitEnd,
     WorkUnit,
     state_of,
     unit_env,
 )
 from gpuflow.tasks.errors import CapacityError, InvalidSpec, ProvisionError
 from gpuflow.tasks.host import (
-    STOP_GRACE_S,
     OutputPump,
     alive,
     gpuflow_home,
@@ -62,6 +57,7 @@ from gpuflow.tasks.host import (
     write_atomic,
 )
 from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
+from gpuflow.tasks.saved_blocks import load_block
 from gpuflow.tasks.spec import JobSpec, Placement
 from gpuflow.tasks.units import format_bytes
 
@@ -90,7 +86,22 @@ def job_tmp(workspace: str) -> Path:
     return Path("/tmp") / f"gpuflow-job-{digest}"
 
 
-class LocalBackend:
+class LocalRecord(BaseModel):
+    """The local backend's record of one cluster on disk (clusters/<name>.json): what
+    teardown and the reaper need, from any process."""
+
+    cluster: Cluster
+    orchestrator_pid: int | None = None  # the gpuflow process that runs it ...
+    orchestrator_started: float | None = None  # ... and its create time
+    api_url: str | None = None  # the Prefect API its run is in
+    complete: bool = False  # provision finished: a retry adopts it as it is
+    jobs: dict[str, float] = {}  # a running job's process group -> its create time
+    cgroups: list[str] | None = None  # where its jobs are tracked; None: not made yet
+    memory_cgroup: str | None = None  # the cgroup holding them to resources.memory
+    memory_limited: bool = False  # the memory cgroup was asked for (None: none here)
+
+
+class LocalBackend(UnitBackend):
     """This host: GPUs by CUDA_VISIBLE_DEVICES, a workspace folder, process groups."""
 
     name = "local"
@@ -102,6 +113,11 @@ class LocalBackend:
         """Return the backend for this host (the placement's settings are in the spec)."""
         return cls()
 
+    @classmethod
+    def of(cls, cluster: Cluster) -> LocalBackend:
+        """Return this machine's backend: a cluster's record says where it is."""
+        return cls()
+
     def __init__(self, home: Path | None = None) -> None:
         self.home = (home or gpuflow_home()) / "local"
 
@@ -109,16 +125,22 @@ class LocalBackend:
     def _record_path(self, name: str) -> Path:
         return self.home / "clusters" / f"{name}.json"
 
-    def _read_record(self, name: str) -> dict | None:
-        return read_state_json(self._record_path(name))
+    def _read_record(self, name: str) -> LocalRecord | None:
+        found = read_state_json(self._record_path(name))
+        if found is None:
+            return None
+        try:
+            return LocalRecord.model_validate(found)
+        except ValueError:  # not a record of this shape: as good as half-written
+            return None
 
-    def _write_record(self, record: dict) -> None:
-        write_atomic(self._record_path(record["cluster"]["name"]), json.dumps(record, default=str))
+    def _write_record(self, record: LocalRecord) -> None:
+        text = record.model_dump_json(exclude={"cluster": {"adopted"}})
+        write_atomic(self._record_path(record.cluster.name), text)
 
-    def orchestrator(self, cluster: Cluster) -> dict:
-        """Return who runs `cluster`: the gpuflow process (pid, create time) and its API."""
-        record = self._read_record(cluster.name) or {}
-        return {k: record.get(k) for k in ("orchestrator_pid", "orchestrator_started", "api_url")}
+    def record_of(self, cluster: Cluster) -> LocalRecord:
+        """Return what is recorded of `cluster` (a bare record when nothing is)."""
+        return self._read_record(cluster.name) or LocalRecord(cluster=cluster)
 
     def sweep_partial_writes(self) -> list[str]:
         """Remove state files half-written by a process that died mid-write; return them."""
@@ -136,24 +158,17 @@ class LocalBackend:
         name = spec.placement.block
         if name is None:
             return spec, prices
-        try:
-            # blocks import prefect-aws and prefect-kubernetes (about 1 s): read one only when used
-            from gpuflow.blocks.local_host import LocalGpuHost
+        # blocks import prefect-aws and prefect-kubernetes (about 1 s): read one only when used
+        from gpuflow.blocks.local_host import LocalGpuHost
 
-            host = LocalGpuHost.load(name)
-        except ValueError:
-            raise InvalidSpec(
-                f"placement.block: there is no LocalGpuHost block named {name!r};"
-                f" create it with LocalGpuHost(...).save({name!r}) or remove placement.block."
-            ) from None
+        host = load_block(LocalGpuHost, name, "placement.block", otherwise="remove placement.block")
         placement = spec.placement.model_copy(
             update={
                 "workspace_root": spec.placement.workspace_root or host.workspace_root,
                 "strict_gpu_limit": spec.placement.strict_gpu_limit or host.strict_gpu_limit,
             }
         )
-        prices.gpu_hourly_usd[self.name] = {"*": host.gpu_hourly_usd}
-        prices.cpu_core_hourly_usd[self.name] = host.cpu_core_hourly_usd
+        prices = prices.with_gpu_rate(self.name, host.gpu_hourly_usd, host.cpu_core_hourly_usd)
         return spec.model_copy(update={"placement": placement}), prices
 
     def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
@@ -250,8 +265,8 @@ class LocalBackend:
         self.sweep_partial_writes()
         record = self._read_record(name)
         if record is not None:
-            cluster = Cluster.model_validate(record["cluster"]).model_copy(update={"adopted": True})
-            if record.get("complete") and Path(cluster.workspace).is_dir():
+            cluster = record.cluster.model_copy(update={"adopted": True})
+            if record.complete and Path(cluster.workspace).is_dir():
                 return cluster
         else:
             cluster = Cluster(
@@ -294,13 +309,13 @@ class LocalBackend:
 
     def _save(self, cluster: Cluster, complete: bool) -> None:
         self._write_record(
-            {
-                "cluster": cluster.model_dump(mode="json", exclude={"adopted"}),
-                "orchestrator_pid": os.getpid(),
-                "orchestrator_started": psutil.Process().create_time(),
-                "api_url": os.environ.get("PREFECT_API_URL"),
-                "complete": complete,
-            }
+            LocalRecord(
+                cluster=cluster,
+                orchestrator_pid=os.getpid(),
+                orchestrator_started=psutil.Process().create_time(),
+                api_url=os.environ.get("PREFECT_API_URL"),
+                complete=complete,
+            )
         )
 
     def _claim_within(self, spec: JobSpec, name: str) -> tuple[list[int], list[str]]:
@@ -356,20 +371,16 @@ class LocalBackend:
         if self._read_record(str(claim.get("cluster", ""))) is None:
             path.unlink(missing_ok=True)
 
-    def run(
+    def start(
         self,
         cluster: Cluster,
         unit: WorkUnit,
         env: Mapping[str, str],
         timeout_s: float,
-        on_line: LineSink,
-        should_stop: StopCheck | None = None,
-        grace_s: float = STOP_GRACE_S,
-    ) -> JobResult:
-        """Run the unit's command in its own process group, pinned to the unit's GPUs;
-        stop it (SIGTERM, then SIGKILL) after `timeout_s` or when `should_stop()` is true,
-        and say so; on interruption of this process forward SIGTERM to the group and
-        re-raise."""
+        tail: LogTail,
+    ) -> LocalUnit:
+        """Start the unit's command in its own process group and cgroup(s), pinned to the
+        unit's GPUs; InvalidSpec for a program that is not there."""
         command = unit.command
         program = resolve_program(command[0], env.get("PATH"))
         if program is None:
@@ -388,7 +399,6 @@ class LocalBackend:
         tracked, memory = self._cgroups(cluster)
         groups = [g for g in dict.fromkeys([*tracked, memory]) if g]
         oom_before = cgroups.memory_events(memory).get("oom_kill", 0)
-        started = datetime.now(UTC)
         proc = subprocess.Popen(
             [program, *command[1:]],
             cwd=cluster.workspace,
@@ -401,27 +411,8 @@ class LocalBackend:
             preexec_fn=(lambda: [cgroups.join(g) for g in groups]) if groups else None,
         )
         self._note_job(cluster, proc.pid, psutil.Process(proc.pid).create_time())
-        tail: deque[str] = deque(maxlen=40)
-
-        def line(stream: str, text: str) -> None:
-            tail.append(text)
-            on_line(stream, text)
-
-        pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, line).start()
-        end = follow_unit(ProcessGroupUnit(proc), timeout_s, should_stop, grace_s, every_s=0.1)
-        self._note_job(cluster, proc.pid, None)
-        # Every line the job wrote is read before the result; a process that left the
-        # job's group and keeps its pipes open is not waited on (teardown stops it).
-        if held := pump.finish():
-            on_line(
-                "stderr",
-                f"a process the job started and left running holds its {' and '.join(held)}"
-                " open; it was not waited on, and teardown stops it",
-            )
-        if memory:
-            oom_kills = cgroups.memory_events(memory).get("oom_kill", 0) - oom_before
-            end = end.model_copy(update={"memory_events": {"oom_kill": oom_kills}})
-        return end.result(started, datetime.now(UTC), list(tail))
+        pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, tail).start()
+        return LocalUnit(proc, self, cluster, pump, tail, (memory, oom_before))
 
     def _cgroups(self, cluster: Cluster) -> tuple[list[str], str | None]:
         """Return the cgroups the cluster's jobs are tracked in and, when resources.memory
@@ -432,23 +423,21 @@ class LocalBackend:
         name = f"{cluster.name}-{hashlib.sha256(str(self.home).encode()).hexdigest()[:8]}"
         limit = state_of(cluster, LocalState).memory_bytes
 
-        def wanted(record: dict[str, Any], key: str) -> bool:  # not made, or swept while empty
-            paths = record.get(key)
-            paths = paths if isinstance(paths, list) else [paths] if paths else []
-            return key not in record or any(not Path(path).is_dir() for path in paths)
+        def gone(paths: list[str]) -> bool:  # swept while empty
+            return any(not Path(path).is_dir() for path in paths)
 
         with _RECORD_LOCK:
-            record = self._read_record(cluster.name) or {
-                "cluster": cluster.model_dump(mode="json", exclude={"adopted"})
-            }
-            if wanted(record, "cgroups"):
-                record["cgroups"] = [str(path) for path in cgroups.create(name)]
+            record = self.record_of(cluster)
+            if record.cgroups is None or gone(record.cgroups):
+                record.cgroups = [str(path) for path in cgroups.create(name)]
                 self._write_record(record)
-            v2 = next((path for path in record["cgroups"] if cgroups.is_v2(path)), None)
-            if limit and wanted(record, "memory_cgroup"):
-                record["memory_cgroup"] = cgroups.limit_memory(name, v2, int(limit))
+            v2 = next((path for path in record.cgroups if cgroups.is_v2(path)), None)
+            memory = record.memory_cgroup
+            if limit and (not record.memory_limited or gone([memory] if memory else [])):
+                record.memory_cgroup = cgroups.limit_memory(name, v2, int(limit))
+                record.memory_limited = True
                 self._write_record(record)
-            return record["cgroups"], record.get("memory_cgroup")
+            return record.cgroups, record.memory_cgroup
 
     def _note_job(self, cluster: Cluster, pgid: int, started: float | None) -> None:
         """Record a running job's process group (started is its create time), or forget it
@@ -458,12 +447,11 @@ class LocalBackend:
             if record is None:
                 if started is None:
                     return
-                record = {"cluster": cluster.model_dump(mode="json", exclude={"adopted"})}
-            jobs = record.setdefault("jobs", {})
+                record = LocalRecord(cluster=cluster)
             if started is None:
-                jobs.pop(str(pgid), None)
+                record.jobs.pop(str(pgid), None)
             else:
-                jobs[str(pgid)] = started
+                record.jobs[str(pgid)] = started
             self._write_record(record)
 
     def teardown(self, cluster: Cluster) -> TeardownReport:
@@ -472,12 +460,12 @@ class LocalBackend:
         record = self._read_record(cluster.name)
         report = TeardownReport(name=cluster.name, already_gone=record is None)
         if record is not None:
-            cluster = Cluster.model_validate(record["cluster"])
-            for pgid, started in record.get("jobs", {}).items():
+            cluster = record.cluster
+            for pgid, started in record.jobs.items():
                 if alive(int(pgid), started):
                     report.killed_processes += stop_group(int(pgid), started)
-            tracked = record.get("cgroups") or ([record["cgroup"]] if record.get("cgroup") else [])
-            memory = record.get("memory_cgroup")
+            tracked = record.cgroups or []
+            memory = record.memory_cgroup
             groups = [g for g in dict.fromkeys([*tracked, memory]) if g]
             if groups:  # one stop over every hierarchy: leaving one of them is not enough
                 report.killed_processes += cgroups.stop(groups, grace_s=5.0)
@@ -528,10 +516,51 @@ class LocalBackend:
             record = self._read_record(path.stem)
             if record is None:
                 continue
-            cluster = Cluster.model_validate(record["cluster"])
+            cluster = record.cluster
             if all(cluster.owner.get(k) == v for k, v in selector.items()):
                 found.append(cluster)
         return found
+
+
+class LocalUnit(ProcessGroupUnit):
+    """A unit started here: its process group, its output pump and its memory cgroup."""
+
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        backend: LocalBackend,
+        cluster: Cluster,
+        pump: OutputPump,
+        tail: LogTail,
+        memory: tuple[str | None, int],
+    ) -> None:
+        super().__init__(proc)
+        self.backend, self.cluster, self.pump, self.tail, self.memory = (
+            backend,
+            cluster,
+            pump,
+            tail,
+            memory,
+        )
+
+    def finish(self, end: UnitEnd | None) -> UnitEnd | None:
+        """Forget the process group, read every line the job wrote (a process that left
+        the job's group and keeps its pipes open is not waited on: teardown stops it), and
+        count the out-of-memory kills of its cgroup."""
+        if end is None:
+            return None
+        self.backend._note_job(self.cluster, self.proc.pid, None)
+        if held := self.pump.finish():
+            self.tail.on_line(  # the run's log only: the job's last lines stay its own
+                "stderr",
+                f"a process the job started and left running holds its {' and '.join(held)}"
+                " open; it was not waited on, and teardown stops it",
+            )
+        memory, oom_before = self.memory
+        if memory:
+            oom_kills = cgroups.memory_events(memory).get("oom_kill", 0) - oom_before
+            end = end.model_copy(update={"memory_events": {"oom_kill": oom_kills}})
+        return end
 
 
 def _stop_strays(workspace: str, grace_s: float = 5.0, cwd_since: float | None = None) -> int:

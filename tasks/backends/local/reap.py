@@ -20,17 +20,15 @@ def reap(backend: LocalBackend, dry_run: bool, say: Callable[[str], None]) -> Re
     cgroups."""
     done = ReapReport(counts={"clusters": 0, "files": 0})
     for cluster in backend.list_owned({OWNER_LABEL: "gpuflow"}):
-        owner = backend.orchestrator(cluster)
-        if owner["orchestrator_pid"] and alive(
-            owner["orchestrator_pid"], owner["orchestrator_started"]
-        ):
+        owner = backend.record_of(cluster)
+        if owner.orchestrator_pid and alive(owner.orchestrator_pid, owner.orchestrator_started):
             continue  # its run is still going
         say(f"{'would reap' if dry_run else 'reaping'} {cluster.name} ({cluster.workspace})")
         done.counts["clusters"] += 1
         if not dry_run:
             report = backend.teardown(cluster)
             say(f"  {report.model_dump_json()}")
-        done.crashed.append((cluster.owner[RUN_LABEL], owner["api_url"]))
+        done.crashed.append((cluster.owner[RUN_LABEL], owner.api_url))
     if dry_run:
         return done
     swept = backend.sweep_partial_writes()

@@ -14,6 +14,7 @@ steps in it. Slurm is the scheduler: gpuflow asks it, never schedules beside it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 import socket
@@ -22,8 +23,7 @@ import sys
 import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ from typing import Any
 import psutil
 from pydantic import BaseModel
 
-from gpuflow.tasks.backends.base import follow_unit
+from gpuflow.tasks.backends.base import LogTail, UnitBackend, join_samples, stop_process
 from gpuflow.tasks.backends.slurm.commands import HERE, LocalClient, LoginNode, said
 from gpuflow.tasks.backends.slurm.fit import (
     IDLE_FORMAT,
@@ -51,13 +51,11 @@ from gpuflow.tasks.contract import (
     RUN_LABEL,
     Capabilities,
     Cluster,
-    JobResult,
-    LineSink,
+    MpiLaunch,
     Needs,
     Offer,
     ReapReport,
     RunStates,
-    StopCheck,
     StopReason,
     TeardownReport,
     UnitEnd,
@@ -70,6 +68,7 @@ from gpuflow.tasks.gpus import PRODUCTS
 from gpuflow.tasks.host import STOP_GRACE_S, OutputPump, alive, gpuflow_home, start_time
 from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
 from gpuflow.tasks.metrics.sampler import NODE_SAMPLES, SAMPLES
+from gpuflow.tasks.saved_blocks import load_block
 from gpuflow.tasks.spec import JobSpec, Placement
 
 # squeue's states of a job that still holds (or waits for) its allocation
@@ -121,7 +120,7 @@ def minutes(seconds: float) -> int:
     return max(1, int(-(-seconds // 60)))
 
 
-class SlurmBackend:
+class SlurmBackend(UnitBackend):
     name = "slurm"
     capabilities = Capabilities(
         where="the Slurm cluster's nodes",
@@ -132,28 +131,41 @@ class SlurmBackend:
 
     def __init__(self, block: str | None = None) -> None:
         self.block = block  # the SlurmCluster block of the runs it serves (None: the client here)
-        self._reaches: dict[str | None, LocalClient] = {}
 
     @classmethod
     def at(cls, placement: Placement | None = None) -> SlurmBackend:
         return cls(placement.block if placement else None)
 
-    def reach(self, block: str | None = None) -> LocalClient:
-        """Return how commands reach the cluster of `block` (default: this backend's): its
-        login node over SSH when the block names one, else the Slurm client here."""
-        name = block if block is not None else self.block
-        if name not in self._reaches:
-            self._reaches[name] = _reach(_load(name) if name else None)
-        return self._reaches[name]
+    @classmethod
+    def of(cls, cluster: Cluster) -> SlurmBackend:
+        """Return the backend `cluster` was made with: its SlurmCluster block."""
+        return cls(state_of(cluster, SlurmState).block)
 
-    def _cli(self, cluster: Cluster) -> LocalClient:
-        return self.reach(state_of(cluster, SlurmState).block)
+    @functools.cached_property
+    def settings(self) -> Any:
+        """Return the SlurmCluster block (read once), None without one."""
+        if self.block is None:
+            return None
+        from gpuflow.blocks.slurm_cluster import SlurmCluster
+
+        return load_block(
+            SlurmCluster, self.block, "placement.block", otherwise="remove placement.block"
+        )
+
+    @functools.cached_property
+    def cli(self) -> LocalClient:
+        """Return how commands reach the cluster: its login node over SSH when the block
+        names one, else the Slurm client here."""
+        return _reach(self.settings)
+
+    def _types(self) -> Mapping[str, str] | None:
+        return self.settings.gres_types if self.settings is not None else None
 
     def configure(self, spec: JobSpec, prices: PriceTable) -> tuple[JobSpec, PriceTable]:
         """Return the spec with its SlurmCluster block's partition and workspace root
         (values written in the spec win) and the prices with the cluster's; InvalidSpec
         for no such block."""
-        cluster = _block(spec)
+        cluster = self.settings
         if cluster is None:
             return spec, prices
         placement = spec.placement.model_copy(
@@ -162,7 +174,7 @@ class SlurmBackend:
                 "workspace_root": spec.placement.workspace_root or cluster.workspace_root,
             }
         )
-        prices.gpu_hourly_usd[self.name] = {"*": cluster.gpu_hourly_usd}
+        prices = prices.with_gpu_rate(self.name, cluster.gpu_hourly_usd)
         return spec.model_copy(update={"placement": placement}), prices
 
     def offers(self, spec: JobSpec, prices: PriceTable) -> list[Offer]:
@@ -178,7 +190,7 @@ class SlurmBackend:
             res.cpu or 1.0,
             res.disk,
         )
-        cli = self.reach(spec.placement.block)
+        cli = self.cli
         try:
             table = parse_sinfo(_sinfo(cli))
             name = request.partition or next((r.partition for r in table if r.default), "")
@@ -210,7 +222,7 @@ class SlurmBackend:
     def describe(self, spec: JobSpec) -> list[dict[str, str]]:
         """Return preflight rows for `spec`: how gpuflow reaches the cluster, the partition's
         nodes and GPUs idle now, and whether the job fits it (nothing is submitted)."""
-        cli = self.reach(spec.placement.block)
+        cli = self.cli
         cli.check()
         rows = [{"name": "cluster", "level": "pass", "message": cli.describe()}]
         res = spec.resources
@@ -253,10 +265,10 @@ class SlurmBackend:
             "--requeue",
         ]
         if res.gpus:
-            argv.append(f"--gres={gres(res.gpus, gres_type(res.gpu_product, _types(spec)))}")
+            argv.append(f"--gres={gres(res.gpus, gres_type(res.gpu_product, self._types()))}")
         if spec.placement.partition:
             argv.append(f"--partition={spec.placement.partition}")
-        cluster = _block(spec)
+        cluster = self.settings
         if cluster is not None:
             argv += [f"--account={cluster.account}"] if cluster.account else []
             argv += [f"--qos={cluster.qos}"] if cluster.qos else []
@@ -270,7 +282,7 @@ class SlurmBackend:
             partition=spec.placement.partition,
             nodes=res.nodes,
             gpus=res.gpus,
-            gres_type=gres_type(res.gpu_product, _types(spec)),
+            gres_type=gres_type(res.gpu_product, self._types()),
             minutes=self._hold_minutes(spec),
         )
 
@@ -281,7 +293,7 @@ class SlurmBackend:
         """Raise InvalidSpec when this machine has no Slurm client or the cluster would
         refuse the allocation (`sbatch --test-only`: partition, gres, nodes, time); submits
         nothing."""
-        cli = self.reach(spec.placement.block)
+        cli = self.cli
         cli.check()
         if cli.remote and not spec.placement.workspace_root:
             raise InvalidSpec(
@@ -303,7 +315,7 @@ class SlurmBackend:
         problem = refusal(request, parse_sinfo(_sinfo(cli)))
         if problem:
             raise InvalidSpec(problem)
-        cluster = _block(spec)
+        cluster = self.settings
         if cluster is not None and cluster.qos and (problem := _qos_problem(cli, cluster.qos)):
             raise InvalidSpec(problem)
         argv = self._sbatch_args(spec, "gpuflow-check", "{}", root)
@@ -311,7 +323,7 @@ class SlurmBackend:
         if done.returncode != 0:
             raise InvalidSpec(
                 f"resources: the Slurm cluster refuses {res.nodes} node(s) with"
-                f" {gres(res.gpus, gres_type(res.gpu_product, _types(spec)))} each for"
+                f" {gres(res.gpus, gres_type(res.gpu_product, self._types()))} each for"
                 f" limits.max_duration: {said(done.stderr)}; ask for what its partitions have"
                 " (`sinfo -o '%P %D %G %l'`)."
             )
@@ -325,7 +337,7 @@ class SlurmBackend:
         it (the reason in Slurm's words)."""
         run_id = owner[RUN_LABEL]
         found = self.list_owned({RUN_LABEL: run_id})
-        kind = gres_type(spec.resources.gpu_product, _types(spec))
+        kind = gres_type(spec.resources.gpu_product, self._types())
         if found:
             job = state_of(found[0], SlurmState).job_id
             cluster = found[0].model_copy(
@@ -339,7 +351,7 @@ class SlurmBackend:
             return self._running(cluster, spec).model_copy(update={"adopted": True})
         name = f"gpuflow-{run_id}"
         workspace = workspace_root(spec.placement.workspace_root) / name
-        cli = self.reach(spec.placement.block)
+        cli = self.cli
         cli.make_dir(str(workspace))
         me = psutil.Process()
         comment = json.dumps(
@@ -374,7 +386,7 @@ class SlurmBackend:
 
     def _running(self, cluster: Cluster, spec: JobSpec) -> Cluster:
         """Return `cluster` once its job runs, with its nodes and GPU indices."""
-        job, cli = state_of(cluster, SlurmState).job_id, self._cli(cluster)
+        job, cli = state_of(cluster, SlurmState).job_id, self.cli
         waited_from = time.monotonic()
         while True:
             row = _live_row(cli, job, "ended before it ran")
@@ -433,9 +445,9 @@ class SlurmBackend:
         """Return the GPUs of the job's type idle now in its partition, and what the job
         waits for and what the partition has, in words."""
         res = spec.resources
-        kind = gres_type(res.gpu_product, _types(spec))
+        kind = gres_type(res.gpu_product, self._types())
         wanted = f"{res.nodes} node(s) x {gres(res.gpus, kind)}"
-        cli = self.reach(spec.placement.block)
+        cli = self.cli
         table = parse_sinfo(cli.run(["sinfo", "-h", "-N", "-o", SINFO_FORMAT], check=False))
         name = spec.placement.partition or next((r.partition for r in table if r.default), "")
         listed = cli.run(["sinfo", "-h", "-N", "-p", name, "-O", IDLE_FORMAT], check=False)
@@ -445,19 +457,17 @@ class SlurmBackend:
 
     # -- units -----------------------------------------------------------------------------
 
-    def run(
+    def start(
         self,
         cluster: Cluster,
         unit: WorkUnit,
         env: Mapping[str, str],
         timeout_s: float,
-        on_line: LineSink,
-        should_stop: StopCheck | None = None,
-        grace_s: float = STOP_GRACE_S,
-    ) -> JobResult:
+        tail: LogTail,
+    ) -> SlurmStep:
         """Run the unit as a step of the run's job on its node, with its GPUs as gres; its
         variables reach the step through srun's environment (never its command line)."""
-        state, cli = state_of(cluster, SlurmState), self._cli(cluster)
+        state, cli = state_of(cluster, SlurmState), self.cli
         hosts = _running_again(cli, state.job_id, time.monotonic() + timeout_s)
         step = f"{cluster.name}.{unit.name}.{uuid.uuid4().hex[:8]}"
         # A unit with GPUs of its own (a render chunk, a copy per GPU) gets the node's
@@ -475,7 +485,7 @@ class SlurmBackend:
             f"--chdir={cluster.workspace}",
             "--kill-on-bad-exit=1",
             f"--gres={gres(count, state.gres_type)}" if count else "--gres=none",
-            *(_mpi_launch(cli, unit, cluster, state) if unit.hostfile else []),
+            *(_mpi_launch(cli, unit.launcher, cluster, state) if unit.launcher else []),
             *(_share(cluster, unit.gpus) if unit.gpus else []),
             *unit.command,
         ]
@@ -484,38 +494,19 @@ class SlurmBackend:
             **unit.env,
             **unit_env(unit.node, cluster.nodes, cluster.workspace, None),
         }
-        started = datetime.now(UTC)
         proc = cli.start(argv, child_env)
-        tail: deque[str] = deque(maxlen=40)
-
-        def line(stream: str, text: str) -> None:
-            tail.append(text)
-            on_line(stream, text)
-
-        pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, line).start()
+        pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, tail).start()
         sampler = None
         if count and not cli.remote:  # the samples are read from the shared workspace
             sampler = NodeSampler.join(cli, cluster, state, hosts[unit.node])
-        try:
-            end = follow_unit(
-                SlurmStep(cli, proc, state.job_id, step),
-                timeout_s,
-                should_stop,
-                grace_s,
-                every_s=0.1,
-            )
-        finally:
-            pump.finish()
-            if sampler is not None:
-                sampler.leave()
-        return end.result(started, datetime.now(UTC), list(tail))
+        return SlurmStep(cli, proc, state.job_id, step, pump, sampler)
 
     # -- teardown and reaping ------------------------------------------------------------------
 
     def teardown(self, cluster: Cluster) -> TeardownReport:
         """Cancel the run's job (its steps with it), wait until squeue no longer holds it,
         remove the workspace. Never raises on "already gone"."""
-        job, cli = state_of(cluster, SlurmState).job_id, self._cli(cluster)
+        job, cli = state_of(cluster, SlurmState).job_id, self.cli
         row = job_row(cli, job)
         gone = row is None or row["state"] not in ACTIVE
         if not gone:
@@ -530,13 +521,16 @@ class SlurmBackend:
         removed = bool(cluster.workspace) and cli.remove_dir(cluster.workspace)
         return TeardownReport(name=cluster.name, already_gone=gone, removed_workspace=removed)
 
+    def _owned_jobs(self) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+        """Yield each active job gpuflow submitted (squeue's row) with its owner labels."""
+        for row in parse(self.cli.run(["squeue", "-h", "-a", "-o", FIELDS])):
+            if row["comment"].get(OWNER_LABEL) == "gpuflow" and row["state"] in ACTIVE:
+                yield row, row["comment"]
+
     def list_owned(self, selector: Mapping[str, str]) -> list[Cluster]:
         """Return the runs' allocations squeue holds whose owner labels include `selector`."""
         found = []
-        for row in parse(self.reach().run(["squeue", "-h", "-a", "-o", FIELDS])):
-            labels = row["comment"]
-            if labels.get(OWNER_LABEL) != "gpuflow" or row["state"] not in ACTIVE:
-                continue
+        for row, labels in self._owned_jobs():
             if any(labels.get(k) != v for k, v in selector.items()):
                 continue
             owner = {k: str(v) for k, v in labels.items() if k.startswith("gpuflow.io/")}
@@ -559,12 +553,8 @@ class SlurmBackend:
         gpuflow ran on this host and died (their run is marked Crashed); runs whose API is
         away are left as they are."""
         report = ReapReport(counts={"clusters": 0})
-        cli = self.reach()
-        cli.check()  # a client, a login node that lets gpuflow in: else one sentence
-        for row in parse(cli.run(["squeue", "-h", "-a", "-o", FIELDS])):
-            labels = row["comment"]
-            if labels.get(OWNER_LABEL) != "gpuflow" or row["state"] not in ACTIVE:
-                continue
+        self.cli.check()  # a client, a login node that lets gpuflow in: else one sentence
+        for row, labels in self._owned_jobs():
             run_id, api = str(labels.get(RUN_LABEL, "")), labels.get("api")
             standing = runs.state(run_id, api)
             why = None
@@ -603,7 +593,6 @@ class NodeSampler:
     (`join`, `leave`): the last to leave stops it and its samples join the run's."""
 
     _lock = threading.Lock()
-    _merging = threading.Lock()  # samplers of a run end at once: their samples join one by one
     _live: dict[tuple[str, str], NodeSampler] = {}  # (job id, node) -> its sampler
 
     @classmethod
@@ -653,26 +642,16 @@ class NodeSampler:
             node,
         ]
         proc = cli.start(argv, {})
-        self.step = SlurmStep(cli, proc, state.job_id, step)
-        self.pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, _quiet).start()
+        pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, _quiet).start()
+        self.step = SlurmStep(cli, proc, state.job_id, step, pump)
 
     def finish(self) -> None:
         """Stop the sampler (its last sample closes the energy window) and add its samples
         to the run's."""
         self.step.interrupt(STOP_GRACE_S)
-        if self.step.proc.poll() is None:  # its step never showed in squeue: end its srun
-            self.step.proc.terminate()
-            try:
-                self.step.proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.step.proc.kill()
-                self.step.proc.wait()
-        self.pump.finish()
-        with self._merging, contextlib.suppress(OSError):
-            data = self.path.read_bytes()
-            with (self.workspace / SAMPLES).open("ab") as out:
-                out.write(data)
-            self.path.unlink()
+        stop_process(self.step.proc)  # its step never showed in squeue: end its srun
+        self.step.finish(None)
+        join_samples(self.workspace / SAMPLES, self.path)
 
 
 def _quiet(stream: str, text: str) -> None:
@@ -680,11 +659,30 @@ def _quiet(stream: str, text: str) -> None:
 
 
 class SlurmStep:
-    """A unit that is a job step, as follow_unit sees it: srun on this machine follows it."""
+    """A unit that is a job step, as follow_unit sees it: srun on this machine follows it,
+    its output pump reads srun's pipes, and the node's sampler runs while it does."""
 
-    def __init__(self, cli: LocalClient, proc: subprocess.Popen, job_id: str, name: str) -> None:
+    every_s = 0.1
+
+    def __init__(
+        self,
+        cli: LocalClient,
+        proc: subprocess.Popen,
+        job_id: str,
+        name: str,
+        pump: OutputPump,
+        sampler: NodeSampler | None = None,
+    ) -> None:
         self.cli, self.proc, self.job_id, self.name = cli, proc, job_id, name
+        self.pump, self.sampler = pump, sampler
         self._looked = time.monotonic()  # when the job's state was last asked while srun ran
+
+    def finish(self, end: UnitEnd | None) -> UnitEnd | None:
+        """Read srun's last lines; the last unit on its node stops the node's sampler."""
+        self.pump.finish()
+        if self.sampler is not None:
+            self.sampler.leave()
+        return end
 
     def poll(self) -> UnitEnd | None:
         code = self.proc.poll()
@@ -695,7 +693,7 @@ class SlurmStep:
             # Asked whatever srun's code: srun that loses its step's node ("Node failure")
             # exits 0 without the unit's code, even though the unit was stopped.
             return UnitEnd(exit_code=PREEMPTED_EXIT_CODE, tail=[why])
-        return _ended(code)
+        return srun_end(code)
 
     def _orphaned(self) -> UnitEnd | None:
         """Return a preemption when Slurm took the run's job back (requeued: its node lost)
@@ -708,12 +706,7 @@ class SlurmStep:
         row = job_row(self.cli, self.job_id)
         if row is None or row["state"] not in REQUEUED:
             return None
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
         why = f"the Slurm job {self.job_id} was requeued (a node lost) while its step ran"
         return UnitEnd(exit_code=PREEMPTED_EXIT_CODE, tail=[why])
 
@@ -739,7 +732,7 @@ class SlurmStep:
             return self.poll()
         self.cli.run(["scancel", "--signal=TERM", step], check=False)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            return _ended(self.proc.wait(timeout=grace_s))
+            return srun_end(self.proc.wait(timeout=grace_s))
         self.cli.run(["scancel", step], check=False)
         return None
 
@@ -771,15 +764,16 @@ def _share(cluster: Cluster, gpus: list[int]) -> list[str]:
     return ["sh", "-c", pick, "sh"]
 
 
-def _mpi_launch(cli: LocalClient, unit: WorkUnit, cluster: Cluster, state: SlurmState) -> list[str]:
+def _mpi_launch(
+    cli: LocalClient, launch: MpiLaunch, cluster: Cluster, state: SlurmState
+) -> list[str]:
     """Return the words that start an MPI launcher unit's mpirun in the job, not in its own
     step: Open MPI inside a Slurm step starts its daemons with srun, which reads the
     allocation from the step's variables (one node, one task). This sets them to the hosts
     and slots of the unit's hostfile, makes that srun share the job's resources with the
     launcher (--overlap) and gives it each node's GPUs as gres."""
-    lines = [line.split() for line in (unit.hostfile or "").splitlines() if line.strip()]
-    hosts = [words[0] for words in lines]
-    slots = [next((w[6:] for w in words if w.startswith("slots=")), "1") for words in lines]
+    hosts = [name for name, _ in launch.hosts()]
+    slots = [str(ranks) for _, ranks in launch.hosts()]
     nodes = cli.run(["scontrol", "show", "hostlist", ",".join(hosts)]).strip()
     count = cluster.gpus_per_node
     step_only = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_NODES",
@@ -874,7 +868,7 @@ def _running_again(cli: LocalClient, job_id: str, deadline: float) -> list[str]:
         time.sleep(0.5)
 
 
-def _ended(code: int) -> UnitEnd:
+def srun_end(code: int) -> UnitEnd:
     """Return how a step ended from srun's exit code (128 + n: killed by signal n)."""
     if code > 128:
         return UnitEnd(signal=code - 128)
@@ -895,24 +889,6 @@ def _gpu_indices(cli: LocalClient, job_id: str) -> list[int]:
     return []
 
 
-def _block(spec: JobSpec) -> Any:
-    """Return the SlurmCluster block placement.block names, None without one; InvalidSpec
-    when there is no such block."""
-    return _load(spec.placement.block) if spec.placement.block else None
-
-
-def _load(name: str) -> Any:
-    from gpuflow.blocks.slurm_cluster import SlurmCluster
-
-    try:
-        return SlurmCluster.load(name)
-    except ValueError:
-        raise InvalidSpec(
-            f"placement.block: there is no SlurmCluster block named {name!r}; create it"
-            f" with SlurmCluster(...).save({name!r}) or remove placement.block."
-        ) from None
-
-
 _LOGIN_NODES_LOCK = threading.Lock()
 _LOGIN_NODES: dict[
     tuple, LoginNode
@@ -928,13 +904,8 @@ def _reach(cluster: Any) -> LocalClient:
     if cluster.ssh_key:
         from prefect.blocks.system import Secret
 
-        try:
-            key = Secret.load(cluster.ssh_key).get()
-        except ValueError:
-            raise InvalidSpec(
-                f"ssh_key: there is no Secret block named {cluster.ssh_key!r}; save the login"
-                f" node's private key with Secret(value=...).save({cluster.ssh_key!r})."
-            ) from None
+        create = f"the login node's private key: Secret(value=...).save({cluster.ssh_key!r})"
+        key = load_block(Secret, cluster.ssh_key, "ssh_key", create=create).get()
     settings = (cluster.login_host, cluster.login_user, cluster.login_port, key)
     with _LOGIN_NODES_LOCK:
         found = _LOGIN_NODES.get((*settings, cluster.known_hosts, cluster.ssh_key))
@@ -942,11 +913,6 @@ def _reach(cluster: Any) -> LocalClient:
             found = LoginNode(*settings, known_hosts=cluster.known_hosts, key_name=cluster.ssh_key)
             _LOGIN_NODES[(*settings, cluster.known_hosts, cluster.ssh_key)] = found
     return found
-
-
-def _types(spec: JobSpec) -> Mapping[str, str] | None:
-    cluster = _block(spec)
-    return cluster.gres_types if cluster is not None else None
 
 
 def _node_address(cli: LocalClient, node: str) -> str:

@@ -1,0 +1,328 @@
+"""The run stage: the job's units on the run's backend under its limits (time, budget,
+idle GPUs), stop checks (cancelled in the API) and secrets, with the sampler on.
+
+Retries key on error classes: the run task is retried only when its exception says a
+retry may succeed (PreemptedError, TransientError).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.context import TaskRunContext
+
+from gpuflow.tasks import secrets
+from gpuflow.tasks.backends.base import Backend
+from gpuflow.tasks.backends.registry import backend_for
+from gpuflow.tasks.contract import Cluster, JobResult, LineSink, RunOutcome, WorkUnit
+from gpuflow.tasks.errors import (
+    ERROR_FILE,
+    PREEMPTED_EXIT_CODE,
+    JobCancelled,
+    PreemptedError,
+    retry_unless,
+)
+from gpuflow.tasks.kinds.registry import kind_of
+from gpuflow.tasks.logstream import LineBatcher, job_output_sink
+from gpuflow.tasks.metrics import cost as pricing
+from gpuflow.tasks.metrics.idle import watch_of
+from gpuflow.tasks.pipeline.costs import hourly_paid
+from gpuflow.tasks.pipeline.failure import failure_context, failure_sentence
+from gpuflow.tasks.pipeline.inflight import unit_running
+from gpuflow.tasks.pipeline.sampling import sampling
+from gpuflow.tasks.pipeline.stages import retrying
+from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.storage import S3Settings, s3_settings
+
+
+class JobEnvironment:
+    """What every unit of a run gets, built once per run: the spec's variables, its
+    secrets and, when the spec names a credentials block, storage's; the storage settings
+    the run uses; and a redactor that masks every secret among them."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        secret_values = secrets.resolve(spec.secret_env)
+        self.storage: S3Settings = s3_settings(spec)  # the block's, else this process's AWS_*
+        storage_env = self.storage.child_env() if spec.storage.aws_credentials else {}
+        self.env = {**storage_env, **spec.env, **secret_values}  # the backend adds its own
+        self.redact = secrets.Redactor([*secret_values.values(), *self.storage.secrets()])
+
+
+def cancel_requested(flow_run_id: str, every_s: float = 2.0) -> Callable[[], bool]:
+    """Return a check, cheap to call often, that says whether the run was cancelled in the
+    API (UI, `prefect flow-run cancel`): a run started by `gpuflow run` has no worker to
+    kill it, so the run stage stops the job itself. The API is asked on a thread of its
+    own: an API that is away or slow (its client retries for a minute) never holds up
+    the loop that follows the job; the thread ends once the check is no longer called."""
+    from uuid import UUID
+
+    from prefect.client.schemas.objects import StateType
+
+    from gpuflow.tasks.api_client import api_client
+
+    cancelled = threading.Event()
+    last_called = [time.monotonic()]
+
+    def poll() -> None:
+        while time.monotonic() - last_called[0] < 5 * every_s + 10:
+            time.sleep(every_s)
+            try:
+                with api_client() as client:
+                    state = client.read_flow_run(UUID(flow_run_id)).state
+            except Exception:  # the API being away is no reason to stop a job
+                continue
+            if state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED):
+                cancelled.set()
+                return
+
+    context = contextvars.copy_context()  # the API this run uses (settings are context)
+    threading.Thread(target=context.run, args=(poll,), daemon=True, name="cancel-check").start()
+
+    def check() -> bool:
+        last_called[0] = time.monotonic()
+        return cancelled.is_set()
+
+    return check
+
+
+def _retries_left() -> bool:
+    """Return True when the task run calling this will be retried if it fails."""
+    context = TaskRunContext.get()
+    if context is None:
+        return False
+    return context.task_run.run_count <= (context.task.retries or 0)
+
+
+@task(name="run", cache_policy=None)
+def run(
+    spec: JobSpec, cluster: Cluster, prices: pricing.PriceTable, flow_run_id: str
+) -> RunOutcome:
+    """Run the job's units with the sampler on; raise PreemptedError (retryable) when the
+    job says it was interrupted, return other failures in the outcome so collect still runs."""
+    logger = get_run_logger()
+    environment = JobEnvironment(spec)
+    redact = environment.redact
+    timeout, stopped_by = time_limit(spec, cluster, prices)
+
+    with (
+        LineBatcher(job_output_sink(logger)) as lines,
+        sampling(spec, cluster, flow_run_id, logger.warning) as idle,
+    ):
+        units = kind_of(spec).units(spec, cluster)
+
+        def sink(unit: WorkUnit) -> Callable[[str, str], None]:
+            where = f"[{unit.name}] " if len(units) > 1 else ""
+
+            def on_line(stream: str, line: str) -> None:
+                tag = "[stderr] " if stream == "stderr" else ""
+                lines.add(redact(f"{where}{tag}{line}"))
+
+            return on_line
+
+        result = run_units(
+            backend_for(cluster),
+            cluster,
+            units,
+            environment.env,
+            timeout,
+            sink,
+            stop_check(flow_run_id),
+            spec.limits.stop_grace_s,
+        )
+    result = result.model_copy(update={"log_tail": [redact(line) for line in result.log_tail]})
+    if idle is not None and idle.stopped():  # stopped for idling, not cancelled or preempted
+        return RunOutcome(result=result, failure=idle.sentence(), stopped_by="idle_gpu")
+    if result.cancelled:
+        raise JobCancelled("the run was cancelled while the job ran; the job was stopped")
+    if result.exit_code == PREEMPTED_EXIT_CODE:
+        raise PreemptedError(
+            f"the job was interrupted and saved its state (exit {PREEMPTED_EXIT_CODE}); "
+            + (
+                "a retry resumes it"
+                if _retries_left()
+                else "its retries are used up (retry.run.retries); running the same spec again"
+                " resumes it"
+            )
+        )
+    error_file = Path(cluster.workspace) / "outputs" / ERROR_FILE
+    reason = (
+        redact(error_file.read_text(errors="replace").strip()[:2000])
+        if error_file.is_file()
+        else None
+    )
+    return RunOutcome(
+        result=result,
+        failure=failure_sentence(
+            result,
+            timeout,
+            stopped_by,
+            reason,
+            failure_context(spec, cluster) | {"memory_events": result.memory_events},
+        ),
+        stopped_by=stopped_by if result.timed_out else None,
+    )
+
+
+def run_stage(
+    spec: JobSpec,
+    cluster: Cluster,
+    prices: pricing.PriceTable,
+    flow_run_id: str,
+    handed_on: tuple[type[Exception], ...] = (),
+) -> RunOutcome:
+    """The run stage: every unit of the job's kind at once (the `run` task, retried), or,
+    for a kind that hands out its own units (render chunks), the kind's schedule through a
+    UnitRunner, under the same limits, sampler and stop checks. Errors of `handed_on`
+    (a pool's: capacity, a preemption where it moves on) are raised at once, not retried."""
+    kind = kind_of(spec)
+    if not kind.schedules_units:
+        condition = retry_unless(*handed_on)
+        return retrying(run, spec.retry.run, condition)(spec, cluster, prices, flow_run_id)
+    logger = get_run_logger()
+    timeout, stopped_by = time_limit(spec, cluster, prices)
+    runner = PipelineRunner(spec, cluster, flow_run_id, stopped_by, handed_on)
+    with sampling(spec, cluster, flow_run_id, logger.warning):
+        return kind.schedule(spec, runner, time.time() + timeout)
+
+
+class PipelineRunner:
+    """Runs one unit at a time for a kind that schedules its own units: the run's backend,
+    its environment (the same every unit of a run gets), its stop checks (cancelled in the
+    API, idle) and grace."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        cluster: Cluster,
+        flow_run_id: str,
+        limit: str = "max_duration",
+        handed_on: tuple[type[Exception], ...] = (),
+    ) -> None:
+        self.cluster, self.spec, self.flow_run_id = cluster, spec, flow_run_id
+        self.limit, self.handed_on = limit, handed_on
+        environment = JobEnvironment(spec)
+        self.env, self.storage, self.redactor = (
+            environment.env,
+            environment.storage,
+            environment.redact,
+        )
+
+    @functools.cached_property
+    def backend(self) -> Backend:
+        """The backend the run's cluster was made with, once a unit runs (a render with
+        nothing left to do has a cluster no backend made, and runs none)."""
+        return backend_for(self.cluster)
+
+    def run(
+        self, unit: WorkUnit, on_line: LineSink, env: Mapping[str, str], deadline: float
+    ) -> JobResult:
+        """Run `unit` with the run's variables over `env` until it ends or `deadline`."""
+        with unit_running():
+            return self.backend.run(
+                self.cluster,
+                unit,
+                {**env, **self.env},
+                max(1.0, deadline - time.time()),
+                on_line,
+                stop_check(self.flow_run_id),
+                grace_s=self.spec.limits.stop_grace_s,
+            )
+
+    def idle_stop(self) -> str | None:
+        return idle_stop(self.flow_run_id)
+
+    def redact(self, text: str) -> str:
+        return self.redactor(text)
+
+
+def run_units(
+    backend: Backend,
+    cluster: Cluster,
+    units: list[WorkUnit],
+    env: dict[str, str],
+    timeout_s: float,
+    sink: Callable[[WorkUnit], Callable[[str, str], None]],
+    should_stop: Callable[[], bool],
+    grace_s: float,
+) -> JobResult:
+    """Run every unit at once on the backend and return one result for the job. The first
+    unit to fail speaks for the job, and the others are stopped (a job is all or nothing:
+    a training node left alone would wait at its rendezvous); else the last to end."""
+    if len(units) == 1:
+        [unit] = units
+        with unit_running():
+            return backend.run(cluster, unit, env, timeout_s, sink(unit), should_stop, grace_s)
+    failed = threading.Event()
+    cancelled = threading.Event()
+
+    def stop() -> bool:
+        if should_stop():
+            cancelled.set()
+        return cancelled.is_set() or failed.is_set()
+
+    def one(unit: WorkUnit) -> JobResult:
+        with unit_running():
+            return backend.run(cluster, unit, env, timeout_s, sink(unit), stop, grace_s)
+
+    results: list[JobResult] = []
+    first_failure: JobResult | None = None
+    with ThreadPoolExecutor(max_workers=len(units), thread_name_prefix="unit") as pool:
+        futures = [pool.submit(one, unit) for unit in units]
+        try:
+            for future in as_completed(futures):
+                result = future.result()
+                results.append(result)
+                broke = result.exit_code != 0 or result.signal is not None or result.timed_out
+                if broke and first_failure is None and not cancelled.is_set():
+                    first_failure = result
+                    failed.set()
+        except BaseException:
+            cancelled.set()  # interrupted here: every unit gets SIGTERM and its grace
+            raise
+    chosen = first_failure or max(results, key=lambda r: r.ended_at)
+    started = min(r.started_at for r in results)
+    ended = max(r.ended_at for r in results)
+    return chosen.model_copy(
+        update={
+            "started_at": started,
+            "ended_at": ended,
+            "duration_s": (ended - started).total_seconds(),
+            "timed_out": any(r.timed_out for r in results),
+            "cancelled": cancelled.is_set(),
+        }
+    )
+
+
+def time_limit(spec: JobSpec, cluster: Cluster, prices: pricing.PriceTable) -> tuple[float, str]:
+    """Return how long the job may run and which limit says so (max_duration, or
+    max_cost_usd when the budget runs out first at this cluster's hourly rate)."""
+    hourly = hourly_paid(spec, cluster, prices)
+    budget = pricing.budget_seconds(spec.limits.max_cost_usd, hourly)
+    if budget is not None and budget < spec.limits.max_duration:
+        return budget, "max_cost_usd"
+    return spec.limits.max_duration, "max_duration"
+
+
+def stop_check(flow_run_id: str) -> Callable[[], bool]:
+    """Return the run stage's stop check: the run was cancelled in the API, or its idle
+    watch (limits.idle_gpu with action stop) says so."""
+    cancelled = cancel_requested(flow_run_id)
+
+    def check() -> bool:
+        watch = watch_of(flow_run_id)
+        return (watch is not None and watch.stopped()) or cancelled()
+
+    return check
+
+
+def idle_stop(flow_run_id: str) -> str | None:
+    """Return why the idle watch stopped this run's job, if it did."""
+    watch = watch_of(flow_run_id)
+    return watch.sentence() if watch is not None and watch.stopped() else None
