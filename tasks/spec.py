@@ -16,12 +16,13 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
     WithJsonSchema,
     field_validator,
     model_validator,
 )
-from pydantic.fields import FieldInfo
+from pydantic_core import core_schema
 
 from gpuflow.tasks import yamlfile
 from gpuflow.tasks.errors import InvalidSpec, InvalidValue
@@ -355,14 +356,43 @@ class MetricsSettings(SpecModel):
         return value
 
 
-def _no_kinds(value: Any) -> Any:
-    raise ValueError(
-        "no job kinds are registered in this process; import gpuflow.tasks.kinds.registry (the"
-        " pipeline and the CLI do) before reading a spec"
-    )
+_JOB_ADAPTER: list[TypeAdapter[Any]] = []  # the registered kinds' union, built when first read
 
 
-NO_KINDS = Annotated[Any, BeforeValidator(_no_kinds)]
+def _job_adapter() -> TypeAdapter[Any]:
+    """Return what reads a `job:` section: the registered kinds' models, by `kind`."""
+    if not _JOB_ADAPTER:
+        models = tuple(JOB_MODELS.values())
+        if not models:
+            raise ValueError(
+                "no job kinds are registered in this process; import"
+                " gpuflow.tasks.kinds.registry (the pipeline and the CLI do) before reading a spec"
+            )
+        union: Any = (
+            Annotated[Union[models], Field(discriminator="kind")]  # noqa: UP007 - built at run time
+            if len(models) > 1
+            else models[0]
+        )
+        _JOB_ADAPTER.append(TypeAdapter(union))
+    return _JOB_ADAPTER[0]
+
+
+class JobSection:
+    """The type of a spec's `job:`: one of the models kinds register (add_job_model), read
+    by its `kind`; the set may grow after JobSpec is made, so it is looked up when read."""
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> core_schema.CoreSchema:
+        return core_schema.no_info_plain_validator_function(
+            lambda value: _job_adapter().validate_python(value),
+            serialization=core_schema.plain_serializer_function_ser_schema(
+                lambda job, info: job.model_dump(mode=info.mode), info_arg=True
+            ),
+        )
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, schema: Any, handler: Any) -> dict[str, Any]:
+        return handler(_job_adapter().core_schema)  # type: ignore[no-any-return]
 
 
 def _one_or_a_list(schema: dict[str, Any]) -> None:
@@ -376,7 +406,7 @@ class JobSpec(SpecModel):
     """Everything gpuflow needs to run one GPU job through the pipeline."""
 
     name: str = Field("job", description="Lowercase letters, digits and dashes.")
-    job: NO_KINDS  # the union of the registered kinds' models (add_job_model)
+    job: JobSection  # one of the registered kinds' models (add_job_model)
     resources: Resources = Resources()
     placement: Placement = Field(
         Placement(),
@@ -587,13 +617,7 @@ def remove_job_model(kind: str) -> None:
 
 
 def _rebuild_job_union() -> None:
-    models = tuple(JOB_MODELS.values())
-    if len(models) > 1:
-        job: Any = Annotated[Union[models], Field(discriminator="kind")]  # noqa: UP007 - built at run time
-    else:
-        job = models[0] if models else NO_KINDS
-    JobSpec.__pydantic_fields__["job"] = FieldInfo.from_annotation(job)
-    JobSpec.model_rebuild(force=True)
+    _JOB_ADAPTER.clear()  # built again, from the models now registered, when next read
 
 
 def explain(exc: ValidationError, root: Any = None) -> str:

@@ -27,6 +27,7 @@ from gpuflow.tasks.storage import s3_settings
 class HpcKind(JobKind):
     name = "hpc"
     model = HpcJob
+    result = MdResult
     flow = "gpuflow.flows.hpc:hpc"
 
     def needs(self, spec: JobSpec) -> Needs:

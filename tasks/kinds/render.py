@@ -26,6 +26,7 @@ from gpuflow.tasks.storage import StorageError, check_writable, s3_settings
 class RenderKind(JobKind):
     name = "render"
     model = RenderJob
+    result = RenderResult
     flow = "gpuflow.flows.render:render"
     schedules_units = True  # chunks are handed out as GPU slots free up
 

@@ -28,6 +28,7 @@ RENDEZVOUS_PORT = 29400
 class TrainKind(JobKind):
     name = "train"
     model = TrainJob
+    result = TrainResult
     flow = None  # `gpuflow run` trains inside gpu_pipeline; deployments use gpuflow.flows.train
 
     def needs(self, spec: JobSpec) -> Needs:
