@@ -5,6 +5,7 @@ environment (AWS_* variables), so S3-compatible servers work through endpoint_ur
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -389,6 +390,27 @@ def check_writable(url: str, s3: S3Settings | None, field: str = "job.output") -
 
 
 def s3_settings(spec: Any) -> S3Settings:
-    """Return the S3 settings a job spec names: its AwsCredentials block, else AWS_* variables."""
+    """Return the S3 settings a job spec names: its AwsCredentials block, else AWS_* variables.
+    Inside a flow run the block is read once for the run: every stage, chunk and check of
+    it uses what was read first (a block changed meanwhile applies from the next run)."""
     name = spec.storage.aws_credentials
-    return S3Settings.from_block(name) if name else S3Settings.from_env()
+    if not name:
+        return S3Settings.from_env()
+    run_id = _flow_run_id()
+    return _settings_of_run(run_id, name) if run_id else S3Settings.from_block(name)
+
+
+@functools.lru_cache(maxsize=64)
+def _settings_of_run(run_id: str, name: str) -> S3Settings:
+    return S3Settings.from_block(name)
+
+
+def _flow_run_id() -> str | None:
+    """Return the id of the flow run this code runs in (a task's too), None outside one."""
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    task = TaskRunContext.get()
+    if task is not None and task.task_run.flow_run_id is not None:
+        return str(task.task_run.flow_run_id)
+    flow = FlowRunContext.get()
+    return str(flow.flow_run.id) if flow is not None and flow.flow_run is not None else None

@@ -9,6 +9,7 @@ cheapest first). Every failure is one sentence naming the setting and the fix.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 from datetime import UTC, datetime
@@ -78,6 +79,19 @@ class Fleet(BaseModel):
     install: str = ""
     boot_timeout_s: float = 900.0
 
+    @functools.cached_property
+    def credentials(self) -> S3Settings | None:
+        """Return the AwsCredentials block's settings, read once for this fleet; None:
+        boto3's own chain. InvalidSpec for a block that does not exist."""
+        if not self.aws_credentials:
+            return None
+        try:
+            return S3Settings.from_block(self.aws_credentials)
+        except StorageError as exc:
+            raise InvalidSpec(
+                str(exc).replace("storage.aws_credentials", self.field("aws_credentials"))
+            ) from None
+
     def field(self, setting: str) -> str:
         if self.name:
             return f"Ec2GpuFleet {self.name!r} {setting}"
@@ -137,13 +151,8 @@ def aws_client(fleet: Fleet, service: str) -> Any:
     # jitter; RunInstances carries a ClientToken, so a retry never launches twice. The
     # block's own botocore config (aws_client_parameters.config) comes first.
     config: dict[str, Any] = {"retries": {"max_attempts": 8, "mode": "standard"}}
-    if fleet.aws_credentials:
-        try:
-            settings = S3Settings.from_block(fleet.aws_credentials)
-        except StorageError as exc:
-            raise InvalidSpec(
-                str(exc).replace("storage.aws_credentials", fleet.field("aws_credentials"))
-            ) from None
+    settings = fleet.credentials
+    if settings is not None:
         params |= settings.client_kwargs()
         config |= settings.client_config
     from botocore.config import Config
