@@ -174,10 +174,20 @@ def test_threads_asking_slurm_at_once_share_one_answer_given_after_they_asked():
     """One squeue (or scontrol) answers every thread that asked while the one before it
     ran; a caller never gets an answer that began before it asked."""
     import subprocess
+    import sys
     import threading
     import time
 
-    from gpuflow.tasks.backends.slurm.queue import shared
+    from gpuflow.tasks.backends.slurm.queue import SharedAnswer, shared
+
+    def waiting_for_an_answer() -> int:
+        """Return how many threads are inside SharedAnswer.get (asked, not yet answered)."""
+        inside = 0
+        for frame in sys._current_frames().values():
+            while frame is not None and frame.f_code is not SharedAnswer.get.__code__:
+                frame = frame.f_back
+            inside += frame is not None
+        return inside
 
     class Client:
         calls = 0
@@ -187,6 +197,9 @@ def test_threads_asking_slurm_at_once_share_one_answer_given_after_they_asked():
             began = time.monotonic()
             if Client.calls == 1:  # the first answer ends once all 8 have asked
                 everyone.wait(timeout=60)
+                until = time.monotonic() + 60
+                while waiting_for_an_answer() < 8 and time.monotonic() < until:
+                    time.sleep(0.01)  # a busy machine: the last ones are still on their way
             return subprocess.CompletedProcess(argv, 0, stdout=str(began), stderr="")
 
     cli = Client()
