@@ -31,6 +31,10 @@ if TYPE_CHECKING:  # what an editor completes
         LocalGpuHost,
         SlurmCluster,
     )
+    from gpuflow.tasks.backends.ec2.backend import Ec2Placement
+    from gpuflow.tasks.backends.kubernetes.backend import KubernetesPlacement
+    from gpuflow.tasks.backends.local.backend import LocalPlacement
+    from gpuflow.tasks.backends.slurm.backend import SlurmPlacement
     from gpuflow.tasks.errors import (
         CapacityError,
         CollectError,
@@ -103,6 +107,11 @@ _PUBLIC = {
     "TrainJob": "gpuflow.tasks.training.model",
     "RenderJob": "gpuflow.tasks.render.model",
     "HpcJob": "gpuflow.tasks.hpc.model",
+    # each backend's placement: the shared fields and its own
+    "LocalPlacement": "gpuflow.tasks.backends.local.backend",
+    "KubernetesPlacement": "gpuflow.tasks.backends.kubernetes.backend",
+    "Ec2Placement": "gpuflow.tasks.backends.ec2.backend",
+    "SlurmPlacement": "gpuflow.tasks.backends.slurm.backend",
 }
 
 __all__ = [
@@ -110,6 +119,7 @@ __all__ = [
     "CollectError",
     "CommandJob",
     "Ec2GpuFleet",
+    "Ec2Placement",
     "GpuPriceTable",
     "GpuflowError",
     "HpcJob",
@@ -120,8 +130,10 @@ __all__ = [
     "JobRun",
     "JobSpec",
     "KubernetesGpuPool",
+    "KubernetesPlacement",
     "Limits",
     "LocalGpuHost",
+    "LocalPlacement",
     "MatmulJob",
     "MetricsSettings",
     "Placement",
@@ -133,6 +145,7 @@ __all__ = [
     "Resources",
     "RetryPolicy",
     "SlurmCluster",
+    "SlurmPlacement",
     "StageRetry",
     "Storage",
     "TrainJob",
@@ -149,8 +162,8 @@ def __getattr__(name: str) -> Any:
     where = _PUBLIC.get(name)
     if where is None:
         raise AttributeError(f"module 'gpuflow' has no attribute {name!r}")
-    if where.startswith("gpuflow.tasks.spec"):
-        import_module("gpuflow.tasks.kinds.registry")  # a JobSpec accepts every kind's job
+    if where.startswith(("gpuflow.tasks.spec", "gpuflow.tasks.backends")):
+        import_module("gpuflow.tasks.pipeline.plugins")  # every job and placement model
     value = getattr(import_module(where), name)
     globals()[name] = value
     return value

@@ -29,8 +29,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from gpuflow.tasks.errors import GpuflowError, InvalidSpec, JobCancelled
-from gpuflow.tasks.kinds import registry as _kinds  # noqa: F401 - the kinds' job models
 from gpuflow.tasks.metrics.summary import RunMetrics
+from gpuflow.tasks.pipeline import plugins as _plugins  # noqa: F401 - kinds and backends are read
 from gpuflow.tasks.spec import JobSpec, load_spec
 
 SpecLike = JobSpec | Mapping[str, Any] | str | os.PathLike[str]

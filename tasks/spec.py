@@ -22,7 +22,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import core_schema
+from pydantic_core import PydanticCustomError, core_schema
 
 from gpuflow.tasks import yamlfile
 from gpuflow.tasks.errors import InvalidSpec, InvalidValue
@@ -193,8 +193,15 @@ class Resources(SpecModel):
         return self
 
 
+# placement.backend -> that backend's placement model; each backend registers its own
+# (gpuflow.tasks.backends.registry), so this module knows no backend's settings
+PLACEMENT_MODELS: dict[str, type[Placement]] = {}
+
+
 class Placement(SpecModel):
-    """Where the job runs: a backend, its block and its options (spec `placement:`)."""
+    """Where the job runs (spec `placement:`): what every backend's placement has. Each
+    backend registers a subclass with its own settings (add_placement_model), and a
+    spec's placement is read as the one its `backend` names."""
 
     # a registered backend's name; the pipeline refuses others before provisioning
     backend: str = Field("local", description="Where the job runs: local, kubernetes, ec2, slurm.")
@@ -203,41 +210,124 @@ class Placement(SpecModel):
         description="Name of the block to read settings from: a LocalGpuHost (local), a"
         " KubernetesGpuPool (kubernetes), an Ec2GpuFleet (ec2) or a SlurmCluster (slurm).",
     )
-    market: Literal["spot", "on-demand", "spot-then-on-demand"] = Field(
-        "spot-then-on-demand",
-        description="ec2: rent spot instances, on-demand ones, or spot first then on-demand.",
-    )
-    on_demand_after: int = Field(
-        2,
-        ge=1,
-        le=100,
-        description="ec2, spot-then-on-demand: rent on-demand after this many spot interruptions.",
-    )
-    namespace: str | None = Field(
-        None, description="Kubernetes namespace (default: the block's, else the kubeconfig's)."
-    )
-    image: str | None = Field(None, description="Kubernetes: the image the job's pods run.")
-    partition: str | None = Field(
-        None, description="slurm: the partition the job runs in (default: the cluster's)."
-    )
     price_table: str | None = Field(
         None, description="Name of a GpuPriceTable block whose prices cost reports use."
     )
-    workspace_root: str | None = Field(None, description="Folder for job workspaces.")
-    strict_gpu_limit: bool = Field(
-        False, description="Fail when the Prefect concurrency limit `gpu` does not exist."
-    )
     gpu_wait: Seconds = Field(0.0, ge=0, description="How long to wait for a free GPU slot.")
 
-    @field_validator("workspace_root")
+    @model_validator(mode="before")
     @classmethod
-    def _absolute(cls, value: str | None) -> str | None:
-        # Resolved once, where the spec is read: a reaper started in another folder finds it.
-        if value is None:
-            return None
-        if not value.strip() or "\0" in value:
-            raise ValueError("is empty; give a folder, e.g. /scratch/gpuflow")
-        return str(Path(value).expanduser().absolute())
+    def _own_settings(cls, data: Any) -> Any:
+        unknown = (
+            [key for key in data if key not in cls.model_fields] if isinstance(data, dict) else []
+        )
+        if unknown:  # each named where it is: placement[1].partiton
+            raise ValidationError.from_exception_data(
+                cls.__name__,
+                [
+                    {
+                        "type": PydanticCustomError(
+                            "placement_field", _not_a_setting(cls, key, data)
+                        ),
+                        "loc": (key,),
+                        "input": data[key],
+                    }
+                    for key in unknown
+                ],
+            )
+        return data
+
+    def where(self) -> str | None:
+        """Return what tells this placement apart from another of its backend: its block
+        (a backend adds its own: a namespace, a partition)."""
+        return self.block
+
+    def label(self) -> str:
+        """Return what this placement is called in a pool: kubernetes/onprem, ec2/fleet spot."""
+        where = self.where()
+        return f"{self.backend}/{where}" if where else self.backend
+
+
+def _not_a_setting(model: type[Placement], key: str, data: dict[str, Any]) -> str:
+    """Return what is wrong with `key`, which `model` has no field for, and the fix."""
+    backend = data.get("backend", "local")
+    owners = [name for name, other in PLACEMENT_MODELS.items() if key in other.model_fields]
+    if backend in owners:  # the base model, built in Python with a backend's own setting
+        return f"a setting of {backend} placements; build {PLACEMENT_MODELS[backend].__name__}"
+    if owners:
+        return (
+            f"a setting of {' and '.join(owners)} placements, not of backend {backend!r};"
+            f" remove it, or set backend: {owners[0]}"
+        )
+    known = list(model.model_fields)
+    close = difflib.get_close_matches(key, known, n=1)
+    fix = f"did you mean {close[0]!r}?" if close else f"remove it (known: {', '.join(known)})"
+    return f"unknown field; {fix}"
+
+
+def _absolute_folder(value: str) -> str:
+    """Return `value` (a folder setting) as an absolute path: resolved once, where the spec
+    is read, so that a reaper started in another folder finds it."""
+    if not value.strip() or "\0" in value:
+        raise ValueError("is empty; give a folder, e.g. /scratch/gpuflow")
+    return str(Path(value).expanduser().absolute())
+
+
+# a folder on the host that runs the job, e.g. /scratch/gpuflow (made absolute when read)
+Folder = Annotated[str, AfterValidator(_absolute_folder)]
+
+
+def add_placement_model(backend: str, model: type[Placement]) -> None:
+    """Read `placement: {backend: <backend>}` as `model` from now on (the base Placement:
+    the backend has no settings of its own)."""
+    if model is Placement:
+        PLACEMENT_MODELS.pop(backend, None)
+    else:
+        PLACEMENT_MODELS[backend] = model
+    _PLACEMENT_ADAPTER.clear()
+
+
+def remove_placement_model(backend: str) -> None:
+    """Stop reading placements of `backend` as its own model."""
+    PLACEMENT_MODELS.pop(backend, None)
+    _PLACEMENT_ADAPTER.clear()
+
+
+def _read_placement(value: Any) -> Placement:
+    """Return `value` (a mapping, or a placement built in Python) as the placement model
+    of the backend it names; the base model where that backend registered none."""
+    if isinstance(value, Placement):
+        model = PLACEMENT_MODELS.get(value.backend, Placement)
+        if isinstance(value, model):
+            return value
+        value = value.model_dump(exclude_unset=True)
+    backend = value.get("backend", "local") if isinstance(value, dict) else "local"
+    return PLACEMENT_MODELS.get(str(backend), Placement).model_validate(value)
+
+
+_PLACEMENT_ADAPTER: list[TypeAdapter[Any]] = []  # the registered placements, for the schema
+
+
+class PlacementSection:
+    """The type of a spec's placement: the model its `backend` registered (or the base
+    Placement), looked up when read, as the registered backends may grow."""
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> core_schema.CoreSchema:
+        return core_schema.no_info_plain_validator_function(
+            _read_placement,
+            serialization=core_schema.plain_serializer_function_ser_schema(
+                lambda placement, info: placement.model_dump(mode=info.mode), info_arg=True
+            ),
+        )
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, schema: Any, handler: Any) -> dict[str, Any]:
+        if not _PLACEMENT_ADAPTER:
+            models = tuple(PLACEMENT_MODELS.values()) or (Placement,)
+            union: Any = Union[models] if len(models) > 1 else models[0]  # noqa: UP007
+            _PLACEMENT_ADAPTER.append(TypeAdapter(union))
+        return handler(_PLACEMENT_ADAPTER[0].core_schema)  # type: ignore[no-any-return]
 
 
 class PlacementPolicy(SpecModel):
@@ -398,7 +488,8 @@ class JobSection:
 def _one_or_a_list(schema: dict[str, Any]) -> None:
     """The JSON schema of `placement`: one placement, or a list of candidates (a
     deployment's parameters are checked against it before the flow reads them)."""
-    one = {"$ref": schema.pop("$ref")}
+    kept = ("description", "title")
+    one = {key: schema.pop(key) for key in list(schema) if key not in kept}
     schema["anyOf"] = [one, {"type": "array", "items": one, "minItems": 1}]
 
 
@@ -408,14 +499,16 @@ class JobSpec(SpecModel):
     name: str = Field("job", description="Lowercase letters, digits and dashes.")
     job: JobSection  # one of the registered kinds' models (add_job_model)
     resources: Resources = Resources()
-    placement: Placement = Field(
-        Placement(),
+    # read as the model of the backend it names (PlacementSection); default {backend: local}
+    placement: Annotated[Placement, PlacementSection] = Field(
+        default_factory=dict,  # type: ignore[arg-type]
+        validate_default=True,
         description="Where the job runs, or a list of candidates in the order of preference.",
         json_schema_extra=_one_or_a_list,
     )
     # filled from a `placement:` list, in the order of preference; `placement` is then the
     # candidate the run uses (the first until the pool chooses)
-    candidates: tuple[Placement, ...] = Field(
+    candidates: tuple[Annotated[Placement, PlacementSection], ...] = Field(
         (), description="The placements a job may use, when `placement` is a list."
     )
     placement_policy: PlacementPolicy = PlacementPolicy()
@@ -540,8 +633,6 @@ def _field_names(loc: tuple[Any, ...], root: Any = None) -> list[str]:
         pass
     elif parts[:1] == ["job"] and len(parts) > 1 and parts[1] in kinds:
         model, parts = kinds[parts[1]], parts[2:]
-    elif parts[:1] == ["candidates"]:  # one of a placement list
-        model, parts = Placement, parts[2:]
     for part in parts:
         annotation = model.model_fields[part].annotation if part in model.model_fields else None
         # an optional section (MdSettings | None) names its fields like a plain one
@@ -561,6 +652,8 @@ def _sentence(error: dict[str, Any], root: Any = None) -> str:
         loc = (f"placement[{loc[1]}]", *loc[2:])
     where = ".".join(str(p) for p in loc) or "spec"
     kind = error["type"]
+    if kind == "placement_field":
+        return f"{where}: {error['msg']}"
     if kind == "extra_forbidden":
         known = _field_names(tuple(error["loc"]), root)
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpuflow import Ec2Placement, KubernetesPlacement, LocalPlacement, SlurmPlacement
 from gpuflow.tasks.contract import Offer
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.pipeline.pool import (
@@ -19,7 +20,7 @@ from gpuflow.tasks.pipeline.pool import (
     placed_line,
     table,
 )
-from gpuflow.tasks.spec import Placement, PlacementPolicy, load_spec
+from gpuflow.tasks.spec import PlacementPolicy, load_spec
 
 CMD = {"kind": "command", "command": ["true"]}
 K8S = {"backend": "kubernetes", "namespace": "onprem"}
@@ -188,11 +189,11 @@ def test_when_none_is_left_one_sentence_names_each_candidates_reason():
 
 
 NAMES = [
-    (Placement(backend="local"), "local"),
-    (Placement(backend="kubernetes", namespace="gpu"), "kubernetes/gpu"),
-    (Placement(backend="kubernetes", block="onprem", namespace="gpu"), "kubernetes/onprem"),
-    (Placement(backend="slurm", partition="a100"), "slurm/a100"),
-    (Placement(backend="ec2", block="fleet", market="spot"), "ec2/fleet spot"),
+    (LocalPlacement(), "local"),
+    (KubernetesPlacement(namespace="gpu"), "kubernetes/gpu"),
+    (KubernetesPlacement(block="onprem", namespace="gpu"), "kubernetes/onprem"),
+    (SlurmPlacement(partition="a100"), "slurm/a100"),
+    (Ec2Placement(block="fleet", market="spot"), "ec2/fleet spot"),
 ]
 
 

@@ -15,7 +15,7 @@ EXIT_CODES = "Exit codes: 0 completed; 1 the job or its preflight failed; 2 inva
 def load_job_spec(source: Any) -> Any:
     """Return the JobSpec at `source` (a path or a dict), with every job kind registered;
     InvalidSpec for a bad one."""
-    from gpuflow.tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
+    from gpuflow.tasks.pipeline import plugins  # noqa: F401 - the job and placement models
     from gpuflow.tasks.spec import load_spec
 
     return load_spec(source)

@@ -243,6 +243,8 @@ class Backend(Protocol):
     name: ClassVar[str]
     # what it can do; a backend whose units do not run here also gives `describe(spec)`
     capabilities: ClassVar[Capabilities]
+    # what its `placement:` holds besides the shared fields (registered with the backend)
+    placement_model: ClassVar[type[Placement]] = Placement
 
     @classmethod
     def at(cls, placement: Placement | None = None) -> Backend:

@@ -10,22 +10,23 @@ from gpuflow.tasks.backends.local.backend import LocalBackend
 from gpuflow.tasks.backends.slurm.backend import SlurmBackend
 from gpuflow.tasks.contract import Cluster
 from gpuflow.tasks.errors import InvalidSpec
-from gpuflow.tasks.spec import Placement
+from gpuflow.tasks.spec import Placement, add_placement_model, remove_placement_model
 
 _BACKENDS: dict[str, type[Backend]] = {}
 BUILT_IN = ("local", "kubernetes", "ec2", "slurm")
 
 
 def register(backend: type[Backend]) -> type[Backend]:
-    """Add a backend class under its `name`; return it."""
+    """Add a backend class under its `name`, and its placement model to the spec; return it."""
     _BACKENDS[backend.name] = backend
+    add_placement_model(backend.name, backend.placement_model)
     return backend
 
 
 def unregister(name: str) -> None:
     """Remove a backend `register` added; built-in backends stay."""
-    if name not in BUILT_IN:
-        _BACKENDS.pop(name, None)
+    if name not in BUILT_IN and _BACKENDS.pop(name, None) is not None:
+        remove_placement_model(name)
 
 
 def get_backend(name: str, placement: Placement | None = None) -> Backend:

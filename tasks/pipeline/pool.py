@@ -53,13 +53,7 @@ class Use(BaseModel):
 
 def candidate_name(placement: Placement) -> str:
     """Return what a candidate is called: its backend, block or namespace, and market."""
-    name = placement.backend
-    detail = placement.block or placement.namespace or placement.partition
-    if detail:
-        name += f"/{detail}"
-    if placement.backend == "ec2":  # the market is the ec2 placement's own field
-        name += f" {placement.market}"
-    return name
+    return placement.label()
 
 
 def order(choose: str, candidates: list[Candidate]) -> list[Candidate]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from gpuflow.tasks import yamlfile
 from gpuflow.tasks.errors import InvalidSpec
-from gpuflow.tasks.kinds import registry as _kinds  # noqa: F401 - registers the kinds' job models
+from gpuflow.tasks.pipeline import plugins as _plugins  # noqa: F401 - kinds and backends are read
 from gpuflow.tasks.platform.k8s_worker import WORKER_TYPE
 from gpuflow.tasks.platform.pool_template import check_job_variables, default_gpu_template
 from gpuflow.tasks.spec import load_spec

@@ -14,7 +14,7 @@ from typing import Any
 
 from gpuflow.tasks import yamlfile
 from gpuflow.tasks.errors import InvalidSpec
-from gpuflow.tasks.kinds import registry as _kinds  # noqa: F401 - registers the kinds' job models
+from gpuflow.tasks.pipeline import plugins as _plugins  # noqa: F401 - kinds and backends are read
 from gpuflow.tasks.spec import load_spec
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_TIMEOUT = 0, 1, 2, 3

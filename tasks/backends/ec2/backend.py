@@ -30,9 +30,9 @@ import uuid
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from gpuflow.tasks import contract, own_wheel
 from gpuflow.tasks.backends.base import LogTail, UnitBackend, join_samples
@@ -162,12 +162,32 @@ class Ec2State(BaseModel):
     offer: Offer | None = None  # what the instances were launched from
 
 
+class Ec2Placement(Placement):
+    """placement: on EC2: the market instances are rented on."""
+
+    backend: Literal["ec2"] = "ec2"
+    market: Literal["spot", "on-demand", "spot-then-on-demand"] = Field(
+        "spot-then-on-demand",
+        description="Rent spot instances, on-demand ones, or spot first then on-demand.",
+    )
+    on_demand_after: int = Field(
+        2,
+        ge=1,
+        le=100,
+        description="spot-then-on-demand: rent on-demand after this many spot interruptions.",
+    )
+
+    def label(self) -> str:
+        return f"{super().label()} {self.market}"
+
+
 class Ec2Backend(UnitBackend):
     name = "ec2"
     # each agent samples its instance; the run stage samples nothing here
     capabilities = Capabilities(
         runs_here=False, where="rented instances", local_files=False, samples_nodes=True
     )
+    placement_model = Ec2Placement
 
     @classmethod
     def at(cls, placement: Placement | None = None) -> Ec2Backend:

@@ -19,7 +19,9 @@ import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
 
 from gpuflow.tasks.backends.base import LogTail, UnitBackend, join_samples
 from gpuflow.tasks.backends.kubernetes import manifests as objects
@@ -62,6 +64,19 @@ LOG_DRAIN_S = 5.0  # how long an ended pod's last log lines may take to arrive
 UNCLEAR_WAIT_S = 30.0  # pending for a reason gpuflow cannot weigh: wait at least this
 
 
+class KubernetesPlacement(Placement):
+    """placement: on a Kubernetes cluster: the namespace and the image of the job's pods."""
+
+    backend: Literal["kubernetes"] = "kubernetes"
+    namespace: str | None = Field(
+        None, description="Kubernetes namespace (default: the block's, else the kubeconfig's)."
+    )
+    image: str | None = Field(None, description="The image the job's pods run.")
+
+    def where(self) -> str | None:
+        return self.block or self.namespace
+
+
 class KubernetesBackend(UnitBackend):
     """provision -> a Service; run(unit) -> a Job; teardown -> every object of the run."""
 
@@ -77,6 +92,7 @@ class KubernetesBackend(UnitBackend):
         samples_nodes=True,
         node_samples_in_workspace=True,
     )
+    placement_model = KubernetesPlacement
 
     @classmethod
     def at(cls, placement: Placement | None = None) -> KubernetesBackend:

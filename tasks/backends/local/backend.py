@@ -19,9 +19,10 @@ import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Literal
 
 import psutil
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from gpuflow.tasks import nvml
 from gpuflow.tasks.backends.base import LogTail, ProcessGroupUnit, UnitBackend
@@ -58,7 +59,7 @@ from gpuflow.tasks.host import (
 )
 from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
 from gpuflow.tasks.saved_blocks import load_block
-from gpuflow.tasks.spec import JobSpec, Placement
+from gpuflow.tasks.spec import Folder, JobSpec, Placement
 from gpuflow.tasks.units import format_bytes
 
 # Chunks of a render run side by side on one cluster: their records must not race.
@@ -101,12 +102,24 @@ class LocalRecord(BaseModel):
     memory_limited: bool = False  # the memory cgroup was asked for (None: none here)
 
 
+class LocalPlacement(Placement):
+    """placement: for this machine: where workspaces go, and whether the Prefect
+    concurrency limit `gpu` must exist."""
+
+    backend: Literal["local"] = "local"
+    workspace_root: Folder | None = Field(None, description="Folder for job workspaces.")
+    strict_gpu_limit: bool = Field(
+        False, description="Fail when the Prefect concurrency limit `gpu` does not exist."
+    )
+
+
 class LocalBackend(UnitBackend):
     """This host: GPUs by CUDA_VISIBLE_DEVICES, a workspace folder, process groups."""
 
     name = "local"
     # the job runs here: preflight inspects this machine's GPUs and disk
     capabilities = Capabilities(runs_here=True, where="this machine")
+    placement_model = LocalPlacement
 
     @classmethod
     def at(cls, placement: Placement | None = None) -> LocalBackend:

@@ -26,10 +26,10 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import psutil
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from gpuflow.tasks.backends.base import LogTail, UnitBackend, join_samples, stop_process
 from gpuflow.tasks.backends.slurm.commands import HERE, LocalClient, LoginNode, said
@@ -69,7 +69,7 @@ from gpuflow.tasks.host import STOP_GRACE_S, OutputPump, alive, gpuflow_home, st
 from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
 from gpuflow.tasks.metrics.sampler import NODE_SAMPLES, SAMPLES
 from gpuflow.tasks.saved_blocks import load_block
-from gpuflow.tasks.spec import JobSpec, Placement
+from gpuflow.tasks.spec import Folder, JobSpec, Placement
 
 # squeue's states of a job that still holds (or waits for) its allocation
 ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
@@ -120,6 +120,21 @@ def minutes(seconds: float) -> int:
     return max(1, int(-(-seconds // 60)))
 
 
+class SlurmPlacement(Placement):
+    """placement: on a Slurm cluster: the partition, and the folder every node shares."""
+
+    backend: Literal["slurm"] = "slurm"
+    partition: str | None = Field(
+        None, description="The partition the job runs in (default: the cluster's)."
+    )
+    workspace_root: Folder | None = Field(
+        None, description="Folder for job workspaces, shared by every node."
+    )
+
+    def where(self) -> str | None:
+        return self.block or self.partition
+
+
 class SlurmBackend(UnitBackend):
     name = "slurm"
     capabilities = Capabilities(
@@ -128,6 +143,7 @@ class SlurmBackend(UnitBackend):
         samples_nodes=True,  # a step beside a run's units on each node samples its GPUs
         node_samples_in_workspace=True,  # ... into the shared workspace, as it samples
     )
+    placement_model = SlurmPlacement
 
     def __init__(self, block: str | None = None) -> None:
         self.block = block  # the SlurmCluster block of the runs it serves (None: the client here)
