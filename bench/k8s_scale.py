@@ -126,7 +126,7 @@ def pods_running(count: int) -> float:
 
 
 def reap_objects(runs: int) -> float:
-    """Return seconds `reap_kubernetes` takes over `runs` clusters (Service + Secret each)
+    """Return seconds `reap` takes on Kubernetes over `runs` clusters (Service + Secret each)
     whose flow runs the API does not know."""
     import uuid
 
@@ -134,7 +134,7 @@ def reap_objects(runs: int) -> float:
     from gpuflow.tasks.backends.kubernetes.manifests import secret
     from gpuflow.tasks.contract import owner_labels
     from gpuflow.tasks.kinds import registry  # noqa: F401 - registers the kinds' job models
-    from gpuflow.tasks.platform.reap import reap_kubernetes
+    from gpuflow.tasks.platform.reap import reap
     from gpuflow.tasks.spec import load_spec
 
     backend = KubernetesBackend()
@@ -150,7 +150,7 @@ def reap_objects(runs: int) -> float:
             secret(cluster, api.namespace, {"A": "b"}),
         )
     started = time.perf_counter()
-    done = reap_kubernetes(False, say=lambda line: None)
+    done = reap(False, lambda line: None, "kubernetes")
     seconds = time.perf_counter() - started
     assert done["clusters"] == runs, done
     owned = {"labelSelector": "gpuflow.io/owner=gpuflow"}

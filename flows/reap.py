@@ -29,14 +29,7 @@ def reap(
         said.append(line)
         logger.info(line)
 
-    if backend == "ec2":
-        done = reaping.reap_ec2(dry_run, block, say)
-    elif backend == "kubernetes":
-        done = reaping.reap_kubernetes(dry_run, namespace, say)
-    elif backend == "slurm":
-        done = reaping.reap_slurm(dry_run, block, say)
-    else:
-        done = reaping.reap(dry_run, say)
+    done = reaping.reap(dry_run, say, backend, block, namespace)
     counts = ", ".join(
         f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in done.items()
     )

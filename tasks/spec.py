@@ -301,6 +301,11 @@ def _read_placement(value: Any) -> Placement:
         if isinstance(value, model):
             return value
         value = value.model_dump(exclude_unset=True)
+    if not PLACEMENT_MODELS:
+        raise ValueError(
+            "no backends are registered in this process; import gpuflow.tasks.pipeline.plugins"
+            " (the pipeline and the CLI do) before reading a spec"
+        )
     backend = value.get("backend", "local") if isinstance(value, dict) else "local"
     return PLACEMENT_MODELS.get(str(backend), Placement).model_validate(value)
 
@@ -456,7 +461,7 @@ def _job_adapter() -> TypeAdapter[Any]:
         if not models:
             raise ValueError(
                 "no job kinds are registered in this process; import"
-                " gpuflow.tasks.kinds.registry (the pipeline and the CLI do) before reading a spec"
+                " gpuflow.tasks.pipeline.plugins (the pipeline and the CLI do) before reading a spec"
             )
         union: Any = (
             Annotated[Union[models], Field(discriminator="kind")]  # noqa: UP007 - built at run time

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-import gpuflow.tasks.kinds.registry  # noqa: F401 - registers the built-in kinds with the spec
+import gpuflow.tasks.pipeline.plugins  # noqa: F401 - the built-in kinds and backends, for the spec
 
 FAKES = Path(__file__).parent / "fakes"
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

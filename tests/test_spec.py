@@ -13,6 +13,27 @@ from gpuflow.tasks.spec import JobSpec, load_spec
 CMD = {"kind": "command", "command": ["echo", "hi"]}
 
 BAD = [
+    (
+        {"job": CMD, "placement": {"backend": "local", "market": "spot"}},
+        "placement.market: a setting of ec2 placements, not of backend 'local'; remove it,"
+        " or set backend: ec2",
+    ),
+    (
+        {"job": CMD, "placement": {"backend": "ec2", "namespace": "gpu"}},
+        "placement.namespace: a setting of kubernetes placements, not of backend 'ec2'",
+    ),
+    (
+        {"job": CMD, "placement": {"backend": "kubernetes", "namespce": "gpu"}},
+        "placement.namespce: unknown field; did you mean 'namespace'?",
+    ),
+    (
+        {"job": CMD, "placement": {"backend": "ec2", "market": "spott"}},
+        "placement.market: 'spott' is not one of spot, on-demand, spot-then-on-demand",
+    ),
+    (
+        {"job": CMD, "placement": {"backend": "slurm", "workspace_root": " "}},
+        "placement.workspace_root: is empty; give a folder",
+    ),
     ({"job": CMD, "resources": {"gpus": -1}}, "resources.gpus must be at least 0"),
     (
         {"job": CMD, "resources": {"gpus": 0, "gpu_product": "H100"}},
@@ -266,3 +287,27 @@ def test_special_files_are_named_as_such(tmp_path):
     for path in (fifo, Path("/dev/null"), Path("/dev/zero")):
         with pytest.raises(InvalidSpec, match="is not a regular file"):
             load_spec(path)
+
+
+def test_a_placement_is_read_as_its_backends_model():
+    from gpuflow import Ec2Placement, KubernetesPlacement, LocalPlacement, Placement
+
+    spec = load_spec({"job": CMD})
+    assert type(spec.placement) is LocalPlacement and spec.placement.workspace_root is None
+    spec = load_spec({"job": CMD, "placement": [{"backend": "ec2"}, {"backend": "kubernetes"}]})
+    assert [type(c) for c in spec.candidates] == [Ec2Placement, KubernetesPlacement]
+    assert spec.placement.market == "spot-then-on-demand"
+    # built in Python with the shared fields only: read as its backend's, the value kept
+    spec = JobSpec(job=CMD, placement=Placement(backend="kubernetes", gpu_wait=60))
+    assert type(spec.placement) is KubernetesPlacement and spec.placement.gpu_wait == 60
+    assert JobSpec.model_validate_json(spec.model_dump_json()) == spec
+
+
+def test_the_base_placement_names_the_model_of_a_backends_own_setting():
+    from gpuflow import InvalidSpec as Public
+    from gpuflow import Placement
+
+    with pytest.raises(
+        Public, match="namespace: a setting of kubernetes placements; build KubernetesPlacement"
+    ):
+        Placement(backend="kubernetes", namespace="gpu")

@@ -128,21 +128,16 @@ def reap(
 ) -> int:
     """Tear down clusters, servers and files that killed runs left; say how many."""
     from gpuflow.tasks.platform.reap import reap as reap_leftovers
-    from gpuflow.tasks.platform.reap import reap_ec2, reap_kubernetes, reap_slurm
 
-    if backend == "ec2":
-        from gpuflow import session
+    if backend == "local":
+        return _said(reap_leftovers(dry_run))
+    from gpuflow import session
 
-        return session.with_api(lambda api: _said_ec2(dry_run, reap_ec2, block))
-    if backend == "kubernetes":
-        from gpuflow import session
-
-        return session.with_api(lambda api: _said(reap_kubernetes(dry_run, namespace)))
-    if backend == "slurm":
-        from gpuflow import session
-
-        return session.with_api(lambda api: _said_slurm(dry_run, reap_slurm, block))
-    return _said(reap_leftovers(dry_run))
+    return session.with_api(
+        lambda api: _said_remote(
+            backend, lambda: reap_leftovers(dry_run, print, backend, block, namespace), dry_run
+        )
+    )
 
 
 def _said(done: dict) -> int:
@@ -154,25 +149,18 @@ def _said(done: dict) -> int:
     return EXIT_OK
 
 
-def _said_slurm(dry_run: bool, reap_slurm: Any, block: str | None) -> int:
+def _said_remote(backend: str, reap_it: Any, dry_run: bool) -> int:
     from gpuflow.tasks.errors import InvalidSpec, ProvisionError
 
     try:
-        return _said(reap_slurm(dry_run, block))
-    except InvalidSpec as exc:  # no such block, a key or host key its login node refuses
+        done = reap_it()
+    except InvalidSpec as exc:  # no such block, a key or host key a login node refuses
         return invalid(exc)
     except ProvisionError as exc:  # the cluster did not answer
         print(f"gpuflow: {exc}", file=sys.stderr)
         return EXIT_FAILED
-
-
-def _said_ec2(dry_run: bool, reap_ec2: Any, block: str | None) -> int:
-    from gpuflow.tasks.errors import InvalidSpec
-
-    try:
-        done = reap_ec2(dry_run, block)
-    except InvalidSpec as exc:
-        return invalid(exc)
+    if backend != "ec2":
+        return _said(done)
     verb = "would terminate" if dry_run else "terminated"
     print(
         f"{verb} {done['instances']} instance(s) of {done['runs']} run(s) that are over,"

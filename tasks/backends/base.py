@@ -121,6 +121,8 @@ class UnitBackend:
     """The run verb written once: a backend that derives from this says how to start a
     unit (`start`); following it to its end, its log tail and its result are here."""
 
+    placement_model: ClassVar[type[Placement]] = Placement  # none of its own: the shared fields
+
     def start(
         self,
         cluster: Cluster,
@@ -244,7 +246,7 @@ class Backend(Protocol):
     # what it can do; a backend whose units do not run here also gives `describe(spec)`
     capabilities: ClassVar[Capabilities]
     # what its `placement:` holds besides the shared fields (registered with the backend)
-    placement_model: ClassVar[type[Placement]] = Placement
+    placement_model: ClassVar[type[Placement]]
 
     @classmethod
     def at(cls, placement: Placement | None = None) -> Backend:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
+from gpuflow.tasks.backends.base import Backend
 from gpuflow.tasks.backends.ec2.backend import Ec2Backend
 from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
 from gpuflow.tasks.backends.local.backend import LocalBackend
@@ -162,13 +163,24 @@ class PrefectRuns:
         return found
 
 
-def reap(dry_run: bool, say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Reap what dead gpuflow processes left on this host; return counts of what was (or
-    would be) done."""
-    found = LocalBackend().reap(dry_run, say, PrefectRuns())
+def reap(
+    dry_run: bool,
+    say: Callable[[str], None] = print,
+    backend: str = "local",
+    block: str | None = None,
+    namespace: str | None = None,
+) -> dict[str, Any]:
+    """Remove what gpuflow runs left on `backend` once their flow run is over (finished,
+    cancelled, crashed or unknown to the API it was recorded in) or their gpuflow, which
+    ran on this host, is dead (its run is then marked Crashed); runs still going, and runs
+    whose API does not answer, are left as they are. `block`: the SlurmCluster (its login
+    node) or the Ec2GpuFleet asked; `namespace`: the Kubernetes namespace. On this host,
+    also the temporary Prefect APIs killed gpuflows left. Return counts of what was (or,
+    with `dry_run`, would be) done; EC2 adds what its instances cost an hour."""
+    found = _reaper(backend, block, namespace).reap(dry_run, say, PrefectRuns())
     done: dict[str, Any] = {"clusters": 0, "flow_runs_crashed": 0, "servers": 0, "files": 0}
-    done |= {k: int(v) for k, v in found.counts.items()}
-    servers = prefect_api.leftover_servers()
+    done |= {k: v if k.endswith("_usd") else int(v) for k, v in found.counts.items()}
+    servers = prefect_api.leftover_servers() if backend == "local" else []
     for record in servers:
         say(
             f"{'would stop' if dry_run else 'stopping'} the temporary Prefect API at"
@@ -184,53 +196,15 @@ def reap(dry_run: bool, say: Callable[[str], None] = print) -> dict[str, Any]:
     return done
 
 
-def reap_kubernetes(
-    dry_run: bool, namespace: str | None = None, say: Callable[[str], None] = print
-) -> dict[str, Any]:
-    """Delete the objects of runs that are over: their flow run is finished, cancelled,
-    crashed or unknown to the API it was recorded in, or their gpuflow ran on this host
-    and is dead (its run is then marked Crashed). Runs still going are left alone; an API
-    that does not answer is named and its runs are left as they are."""
-    found = KubernetesBackend(namespace=namespace).reap(dry_run, say, PrefectRuns())
-    done: dict[str, Any] = {"clusters": 0, "flow_runs_crashed": 0, "servers": 0, "files": 0}
-    done |= {k: int(v) for k, v in found.counts.items()}
-    if not dry_run:
-        done["flow_runs_crashed"] = _mark_crashed(found.crashed, say)
-    done["flow_runs_crashed"] += deliver_unreported(lambda line: say(f"  {line}"))
-    return done
-
-
-def reap_slurm(
-    dry_run: bool, block: str | None = None, say: Callable[[str], None] = print
-) -> dict[str, Any]:
-    """Cancel the Slurm jobs of runs that are over (finished, cancelled, crashed or unknown
-    to their API) or whose gpuflow ran on this host and is dead (its run is then marked
-    Crashed), and remove their workspaces. Runs whose API is away are left as they are.
-    `block`: the SlurmCluster whose cluster is asked (its login node over SSH); default:
-    the Slurm client here."""
-    found = SlurmBackend(block).reap(dry_run, say, PrefectRuns())
-    done: dict[str, Any] = {"clusters": 0, "flow_runs_crashed": 0, "servers": 0, "files": 0}
-    done |= {k: int(v) for k, v in found.counts.items()}
-    if not dry_run:
-        done["flow_runs_crashed"] = _mark_crashed(found.crashed, say)
-    return done
-
-
-def reap_ec2(
-    dry_run: bool, block: str | None = None, say: Callable[[str], None] = print
-) -> dict[str, Any]:
-    """Remove what gpuflow's EC2 runs left: instances, volumes, security groups, secrets
-    and mailboxes tagged with a run whose flow run is finished, cancelled, crashed or
-    unknown to the API, or still Running but orphaned (its gpuflow stopped writing the
-    heartbeat more than limits.orphan_after ago; such a run is marked Crashed). Runs still
-    going are left alone. With `dry_run`, say what would go and what it costs an hour
-    (on-demand prices from the price table: what is saved at most)."""
-    found = Ec2Backend(block, field="--block").reap(dry_run, say, PrefectRuns())
-    if not dry_run:
-        _mark_crashed(found.crashed, say)
-    done: dict[str, Any] = {k: int(v) for k, v in found.counts.items()}
-    done["hourly_usd"] = found.counts.get("hourly_usd", 0.0)
-    return done
+def _reaper(backend: str, block: str | None, namespace: str | None) -> Backend:
+    """Return the backend whose leftovers `reap` looks for."""
+    if backend == "kubernetes":
+        return KubernetesBackend(block, namespace)
+    if backend == "slurm":
+        return SlurmBackend(block)
+    if backend == "ec2":
+        return Ec2Backend(block, field="--block")
+    return LocalBackend()
 
 
 def _run_states(run_ids: list[str], url: str | None, page: int = 200) -> dict[str, str]:
