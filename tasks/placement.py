@@ -21,9 +21,7 @@ def needs_api(spec: JobSpec) -> bool:
     before an API is chosen or started, so a typo costs no server start."""
     places = spec.candidates or (spec.placement,)
     return bool(
-        any(p.block or p.price_table or p.strict_gpu_limit for p in places)
-        or spec.storage.aws_credentials
-        or spec.secret_env
+        any(p.reads_api() for p in places) or spec.storage.aws_credentials or spec.secret_env
     )
 
 

@@ -242,6 +242,11 @@ class Placement(SpecModel):
         (a backend adds its own: a namespace, a partition)."""
         return self.block
 
+    def reads_api(self) -> bool:
+        """Return True when checking this placement reads Prefect: the blocks it names (a
+        backend adds what else it reads: the `gpu` concurrency limit)."""
+        return bool(self.block or self.price_table)
+
     def label(self) -> str:
         """Return what this placement is called in a pool: kubernetes/onprem, ec2/fleet spot."""
         where = self.where()

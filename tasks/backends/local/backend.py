@@ -112,6 +112,9 @@ class LocalPlacement(Placement):
         False, description="Fail when the Prefect concurrency limit `gpu` does not exist."
     )
 
+    def reads_api(self) -> bool:
+        return super().reads_api() or self.strict_gpu_limit
+
 
 class LocalBackend(UnitBackend):
     """This host: GPUs by CUDA_VISIBLE_DEVICES, a workspace folder, process groups."""
