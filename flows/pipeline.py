@@ -26,7 +26,7 @@ from gpuflow.tasks.pipeline.stages import (
     teardown,
     teardown_owned,
 )
-from gpuflow.tasks.spec import JobSpec, Placement, load_spec
+from gpuflow.tasks.spec import JobSpec, Placement, load_spec, read_placement
 
 
 class PipelineResult(BaseModel):
@@ -56,7 +56,7 @@ def _teardown_hook(flow: Any, flow_run: Any, state: Any) -> None:
         given = (spec or {}).get("placement") if isinstance(spec, dict) else None
         listed = given if isinstance(given, list) else [given or {}]
         try:
-            places = [Placement.model_validate(p) for p in listed]
+            places = [read_placement(p) for p in listed]
         except ValueError:  # a spec that never got past validation provisioned nothing
             return
     for where in places:

@@ -298,7 +298,7 @@ def remove_placement_model(backend: str) -> None:
     _PLACEMENT_ADAPTER.clear()
 
 
-def _read_placement(value: Any) -> Placement:
+def read_placement(value: Any) -> Placement:
     """Return `value` (a mapping, or a placement built in Python) as the placement model
     of the backend it names; the base model where that backend registered none."""
     if isinstance(value, Placement):
@@ -325,7 +325,7 @@ class PlacementSection:
     @classmethod
     def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> core_schema.CoreSchema:
         return core_schema.no_info_plain_validator_function(
-            _read_placement,
+            read_placement,
             serialization=core_schema.plain_serializer_function_ser_schema(
                 lambda placement, info: placement.model_dump(mode=info.mode), info_arg=True
             ),
