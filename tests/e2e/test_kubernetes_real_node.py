@@ -129,15 +129,40 @@ class PodWatch:
         self._thread.start()
 
     def _watch(self) -> None:
+        """List, then watch from the list's version, restarting from the last version seen;
+        a watch that ended is picked up where it ended, so no deletion between two streams
+        is missed. A version the server no longer has (410) lists again: a pod that the new
+        list lacks was deleted."""
+        path = f"/api/v1/namespaces/{self.kube.namespace}/pods"
+        version = None
         while not self._stop:
-            params = {"watch": "true", "labelSelector": self.selector, "timeoutSeconds": "5"}
-            path = f"/api/v1/namespaces/{self.kube.namespace}/pods"
+            if version is None:
+                listed = self.kube.request("GET", path, params={"labelSelector": self.selector})
+                with self.changed:
+                    names = {pod["metadata"]["name"] for pod in listed["items"]}
+                    self.deleted |= set(self.last) - names
+                    self.last.update({pod["metadata"]["name"]: pod for pod in listed["items"]})
+                    self.changed.notify_all()
+                version = listed["metadata"]["resourceVersion"]
+            params = {
+                "watch": "true",
+                "labelSelector": self.selector,
+                "timeoutSeconds": "5",
+                "resourceVersion": version,
+                "allowWatchBookmarks": "true",
+            }
             with self.kube.http.stream("GET", path, params=params, timeout=None) as answer:
                 for line in answer.iter_lines():
                     if not line.strip():
                         continue
                     event = json.loads(line)
                     pod = event["object"]
+                    if event["type"] == "ERROR":  # 410 Gone: that version is compacted
+                        version = None
+                        break
+                    version = pod["metadata"]["resourceVersion"]
+                    if event["type"] == "BOOKMARK":
+                        continue
                     with self.changed:
                         self.last[pod["metadata"]["name"]] = pod
                         if event["type"] == "DELETED":
