@@ -26,6 +26,7 @@ from gpuflow.tasks.pipeline.stages import (
     teardown,
     teardown_owned,
 )
+from gpuflow.tasks.pipeline.usercode import pack_code, said
 from gpuflow.tasks.spec import JobSpec, Placement, load_spec, read_placement
 
 
@@ -108,6 +109,10 @@ def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
 def _checked_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
     job = load_spec(spec.model_dump() if isinstance(spec, JobSpec) else spec)
     pool = check_pool(job)  # every candidate, before anything is provisioned
+    job, packed = pack_code(job)  # once per run: every attempt, anywhere, gets these files
+    if packed is not None:
+        get_run_logger().info(said(packed))
+        pool = [(placed.model_copy(update={"job": job.job}), prices) for placed, prices in pool]
     run_id = str(current_run.id)
     out = artifacts_dir(pool[0][0], run_id)
     idle = nothing_to_do(pool[0][0])

@@ -19,6 +19,7 @@ from gpuflow.tasks.storage import S3Settings
 OWNER_LABEL = "gpuflow.io/owner"
 RUN_LABEL = "gpuflow.io/flow-run-id"
 JOB_LABEL = "gpuflow.io/job"
+RENDEZVOUS_PORT = 29400  # torch's default, where a cluster names no port of its own
 
 
 def owner_labels(flow_run_id: str, job_name: str) -> dict[str, str]:
@@ -232,6 +233,36 @@ State = TypeVar("State", bound=BaseModel)
 def state_of(cluster: Cluster, model: type[State]) -> State:
     """Return the backend's typed state stored on `cluster`."""
     return model.model_validate(cluster.state)
+
+
+# what gpuflow sets for every unit (unit_env, and the run stage's cluster_env): a command
+# may name them as ${NAME}
+UNIT_VARIABLES = (
+    "GPUFLOW_WORKSPACE",
+    "GPUFLOW_OUTPUT_DIR",
+    "GPUFLOW_NODE_RANK",
+    "GPUFLOW_NODES",
+    "GPUFLOW_MASTER_ADDR",
+    "GPUFLOW_MASTER_PORT",
+    "GPUFLOW_NODE_ADDRS",
+    "GPUFLOW_ATTEMPT",
+)
+
+
+def cluster_env(cluster: Cluster, attempt: int = 1) -> dict[str, str]:
+    """Return what every unit of `cluster` learns of the others: the first node's address
+    (and the rendezvous port, where the cluster names one), every node's address in node
+    order, and which attempt of the run this is (1 first)."""
+    hosts = cluster.hosts()
+    env = {
+        "GPUFLOW_MASTER_ADDR": hosts[0],
+        "GPUFLOW_NODE_ADDRS": ",".join(hosts),
+        "GPUFLOW_ATTEMPT": str(attempt),
+    }
+    host, _, port = (cluster.rendezvous or "").rpartition(":")
+    env["GPUFLOW_MASTER_ADDR"] = host or hosts[0]
+    env["GPUFLOW_MASTER_PORT"] = port or str(RENDEZVOUS_PORT)
+    return env
 
 
 def unit_env(node: int, nodes: int, workspace: str, gpus: list[int] | None) -> dict[str, str]:

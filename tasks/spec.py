@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 import shlex
 from contextvars import ContextVar
@@ -46,6 +47,8 @@ _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 _BUILDING: ContextVar[bool] = ContextVar("gpuflow_spec_building", default=False)
+# the folder of the spec file being read: relative paths in it (job.workdir) start there
+_SPEC_DIR: ContextVar[Path | None] = ContextVar("gpuflow_spec_dir", default=None)
 
 
 class SpecModel(BaseModel):
@@ -94,7 +97,8 @@ StorageUrl = Annotated[str, AfterValidator(storage_url)]
 
 
 SHELL_OPERATORS = frozenset(";|&<>()")
-SHELL_EXPANSION = re.compile(r"`|\$[\w({]")
+# ${NAME} is gpuflow's own expansion (from the unit's environment, no shell): allowed
+SHELL_EXPANSION = re.compile(r"`|\$(?!\{[A-Za-z_][A-Za-z0-9_]*\})[\w({]")
 
 
 def shell_syntax(line: str) -> str | None:
@@ -282,6 +286,55 @@ def _absolute_folder(value: str) -> str:
 Folder = Annotated[str, AfterValidator(_absolute_folder)]
 
 
+def _from_spec_dir(value: str | None) -> str | None:
+    """Return a folder given relative to the spec file (or, for a spec built in Python,
+    to the current folder) as an absolute path."""
+    if value is None:
+        return None
+    if not value.strip():
+        raise ValueError("is empty; give the folder that holds the job's code, e.g. .")
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        path = (_SPEC_DIR.get() or Path.cwd()) / path
+    return os.path.normpath(path)
+
+
+class CodeJob(SpecModel):
+    """The fields of a job that runs the user's own code: the folder it starts in (sent
+    to every node), the setup it needs there, and what a retried attempt adds."""
+
+    workdir: Annotated[str | None, AfterValidator(_from_spec_dir)] = Field(
+        None,
+        description="Folder sent to every node, where the command starts (relative to the"
+        " spec file). Its .gitignore and .gpuflowignore exclude files; .git is left out.",
+    )
+    workdir_max: Bytes = Field(
+        parse_size("1Gi"), gt=0, description="The most job.workdir may send, e.g. 200Mi."
+    )
+    setup: list[str] = Field(
+        default_factory=list,
+        description="Shell lines run once on each node, in the working folder, before the"
+        " job (e.g. pip install -r requirements.txt); the first that fails stops the job.",
+    )
+    resume_args: list[str] = Field(
+        default_factory=list,
+        description="Words added to the command on a retried attempt (e.g. [--resume])"
+        ", for a script that resumes from a flag rather than by itself.",
+    )
+    # set by gpuflow when it packs workdir for a run: every attempt gets these bytes
+    packed: str | None = Field(None, description="Set by gpuflow: the packed workdir's SHA-256.")
+
+    @field_validator("setup", mode="before")
+    @classmethod
+    def _one_or_more(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("resume_args", mode="before")
+    @classmethod
+    def _words(cls, value: Any) -> Any:
+        return split_argv(value)
+
+
 def add_placement_model(backend: str, model: type[Placement]) -> None:
     """Read `placement: {backend: <backend>}` as `model` from now on (the base Placement:
     the backend has no settings of its own)."""
@@ -362,6 +415,12 @@ class Storage(SpecModel):
     artifacts: str | None = Field(None, description="file:// folder for run artifacts.")
     aws_credentials: str | None = Field(
         None, description="Name of a prefect-aws AwsCredentials block for s3:// URLs."
+    )
+    staging: StorageUrl | None = Field(
+        None,
+        description="s3:// (or shared file://) prefix where a run's files for its nodes go"
+        " (job.workdir's archive, named by its SHA-256), for nodes that cannot read this"
+        " machine's files: Kubernetes pods on nodes of their own.",
     )
 
     @field_validator("artifacts")
@@ -446,6 +505,34 @@ class MetricsSettings(SpecModel):
         15.0, ge=0.1, le=3600, description="Seconds between live pushes while the job runs."
     )
     plot: bool = Field(True, description="Draw utilisation over time as a PNG.")
+    from_log: list[str] = Field(
+        default_factory=list,
+        description="Regexes with named groups over the job's output lines, e.g."
+        r" 'step (?P<step>\d+) loss (?P<loss>[\d.]+)': each match is a row of the run's"
+        " metrics (table, plot, live pushes; the last values in the summary).",
+    )
+
+    @field_validator("from_log", mode="before")
+    @classmethod
+    def _one_or_more(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("from_log")
+    @classmethod
+    def _named_groups(cls, value: list[str]) -> list[str]:
+        for index, pattern in enumerate(value):
+            try:
+                compiled = re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(
+                    f"[{index}] {pattern!r} is not a regular expression ({exc}); fix it"
+                ) from None
+            if not compiled.groupindex:
+                raise ValueError(
+                    f"[{index}] {pattern!r} has no named group, so no figure would be kept;"
+                    r" name what it captures, e.g. loss (?P<loss>[\d.]+)"
+                )
+        return value
 
     @field_validator("pushgateway")
     @classmethod
@@ -744,7 +831,10 @@ def load_spec(source: JobSpec | dict[str, Any] | str | Path) -> JobSpec:
             f"{where}: the top level must be a mapping of fields (name, job, resources, ...),"
             f" not {type(source).__name__}."
         )
+    token = _SPEC_DIR.set(Path(where).absolute().parent if where != "spec" else None)
     try:
         return JobSpec.model_validate(source)
     except ValidationError as exc:
         raise InvalidSpec(explain(exc)) from None
+    finally:
+        _SPEC_DIR.reset(token)

@@ -73,6 +73,9 @@ def _print_summary(spec: Any, result: Any) -> None:
     print(
         f"  duration {metrics.duration_s:.1f} s, {metrics.samples} samples, cost ${metrics.cost_usd:.4f}"
     )
+    if metrics.from_log:
+        shown = ", ".join(f"{k} {v:g}" for k, v in metrics.from_log.items())
+        print(f"  from the job's log ({metrics.from_log_rows} rows), last: {shown}")
     if metrics.note:
         print(f"  note: {metrics.note}")
     print(f"  artifacts: {result.artifacts_dir}")

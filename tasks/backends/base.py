@@ -29,9 +29,11 @@ from gpuflow.tasks.contract import (
     UnitEnd,
     WorkUnit,
 )
+from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.host import STOP_GRACE_S, signals_deferred, stop_group
 from gpuflow.tasks.metrics.cost import PriceTable
 from gpuflow.tasks.spec import JobSpec, Placement
+from gpuflow.tasks.storage import S3Settings, store_for
 
 
 class UnitHandle(Protocol):
@@ -122,6 +124,7 @@ class UnitBackend:
     unit (`start`); following it to its end, its log tail and its result are here."""
 
     placement_model: ClassVar[type[Placement]] = Placement  # none of its own: the shared fields
+    capabilities: ClassVar[Capabilities]
 
     def start(
         self,
@@ -135,6 +138,24 @@ class UnitBackend:
         the unit's own env over it), its lines going to `tail`; return its handle.
         Raises InvalidSpec or ProvisionError when it cannot start."""
         raise NotImplementedError
+
+    def stage(self, cluster: Cluster, path: Path, storage: S3Settings, staging: str | None) -> str:
+        """Return where the nodes of `cluster` read `path`, a file on this machine named by
+        its content: under `staging` (uploaded once; kept there, by name, for the next run)
+        when given, else the path itself, for nodes that read this machine's files."""
+        if staging:
+            url = f"{staging.rstrip('/')}/{path.name}"
+            store = store_for(url, storage)
+            if not store.exists(url):
+                store.upload_file(url, path)
+            return url
+        capabilities = self.capabilities
+        if not (capabilities.runs_here or capabilities.local_files):
+            raise InvalidSpec(
+                f"job.workdir: the job runs on {capabilities.where}, which cannot read this"
+                " machine's files; set storage.staging to an s3:// prefix they reach."
+            )
+        return str(path)
 
     def run(
         self,
@@ -296,6 +317,11 @@ class Backend(Protocol):
         when `should_stop` says so, the unit is stopped and the result says which. On an
         interruption of this process the unit gets SIGTERM, `grace_s` to save its state,
         then SIGKILL, and the interruption propagates. Several units may run at once."""
+
+    def stage(self, cluster: Cluster, path: Path, storage: S3Settings, staging: str | None) -> str:
+        """Return where the nodes of `cluster` read `path` (a file on this machine, named by
+        its content: job.workdir's archive), putting it there first when they cannot read
+        it here; `staging` is the spec's storage.staging."""
 
     def teardown(self, cluster: Cluster) -> TeardownReport:
         """Release everything `cluster` holds. Idempotent: never raises on "already gone"."""

@@ -1,20 +1,34 @@
 """Kind `command`: any program, run once on the cluster's first node with every GPU it
 holds, or as copies: one on each node, or one on each GPU (a sweep, many one-GPU tasks in
-one run and one allocation)."""
+one run and one allocation); or, with `launcher: torchrun`, one torchrun on each node,
+meeting at the first node (nnodes from resources.nodes, a rank per GPU of a node)."""
 
 from __future__ import annotations
 
+import re
+import sys
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from gpuflow.tasks.contract import Capabilities, Cluster, Needs, WorkUnit
+from gpuflow.tasks.contract import (
+    RENDEZVOUS_PORT,
+    UNIT_VARIABLES,
+    Capabilities,
+    Cluster,
+    Needs,
+    WorkUnit,
+)
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.kinds.base import JobKind
-from gpuflow.tasks.spec import JobSpec, SpecModel, split_argv
+from gpuflow.tasks.spec import CodeJob, JobSpec, split_argv
+from gpuflow.tasks.workdir import WorkdirError, scan, variables
+
+PYTHON = re.compile(r"^python[0-9.]*$")
 
 
-class CommandJob(SpecModel):
+class CommandJob(CodeJob):
     """Run an arbitrary program in the workspace, like a container entrypoint."""
 
     kind: Literal["command"] = "command"
@@ -27,6 +41,22 @@ class CommandJob(SpecModel):
         " copy reads its number in GPUFLOW_TASK_INDEX (0 to GPUFLOW_TASKS - 1); the job"
         " succeeds when every copy does.",
     )
+
+    launcher: Literal["torchrun"] | None = Field(
+        None,
+        description="torchrun: one torchrun on each node (nnodes: resources.nodes; a rank"
+        " per GPU of a node, or one with gloo where there is none), meeting at the first"
+        " node. RANK, LOCAL_RANK, WORLD_SIZE reach the script as torchrun sets them.",
+    )
+
+    @model_validator(mode="after")
+    def _one_launch(self) -> CommandJob:
+        if self.launcher == "torchrun" and self.copies != "one":
+            raise ValueError(
+                f"job.launcher: torchrun starts the ranks itself, one torchrun per node, so"
+                f" job.copies must be one, not {self.copies}; remove copies or the launcher"
+            )
+        return self
 
     @field_validator("command", mode="before")
     @classmethod
@@ -46,26 +76,41 @@ class CommandKind(JobKind):
     model = CommandJob
 
     def needs(self, spec: JobSpec) -> Needs:
-        assert isinstance(spec.job, CommandJob)
-        return Needs(programs={"job.command": spec.job.command[0]})
+        job = spec.job
+        assert isinstance(job, CommandJob)
+        program = job.command[0]
+        if job.workdir and "/" not in program and (Path(job.workdir) / program).is_file():
+            return Needs()  # a script of the working folder, not a program on PATH
+        return Needs(programs={"job.command": program})
 
     def check(self, spec: JobSpec, where: Capabilities) -> None:
-        assert isinstance(spec.job, CommandJob)
-        if spec.job.copies == "per_gpu" and spec.resources.gpus == 0:
+        job = spec.job
+        assert isinstance(job, CommandJob)
+        if job.copies == "per_gpu" and spec.resources.gpus == 0:
             raise InvalidSpec(
                 "job.copies: per_gpu runs a copy on each GPU, but resources.gpus is 0; ask"
                 " for GPUs (resources.gpus) or use copies: per_node."
             )
+        if job.workdir:
+            try:
+                scan(Path(job.workdir), job.workdir_max)
+            except WorkdirError as exc:
+                raise InvalidSpec(f"{exc}.") from None
+        _check_script(job, where)
+        _check_variables(spec, job)
 
     def units(self, spec: JobSpec, cluster: Cluster) -> list[WorkUnit]:
-        assert isinstance(spec.job, CommandJob)
-        command = list(spec.job.command)
-        if spec.job.copies == "one":
+        job = spec.job
+        assert isinstance(job, CommandJob)
+        command = list(job.command)
+        if job.launcher == "torchrun":
+            return torchrun_units(command, cluster)
+        if job.copies == "one":
             return [WorkUnit(name="main", command=command)]
         # per_node: every GPU of its node (None); per_gpu: one each, or none on a cluster
         # without GPUs (resources.allow_cpu), where each node runs one copy
         slots: list[list[int] | None] = [None]
-        if spec.job.copies == "per_gpu":
+        if job.copies == "per_gpu":
             slots = [[gpu] for gpu in cluster.gpu_indices] or [[]]
         places = [(node, gpus) for node in range(cluster.nodes) for gpus in slots]
         return [
@@ -78,3 +123,85 @@ class CommandKind(JobKind):
             )
             for index, (node, gpus) in enumerate(places)
         ]
+
+
+def torchrun_units(command: list[str], cluster: Cluster) -> list[WorkUnit]:
+    """Return one torchrun per node: a rank per GPU of the node (one where there is none),
+    nodes meeting at the first node's address (the cluster's rendezvous port where it
+    names one); on one node torchrun is standalone and picks a free port itself."""
+    per_node = cluster.gpus_per_node or 1
+    launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={per_node}"]
+    # torchrun starts a python script with its own python; any other program as it is
+    python = PYTHON.match(Path(command[0]).name)
+    script = command[1:] if python else ["--no-python", *command]
+    if cluster.nodes == 1:
+        return [WorkUnit(name="main", command=[*launch, "--standalone", *script])]
+    host, _, port = (cluster.rendezvous or "").rpartition(":")
+    address = cluster.hosts()[0]
+    return [
+        WorkUnit(
+            name=f"node-{node}",
+            command=[
+                *launch,
+                f"--nnodes={cluster.nodes}",
+                f"--node-rank={node}",
+                f"--master-addr={host or address}",
+                f"--master-port={port or RENDEZVOUS_PORT}",
+                *script,
+            ],
+            node=node,
+            world_size=cluster.nodes * per_node,
+        )
+        for node in range(cluster.nodes)
+    ]
+
+
+def _check_script(job: CommandJob, where: Capabilities) -> None:
+    """Refuse a file the command names that will not be where the job starts: the script
+    of `python train.py`, or a program given as a relative path (./run.sh), with no
+    working folder (the job starts in an empty workspace) or one that lacks it."""
+    words = job.command
+    if PYTHON.match(Path(words[0]).name) and len(words) > 1:
+        path = words[1]
+        if path.startswith("-"):
+            return  # python's own options (-m, -c)
+    elif "/" in words[0]:
+        path = words[0]
+    else:
+        return  # a program on PATH (or in the working folder): needs() and the node check it
+    if Path(path).is_absolute():
+        if where.runs_here and not Path(path).exists():
+            raise InvalidSpec(f"job.command: {path} does not exist on this machine; fix the path.")
+        return
+    if not job.workdir:
+        raise InvalidSpec(
+            f"job.command: {path} is a path in the folder the job starts in, an empty"
+            " workspace; set job.workdir to the folder that holds it (relative to the spec"
+            " file), or give its absolute path."
+        )
+    if not (Path(job.workdir) / path).exists():
+        raise InvalidSpec(
+            f"job.command: {path} is not in job.workdir ({job.workdir}), where the job"
+            " starts; fix the path, or point workdir at the folder that holds it."
+        )
+
+
+def _check_variables(spec: JobSpec, job: CommandJob) -> None:
+    """Refuse `${NAME}` in the command for a variable the job will not have, or a secret
+    (the value would show in every process list of the node)."""
+    known = {*spec.env, *UNIT_VARIABLES}
+    if job.copies != "one":
+        known |= {"GPUFLOW_TASK_INDEX", "GPUFLOW_TASKS"}
+    for name in variables([*job.command, *job.resume_args]):
+        if name in spec.secret_env:
+            raise InvalidSpec(
+                f"job.command: ${{{name}}} is a secret (secret_env), and a command's words show"
+                " in every process list of the node; read it from the environment in the"
+                " program instead."
+            )
+        if name not in known:
+            raise InvalidSpec(
+                f"job.command: ${{{name}}} is not set for the job; gpuflow expands only the"
+                " spec's env and its own variables (GPUFLOW_OUTPUT_DIR, GPUFLOW_NODE_RANK, ...);"
+                " add it to env, or remove it."
+            )

@@ -95,6 +95,7 @@ def exposition(
             value = getattr(summary, attr)
             if value is not None:
                 lines += _family(name, help_text, "gauge", [(run, value)])
+        lines += log_figures(summary.from_log, run)
         if outcome is not None:
             lines += _family(
                 "gpuflow_run_outcome",
@@ -103,6 +104,18 @@ def exposition(
                 [(run | {"outcome": outcome}, 1)],
             )
     return "\n".join(lines) + "\n"
+
+
+def log_figures(figures: dict[str, float], run: dict[str, str]) -> list[str]:
+    """Return the family of a job's own figures (metrics.from_log), one series per name."""
+    if not figures:
+        return []
+    return _family(
+        "gpuflow_job_metric",
+        "A figure the job printed, read by metrics.from_log (label name: its group's name).",
+        "gauge",
+        [(run | {"name": name}, value) for name, value in sorted(figures.items())],
+    )
 
 
 def group_url(gateway: str, job: str, flow_run_id: str, stage: str) -> str:
@@ -171,21 +184,31 @@ class LivePush:
         self._last = 0.0
         self._warned = False
 
+    stage = "run"  # the run's group it replaces
+
+    def text(self, sample: dict[str, Any]) -> str:
+        return exposition(sample, None, self.flow_run_id, self.job)
+
     def __call__(self, sample: dict[str, Any]) -> None:
         now = time.monotonic()
         if now - self._last < self.interval_s:
             return
         self._last = now
         try:
-            push(
-                self.gateway,
-                exposition(sample, None, self.flow_run_id, self.job),
-                self.flow_run_id,
-                self.job,
-                "run",
-            )
+            push(self.gateway, self.text(sample), self.flow_run_id, self.job, self.stage)
             self.pushes += 1
         except TransientError as exc:
             if not self._warned:
                 self._warned = True
                 self.warn("live metrics not pushed: %s", exc)
+
+
+class LiveLogPush(LivePush):
+    """Line-sink callback: pushes the newest of the job's own figures (metrics.from_log)
+    every `interval_s` as the run's `log` group."""
+
+    stage = "log"
+
+    def text(self, sample: dict[str, Any]) -> str:
+        run = {"flow_run_id": self.flow_run_id, "job": self.job}
+        return "\n".join(log_figures(sample, run)) + "\n"

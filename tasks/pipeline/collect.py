@@ -20,6 +20,14 @@ from gpuflow.tasks.errors import CollectError, TransientError
 from gpuflow.tasks.host import gpuflow_home, make_dirs, signals_held
 from gpuflow.tasks.kinds.registry import kind_of
 from gpuflow.tasks.metrics import cost as pricing
+from gpuflow.tasks.metrics.logmetrics import (
+    LOG_METRICS,
+    curves_png,
+    last_values,
+    read_rows,
+    rows_file,
+    table,
+)
 from gpuflow.tasks.metrics.plot import utilisation_png
 from gpuflow.tasks.metrics.prometheus import delete, exposition, push
 from gpuflow.tasks.metrics.sampler import SAMPLES, read_samples
@@ -171,6 +179,13 @@ def _collect(
         cost_of(spec, cluster, prices, outcome.result.duration_s),
         idle_pct=idle.below_pct if idle is not None else IDLE_PCT,
     ).model_copy(update={"job": job_result})
+    figures_file = rows_file(flow_run_id)
+    figures = read_rows(figures_file)
+    if figures:
+        shutil.copyfile(figures_file, out / LOG_METRICS)
+        metrics = metrics.model_copy(
+            update={"from_log": last_values(figures), "from_log_rows": len(figures)}
+        )
     if candidate is not None:
         metrics = _split(cluster, outcome, metrics, earlier or [], candidate)
     (out / "metrics.json").write_text(metrics.model_dump_json(indent=2))
@@ -181,6 +196,16 @@ def _collect(
     png = utilisation_png(samples, out / "utilisation.png", title) if spec.metrics.plot else None
     pushed = _push(spec, metrics, flow_run_id, ended, logger)
     kind_report = kind_of(spec).report(spec, cluster, out, title)
+    curves = None
+    if figures:
+        publish(
+            create_table_artifact,
+            key="gpuflow-log-metrics",
+            table=table(figures),
+            description=f"{spec.name}: the figures its log printed (metrics.from_log)",
+        )
+        if spec.metrics.plot:
+            curves = curves_png(figures, out / "log_metrics.png", title)
     publish(
         create_table_artifact,
         key="gpuflow-metrics",
@@ -190,6 +215,11 @@ def _collect(
     lines = _summary(spec, cluster, outcome, metrics, out, kind_report.headline)
     if png:
         lines.append(picture("utilisation plot", png))
+    if metrics.from_log:
+        shown = ", ".join(f"{k} {v:g}" for k, v in metrics.from_log.items())
+        lines.append(f"- from the job's log ({metrics.from_log_rows} rows), last: {shown}")
+    if curves:
+        lines.append(picture("the job's figures", curves))
     lines += kind_report.lines
     if pushed:
         lines.append(f"- pushed to {pushed}")
@@ -201,6 +231,7 @@ def _collect(
         markdown="\n".join(lines),
         description=spec.name,
     )
+    figures_file.unlink(missing_ok=True)
     return metrics
 
 
@@ -215,6 +246,8 @@ def _push(
         totals = exposition(None, metrics, flow_run_id, spec.name, ended)
         pushed = push(spec.metrics.pushgateway, totals, flow_run_id, spec.name)
         delete(spec.metrics.pushgateway, flow_run_id, spec.name, "run")
+        if spec.metrics.from_log:
+            delete(spec.metrics.pushgateway, flow_run_id, spec.name, "log")
         return pushed
     except TransientError as exc:
         logger.warning("metrics not pushed: %s", exc)
@@ -228,9 +261,12 @@ def _metric_rows(
     report groups by."""
     rows = [
         {"metric": k, "value": v}
-        for k, v in metrics.model_dump(exclude={"job", "cost_breakdown", "by_placement"}).items()
+        for k, v in metrics.model_dump(
+            exclude={"job", "cost_breakdown", "by_placement", "from_log"}
+        ).items()
     ]
     rows += [{"metric": f"job.{k}", "value": v} for k, v in metrics.job.items()]
+    rows += [{"metric": f"log.{k}", "value": v} for k, v in metrics.from_log.items()]
     rows += [
         {"metric": "run.job", "value": spec.name},
         {"metric": "run.backend", "value": cluster.backend},

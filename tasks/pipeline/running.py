@@ -21,7 +21,14 @@ from prefect.context import TaskRunContext
 from gpuflow.tasks import secrets
 from gpuflow.tasks.backends.base import Backend
 from gpuflow.tasks.backends.registry import backend_for
-from gpuflow.tasks.contract import Cluster, JobResult, LineSink, RunOutcome, WorkUnit
+from gpuflow.tasks.contract import (
+    Cluster,
+    JobResult,
+    LineSink,
+    RunOutcome,
+    WorkUnit,
+    cluster_env,
+)
 from gpuflow.tasks.errors import (
     ERROR_FILE,
     PREEMPTED_EXIT_CODE,
@@ -33,11 +40,14 @@ from gpuflow.tasks.kinds.registry import kind_of
 from gpuflow.tasks.logstream import LineBatcher, job_output_sink
 from gpuflow.tasks.metrics import cost as pricing
 from gpuflow.tasks.metrics.idle import watch_of
+from gpuflow.tasks.metrics.logmetrics import LogMetrics, rows_file
+from gpuflow.tasks.metrics.prometheus import LiveLogPush
 from gpuflow.tasks.pipeline.costs import hourly_paid
 from gpuflow.tasks.pipeline.failure import failure_context, failure_sentence
 from gpuflow.tasks.pipeline.inflight import unit_running
 from gpuflow.tasks.pipeline.sampling import sampling
 from gpuflow.tasks.pipeline.stages import retrying
+from gpuflow.tasks.pipeline.usercode import started
 from gpuflow.tasks.spec import JobSpec
 from gpuflow.tasks.storage import S3Settings, s3_settings
 
@@ -92,6 +102,12 @@ def cancel_requested(flow_run_id: str, every_s: float = 2.0) -> Callable[[], boo
     return check
 
 
+def _attempt() -> int:
+    """Return which attempt of its task run the caller is (1: the first)."""
+    context = TaskRunContext.get()
+    return context.task_run.run_count if context is not None else 1
+
+
 def _retries_left() -> bool:
     """Return True when the task run calling this will be retried if it fails."""
     context = TaskRunContext.get()
@@ -115,7 +131,11 @@ def run(
         LineBatcher(job_output_sink(logger)) as lines,
         sampling(spec, cluster, flow_run_id, logger.warning) as idle,
     ):
+        backend, attempt = backend_for(cluster), _attempt()
         units = kind_of(spec).units(spec, cluster)
+        units = started(spec, cluster, units, backend, environment.storage, attempt)
+
+        figures = log_metrics(spec, flow_run_id, logger.warning)
 
         def sink(unit: WorkUnit) -> Callable[[str, str], None]:
             where = f"[{unit.name}] " if len(units) > 1 else ""
@@ -123,14 +143,16 @@ def run(
             def on_line(stream: str, line: str) -> None:
                 tag = "[stderr] " if stream == "stderr" else ""
                 lines.add(redact(f"{where}{tag}{line}"))
+                if figures is not None:
+                    figures(redact(line))
 
             return on_line
 
         result = run_units(
-            backend_for(cluster),
+            backend,
             cluster,
             units,
-            environment.env,
+            {**environment.env, **cluster_env(cluster, attempt)},
             timeout,
             sink,
             stop_check(flow_run_id),
@@ -168,6 +190,19 @@ def run(
         ),
         stopped_by=stopped_by if result.timed_out else None,
     )
+
+
+def log_metrics(spec: JobSpec, flow_run_id: str, warn: Callable[..., None]) -> LogMetrics | None:
+    """Return the run's reader of the job's own figures (metrics.from_log), pushing them
+    live when a Pushgateway is set; None when the spec reads none."""
+    if not spec.metrics.from_log:
+        return None
+    push = None
+    if spec.metrics.pushgateway:
+        push = LiveLogPush(
+            spec.metrics.pushgateway, flow_run_id, spec.name, spec.metrics.push_interval_s, warn
+        )
+    return LogMetrics(spec.metrics.from_log, rows_file(flow_run_id), push)
 
 
 def run_stage(
@@ -209,7 +244,7 @@ class PipelineRunner:
         self.limit, self.handed_on = limit, handed_on
         environment = JobEnvironment(spec)
         self.env, self.storage, self.redactor = (
-            environment.env,
+            {**environment.env, **cluster_env(cluster)},
             environment.storage,
             environment.redact,
         )

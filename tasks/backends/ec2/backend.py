@@ -504,6 +504,18 @@ class Ec2Backend(UnitBackend):
         secrets, mailboxes); with `dry_run`, say what would go and its hourly price."""
         return reaping.reap(self.settings, dry_run, say, runs)
 
+    def stage(self, cluster: Cluster, path: Path, storage: S3Settings, staging: str | None) -> str:
+        """Put `path` beside the run's mailbox, which its instances read (their role, or
+        the fleet's credentials); it goes with the mailbox at teardown."""
+        fleet = self.fleet()
+        mailbox = Mailbox(
+            aws_client(fleet, "s3"), fleet.control_prefix or "", cluster.owner[RUN_LABEL]
+        )
+        key = f"gpuflow/{path.name}"
+        if not mailbox.keys(key):
+            mailbox.put(key, path.read_bytes())
+        return f"{mailbox.url}{key}"
+
     def teardown(self, cluster: Cluster) -> TeardownReport:
         return self.remove_run(cluster.owner[RUN_LABEL], cluster.name)
 

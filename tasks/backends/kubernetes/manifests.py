@@ -157,9 +157,8 @@ def unit_job(
     """Return the Job that runs `unit` on node `unit.node` of `cluster`: one pod, never
     restarted (gpuflow's stages retry), with its GPUs, product, tolerations, /dev/shm, a
     deadline on the object itself and a TTL after it finishes."""
-    command = list(unit.command)
-    if command and command[0] == sys.executable:  # gpuflow's own modules: the image's python
-        command[0] = settings.python
+    # gpuflow's own modules (and a launcher after gpuflow's starter): the image's python
+    command = [settings.python if word == sys.executable else word for word in unit.command]
     gpus = cluster.gpus_per_node if unit.gpus is None else len(unit.gpus)
     limits: dict[str, Any] = {GPU: str(gpus)} if gpus else {}
     requests: dict[str, Any] = {}

@@ -70,6 +70,7 @@ from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
 from gpuflow.tasks.metrics.sampler import NODE_SAMPLES, SAMPLES
 from gpuflow.tasks.saved_blocks import load_block
 from gpuflow.tasks.spec import Folder, JobSpec, Placement
+from gpuflow.tasks.storage import S3Settings
 
 # squeue's states of a job that still holds (or waits for) its allocation
 ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
@@ -518,6 +519,14 @@ class SlurmBackend(UnitBackend):
         return SlurmStep(cli, proc, state.job_id, step, pump, sampler)
 
     # -- teardown and reaping ------------------------------------------------------------------
+
+    def stage(self, cluster: Cluster, path: Path, storage: S3Settings, staging: str | None) -> str:
+        """Put `path` in the run's workspace on the cluster's shared file system (over the
+        login node where there is one), where every node of the job reads it; removed with
+        the workspace at teardown."""
+        target = f"{cluster.workspace}/.{path.name}"
+        self.cli.put_file(path, target)
+        return target
 
     def teardown(self, cluster: Cluster) -> TeardownReport:
         """Cancel the run's job (its steps with it), wait until squeue no longer holds it,

@@ -86,6 +86,10 @@ class LocalClient:
     def make_dir(self, path: str) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
 
+    def put_file(self, source: Path, path: str) -> None:
+        """Copy a file of this machine to `path` on the cluster's shared file system."""
+        shutil.copyfile(source, path)
+
     def remove_dir(self, path: str) -> bool:
         """Remove a folder and what it holds; return True when it was there."""
         there = Path(path).is_dir()
@@ -219,6 +223,22 @@ class LoginNode(LocalClient):
 
     def make_dir(self, path: str) -> None:
         self.run(["mkdir", "-p", "--", path])
+
+    def put_file(self, source: Path, path: str) -> None:
+        """Send a file of this machine to `path` on the login node, through ssh's input."""
+        with open(source, "rb") as data:
+            done = subprocess.run(
+                self._ssh(shlex.join(["sh", "-c", 'cat > "$1"', "put", path])),
+                stdin=data,
+                capture_output=True,
+                check=False,
+            )
+        if done.returncode == SSH_FAILED:
+            raise ProvisionError(self._ssh_failure(done.stderr.decode(errors="replace")))
+        if done.returncode != 0:
+            raise ProvisionError(
+                f"could not write {path} on {self.where}: {said(done.stderr.decode(errors='replace'))}"
+            )
 
     def remove_dir(self, path: str) -> bool:
         done = self.answer(["sh", "-c", 'test -d "$1" && rm -rf -- "$1"', "rm", path])

@@ -1,0 +1,132 @@
+"""A job's own figures, read from its output lines (spec `metrics.from_log`): each regex
+with named groups that matches a line makes a row of numbers (`step`, `loss`, ...), kept
+on this machine as they come (`rows_file`), pushed live to a Pushgateway when one is set, and
+drawn, tabled and summed up at collect."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+LOG_METRICS = "log_metrics.jsonl"  # its name among the run's artifacts
+STEP_NAMES = ("step", "iteration", "iter", "epoch", "batch")  # drawn along x when captured
+TABLE_ROWS = 500  # the most rows the table artifact shows (the file keeps every one)
+
+
+def _number(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if value == value and abs(value) != float("inf") else None
+
+
+class LogMetrics:
+    """A line sink: rows of figures from the lines its regexes match, into `path`
+    (JSON lines, `t`: seconds since the run stage began), the newest value of each
+    figure in `last`; `push` (throttled by the caller) gets `last` after each row."""
+
+    def __init__(
+        self,
+        patterns: list[str],
+        path: Path,
+        push: Callable[[dict[str, float]], None] | None = None,
+    ) -> None:
+        self.patterns = [re.compile(p) for p in patterns]
+        self.path, self.push = path, push
+        self.last: dict[str, float] = {}
+        self.rows = 0
+        self._started = time.monotonic()
+        self._lock = threading.Lock()
+
+    def __call__(self, line: str) -> None:
+        for pattern in self.patterns:
+            found = pattern.search(line)
+            if found is None:
+                continue
+            row = {
+                name: value
+                for name, text in found.groupdict().items()
+                if (value := _number(text)) is not None
+            }
+            if not row:
+                continue
+            with self._lock:
+                self.last.update(row)
+                self.rows += 1
+                with open(self.path, "a") as out:
+                    t = round(time.monotonic() - self._started, 3)
+                    out.write(json.dumps({"t": t, **row}) + "\n")
+                last = dict(self.last)
+            if self.push is not None:
+                self.push(last)
+
+
+def rows_file(flow_run_id: str) -> Path:
+    """Return where a run's rows are kept on this machine until collect takes them."""
+    from gpuflow.tasks.host import gpuflow_home, make_dirs
+
+    return make_dirs(gpuflow_home() / "log-metrics") / f"{flow_run_id}.jsonl"
+
+
+def read_rows(path: Path) -> list[dict[str, float]]:
+    """Return the rows a run's LogMetrics kept (none when it kept none)."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short when the run stage was stopped
+    return rows
+
+
+def last_values(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Return the newest value of each figure over `rows`."""
+    last: dict[str, float] = {}
+    for row in rows:
+        last.update({k: v for k, v in row.items() if k != "t"})
+    return last
+
+
+def table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Return the rows for a table artifact: every row up to TABLE_ROWS, else evenly
+    spaced ones, the last always in."""
+    if len(rows) <= TABLE_ROWS:
+        return rows
+    step = len(rows) / (TABLE_ROWS - 1)
+    return [rows[int(i * step)] for i in range(TABLE_ROWS - 1)] + [rows[-1]]
+
+
+def curves_png(rows: list[dict[str, float]], path: Path, title: str) -> Path | None:
+    """Draw each figure of `rows` (one panel each) along its step figure, or the time;
+    None for fewer than 2 rows."""
+    if len(rows) < 2:
+        return None
+    from gpuflow.tasks.metrics.plot import pyplot
+
+    names = list(dict.fromkeys(k for row in rows for k in row if k != "t"))
+    x_name = next((n for n in STEP_NAMES if n in names), "t")
+    drawn = [n for n in names if n != x_name][:6] or names[:1]
+    plt = pyplot()
+    fig, axes = plt.subplots(len(drawn), 1, figsize=(8, 2.2 * len(drawn)), dpi=100, squeeze=False)
+    for ax, name in zip(axes[:, 0], drawn, strict=True):
+        points = [(row[x_name], row[name]) for row in rows if x_name in row and name in row]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="." if len(points) < 50 else None)
+        ax.set_ylabel(name)
+    axes[-1, 0].set_xlabel("seconds since start" if x_name == "t" else x_name)
+    axes[0, 0].set_title(f"{title}: from the job's log")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,320 @@
+"""A job's working folder and how a unit starts in it.
+
+On this machine, `scan` reads the folder (its `.gitignore` and `.gpuflowignore` excludes,
+`.git` always left out, no link that points out of it, a size limit) and `pack` writes it
+once per run into one archive named by its SHA-256 (the same content, the same bytes).
+On each node, `python -m gpuflow.tasks.workdir START -- COMMAND...` fetches that archive
+(a path, file:// or s3://), checks its hash, unpacks it into `$GPUFLOW_WORKSPACE/work`
+once per node, runs the setup commands once per node, expands `${NAME}` in the command's
+words from the unit's environment (nothing else is expanded; no shell is involved) and
+becomes the command, started in the working folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gzip
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from gpuflow.tasks.units import format_bytes
+
+IGNORE_FILES = (".gitignore", ".gpuflowignore")
+ALWAYS_LEFT_OUT = (".git/",)
+WORK = "work"  # the working folder's place in a unit's workspace
+SHA_MARKER = ".gpuflow-work-sha256"  # beside it: the archive it was unpacked from
+SETUP_FAILED_EXIT = 3  # what the starter exits with when a setup command fails
+KEEP_ARCHIVES_S = 7 * 24 * 3600  # packed archives unused this long are removed
+VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+class WorkdirError(ValueError):
+    """The working folder cannot be sent as it is; one sentence naming the fix."""
+
+
+class Packed(BaseModel):
+    """A working folder packed: its archive on this machine, named by its SHA-256."""
+
+    sha256: str
+    path: str
+    files: int
+    size: int  # bytes of the files before compression
+
+
+class Start(BaseModel):
+    """What the starter does on a node before it becomes the unit's command."""
+
+    archive: str | None = None  # where the node reads the packed folder (a path or URL)
+    sha256: str | None = None
+    setup: list[str] = []  # shell lines, run once per node in the working folder
+    expand: bool = False  # ${NAME} in the command's words, from the unit's environment
+
+
+def _ignores(root: Path):
+    import pathspec
+
+    lines = list(ALWAYS_LEFT_OUT)
+    for name in IGNORE_FILES:
+        with contextlib.suppress(OSError):
+            lines += (root / name).read_text(errors="replace").splitlines()
+    return pathspec.GitIgnoreSpec.from_lines(lines)
+
+
+def scan(root: Path, limit: int, field: str = "job.workdir") -> list[Path]:
+    """Return the files of `root` to send (relative paths, sorted), without what its
+    ignore files exclude; WorkdirError when it is missing, not a folder, holds a link out
+    of it, or sends more than `limit` bytes."""
+    if not root.exists():
+        raise WorkdirError(f"{field}: {root} does not exist; give the folder that holds the code")
+    if not root.is_dir():
+        raise WorkdirError(
+            f"{field}: {root} is a file, not a folder; give the folder that holds it"
+            f" ({root.parent})"
+        )
+    ignored = _ignores(root)
+    found: list[Path] = []
+    size = 0
+    real_root = root.resolve()
+    for folder, dirs, files in os.walk(root):
+        here = Path(folder)
+        rel_dir = here.relative_to(root)
+        dirs[:] = sorted(d for d in dirs if not ignored.match_file(f"{(rel_dir / d).as_posix()}/"))
+        for name in sorted(files) + [d for d in dirs if (here / d).is_symlink()]:
+            rel = rel_dir / name
+            if ignored.match_file(rel.as_posix()):
+                continue
+            path = here / name
+            if path.is_symlink():
+                target = path.resolve()
+                if not target.is_relative_to(real_root):
+                    raise WorkdirError(
+                        f"{field}: {rel} is a link to {os.readlink(path)}, out of {root};"
+                        " copy what it points to into the folder, or exclude it in"
+                        f" {root}/.gpuflowignore"
+                    )
+                found.append(rel)
+                continue
+            info = path.lstat()
+            if not stat.S_ISREG(info.st_mode):
+                continue  # sockets, FIFOs: nothing a node could use
+            size += info.st_size
+            found.append(rel)
+        dirs[:] = [d for d in dirs if not (here / d).is_symlink()]
+    if size > limit:
+        raise WorkdirError(
+            f"{field}: {root} holds {format_bytes(size)} to send (after its ignore files),"
+            f" over the limit of {format_bytes(limit)}; exclude what the job does not need in"
+            f" {root}/.gpuflowignore, or raise job.workdir_max"
+        )
+    return sorted(found)
+
+
+def pack(root: Path, limit: int, into: Path) -> Packed:
+    """Pack `root` into `into`/<sha256>.tar.gz and return it; the same files give the same
+    bytes (sorted names, no times, no owners), so a run that packs twice sends once."""
+    files = scan(root, limit)
+    into.mkdir(parents=True, exist_ok=True)
+    _remove_old(into)
+    temporary = into / f".packing-{os.getpid()}-{time.monotonic_ns()}"
+    size = 0
+    digest = hashlib.sha256()
+    try:
+        with open(temporary, "wb") as raw:
+            hashing = _HashingWriter(raw, digest)
+            with (
+                gzip.GzipFile(fileobj=hashing, mode="wb", compresslevel=1, mtime=0) as zipped,
+                tarfile.open(fileobj=zipped, mode="w", format=tarfile.PAX_FORMAT) as tar,
+            ):
+                for rel in files:
+                    path = root / rel
+                    info = tar.gettarinfo(str(path), arcname=rel.as_posix())
+                    info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+                    if info.isreg():
+                        info.mode = 0o755 if info.mode & 0o111 else 0o644
+                        size += info.size
+                        with open(path, "rb") as content:
+                            tar.addfile(info, content)
+                    else:
+                        tar.addfile(info)
+        sha = digest.hexdigest()
+        final = into / f"{sha}.tar.gz"
+        os.replace(temporary, final)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return Packed(sha256=sha, path=str(final), files=len(files), size=size)
+
+
+class _HashingWriter(io.RawIOBase):
+    def __init__(self, raw: io.BufferedWriter, digest: hashlib._Hash) -> None:
+        self.raw, self.digest = raw, digest
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self.raw.write(data)
+
+
+def _remove_old(folder: Path) -> None:
+    now = time.time()
+    for old in folder.glob("*.tar.gz"):
+        with contextlib.suppress(OSError):
+            if now - old.stat().st_atime > KEEP_ARCHIVES_S:
+                old.unlink()
+
+
+def variables(words: list[str]) -> list[str]:
+    """Return the names of the `${NAME}` variables in `words`, in order."""
+    return [name for word in words for name in VARIABLE.findall(word)]
+
+
+def expand(words: list[str], env: Mapping[str, str]) -> list[str]:
+    """Return `words` with each `${NAME}` replaced by its value in `env`; KeyError names
+    the first one that is not set."""
+    return [VARIABLE.sub(lambda m: env[m.group(1)], word) for word in words]
+
+
+# -- on the node ---------------------------------------------------------------------
+
+
+def _fail(sentence: str, code: int, workspace: Path | None = None) -> None:
+    print(f"gpuflow: {sentence}", file=sys.stderr, flush=True)
+    if workspace is not None:  # the run's failure sentence, where the run can read it
+        with contextlib.suppress(OSError):
+            (workspace / "outputs").mkdir(parents=True, exist_ok=True)
+            (workspace / "outputs" / "error.txt").write_text(sentence + "\n")
+    raise SystemExit(code)
+
+
+@contextlib.contextmanager
+def _node_lock(workspace: Path) -> Iterator[None]:
+    """Hold the node's lock: the units of one node (copies per GPU) unpack and set up once."""
+    workspace.mkdir(parents=True, exist_ok=True)
+    with open(workspace / ".gpuflow-start.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _fetch(archive: str, sha256: str, into: Path) -> None:
+    if archive.startswith(("s3://", "file://")):
+        from gpuflow.tasks.storage import S3Settings, store_for
+
+        local = into.parent / f".{sha256}.tar.gz"
+        store_for(archive, S3Settings.from_env()).download_file(archive, local)
+    else:
+        local = Path(archive)
+    digest = hashlib.sha256()
+    with open(local, "rb") as data:
+        while chunk := data.read(1 << 20):
+            digest.update(chunk)
+    if digest.hexdigest() != sha256:
+        raise ValueError(
+            f"the working folder's archive {archive} is not the one packed for this run"
+            f" (SHA-256 {digest.hexdigest()[:12]}, expected {sha256[:12]})"
+        )
+    partial = into.parent / f".{WORK}-{sha256[:12]}"
+    shutil.rmtree(partial, ignore_errors=True)
+    with tarfile.open(local, "r:gz") as tar:
+        tar.extractall(partial, filter="data")
+    shutil.rmtree(into, ignore_errors=True)
+    partial.rename(into)
+    (into.parent / SHA_MARKER).write_text(sha256)
+    if local != Path(archive):
+        local.unlink(missing_ok=True)
+
+
+def _setup(start: Start, folder: Path, workspace: Path) -> None:
+    key = hashlib.sha256(json.dumps([start.sha256, start.setup]).encode()).hexdigest()
+    done = workspace / ".gpuflow-setup-done"
+    if done.is_file() and done.read_text() == key:
+        return  # another unit of this node ran it
+    for number, line in enumerate(start.setup, start=1):
+        print(f"gpuflow: setup {number}/{len(start.setup)}: {line}", file=sys.stderr, flush=True)
+        ended = subprocess.run(["/bin/sh", "-c", line], cwd=folder, check=False)
+        if ended.returncode != 0:
+            how = (
+                f"was killed by signal {-ended.returncode}"
+                if ended.returncode < 0
+                else f"exited with {ended.returncode}"
+            )
+            _fail(
+                f"job.setup[{number - 1}] ({line!r}) {how} on this node, so the job did not"
+                " start; its output is above. Fix the command (or what it installs) and run"
+                " again.",
+                SETUP_FAILED_EXIT,
+                workspace,
+            )
+    done.write_text(key)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 3 or argv[1] != "--":
+        _fail("usage: python -m gpuflow.tasks.workdir START_JSON -- COMMAND...", 2)
+    start = Start.model_validate_json(argv[0])
+    command = argv[2:]
+    workspace = Path(os.environ.get("GPUFLOW_WORKSPACE") or os.getcwd())
+    folder = Path.cwd()
+    if start.archive and start.sha256:
+        folder = workspace / WORK
+        with _node_lock(workspace):
+            marker = workspace / SHA_MARKER
+            if not (marker.is_file() and marker.read_text() == start.sha256):
+                try:
+                    _fetch(start.archive, start.sha256, folder)
+                except Exception as exc:
+                    _fail(f"job.workdir could not be unpacked on this node: {exc}", 2, workspace)
+            if start.setup:
+                _setup(start, folder, workspace)
+    elif start.setup:
+        with _node_lock(workspace):
+            _setup(start, folder, workspace)
+    if start.expand:
+        try:
+            command = expand(command, os.environ)
+        except KeyError as exc:
+            _fail(
+                f"job.command: ${{{exc.args[0]}}} is not set on this node; set it in env, or"
+                " remove it",
+                2,
+                workspace,
+            )
+    os.chdir(folder)
+    program = command[0]
+    if "/" not in program and (folder / program).is_file() and shutil.which(program) is None:
+        program = str(folder / program)  # a script of the working folder, named bare
+    try:
+        os.execvp(program, [command[0], *command[1:]])
+    except FileNotFoundError:
+        _fail(
+            f"job.command: {command[0]!r} is neither in the working folder nor on PATH on"
+            " this node; install it in the image (or a setup command), or send it in"
+            " job.workdir",
+            127,
+            workspace,
+        )
+    except PermissionError:
+        _fail(
+            f"job.command: {command[0]!r} is not executable; chmod +x it, or start it with"
+            " its interpreter ([bash, script.sh])",
+            126,
+            workspace,
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
