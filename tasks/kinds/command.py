@@ -49,12 +49,24 @@ class CommandJob(CodeJob):
         " node. RANK, LOCAL_RANK, WORLD_SIZE reach the script as torchrun sets them.",
     )
 
+    ranks_per_node: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="launcher: torchrun: ranks on each node (default: its GPUs, or 1).",
+    )
+
     @model_validator(mode="after")
     def _one_launch(self) -> CommandJob:
         if self.launcher == "torchrun" and self.copies != "one":
             raise ValueError(
                 f"job.launcher: torchrun starts the ranks itself, one torchrun per node, so"
                 f" job.copies must be one, not {self.copies}; remove copies or the launcher"
+            )
+        if self.ranks_per_node is not None and self.launcher is None:
+            raise ValueError(
+                "job.ranks_per_node: sets torchrun's ranks on each node; add launcher: torchrun"
+                " or remove it"
             )
         return self
 
@@ -104,7 +116,7 @@ class CommandKind(JobKind):
         assert isinstance(job, CommandJob)
         command = list(job.command)
         if job.launcher == "torchrun":
-            return torchrun_units(command, cluster)
+            return torchrun_units(command, cluster, job.ranks_per_node)
         if job.copies == "one":
             return [WorkUnit(name="main", command=command)]
         # per_node: every GPU of its node (None); per_gpu: one each, or none on a cluster
@@ -125,19 +137,16 @@ class CommandKind(JobKind):
         ]
 
 
-def torchrun_units(command: list[str], cluster: Cluster) -> list[WorkUnit]:
-    """Return one torchrun per node: a rank per GPU of the node (one where there is none),
-    nodes meeting at the first node's address (the cluster's rendezvous port where it
-    names one); on one node torchrun is standalone and picks a free port itself."""
-    per_node = cluster.gpus_per_node or 1
-    launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={per_node}"]
-    # torchrun starts a python script with its own python; any other program as it is
-    python = PYTHON.match(Path(command[0]).name)
-    script = command[1:] if python else ["--no-python", *command]
+def torchrun_units(command: list[str], cluster: Cluster, ranks: int | None) -> list[WorkUnit]:
+    """Return one torchrun per node (gpuflow.tasks.torchrun): `ranks` per node, else a
+    rank per GPU of the node (one where there is none), nodes meeting at the first node's
+    address (the cluster's rendezvous port where it names one); on one node torchrun is
+    standalone and picks a free port itself."""
+    per_node = ranks or cluster.gpus_per_node or 1
+    launch = [sys.executable, "-m", "gpuflow.tasks.torchrun", f"--nproc-per-node={per_node}"]
     if cluster.nodes == 1:
-        return [WorkUnit(name="main", command=[*launch, "--standalone", *script])]
+        return [WorkUnit(name="main", command=[*launch, "--standalone", "--", *command])]
     host, _, port = (cluster.rendezvous or "").rpartition(":")
-    address = cluster.hosts()[0]
     return [
         WorkUnit(
             name=f"node-{node}",
@@ -145,9 +154,10 @@ def torchrun_units(command: list[str], cluster: Cluster) -> list[WorkUnit]:
                 *launch,
                 f"--nnodes={cluster.nodes}",
                 f"--node-rank={node}",
-                f"--master-addr={host or address}",
+                f"--master-addr={host or cluster.hosts()[0]}",
                 f"--master-port={port or RENDEZVOUS_PORT}",
-                *script,
+                "--",
+                *command,
             ],
             node=node,
             world_size=cluster.nodes * per_node,
