@@ -65,6 +65,8 @@ class Cluster(BaseModel):
     gpu_products: list[str] = []
     nodes: int = 1
     node_names: list[str] = []  # as the nodes reach each other; empty: [hostname]
+    # where names are not addresses (Slurm's node names): each node's address, node order
+    node_addresses: list[str] = []
     cpus_per_node: int | None = None
     rendezvous: str | None = None  # host:port every node reaches (multi-node training)
     capabilities: Capabilities = Capabilities()
@@ -84,6 +86,10 @@ class Cluster(BaseModel):
     def hosts(self) -> list[str]:
         """Return each node's name, node 0 first."""
         return list(self.node_names) or [self.hostname] * self.nodes
+
+    def addresses(self) -> list[str]:
+        """Return each node's address as the others reach it, node 0 first."""
+        return list(self.node_addresses) or self.hosts()
 
 
 class Offer(BaseModel):
@@ -253,7 +259,7 @@ def cluster_env(cluster: Cluster, attempt: int = 1) -> dict[str, str]:
     """Return what every unit of `cluster` learns of the others: the first node's address
     (and the rendezvous port, where the cluster names one), every node's address in node
     order, and which attempt of the run this is (1 first)."""
-    hosts = cluster.hosts()
+    hosts = cluster.addresses()
     env = {
         "GPUFLOW_MASTER_ADDR": hosts[0],
         "GPUFLOW_NODE_ADDRS": ",".join(hosts),

@@ -91,8 +91,9 @@ class CommandKind(JobKind):
         job = spec.job
         assert isinstance(job, CommandJob)
         program = job.command[0]
-        if job.workdir and "/" not in program and (Path(job.workdir) / program).is_file():
-            return Needs()  # a script of the working folder, not a program on PATH
+        relative = "/" in program and not program.startswith("/")  # ./run.sh: check() sees it
+        if relative or (job.workdir and (Path(job.workdir) / program).is_file()):
+            return Needs()  # a file of the working folder, not a program on PATH
         return Needs(programs={"job.command": program})
 
     def check(self, spec: JobSpec, where: Capabilities) -> None:
@@ -154,7 +155,7 @@ def torchrun_units(command: list[str], cluster: Cluster, ranks: int | None) -> l
                 *launch,
                 f"--nnodes={cluster.nodes}",
                 f"--node-rank={node}",
-                f"--master-addr={host or cluster.hosts()[0]}",
+                f"--master-addr={host or cluster.addresses()[0]}",
                 f"--master-port={port or RENDEZVOUS_PORT}",
                 "--",
                 *command,

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import threading
@@ -868,3 +869,67 @@ def test_reap_through_the_login_node_cancels_the_job_of_a_run_its_api_does_not_k
     [said] = [line for line in err.splitlines() if "invalid" in line]
     assert said.startswith("gpuflow: invalid input: ssh_key: the login node 127.0.0.1:")
     assert "refuses the key of Secret block 'test-login-reap-key'" in said
+
+
+OWN_CODE = Path(__file__).resolve().parents[1] / "fixtures" / "owncode"
+
+
+def test_the_readme_example_runs_in_its_working_folder_on_a_slurm_node(
+    slurm, prefect_api, gpuflow_home, tmp_path
+):
+    """job.workdir reaches the nodes through the shared file system: the unit starts in
+    it, after its setup, with ${GPUFLOW_OUTPUT_DIR} expanded on the node."""
+    import shutil
+
+    folder = tmp_path / "project"
+    shutil.copytree(OWN_CODE, folder)
+    out = "${GPUFLOW_OUTPUT_DIR}/model.json"
+    raw = spec(tmp_path, ["python", "train.py", "--epochs", "3", "--out", out])
+    raw["job"] |= {"workdir": str(folder), "setup": ["echo set up on $SLURMD_NODENAME"]}
+    raw["resources"] = {"gpus": 1, "gpu_product": "H100"}
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    assert state.is_completed(), state.message
+    logs = "\n".join(logs_of(state.state_details.flow_run_id))
+    assert "set up on g1" in logs and "epoch 2 loss 0.8333" in logs
+    assert "files here: .gitignore,data,ddp.py,train.py" in logs
+    model = Path(state.result().artifacts_dir) / "outputs" / "model.json"
+    assert json.loads(model.read_text())["epochs"] == 3
+    assert gpuflow_jobs() == []
+
+
+def test_torchrun_on_two_nodes_all_reduces_checkpoints_on_sigterm_and_resumes(
+    slurm, prefect_api, gpuflow_home, tmp_path
+):
+    """launcher: torchrun: one torchrun per node of the allocation, meeting at the first
+    node's address on the job's port; a rank on each node; the all-reduce over both is
+    3; SIGTERM -> checkpoint -> exit 75 -> the retried attempt resumes with --resume."""
+    import shutil
+
+    pytest.importorskip("torch")
+    folder = tmp_path / "project"
+    shutil.copytree(OWN_CODE, folder)
+    raw = spec(tmp_path, ["python", "ddp.py"])
+    raw["job"] |= {
+        "workdir": str(folder),
+        "launcher": "torchrun",
+        "ranks_per_node": 1,
+        "resume_args": ["--resume"],
+    }
+    raw["env"] = {"PREEMPT_ONCE": "1"}
+    raw["retry"] = {"run": {"retries": 1, "delay_s": 0}}
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    assert state.is_completed(), state.message
+    cluster = state.result().cluster
+    outputs = Path(state.result().artifacts_dir) / "outputs"
+    ranks = [json.loads((outputs / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    address = cluster.rendezvous.rpartition(":")[0]
+    for number, seen in enumerate(ranks):
+        assert (seen["RANK"], seen["LOCAL_RANK"], seen["GPUFLOW_NODE_RANK"]) == (
+            str(number), "0", str(number),
+        )  # fmt: skip
+        assert (seen["WORLD_SIZE"], seen["LOCAL_WORLD_SIZE"]) == ("2", "1")
+        assert seen["GPUFLOW_MASTER_ADDR"] == address
+        assert seen["GPUFLOW_NODE_ADDRS"] == ",".join(cluster.node_addresses)
+        assert (seen["sum"], seen["argv"], seen["GPUFLOW_ATTEMPT"]) == (3.0, ["--resume"], "2")
+    assert sorted(p.name for p in outputs.glob("checkpoint-*")) == ["checkpoint-0", "checkpoint-1"]
+    assert gpuflow_jobs() == []

@@ -446,11 +446,13 @@ class SlurmBackend(UnitBackend):
         indices = _gpu_indices(cli, job)
         # training meets on the first node, at its address, on a port of this job's own
         # (several jobs may share a node)
-        rendezvous = f"{_node_address(cli, hosts[0])}:{20000 + int(job.split('_')[0]) % 20000}"
+        addresses = [_node_address(cli, host) for host in hosts]
+        rendezvous = f"{addresses[0]}:{20000 + int(job.split('_')[0]) % 20000}"
         return cluster.model_copy(
             update={
                 "hostname": hosts[0],
                 "node_names": hosts,
+                "node_addresses": addresses,
                 "gpu_indices": indices,
                 # what the run is priced by: the product asked for (a gres type is no product)
                 "gpu_products": [spec.resources.gpu_product or "any"] * len(indices),
