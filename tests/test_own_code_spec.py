@@ -115,18 +115,20 @@ def test_a_script_missing_from_the_working_folder_is_named(folder):
 
 
 def test_torchrun_with_copies_or_on_another_kind_or_ranks_without_it_is_refused(folder):
-    with pytest.raises(InvalidSpec, match="job.launcher: torchrun starts the ranks itself, one"):
+    with pytest.raises(InvalidSpec, match=r"job\.launcher: torchrun starts the ranks itself, one"):
         load_spec(command(folder, launcher="torchrun", copies="per_node"))
-    with pytest.raises(InvalidSpec, match="job.launcher: unknown field; remove it"):
+    with pytest.raises(InvalidSpec, match=r"job\.launcher: unknown field; remove it"):
         load_spec({"job": {"kind": "matmul", "launcher": "torchrun"}})
-    with pytest.raises(InvalidSpec, match="job.ranks_per_node: sets torchrun's ranks on each"):
+    with pytest.raises(InvalidSpec, match=r"job\.ranks_per_node: sets torchrun.s ranks on each"):
         load_spec(command(folder, ranks_per_node=2))
 
 
 def test_torchrun_on_two_nodes_of_a_backend_that_is_one_machine_is_refused(folder):
     raw = command(folder, launcher="torchrun")
     raw["resources"]["nodes"] = 2
-    with pytest.raises(InvalidSpec, match="resources.nodes: the local backend is this one machine"):
+    with pytest.raises(
+        InvalidSpec, match=r"resources\.nodes: the local backend is this one machine"
+    ):
         check_spec(load_spec(raw))
 
 

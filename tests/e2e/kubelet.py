@@ -105,8 +105,8 @@ class PlayedKubelet:
         }
         self.kube.request("POST", f"/apis/kwok.x-k8s.io/v1alpha1/namespaces/{NAMESPACE}/logs", logs)
         args = list(container.get("args") or [])
-        if args and args[0] == "python":  # the image's interpreter: this one
-            args[0] = sys.executable
+        # the image's interpreter (gpuflow's starter, a launcher after it): this one
+        args = [sys.executable if word == "python" else word for word in args]
         started = _now()
         proc = subprocess.Popen(
             [*container.get("command", []), *args],

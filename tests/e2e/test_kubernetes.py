@@ -1248,3 +1248,114 @@ def test_a_restarted_api_server_is_followed_again_and_nothing_is_duplicated(kube
     finally:
         backend.teardown(cluster)
     assert wait_gone(kube, run_id) == []
+
+
+OWN_CODE = Path(__file__).resolve().parents[1] / "fixtures" / "owncode"
+
+
+def test_the_readme_example_runs_in_its_working_folder_in_a_pod(
+    kube, testbed, prefect_api, gpuflow_home, tmp_path
+):
+    """job.workdir on Kubernetes, its archive on a path the node shares with this host:
+    the pod (run here by a played kubelet) starts gpuflow's starter, which unpacks the
+    folder into the pod's workspace, runs the setup once and becomes the command there,
+    ${GPUFLOW_OUTPUT_DIR} being the pod's own; its loss lines are the run's figures."""
+    import shutil
+
+    from gpuflow.flows.pipeline import gpu_pipeline
+    from tests.e2e.helpers import logs_of
+
+    folder = tmp_path / "project"
+    shutil.copytree(OWN_CODE, folder)
+    (folder / "scratch").mkdir()
+    (folder / "scratch" / "left-out.bin").write_bytes(b"\0" * 100)
+    out = "${GPUFLOW_OUTPUT_DIR}/model.json"
+    raw = {
+        "name": "k8s-own-code",
+        "job": {
+            "kind": "command",
+            "command": ["python", "train.py", "--epochs", "3", "--out", out],
+            "workdir": str(folder),
+            "setup": ["echo set up in $PWD"],
+        },
+        "resources": {"gpus": 1, "gpu_product": H100},
+        "placement": {"backend": "kubernetes", "namespace": KUBELET_NS},
+        "metrics": {"plot": False, "from_log": [r"epoch (?P<epoch>\d+) loss (?P<loss>[\d.]+)"]},
+    }
+    with PlayedKubelet(kube, tmp_path / "kubelet") as kubelet:
+        state = gpu_pipeline(load_spec(raw), return_state=True)
+    assert state.is_completed(), state.message
+    [pod] = kubelet.pods.values()
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[:3] == ["python", "-m", "gpuflow.tasks.workdir"]
+    assert args[4:] == ["--", "python", "train.py", "--epochs", "3", "--out", out]
+    assert set(kubelet.exits.values()) == {0}
+    logs = "\n".join(logs_of(state.state_details.flow_run_id))
+    assert "set up in " in logs and "/workspace/work" in logs
+    assert "files here: .gitignore,data,ddp.py,train.py" in logs
+    assert state.result().metrics.from_log == {"epoch": 2.0, "loss": 0.8333}
+    assert wait_gone(kube_in(kube, KUBELET_NS), str(state.state_details.flow_run_id)) == []
+
+
+def test_torchrun_on_two_nodes_is_one_torchrun_per_pod_meeting_at_the_first_pods_name(
+    kube, prefect_api, gpuflow_home, tmp_path
+):
+    """launcher: torchrun on two nodes of 8 GPUs: a Job per node whose pod starts
+    gpuflow's torchrun with 8 ranks, node ranks 0 and 1, at node 0's stable name on the
+    rendezvous port the Service opens; each pod learns both nodes' names."""
+    import shutil
+
+    folder = tmp_path / "project"
+    shutil.copytree(OWN_CODE, folder)
+    spec = load_spec(
+        {
+            "name": "ddp-own-2x8",
+            "job": {
+                "kind": "command",
+                "command": ["python", "ddp.py"],
+                "workdir": str(folder),
+                "launcher": "torchrun",
+            },
+            "resources": {"gpus": 8, "nodes": 2, "gpu_product": H100},
+            "placement": {"backend": "kubernetes"},
+        }
+    )
+    seen: dict[str, dict] = {}
+    secrets: dict[str, dict] = {}
+
+    def record() -> None:
+        found = kube.request(
+            "GET",
+            "/apis/batch/v1/namespaces/default/jobs",
+            params={"labelSelector": "gpuflow.io/job=ddp-own-2x8"},
+        )["items"]
+        seen.update({j["metadata"]["name"]: j for j in found})
+        for item in kube.request(
+            "GET",
+            "/api/v1/namespaces/default/secrets",
+            params={"labelSelector": "gpuflow.io/job=ddp-own-2x8"},
+        )["items"]:
+            secrets[item["metadata"]["name"]] = item
+
+    state = pipeline_noting(spec, record)
+    assert state.is_completed(), state.message
+    assert len(seen) == 2
+    pods = [j["spec"]["template"]["spec"] for j in seen.values()]
+    hosts = sorted(p["hostname"] for p in pods)
+    first = f"{hosts[0]}.{hosts[0][:-2]}"  # node 0's stable name in the run's Service
+    for pod in pods:
+        args = pod["containers"][0]["args"]
+        launch = args[args.index("--") + 1 :]
+        assert launch[:4] == ["python", "-m", "gpuflow.tasks.torchrun", "--nproc-per-node=8"]
+        assert launch[4:8] == [
+            "--nnodes=2",
+            f"--node-rank={int(pod['hostname'][-1])}",
+            f"--master-addr={first}",
+            "--master-port=29400",
+        ]
+        assert launch[8:] == ["--", "python", "ddp.py"]
+    [secret] = secrets.values()
+    env = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert env["GPUFLOW_MASTER_ADDR"] == first
+    assert env["GPUFLOW_NODE_ADDRS"] == f"{first},{hosts[1]}.{hosts[1][:-2]}"
+    assert wait_gone(kube, str(state.state_details.flow_run_id)) == []

@@ -40,7 +40,7 @@ def test_the_readme_example_runs_in_its_working_folder_with_setup_and_its_figure
     without what .gitignore excludes (nor .git), after its setup command, with
     ${GPUFLOW_OUTPUT_DIR} expanded on the node; its loss lines are the run's figures:
     table, plot, summary and metrics.json."""
-    folder = project(tmp_path)
+    project(tmp_path)
     spec_file = tmp_path / "jobs" / "train.yaml"
     spec_file.parent.mkdir()
     spec_file.write_text(
