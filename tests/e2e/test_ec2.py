@@ -6,6 +6,7 @@ starts gpuflow's agent as the instance would; the agent pulls the run's units fr
 from __future__ import annotations
 
 import base64
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -628,3 +629,65 @@ def test_an_agent_whose_job_outlives_max_duration_terminates_its_instance(
         aws["secretsmanager"].delete_secret(
             SecretId=config.secret_id, ForceDeleteWithoutRecovery=True
         )
+
+
+OWN_CODE = Path(__file__).resolve().parents[1] / "fixtures" / "owncode"
+
+
+def test_the_readme_example_runs_in_its_working_folder_on_an_instance(aws, played, s3_server):
+    """job.workdir on EC2: the archive goes beside the run's mailbox, the instance's
+    starter fetches it with the instance's role, checks its hash and starts the command
+    in it after the setup; the archive goes with the mailbox at teardown."""
+    import shutil
+
+    from gpuflow.flows.pipeline import gpu_pipeline
+    from gpuflow.tasks.spec import load_spec
+    from tests.e2e.helpers import logs_of
+
+    folder = played.root.parent / "project"
+    shutil.copytree(OWN_CODE, folder)
+    out = "${GPUFLOW_OUTPUT_DIR}/model.json"
+    raw = spec(["python", "train.py", "--epochs", "3", "--out", out])
+    raw["job"] |= {"workdir": str(folder), "setup": ["echo set up on the instance"]}
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    assert state.is_completed(), state.message
+    run_id = str(state.state_details.flow_run_id)
+    logs = "\n".join(logs_of(run_id))
+    assert "set up on the instance" in logs and "epoch 2 loss 0.8333" in logs
+    assert "files here: .gitignore,data,ddp.py,train.py" in logs
+    model = Path(state.result().artifacts_dir, "outputs", "model.json")
+    assert json.loads(model.read_text())["epochs"] == 3
+    assert not any(left_of(aws, s3_server, run_id).values())
+
+
+def test_torchrun_on_two_instances_all_reduces_checkpoints_and_resumes(aws, played, s3_server):
+    """launcher: torchrun on two instances: one torchrun per instance meets at node 0's
+    address; the all-reduce over both ranks is 3; SIGTERM -> checkpoint -> 75 -> the
+    retried attempt resumes with --resume on the same instances."""
+    import shutil
+
+    from gpuflow.flows.pipeline import gpu_pipeline
+    from gpuflow.tasks.spec import load_spec
+    from tests.e2e.helpers import logs_of
+
+    folder = played.root.parent / "project"
+    shutil.copytree(OWN_CODE, folder)
+    raw = spec(["python", "ddp.py"], env={"PREEMPT_ONCE": "1"})
+    raw["job"] |= {
+        "workdir": str(folder),
+        "launcher": "torchrun",
+        "ranks_per_node": 1,
+        "resume_args": ["--resume"],
+    }
+    raw["resources"] = {**raw["resources"], "nodes": 2}
+    raw["retry"] = {"run": {"retries": 1, "delay_s": 0}}
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    assert state.is_completed(), state.message
+    run_id = str(state.state_details.flow_run_id)
+    logs = "\n".join(logs_of(run_id))
+    for rank in (0, 1):
+        assert f"rank {rank}/2 sum 3 resumed False" in logs
+        assert f"rank {rank}/2 sum 3 resumed True" in logs
+    assert "interrupted and saved its state (exit 75)" in logs
+    assert len(played.instances) == 2
+    assert not any(left_of(aws, s3_server, run_id).values())
