@@ -148,7 +148,9 @@ def pack(root: Path, limit: int, into: Path) -> Packed:
                         size += info.size
                         with open(path, "rb") as content:
                             tar.addfile(info, content)
-                    else:
+                    else:  # a link inside the folder (scan refused others), made relative
+                        real = os.path.realpath(path)
+                        info.linkname = os.path.relpath(real, os.path.realpath(path.parent))
                         tar.addfile(info)
         sha = digest.hexdigest()
         final = into / f"{sha}.tar.gz"
@@ -230,12 +232,33 @@ def _fetch(archive: str, sha256: str, into: Path) -> None:
     partial = into.parent / f".{WORK}-{sha256[:12]}"
     shutil.rmtree(partial, ignore_errors=True)
     with tarfile.open(local, "r:gz") as tar:
-        tar.extractall(partial, filter="data")
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(partial, filter="data")
+        else:  # a Python before 3.11.4 (an image's): the same checks, made here
+            tar.extractall(partial, members=_inside(tar.getmembers()))
     shutil.rmtree(into, ignore_errors=True)
     partial.rename(into)
     (into.parent / SHA_MARKER).write_text(sha256)
     if local != Path(archive):
         local.unlink(missing_ok=True)
+
+
+def _inside(members: list[tarfile.TarInfo]) -> list[tarfile.TarInfo]:
+    """Return the archive's members when each stays inside the folder it is unpacked in:
+    files, folders and links between them only (what `pack` writes); ValueError else."""
+    for member in members:
+        name = Path(member.name)
+        if name.is_absolute() or ".." in name.parts:
+            raise ValueError(f"{member.name} would land outside the working folder")
+        if member.issym() and (
+            Path(member.linkname).is_absolute()
+            or ".." in Path(os.path.normpath(name.parent / member.linkname)).parts
+        ):
+            raise ValueError(f"{member.name} links out of the working folder")
+        if not (member.isfile() or member.isdir() or member.issym()):
+            raise ValueError(f"{member.name} is neither a file, a folder nor a link")
+        member.mode &= 0o755
+    return members
 
 
 def _setup(start: Start, folder: Path, workspace: Path) -> None:

@@ -237,3 +237,33 @@ def test_every_unit_learns_the_first_nodes_address_and_every_nodes():
         "GPUFLOW_ATTEMPT": "2",
     }
     assert cluster_env(cluster(2, 1, "10.0.0.5:21234"))["GPUFLOW_MASTER_PORT"] == "21234"
+
+
+def test_an_archive_whose_member_would_land_outside_is_refused_where_tarfile_has_no_filter(
+    tmp_path,
+):
+    import io
+
+    from gpuflow.tasks.workdir import _inside
+
+    for name, link in (("../escape.txt", None), ("/etc/x", None), ("ok", "../../etc/passwd")):
+        data = io.BytesIO()
+        with tarfile.open(fileobj=data, mode="w") as tar:
+            info = tarfile.TarInfo(name)
+            if link:
+                info.type, info.linkname = tarfile.SYMTYPE, link
+            tar.addfile(info, io.BytesIO(b""))
+        data.seek(0)
+        with tarfile.open(fileobj=data) as tar, pytest.raises(ValueError, match="out"):
+            _inside(tar.getmembers())
+
+
+def test_a_link_given_by_its_absolute_path_inside_the_folder_is_sent_as_a_relative_one(
+    folder, tmp_path
+):
+    (folder / "lib").mkdir()
+    (folder / "lib" / "model.py").write_text("X = 1\n")
+    os.symlink(folder / "lib" / "model.py", folder / "model.py")
+    packed = pack(folder, 1 << 20, tmp_path / "a")
+    with tarfile.open(packed.path) as tar:
+        assert tar.getmember("model.py").linkname == "lib/model.py"

@@ -60,7 +60,10 @@ class JobEnvironment:
     def __init__(self, spec: JobSpec) -> None:
         secret_values = secrets.resolve(spec.secret_env)
         self.storage: S3Settings = s3_settings(spec)  # the block's, else this process's AWS_*
-        storage_env = self.storage.child_env() if spec.storage.aws_credentials else {}
+        # the nodes get storage's credentials when the spec names them, or when they fetch
+        # the run's staged files (job.workdir) from S3 themselves
+        staged = (spec.storage.staging or "").startswith("s3://")
+        storage_env = self.storage.child_env() if spec.storage.aws_credentials or staged else {}
         self.env = {**storage_env, **spec.env, **secret_values}  # the backend adds its own
         self.redact = secrets.Redactor([*secret_values.values(), *self.storage.secrets()])
 

@@ -683,3 +683,48 @@ def test_real_node_a_deployment_run_is_a_flow_run_pod_whose_pipeline_makes_its_u
     finally:
         for watching in watches:
             watching.stop()
+
+
+def test_real_node_the_readme_example_runs_in_its_working_folder_fetched_from_staging(
+    kube, real_node, pod_s3, prefect_api, gpuflow_home, tmp_path, monkeypatch
+):
+    """job.workdir with storage.staging in S3: the pod (the job image, uid 10001) fetches
+    the archive over the pod network with the credentials of the run's Secret, checks its
+    hash, unpacks it in its own workspace, runs the setup and starts train.py there."""
+    import shutil
+
+    from gpuflow.flows.pipeline import gpu_pipeline
+    from gpuflow.tasks.storage import store_for
+    from tests.e2e.helpers import logs_of
+
+    folder = tmp_path / "project"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "owncode", folder)
+    for key, value in pod_s3.settings().child_env().items():
+        monkeypatch.setenv(key, value)
+    staging = pod_s3.url("staging")
+    out = "${GPUFLOW_OUTPUT_DIR}/model.json"
+    raw = {
+        "name": "real-own-code",
+        "job": {
+            "kind": "command",
+            "command": ["python", "train.py", "--epochs", "3", "--out", out],
+            "workdir": str(folder),
+            "setup": ["id -u > uid.txt; echo set up as $(cat uid.txt)"],
+        },
+        "resources": {"gpus": 1, "gpu_product": PRODUCT},
+        "placement": {"backend": "kubernetes", "image": IMAGE},
+        "storage": {"staging": staging},
+        "metrics": {"plot": False},
+    }
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    assert state.is_completed(), state.message
+    run_id = str(state.state_details.flow_run_id)
+    logs = "\n".join(logs_of(run_id))
+    assert "set up as 10001" in logs and "epoch 2 loss 0.8333" in logs
+    assert "files here: .gitignore,data,ddp.py,train.py,uid.txt" in logs
+    model = Path(state.result().artifacts_dir) / "outputs" / "model.json"
+    assert json.loads(model.read_text())["epochs"] == 3
+    [staged] = store_for(staging, pod_s3.settings()).list(staging)
+    assert staged.url.endswith(".tar.gz")  # named by its content, for the next run
+    assert pod_s3.settings().secret_access_key.get_secret_value() not in logs
+    assert wait_gone(kube, run_id) == []
