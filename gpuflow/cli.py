@@ -13,12 +13,13 @@ import sys
 from typing import Any
 
 from gpuflow import session
-from gpuflow.commands import datasets, hpc, maintenance, offers, platform, render, run
+from gpuflow.commands import datasets, follow, hpc, maintenance, offers, platform, render, run
 from gpuflow.commands.common import EXIT_CODES, EXIT_FAILED, EXIT_INVALID, EXIT_OK
 
 # (title, the modules whose commands it lists, in this order)
 GROUPS: list[tuple[str, list[Any]]] = [
     ("run work", [run, render, hpc, datasets, offers]),
+    ("follow runs", [follow]),
     ("platform and deployments", [platform]),
     ("maintenance", [maintenance]),
 ]
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    session.outlive_the_terminal()
     return session.interruptible(lambda: args.handler(args))
 
 

@@ -5,7 +5,9 @@ sentence it prints when the API fails."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -31,6 +33,56 @@ def say(message: str) -> None:
 def fail(message: str) -> None:
     """Print the one sentence that says why a command could not go on."""
     print(f"gpuflow: {message}", file=sys.stderr, flush=True)
+
+
+class _Outliving:
+    """A terminal stream that a run outlives: once its reader is gone (`| head -3`, a
+    closed terminal) what is written is dropped, and its descriptor points at /dev/null
+    so that nothing fails on it later; the run goes on to its end, its log whole in the
+    API. (Prefect's console handler would otherwise end the run as Crashed.)"""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._gone = False
+
+    def _lost(self, exc: OSError) -> None:
+        if exc.errno not in (errno.EPIPE, errno.EIO):
+            raise exc
+        self._gone = True
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return int(self._stream.write(text))
+            except OSError as exc:
+                self._lost(exc)
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except OSError as exc:
+                self._lost(exc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def outlive_the_terminal() -> None:
+    """Let a command outlive its terminal: stdout and stderr whose reader went away are
+    dropped instead of ending it, and SIGHUP (the terminal closed) is noted, not fatal.
+    A handler, not SIG_IGN: the jobs it starts get SIGHUP's default again."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _Outliving):
+            setattr(sys, name, _Outliving(stream))
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, lambda signum, frame: None)
 
 
 def install_signal_handlers() -> dict[int, Any]:

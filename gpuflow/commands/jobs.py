@@ -8,14 +8,13 @@ import sys
 from typing import Any
 
 from gpuflow import session
-from gpuflow.api import checked as checked_spec
-from gpuflow.api import flow_for
 from gpuflow.commands.common import EXIT_FAILED, EXIT_OK, invalid, load_job_spec, print_link
 
 
 def run_job(path: str | dict) -> int:
     """Run a job spec (a path or a dict) through its flow; read and check it first, before
     any API is started when the checks need none."""
+    from gpuflow.api import checked as checked_spec
     from gpuflow.tasks import placement
     from gpuflow.tasks.errors import InvalidSpec
 
@@ -30,6 +29,8 @@ def run_job(path: str | dict) -> int:
 
 
 def _run_spec(spec: Any, api: Any, checked: bool) -> int:
+    from gpuflow.api import checked as checked_spec
+    from gpuflow.api import flow_for
     from gpuflow.tasks.errors import GpuflowError, InvalidSpec
 
     try:

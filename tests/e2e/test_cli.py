@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,8 +37,12 @@ def test_help_documents_exit_codes():
     out = gpuflow(["--help"], None)
     assert out.returncode == 0
     assert "0 completed; 1 the job or its preflight failed; 2 invalid input" in out.stdout
-    for command in ("run", "demo", "preflight", "reap"):
+    for command in ("run", "demo", "preflight", "reap", "ls", "logs", "cancel"):
         assert command in out.stdout
+    # the parser and its commands load no Prefect: `gpuflow --help` and a typo are quick
+    bare = "import sys, gpuflow.cli; gpuflow.cli.build_parser(); print('prefect' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", bare], capture_output=True, text=True)
+    assert loaded.stdout.strip() == "False", loaded.stderr[-2000:]
 
 
 BAD_JOBS = {
@@ -485,3 +490,127 @@ def test_demo_runs_the_smoke_job(prefect_api, gpuflow_home):
     artifacts = Path(out.stdout.split("artifacts: ")[1].split()[0])
     assert (artifacts / "outputs" / "result.json").is_file()
     assert nothing_left(gpuflow_home)
+
+
+def test_ls_logs_follow_and_cancel_follow_a_run_from_another_terminal(
+    tmp_path, prefect_api, gpuflow_home, gpu_limit
+):
+    """While `gpuflow run` runs a job: `ls` lists it Running on local with its GPU,
+    `logs --follow` prints its lines as they come and ends when the run does, and
+    `cancel` (by the first characters of its id) stops the job and tears it down, as the
+    UI's Cancel does; a run that is over, or none, is one sentence."""
+    script = "for i in 1 2 3; do echo tick $i; sleep 0.3; done; exec sleep 300"
+    proc, job_pid, env = _start_long_run(tmp_path, prefect_api, gpuflow_home, script)
+    run_id = _flow_run_id(gpuflow_home)
+    listed = gpuflow(["ls"], env)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    header, *rows = listed.stdout.splitlines()
+    assert header.split() == [
+        "RUN",
+        "JOB",
+        "STATE",
+        "BACKEND",
+        "GPUS",
+        "DURATION",
+        "COST",
+        "FLOW",
+        "RUN",
+    ]
+    [row] = [r.split() for r in rows if r.startswith(run_id[:8])]
+    assert row[1:5] == ["long", "Running", "local", "1"]
+    following = subprocess.Popen(
+        [*GPUFLOW, "logs", "long", "--follow"], env=env, stdout=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 60
+    seen: list[str] = []
+    while not any("tick 3" in line for line in seen):  # printed as the job prints it
+        assert time.monotonic() < deadline, seen
+        seen.append(following.stdout.readline())
+    cancelled = gpuflow(["cancel", run_id[:8]], env)
+    assert cancelled.returncode == 0, cancelled.stderr[-2000:]
+    assert cancelled.stdout.strip().endswith("is cancelled: its job was stopped and torn down.")
+    rest, _ = following.communicate(timeout=60)  # the run is over: so is --follow
+    assert following.returncode == 0 and "Finished in state Cancelled" in rest
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "gpuflow: cancelled" in out
+    assert process_gone(job_pid)
+    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
+    assert flow_run(run_id).state.is_cancelled()
+    again = gpuflow(["cancel", "long"], env)
+    assert again.returncode == 2
+    assert f"RUN: long ({flow_run(run_id).name}, {run_id[:8]}) is already cancelled" in again.stderr
+    logs = gpuflow(["logs", run_id], env)
+    assert logs.returncode == 0 and "tick 1" in logs.stdout and "tick 3" in logs.stdout
+    for name in ("no-such-run", "zz"):
+        missing = gpuflow(["logs", name], env)
+        assert missing.returncode == 2
+        assert f"gpuflow: invalid input: RUN: no run is named '{name}' among the" in missing.stderr
+
+
+def test_a_prefix_that_begins_two_runs_ids_is_named_with_both(prefect_api, gpuflow_home):
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    @flow(name="placeholder")
+    def placeholder() -> None:
+        pass
+
+    ids: list[str] = []
+    with get_client(sync_client=True) as client:
+        while len({i[0] for i in ids}) == len(ids):  # 17 at most: two share a first digit
+            ids.append(str(client.create_flow_run(placeholder).id))
+    first = next(c for c in "0123456789abcdef" if sum(i[0] == c for i in ids) > 1)
+    out = gpuflow(["logs", first], subprocess_env(prefect_api, gpuflow_home))
+    assert out.returncode == 2
+    assert f"gpuflow: invalid input: RUN: '{first}' begins the ids of" in out.stderr
+    assert "give more of the id (gpuflow ls shows them)." in out.stderr
+
+
+def test_a_run_outlives_a_closed_pipe_and_a_closed_terminal(tmp_path, prefect_api, gpuflow_home):
+    """`gpuflow run JOB | head -1`: the reader goes after one line and the run goes on to
+    its end, its log whole in the API; so does a run whose terminal hangs up (SIGHUP,
+    then EIO on every write)."""
+    import os
+    import pty
+
+    job = write(
+        tmp_path,
+        "name: outlive\njob: {kind: command, command: [sh, -c, 'for i in $(seq 1 40); do echo"
+        " line $i; sleep 0.05; done; echo the last line']}\n",
+    )
+    env = subprocess_env(prefect_api, gpuflow_home)
+    piped = subprocess.run(
+        ["sh", "-c", f"{sys.executable} -m gpuflow run {job} 2>&1 | head -1"],
+        env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert len(piped.stdout.splitlines()) == 1
+    from tests.e2e.helpers import logs_of
+
+    def last_run() -> Any:
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.sorting import FlowRunSort
+
+        with get_client(sync_client=True) as client:
+            return client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)[0]
+
+    deadline = time.monotonic() + 120
+    while not (run := last_run()).state.is_final():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert run.state.is_completed(), run.state.message
+    assert "the last line" in "\n".join(logs_of(run.id))
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen(
+        [*GPUFLOW, "run", str(job)], env=env, stdin=secondary, stdout=secondary,
+        stderr=secondary, start_new_session=True,
+    )  # fmt: skip
+    os.close(secondary)
+    seen = b""
+    while b"line 3" not in seen:
+        seen += os.read(primary, 4096)
+    os.close(primary)  # the terminal goes: writes fail from now on
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(timeout=180) == 0
+    run = last_run()
+    assert run.state.is_completed(), run.state.message
+    assert "the last line" in "\n".join(logs_of(run.id))

@@ -1,0 +1,227 @@
+"""gpuflow's runs as a person follows them from a terminal, on whichever API the command
+uses: the recent ones (`listed`), one named by its job name, flow-run name, id or an id
+prefix (`find`), its log as it grows (`log_lines`), and a cancel that lets the run's own
+teardown run (`cancel`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from typing import Any
+from uuid import UUID
+
+from pydantic import BaseModel
+
+from gpuflow.tasks.api_client import api_client
+from gpuflow.tasks.errors import InvalidSpec
+
+RECENT = 200  # the runs a name or prefix is looked for among, newest first
+
+
+class RunRow(BaseModel):
+    """One run as `gpuflow ls` shows it."""
+
+    id: str
+    job: str  # the spec's name; the flow run's name for runs without a spec
+    flow_run: str
+    state: str
+    backend: str = ""
+    gpus: int | None = None
+    started: datetime | None = None
+    duration_s: float | None = None
+    cost_usd: float | None = None
+    final: bool = False
+
+
+def _spec_of(run: Any) -> dict[str, Any]:
+    spec = (run.parameters or {}).get("spec")
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except ValueError:
+            return {}
+    return spec if isinstance(spec, dict) else {}
+
+
+def _row(run: Any, cost: float | None = None) -> RunRow:
+    spec = _spec_of(run)
+    placement = spec.get("placement") or {}
+    if isinstance(placement, list):
+        placement = placement[0] if placement else {}
+    resources = spec.get("resources") or {}
+    gpus = resources.get("gpus")
+    state = run.state
+    final = bool(state is not None and state.is_final())
+    duration = None
+    if run.start_time is not None:
+        end = run.end_time if final and run.end_time else datetime.now(UTC)
+        duration = max(0.0, (end - run.start_time).total_seconds())
+    return RunRow(
+        id=str(run.id),
+        job=str(spec.get("name") or run.name),
+        flow_run=run.name,
+        state=state.name if state is not None else "Unknown",
+        backend=str(placement.get("backend") or ("local" if spec else "")),
+        gpus=gpus * int(resources.get("nodes") or 1) if isinstance(gpus, int) else None,
+        started=run.start_time or run.expected_start_time,
+        duration_s=duration,
+        cost_usd=cost,
+        final=final,
+    )
+
+
+def _recent(client: Any, limit: int) -> list[Any]:
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    return list(client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=limit))
+
+
+def _costs(client: Any, run_ids: list[str]) -> dict[str, float]:
+    """Return what each run cost, from its metrics table (runs without one: absent)."""
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        FlowRunFilter,
+        FlowRunFilterId,
+    )
+
+    if not run_ids:
+        return {}
+    found = client.read_artifacts(
+        artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["gpuflow-metrics"])),
+        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[UUID(i) for i in run_ids])),
+    )
+    costs: dict[str, float] = {}
+    for artifact in found:
+        rows = artifact.data if isinstance(artifact.data, list) else _json(artifact.data)
+        for row in rows or []:
+            if isinstance(row, dict) and row.get("metric") == "cost_usd":
+                costs.setdefault(str(artifact.flow_run_id), float(row["value"]))
+    return costs
+
+
+def _json(text: Any) -> Any:
+    try:
+        return json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+
+
+def listed(limit: int = 20) -> list[RunRow]:
+    """Return the newest `limit` runs, newest first, with what each cost where it says."""
+    with api_client() as client:
+        runs = _recent(client, limit)
+        costs = _costs(client, [str(r.id) for r in runs])
+    return [_row(run, costs.get(str(run.id))) for run in runs]
+
+
+def find(name: str) -> RunRow:
+    """Return the run `name` names: its id, its flow run's name, its job's name (the
+    newest run of that job), or the first characters of its id; InvalidSpec, one
+    sentence, for none, or for a prefix that two runs' ids share."""
+    with api_client() as client:
+        try:
+            exact = client.read_flow_run(UUID(name))
+        except ValueError:
+            exact = None  # not an id
+        except Exception:
+            exact = None
+        if exact is not None:
+            return _row(exact)
+        runs = _recent(client, RECENT)
+    by_run_name = [r for r in runs if r.name == name]
+    if by_run_name:
+        return _row(by_run_name[0])
+    by_job = [r for r in runs if _spec_of(r).get("name") == name]
+    if by_job:
+        return _row(by_job[0])  # the newest run of that job
+    lowered = name.lower()
+    if lowered and all(c in "0123456789abcdef-" for c in lowered):
+        prefixed = [r for r in runs if str(r.id).startswith(lowered)]
+        if len(prefixed) > 1:
+            shown = ", ".join(f"{str(r.id)[:12]} ({r.name})" for r in prefixed[:5])
+            raise InvalidSpec(
+                f"RUN: {name!r} begins the ids of {len(prefixed)} runs: {shown}; give more of"
+                " the id (gpuflow ls shows them)."
+            )
+        if prefixed:
+            return _row(prefixed[0])
+    raise InvalidSpec(
+        f"RUN: no run is named {name!r} among the {len(runs)} newest on this API (a job's"
+        " name, a flow run's name, an id or the first characters of one); gpuflow ls lists"
+        " them."
+    )
+
+
+def log_lines(
+    run_id: str, follow: bool = False, poll_s: float = 1.0, stop: Callable[[], bool] | None = None
+) -> Iterator[str]:
+    """Yield the run's log lines in order; with `follow`, wait for new ones until the run
+    is over (then the last ones) or `stop()` says so."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    seen: set[str] = set()
+    offset = 0
+    while True:
+        with api_client() as client:
+            run = client.read_flow_run(UUID(run_id))
+            over = run.state is None or run.state.is_final()
+            while True:
+                page = client.read_logs(
+                    log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(run_id)])),
+                    sort=LogSort.TIMESTAMP_ASC,
+                    limit=200,
+                    offset=offset,
+                )
+                for log in page:
+                    if str(log.id) in seen:
+                        continue
+                    seen.add(str(log.id))
+                    yield _line(log)
+                offset += len(page)
+                if len(page) < 200:
+                    break
+        if not follow or over or (stop is not None and stop()):
+            return
+        time.sleep(poll_s)
+
+
+def _line(log: Any) -> str:
+    when = log.timestamp.astimezone().strftime("%H:%M:%S")
+    level = "" if log.level <= 20 else f"{_LEVELS.get(log.level, log.level)} "
+    return f"{when} {level}{log.message}"
+
+
+_LEVELS = {30: "WARNING", 40: "ERROR", 50: "CRITICAL"}
+
+
+def cancel(run: RunRow, wait_s: float = 120.0, poll_s: float = 0.5) -> str:
+    """Ask the API to cancel `run` (as the UI's Cancel does: the run stops its job, and
+    its teardown runs) and wait up to `wait_s` for it to end; return how it ended, in a
+    sentence. InvalidSpec for a run that is already over."""
+    from prefect.states import Cancelling
+
+    if run.final:
+        raise InvalidSpec(
+            f"RUN: {run.job} ({run.flow_run}, {run.id[:8]}) is already {run.state.lower()};"
+            " there is nothing to cancel."
+        )
+    with api_client() as client:
+        client.set_flow_run_state(UUID(run.id), Cancelling(), force=True)
+        until = time.monotonic() + wait_s
+        while time.monotonic() < until:
+            state = client.read_flow_run(UUID(run.id)).state
+            if state is not None and state.is_final():
+                return (
+                    f"{run.job} ({run.flow_run}, {run.id[:8]}) is {state.name.lower()}:"
+                    " its job was stopped and torn down."
+                )
+            time.sleep(poll_s)
+    return (
+        f"{run.job} ({run.flow_run}, {run.id[:8]}) was asked to cancel, but has not ended within"
+        f" {wait_s:.0f} s: the process that runs it may be gone; `gpuflow reap` removes"
+        " what a dead run left."
+    )
