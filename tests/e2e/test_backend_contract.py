@@ -210,6 +210,46 @@ def test_contract_provision_adopts_lines_arrive_in_order_and_teardown_leaves_not
     assert settle(lambda: place.left(run_id)) == []
 
 
+def test_contract_a_staged_working_folder_reaches_the_units_node(place, tmp_path):
+    """The backend's `stage` puts a packed working folder where its nodes read it; a unit
+    started through gpuflow's starter runs in it there, and teardown leaves nothing."""
+    from gpuflow.tasks.storage import S3Settings
+    from gpuflow.tasks.workdir import Start, pack
+
+    folder = tmp_path / "code"
+    folder.mkdir()
+    (folder / "hello.txt").write_text(f"hello from the working folder of {place.name}\n")
+    packed = pack(folder, 1 << 20, tmp_path / "packed")
+    run_id = f"contract-stage-{place.name}-{os.getpid()}"
+    spec = place.spec(["true"])
+    backend = place.backend
+    cluster = backend.provision(spec, owner_labels(run_id, spec.name))
+    lines: list[str] = []
+    try:
+        where = backend.stage(cluster, Path(packed.path), S3Settings.from_env(), None)
+        start = Start(archive=where, sha256=packed.sha256).model_dump_json()
+        show = "print(open('hello.txt').read().strip())"
+        unit = WorkUnit(
+            name="main",
+            command=[
+                sys.executable,
+                "-m",
+                "gpuflow.tasks.workdir",
+                start,
+                "--",
+                "python",
+                "-c",
+                show,
+            ],
+        )
+        result = backend.run(cluster, unit, {}, 300, lambda stream, line: lines.append(line))
+        assert result.exit_code == 0, result.log_tail
+        assert f"hello from the working folder of {place.name}" in lines
+    finally:
+        backend.teardown(cluster)
+    assert settle(lambda: place.left(run_id)) == []
+
+
 def test_contract_offers_price_the_job(place):
     """What a backend could give the job now (a pool's candidate row): at least one offer,
     each saying where, at a price of zero or more, and why not when it cannot start now."""

@@ -297,6 +297,8 @@ class UnitRun:
             **unit_env(self.spec.node, self.spec.nodes, str(workspace), self.spec.gpus),
             "PYTHONUNBUFFERED": "1",
         }
+        if self.agent.config.endpoint_url:  # the fleet's S3 (the run's staged files) as here
+            env.setdefault("AWS_ENDPOINT_URL_S3", self.agent.config.endpoint_url)
         return env
 
     def _run(self) -> None:
