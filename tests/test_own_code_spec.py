@@ -267,3 +267,18 @@ def test_a_link_given_by_its_absolute_path_inside_the_folder_is_sent_as_a_relati
     packed = pack(folder, 1 << 20, tmp_path / "a")
     with tarfile.open(packed.path) as tar:
         assert tar.getmember("model.py").linkname == "lib/model.py"
+
+
+def test_the_readmes_job_spec_is_a_valid_spec(tmp_path):
+    """Every field the README shows is one the spec takes, with the values it shows."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"A job spec \(YAML or JSON.*?```yaml\n(.*?)```", readme, re.S)
+    assert block is not None
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(block.group(1))
+    spec = load_spec(spec_file)
+    assert spec.job.workdir == str(tmp_path) and spec.job.launcher == "torchrun"
+    assert spec.metrics.from_log == [r"step (?P<step>\d+) loss (?P<loss>[\d.]+)"]
+    assert spec.storage.staging == "s3://bucket/gpuflow"
