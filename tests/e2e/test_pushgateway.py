@@ -86,3 +86,53 @@ def test_a_pushgateway_url_with_credentials_is_pushed_to(prefect_api, gpuflow_ho
     assert state.is_completed(), state.message
     text = urllib.request.urlopen(f"{pushgateway}/metrics", timeout=5).read().decode()
     assert 'job="authed"' in text and "gpuflow_run_duration_seconds" in text
+
+
+LOSS_WATCH = """
+import sys, time, urllib.request
+for step in range(1000):
+    print(f"step {step} loss {1 / (step + 1):.4f}", flush=True)
+    text = urllib.request.urlopen(sys.argv[1] + "/metrics", timeout=5).read().decode()
+    seen = [l for l in text.splitlines() if l.startswith("gpuflow_job_metric") and 'stage="log"' in l]
+    if any('name="loss"' in l for l in seen) and step >= 3:
+        print("its own loss seen live", flush=True)
+        sys.exit(0)
+    time.sleep(0.1)
+sys.exit(1)
+"""
+
+
+def test_a_jobs_own_figures_are_pushed_live_then_in_the_summary(
+    prefect_api, gpuflow_home, pushgateway
+):
+    """metrics.from_log: the loss the job prints reaches the Pushgateway while it runs
+    (the job sees it there), then its last value is in the run's summary group and the
+    live group is gone."""
+    spec = load_spec(
+        {
+            "name": "own-figures",
+            "job": {"kind": "command", "command": [sys.executable, "-c", LOSS_WATCH, pushgateway]},
+            "metrics": {
+                "push_interval_s": 0.1,
+                "pushgateway": pushgateway,
+                "from_log": [r"step (?P<step>\d+) loss (?P<loss>[\d.]+)"],
+                "plot": False,
+            },
+        }
+    )
+    state = gpu_pipeline(spec, return_state=True)
+    assert state.is_completed(), state.message
+    run_id = str(state.state_details.flow_run_id)
+    assert "its own loss seen live" in "\n".join(logs_of(run_id))
+    figures = state.result().metrics.from_log
+    text = urllib.request.urlopen(f"{pushgateway}/metrics", timeout=5).read().decode()
+    samples = [
+        s
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.labels.get("flow_run_id") == run_id and s.name == "gpuflow_job_metric"
+    ]
+    assert {(s.labels["name"], s.labels["stage"], s.value) for s in samples} == {
+        ("loss", "summary", figures["loss"]),
+        ("step", "summary", figures["step"]),
+    }
