@@ -73,6 +73,16 @@ def test_later_commands_share_the_kept_api_and_nothing_is_left(tmp_path, gpuflow
     )
     assert [p.pid for p in servers_of(tmp_path / "prefect-home")] == [record["pid"]]
     assert states(record["api"], gpuflow_home) == ["COMPLETED", "COMPLETED"]
+    # `ls` and `logs` find the runs on the kept API, and start no other
+    listed = subprocess.run([*GPUFLOW, "ls"], env=env, capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    rows = [line.split() for line in listed.stdout.splitlines()[1:]]
+    assert sorted(row[2] for row in rows) == ["Completed", "Completed"]
+    assert f"using the temporary Prefect API kept at {record['api']}" in listed.stderr
+    logs = subprocess.run(
+        [*GPUFLOW, "logs", rows[0][0]], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert logs.returncode == 0 and "hi" in logs.stdout.split(), logs.stderr[-3000:]
 
     # Ctrl-C to a later command's process group stops the command, not the kept API, and
     # the run is recorded Crashed through it.

@@ -363,6 +363,12 @@ def test_gpuflow_run_records_its_run_on_the_running_platform(platform, tmp_path)
     with platform.client() as client:
         run = client.read_flow_run(UUID(link.rsplit("/", 1)[1]))
     assert run.state.is_completed() and run.parameters["spec"]["name"] == "on-platform"
+    listed = platform.as_user("ls")
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    [row] = [line.split() for line in listed.stdout.splitlines() if str(run.id)[:8] in line]
+    assert row[1:5] == ["on-platform", "Completed", "local", "0"]
+    logs = platform.as_user("logs", "on-platform")
+    assert logs.returncode == 0 and "hi" in logs.stdout.split(), logs.stderr[-3000:]
 
 
 def test_up_on_a_port_another_server_holds_is_refused(platform, tmp_path):
