@@ -112,6 +112,26 @@ def test_a_script_missing_from_the_working_folder_is_named(folder):
         f"job.command: tran.py is not in job.workdir ({folder}), where the job starts; fix the"
         " path, or point workdir at the folder that holds it."
     )
+    said = refused(command(folder, command=["bash", "run.sh"]))
+    assert said.startswith("job.command: run.sh is not in job.workdir")
+    check_job(load_spec(command(folder, command=["bash", "-c", "echo hi"])))
+
+
+def test_a_spec_packed_elsewhere_is_packed_again_here(folder, tmp_path, monkeypatch):
+    """job.packed names an archive of this machine; a spec that names one this machine
+    does not have (copied from elsewhere) is packed anew, not run without its files."""
+    from gpuflow.tasks.pipeline.usercode import pack_code
+
+    monkeypatch.setenv("GPUFLOW_HOME", str(tmp_path / "home"))
+    spec, packed = pack_code(load_spec(command(folder)))
+    assert packed is not None and spec.job.packed == packed.sha256
+    again, none = pack_code(spec)
+    assert none is None and again.job.packed == packed.sha256  # once per run
+    elsewhere = load_spec(
+        {**command(folder), "job": {**command(folder)["job"], "packed": "f" * 64}}
+    )
+    repacked, packed_here = pack_code(elsewhere)
+    assert packed_here is not None and repacked.job.packed == packed.sha256
 
 
 def test_torchrun_with_copies_or_on_another_kind_or_ranks_without_it_is_refused(folder):

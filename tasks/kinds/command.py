@@ -25,7 +25,8 @@ from gpuflow.tasks.kinds.base import JobKind
 from gpuflow.tasks.spec import CodeJob, JobSpec, split_argv
 from gpuflow.tasks.workdir import WorkdirError, scan, variables
 
-PYTHON = re.compile(r"^python[0-9.]*$")
+# programs whose first word is the script they run: [bash, run.sh], [Rscript, fit.R]
+INTERPRETER = re.compile(r"^(python[0-9.]*|bash|sh|zsh|node|Rscript|julia|perl|ruby)$")
 
 
 class CommandJob(CodeJob):
@@ -169,13 +170,13 @@ def torchrun_units(command: list[str], cluster: Cluster, ranks: int | None) -> l
 
 def _check_script(job: CommandJob, where: Capabilities) -> None:
     """Refuse a file the command names that will not be where the job starts: the script
-    of `python train.py`, or a program given as a relative path (./run.sh), with no
+    of `python train.py` or `bash run.sh`, or a program given as a relative path (./run.sh), with no
     working folder (the job starts in an empty workspace) or one that lacks it."""
     words = job.command
-    if PYTHON.match(Path(words[0]).name) and len(words) > 1:
+    if INTERPRETER.match(Path(words[0]).name) and len(words) > 1:
         path = words[1]
         if path.startswith("-"):
-            return  # python's own options (-m, -c)
+            return  # the interpreter's own options (python -m, sh -c)
     elif "/" in words[0]:
         path = words[0]
     else:

@@ -30,10 +30,12 @@ def archives() -> Path:
 def pack_code(spec: JobSpec) -> tuple[JobSpec, Packed | None]:
     """Return the spec with its working folder packed (job.packed: the archive's SHA-256)
     and what was packed; the spec as it is when it has no working folder or one already
-    packed. InvalidSpec (one sentence) when the folder cannot be sent."""
+    packed here. InvalidSpec (one sentence) when the folder cannot be sent."""
     job = spec.job
-    if not isinstance(job, CodeJob) or not job.workdir or job.packed:
+    if not isinstance(job, CodeJob) or not job.workdir:
         return spec, None
+    if job.packed and (archives() / f"{job.packed}.tar.gz").is_file():
+        return spec, None  # packed already, on this machine
     try:
         packed = pack(Path(job.workdir), job.workdir_max, archives())
     except WorkdirError as exc:
