@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpuflow.tasks.host import gpuflow_home, make_dirs
+
 LOG_METRICS = "log_metrics.jsonl"  # its name among the run's artifacts
 STEP_NAMES = ("step", "iteration", "iter", "epoch", "batch")  # drawn along x when captured
 TABLE_ROWS = 500  # the most rows the table artifact shows (the file keeps every one)
@@ -71,8 +73,6 @@ class LogMetrics:
 
 def rows_file(flow_run_id: str) -> Path:
     """Return where a run's rows are kept on this machine until collect takes them."""
-    from gpuflow.tasks.host import gpuflow_home, make_dirs
-
     return make_dirs(gpuflow_home() / "log-metrics") / f"{flow_run_id}.jsonl"
 
 

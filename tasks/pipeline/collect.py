@@ -179,13 +179,7 @@ def _collect(
         cost_of(spec, cluster, prices, outcome.result.duration_s),
         idle_pct=idle.below_pct if idle is not None else IDLE_PCT,
     ).model_copy(update={"job": job_result})
-    figures_file = rows_file(flow_run_id)
-    figures = read_rows(figures_file)
-    if figures:
-        shutil.copyfile(figures_file, out / LOG_METRICS)
-        metrics = metrics.model_copy(
-            update={"from_log": last_values(figures), "from_log_rows": len(figures)}
-        )
+    metrics, figures = _log_figures(metrics, flow_run_id, out)
     if candidate is not None:
         metrics = _split(cluster, outcome, metrics, earlier or [], candidate)
     (out / "metrics.json").write_text(metrics.model_dump_json(indent=2))
@@ -196,16 +190,7 @@ def _collect(
     png = utilisation_png(samples, out / "utilisation.png", title) if spec.metrics.plot else None
     pushed = _push(spec, metrics, flow_run_id, ended, logger)
     kind_report = kind_of(spec).report(spec, cluster, out, title)
-    curves = None
-    if figures:
-        publish(
-            create_table_artifact,
-            key="gpuflow-log-metrics",
-            table=table(figures),
-            description=f"{spec.name}: the figures its log printed (metrics.from_log)",
-        )
-        if spec.metrics.plot:
-            curves = curves_png(figures, out / "log_metrics.png", title)
+    curves = _publish_figures(spec, figures, out, title)
     publish(
         create_table_artifact,
         key="gpuflow-metrics",
@@ -231,8 +216,37 @@ def _collect(
         markdown="\n".join(lines),
         description=spec.name,
     )
-    figures_file.unlink(missing_ok=True)
+    rows_file(flow_run_id).unlink(missing_ok=True)
     return metrics
+
+
+def _log_figures(
+    metrics: RunMetrics, flow_run_id: str, out: Path
+) -> tuple[RunMetrics, list[dict[str, float]]]:
+    """Return the metrics with the job's own figures (metrics.from_log) and their rows,
+    copied into the artifacts."""
+    figures_file = rows_file(flow_run_id)
+    figures = read_rows(figures_file)
+    if not figures:
+        return metrics, []
+    shutil.copyfile(figures_file, out / LOG_METRICS)
+    update = {"from_log": last_values(figures), "from_log_rows": len(figures)}
+    return metrics.model_copy(update=update), figures
+
+
+def _publish_figures(
+    spec: JobSpec, figures: list[dict[str, float]], out: Path, title: str
+) -> Path | None:
+    """Publish the job's own figures as a table artifact; return their plot, if drawn."""
+    if not figures:
+        return None
+    publish(
+        create_table_artifact,
+        key="gpuflow-log-metrics",
+        table=table(figures),
+        description=f"{spec.name}: the figures its log printed (metrics.from_log)",
+    )
+    return curves_png(figures, out / "log_metrics.png", title) if spec.metrics.plot else None
 
 
 def _push(

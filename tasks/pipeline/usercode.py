@@ -13,7 +13,7 @@ from pathlib import Path
 from gpuflow.tasks.backends.base import Backend
 from gpuflow.tasks.contract import Cluster, WorkUnit
 from gpuflow.tasks.errors import InvalidSpec
-from gpuflow.tasks.host import gpuflow_home
+from gpuflow.tasks.host import gpuflow_home, make_dirs
 from gpuflow.tasks.spec import CodeJob, JobSpec
 from gpuflow.tasks.storage import S3Settings
 from gpuflow.tasks.units import format_bytes
@@ -23,8 +23,9 @@ STARTER = "gpuflow.tasks.workdir"
 
 
 def archives() -> Path:
-    """Where this machine keeps packed working folders, by their SHA-256."""
-    return gpuflow_home() / "workdirs"
+    """Where this machine keeps packed working folders, by their SHA-256 (0700: this
+    user's alone under GPUFLOW_HOME)."""
+    return make_dirs(gpuflow_home() / "workdirs")
 
 
 def pack_code(spec: JobSpec) -> tuple[JobSpec, Packed | None]:
