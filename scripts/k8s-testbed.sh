@@ -14,7 +14,8 @@
 #   scripts/k8s-testbed.sh expose --dir DIR --port PORT   the real node's pods reach this
 #                                            host's 127.0.0.1:PORT at the node's address
 #                                            (a Prefect server for flow-run pods); gone at down
-#   scripts/k8s-testbed.sh down --dir DIR    stop what `up` started, by PID
+#   scripts/k8s-testbed.sh down --dir DIR    stop what `up` started, by PID (an `up` that
+#                                            fails part-way stops what it started itself)
 #   scripts/k8s-testbed.sh restart-api --dir DIR   stop the API server and start it again (faults)
 #
 # Binaries are built from the Go module proxy at the versions pinned below (and in
@@ -185,11 +186,26 @@ EOF
   node cpu-0 0 ""
 }
 
+up_failed() { # EXIT trap while up runs: what it started before failing goes with it
+  local rc=$?
+  trap - EXIT
+  ((rc)) || return 0
+  say "up failed part-way: stopping what it started"
+  down || true
+  exit "$rc"
+}
+
 up() {
   build
   [[ ! -f $DIR/pids/kube-apiserver ]] || die "$DIR holds a running test cluster; run down --dir $DIR first"
+  # the MPI Operator's health server listens on :8080, fixed (no flag): one per machine,
+  # so a second cluster with it is refused before anything starts
+  if $WITH_MPI_OPERATOR && python3 -c 'import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); sys.exit(s.connect_ex(("127.0.0.1", 8080)) != 0)'; then
+    die "port 8080 is taken (another test cluster's MPI Operator?): the MPI Operator listens there; stop that one, or use --no-mpi-operator"
+  fi
   mkdir -p "$DIR"/{logs,pids,ports}
   DIR=$(cd "$DIR" && pwd)
+  trap up_failed EXIT
   for name in etcd etcd-peer api kcm scheduler kwok; do free_port >"$DIR/ports/$name"; done
   certificates
   local etcd=http://127.0.0.1:$(cat "$DIR/ports/etcd")
@@ -273,10 +289,6 @@ EOF
   wait_for "the MPIJob API" 60 api GET /apis/kubeflow.org/v2beta1/mpijobs
   local operator="the MPI Operator"
   if $WITH_MPI_OPERATOR; then
-    # its health server listens on :8080, fixed (no flag): one MPI Operator per machine
-    if python3 -c 'import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); sys.exit(s.connect_ex(("127.0.0.1", 8080)) != 0)'; then
-      die "port 8080 is taken (another test cluster's MPI Operator?): the MPI Operator listens there; stop that one, or use --no-mpi-operator"
-    fi
     api POST /api/v1/namespaces 'apiVersion: v1
 kind: Namespace
 metadata: {name: mpi-operator}' >/dev/null
@@ -287,6 +299,7 @@ metadata: {name: mpi-operator}' >/dev/null
   fi
   say "up: 4 nodes (2 x 8 H100, 4 L4, 1 CPU), $operator, Kueue's CRDs; kubeconfig: $DIR/kubeconfig"
   if $WITH_REAL_NODE; then real_node_up; fi
+  trap - EXIT
 }
 
 stop_pid() { # stop_pid NAME: SIGTERM, up to 10 s, then SIGKILL

@@ -70,13 +70,28 @@ $want_test && extra="[test]"
 step "installing gpuflow and its dependencies${extra:+ with the test tools} into .venv (pip: only what is missing)"
 $py -m pip install -q -e ".$extra"
 if $want_test; then
+    image=
+    if [[ $(id -u) -eq 0 ]]; then  # the real node's image (root: mmdebstrap keeps owners)
+        # built beside the Go builds: it mostly downloads and unpacks, they mostly compile
+        step "building gpuflow's job image for the test cluster's real node, beside what follows (cold: about 2 minutes; cached after)"
+        image_log=$(mktemp)
+        setsid bash scripts/build-image.sh >/dev/null 2>"$image_log" &
+        image=$!
+        trap 'kill -- -$image 2>/dev/null || true' EXIT  # setup failed: the image's build goes too
+    fi
     # The Kubernetes test cluster: built once from the Go module proxy, cached under $HOME.
     step "building the Kubernetes test cluster (cold: about 8 minutes on 2 cores; cached after)"
     bash scripts/k8s-testbed.sh build
     bash scripts/imds-mock.sh build  # AWS's instance metadata mock (seconds)
-    if [[ $(id -u) -eq 0 ]]; then  # the real node's image (root: mmdebstrap keeps owners)
-        step "building gpuflow's job image for the test cluster's real node (cold: about 4 minutes; cached after)"
-        bash scripts/build-image.sh >/dev/null
+    if [[ -n $image ]]; then
+        step "waiting for gpuflow's job image"
+        if ! wait "$image"; then
+            tail -20 "$image_log" >&2
+            echo "setup: building gpuflow's job image failed (scripts/build-image.sh); its last lines are above" >&2
+            exit 1
+        fi
+        trap - EXIT
+        rm -f "$image_log"
     fi
 fi
 step "ready"

@@ -116,6 +116,7 @@ up() {
   [[ ! -f $DIR/pids/slurmctld ]] || die "$DIR holds a running Slurm test cluster; run down --dir $DIR first"
   mkdir -p "$DIR"/{logs,pids,munge}
   DIR=$(cd "$DIR" && pwd)
+  trap up_failed EXIT
   chmod 700 "$DIR/munge"
   head -c 1024 /dev/urandom >"$DIR/munge/munge.key"
   chmod 400 "$DIR/munge/munge.key"
@@ -134,6 +135,16 @@ up() {
   done
   wait_for "every node idle" 90 all_idle
   say "up: $(sinfo -h -o '%P %D %G' | tr '\n' ';') SLURM_CONF=$SLURM_CONF"
+  trap - EXIT
+}
+
+up_failed() { # EXIT trap while up runs: what it started before failing goes with it
+  local rc=$?
+  trap - EXIT
+  ((rc)) || return 0
+  say "up failed part-way: stopping what it started"
+  down || true
+  exit "$rc"
 }
 
 all_idle() {
