@@ -14,9 +14,10 @@ from gpuflow.commands.common import EXIT_FAILED, EXIT_OK, invalid, load_job_spec
 def run_job(path: str | dict) -> int:
     """Run a job spec (a path or a dict) through its flow; read and check it first, before
     any API is started when the checks need none."""
-    from gpuflow.api import checked as checked_spec
-    from gpuflow.tasks import placement
-    from gpuflow.tasks.errors import InvalidSpec
+    with session.loading():
+        from gpuflow.api import checked as checked_spec
+        from gpuflow.tasks import placement
+        from gpuflow.tasks.errors import InvalidSpec
 
     try:
         spec = load_job_spec(path)
@@ -37,17 +38,19 @@ def _run_spec(spec: Any, api: Any, checked: bool) -> int:
         spec = spec if checked else checked_spec(spec)
     except InvalidSpec as exc:
         return invalid(exc)
-    from gpuflow.logrelay import LogRelay
-    from gpuflow.outage import OutageWatch, outage_bound_s
-    from gpuflow.tasks.pipeline.heartbeat import heartbeats_sent_by_gpuflow
+    with session.loading():
+        from gpuflow.logrelay import LogRelay
+        from gpuflow.outage import OutageWatch, outage_bound_s
+        from gpuflow.tasks.pipeline.heartbeat import heartbeats_sent_by_gpuflow
 
+        flow = flow_for(spec)
     with (
         heartbeats_sent_by_gpuflow(),
         session.sentences_on_console(),
         LogRelay(api.url, session.say) as relay,
         OutageWatch(api, session.say, session.fail, outage_bound_s(), relay.spill),
     ):
-        state = flow_for(spec)(spec, return_state=True)
+        state = flow(spec, return_state=True)
     if state.is_completed():
         _print_summary(spec, state.result())
         print_link(api, state)
