@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import gc
 import logging
 import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from gpuflow.tasks.loading import loading as loading  # commands load through it
 
 EXIT_FAILED, EXIT_INVALID = 1, 2
 SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
@@ -24,23 +25,6 @@ class Stopped(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signal = signum
-
-
-@contextlib.contextmanager
-def loading() -> Iterator[None]:
-    """Import the body's modules without collecting garbage meanwhile, then freeze what
-    they made: a command loads Prefect's and gpuflow's modules (hundreds of thousands of
-    objects that live as long as the process), and collecting among them as they are made
-    is wasted work (about a tenth of a command's import time); frozen, no later collection
-    scans them. Collection is on again after the body, however it ends."""
-    was_on = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        if was_on:
-            gc.enable()
 
 
 def say(message: str) -> None:

@@ -32,3 +32,31 @@ def test_loading_freezes_what_its_body_made_and_leaves_collection_off_when_it_wa
     finally:
         gc.enable()
         gc.unfreeze()
+
+
+def test_a_server_starts_without_collecting_and_collects_again_once_it_answers():
+    """gpuflow's Prefect server turns collection off for its start-up only: on again once
+    uvicorn says it started (or it is told to exit before that)."""
+    import time
+
+    from gpuflow.tasks.platform.server import _collect_once_started
+
+    class Server:
+        started = False
+        should_exit = False
+
+    def on_after(server: Server, flip: str) -> bool:
+        _collect_once_started(server)
+        assert not gc.isenabled()  # starting: off
+        setattr(server, flip, True)
+        deadline = time.monotonic() + 30
+        while not gc.isenabled() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return gc.isenabled()
+
+    try:
+        assert on_after(Server(), "started")
+        assert on_after(Server(), "should_exit")
+    finally:
+        gc.enable()
+        gc.unfreeze()
