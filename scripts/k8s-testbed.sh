@@ -237,7 +237,8 @@ up() {
     --bind-address 127.0.0.1 --secure-port "$(cat "$DIR/ports/kcm")" --leader-elect=false \
     --service-account-private-key-file "$DIR/pki/sa.key" --root-ca-file "$DIR/pki/ca.crt" \
     --use-service-account-credentials=false --controllers '*,-nodeipam' \
-    --node-monitor-grace-period 20s --profiling=false
+    --node-monitor-grace-period 20s --profiling=false \
+    --kube-api-qps 100 --kube-api-burst 200 --concurrent-job-syncs 20
   start kube-scheduler "$BIN/kube-scheduler" --kubeconfig "$DIR/kubeconfig" \
     --authentication-kubeconfig "$DIR/kubeconfig" --authorization-kubeconfig "$DIR/kubeconfig" \
     --bind-address 127.0.0.1 --secure-port "$(cat "$DIR/ports/scheduler")" --leader-elect=false \
