@@ -8,6 +8,11 @@ or its step, seen running) and until all have ended, side by side, and the ratio
 Target: gpuflow within 1.5x of bare sbatch.
 
     python bench/slurm_scale.py [--units 64] [--seconds 10] [--database sqlite|postgresql] [--runs]
+        [--only-runs]
+
+With --runs it also prints what each run asked of the Prefect API (requests by route,
+writes, events; counted in this process, bench/api_calls.py). --only-runs skips the bare
+sbatch and the one-run cases (the ratio then needs an earlier bare figure).
 
 The runs record to the local platform's Prefect server (`gpuflow platform up`) keeping its
 runs in PostgreSQL, as a team running many jobs at once would (`--database sqlite`: the
@@ -136,7 +141,9 @@ def main() -> None:
     parser.add_argument(
         "--runs", action="store_true", help="also as that many runs at once, one GPU each"
     )
+    parser.add_argument("--only-runs", action="store_true")
     args = parser.parse_args()
+    args.runs = args.runs or args.only_runs
     if args.units < 2 or args.units % 2:
         parser.error("--units: give an even number (the units go to 2 nodes alike)")
     os.environ["GPUFLOW_HOME"] = tempfile.mkdtemp(prefix="gpuflow-bench-")
@@ -154,12 +161,19 @@ def main() -> None:
     try:
         subprocess.run([*gpuflow, "up", "--port", port, "--database", args.database], check=True)
         os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+        auth = Path(os.environ["GPUFLOW_HOME"]) / "platform" / "auth"  # only its user gets in
+        os.environ["PREFECT_API_AUTH_STRING"] = auth.read_text().strip()
         through_gpuflow(2, 1, testbed / "workspaces")  # warm-up: imports, the API
         b = bare(args.units, args.seconds)
-        one = through_gpuflow(args.units, args.seconds, testbed / "workspaces", one_run=True)
-        many = (
-            through_gpuflow(args.units, args.seconds, testbed / "workspaces") if args.runs else None
-        )
+        one = None
+        if not args.only_runs:
+            one = through_gpuflow(args.units, args.seconds, testbed / "workspaces", one_run=True)
+        many = None
+        if args.runs:
+            from bench.api_calls import ApiCalls
+
+            with ApiCalls() as calls:
+                many = through_gpuflow(args.units, args.seconds, testbed / "workspaces")
     finally:
         subprocess.run([*gpuflow, "down"], check=False)
         from gpuflow.tasks.platform.postgres import data_folder
@@ -170,12 +184,15 @@ def main() -> None:
     print(f"{args.units} one-GPU units of sleep {args.seconds:.0f} s on 2 nodes x {per_node} H100,")
     print(f"recorded by a Prefect server on {args.database}")
     print(f"{'':22}{'bare sbatch':>13}{'gpuflow':>10}{'ratio':>8}   gpuflow as")
-    rows = [("one run, copies: per_gpu", one)]
+    rows = [("one run, copies: per_gpu", one)] if one else []
     rows += [(f"{args.units} runs at once", many)] if many else []
     for how, g in rows:
         for name, i in (("all started, s", 0), ("all ended, s", 1)):
             print(f"{name:22}{b[i]:>13.1f}{g[i]:>10.1f}{g[i] / b[i]:>8.2f}   {how}")
     print("target: gpuflow within 1.5x of bare sbatch")
+    if many:
+        print(f"what each of the {args.units} runs asked of the API:")
+        print(calls.table(args.units))
 
 
 if __name__ == "__main__":

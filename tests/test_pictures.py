@@ -50,3 +50,36 @@ def test_what_cannot_be_carried_is_named_by_its_path(tmp_path):
     broken.write_bytes(b"not a png" * 50_000)
     assert picture("chart", broken, limit=1000) == f"- chart: `{broken}`"
     assert picture("chart", tmp_path / "gone.png") == f"- chart: `{tmp_path / 'gone.png'}`"
+
+
+def test_runs_in_threads_of_one_process_draw_their_plots_at_once(tmp_path):
+    """Many runs at once in one process (a sweep, a bench) each draw their utilisation plot
+    in their own thread: every PNG is whole and its own size, and
+    pyplot's process-wide figure list is never used."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, threading
+from pathlib import Path
+from gpuflow.tasks.metrics.plot import utilisation_png
+
+root = Path({str(tmp_path)!r})
+samples = [{{"t": t, "gpus": [], "host": {{"cpu_percent": (7 * t) % 100}}}} for t in range(50)]
+threads = [
+    threading.Thread(target=utilisation_png, args=(samples, root / f"run{{i}}.png", f"run {{i}}"))
+    for i in range(16)
+]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print("matplotlib.pyplot" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "False"
+    for i in range(16):
+        with Image.open(tmp_path / f"run{i}.png") as image:
+            image.load()
+            assert image.size == (800, 350)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuflow.tasks.hpc.result import MdResult
-from gpuflow.tasks.metrics.plot import pyplot
+from gpuflow.tasks.metrics.plot import figure
 from gpuflow.tasks.outputs import read_result
 
 
@@ -26,8 +26,8 @@ def energy_png(rows: list[dict[str, float]], path: Path, title: str) -> Path | N
     if len(rows) < 2:
         return None
     t = [r["time"] for r in rows]
-    plt = pyplot()
-    fig, (energy_ax, total_ax) = plt.subplots(2, 1, figsize=(8, 6), dpi=100, sharex=True)
+    fig = figure(8, 6)
+    energy_ax, total_ax = fig.subplots(2, 1, sharex=True)
     for key, label in (("potential_per_atom", "potential"), ("kinetic_per_atom", "kinetic")):
         energy_ax.plot(t, [r[key] for r in rows], label=label)
     energy_ax.set_ylabel("energy per atom (epsilon)")
@@ -38,7 +38,6 @@ def energy_png(rows: list[dict[str, float]], path: Path, title: str) -> Path | N
     total_ax.set_xlabel("time (tau)")
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
     return path
 
 

@@ -111,13 +111,13 @@ def curves_png(rows: list[dict[str, float]], path: Path, title: str) -> Path | N
     None for fewer than 2 rows."""
     if len(rows) < 2:
         return None
-    from gpuflow.tasks.metrics.plot import pyplot
+    from gpuflow.tasks.metrics.plot import figure
 
     names = list(dict.fromkeys(k for row in rows for k in row if k != "t"))
     x_name = next((n for n in STEP_NAMES if n in names), "t")
     drawn = [n for n in names if n != x_name][:6] or names[:1]
-    plt = pyplot()
-    fig, axes = plt.subplots(len(drawn), 1, figsize=(8, 2.2 * len(drawn)), dpi=100, squeeze=False)
+    fig = figure(8, 2.2 * len(drawn))
+    axes = fig.subplots(len(drawn), 1, squeeze=False)
     for ax, name in zip(axes[:, 0], drawn, strict=True):
         points = [(row[x_name], row[name]) for row in rows if x_name in row and name in row]
         if points:
@@ -128,5 +128,4 @@ def curves_png(rows: list[dict[str, float]], path: Path, title: str) -> Path | N
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
-    plt.close(fig)
     return path

@@ -6,23 +6,23 @@ from pathlib import Path
 from typing import Any
 
 
-def pyplot() -> Any:
-    """Return matplotlib.pyplot on the Agg backend, imported on first use (about a second)."""
-    import matplotlib
+def figure(width: float, height: float) -> Any:
+    """Return a new matplotlib Figure (100 dpi), saved with Agg. Not through pyplot: pyplot
+    keeps its figures in one process-wide list, which runs in threads of one process (a
+    sweep, many runs at once) would share without a lock; and it loads a GUI backend's
+    machinery. matplotlib is imported on first use."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure(figsize=(width, height), dpi=100)
 
 
 def utilisation_png(samples: list[dict[str, Any]], path: Path, title: str) -> Path | None:
     """Draw GPU (or, with no GPU, host CPU) utilisation over time; None for < 2 samples."""
     if len(samples) < 2:
         return None
-    plt = pyplot()
     t0 = samples[0]["t"]
-    fig, ax = plt.subplots(figsize=(8, 3.5), dpi=100)
+    fig = figure(8, 3.5)
+    ax = fig.subplots()
     gpu_ids = sorted({g["gpu"] for s in samples for g in s["gpus"]})
     for gpu in gpu_ids:
         points = [
@@ -47,5 +47,4 @@ def utilisation_png(samples: list[dict[str, Any]], path: Path, title: str) -> Pa
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
-    plt.close(fig)
     return path

@@ -17,7 +17,7 @@ from uuid import UUID
 
 from pydantic import BaseModel
 
-from gpuflow.tasks.metrics.plot import pyplot
+from gpuflow.tasks.metrics.plot import figure
 from gpuflow.tasks.pictures import picture
 
 METRICS_KEY = "gpuflow-metrics"  # the table artifact collect writes for every run
@@ -202,9 +202,9 @@ def chart_png(runs: list[RunCost], path: Path, title: str) -> Path | None:
     if not runs:
         return None
 
-    plt = pyplot()
     fields = (("job", "job"), ("backend", "backend"), ("GPU product", "gpu_product"))
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), dpi=100)
+    fig = figure(13, 6.5)
+    axes = fig.subplots(2, 3)
     for column, (name, field) in enumerate(fields):
         groups = group_by(runs, field)[:12]
         keys = [g.key for g in groups]
@@ -223,5 +223,4 @@ def chart_png(runs: list[RunCost], path: Path, title: str) -> Path | None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
-    plt.close(fig)
     return path

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gpuflow.tasks.metrics.plot import pyplot
+from gpuflow.tasks.metrics.plot import figure
 from gpuflow.tasks.outputs import read_result
 from gpuflow.tasks.pictures import picture
 from gpuflow.tasks.training.profile import PROFILE_DIR, read
@@ -32,9 +32,9 @@ def curve_png(rows: list[dict[str, Any]], path: Path, title: str) -> Path | None
     train = [r for r in rows if "loss" in r]
     if len(train) < 2:
         return None
-    plt = pyplot()
     steps = [r["step"] for r in train]
-    fig, (loss_ax, speed_ax) = plt.subplots(2, 1, figsize=(8, 6), dpi=100, sharex=True)
+    fig = figure(8, 6)
+    loss_ax, speed_ax = fig.subplots(2, 1, sharex=True)
     handles = loss_ax.plot(steps, [r["loss"] for r in train], label="train loss")
     evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
     if evals:
@@ -55,7 +55,6 @@ def curve_png(rows: list[dict[str, Any]], path: Path, title: str) -> Path | None
     speed_ax.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
     return path
 
 
