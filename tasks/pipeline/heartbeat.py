@@ -28,20 +28,22 @@ THREAD_NAME = "gpuflow-flow-heartbeat"
 def heartbeats_sent_by_gpuflow() -> Iterator[None]:
     """Run a flow called inside with Prefect's heartbeat off and gpuflow's on, at the
     interval the settings give Prefect's (nothing changes when they turn it off)."""
+    from prefect.context import SettingsContext, get_settings_context
     from prefect.flow_engine import MINIMUM_HEARTBEAT_INTERVAL
-    from prefect.settings import (
-        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
-        get_current_settings,
-        temporary_settings,
-    )
 
-    every_s = get_current_settings().flows.heartbeat_frequency
+    outer = get_settings_context()
+    every_s = outer.settings.flows.heartbeat_frequency
     if every_s is None:
         yield
         return
+    # The same settings with Prefect's heartbeat off, copied: Prefect's temporary_settings
+    # would build them again from every source (the profiles file, ./pyproject.toml),
+    # which cost each of 64 runs started at once in one process most of their start.
+    flows = outer.settings.flows.model_copy(update={"heartbeat_frequency": None})
+    quiet = outer.settings.model_copy(update={"flows": flows})
     token = _EVERY_S.set(max(every_s, MINIMUM_HEARTBEAT_INTERVAL))
     try:
-        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        with SettingsContext(profile=outer.profile, settings=quiet):
             yield
     finally:
         _EVERY_S.reset(token)
