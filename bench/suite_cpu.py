@@ -19,7 +19,6 @@ import time
 # (a piece of the command line, its category), first match wins
 CATEGORIES = [
     ("exec(eval(sys.stdin", "pytest workers (flows run in-process)"),
-    ("pytest", "pytest"),
     ("moto_server", "moto"),
     ("uvicorn", "Prefect servers (tests' harness)"),
     ("gpuflow.tasks.platform.server", "gpuflow's Prefect servers"),
@@ -48,6 +47,7 @@ CATEGORIES = [
     ("chrom", "Chromium"),
     ("prefect", "other Prefect processes"),
     ("pip", "pip"),
+    ("pytest ", "pytest"),  # after the rest: their arguments often name pytest's folders
     ("python", "other Python"),
 ]
 

@@ -492,7 +492,10 @@ def test_training_on_two_nodes_preempted_part_way_resumes_to_the_weights_of_a_st
     prepare_dataset("synthetic:classify?samples=128", dataset, "40KB", "gpuflow-test-aws")
 
     def spec_to(name: str) -> dict:
-        raw = train_spec(dataset, s3_server.url(f"runs/{name}"), max_steps=50, cpu_processes=1)
+        # the worker's bucket is shared: test_training's "runs/straight" holds another
+        # training's checkpoints, which a run writing there would resume from
+        output = s3_server.url(f"runs/slurm-two-nodes-{name}")
+        raw = train_spec(dataset, output, max_steps=50, cpu_processes=1)
         raw["storage"] = {"aws_credentials": "gpuflow-test-aws"}
         raw["resources"] = {"gpus": 1, "gpu_product": "H100", "nodes": 2}
         raw["placement"] = {"backend": "slurm", "workspace_root": str(tmp_path / name)}
