@@ -7,6 +7,7 @@ kind's `Needs` with a backend's `Capabilities` before anything is provisioned.""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from enum import StrEnum
@@ -269,6 +270,13 @@ def cluster_env(cluster: Cluster, attempt: int = 1) -> dict[str, str]:
     env["GPUFLOW_MASTER_ADDR"] = host or hosts[0]
     env["GPUFLOW_MASTER_PORT"] = port or str(RENDEZVOUS_PORT)
     return env
+
+
+def run_port(run_id: str) -> int:
+    """Return a port of the run's own for its nodes to meet on (20000-31999: below
+    Linux's ephemeral range), so that two runs whose nodes share an address (hosts that
+    serve several runs, or one loopback) do not meet on the same port."""
+    return 20000 + int(hashlib.sha256(run_id.encode()).hexdigest(), 16) % 12000
 
 
 def unit_env(node: int, nodes: int, workspace: str, gpus: list[int] | None) -> dict[str, str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import gpuflow.tasks.pipeline.plugins  # noqa: F401 - the kinds and backends, for load_spec
-from gpuflow.tasks.contract import Cluster, cluster_env
+from gpuflow.tasks.contract import Cluster, cluster_env, run_port
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.kinds.command import torchrun_units
 from gpuflow.tasks.pipeline.checks import check_job, check_spec
@@ -257,6 +257,15 @@ def test_every_unit_learns_the_first_nodes_address_and_every_nodes():
         "GPUFLOW_ATTEMPT": "2",
     }
     assert cluster_env(cluster(2, 1, "10.0.0.5:21234"))["GPUFLOW_MASTER_PORT"] == "21234"
+
+
+def test_a_runs_own_port_is_below_the_ephemeral_range_and_differs_between_runs():
+    from uuid import NAMESPACE_URL, uuid5
+
+    ports = {run_port(str(uuid5(NAMESPACE_URL, f"run-{i}"))) for i in range(200)}
+    assert all(20000 <= p < 32000 for p in ports)  # Linux's ephemeral range starts at 32768
+    assert len(ports) > 190  # 200 runs: nearly all on ports of their own
+    assert run_port("a-run") == run_port("a-run")
 
 
 def test_an_archive_whose_member_would_land_outside_is_refused_where_tarfile_has_no_filter(

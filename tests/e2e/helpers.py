@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -311,3 +312,103 @@ def wider_than_private(folder: Path) -> list[str]:
         if not path.is_symlink() and info.st_mode & 0o077:
             wide.append(f"{path} {oct(info.st_mode & 0o777)}")
     return wide
+
+
+# -- preempting a training at a known step ---------------------------------------------
+#
+# A preemption (a spot notice, Slurm's urgent job) takes seconds to reach a job; how many
+# steps a training makes meanwhile depends on the machine's load. A test that holds the
+# ranks (SIGSTOP) at a step, lets the preemption come and continues them (SIGCONT) once its
+# SIGTERM waits for them, knows where they stop without giving them hundreds of steps to
+# spare: the ranks then handle the SIGTERM as they would any other.
+
+TRAINING_RANK = "gpuflow.tasks.training.entry"
+
+
+def training_ranks(under: Path) -> list[psutil.Process]:
+    """Return the training ranks (torchrun's children) running in a working folder under
+    `under`; not their data loaders, forked with the rank's command."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "ppid"]):
+        if TRAINING_RANK not in (proc.info["cmdline"] or []):
+            continue
+        with contextlib.suppress(psutil.Error):  # ended meanwhile
+            parent = psutil.Process(proc.info["ppid"]).cmdline()
+            if "torch.distributed.run" in parent and Path(proc.cwd()).is_relative_to(under):
+                found.append(proc)
+    return found
+
+
+def hold_ranks_at(
+    under: Path, step: int, ranks: int = 1, seconds: float = 240
+) -> tuple[list[psutil.Process], int]:
+    """Stop (SIGSTOP) the `ranks` training ranks under `under` once the first of them has
+    logged `step` (its outputs/train_metrics.jsonl); return them, stopped, and the last
+    step logged."""
+    import signal
+
+    until = time.monotonic() + seconds
+    found: list[psutil.Process] = []
+    while len(found) != ranks:
+        assert time.monotonic() < until, f"{len(found)} training rank(s) found, not {ranks}"
+        found = training_ranks(under)
+        time.sleep(0.1)
+    metrics = Path(found[0].cwd()) / "outputs" / "train_metrics.jsonl"
+    while _last_step(metrics) < step:
+        assert time.monotonic() < until, f"the training did not reach step {step}"
+        assert all(p.is_running() for p in found), "a training rank ended before the hold"
+        time.sleep(0.02)
+    for proc in found:
+        proc.send_signal(signal.SIGSTOP)
+    # stopped only once each has taken its SIGSTOP: a SIGTERM sent before that would be
+    # handled first (lower signals go first) and never wait for release_when_signalled
+    while not all((_status(p.pid) or {}).get("State", "T").startswith("T") for p in found):
+        assert time.monotonic() < until, "the training ranks did not stop on SIGSTOP"
+        time.sleep(0.005)
+    return found, _last_step(metrics)
+
+
+def release_when_signalled(held: list, seconds: float = 240) -> None:
+    """Continue (SIGCONT) each held rank once SIGTERM waits for it (the preemption reached
+    it), or at once when something else continued it or it ended."""
+    import signal
+
+    until, waiting = time.monotonic() + seconds, list(held)
+    try:
+        while waiting:
+            if time.monotonic() > until:
+                states = {p.pid: (_status(p.pid) or {}).get("State") for p in waiting}
+                raise AssertionError(f"no SIGTERM reached the held training ranks: {states}")
+            for proc in list(waiting):
+                status = _status(proc.pid)
+                if status is None or not status["State"].startswith("T"):
+                    waiting.remove(proc)  # ended, or continued by its scheduler (Slurm does)
+                elif _pending(status) & (1 << (signal.SIGTERM - 1)):
+                    proc.send_signal(signal.SIGCONT)
+                    waiting.remove(proc)
+            time.sleep(0.02)
+    finally:
+        for proc in waiting:  # never leave a rank stopped
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGCONT)
+
+
+def _last_step(metrics: Path) -> int:
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError, KeyError):
+            return int(json.loads(line)["step"])
+    return 0
+
+
+def _status(pid: int) -> dict[str, str] | None:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
+
+
+def _pending(status: dict[str, str]) -> int:
+    """Return the signals waiting for the process (its threads' and its own), as a mask."""
+    return int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)

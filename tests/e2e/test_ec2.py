@@ -212,12 +212,58 @@ def interrupt_when(played, ready, interrupted: list[str], warning_s: float = 30)
     return reclaim
 
 
-def checkpoints(aws: dict, s3_server, prefix: str) -> list[str]:
-    listed = aws["s3"].list_objects_v2(Bucket=s3_server.bucket, Prefix=prefix)
-    return [o["Key"] for o in listed.get("Contents", []) if "/checkpoints/" in o["Key"]]
+# The bitwise-resume trainings: 30 steps, preempted once the rank logged step 6 (held
+# there until the preemption's SIGTERM reaches it: see helpers.hold_ranks_at)
+RESUME_JOB = {"max_steps": 30, "cpu_processes": 1, "log_every": 1, "checkpoint": {"every_steps": 5}}
+RESUME_DATASET = ("datasets/cnn-256", "synthetic:classify?samples=256")
+_STRAIGHT: dict[str, dict] = {}
 
 
-@pytest.mark.timeout(600)  # two trainings of 120 steps on CPU, and a new instance
+def resume_dataset(s3_server) -> str:
+    """Return the bitwise-resume trainings' data set in S3, written on first use."""
+    from gpuflow.flows.datasets import prepare_dataset
+
+    url = s3_server.url(RESUME_DATASET[0])
+    prepare_dataset(RESUME_DATASET[1], url, "40KB", "gpuflow-test-aws")  # writes it once
+    return url
+
+
+def straight_weights(s3_server) -> dict:
+    """Return the weights of RESUME_JOB trained straight through on this machine (once per
+    test worker and S3 server: every resume test compares against the same run)."""
+    from gpuflow.flows.train import train
+    from gpuflow.tasks.spec import load_spec
+    from gpuflow.tasks.storage import S3Store
+    from tests.e2e.test_training import _weights, train_spec
+
+    if s3_server.url("") not in _STRAIGHT:
+        output = s3_server.url("runs/straight-30")
+        straight = train_spec(resume_dataset(s3_server), output, **RESUME_JOB)
+        straight["storage"] = {"aws_credentials": "gpuflow-test-aws"}
+        done = train(load_spec(straight), return_state=True)
+        assert done.is_completed(), done.message
+        store = S3Store(s3_server.settings())
+        _STRAIGHT[s3_server.url("")] = _weights(store, done.result().metrics.job["weights"])
+    return _STRAIGHT[s3_server.url("")]
+
+
+def spot_notice_at_step(played, step: int, interrupted: list[str]) -> Any:
+    """Return a watch (for pipeline_while) that holds the first instance's training rank
+    at `step`, serves that instance a spot interruption notice, and continues the rank
+    once the agent's SIGTERM reaches it; the instance's id goes into `interrupted`."""
+    from tests.e2e.helpers import hold_ranks_at, release_when_signalled
+
+    def reclaim() -> None:
+        [first] = played.wait_for(1, seconds=240)
+        held, _ = hold_ranks_at(first.folder, step)
+        interrupted.append(first.id)
+        played.interrupt(first.id, warning_s=30)
+        release_when_signalled(held)
+
+    return reclaim
+
+
+@pytest.mark.timeout(600)  # two trainings on CPU, and a new instance
 def test_a_spot_notice_checkpoints_and_the_run_resumes_on_a_new_instance_exactly(
     aws, played, s3_server, tmp_path
 ):
@@ -225,29 +271,15 @@ def test_a_spot_notice_checkpoints_and_the_run_resumes_on_a_new_instance_exactly
     SIGTERM, the job checkpoints to S3 and exits 75, the run stage retries on a new spot
     instance and resumes; the final weights equal those of an uninterrupted run."""
 
-    from gpuflow.flows.datasets import prepare_dataset
-    from gpuflow.flows.train import train
-    from gpuflow.tasks.spec import load_spec
     from gpuflow.tasks.storage import S3Store
     from tests.e2e.helpers import logs_of, task_runs_of
-    from tests.e2e.test_training import _weights, train_spec
+    from tests.e2e.test_training import _weights
 
-    dataset = s3_server.url("datasets/ec2-cnn")
-    prepare_dataset("synthetic:classify?samples=256", dataset, "40KB", "gpuflow-test-aws")
-    job = {"max_steps": 120, "cpu_processes": 1, "log_every": 10, "checkpoint": {"every_steps": 10}}
-    straight = train_spec(dataset, s3_server.url("runs/ec2-straight"), **job)
-    straight["storage"] = {"aws_credentials": "gpuflow-test-aws"}
-    done = train(load_spec(straight), return_state=True)
-    assert done.is_completed(), done.message
-
-    raw = train_on_ec2(dataset, s3_server.url("runs/ec2-spot"), **job)
+    straight = straight_weights(s3_server)
+    raw = train_on_ec2(resume_dataset(s3_server), s3_server.url("runs/ec2-spot"), **RESUME_JOB)
     raw["placement"] = {**raw["placement"], "market": "spot-then-on-demand"}
     interrupted: list[str] = []
-    # the first checkpoint is in S3: EC2 wants the instance back
-    reclaim = interrupt_when(
-        played, lambda: checkpoints(aws, s3_server, "runs/ec2-spot/"), interrupted
-    )
-    state, run_id = pipeline_while(raw, reclaim)
+    state, run_id = pipeline_while(raw, spot_notice_at_step(played, 6, interrupted))
     logs = "\n".join(logs_of(run_id))
     assert interrupted and "spot interruption notice" in logs
     assert "preempted at step" in logs and "resumed from checkpoint step" in logs
@@ -260,10 +292,9 @@ def test_a_spot_notice_checkpoints_and_the_run_resumes_on_a_new_instance_exactly
         for i in r["Instances"]
     }
     assert set(markets.values()) == {"spot"}  # one interruption: still spot (on_demand_after 2)
-    store = S3Store(s3_server.settings())
-    a = _weights(store, done.result().metrics.job["weights"])
-    b = _weights(store, state.result().metrics.job["weights"])
-    assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
+    resumed = _weights(S3Store(s3_server.settings()), state.result().metrics.job["weights"])
+    assert straight.keys() == resumed.keys()
+    assert all(torch_equal(straight[k], resumed[k]) for k in straight)
     assert not any(left_of(aws, s3_server, run_id).values())
 
 
@@ -407,6 +438,7 @@ def test_two_instances_train_one_job_and_teardown_leaves_nothing(aws, played, s3
     run's nodes in; one torchrun per instance meets at node 0's address (two ranks)."""
     from gpuflow.flows.datasets import prepare_dataset
     from gpuflow.flows.train import train
+    from gpuflow.tasks.contract import run_port
     from gpuflow.tasks.spec import load_spec
 
     dataset = s3_server.url("datasets/ec2-two")
@@ -419,6 +451,8 @@ def test_two_instances_train_one_job_and_teardown_leaves_nothing(aws, played, s3
     assert result.metrics.job["world_size"] == 2 and result.metrics.job["steps"] == 10
     assert len(played.instances) == 2
     run_id = result.flow_run_id
+    # node 0's address, on a port of the run's own (two runs' nodes may share an address)
+    assert result.cluster.rendezvous == f"{result.cluster.hostname}:{run_port(str(run_id))}"
     groups = {
         g["GroupId"]
         for r in aws["ec2"].describe_instances(InstanceIds=list(played.instances))["Reservations"]

@@ -184,41 +184,31 @@ def _wait_free(kube, seconds: float = 60) -> None:
 def test_pool_training_preempted_on_ec2_spot_resumes_on_the_next_candidate_bitwise(
     aws, played, s3_server, prefect_api, gpuflow_home
 ):
-    """Training on an EC2 spot instance gets a spot notice after its first checkpoint:
+    """Training on an EC2 spot instance gets a spot notice at its step 6:
     the pool moves it to the next candidate (this machine), which resumes from the
     checkpoint in S3; the final weights equal an uninterrupted run's, and the summary
     splits GPU-hours and cost between the two, the spot instance at its spot price."""
-    from gpuflow.flows.datasets import prepare_dataset
-    from gpuflow.flows.train import train
     from gpuflow.tasks.storage import S3Store
     from tests.e2e.test_ec2 import (
-        checkpoints,
-        interrupt_when,
+        RESUME_JOB,
         left_of,
         pipeline_while,
+        resume_dataset,
+        spot_notice_at_step,
+        straight_weights,
         torch_equal,
         train_on_ec2,
     )
-    from tests.e2e.test_training import _weights, train_spec
+    from tests.e2e.test_training import _weights
 
-    dataset = s3_server.url("datasets/pool-cnn")
-    prepare_dataset("synthetic:classify?samples=256", dataset, "40KB", "gpuflow-test-aws")
-    job = {"max_steps": 60, "cpu_processes": 1, "log_every": 10, "checkpoint": {"every_steps": 10}}
-    straight = train_spec(dataset, s3_server.url("runs/pool-straight"), **job)
-    straight["storage"] = {"aws_credentials": "gpuflow-test-aws"}
-    done = train(load_spec(straight), return_state=True)
-    assert done.is_completed(), done.message
-
-    raw = train_on_ec2(dataset, s3_server.url("runs/pool-spot"), **job)
+    a = straight_weights(s3_server)
+    raw = train_on_ec2(resume_dataset(s3_server), s3_server.url("runs/pool-spot"), **RESUME_JOB)
     spot = {**raw["placement"], "market": "spot"}
     raw["placement"] = [spot, {"backend": "local"}]
     # this machine has no GPU; the local candidate checks its free disk: ask for little
     raw["resources"] = {**raw["resources"], "allow_cpu": True, "disk": POOL_DISK}
     interrupted: list[str] = []
-    # the first checkpoint is in S3: EC2 wants the instance back
-    reclaim = interrupt_when(
-        played, lambda: checkpoints(aws, s3_server, "runs/pool-spot/"), interrupted
-    )
+    reclaim = spot_notice_at_step(played, 6, interrupted)
     state, run_id = pipeline_while(raw, reclaim)
     result = state.result()
     assert interrupted and result.cluster.backend == "local"
@@ -226,9 +216,7 @@ def test_pool_training_preempted_on_ec2_spot_resumes_on_the_next_candidate_bitwi
     logs = "\n".join(logs_of(run_id))
     assert "failover: ec2/gpuflow-test-fleet spot was preempted; the job resumes on local" in logs
     assert "resumed from checkpoint step" in logs
-    store = S3Store(s3_server.settings())
-    a = _weights(store, done.result().metrics.job["weights"])
-    b = _weights(store, result.metrics.job["weights"])
+    b = _weights(S3Store(s3_server.settings()), result.metrics.job["weights"])
     assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
     split = result.metrics.by_placement
     assert [(r["backend"], r["ended"]) for r in split] == [

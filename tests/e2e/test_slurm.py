@@ -473,11 +473,10 @@ def test_training_on_two_nodes_preempted_part_way_resumes_to_the_weights_of_a_st
 ):
     """resources.nodes: 2 is one torchrun per node, each a step of the run's job, meeting
     at the first node's NodeAddr on a port of the job's own (two ranks, gloo on CPU). The
-    same 50 steps with a job of the urgent partition taking both nodes part-way: the ranks
-    checkpoint in the grace, Slurm requeues the job, the run resumes from the checkpoint
+    same 20 steps with a job of the urgent partition taking both nodes at step 6 (the ranks
+    held there until its SIGTERM reaches them): the ranks checkpoint in the grace, Slurm requeues the job, the run resumes from the checkpoint
     and ends with the straight run's weights, bitwise."""
     import io
-    import json
 
     import torch
 
@@ -485,6 +484,7 @@ def test_training_on_two_nodes_preempted_part_way_resumes_to_the_weights_of_a_st
     from gpuflow.flows.train import train
     from gpuflow.tasks.storage import S3Store
     from tests.conftest import save_aws_block
+    from tests.e2e.helpers import hold_ranks_at, release_when_signalled
     from tests.e2e.test_training import train_spec
 
     save_aws_block(s3_server, "gpuflow-test-aws")
@@ -495,7 +495,7 @@ def test_training_on_two_nodes_preempted_part_way_resumes_to_the_weights_of_a_st
         # the worker's bucket is shared: test_training's "runs/straight" holds another
         # training's checkpoints, which a run writing there would resume from
         output = s3_server.url(f"runs/slurm-two-nodes-{name}")
-        raw = train_spec(dataset, output, max_steps=50, cpu_processes=1)
+        raw = train_spec(dataset, output, max_steps=20, cpu_processes=1)
         raw["storage"] = {"aws_credentials": "gpuflow-test-aws"}
         raw["resources"] = {"gpus": 1, "gpu_product": "H100", "nodes": 2}
         raw["placement"] = {"backend": "slurm", "workspace_root": str(tmp_path / name)}
@@ -505,7 +505,7 @@ def test_training_on_two_nodes_preempted_part_way_resumes_to_the_weights_of_a_st
     straight = train(load_spec(spec_to("straight")), return_state=True)
     assert straight.is_completed(), straight.message
     result = straight.result()
-    assert result.metrics.job["world_size"] == 2 and result.metrics.job["steps"] == 50
+    assert result.metrics.job["world_size"] == 2 and result.metrics.job["steps"] == 20
     assert result.cluster.rendezvous.startswith("127.0.0.1:")
 
     done: dict = {}
@@ -513,16 +513,10 @@ def test_training_on_two_nodes_preempted_part_way_resumes_to_the_weights_of_a_st
         target=lambda: done.update(state=train(load_spec(spec_to("taken")), return_state=True))
     )
     flow.start()
-    stopped_at = None
-    until = time.monotonic() + 180
-    while stopped_at is None:  # preempt early: the ranks save their state on SIGTERM
-        assert flow.is_alive() and time.monotonic() < until, "training never reached step 6"
-        for metrics in (tmp_path / "taken").glob("*/outputs/train_metrics.jsonl"):
-            lines = metrics.read_text().splitlines()
-            if len(lines) >= 6:
-                stopped_at = json.loads(lines[-1])["step"]
-        time.sleep(0.05)
+    # preempt early: the ranks save their state on SIGTERM
+    held, stopped_at = hold_ranks_at(tmp_path / "taken", 6, ranks=2, seconds=180)
     take_by_urgent_job("g1")
+    release_when_signalled(held)
     flow.join(timeout=300)
     if flow.is_alive():  # say where it waits (its thread's stack), then fail
         import sys
@@ -532,7 +526,7 @@ def test_training_on_two_nodes_preempted_part_way_resumes_to_the_weights_of_a_st
         pytest.fail(f"the run did not end; it waits in:\n{stack}")
     resumed = done["state"]
     assert resumed.is_completed(), resumed.message
-    assert stopped_at < 50
+    assert stopped_at < 20
     logs = "\n".join(logs_of(resumed.state_details.flow_run_id))
     assert "resumed from checkpoint step" in logs, logs
     store = S3Store(s3_server.settings())

@@ -22,7 +22,13 @@ from gpuflow.tasks.errors import InvalidSpec, JobFailed
 from gpuflow.tasks.spec import load_spec
 from gpuflow.tasks.storage import FileStore, S3Store
 from tests.conftest import save_aws_block
-from tests.e2e.helpers import logs_of, nothing_left, task_runs_of
+from tests.e2e.helpers import (
+    hold_ranks_at,
+    logs_of,
+    nothing_left,
+    release_when_signalled,
+    task_runs_of,
+)
 
 pytestmark = pytest.mark.e2e
 SAMPLES = 256
@@ -104,11 +110,11 @@ def test_two_rank_ddp_sees_each_sample_once(s3_dataset, s3_server, gpuflow_home,
     )  # the S3 secret reached the ranks, not the log
 
 
-@pytest.mark.parametrize(("eval_every", "evaluated_at"), [(15, [15, 30, 40]), (None, [40])])
+@pytest.mark.parametrize(("eval_every", "evaluated_at"), [(8, [8, 16, 20]), (None, [20])])
 def test_eval_runs_on_its_own_schedule_and_at_the_end_and_is_shown(
     eval_every, evaluated_at, s3_dataset, s3_server, gpuflow_home, aws_block
 ):
-    """eval_every 15 with log_every 10: eval at 15, 30 and the last step (40), not only on
+    """eval_every 8 with log_every 5: eval at 8, 16 and the last step (20), not only on
     log steps; with no eval_every, once at the end. Loss and top-1 accuracy reach the log,
     the metrics table, the summary, the result and the plot."""
     from prefect.client.orchestration import get_client
@@ -118,8 +124,8 @@ def test_eval_runs_on_its_own_schedule_and_at_the_end_and_is_shown(
     raw = train_spec(
         s3_dataset,
         s3_server.url(f"runs/eval-{eval_every}"),
-        max_steps=40,
-        log_every=10,
+        max_steps=20,
+        log_every=5,
         cpu_processes=1,
         eval_dataset=s3_dataset,
         eval_every=eval_every,
@@ -132,9 +138,9 @@ def test_eval_runs_on_its_own_schedule_and_at_the_end_and_is_shown(
     evals = [r for r in rows if "eval_loss" in r]
     assert [r["step"] for r in evals] == evaluated_at
     assert all(0.0 <= r["eval_accuracy"] <= 1.0 and r["eval_loss"] > 0 for r in evals)
-    assert [r["step"] for r in rows if "loss" in r] == [10, 20, 30, 40]
+    assert [r["step"] for r in rows if "loss" in r] == [5, 10, 15, 20]
     job = result.metrics.job
-    assert job["eval_step"] == 40 and job["eval_loss"] == evals[-1]["eval_loss"]
+    assert job["eval_step"] == 20 and job["eval_loss"] == evals[-1]["eval_loss"]
     assert job["eval_accuracy"] == evals[-1]["eval_accuracy"]
     logs = "\n".join(logs_of(run_id))
     for step in evaluated_at:
@@ -144,7 +150,7 @@ def test_eval_runs_on_its_own_schedule_and_at_the_end_and_is_shown(
     by_key = {a.key: a for a in table if a.flow_run_id == run_id}
     metrics = {row["metric"]: row["value"] for row in json.loads(by_key["gpuflow-metrics"].data)}
     assert metrics["train.eval_accuracy"] == evals[-1]["eval_accuracy"]
-    assert metrics["train.eval_step"] == 40
+    assert metrics["train.eval_step"] == 20
     assert "top-1 accuracy" in by_key["gpuflow-summary"].data
     assert (Path(result.artifacts_dir) / "training.png").is_file()
 
@@ -154,34 +160,31 @@ def _weights(store: S3Store, url: str) -> dict[str, torch.Tensor]:
 
 
 def test_resume_after_sigterm_is_exact(s3_dataset, s3_server, gpuflow_home, aws_block, tmp_path):
-    """40 steps straight vs 40 steps with a SIGTERM (a spot reclaim) part-way: same weights, bitwise."""
+    """20 steps straight vs 20 steps with a SIGTERM (a spot reclaim) to the job at step 6
+    (its ranks held there until it reaches them): same weights, bitwise."""
     store = S3Store(s3_server.settings())
-    straight, _ = run(train_spec(s3_dataset, s3_server.url("runs/straight"), max_steps=40))
+    straight, _ = run(train_spec(s3_dataset, s3_server.url("runs/straight"), max_steps=20))
     assert straight.is_completed(), straight.message
 
     stopped_at: list[int] = []
 
     def reclaim() -> None:
-        records = gpuflow_home / "local" / "clusters"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not stopped_at:
-            for record in records.glob("*.json") if records.is_dir() else []:
-                data = json.loads(record.read_text())
-                metrics = Path(data["cluster"]["workspace"]) / "outputs" / "train_metrics.jsonl"
-                lines = metrics.read_text().splitlines() if metrics.is_file() else []
-                if data.get("jobs") and len(lines) >= 12:
-                    stopped_at.append(json.loads(lines[-1])["step"])
-                    os.killpg(int(next(iter(data["jobs"]))), signal.SIGTERM)
-                    return
-            time.sleep(0.02)
+        held, step = hold_ranks_at(gpuflow_home / "workspaces", 6, ranks=2, seconds=120)
+        stopped_at.append(step)
+        try:
+            [record] = (gpuflow_home / "local" / "clusters").glob("*.json")
+            [job] = json.loads(record.read_text())["jobs"]  # the job's process group
+            os.killpg(int(job), signal.SIGTERM)
+        finally:
+            release_when_signalled(held)
 
     watcher = threading.Thread(target=reclaim, daemon=True)
     watcher.start()
-    resumed, _ = run(train_spec(s3_dataset, s3_server.url("runs/resumed"), max_steps=40))
+    resumed, _ = run(train_spec(s3_dataset, s3_server.url("runs/resumed"), max_steps=20))
     watcher.join(timeout=5)
     assert resumed.is_completed(), resumed.message
     run_id = resumed.result().flow_run_id  # the train flow run that ran the stages
-    assert stopped_at and 12 <= stopped_at[0] < 40
+    assert stopped_at and 6 <= stopped_at[0] < 20
     run_task = next(t for t in task_runs_of(run_id) if t.name.startswith("run"))
     assert run_task.run_count == 2  # preempted once, retried, resumed
     logs = "\n".join(logs_of(run_id))

@@ -67,6 +67,7 @@ from gpuflow.tasks.contract import (
     TeardownReport,
     UnitEnd,
     WorkUnit,
+    run_port,
     state_of,
 )
 from gpuflow.tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
@@ -349,6 +350,7 @@ class Ec2Backend(UnitBackend):
             update={
                 "hostname": addresses[0],
                 "node_names": addresses,
+                "rendezvous": f"{addresses[0]}:{run_port(cluster.owner[RUN_LABEL])}",
                 "gpu_products": [known.product] * known.gpus if known else [],
                 "cpus_per_node": known.vcpus if known else None,
                 # the price of the offer launched (a spot instance at its spot price)
