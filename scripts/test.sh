@@ -8,8 +8,9 @@ export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/lint-imports --no-cache  # the import rules in pyproject.toml
-# Tests run in parallel: most of their time is spent waiting on servers and jobs, so three
-# workers keep 2 cores busy. Tests that share one server run on one worker (the groups in
-# tests/conftest.py). GPUFLOW_TEST_WORKERS=0 runs them in this one process.
-workers=${GPUFLOW_TEST_WORKERS:-3}
+# Tests run in parallel: four workers keep 2 cores busy (1.79 cores on average; with three,
+# 0.3 of a core stood idle while tests waited on jobs, servers and Slurm's requeue delays:
+# the suite took 1,326-1,408 s, with four 1,268 s). Tests that share one server run on one
+# worker (the groups in tests/conftest.py). GPUFLOW_TEST_WORKERS=0 runs them in one process.
+workers=${GPUFLOW_TEST_WORKERS:-4}
 exec .venv/bin/pytest -q -p no:cacheprovider -n "$workers" --dist loadgroup "$@"
