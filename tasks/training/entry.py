@@ -1,4 +1,5 @@
-"""The training entry point, one process per rank (started by torchrun through launch.py).
+"""The training entry point, one process per rank (started by torchrun through launch.py,
+as gpuflow.tasks.training.rank).
 
 Streams webdataset shards from storage, trains with DDP (or FSDP on GPUs), AMP on CUDA,
 checkpoints every N steps or M minutes, resumes from the newest valid checkpoint, and on
@@ -29,12 +30,11 @@ from gpuflow.tasks.errors import ERROR_FILE, PREEMPTED_EXIT_CODE, GpuflowError, 
 from gpuflow.tasks.storage import join, store_for
 from gpuflow.tasks.training import checkpoint as ckpt
 from gpuflow.tasks.training import data as wdata
-from gpuflow.tasks.training.model import TrainJob
+from gpuflow.tasks.training.model import PREEMPTED_MARKER, TrainJob
 from gpuflow.tasks.training.profile import StepProfiler
 from gpuflow.tasks.training.result import TrainResult
 from gpuflow.tasks.training.shards import sha256
 
-PREEMPTED_MARKER = ".gpuflow-preempted-rank{rank}"
 _stop_requested = False
 
 

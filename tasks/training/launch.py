@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 from gpuflow.tasks.errors import PREEMPTED_EXIT_CODE
-from gpuflow.tasks.training.entry import PREEMPTED_MARKER
-from gpuflow.tasks.training.model import TrainJob
+from gpuflow.tasks.loading import loading
+from gpuflow.tasks.training.model import PREEMPTED_MARKER, TrainJob
 
 
 def ranks(job: TrainJob) -> int:
@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rendezvous-id", default="gpuflow", help="the same on every node")
     args = parser.parse_args(argv)
     job = TrainJob.model_validate_json(args.job_json)
-    nproc = ranks(job)
+    with loading():  # torch: no garbage collection while it loads
+        nproc = ranks(job)
     workspace = Path(os.environ.get("GPUFLOW_WORKSPACE", "."))
     for marker in workspace.glob(PREEMPTED_MARKER.format(rank="*")):
         marker.unlink()
@@ -48,11 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     command = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "gpuflow.tasks.training.torchrun",
         *rendezvous_args(args.nnodes, args.node_rank, args.rendezvous, args.rendezvous_id),
         f"--nproc_per_node={nproc}",
         "-m",
-        "gpuflow.tasks.training.entry",
+        "gpuflow.tasks.training.rank",
     ]
     print(f"launching {nproc} rank(s): {'NCCL on GPUs' if _cuda() else 'gloo on CPU'}", flush=True)
     child = subprocess.Popen(command, env=env)

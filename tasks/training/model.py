@@ -8,6 +8,10 @@ from pydantic import Field, model_validator
 
 from gpuflow.tasks.spec import SpecModel, StorageUrl
 
+# the file each rank leaves in the workspace when it stopped on SIGTERM with its state
+# saved; the launcher exits "preempted" when every rank left one
+PREEMPTED_MARKER = ".gpuflow-preempted-rank{rank}"
+
 
 class CheckpointSettings(SpecModel):
     every_steps: int = Field(100, ge=1, description="Checkpoint every N optimiser steps.")

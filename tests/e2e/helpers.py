@@ -322,7 +322,8 @@ def wider_than_private(folder: Path) -> list[str]:
 # SIGTERM waits for them, knows where they stop without giving them hundreds of steps to
 # spare: the ranks then handle the SIGTERM as they would any other.
 
-TRAINING_RANK = "gpuflow.tasks.training.entry"
+TRAINING_RANK = "gpuflow.tasks.training.rank"
+TORCHRUN = "gpuflow.tasks.training.torchrun"
 
 
 def training_ranks(under: Path) -> list[psutil.Process]:
@@ -334,7 +335,7 @@ def training_ranks(under: Path) -> list[psutil.Process]:
             continue
         with contextlib.suppress(psutil.Error):  # ended meanwhile
             parent = psutil.Process(proc.info["ppid"]).cmdline()
-            if "torch.distributed.run" in parent and Path(proc.cwd()).is_relative_to(under):
+            if TORCHRUN in parent and Path(proc.cwd()).is_relative_to(under):
                 found.append(proc)
     return found
 
