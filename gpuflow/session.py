@@ -128,8 +128,9 @@ def signal_of(exc: BaseException) -> int | None:
 def settings_checked() -> None:
     """Read every GPUFLOW_* number a command may use (InvalidSpec, one sentence, for one
     that is no number or out of range), so none is found wrong half-way."""
-    from gpuflow.outage import outage_bound_s
-    from gpuflow.tasks.platform import api, kept_api
+    with loading():  # the outage watch's modules are most commands' first of Prefect's
+        from gpuflow.outage import outage_bound_s
+        from gpuflow.tasks.platform import api, kept_api
 
     kept_api.idle_s()
     api.start_timeout_s()
