@@ -24,10 +24,8 @@ CATEGORIES = [
     ("gpuflow.tasks.platform.server", "gpuflow's Prefect servers"),
     ("-m gpuflow ", "gpuflow commands"),
     ("bin/gpuflow ", "gpuflow commands"),
-    ("training.torchrun", "torchrun"),  # its command names the ranks' module too
-    ("training.rank", "training ranks"),
+    ("torch.distributed.run", "torchrun"),  # its command names the ranks' module too
     ("training.entry", "training ranks"),
-    ("torch.distributed.run", "torchrun"),
     ("training.launch", "training launchers"),
     ("blender", "Blender"),
     ("kube-apiserver", "Kubernetes control plane"),

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -60,3 +63,19 @@ def test_a_server_starts_without_collecting_and_collects_again_once_it_answers()
     finally:
         gc.enable()
         gc.unfreeze()
+
+
+def test_a_module_run_through_loading_gets_its_own_command_line_and_exit_code(tmp_path):
+    """`python -m gpuflow.tasks.loading MODULE ARGS` (how torchrun and the training ranks
+    start): MODULE's main() sees ARGS as its command line, collection is on again by then,
+    and what main() returns is the exit code."""
+    (tmp_path / "prog.py").write_text(
+        "import gc, sys\n\ndef main():\n    print(sys.argv, gc.isenabled())\n    return 3\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuflow.tasks.loading", "prog", "a", "--b"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.strip() == "['prog', 'a', '--b'] True"

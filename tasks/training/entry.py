@@ -1,5 +1,4 @@
-"""The training entry point, one process per rank (started by torchrun through launch.py,
-as gpuflow.tasks.training.rank).
+"""The training entry point, one process per rank (started by torchrun through launch.py).
 
 Streams webdataset shards from storage, trains with DDP (or FSDP on GPUs), AMP on CUDA,
 checkpoints every N steps or M minutes, resumes from the newest valid checkpoint, and on

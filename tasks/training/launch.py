@@ -49,11 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     command = [
         sys.executable,
         "-m",
-        "gpuflow.tasks.training.torchrun",
+        "gpuflow.tasks.loading",  # torch loaded without collections (tasks/loading.py)
+        "torch.distributed.run",
         *rendezvous_args(args.nnodes, args.node_rank, args.rendezvous, args.rendezvous_id),
         f"--nproc_per_node={nproc}",
         "-m",
-        "gpuflow.tasks.training.rank",
+        "gpuflow.tasks.loading",
+        "gpuflow.tasks.training.entry",
     ]
     print(f"launching {nproc} rank(s): {'NCCL on GPUs' if _cuda() else 'gloo on CPU'}", flush=True)
     child = subprocess.Popen(command, env=env)

@@ -322,8 +322,8 @@ def wider_than_private(folder: Path) -> list[str]:
 # SIGTERM waits for them, knows where they stop without giving them hundreds of steps to
 # spare: the ranks then handle the SIGTERM as they would any other.
 
-TRAINING_RANK = "gpuflow.tasks.training.rank"
-TORCHRUN = "gpuflow.tasks.training.torchrun"
+TRAINING_RANK = "gpuflow.tasks.training.entry"
+TORCHRUN = "torch.distributed.run"
 
 
 def training_ranks(under: Path) -> list[psutil.Process]:
