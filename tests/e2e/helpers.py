@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -346,8 +347,6 @@ def hold_ranks_at(
     """Stop (SIGSTOP) the `ranks` training ranks under `under` once the first of them has
     logged `step` (its outputs/train_metrics.jsonl); return them, stopped, and the last
     step logged."""
-    import signal
-
     until = time.monotonic() + seconds
     found: list[psutil.Process] = []
     while len(found) != ranks:
@@ -369,11 +368,9 @@ def hold_ranks_at(
     return found, _last_step(metrics)
 
 
-def release_when_signalled(held: list, seconds: float = 240) -> None:
+def release_when_signalled(held: list[psutil.Process], seconds: float = 240) -> None:
     """Continue (SIGCONT) each held rank once SIGTERM waits for it (the preemption reached
     it), or at once when something else continued it or it ended."""
-    import signal
-
     until, waiting = time.monotonic() + seconds, list(held)
     try:
         while waiting:
