@@ -5,22 +5,19 @@ and what Slurm (or ssh) said, never a traceback."""
 
 from __future__ import annotations
 
-import atexit
 import os
 import shlex
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 from gpuflow.tasks.errors import InvalidSpec, ProvisionError
 from gpuflow.tasks.host import job_environ
+from gpuflow.tasks.ssh import SSH_FAILED, Endpoint, SshTarget
 
 # Every Slurm command gpuflow runs answers within this (slurmctld down: it says so sooner).
 TIMEOUT_S = 60.0
-# ssh's own failures exit with this; the remote command's codes pass through
-SSH_FAILED = 255
 
 
 def check_client() -> None:
@@ -98,9 +95,8 @@ class LocalClient:
 
 
 class LoginNode(LocalClient):
-    """The cluster's login node over SSH: key-only (BatchMode), the host's key checked
-    against known_hosts (StrictHostKeyChecking), one connection shared by the commands of a
-    run (ControlMaster, closed after ControlPersist idle seconds)."""
+    """The cluster's login node over SSH (gpuflow.tasks.ssh: key only, its host key
+    checked, one connection shared by a run's commands)."""
 
     remote = True
 
@@ -115,46 +111,24 @@ class LoginNode(LocalClient):
     ) -> None:
         self.host, self.user, self.port, self.key_name = host, user, port, key_name
         self.where = f"the login node {user}@{host}:{port} over SSH"
-        self._dir = tempfile.mkdtemp(prefix="gpuflow-ssh-")  # 0700: the key stays private
-        atexit.register(self.close)
-        self._options = [
-            "-p", str(port),
-            "-o", "BatchMode=yes",
-            "-o", "StrictHostKeyChecking=yes",
-            "-o", "ConnectTimeout=15",
-            "-o", "ControlMaster=auto",
-            "-o", f"ControlPath={self._dir}/master",
-            "-o", "ControlPersist=30",
-            "-o", "LogLevel=ERROR",
-        ]  # fmt: skip
-        if key:
-            key_file = Path(self._dir) / "key"
-            key_file.touch(mode=0o600)
-            key_file.write_text(key if key.endswith("\n") else key + "\n")
-            self._options += ["-i", str(key_file), "-o", "IdentitiesOnly=yes"]
-        if known_hosts:
-            hosts_file = Path(self._dir) / "known_hosts"
-            hosts_file.write_text(known_hosts if known_hosts.endswith("\n") else known_hosts + "\n")
-            self._options += ["-o", f"UserKnownHostsFile={hosts_file}"]
+        self.target = SshTarget(
+            Endpoint(host, user, port),
+            "the login node",
+            key=key,
+            known_hosts=known_hosts,
+            key_name=key_name,
+            fields={"key": "ssh_key", "known_hosts": "known_hosts", "address": "login_host"},
+        )
 
     def describe(self) -> str:
         return self.where
 
     def close(self) -> None:
-        """End the shared connection (its master would linger ControlPersist seconds) and
-        remove the key."""
-        if Path(self._dir, "master").exists():
-            subprocess.run(
-                ["ssh", *self._options, "-O", "exit", f"{self.user}@{self.host}"],
-                capture_output=True,
-                timeout=10,
-                check=False,
-                stdin=subprocess.DEVNULL,
-            )
-        shutil.rmtree(self._dir, ignore_errors=True)
+        """End the shared connection and remove the key."""
+        self.target.close()
 
     def _ssh(self, remote: str) -> list[str]:
-        return ["ssh", *self._options, f"{self.user}@{self.host}", remote]
+        return self.target.argv(remote)
 
     def check(self) -> None:
         """Raise InvalidSpec when the login node cannot be reached as configured (refused
@@ -175,27 +149,7 @@ class LoginNode(LocalClient):
 
     def _ssh_failure(self, stderr: str) -> str:
         """Return what went wrong reaching the login node, in one sentence with its fix."""
-        text = stderr.replace("\r", "")
-        host = f"{self.host}:{self.port}"
-        if "IDENTIFICATION HAS CHANGED" in text or ("key for" in text and "differs" in text):
-            return (
-                f"known_hosts: the login node {host} shows a host key other than the one"
-                " known_hosts has for it (a changed host, or someone between); check the"
-                " host's key with its administrators and update known_hosts."
-            )
-        if "Host key verification failed" in text or ("No " in text and "host key" in text):
-            return (
-                f"known_hosts: no host key is known for the login node {host}; put its line"
-                f" (`ssh-keyscan -p {self.port} {self.host}`, checked) in the block's"
-                " known_hosts."
-            )
-        if "Permission denied" in text:
-            key = f"the key of Secret block {self.key_name!r}" if self.key_name else "the key"
-            return (
-                f"ssh_key: the login node {host} refuses {key} for user {self.user}; add its"
-                f" public key to ~{self.user}/.ssh/authorized_keys there, or name the right key."
-            )
-        return f"login_host: cannot reach the login node {host} over SSH: {said(text)}."
+        return self.target.failure(stderr)
 
     def answer(self, argv: list[str]) -> subprocess.CompletedProcess:
         done = _ran(argv, self._ssh(shlex.join(argv)))

@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# GPU servers for fleet tests, on this machine: each host a network namespace with its own
+# address on a bridge, its own sshd (its own host key, key-only, root), its own fake NVML
+# (GPU count and product), its own GPUFLOW_HOME and HOME, and a PATH of its own.
+#
+#   scripts/fleet-testbed.sh up DIR HOST...   HOST is NAME:GPUS[:PRODUCT][:nopython]
+#   scripts/fleet-testbed.sh down DIR         stops the sshds, removes the namespaces,
+#                                             the veths, the bridge and DIR
+#
+# `up` writes DIR/hosts.json (name, address, port, known_hosts line, GPUs, product per host),
+# DIR/client_key (the key every host lets in) and DIR/env (the bridge and namespaces, read
+# by `down`). Hosts get 10.251.N.2.. on a bridge whose own end is 10.251.N.1 (N from
+# DIR's name, so two test beds do not meet); hosts reach each other over the bridge.
+# The hosts' Python is FLEET_PYTHON (default: python3 here); `nopython` leaves it out of
+# that host's PATH. FAKE_NVML_DIR (default: this checkout's tests/fakes) goes first on
+# each host's PYTHONPATH. Needs root (ip netns, veths, sshd).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+FAKES=${FAKE_NVML_DIR:-$ROOT/tests/fakes}
+TOOLS="sh bash sleep cat tar gzip mkdir rm rmdir ls env true false echo df kill ps id
+       uname head tail grep sed mv cp ln chmod date hostname nproc stat touch sha256sum"
+
+net_of() { # a /24 of its own per test bed: 10.251.<1..250>
+  echo $((($(printf '%s' "$1" | cksum | cut -d' ' -f1) % 250) + 1))
+}
+
+up() {
+  local dir=$1
+  shift
+  [[ $# -gt 0 ]] || { echo "fleet-testbed: name at least one HOST (NAME:GPUS)" >&2; exit 2; }
+  local python=${FLEET_PYTHON:-$(command -v python3)}
+  mkdir -p "$dir"
+  dir=$(cd "$dir" && pwd)
+  local net tag bridge
+  net=$(net_of "$dir")
+  tag=gf$net
+  bridge=${tag}br
+  echo "BRIDGE=$bridge" >"$dir/env"
+  echo "TAG=$tag" >>"$dir/env"
+  ip link add "$bridge" type bridge
+  ip addr add "10.251.$net.1/24" dev "$bridge"
+  ip link set "$bridge" up
+  rm -f "$dir/client_key" "$dir/client_key.pub"
+  ssh-keygen -q -t ed25519 -N "" -C fleet-client -f "$dir/client_key"
+  mkdir -p /run/sshd
+  local i=1 hosts=() spec name gpus product flag
+  for spec in "$@"; do
+    IFS=: read -r name gpus product flag <<<"$spec"
+    product=${product:-NVIDIA H100 80GB HBM3}
+    local ns=$tag-$name address=10.251.$net.$((i + 1)) home=$dir/$name
+    mkdir -p "$home/bin" "$home/home" "$home/gpuflow"
+    for tool in $TOOLS; do
+      [[ -x /usr/bin/$tool ]] && ln -sf "/usr/bin/$tool" "$home/bin/$tool"
+      [[ -x /bin/$tool ]] && ln -sf "/bin/$tool" "$home/bin/$tool"
+    done
+    if [[ $flag != nopython ]]; then
+      ln -sf "$python" "$home/bin/python3"
+    fi
+    ip netns add "$ns"
+    echo "NS_$i=$ns" >>"$dir/env"
+    ip link add "$tag-v$i" type veth peer name eth0 netns "$ns"
+    ip link set "$tag-v$i" master "$bridge" up
+    ip -n "$ns" addr add "$address/24" dev eth0
+    ip -n "$ns" link set eth0 up
+    ip -n "$ns" link set lo up
+    echo "VETH_$i=$tag-v$i" >>"$dir/env"
+    rm -f "$home/host_key" "$home/host_key.pub"
+    ssh-keygen -q -t ed25519 -N "" -C "$name" -f "$home/host_key"
+    cp "$dir/client_key.pub" "$home/authorized_keys"
+    cat >"$home/sshd_config" <<EOF
+Port 22
+ListenAddress $address
+HostKey $home/host_key
+AuthorizedKeysFile $home/authorized_keys
+PidFile $home/sshd.pid
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PermitRootLogin prohibit-password
+UsePAM no
+StrictModes no
+MaxSessions 64
+MaxStartups 64:30:128
+SetEnv HOME=$home/home GPUFLOW_HOME=$home/gpuflow PATH=$home/bin PYTHONPATH=$FAKES FAKE_NVML_GPUS=$gpus "FAKE_NVML_NAME=$product" FAKE_NVML_UTIL=3
+LogLevel VERBOSE
+EOF
+    ip netns exec "$ns" /usr/sbin/sshd -f "$home/sshd_config" -E "$home/sshd.log"
+    local key
+    key=$(cut -d' ' -f1-2 "$home/host_key.pub")
+    hosts+=("{\"name\": \"$name\", \"address\": \"$address\", \"port\": 22, \"known_hosts\": \"$address $key\", \"gpus\": $gpus, \"product\": \"$product\", \"namespace\": \"$ns\", \"veth\": \"$tag-v$i\", \"python\": $([[ $flag == nopython ]] && echo false || echo true)}")
+    i=$((i + 1))
+  done
+  local joined
+  joined=$(IFS=,; echo "${hosts[*]}")
+  echo "{\"bridge\": \"$bridge\", \"address\": \"10.251.$net.1\", \"hosts\": [$joined]}" >"$dir/hosts.json"
+  # each sshd answers before `up` returns
+  local n
+  for ((n = 2; n <= i; n++)); do
+    local until=$((SECONDS + 20))
+    until (exec 3<>"/dev/tcp/10.251.$net.$n/22") 2>/dev/null; do
+      ((SECONDS < until)) || { echo "fleet-testbed: sshd on 10.251.$net.$n did not answer" >&2; exit 1; }
+      sleep 0.05
+    done
+  done
+}
+
+down() {
+  local dir=$1
+  [[ -f $dir/env ]] || { rm -rf "$dir"; return 0; }
+  local pidfile pid
+  for pidfile in "$dir"/*/sshd.pid; do
+    [[ -f $pidfile ]] || continue
+    pid=$(cat "$pidfile")
+    # the host's sessions first (their processes live in its namespace), then sshd
+    kill "$pid" 2>/dev/null || true
+  done
+  local line ns
+  while IFS= read -r line; do
+    case $line in
+      NS_*)
+        ns=${line#*=}
+        # every process still in the namespace: sessions, units left behind
+        for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
+        ip netns del "$ns" 2>/dev/null || true
+        ;;
+      VETH_*) ip link del "${line#*=}" 2>/dev/null || true ;;
+    esac
+  done <"$dir/env"
+  # shellcheck disable=SC1091
+  . "$dir/env"
+  ip link del "$BRIDGE" 2>/dev/null || true
+  rm -rf "$dir"
+}
+
+case ${1:-} in
+  up) shift; up "$@" ;;
+  down) down "${2:?usage: $0 down DIR}" ;;
+  *) echo "usage: $0 up DIR NAME:GPUS[:PRODUCT][:nopython]... | down DIR" >&2; exit 2 ;;
+esac
