@@ -5,9 +5,17 @@ creates the documents a fresh setup needs).
 """
 
 from gpuflow.blocks.ec2_fleet import Ec2GpuFleet
+from gpuflow.blocks.gpu_fleet import GpuFleet
 from gpuflow.blocks.kubernetes_pool import KubernetesGpuPool
 from gpuflow.blocks.local_host import LocalGpuHost
 from gpuflow.blocks.prices import GpuPriceTable
 from gpuflow.blocks.slurm_cluster import SlurmCluster
 
-__all__ = ["Ec2GpuFleet", "GpuPriceTable", "KubernetesGpuPool", "LocalGpuHost", "SlurmCluster"]
+__all__ = [
+    "Ec2GpuFleet",
+    "GpuFleet",
+    "GpuPriceTable",
+    "KubernetesGpuPool",
+    "LocalGpuHost",
+    "SlurmCluster",
+]

@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # what an editor completes
     from gpuflow.api import JobRun, gpu_job, gpu_job_async, gpu_jobs, job_spec, offers
     from gpuflow.blocks import (
         Ec2GpuFleet,
+        GpuFleet,
         GpuPriceTable,
         KubernetesGpuPool,
         LocalGpuHost,
@@ -70,7 +71,14 @@ _PUBLIC = {
         ["JobRun", "gpu_job", "gpu_job_async", "gpu_jobs", "job_spec", "offers"], "gpuflow.api"
     ),
     **dict.fromkeys(
-        ["Ec2GpuFleet", "GpuPriceTable", "KubernetesGpuPool", "LocalGpuHost", "SlurmCluster"],
+        [
+            "Ec2GpuFleet",
+            "GpuFleet",
+            "GpuPriceTable",
+            "KubernetesGpuPool",
+            "LocalGpuHost",
+            "SlurmCluster",
+        ],
         "gpuflow.blocks",
     ),
     **dict.fromkeys(
@@ -120,6 +128,7 @@ __all__ = [
     "CommandJob",
     "Ec2GpuFleet",
     "Ec2Placement",
+    "GpuFleet",
     "GpuPriceTable",
     "GpuflowError",
     "HpcJob",

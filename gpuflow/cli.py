@@ -13,12 +13,23 @@ import sys
 from typing import Any
 
 from gpuflow import session
-from gpuflow.commands import datasets, follow, hpc, maintenance, offers, platform, render, run
+from gpuflow.commands import (
+    datasets,
+    fleet,
+    follow,
+    hpc,
+    maintenance,
+    offers,
+    platform,
+    render,
+    run,
+)
 from gpuflow.commands.common import EXIT_CODES, EXIT_FAILED, EXIT_INVALID, EXIT_OK
 
 # (title, the modules whose commands it lists, in this order)
 GROUPS: list[tuple[str, list[Any]]] = [
     ("run work", [run, render, hpc, datasets, offers]),
+    ("fleets", [fleet]),
     ("follow runs", [follow]),
     ("platform and deployments", [platform]),
     ("maintenance", [maintenance]),

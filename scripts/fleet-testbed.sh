@@ -19,7 +19,8 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 FAKES=${FAKE_NVML_DIR:-$ROOT/tests/fakes}
 TOOLS="sh bash sleep cat tar gzip mkdir rm rmdir ls env true false echo df kill ps id
-       uname head tail grep sed mv cp ln chmod date hostname nproc stat touch sha256sum"
+       uname head tail grep sed mv cp ln chmod date hostname nproc stat touch sha256sum
+       wc tr cut sort uniq xargs awk mawk expr seq find dirname basename readlink"
 
 net_of() { # a /24 of its own per test bed: 10.251.<1..250>
   echo $((($(printf '%s' "$1" | cksum | cut -d' ' -f1) % 250) + 1))
@@ -54,8 +55,9 @@ up() {
       [[ -x /usr/bin/$tool ]] && ln -sf "/usr/bin/$tool" "$home/bin/$tool"
       [[ -x /bin/$tool ]] && ln -sf "/bin/$tool" "$home/bin/$tool"
     done
-    if [[ $flag != nopython ]]; then
-      ln -sf "$python" "$home/bin/python3"
+    if [[ $flag != nopython ]]; then # a wrapper, not a link: a venv's Python stays its venv's
+      printf '#!/bin/sh\nexec %s "$@"\n' "$python" >"$home/bin/python3"
+      chmod +x "$home/bin/python3"
     fi
     ip netns add "$ns"
     echo "NS_$i=$ns" >>"$dir/env"
@@ -85,7 +87,8 @@ MaxStartups 64:30:128
 SetEnv HOME=$home/home GPUFLOW_HOME=$home/gpuflow PATH=$home/bin PYTHONPATH=$FAKES FAKE_NVML_GPUS=$gpus "FAKE_NVML_NAME=$product" FAKE_NVML_UTIL=3
 LogLevel VERBOSE
 EOF
-    ip netns exec "$ns" /usr/sbin/sshd -f "$home/sshd_config" -E "$home/sshd.log"
+    # its network only (ip netns exec would also remount /sys, hiding the cgroup hierarchies)
+    nsenter --net="/run/netns/$ns" /usr/sbin/sshd -f "$home/sshd_config" -E "$home/sshd.log"
     local key
     key=$(cut -d' ' -f1-2 "$home/host_key.pub")
     hosts+=("{\"name\": \"$name\", \"address\": \"$address\", \"port\": 22, \"known_hosts\": \"$address $key\", \"gpus\": $gpus, \"product\": \"$product\", \"namespace\": \"$ns\", \"veth\": \"$tag-v$i\", \"python\": $([[ $flag == nopython ]] && echo false || echo true)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from gpuflow.tasks.backends.base import Backend
 from gpuflow.tasks.backends.ec2.backend import Ec2Backend
+from gpuflow.tasks.backends.fleet.backend import FleetBackend
 from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
 from gpuflow.tasks.backends.local.backend import LocalBackend
 from gpuflow.tasks.backends.slurm.backend import SlurmBackend
@@ -44,5 +45,5 @@ def backend_for(cluster: Cluster) -> Backend:
     return _BACKENDS[cluster.backend].of(cluster)
 
 
-for _builtin in (LocalBackend, KubernetesBackend, Ec2Backend, SlurmBackend):
+for _builtin in (LocalBackend, KubernetesBackend, Ec2Backend, SlurmBackend, FleetBackend):
     register(_builtin)

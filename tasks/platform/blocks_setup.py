@@ -7,7 +7,14 @@ from collections.abc import Callable
 
 from prefect.blocks.core import Block
 
-from gpuflow.blocks import Ec2GpuFleet, GpuPriceTable, KubernetesGpuPool, LocalGpuHost, SlurmCluster
+from gpuflow.blocks import (
+    Ec2GpuFleet,
+    GpuFleet,
+    GpuPriceTable,
+    KubernetesGpuPool,
+    LocalGpuHost,
+    SlurmCluster,
+)
 
 DEFAULT_LOCAL_HOST = "local"
 DEFAULT_PRICES = "default"
@@ -21,6 +28,7 @@ def defaults() -> list[tuple[type[Block], str, Callable[[], Block]]]:
         (KubernetesGpuPool, "", KubernetesGpuPool),  # type only: a cluster needs its own
         (Ec2GpuFleet, "", Ec2GpuFleet),  # type only: an account needs its own
         (SlurmCluster, "", SlurmCluster),  # type only: a cluster needs its own
+        (GpuFleet, "", GpuFleet),  # type only: `gpuflow fleet apply` makes the fleets
     ]
 
 

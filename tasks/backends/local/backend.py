@@ -134,8 +134,11 @@ class LocalBackend(UnitBackend):
         """Return this machine's backend: a cluster's record says where it is."""
         return cls()
 
-    def __init__(self, home: Path | None = None) -> None:
+    def __init__(self, home: Path | None = None, slots: bool = True) -> None:
         self.home = (home or gpuflow_home()) / "local"
+        # the Prefect limit `gpu` counts this machine's GPUs for its platform; a fleet host's
+        # GPUs are counted by their claims alone (its orchestrators may use other platforms)
+        self.slots = slots
 
     # -- state on disk -------------------------------------------------------
     def _record_path(self, name: str) -> Path:
@@ -312,7 +315,7 @@ class LocalBackend(UnitBackend):
         indices, products = self._claim_within(spec, name)
         cluster = cluster.model_copy(update={"gpu_indices": indices, "gpu_products": products})
         self._save(cluster, complete=False)
-        if indices and cluster.gpu_lease_id is None:
+        if indices and cluster.gpu_lease_id is None and self.slots:
             lease = gpu_slots.acquire(
                 len(indices),
                 spec.placement.gpu_wait,

@@ -1,0 +1,615 @@
+"""The fleet backend: GPU servers that outlive a run (a GpuFleet block's hosts, reached over
+SSH), shared by GPU between every gpuflow process that uses them.
+
+A run holds each node's GPUs through gpuflow's host program on that host (`remote serve`,
+the local backend there): the claim is made on the host itself, atomically, so two CI jobs,
+a worker and a person never get the same GPU, and it is a lease this process renews over
+the connection: a killed orchestrator's GPUs come free, and its units stop, once the lease
+lapses. A host lost mid-run (its network or sshd gone) ends its units as a preemption.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from gpuflow.tasks.backends.base import LogTail, UnitBackend
+from gpuflow.tasks.backends.fleet import hosts as fleet_hosts
+from gpuflow.tasks.backends.fleet.session import Busy, HostSession, UnitWatch
+from gpuflow.tasks.contract import (
+    RUN_LABEL,
+    Capabilities,
+    Cluster,
+    Needs,
+    Offer,
+    ReapReport,
+    RunStates,
+    StopReason,
+    TeardownReport,
+    UnitEnd,
+    WorkUnit,
+    state_of,
+)
+from gpuflow.tasks.errors import CapacityError, InvalidSpec, ProvisionError
+from gpuflow.tasks.host import gpuflow_home, make_dirs, read_state_json, write_atomic
+from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
+from gpuflow.tasks.metrics.sampler import NODE_SAMPLES
+from gpuflow.tasks.saved_blocks import load_block
+from gpuflow.tasks.spec import JobSpec, Placement
+
+if TYPE_CHECKING:
+    from gpuflow.blocks.gpu_fleet import FleetHost, GpuFleet, HostCheck
+
+PYTHON = "{python}"  # gpuflow's interpreter on the host (as the host program reads it)
+
+
+class FleetPlacement(Placement):
+    """placement: for a fleet: which GpuFleet block."""
+
+    backend: Literal["fleet"] = "fleet"
+    fleet: str = Field(min_length=1, description="Name of the GpuFleet block the job runs on.")
+
+    def where(self) -> str | None:
+        return self.fleet
+
+    def reads_api(self) -> bool:
+        return True
+
+
+class HostHold(BaseModel):
+    """One node of a run: the host, and what its host program claimed there."""
+
+    host: str
+    address: str
+    remote: str  # the run's name on the host (its local backend's cluster)
+    gpu_indices: list[int] = []
+    workspace: str = ""
+
+
+class FleetState(BaseModel):
+    fleet: str
+    lease_s: float
+    holds: list[HostHold] = []
+
+
+# The host programs this process holds, by cluster name: they live from provision to
+# teardown (a teardown in another process asks each host to tear the run down instead).
+_SESSIONS: dict[str, list[HostSession]] = {}
+_SESSIONS_LOCK = threading.Lock()
+
+
+def fleet_block(name: str) -> GpuFleet:
+    from gpuflow.blocks.gpu_fleet import GpuFleet
+
+    return load_block(
+        GpuFleet,
+        name,
+        "placement.fleet",
+        create=f"`gpuflow fleet apply FLEET.yaml` (or GpuFleet(hosts=[...]).save({name!r}))",
+    )
+
+
+def secret_text(name: str) -> str:
+    """Return the text of the Secret block `name` (a fleet's private key)."""
+    from prefect.blocks.system import Secret
+
+    value = load_block(Secret, name, "ssh_key", create=f"Secret(value=KEY).save({name!r})").get()
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+class FleetBackend(UnitBackend):
+    """A GpuFleet's hosts over SSH: GPUs claimed on the hosts as leases."""
+
+    name = "fleet"
+    capabilities = Capabilities(
+        runs_here=False,
+        where="the fleet's hosts",
+        local_files=False,
+        samples_nodes=True,
+        node_samples_in_workspace=True,  # the hosts' samples are written here as they come
+    )
+    placement_model = FleetPlacement
+
+    @classmethod
+    def at(cls, placement: Placement | None = None) -> FleetBackend:
+        fleet = placement.fleet if isinstance(placement, FleetPlacement) else None
+        return cls(fleet)
+
+    @classmethod
+    def of(cls, cluster: Cluster) -> FleetBackend:
+        return cls(state_of(cluster, FleetState).fleet)
+
+    def __init__(self, fleet: str | None = None) -> None:
+        self.fleet_name = fleet
+        self._fleet: GpuFleet | None = None
+
+    def fleet(self) -> GpuFleet:
+        if self._fleet is None:
+            if not self.fleet_name:
+                raise InvalidSpec("placement.fleet: name the GpuFleet block the job runs on.")
+            self._fleet = fleet_block(self.fleet_name)
+        return self._fleet
+
+    # -- before anything is made ---------------------------------------------------------
+
+    def configure(self, spec: JobSpec, prices: PriceTable) -> tuple[JobSpec, PriceTable]:
+        fleet = self.fleet()
+        return spec, prices.with_gpu_rate(self.name, fleet.gpu_hourly_usd, 0.0)
+
+    def _fitting(self, spec: JobSpec) -> list[tuple[FleetHost, HostCheck]]:
+        """Return the serving hosts with the job's GPUs per node, fewest GPUs first (a
+        one-GPU run leaves whole hosts to the runs that need them)."""
+        res = spec.resources
+        fits = [
+            (host, check)
+            for host, check in self.fleet().serving()
+            if check.gpus >= res.gpus
+            and (res.gpu_product is None or res.gpu_product in check.products)
+        ]
+        return sorted(fits, key=lambda pair: (pair[1].gpus, pair[0].label))
+
+    def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
+        """Raise InvalidSpec when the fleet cannot run `spec` (nothing is claimed)."""
+        fleet, name, res = self.fleet(), self.fleet_name, spec.resources
+        if not fleet.hosts:
+            raise InvalidSpec(f"placement.fleet: fleet {name!r} has no hosts; add them.")
+        if not fleet.checked:
+            raise InvalidSpec(
+                f"placement.fleet: fleet {name!r} has not been checked yet; run"
+                f" `gpuflow fleet apply {name}` first."
+            )
+        serving = fleet.serving()
+        if not serving:
+            why = "; ".join(f"{c.host}: {c.reason}" for c in fleet.checked if not c.ok)
+            raise InvalidSpec(
+                f"placement.fleet: no host of fleet {name!r} serves ({why}); fix them and run"
+                f" `gpuflow fleet apply {name}`."
+            )
+        largest_host, largest = max(serving, key=lambda pair: pair[1].gpus)
+        if res.gpus > largest.gpus:
+            raise InvalidSpec(
+                f"resources.gpus: {res.gpus} GPU(s) per node is more than any host of fleet"
+                f" {name!r} has (the largest, {largest_host.label}, has {largest.gpus}); ask"
+                f" for at most {largest.gpus} per node, or use more nodes."
+            )
+        fitting = self._fitting(spec)
+        if res.gpu_product and not fitting:
+            products = sorted({p for _, c in serving for p in c.products})
+            raise InvalidSpec(
+                f"resources.gpu_product: no host of fleet {name!r} has {res.gpu_product}; its"
+                f" hosts have {', '.join(products) or 'no GPUs'}."
+            )
+        if res.nodes > len(fitting):
+            raise InvalidSpec(
+                f"resources.nodes: {res.nodes} nodes with {res.gpus} GPU(s) each, but fleet"
+                f" {name!r} has {len(fitting)} host(s) with that many; ask for at most"
+                f" {len(fitting)} nodes."
+            )
+
+    def offers(self, spec: JobSpec, prices: PriceTable) -> list[Offer]:
+        """Return the fleet's offer: the hosts' GPUs free now (asked of each host)."""
+        res = spec.resources
+        hourly = hourly_rate(prices, self.name, [res.gpu_product or ""] * res.gpus * res.nodes)
+        where = f"fleet/{self.fleet_name}"
+        try:
+            free = self.free_gpus()
+        except (InvalidSpec, ProvisionError) as exc:
+            return [Offer(where=where, hourly_usd=hourly, can_start=False, why_not=str(exc))]
+        room = sum(1 for gpus in free.values() if gpus >= res.gpus)
+        return [
+            Offer(
+                where=where,
+                gpus_free=sum(free.values()),
+                hourly_usd=hourly,
+                can_start=room >= res.nodes,
+                why_not=""
+                if room >= res.nodes
+                else f"{room} host(s) have {res.gpus} GPU(s) free now, the job needs {res.nodes}",
+            )
+        ]
+
+    def free_gpus(self) -> dict[str, int]:
+        """Return each serving host's free GPUs now (asked of the host; -1: unreachable)."""
+        fleet = self.fleet()
+        found: dict[str, int] = {}
+        for host, check in fleet.serving():
+            status = host_status(fleet, host, check)
+            found[host.label] = status.get("free", -1) if "error" not in status else -1
+        return found
+
+    # -- provision -----------------------------------------------------------------------
+
+    def provision(self, spec: JobSpec, owner: Mapping[str, str]) -> Cluster:
+        """Claim each node's GPUs on a host of its own (fewest GPUs that fit first),
+        waiting up to placement.gpu_wait for GPUs other runs hold. A retry in this process
+        adopts what it holds. CapacityError when the fleet has too few free."""
+        name = f"gpuflow-{owner[RUN_LABEL]}"
+        fleet, res = self.fleet(), spec.resources
+        with _SESSIONS_LOCK:
+            held = _SESSIONS.get(name)
+        if held and all(s.lost is None and s.down is None for s in held):
+            return self._cluster(spec, owner, name, held, adopted=True)
+        deadline = time.monotonic() + spec.placement.gpu_wait
+        request = {
+            "resources": {"gpus": res.gpus, "gpu_product": res.gpu_product},
+            "owner": dict(owner),
+            "job": spec.name,
+            "deadline_s": spec.limits.max_duration + spec.limits.stop_grace_s + 60
+            if spec.limits.max_duration
+            else None,
+            "grace_s": spec.limits.stop_grace_s,
+            "interval_s": spec.metrics.interval_s,
+        }
+        while True:
+            sessions, why = self._claim(fleet, spec, request)
+            if len(sessions) == res.nodes:
+                break
+            for session in sessions:
+                session.teardown(30)
+            if time.monotonic() >= deadline:
+                raise CapacityError(
+                    f"fleet {self.fleet_name!r} has not {res.nodes} host(s) with {res.gpus}"
+                    f" free GPU(s) now: {'; '.join(why)}"
+                )
+            time.sleep(0.5)
+        with _SESSIONS_LOCK:
+            _SESSIONS[name] = sessions
+        cluster = self._cluster(spec, owner, name, sessions)
+        # recorded here: teardown (and its retries, in any process of this user) finds it
+        write_atomic(_record_path(name), cluster.model_dump_json())
+        return cluster
+
+    def _claim(
+        self, fleet: GpuFleet, spec: JobSpec, request: dict[str, Any]
+    ) -> tuple[list[HostSession], list[str]]:
+        sessions: list[HostSession] = []
+        why: list[str] = []
+        for host, _found in self._fitting(spec):
+            if len(sessions) == spec.resources.nodes:
+                break
+            try:
+                session = self._open(fleet, host, request)
+            except Busy as exc:
+                why.append(f"{host.label}: {exc}")
+                continue
+            except (ProvisionError, InvalidSpec, TimeoutError) as exc:
+                why.append(f"{host.label}: {exc}")
+                continue
+            sessions.append(session)
+        return sessions, why
+
+    def _open(self, fleet: GpuFleet, host: FleetHost, request: dict[str, Any]) -> HostSession:
+        """Start the host program on `host` and claim the request's GPUs there."""
+        ssh = fleet_hosts.target(fleet, host, secret_text)
+        sha = _installed(fleet, host, ssh)
+        session = HostSession(
+            ssh,
+            host.label,
+            host.address,
+            lambda argv: fleet_hosts.gpuflow_command(host, sha, argv),
+        )
+        session.open(request, fleet.lease_s)
+        return session
+
+    def _cluster(
+        self,
+        spec: JobSpec,
+        owner: Mapping[str, str],
+        name: str,
+        sessions: list[HostSession],
+        adopted: bool = False,
+    ) -> Cluster:
+        workspace = gpuflow_home() / "fleet" / "runs" / name
+        make_dirs(workspace / "outputs")
+        holds = _holds(sessions)
+        products = sessions[0].claimed.get("gpu_products", []) if sessions else []
+        return Cluster(
+            backend=self.name,
+            name=name,
+            owner=dict(owner),
+            hostname=sessions[0].host,
+            workspace=str(workspace),
+            gpu_indices=list(range(spec.resources.gpus)),
+            gpu_products=products,
+            nodes=len(sessions),
+            node_names=[s.host for s in sessions],
+            node_addresses=[s.address for s in sessions],
+            capabilities=self.capabilities,
+            state=FleetState(
+                fleet=self.fleet_name or "", lease_s=self.fleet().lease_s, holds=holds
+            ).model_dump(),
+            created_at=datetime.now(UTC),
+            adopted=adopted,
+        )
+
+    # -- run -----------------------------------------------------------------------------
+
+    def start(
+        self,
+        cluster: Cluster,
+        unit: WorkUnit,
+        env: Mapping[str, str],
+        timeout_s: float,
+        tail: LogTail,
+    ) -> FleetUnit:
+        """Start `unit` on its node's host, through the run's host program there. A node
+        whose host was lost gets another host first (its lease lapsed on the lost one,
+        so the unit never runs twice), and the unit's addresses move with it."""
+        session = self._node(cluster, unit.node)
+        moved = _MOVED.get(cluster.name, {})
+        unit_id = f"{unit.name}-{uuid.uuid4().hex[:6]}"  # each try a unit of its own
+        command = [PYTHON if c == sys.executable else _moved(c, moved) for c in unit.command]
+        env = {name: _moved(value, moved) for name, value in env.items()}
+        samples = Path(cluster.workspace) / NODE_SAMPLES.replace("*", unit_id)
+        writer = _SampleWriter(samples)
+        watch = session.run(
+            unit_id, unit.model_copy(update={"command": command}), env, tail, writer
+        )
+        return FleetUnit(session, unit_id, watch, cluster, writer)
+
+    def _node(self, cluster: Cluster, node: int) -> HostSession:
+        """Return the host program holding `node`'s GPUs, on another host when its own
+        was lost."""
+        with _SESSIONS_LOCK:
+            sessions = _SESSIONS.get(cluster.name)
+        if not sessions:
+            raise ProvisionError(
+                f"this process holds no hosts for {cluster.name} (it was provisioned by"
+                " another process); run it again"
+            )
+        lost = sessions[node]
+        if lost.lost is None:
+            return lost
+        # fencing: the lost host stops the unit once its lease lapses there, plus the grace
+        wait = lost.fenced_at() - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        fleet = self.fleet()
+        spec_gpus = int(lost.request["resources"]["gpus"])
+        in_use = {s.host for s in sessions if s is not lost}
+        hosts = [
+            (host, check)
+            for host, check in fleet.serving()
+            if check.gpus >= spec_gpus and host.label not in in_use
+        ]
+        # another host first; the lost one last (it may be back)
+        hosts.sort(key=lambda pair: (pair[0].label == lost.host, pair[1].gpus, pair[0].label))
+        why: list[str] = []
+        for host, _found in hosts:
+            try:
+                replacement = self._open(fleet, host, lost.request)
+            except (Busy, ProvisionError, InvalidSpec, TimeoutError) as exc:
+                why.append(f"{host.label}: {exc}")
+                continue
+            with _SESSIONS_LOCK:
+                sessions[node] = replacement
+                _MOVED.setdefault(cluster.name, {})[lost.address] = replacement.address
+            self._save(cluster, sessions)
+            return replacement
+        raise CapacityError(
+            f"{lost.lost}; no other host of fleet {self.fleet_name!r} has"
+            f" {spec_gpus} free GPU(s) now: {'; '.join(why) or 'none fits'}"
+        )
+
+    def _save(self, cluster: Cluster, sessions: list[HostSession]) -> None:
+        state = state_of(cluster, FleetState)
+        state.holds = _holds(sessions)
+        write_atomic(
+            _record_path(cluster.name),
+            cluster.model_copy(update={"state": state.model_dump()}).model_dump_json(),
+        )
+
+    # -- teardown ------------------------------------------------------------------------
+
+    def teardown(self, cluster: Cluster) -> TeardownReport:
+        """Release every host's claim (its units stopped with their grace, its workspace
+        removed). From another process, each host is asked to tear the run down."""
+        state = state_of(cluster, FleetState)
+        report = TeardownReport(name=cluster.name)
+        with _SESSIONS_LOCK:
+            sessions = _SESSIONS.pop(cluster.name, None)
+            _MOVED.pop(cluster.name, None)
+        if sessions is not None:
+            for session in sessions:
+                said = session.teardown(wait_s=120)
+                if said:
+                    report.killed_processes += int(said.get("killed_processes", 0))
+                    report.released_gpus += list(said.get("released_gpus", []))
+                    report.removed_workspace = bool(said.get("removed_workspace"))
+        else:
+            fleet = self.fleet()
+            for hold in state.holds:
+                host = fleet.host(hold.host)
+                if host is None:
+                    continue
+                with contextlib.suppress(InvalidSpec, ProvisionError, TimeoutError):
+                    said = _remote_json(fleet, host, ["teardown", hold.remote])
+                    report.released_gpus += list(said.get("released_gpus", []))
+        workspace = Path(cluster.workspace)
+        if workspace.is_dir():  # the outputs brought back: collect has taken them
+            shutil.rmtree(workspace, ignore_errors=True)
+        _record_path(cluster.name).unlink(missing_ok=True)
+        return report
+
+    def list_owned(self, selector: Mapping[str, str]) -> list[Cluster]:
+        """Return the runs on this fleet recorded here whose owner labels include `selector`."""
+        found = []
+        for path in sorted(_record_path("x").parent.glob("*.json")):
+            data = read_state_json(path)
+            if data is None:
+                continue
+            try:
+                cluster = Cluster.model_validate(data)
+            except ValueError:
+                continue
+            if state_of(cluster, FleetState).fleet != self.fleet_name:
+                continue
+            if all(cluster.owner.get(k) == v for k, v in selector.items()):
+                found.append(cluster)
+        return found
+
+    def reap(self, dry_run: bool, say: Callable[[str], None], runs: RunStates) -> ReapReport:
+        """Ask each host of the fleet to tear down what dead host programs left there."""
+        report = ReapReport(counts={"clusters": 0})
+        fleet = self.fleet()
+        for host in fleet.hosts:
+            argv = ["reap", "--dry-run"] if dry_run else ["reap"]
+            try:
+                said = _remote_json(fleet, host, argv)
+            except (InvalidSpec, ProvisionError, TimeoutError) as exc:
+                say(f"{host.label}: {exc}")
+                continue
+            for line in said.get("said", []):
+                say(f"{host.label}: {line}")
+            report.counts["clusters"] += int(said.get("counts", {}).get("clusters", 0))
+        return report
+
+
+def _holds(sessions: list[HostSession]) -> list[HostHold]:
+    return [
+        HostHold(
+            host=s.host,
+            address=s.address,
+            remote=s.claimed.get("name", ""),
+            gpu_indices=s.claimed.get("gpu_indices", []),
+            workspace=s.claimed.get("workspace", ""),
+        )
+        for s in sessions
+    ]
+
+
+# a run's nodes that moved to another host: old address -> new, for its units' commands
+_MOVED: dict[str, dict[str, str]] = {}
+
+
+def _moved(text: str, moved: dict[str, str]) -> str:
+    for old, new in moved.items():
+        if old in text:
+            text = re.sub(rf"(?<![\w.]){re.escape(old)}(?![\w.])", new, text)
+    return text
+
+
+def _record_path(name: str) -> Path:
+    return gpuflow_home() / "fleet" / "clusters" / f"{name}.json"
+
+
+class _SampleWriter:
+    """A unit's samples from its host, written here as they come (NODE_SAMPLES)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lock = threading.Lock()
+
+    def __call__(self, sample: dict) -> None:
+        with self.lock, contextlib.suppress(OSError), open(self.path, "a") as out:
+            out.write(json.dumps(sample) + "\n")
+
+
+class FleetUnit:
+    """A unit on a fleet host, as follow_unit sees it."""
+
+    every_s = 0.2
+
+    def __init__(
+        self,
+        session: HostSession,
+        unit_id: str,
+        watch: UnitWatch,
+        cluster: Cluster,
+        writer: _SampleWriter,
+    ) -> None:
+        self.session, self.unit_id, self.watch, self.cluster = session, unit_id, watch, cluster
+
+    def poll(self) -> UnitEnd | None:
+        return self.watch.end
+
+    def wait(self, seconds: float) -> None:
+        self.watch.changed.wait(seconds)
+
+    def stop(self, reason: StopReason, grace_s: float) -> UnitEnd | None:
+        self.session.stop(self.unit_id, grace_s)
+        return None
+
+    def interrupt(self, grace_s: float) -> None:
+        self.session.stop(self.unit_id, grace_s)
+        self.watch.changed.wait(grace_s + 5)
+
+    def unconfirmed(self) -> UnitEnd:
+        return UnitEnd(signal=9, tail=[f"{self.session.ssh} never confirmed the unit's end"])
+
+    def finish(self, end: UnitEnd | None) -> UnitEnd | None:
+        """Bring the unit's outputs back from its host (a lost host has none to give)."""
+        self.session.units.pop(self.unit_id, None)
+        if end is None or self.session.lost is not None:
+            return end
+        remote = str(self.session.claimed.get("name", ""))
+        done = self.session.ssh.run(self.session.command_for(["outputs", remote]), timeout_s=300)
+        if done.returncode == 0 and done.stdout:
+            _untar(done.stdout, Path(self.cluster.workspace) / "outputs")
+        return end
+
+
+def _untar(data: bytes, folder: Path) -> None:
+    import io
+    import tarfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(folder, filter="data")  # no links out, no devices, no absolute paths
+
+
+_INSTALLED: dict[tuple[str, str], str] = {}
+_INSTALLED_LOCK = threading.Lock()
+
+
+def _installed(fleet: GpuFleet, host: FleetHost, ssh: Any) -> str:
+    """Return the SHA of this gpuflow's wheel, put on `host` once per process."""
+    _, _, sha = fleet_hosts.this_wheel()
+    key = (host.label, sha)
+    with _INSTALLED_LOCK:
+        if key in _INSTALLED:
+            return sha
+    fleet_hosts.install(ssh, host)
+    with _INSTALLED_LOCK:
+        _INSTALLED[key] = sha
+    return sha
+
+
+def _remote_json(fleet: GpuFleet, host: FleetHost, argv: list[str]) -> dict[str, Any]:
+    """Run gpuflow's host program on `host` with `argv`; return the JSON it printed."""
+    ssh = fleet_hosts.target(fleet, host, secret_text)
+    try:
+        sha = _installed(fleet, host, ssh)
+        done = ssh.run(fleet_hosts.gpuflow_command(host, sha, argv))
+        if done.returncode == fleet_hosts.SSH_FAILED:
+            raise ProvisionError(ssh.failure(done.stderr.decode(errors="replace")))
+        if done.returncode != 0:
+            said = done.stderr.decode(errors="replace").strip().splitlines()
+            raise ProvisionError(f"{ssh}: {said[-1] if said else f'exit {done.returncode}'}")
+        return fleet_hosts._json(done.stdout)
+    finally:
+        ssh.close()
+
+
+def host_status(fleet: GpuFleet, host: FleetHost, check: HostCheck | None) -> dict[str, Any]:
+    """Return what `host` says now: its GPUs, the runs holding them, and how many are free
+    (`error`: why it could not be asked)."""
+    try:
+        said = _remote_json(fleet, host, ["status"])
+    except (InvalidSpec, ProvisionError, TimeoutError) as exc:
+        return {"error": str(exc)}
+    gpus = len(said.get("host", {}).get("gpus", []))
+    held = sum(len(run.get("gpus", [])) for run in said.get("runs", []))
+    return {**said, "free": max(0, gpus - held)}

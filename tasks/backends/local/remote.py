@@ -1,0 +1,337 @@
+"""The local backend on a fleet host, driven over SSH: a fleet's units keep every guarantee
+of the local backend (their own process group and cgroup, CUDA_VISIBLE_DEVICES, a stop
+with grace, strays stopped, the escape report) because it is the local backend that runs
+them, on the host, under the host's own GPUFLOW_HOME.
+
+    python -m gpuflow.tasks.backends.local.remote probe        the host, as JSON
+    python -m gpuflow.tasks.backends.local.remote serve        one run's claim and units
+    python -m gpuflow.tasks.backends.local.remote outputs NAME  a run's outputs, as a tar
+    python -m gpuflow.tasks.backends.local.remote teardown NAME
+    python -m gpuflow.tasks.backends.local.remote reap [--dry-run]
+    python -m gpuflow.tasks.backends.local.remote status
+
+`serve` reads JSON lines on its input and answers JSON lines on its output. Its first line
+asks for GPUs (`resources`, `owner`, `lease_s`, `deadline_s`); the claim is the local
+backend's (one file per GPU, made with O_EXCL: atomic against every other process on the
+host, whoever started it). It answers `claimed` or `busy`, then takes `renew`, `run`,
+`stop` and `teardown`. The claim is a lease: when no `renew` came for `lease_s` (the
+orchestrator was killed, or the network between went), or `deadline_s` passed, it stops
+the units with their grace, releases the GPUs and ends. A `serve` that is itself killed
+leaves a record whose process is gone: the next `serve` on the host reaps it first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import queue
+import shutil
+import signal
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from gpuflow.tasks import nvml
+from gpuflow.tasks.backends.base import LogTail
+from gpuflow.tasks.backends.local.backend import LocalBackend, LocalPlacement
+from gpuflow.tasks.contract import StopReason, UnitEnd, WorkUnit
+from gpuflow.tasks.errors import CapacityError, InvalidSpec, ProvisionError
+from gpuflow.tasks.host import gpuflow_home
+from gpuflow.tasks.metrics.sampler import Sampler
+from gpuflow.tasks.spec import JobSpec, Limits, Resources
+
+PYTHON = "{python}"  # a unit's command naming gpuflow's interpreter: the host's own
+NEEDED = ("pydantic", "psutil", "yaml")  # what gpuflow's code on a host imports
+
+
+class Emitter:
+    """JSON lines on standard output, one writer at a time."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def __call__(self, **message: Any) -> None:
+        text = json.dumps(message, default=str)
+        with self.lock, contextlib.suppress(OSError, ValueError):  # the reader went
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+
+
+def probe() -> dict[str, Any]:
+    """Return what this host is: its Python, GPUs (NVML), CPUs, memory and free disk."""
+    status = nvml.query()
+    home = gpuflow_home()
+    home.mkdir(parents=True, exist_ok=True)
+    disk = shutil.disk_usage(home)
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return {
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+        "nvml": status.available,
+        "nvml_reason": status.reason,
+        "driver": status.driver_version,
+        "gpus": [{"index": g.index, "product": g.product} for g in status.gpus],
+        "cpus": os.cpu_count() or 1,
+        "memory_gib": round(pages / 2**30, 1),
+        "disk_free_gib": round(disk.free / 2**30, 1),
+        "home": str(home),
+    }
+
+
+class Served:
+    """One run's claim on this host and the units it runs."""
+
+    def __init__(self, emit: Emitter, header: dict[str, Any]) -> None:
+        self.emit = emit
+        self.lease_s = float(header["lease_s"])
+        self.deadline = time.monotonic() + float(header.get("deadline_s") or 24 * 3600)
+        self.grace_s = float(header.get("grace_s", 30.0))
+        self.interval_s = float(header.get("interval_s", 1.0))
+        self.backend = LocalBackend(slots=False)
+        self.spec = JobSpec.model_construct(
+            name=str(header.get("job", "fleet")),
+            resources=Resources.model_validate(header["resources"]),
+            placement=LocalPlacement(),
+            limits=Limits(),
+        )
+        self.owner = dict(header["owner"])
+        self.renewed = time.monotonic()
+        self.units: dict[str, dict[str, Any]] = {}
+        self.lock = threading.Lock()
+
+    def claim(self) -> bool:
+        """Reap what dead servers left here, then claim; say `claimed` or `busy`."""
+        self.backend.reap(False, lambda _text: None, None)  # type: ignore[arg-type]
+        try:
+            self.cluster = self.backend.provision(self.spec, self.owner)
+        except CapacityError as exc:
+            self.emit(busy=str(exc))
+            return False
+        except (ProvisionError, InvalidSpec, OSError) as exc:
+            self.emit(error=str(exc))
+            return False
+        self.emit(
+            claimed={
+                "name": self.cluster.name,
+                "workspace": self.cluster.workspace,
+                "gpu_indices": self.cluster.gpu_indices,
+                "gpu_products": self.cluster.gpu_products,
+                "pid": os.getpid(),
+            }
+        )
+        return True
+
+    def serve(self, messages: queue.Queue) -> str:
+        """Take messages until teardown, the lease's lapse or the deadline; return why it
+        ended."""
+        while True:
+            try:
+                message = messages.get(timeout=0.2)
+            except queue.Empty:
+                message = None
+            now = time.monotonic()
+            if message is not None:
+                op = message.get("op")
+                if op == "renew":
+                    self.renewed = now
+                    self.emit(renewed=True)
+                elif op == "run":
+                    self.renewed = now
+                    self._start(message)
+                elif op == "stop":
+                    self._stop(str(message["unit"]), float(message.get("grace_s", self.grace_s)))
+                elif op == "teardown":
+                    return self.down("teardown asked for")
+            if now - self.renewed > self.lease_s:
+                return self.down(
+                    f"the lease lapsed: no renewal for {self.lease_s:.0f} s (the orchestrator"
+                    " is gone, or the network to it)"
+                )
+            if now > self.deadline:
+                return self.down("the run's deadline passed")
+
+    def _start(self, message: dict[str, Any]) -> None:
+        unit = WorkUnit.model_validate(message["unit"])
+        unit = unit.model_copy(
+            update={"command": [sys.executable if c == PYTHON else c for c in unit.command]}
+        )
+        name = str(message["id"])
+        stopping = threading.Event()
+        with self.lock:
+            self.units[name] = {"stop": stopping, "grace_s": self.grace_s}
+        threading.Thread(
+            target=self._follow,
+            args=(name, unit, dict(message.get("env", {})), stopping),
+            name=f"unit-{name}",
+            daemon=True,
+        ).start()
+
+    def _follow(
+        self, name: str, unit: WorkUnit, env: dict[str, str], stopping: threading.Event
+    ) -> None:
+        tail = LogTail(lambda stream, text: self.emit(unit=name, stream=stream, line=text))
+        gpus = self.cluster.gpu_indices if unit.gpus is None else unit.gpus
+        end: UnitEnd | None = None
+        try:
+            handle = self.backend.start(self.cluster, unit, env, 0.0, tail)
+        except (InvalidSpec, ProvisionError, OSError) as exc:
+            self.emit(end=name, error=str(exc))
+            return
+        sample = lambda sample: self.emit(unit=name, sample=sample)  # noqa: E731
+        samples = Path(self.cluster.workspace) / f".gpuflow-samples-{name}.jsonl"
+        with Sampler(samples, gpus, self.interval_s, on_sample=sample):
+            while end is None:
+                end = handle.poll()
+                if end is None and stopping.is_set():
+                    end = handle.stop(StopReason.CANCELLED, self.units[name]["grace_s"])
+                    break
+                handle.wait(0.2)
+        end = handle.finish(end)
+        assert end is not None
+        with self.lock:
+            self.units.pop(name, None)
+        self.emit(end=name, result=end.model_dump(mode="json"))
+
+    def _stop(self, name: str, grace_s: float) -> None:
+        with self.lock:
+            found = self.units.get(name)
+            if found is not None:
+                found["grace_s"] = grace_s
+                found["stop"].set()
+
+    def down(self, why: str) -> str:
+        """Stop every unit (SIGTERM, the grace, SIGKILL), release the GPUs, remove the
+        workspace; say `down` with the teardown report."""
+        with self.lock:
+            names = list(self.units)
+        for name in names:
+            self._stop(name, self.grace_s)
+        until = time.monotonic() + self.grace_s + 10
+        while self.units and time.monotonic() < until:
+            time.sleep(0.1)
+        report = self.backend.teardown(self.cluster)
+        self.emit(down=why, report=report.model_dump(mode="json"))
+        return why
+
+
+def serve() -> int:
+    emit = Emitter()
+    header = json.loads(sys.stdin.readline() or "{}")
+    if not header:
+        emit(error="serve: no request on standard input")
+        return 2
+    served = Served(emit, header)
+    if not served.claim():
+        return 0
+    messages: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in sys.stdin:
+            with contextlib.suppress(ValueError):
+                messages.put(json.loads(line))
+        # the orchestrator's end of the connection closed: the lease decides what follows
+
+    threading.Thread(target=read, name="requests", daemon=True).start()
+    signal.signal(signal.SIGTERM, lambda *_: messages.put({"op": "teardown"}))
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the session ending is not the lease's end
+    served.serve(messages)
+    return 0
+
+
+def _record(name: str) -> Any:
+    backend = LocalBackend(slots=False)
+    return backend, backend._read_record(name)
+
+
+def outputs(name: str) -> int:
+    """Write the run's outputs folder on this host to standard output as a tar."""
+    _, record = _record(name)
+    if record is None:
+        print(f"no run {name} on this host", file=sys.stderr)
+        return 1
+    folder = Path(record.cluster.workspace) / "outputs"
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w") as tar:
+        if folder.is_dir():
+            tar.add(folder, arcname=".")
+    sys.stdout.buffer.write(data.getvalue())
+    return 0
+
+
+def teardown(name: str) -> int:
+    """Stop the run's server here (its units and claim with it) and tear down what is left."""
+    backend, record = _record(name)
+    if record is None:
+        print(json.dumps({"already_gone": True}))
+        return 0
+    if record.orchestrator_pid:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(record.orchestrator_pid, signal.SIGKILL)
+    report = backend.teardown(record.cluster)
+    print(report.model_dump_json())
+    return 0
+
+
+def reap(dry_run: bool) -> int:
+    """Tear down runs whose server here died; print what was (or would be) reaped."""
+    said: list[str] = []
+    report = LocalBackend(slots=False).reap(dry_run, said.append, None)  # type: ignore[arg-type]
+    print(json.dumps({"said": said, "counts": report.counts}))
+    return 0
+
+
+def status() -> int:
+    """Print the runs that hold GPUs here, with their server's process."""
+    from gpuflow.tasks.host import alive
+
+    backend = LocalBackend(slots=False)
+    runs = []
+    for cluster in backend.list_owned({}):
+        record = backend.record_of(cluster)
+        runs.append(
+            {
+                "name": cluster.name,
+                "gpus": cluster.gpu_indices,
+                "server_alive": bool(
+                    record.orchestrator_pid
+                    and alive(record.orchestrator_pid, record.orchestrator_started)
+                ),
+                "units": len(record.jobs),
+            }
+        )
+    print(json.dumps({"host": probe(), "runs": runs}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gpuflow.tasks.backends.local.remote")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    verbs.add_parser("probe")
+    verbs.add_parser("serve")
+    verbs.add_parser("status")
+    verbs.add_parser("outputs").add_argument("name")
+    verbs.add_parser("teardown").add_argument("name")
+    verbs.add_parser("reap").add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    if args.verb == "probe":
+        print(json.dumps(probe()))
+        return 0
+    if args.verb == "serve":
+        return serve()
+    if args.verb == "outputs":
+        return outputs(args.name)
+    if args.verb == "teardown":
+        return teardown(args.name)
+    if args.verb == "reap":
+        return reap(args.dry_run)
+    return status()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
