@@ -164,7 +164,12 @@ def test_torchrun_options_for_one_node_and_many():
         "--rdzv_backend=c10d",
         "--rdzv_endpoint=node-0:29400",
         "--rdzv_id=r",
+        "--rdzv_conf=is_host=false",
     ]
+    # node 0 serves the rendezvous, whatever its host name resolves to
+    assert rendezvous_args(2, 0, "node-0:29400", "r")[-1] == "--rdzv_conf=is_host=true"
+    # and its workers' store is at its address as the others reach it, not its host name
+    assert rendezvous_args(2, 0, "10.0.0.5:29400", "r", "10.0.0.5")[-1] == "--local_addr=10.0.0.5"
 
 
 def test_hpc_is_one_launcher_over_the_hosts_slots():

@@ -137,9 +137,8 @@ def _status(name: str, as_json: bool) -> int:
         if "error" in row:
             print(f"  {row['host']:16} unreachable: {row['error']}")
             continue
-        gpus = len(row.get("host", {}).get("gpus", []))
-        runs = row.get("runs", [])
-        print(f"  {row['host']:16} {row['free']} of {gpus} GPU(s) free; {len(runs)} run(s)")
+        runs = row["runs"]
+        print(f"  {row['host']:16} {row['free']} of {row['gpus']} GPU(s) free; {len(runs)} run(s)")
         for held in runs:
             alive = "held" if held.get("server_alive") else "lease lapsed, to be reaped"
             print(f"    {held['name']}: GPUs {held['gpus']} ({alive})")

@@ -46,12 +46,19 @@ def main(argv: list[str] | None = None) -> int:
         marker.unlink()
     env = dict(os.environ, GPUFLOW_TRAIN_JOB=args.job_json, GPUFLOW_RUN_NAME=args.run_name)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if args.nnodes > 1 and (interface := interface_of(node_address())):
+        # the ranks talk over the interface the other nodes reach (a host's name may
+        # resolve to another, or to loopback); a user's own choice stays
+        env.setdefault("GLOO_SOCKET_IFNAME", interface)
+        env.setdefault("NCCL_SOCKET_IFNAME", interface)
     command = [
         sys.executable,
         "-m",
         "gpuflow.tasks.loading",  # torch loaded without collections (tasks/loading.py)
         "torch.distributed.run",
-        *rendezvous_args(args.nnodes, args.node_rank, args.rendezvous, args.rendezvous_id),
+        *rendezvous_args(
+            args.nnodes, args.node_rank, args.rendezvous, args.rendezvous_id, node_address()
+        ),
         f"--nproc_per_node={nproc}",
         "-m",
         "gpuflow.tasks.loading",
@@ -68,9 +75,42 @@ def main(argv: list[str] | None = None) -> int:
     return code if code >= 0 else 128 - code
 
 
-def rendezvous_args(nodes: int, node_rank: int, endpoint: str | None, run_id: str) -> list[str]:
+def node_address() -> str | None:
+    """Return this node's address as the other nodes reach it (GPUFLOW_NODE_ADDRS, in node
+    order), or None where the backend gives none."""
+    addresses = [a for a in os.environ.get("GPUFLOW_NODE_ADDRS", "").split(",") if a]
+    rank = int(os.environ.get("GPUFLOW_NODE_RANK", "0") or 0)
+    return addresses[rank] if rank < len(addresses) else None
+
+
+def interface_of(address: str | None) -> str | None:
+    """Return the network interface of this machine that holds `address` (an IP, or a
+    name resolved to one), or None."""
+    if not address:
+        return None
+    import socket
+
+    import psutil
+
+    try:
+        ip = socket.gethostbyname(address)
+    except OSError:
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addresses) and not ip.startswith("127."):
+            return name
+    return None
+
+
+def rendezvous_args(
+    nodes: int, node_rank: int, endpoint: str | None, run_id: str, address: str | None = None
+) -> list[str]:
     """Return torchrun's options for one node of `nodes`: standalone on one node, else a
-    c10d rendezvous at `endpoint` that every node's torchrun joins."""
+    c10d rendezvous at `endpoint` that every node's torchrun joins. Node 0 serves it (the
+    endpoint is node 0's address on every backend): said, not guessed from host names,
+    which on a host whose name does not resolve to that address would leave no one
+    serving it. With `address` (this node's, as the others reach it), node 0 gives that as
+    its workers' store address, not its host name."""
     if nodes == 1:
         return ["--standalone"]
     if not endpoint:
@@ -81,6 +121,8 @@ def rendezvous_args(nodes: int, node_rank: int, endpoint: str | None, run_id: st
         "--rdzv_backend=c10d",
         f"--rdzv_endpoint={endpoint}",
         f"--rdzv_id={run_id}",
+        f"--rdzv_conf=is_host={'true' if node_rank == 0 else 'false'}",
+        *([f"--local_addr={address}"] if address else []),
     ]
 
 

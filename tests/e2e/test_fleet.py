@@ -3,20 +3,24 @@ own address, sshd, host key, fake NVML and GPUFLOW_HOME (scripts/fleet-testbed.s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from gpuflow.flows.pipeline import gpu_pipeline
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.pipeline.checks import check_spec
 from gpuflow.tasks.spec import load_spec
-from tests.e2e.helpers import logs_of
+from tests.e2e.helpers import logs_of, process_gone
 
 ROOT = Path(__file__).parents[2]
 TESTBED = ROOT / "scripts" / "fleet-testbed.sh"
@@ -284,3 +288,159 @@ def test_bad_fleet_input_is_one_sentence_before_anything_is_claimed(
         " by a passphrase" in done.stdout
     ), done.stdout
     assert claims_on(lab, "g1") == []
+
+
+def units_under(bed: dict) -> list[psutil.Process]:
+    """The processes of units running on the test bed's hosts (their workspace is there)."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if str(bed["dir"]) in proc.environ().get("GPUFLOW_WORKSPACE", ""):
+                found.append(proc)
+    return found
+
+
+def wait_for(condition, seconds: float, what: str):
+    until = time.monotonic() + seconds
+    while not (found := condition()):
+        assert time.monotonic() < until, f"{what} did not happen within {seconds:.0f} s"
+        time.sleep(0.2)
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_orchestrators_gpus_come_free_after_its_lease_and_its_unit_stops(
+    lab, prefect_api, gpuflow_home, tmp_path
+):
+    """`gpuflow run` SIGKILLed while its unit runs on a host: nothing of it is left to stop
+    the unit, yet once its lease lapses (10 s here) the host stops the unit (SIGTERM first:
+    it says so) and frees its GPU; `fleet status` then shows every GPU free."""
+    import yaml
+
+    path = tmp_path / "long.yaml"
+    command = "trap 'echo got TERM; exit 75' TERM; echo started; sleep 600 & wait"
+    path.write_text(yaml.safe_dump(fleet_spec(["sh", "-c", command])))
+    orchestrator = subprocess.Popen(
+        [*GPUFLOW, "run", str(path)],
+        env=cli_env(prefect_api, gpuflow_home),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        unit = wait_for(lambda: units_under(lab), 120, "the unit's start")
+        held = [h for h in ("g1", "g2", "g3") if claims_on(lab, h)]
+        assert len(held) == 1, held
+        orchestrator.send_signal(signal.SIGKILL)
+        orchestrator.wait()
+        wait_for(lambda: not units_under(lab), 90, "the unit's stop")
+        wait_for(lambda: not claims_on(lab, held[0]), 30, "the GPU's release")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(orchestrator.pid, signal.SIGKILL)
+    assert all(process_gone(p.pid) for p in unit)
+    status = subprocess.run(
+        [*GPUFLOW, "fleet", "status", "lab", "--json"],
+        env=cli_env(prefect_api, gpuflow_home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    rows = json.loads(status.stdout)
+    assert [(r["host"], r["free"], r["runs"]) for r in rows] == [
+        ("g1", 4, []),
+        ("g2", 4, []),
+        ("g3", 4, []),
+    ], rows
+
+
+@pytest.fixture(scope="module")
+def bed_s3(lab, tmp_path_factory):
+    """moto on the test bed's bridge: storage this machine and every host reach."""
+    from tests.conftest import save_aws_block, serve_s3
+
+    with serve_s3(lab["address"], tmp_path_factory.mktemp("bed-moto")) as server:
+        save_aws_block(server, "fleet-test-aws")
+        yield server
+
+
+def fleet_training(bed_s3, name: str, **over) -> dict:
+    from gpuflow.flows.datasets import prepare_dataset
+    from tests.e2e.test_training import train_spec
+
+    dataset = bed_s3.url("datasets/fleet")
+    prepare_dataset("synthetic:classify?samples=128", dataset, "40KB", "fleet-test-aws")
+    raw = train_spec(dataset, bed_s3.url(f"runs/fleet-{name}"), max_steps=20, cpu_processes=1)
+    raw["storage"] = {"aws_credentials": "fleet-test-aws"}
+    raw["placement"] = {"backend": "fleet", "fleet": "lab"}
+    raw["limits"] = {"max_duration": "10m", "stop_grace_s": 5}
+    return raw | over
+
+
+@pytest.mark.timeout(300)
+def test_training_on_two_nodes_spans_two_hosts_whose_ranks_meet(lab, bed_s3, prefect_api):
+    """resources.nodes: 2 takes one GPU on each of two hosts; torchrun on each meets at the
+    first host's address (a port of the run's own) and the two ranks train as one job."""
+    from gpuflow.flows.train import train
+
+    raw = fleet_training(bed_s3, "two", resources={"gpus": 1, "nodes": 2})
+    state = train(load_spec(raw), return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result.metrics.job["world_size"] == 2 and result.metrics.job["steps"] == 20
+    names = result.cluster.node_names
+    assert len(set(names)) == 2 and set(names) <= {"g1", "g2", "g3"}
+    assert result.cluster.rendezvous.startswith(result.cluster.node_addresses[0] + ":")
+    for host in ("g1", "g2", "g3"):
+        assert claims_on(lab, host) == []
+
+
+@pytest.mark.timeout(420)
+def test_a_host_cut_off_mid_run_is_a_preemption_and_the_training_resumes_on_another(
+    lab, bed_s3, prefect_api, gpuflow_home
+):
+    """The host's link goes down while its rank is held at step 6 (checkpoint 5 saved):
+    the orchestrator hears nothing for a lease and calls the host lost; the host, hearing
+    no renewal, stops the unit and frees its GPU; once that has surely happened the run
+    resumes from the checkpoint on another host. The host, back, serves again."""
+    import threading
+
+    from gpuflow.flows.train import train
+    from tests.e2e.helpers import hold_ranks_at, release_when_signalled
+
+    raw = fleet_training(bed_s3, "cut")
+    done: dict = {}
+    flow = threading.Thread(
+        target=lambda: done.update(state=train(load_spec(raw), return_state=True))
+    )
+    flow.start()
+    held, stopped_at = hold_ranks_at(Path(lab["dir"]), 6, ranks=1, seconds=180)
+    host = Path(held[0].cwd()).relative_to(lab["dir"]).parts[0]
+    veth = next(h["veth"] for h in lab["hosts"] if h["name"] == host)
+    subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+    try:
+        release_when_signalled(held, seconds=120)  # the host's own lease lapse sends it
+        wait_for(lambda: not claims_on(lab, host), 60, f"{host}'s release of the GPU")
+        flow.join(timeout=300)
+        assert not flow.is_alive(), "the run did not end"
+    finally:
+        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+    state = done["state"]
+    assert state.is_completed(), state.message
+    assert stopped_at < 20
+    logs = "\n".join(logs_of(state.state_details.flow_run_id))
+    assert "resumed from checkpoint step 5" in logs, logs
+    assert f"fleet host {host}" in logs and "has not answered" in logs, logs
+    assert state.result().metrics.job["steps"] == 20
+    for name in ("g1", "g2", "g3"):
+        assert claims_on(lab, name) == []
+    # back: it serves again (a one-GPU run on each host at once reaches it)
+    status = subprocess.run(
+        [*GPUFLOW, "fleet", "status", "lab", "--json"],
+        env=cli_env(prefect_api, gpuflow_home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    rows = {r["host"]: r for r in json.loads(status.stdout)}
+    assert rows[host]["free"] == 4, rows[host]

@@ -40,6 +40,7 @@ from gpuflow.tasks.contract import (
     TeardownReport,
     UnitEnd,
     WorkUnit,
+    run_port,
     state_of,
 )
 from gpuflow.tasks.errors import CapacityError, InvalidSpec, ProvisionError
@@ -326,6 +327,8 @@ class FleetBackend(UnitBackend):
             nodes=len(sessions),
             node_names=[s.host for s in sessions],
             node_addresses=[s.address for s in sessions],
+            # the nodes meet at the first host, on a port of the run's own (hosts serve many)
+            rendezvous=f"{sessions[0].address}:{run_port(owner[RUN_LABEL])}",
             capabilities=self.capabilities,
             state=FleetState(
                 fleet=self.fleet_name or "", lease_s=self.fleet().lease_s, holds=holds
@@ -610,6 +613,8 @@ def host_status(fleet: GpuFleet, host: FleetHost, check: HostCheck | None) -> di
         said = _remote_json(fleet, host, ["status"])
     except (InvalidSpec, ProvisionError, TimeoutError) as exc:
         return {"error": str(exc)}
-    gpus = len(said.get("host", {}).get("gpus", []))
-    held = sum(len(run.get("gpus", [])) for run in said.get("runs", []))
-    return {**said, "free": max(0, gpus - held)}
+    probe = said.get("host", {})
+    gpus = len(probe.get("gpus", []))
+    runs = said.get("runs", [])
+    held = sum(len(run.get("gpus", [])) for run in runs)
+    return {"gpus": gpus, "free": max(0, gpus - held), "runs": runs, "probe": probe}
