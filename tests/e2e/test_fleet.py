@@ -374,6 +374,7 @@ def fleet_training(bed_s3, name: str, **over) -> dict:
     raw["storage"] = {"aws_credentials": "fleet-test-aws"}
     raw["placement"] = {"backend": "fleet", "fleet": "lab"}
     raw["limits"] = {"max_duration": "10m", "stop_grace_s": 5}
+    raw["resources"] = {"gpus": 1}
     return raw | over
 
 

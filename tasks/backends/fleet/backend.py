@@ -360,7 +360,7 @@ class FleetBackend(UnitBackend):
         watch = session.run(
             unit_id, unit.model_copy(update={"command": command}), env, tail, writer
         )
-        return FleetUnit(session, unit_id, watch, cluster, writer)
+        return FleetUnit(session, unit_id, watch, cluster, tail)
 
     def _node(self, cluster: Cluster, node: int) -> HostSession:
         """Return the host program holding `node`'s GPUs, on another host when its own
@@ -531,9 +531,10 @@ class FleetUnit:
         unit_id: str,
         watch: UnitWatch,
         cluster: Cluster,
-        writer: _SampleWriter,
+        tail: LogTail,
     ) -> None:
         self.session, self.unit_id, self.watch, self.cluster = session, unit_id, watch, cluster
+        self.tail = tail
 
     def poll(self) -> UnitEnd | None:
         return self.watch.end
@@ -555,6 +556,8 @@ class FleetUnit:
     def finish(self, end: UnitEnd | None) -> UnitEnd | None:
         """Bring the unit's outputs back from its host (a lost host has none to give)."""
         self.session.units.pop(self.unit_id, None)
+        if self.session.lost is not None:
+            self.tail.note(self.session.lost)  # why it was preempted, in the run's log
         if end is None or self.session.lost is not None:
             return end
         remote = str(self.session.claimed.get("name", ""))
