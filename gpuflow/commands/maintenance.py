@@ -22,10 +22,11 @@ def add(commands: Any) -> list[tuple[str, str]]:
     reap_parser.add_argument("--dry-run", action="store_true")
     reap_parser.add_argument(
         "--backend",
-        choices=["local", "kubernetes", "ec2", "slurm"],
+        choices=["local", "kubernetes", "ec2", "slurm", "fleet"],
         default="local",
         help="local: this host's leftovers; kubernetes: objects of runs that are over;"
-        " ec2: instances of runs that are over; slurm: jobs of runs that are over (SLURM_CONF)",
+        " ec2: instances of runs that are over; slurm: jobs of runs that are over (SLURM_CONF);"
+        " fleet: what dead runs left on the hosts of the fleet --block names",
     )
     reap_parser.add_argument(
         "--namespace", help="kubernetes: the namespace (default: kubeconfig's)"
@@ -33,7 +34,8 @@ def add(commands: Any) -> list[tuple[str, str]]:
     reap_parser.add_argument(
         "--block",
         help="ec2: the Ec2GpuFleet block (region, credentials; default: AWS_*); slurm: the"
-        " SlurmCluster block (its login node; default: the Slurm client here)",
+        " SlurmCluster block (its login node; default: the Slurm client here); fleet: the"
+        " GpuFleet",
     )
     reap_parser.set_defaults(
         handler=lambda args: reap(args.dry_run, args.backend, args.namespace, args.block)

@@ -20,9 +20,11 @@ from uuid import UUID
 
 from gpuflow.tasks.backends.base import Backend
 from gpuflow.tasks.backends.ec2.backend import Ec2Backend
+from gpuflow.tasks.backends.fleet.backend import FleetBackend
 from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
 from gpuflow.tasks.backends.local.backend import LocalBackend
 from gpuflow.tasks.backends.slurm.backend import SlurmBackend
+from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.host import (
     StateFileError,
     gpuflow_home,
@@ -204,6 +206,12 @@ def _reaper(backend: str, block: str | None, namespace: str | None) -> Backend:
         return SlurmBackend(block)
     if backend == "ec2":
         return Ec2Backend(block, field="--block")
+    if backend == "fleet":
+        if not block:
+            raise InvalidSpec(
+                "--block: name the fleet to reap (gpuflow reap --backend fleet --block NAME)."
+            )
+        return FleetBackend(block)
     return LocalBackend()
 
 

@@ -20,7 +20,7 @@ from gpuflow.flows.pipeline import gpu_pipeline
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.pipeline.checks import check_spec
 from gpuflow.tasks.spec import load_spec
-from tests.e2e.helpers import logs_of, process_gone
+from tests.e2e.helpers import flow_run, logs_of, process_gone
 
 ROOT = Path(__file__).parents[2]
 TESTBED = ROOT / "scripts" / "fleet-testbed.sh"
@@ -339,6 +339,21 @@ def test_a_killed_orchestrators_gpus_come_free_after_its_lease_and_its_unit_stop
         with contextlib.suppress(ProcessLookupError):
             os.killpg(orchestrator.pid, signal.SIGKILL)
     assert all(process_gone(p.pid) for p in unit)
+    # what the killed gpuflow recorded here: `gpuflow reap` forgets it (no host holds it)
+    # and marks its flow run Crashed
+    [record] = (gpuflow_home / "fleet" / "clusters").glob("*.json")
+    reaped = subprocess.run(
+        [*GPUFLOW, "reap", "--backend", "fleet", "--block", "lab"],
+        env=cli_env(prefect_api, gpuflow_home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert reaped.returncode == 0, reaped.stdout + reaped.stderr
+    assert f"forgetting {record.stem}: no host holds it" in reaped.stdout, reaped.stdout
+    assert "1 flow run(s) marked Crashed" in reaped.stdout, reaped.stdout
+    assert not record.exists()
+    assert flow_run(record.stem.removeprefix("gpuflow-")).state.is_crashed()
     status = subprocess.run(
         [*GPUFLOW, "fleet", "status", "lab", "--json"],
         env=cli_env(prefect_api, gpuflow_home),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import sys
@@ -270,6 +271,7 @@ class FleetBackend(UnitBackend):
         cluster = self._cluster(spec, owner, name, sessions)
         # recorded here: teardown (and its retries, in any process of this user) finds it
         write_atomic(_record_path(name), cluster.model_dump_json())
+        write_atomic(_record_path(name).with_suffix(".api"), os.environ.get("PREFECT_API_URL", ""))
         return cluster
 
     def _claim(
@@ -444,6 +446,7 @@ class FleetBackend(UnitBackend):
         if workspace.is_dir():  # the outputs brought back: collect has taken them
             shutil.rmtree(workspace, ignore_errors=True)
         _record_path(cluster.name).unlink(missing_ok=True)
+        _record_path(cluster.name).with_suffix(".api").unlink(missing_ok=True)
         return report
 
     def list_owned(self, selector: Mapping[str, str]) -> list[Cluster]:
@@ -464,19 +467,44 @@ class FleetBackend(UnitBackend):
         return found
 
     def reap(self, dry_run: bool, say: Callable[[str], None], runs: RunStates) -> ReapReport:
-        """Ask each host of the fleet to tear down what dead host programs left there."""
+        """Ask each host of the fleet to tear down what dead host programs left there (a
+        live one ends itself once its lease lapses); then forget the runs recorded here
+        that no host holds any more: their gpuflow died (a live one renews its claims), so
+        their flow runs are to be marked Crashed."""
         report = ReapReport(counts={"clusters": 0})
         fleet = self.fleet()
+        held: set[str] = set()
+        answered: set[str] = set()
         for host in fleet.hosts:
             argv = ["reap", "--dry-run"] if dry_run else ["reap"]
             try:
                 said = _remote_json(fleet, host, argv)
+                status = _remote_json(fleet, host, ["status"])
             except (InvalidSpec, ProvisionError, TimeoutError) as exc:
                 say(f"{host.label}: {exc}")
                 continue
+            answered.add(host.label)
             for line in said.get("said", []):
                 say(f"{host.label}: {line}")
             report.counts["clusters"] += int(said.get("counts", {}).get("clusters", 0))
+            held |= {
+                f"{host.label}/{run['name']}"
+                for run in status.get("runs", [])
+                if run["server_alive"]
+            }
+        for cluster in self.list_owned({}):
+            holds = state_of(cluster, FleetState).holds
+            if any(h.host not in answered for h in holds):
+                continue  # a host that did not answer may still hold it
+            if any(f"{h.host}/{h.remote}" in held for h in holds):
+                continue  # its gpuflow still renews its claims
+            say(f"{'would forget' if dry_run else 'forgetting'} {cluster.name}: no host holds it")
+            report.counts["clusters"] += 1
+            report.crashed.append((cluster.owner[RUN_LABEL], _api_url(cluster.name)))
+            if not dry_run:
+                shutil.rmtree(cluster.workspace, ignore_errors=True)
+                _record_path(cluster.name).unlink(missing_ok=True)
+                _record_path(cluster.name).with_suffix(".api").unlink(missing_ok=True)
         return report
 
 
@@ -506,6 +534,14 @@ def _moved(text: str, moved: dict[str, str]) -> str:
 
 def _record_path(name: str) -> Path:
     return gpuflow_home() / "fleet" / "clusters" / f"{name}.json"
+
+
+def _api_url(name: str) -> str | None:
+    """Return the Prefect API the run `name` was recorded in (None: not known)."""
+    path = _record_path(name).with_suffix(".api")
+    with contextlib.suppress(OSError):
+        return path.read_text().strip() or None
+    return None
 
 
 class _SampleWriter:

@@ -40,7 +40,7 @@ from typing import Any
 from gpuflow.tasks import nvml
 from gpuflow.tasks.backends.base import LogTail
 from gpuflow.tasks.backends.local.backend import LocalBackend, LocalPlacement
-from gpuflow.tasks.contract import StopReason, UnitEnd, WorkUnit
+from gpuflow.tasks.contract import RUN_LABEL, StopReason, UnitEnd, WorkUnit
 from gpuflow.tasks.errors import CapacityError, InvalidSpec, ProvisionError
 from gpuflow.tasks.host import gpuflow_home
 from gpuflow.tasks.metrics.sampler import Sampler
@@ -111,9 +111,11 @@ class Served:
         try:
             self.cluster = self.backend.provision(self.spec, self.owner)
         except CapacityError as exc:
+            self._unmake()
             self.emit(busy=str(exc))
             return False
         except (ProvisionError, InvalidSpec, OSError) as exc:
+            self._unmake()
             self.emit(error=str(exc))
             return False
         self.emit(
@@ -126,6 +128,13 @@ class Served:
             }
         )
         return True
+
+    def _unmake(self) -> None:
+        """Remove what a claim that failed made (its record, its workspace)."""
+        name = f"gpuflow-{self.owner[RUN_LABEL]}"
+        record = self.backend._read_record(name)
+        if record is not None:
+            self.backend.teardown(record.cluster)
 
     def serve(self, messages: queue.Queue) -> str:
         """Take messages until teardown, the lease's lapse or the deadline; return why it
