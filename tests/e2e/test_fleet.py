@@ -108,8 +108,9 @@ def claims_on(bed: dict, name: str) -> list[str]:
 
 def test_apply_checks_every_host_and_names_the_ones_kept_out(bed, prefect_api, gpuflow_home):
     """`fleet apply` from YAML: hosts that pass serve (gpuflow's wheel put there, their GPUs
-    recorded); a host without Python, one whose key the fleet does not know, and one whose
-    NVML sees fewer GPUs than its entry says are each named with their reason."""
+    recorded); a host without Python, one whose host key changed, and one (reached through
+    a jump host) whose NVML sees fewer GPUs than its entry says are each named with their
+    reason."""
     from gpuflow.blocks import GpuFleet
 
     save_fleet(bed, "apply-probe", [])  # the key's Secret block
@@ -127,7 +128,16 @@ def test_apply_checks_every_host_and_names_the_ones_kept_out(bed, prefect_api, g
             host_entry(bed, "small"),
             host_entry(bed, "nopy"),
             host_entry(bed, "g2", name="g2-forged", known_hosts=forged),
-            host_entry(bed, "g3", gpus=8),
+            # reached through g1 (a jump host: its key checked too)
+            host_entry(
+                bed,
+                "g3",
+                gpus=8,
+                jump=f"root@{host_entry(bed, 'g1')['address']}",
+                known_hosts=host_entry(bed, "g3")["known_hosts"]
+                + "\n"
+                + host_entry(bed, "g1")["known_hosts"],
+            ),
         ],
     }
     path = gpuflow_home.parent / "fleet.yaml"
@@ -146,6 +156,8 @@ def test_apply_checks_every_host_and_names_the_ones_kept_out(bed, prefect_api, g
     assert "g3               kept out: gpus: host g3 should have 8 GPU(s) but NVML sees 4" in out, (
         out
     )
+    g3_log = (Path(bed["dir"]) / "g3" / "sshd.log").read_text()
+    assert f"Connection from {host_entry(bed, 'g1')['address']}" in g3_log  # came through g1
     saved = GpuFleet.load("apply-test")
     assert [c.host for c in saved.checked if c.ok] == ["g1", "small"]
     assert (host_state(bed, "g1") / "fleet" / "lib").is_dir()  # gpuflow put there
@@ -362,6 +374,15 @@ def test_a_killed_orchestrators_gpus_come_free_after_its_lease_and_its_unit_stop
         timeout=120,
     )
     rows = json.loads(status.stdout)
+    offers = subprocess.run(
+        [*GPUFLOW, "offers", str(path), "--json"],
+        env=cli_env(prefect_api, gpuflow_home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    shown = {(o["where"], o["gpus_free"], o["can_start"]) for o in json.loads(offers.stdout)}
+    assert shown == {(f"fleet/lab {h}", 4, True) for h in ("g1", "g2", "g3")}, offers.stdout
     assert [(r["host"], r["free"], r["runs"]) for r in rows] == [
         ("g1", 4, []),
         ("g2", 4, []),

@@ -201,35 +201,45 @@ class FleetBackend(UnitBackend):
             )
 
     def offers(self, spec: JobSpec, prices: PriceTable) -> list[Offer]:
-        """Return the fleet's offer: the hosts' GPUs free now (asked of each host)."""
+        """Return one offer per host of the fleet that fits the job: its GPUs free now
+        (asked of the host), whether the job could start now (enough such hosts)."""
         res = spec.resources
-        hourly = hourly_rate(prices, self.name, [res.gpu_product or ""] * res.gpus * res.nodes)
+        hourly = hourly_rate(
+            prices,
+            self.name,
+            [res.gpu_product or ""] * res.gpus * res.nodes,
+            res.cpu or 1.0,
+            res.disk,
+        )
         where = f"fleet/{self.fleet_name}"
-        try:
-            free = self.free_gpus()
-        except (InvalidSpec, ProvisionError) as exc:
-            return [Offer(where=where, hourly_usd=hourly, can_start=False, why_not=str(exc))]
-        room = sum(1 for gpus in free.values() if gpus >= res.gpus)
-        return [
-            Offer(
-                where=where,
-                gpus_free=sum(free.values()),
-                hourly_usd=hourly,
-                can_start=room >= res.nodes,
-                why_not=""
-                if room >= res.nodes
-                else f"{room} host(s) have {res.gpus} GPU(s) free now, the job needs {res.nodes}",
-            )
-        ]
-
-    def free_gpus(self) -> dict[str, int]:
-        """Return each serving host's free GPUs now (asked of the host; -1: unreachable)."""
+        fitting = self._fitting(spec)
+        if not fitting:
+            return [Offer(where=where, hourly_usd=hourly, can_start=False, why_not="no host fits")]
         fleet = self.fleet()
-        found: dict[str, int] = {}
-        for host, check in fleet.serving():
-            status = host_status(fleet, host, check)
-            found[host.label] = status.get("free", -1) if "error" not in status else -1
-        return found
+        free = {host.label: host_status(fleet, host, check) for host, check in fitting}
+        room = [label for label, said in free.items() if said.get("free", 0) >= res.gpus]
+        offers = []
+        for host, check in fitting:
+            said = free[host.label]
+            why = ""
+            if "error" in said:
+                why = said["error"]
+            elif said["free"] < res.gpus:
+                why = f"{said['free']} of its {check.gpus} GPU(s) free now"
+            elif len(room) < res.nodes:
+                why = f"{len(room)} host(s) have {res.gpus} GPU(s) free now, the job needs {res.nodes}"
+            offers.append(
+                Offer(
+                    where=f"{where} {host.label}",
+                    gpu_product=check.products[0] if check.products else None,
+                    gpus_free=said.get("free"),
+                    hourly_usd=hourly,
+                    can_start=not why,
+                    why_not=why,
+                )
+            )
+        # the hosts that could start it first, the emptiest first among them
+        return sorted(offers, key=lambda o: (not o.can_start, -(o.gpus_free or 0)))
 
     # -- provision -----------------------------------------------------------------------
 
