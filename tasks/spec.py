@@ -208,7 +208,9 @@ class Placement(SpecModel):
     spec's placement is read as the one its `backend` names."""
 
     # a registered backend's name; the pipeline refuses others before provisioning
-    backend: str = Field("local", description="Where the job runs: local, kubernetes, ec2, slurm.")
+    backend: str = Field(
+        "local", description="Where the job runs: local, kubernetes, ec2, slurm, fleet."
+    )
     block: str | None = Field(
         None,
         description="Name of the block to read settings from: a LocalGpuHost (local), a"
