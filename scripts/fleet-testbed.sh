@@ -9,8 +9,9 @@
 #
 # `up` writes DIR/hosts.json (name, address, port, known_hosts line, GPUs, product per host),
 # DIR/client_key (the key every host lets in) and DIR/env (the bridge and namespaces, read
-# by `down`). Hosts get 10.251.N.2.. on a bridge whose own end is 10.251.N.1 (N from
-# DIR's name, so two test beds do not meet); hosts reach each other over the bridge.
+# by `down`). Hosts get 10.251.N.2.. on a bridge whose own end is 10.251.N.1 (N: the first
+# free, chosen under a lock, so test beds side by side do not meet); hosts reach each
+# other over the bridge.
 # The hosts' Python is FLEET_PYTHON (default: python3 here); `nopython` leaves it out of
 # that host's PATH. FAKE_NVML_DIR (default: this checkout's tests/fakes) goes first on
 # each host's PYTHONPATH. Needs root (ip netns, veths, sshd).
@@ -22,8 +23,13 @@ TOOLS="sh bash sleep cat tar gzip mkdir rm rmdir ls env true false echo df kill 
        uname head tail grep sed mv cp ln chmod date hostname nproc stat touch sha256sum
        wc tr cut sort uniq xargs awk mawk expr seq find dirname basename readlink"
 
-net_of() { # a /24 of its own per test bed: 10.251.<1..250>
-  echo $((($(printf '%s' "$1" | cksum | cut -d' ' -f1) % 250) + 1))
+free_net() { # a /24 of its own per test bed: 10.251.<1..250>, the first whose bridge is not there
+  local n
+  for ((n = 1; n <= 250; n++)); do
+    ip link show "gf${n}br" >/dev/null 2>&1 || { echo "$n"; return; }
+  done
+  echo "fleet-testbed: 250 test beds are up already" >&2
+  exit 1
 }
 
 up() {
@@ -34,12 +40,15 @@ up() {
   mkdir -p "$dir"
   dir=$(cd "$dir" && pwd)
   local net tag bridge
-  net=$(net_of "$dir")
+  exec 9>/run/lock/gpuflow-fleet-testbed.lock
+  flock 9 # two test beds starting at once choose different nets
+  net=$(free_net)
   tag=gf$net
   bridge=${tag}br
   echo "BRIDGE=$bridge" >"$dir/env"
   echo "TAG=$tag" >>"$dir/env"
   ip link add "$bridge" type bridge
+  flock -u 9
   ip addr add "10.251.$net.1/24" dev "$bridge"
   ip link set "$bridge" up
   rm -f "$dir/client_key" "$dir/client_key.pub"
@@ -58,6 +67,7 @@ up() {
     if [[ $flag != nopython ]]; then # a wrapper, not a link: a venv's Python stays its venv's
       printf '#!/bin/sh\nexec %s "$@"\n' "$python" >"$home/bin/python3"
       chmod +x "$home/bin/python3"
+      ln -sf python3 "$home/bin/python"
     fi
     ip netns add "$ns"
     echo "NS_$i=$ns" >>"$dir/env"

@@ -1,11 +1,12 @@
 """Fixtures the end-to-end tests share: the Kubernetes test cluster (one per session) and
-an EC2 fleet on moto whose instances are booted here."""
+an EC2 fleet on moto whose instances are booted here, and a GPU fleet of namespaced hosts."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
@@ -114,3 +115,23 @@ def s3_scene(s3_server, tmp_path, monkeypatch) -> str:
     for key, value in s3_server.settings().child_env().items():
         monkeypatch.setenv(key, value)
     return url
+
+
+@pytest.fixture(scope="session")
+def contract_fleet(tmp_path_factory, prefect_api) -> Iterator[dict]:
+    """A one-host fleet (2 GPUs) for the backend contract, applied as GpuFleet `contract`
+    (a lease of 5 s: a killed orchestrator's run looks orphaned soon)."""
+    from tests.e2e.fleet_bed import fleet_bed, host_entry, save_fleet
+
+    with fleet_bed(tmp_path_factory.mktemp("contract-fleet") / "bed", ["c1:2"]) as bed:
+        save_fleet(bed, "contract", [host_entry(bed, "c1")], lease_s=5)
+        home = tmp_path_factory.mktemp("contract-fleet-home")
+        done = subprocess.run(
+            [sys.executable, "-m", "gpuflow", "fleet", "apply", "contract"],
+            env={**os.environ, "PREFECT_API_URL": prefect_api, "GPUFLOW_HOME": str(home)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        yield bed

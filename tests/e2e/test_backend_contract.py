@@ -1,6 +1,7 @@
 """The backend contract: every backend passes the same tests through the same verbs —
 local; Kubernetes on the test cluster (pods run by a played kubelet); EC2 on moto with its
-instances booted here; Slurm on the Slurm test cluster (scripts/slurm-testbed.sh); and `toy`, a backend defined in the test suite
+instances booted here; Slurm on the Slurm test cluster (scripts/slurm-testbed.sh); a fleet
+host (scripts/fleet-testbed.sh); and `toy`, a backend defined in the test suite
 (tests/e2e/toy_backend.py). A new backend proves itself by passing this suite:
 
     pytest -k contract
@@ -42,6 +43,7 @@ BACKENDS = [
     pytest.param("kubernetes", marks=pytest.mark.xdist_group("kubernetes")),
     "ec2",
     pytest.param("slurm", marks=pytest.mark.xdist_group("slurm")),  # one Slurm test cluster
+    "fleet",  # a host of the fleet test bed (scripts/fleet-testbed.sh), over SSH
 ]
 LINES = 300
 # Prints its lines, then waits; on SIGTERM it says so and exits 75 (state saved).
@@ -149,6 +151,23 @@ def place(request, tmp_path, gpuflow_home, prefect_api) -> Iterator[Place]:
                 return owned(kube, run_id) + processes_of(run_id)
 
             yield Place(name, raw, left, env, exits=lambda: list(kubelet.exits.values()))
+    elif name == "fleet":
+        from tests.e2e.fleet_bed import records_on
+
+        bed = request.getfixturevalue("contract_fleet")
+        raw = {
+            **base,
+            "resources": {"gpus": 1},
+            "placement": {"backend": "fleet", "fleet": "contract"},
+        }
+
+        def left(run_id: str) -> list[str]:  # recorded here, on the host, or running
+            here = clusters_of(name, run_id)
+            there = [f"c1: {r}" for r in records_on(bed, "c1") if run_id in r]
+            return here + there + processes_of(run_id)
+
+        # a killed orchestrator's claim outlives it by its lease (5 s), then the host ends it
+        yield Place(name, raw, left, env, orphan_after_s=12.0)
     elif name == "slurm":
         env["SLURM_CONF"] = str(request.getfixturevalue("slurm"))
         raw = {
@@ -364,7 +383,7 @@ def test_an_unknown_backend_is_refused_by_name_before_anything_is_made():
     spec = load_spec(
         {"job": {"kind": "command", "command": ["true"]}, "placement": {"backend": "nomad"}}
     )
-    known = "local, kubernetes, ec2, slurm, toy"
+    known = "local, kubernetes, ec2, slurm, fleet, toy"
     with pytest.raises(
         InvalidSpec, match=f"placement.backend: 'nomad' is not a backend; use one of: {known}"
     ):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,10 +21,10 @@ from gpuflow.flows.pipeline import gpu_pipeline
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.pipeline.checks import check_spec
 from gpuflow.tasks.spec import load_spec
+from tests.e2e.fleet_bed import claims_on, fleet_bed, host_entry, records_on, save_fleet
 from tests.e2e.helpers import flow_run, logs_of, process_gone
 
 ROOT = Path(__file__).parents[2]
-TESTBED = ROOT / "scripts" / "fleet-testbed.sh"
 GPUFLOW = [sys.executable, "-m", "gpuflow"]
 HOSTS = ["g1:4", "g2:4", "g3:4", "small:1:NVIDIA L4", "nopy:1::nopython"]
 
@@ -31,50 +32,27 @@ HOSTS = ["g1:4", "g2:4", "g3:4", "small:1:NVIDIA L4", "nopy:1::nopython"]
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory):
     """Five hosts: three with 4 H100s, one with an L4, one without Python."""
-    folder = tmp_path_factory.mktemp("fleet") / "bed"
-    env = {**os.environ, "FLEET_PYTHON": sys.executable}
-    subprocess.run([str(TESTBED), "up", str(folder), *HOSTS], check=True, env=env)
-    try:
-        yield json.loads((folder / "hosts.json").read_text()) | {
-            "key": (folder / "client_key").read_text(),
-            "dir": folder,
-        }
-    finally:
-        subprocess.run([str(TESTBED), "down", str(folder)], check=True)
-
-
-def host_entry(bed: dict, host: str, **over) -> dict:
-    found = next(h for h in bed["hosts"] if h["name"] == host)
-    entry = {
-        "name": host,
-        "address": found["address"],
-        "known_hosts": found["known_hosts"],
-        "gpus": found["gpus"],
-    }
-    return entry | over
-
-
-def save_fleet(bed: dict, name: str, hosts: list[dict], **over) -> None:
-    from prefect.blocks.system import Secret
-
-    from gpuflow.blocks import GpuFleet
-
-    Secret(value=bed["key"]).save("fleet-test-key", overwrite=True)
-    GpuFleet(hosts=hosts, ssh_key="fleet-test-key", **over).save(name, overwrite=True)
+    with fleet_bed(tmp_path_factory.mktemp("fleet") / "bed", HOSTS) as found:
+        yield found
 
 
 def cli_env(prefect_api: str, gpuflow_home: Path) -> dict:
     return {**os.environ, "PREFECT_API_URL": prefect_api, "GPUFLOW_HOME": str(gpuflow_home)}
 
 
-def apply(prefect_api, gpuflow_home, source: str) -> subprocess.CompletedProcess:
+def cli(prefect_api, gpuflow_home, *argv: str) -> subprocess.CompletedProcess:
+    """Run `gpuflow ARGV` against the test API; return how it ended."""
     return subprocess.run(
-        [*GPUFLOW, "fleet", "apply", source],
+        [*GPUFLOW, *argv],
         env=cli_env(prefect_api, gpuflow_home),
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def apply(prefect_api, gpuflow_home, source: str) -> subprocess.CompletedProcess:
+    return cli(prefect_api, gpuflow_home, "fleet", "apply", source)
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +77,6 @@ def fleet_spec(command: list[str], gpus: int = 1, nodes: int = 1, **over) -> dic
 
 def host_state(bed: dict, name: str) -> Path:
     return Path(bed["dir"]) / name / "gpuflow"
-
-
-def claims_on(bed: dict, name: str) -> list[str]:
-    folder = host_state(bed, name) / "local" / "gpus"
-    return sorted(p.name for p in folder.glob("*.json")) if folder.is_dir() else []
 
 
 def test_apply_checks_every_host_and_names_the_ones_kept_out(bed, prefect_api, gpuflow_home):
@@ -244,7 +217,7 @@ def test_twelve_one_gpu_runs_from_three_processes_share_three_hosts_of_four(
     assert {m.split("-gpu")[0] for m in marks} == {"g1", "g2", "g3"}
     assert all(m.split("-gpu")[1] in "0123" for m in marks), marks
     for host in ("g1", "g2", "g3"):
-        assert claims_on(lab, host) == []
+        assert claims_on(lab, host) == [] and records_on(lab, host) == []
 
 
 def test_bad_fleet_input_is_one_sentence_before_anything_is_claimed(
@@ -354,33 +327,15 @@ def test_a_killed_orchestrators_gpus_come_free_after_its_lease_and_its_unit_stop
     # what the killed gpuflow recorded here: `gpuflow reap` forgets it (no host holds it)
     # and marks its flow run Crashed
     [record] = (gpuflow_home / "fleet" / "clusters").glob("*.json")
-    reaped = subprocess.run(
-        [*GPUFLOW, "reap", "--backend", "fleet", "--block", "lab"],
-        env=cli_env(prefect_api, gpuflow_home),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    reaped = cli(prefect_api, gpuflow_home, "reap", "--backend", "fleet", "--block", "lab")
     assert reaped.returncode == 0, reaped.stdout + reaped.stderr
     assert f"forgetting {record.stem}: no host holds it" in reaped.stdout, reaped.stdout
     assert "1 flow run(s) marked Crashed" in reaped.stdout, reaped.stdout
     assert not record.exists()
     assert flow_run(record.stem.removeprefix("gpuflow-")).state.is_crashed()
-    status = subprocess.run(
-        [*GPUFLOW, "fleet", "status", "lab", "--json"],
-        env=cli_env(prefect_api, gpuflow_home),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    status = cli(prefect_api, gpuflow_home, "fleet", "status", "lab", "--json")
     rows = json.loads(status.stdout)
-    offers = subprocess.run(
-        [*GPUFLOW, "offers", str(path), "--json"],
-        env=cli_env(prefect_api, gpuflow_home),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    offers = cli(prefect_api, gpuflow_home, "offers", str(path), "--json")
     shown = {(o["where"], o["gpus_free"], o["can_start"]) for o in json.loads(offers.stdout)}
     assert shown == {(f"fleet/lab {h}", 4, True) for h in ("g1", "g2", "g3")}, offers.stdout
     assert [(r["host"], r["free"], r["runs"]) for r in rows] == [
@@ -472,12 +427,56 @@ def test_a_host_cut_off_mid_run_is_a_preemption_and_the_training_resumes_on_anot
     for name in ("g1", "g2", "g3"):
         assert claims_on(lab, name) == []
     # back: it serves again (a one-GPU run on each host at once reaches it)
-    status = subprocess.run(
-        [*GPUFLOW, "fleet", "status", "lab", "--json"],
-        env=cli_env(prefect_api, gpuflow_home),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    status = cli(prefect_api, gpuflow_home, "fleet", "status", "lab", "--json")
     rows = {r["host"]: r for r in json.loads(status.stdout)}
     assert rows[host]["free"] == 4, rows[host]
+
+
+@pytest.mark.timeout(300)
+def test_copies_per_gpu_get_the_gpus_their_host_claimed_not_the_first_ones(
+    lab, prefect_api, gpuflow_home, tmp_path
+):
+    """On a one-host fleet whose GPU 0 another run holds, a two-GPU run with a copy per GPU
+    gets GPUs 1 and 2 of the host: each copy sees one of them, never the held one."""
+    import threading
+
+    save_fleet(lab, "solo", [host_entry(lab, "g3")], lease_s=10)
+    assert apply(prefect_api, gpuflow_home, "solo").returncode == 0
+    release = tmp_path / "release"
+    hold = fleet_spec(
+        ["sh", "-c", f"while [ ! -e {release} ]; do sleep 0.1; done"],
+        placement={"backend": "fleet", "fleet": "solo"},
+    )
+    holder = threading.Thread(target=lambda: gpu_pipeline(load_spec(hold)))
+    holder.start()
+    try:
+        wait_for(lambda: claims_on(lab, "g3") == ["0.json"], 120, "the first run's claim")
+        show = {"kind": "command", "command": ["sh", "-c", "echo gpu=$CUDA_VISIBLE_DEVICES"]}
+        raw = fleet_spec(
+            ["true"],
+            gpus=2,
+            placement={"backend": "fleet", "fleet": "solo"},
+            job=show | {"copies": "per_gpu"},
+        )
+        state = gpu_pipeline(load_spec(raw), return_state=True)
+    finally:
+        release.touch()
+        holder.join(timeout=120)
+    assert state.is_completed(), state.message
+    text = "\n".join(logs_of(state.state_details.flow_run_id))
+    assert sorted(re.findall(r"gpu=\S*", text)) == ["gpu=1", "gpu=2"], text
+    assert claims_on(lab, "g3") == []
+
+
+def test_idle_gpus_on_a_fleet_host_stop_the_job(lab, prefect_api, gpuflow_home):
+    """The host samples its GPUs as the unit runs (its fake NVML says 3 % busy) and the
+    samples stream back into the run's workspace as they come: limits.idle_gpu stops the
+    unit past `for`, and the run ends saying why, with its GPU free again."""
+    raw = fleet_spec(["sleep", "600"])
+    raw["limits"]["idle_gpu"] = {"below_pct": 5, "for": "2s", "action": "stop"}
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    assert state.is_failed()
+    assert "the job was stopped because its GPUs" in state.message, state.message
+    assert "were under 5% busy" in state.message, state.message
+    for host in ("g1", "g2", "g3"):
+        assert claims_on(lab, host) == []

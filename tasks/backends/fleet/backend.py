@@ -50,11 +50,13 @@ from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
 from gpuflow.tasks.metrics.sampler import NODE_SAMPLES
 from gpuflow.tasks.saved_blocks import load_block
 from gpuflow.tasks.spec import JobSpec, Placement
+from gpuflow.tasks.storage import S3Settings
 
 if TYPE_CHECKING:
     from gpuflow.blocks.gpu_fleet import FleetHost, GpuFleet, HostCheck
 
 PYTHON = "{python}"  # gpuflow's interpreter on the host (as the host program reads it)
+STAGED = "{staged}"  # the host's folder of files staged for runs (as the host program reads it)
 
 
 class FleetPlacement(Placement):
@@ -408,6 +410,8 @@ class FleetBackend(UnitBackend):
             except (Busy, ProvisionError, InvalidSpec, TimeoutError) as exc:
                 why.append(f"{host.label}: {exc}")
                 continue
+            for staged in _STAGED.get(cluster.name, []):
+                _put_staged(replacement, staged)
             with _SESSIONS_LOCK:
                 sessions[node] = replacement
                 _MOVED.setdefault(cluster.name, {})[lost.address] = replacement.address
@@ -426,6 +430,18 @@ class FleetBackend(UnitBackend):
             cluster.model_copy(update={"state": state.model_dump()}).model_dump_json(),
         )
 
+    def stage(self, cluster: Cluster, path: Path, storage: S3Settings, staging: str | None) -> str:
+        """Return where the run's hosts read `path` (a file named by its content): under
+        `staging` when given (S3 they reach), else put on each host over SSH, once."""
+        if staging:
+            return super().stage(cluster, path, storage, staging)
+        with _SESSIONS_LOCK:
+            sessions = list(_SESSIONS.get(cluster.name) or [])
+            _STAGED.setdefault(cluster.name, []).append(path)
+        for session in sessions:
+            _put_staged(session, path)
+        return f"{STAGED}/{path.name}"
+
     # -- teardown ------------------------------------------------------------------------
 
     def teardown(self, cluster: Cluster) -> TeardownReport:
@@ -436,6 +452,7 @@ class FleetBackend(UnitBackend):
         with _SESSIONS_LOCK:
             sessions = _SESSIONS.pop(cluster.name, None)
             _MOVED.pop(cluster.name, None)
+            _STAGED.pop(cluster.name, None)
         if sessions is not None:
             for session in sessions:
                 said = session.teardown(wait_s=120)
@@ -470,7 +487,7 @@ class FleetBackend(UnitBackend):
                 cluster = Cluster.model_validate(data)
             except ValueError:
                 continue
-            if state_of(cluster, FleetState).fleet != self.fleet_name:
+            if self.fleet_name and state_of(cluster, FleetState).fleet != self.fleet_name:
                 continue
             if all(cluster.owner.get(k) == v for k, v in selector.items()):
                 found.append(cluster)
@@ -540,6 +557,29 @@ def _moved(text: str, moved: dict[str, str]) -> str:
         if old in text:
             text = re.sub(rf"(?<![\w.]){re.escape(old)}(?![\w.])", new, text)
     return text
+
+
+# files staged for a run's units, put again on a host that replaces a lost one
+_STAGED: dict[str, list[Path]] = {}
+
+# Put a file on the host under its staged folder, whole or not at all, once.
+_PUT = (
+    'D="${GPUFLOW_HOME:-$HOME/.gpuflow}/fleet/staged"; F="$D/$1"; [ -f "$F" ] && exit 0;'
+    ' mkdir -p "$D" && cat > "$F.part.$$" && mv "$F.part.$$" "$F"'
+)
+
+
+def _put_staged(session: HostSession, path: Path) -> None:
+    """Put `path` on the session's host (ProvisionError with the host's words)."""
+    import shlex
+
+    with open(path, "rb") as data:
+        done = session.ssh.run(
+            f"sh -c {shlex.quote(_PUT)} put {shlex.quote(path.name)}", data.read(), 300
+        )
+    if done.returncode != 0:
+        said = done.stderr.decode(errors="replace").strip()
+        raise ProvisionError(f"could not put {path.name} on {session.ssh}: {said or 'no message'}")
 
 
 def _record_path(name: str) -> Path:

@@ -47,6 +47,7 @@ from gpuflow.tasks.metrics.sampler import Sampler
 from gpuflow.tasks.spec import JobSpec, Limits, Resources
 
 PYTHON = "{python}"  # a unit's command naming gpuflow's interpreter: the host's own
+STAGED = "{staged}"  # a unit's command naming the files staged for it: the host's folder
 NEEDED = ("pydantic", "psutil", "yaml")  # what gpuflow's code on a host imports
 
 
@@ -167,10 +168,22 @@ class Served:
 
     def _start(self, message: dict[str, Any]) -> None:
         unit = WorkUnit.model_validate(message["unit"])
-        unit = unit.model_copy(
-            update={"command": [sys.executable if c == PYTHON else c for c in unit.command]}
-        )
         name = str(message["id"])
+        held = self.cluster.gpu_indices
+        staged = str(gpuflow_home() / "fleet" / "staged")
+        if unit.gpus is not None and any(not 0 <= i < len(held) for i in unit.gpus):
+            self.emit(end=name, error=f"unit {unit.name} asks for GPUs {unit.gpus} of {len(held)}")
+            return
+        unit = unit.model_copy(
+            update={
+                "command": [
+                    sys.executable if c == PYTHON else c.replace(STAGED, staged)
+                    for c in unit.command
+                ],
+                # the run counts its GPUs 0..n-1 on every node; here they are the claim's
+                "gpus": None if unit.gpus is None else [held[i] for i in unit.gpus],
+            }
+        )
         stopping = threading.Event()
         with self.lock:
             self.units[name] = {"stop": stopping, "grace_s": self.grace_s}
