@@ -4,6 +4,7 @@ own address, sshd, host key, fake NVML and GPUFLOW_HOME (scripts/fleet-testbed.s
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -141,8 +143,8 @@ def test_a_one_gpu_run_takes_one_gpu_of_a_host_and_gives_it_back(
     lab, prefect_api, gpuflow_home, tmp_path
 ):
     """The unit runs on a host of the fleet with CUDA_VISIBLE_DEVICES of its claim, in the
-    host's namespace; its outputs come back; its secret reaches it and no log; afterwards
-    no claim is left on any host."""
+    host's namespace; its outputs come back; its secret reaches it, and no log or command
+    line; afterwards no claim is left on any host."""
     from prefect.blocks.system import Secret
 
     Secret(value="tok-fleet-31f7").save("fleet-test-token", overwrite=True)
@@ -152,8 +154,25 @@ def test_a_one_gpu_run_takes_one_gpu_of_a_host_and_gives_it_back(
         " cat /proc/self/cgroup"
     )
     raw = fleet_spec(["sh", "-c", show], secret_env={"TOKEN": "fleet-test-token"})
-    state = gpu_pipeline(load_spec(raw), return_state=True)
+    watching, seen = threading.Event(), set()
+
+    def watch() -> None:  # every command line on this machine (the hosts' too) meanwhile
+        while not watching.is_set():
+            for proc in psutil.process_iter(["cmdline"]):
+                seen.add(" ".join(proc.info["cmdline"] or []))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        state = gpu_pipeline(load_spec(raw), return_state=True)
+    finally:
+        watching.set()
+        watcher.join()
     assert state.is_completed(), state.message
+    # the secret went over the SSH connection, never a command line here or on the host
+    assert any("gpuflow.tasks.backends.local.remote serve" in line for line in seen)
+    assert not any("tok-fleet-31f7" in line for line in seen)
     result = state.result()
     logs = logs_of(state.state_details.flow_run_id)
     text = "\n".join(logs)
@@ -285,6 +304,13 @@ def units_under(bed: dict) -> list[psutil.Process]:
     return found
 
 
+def in_thread(body) -> threading.Thread:
+    """Start `body` in a thread with this one's context (the test's Prefect API with it)."""
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(body,))
+    thread.start()
+    return thread
+
+
 def wait_for(condition, seconds: float, what: str):
     until = time.monotonic() + seconds
     while not (found := condition()):
@@ -395,17 +421,13 @@ def test_a_host_cut_off_mid_run_is_a_preemption_and_the_training_resumes_on_anot
     the orchestrator hears nothing for a lease and calls the host lost; the host, hearing
     no renewal, stops the unit and frees its GPU; once that has surely happened the run
     resumes from the checkpoint on another host. The host, back, serves again."""
-    import threading
 
     from gpuflow.flows.train import train
     from tests.e2e.helpers import hold_ranks_at, release_when_signalled
 
     raw = fleet_training(bed_s3, "cut")
     done: dict = {}
-    flow = threading.Thread(
-        target=lambda: done.update(state=train(load_spec(raw), return_state=True))
-    )
-    flow.start()
+    flow = in_thread(lambda: done.update(state=train(load_spec(raw), return_state=True)))
     held, stopped_at = hold_ranks_at(Path(lab["dir"]), 6, ranks=1, seconds=180)
     host = Path(held[0].cwd()).relative_to(lab["dir"]).parts[0]
     veth = next(h["veth"] for h in lab["hosts"] if h["name"] == host)
@@ -438,7 +460,6 @@ def test_copies_per_gpu_get_the_gpus_their_host_claimed_not_the_first_ones(
 ):
     """On a one-host fleet whose GPU 0 another run holds, a two-GPU run with a copy per GPU
     gets GPUs 1 and 2 of the host: each copy sees one of them, never the held one."""
-    import threading
 
     save_fleet(lab, "solo", [host_entry(lab, "g3")], lease_s=10)
     assert apply(prefect_api, gpuflow_home, "solo").returncode == 0
@@ -447,8 +468,7 @@ def test_copies_per_gpu_get_the_gpus_their_host_claimed_not_the_first_ones(
         ["sh", "-c", f"while [ ! -e {release} ]; do sleep 0.1; done"],
         placement={"backend": "fleet", "fleet": "solo"},
     )
-    holder = threading.Thread(target=lambda: gpu_pipeline(load_spec(hold)))
-    holder.start()
+    holder = in_thread(lambda: gpu_pipeline(load_spec(hold)))
     try:
         wait_for(lambda: claims_on(lab, "g3") == ["0.json"], 120, "the first run's claim")
         show = {"kind": "command", "command": ["sh", "-c", "echo gpu=$CUDA_VISIBLE_DEVICES"]}
@@ -478,5 +498,41 @@ def test_idle_gpus_on_a_fleet_host_stop_the_job(lab, prefect_api, gpuflow_home):
     assert state.is_failed()
     assert "the job was stopped because its GPUs" in state.message, state.message
     assert "were under 5% busy" in state.message, state.message
+    for host in ("g1", "g2", "g3"):
+        assert claims_on(lab, host) == []
+
+
+@pytest.mark.timeout(300)
+def test_a_full_fleet_in_a_pool_is_given_up_for_the_next_candidate(
+    lab, prefect_api, gpuflow_home, tmp_path
+):
+    """A pool of two fleets: the first (one host) has every GPU held by another run, so
+    after its gpu_wait the run is placed on the second, which the placement table says."""
+    save_fleet(lab, "solo", [host_entry(lab, "g3")], lease_s=10)
+    assert apply(prefect_api, gpuflow_home, "solo").returncode == 0
+    release = tmp_path / "release"
+    hold = fleet_spec(
+        ["sh", "-c", f"while [ ! -e {release} ]; do sleep 0.1; done"],
+        gpus=4,
+        placement={"backend": "fleet", "fleet": "solo"},
+    )
+    holder = in_thread(lambda: gpu_pipeline(load_spec(hold)))
+    try:
+        wait_for(lambda: len(claims_on(lab, "g3")) == 4, 120, "the first run's claim")
+        raw = fleet_spec(
+            ["true"],
+            placement=[
+                {"backend": "fleet", "fleet": "solo", "gpu_wait": "1s"},
+                {"backend": "fleet", "fleet": "lab"},
+            ],
+        )
+        state = gpu_pipeline(load_spec(raw), return_state=True)
+    finally:
+        release.touch()
+        holder.join(timeout=120)
+    assert state.is_completed(), state.message
+    assert state.result().cluster.node_names[0] in ("g1", "g2")
+    text = "\n".join(logs_of(state.state_details.flow_run_id))
+    assert "fleet/solo" in text and "fleet/lab" in text, text
     for host in ("g1", "g2", "g3"):
         assert claims_on(lab, host) == []
