@@ -507,7 +507,8 @@ def test_a_full_fleet_in_a_pool_is_given_up_for_the_next_candidate(
     lab, prefect_api, gpuflow_home, tmp_path
 ):
     """A pool of two fleets: the first (one host) has every GPU held by another run, so
-    after its gpu_wait the run is placed on the second, which the placement table says."""
+    after its gpu_wait the run is placed on the second, which the placement table says.
+    The full fleet cannot be deleted while that run holds it; then it can."""
     save_fleet(lab, "solo", [host_entry(lab, "g3")], lease_s=10)
     assert apply(prefect_api, gpuflow_home, "solo").returncode == 0
     release = tmp_path / "release"
@@ -527,9 +528,17 @@ def test_a_full_fleet_in_a_pool_is_given_up_for_the_next_candidate(
             ],
         )
         state = gpu_pipeline(load_spec(raw), return_state=True)
+        refused = cli(prefect_api, gpuflow_home, "fleet", "delete", "solo")
     finally:
         release.touch()
         holder.join(timeout=120)
+    # `fleet delete` is refused while a run holds the fleet's GPUs, and done once none does
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "fleet 'solo' still has runs holding its GPUs (g3: gpuflow-" in refused.stderr
+    deleted = cli(prefect_api, gpuflow_home, "fleet", "delete", "solo")
+    assert deleted.returncode == 0 and "fleet solo deleted" in deleted.stdout, deleted.stderr
+    gone = cli(prefect_api, gpuflow_home, "fleet", "status", "solo")
+    assert gone.returncode == 2 and "no GpuFleet block named 'solo'" in gone.stderr
     assert state.is_completed(), state.message
     assert state.result().cluster.node_names[0] in ("g1", "g2")
     text = "\n".join(logs_of(state.state_details.flow_run_id))
