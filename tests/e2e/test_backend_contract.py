@@ -92,6 +92,8 @@ class Place:
     left: Callable[[str], list[str]]  # what the OS or API still holds of a run
     env: dict[str, str] = field(default_factory=dict)  # for an orchestrator subprocess
     orphan_after_s: float = 0.0  # how long a killed orchestrator's run takes to look orphaned
+    # or, where it can be seen: a run's orphaned once this holds (waited on, not slept)
+    orphaned: Callable[[str], bool] | None = None
     exits: Callable[[], list[int]] = list  # exit codes the backend's nodes saw, where known
 
     def spec(self, command: list[str]) -> JobSpec:
@@ -166,8 +168,10 @@ def place(request, tmp_path, gpuflow_home, prefect_api) -> Iterator[Place]:
             there = [f"c1: {r}" for r in records_on(bed, "c1") if run_id in r]
             return here + there + processes_of(run_id)
 
-        # a killed orchestrator's claim outlives it by its lease (5 s), then the host ends it
-        yield Place(name, raw, left, env, orphan_after_s=12.0)
+        def orphaned(run_id: str) -> bool:  # its lease lapsed: the host ended its claim
+            return not any(run_id in r for r in records_on(bed, "c1"))
+
+        yield Place(name, raw, left, env, orphaned=orphaned)
     elif name == "slurm":
         env["SLURM_CONF"] = str(request.getfixturevalue("slurm"))
         raw = {
@@ -345,7 +349,10 @@ def test_contract_the_reaper_finds_what_a_killed_orchestrator_left(place, tmp_pa
         orchestrator.send_signal(signal.SIGKILL)
         orchestrator.wait(timeout=30)
     assert place.left(run_id)  # what it left is there
-    time.sleep(place.orphan_after_s)  # EC2: until its heartbeat is older than orphan_after
+    if place.orphaned is not None:
+        assert settle(lambda: [] if place.orphaned(run_id) else ["not orphaned yet"]) == []
+    else:
+        time.sleep(place.orphan_after_s)  # EC2: until its heartbeat is older than orphan_after
     lines: list[str] = []
     found = place.backend.reap(False, lines.append, Running())
     assert sum(found.counts.get(k, 0) for k in ("clusters", "runs")) >= 1, lines

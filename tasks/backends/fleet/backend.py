@@ -562,10 +562,11 @@ def _moved(text: str, moved: dict[str, str]) -> str:
 # files staged for a run's units, put again on a host that replaces a lost one
 _STAGED: dict[str, list[Path]] = {}
 
-# Put a file on the host under its staged folder, whole or not at all, once.
+# Put a file on the host under its staged folder, whole or not at all, once; the user's
+# alone there (a user's code: other users of the host read none of it).
 _PUT = (
-    'D="${GPUFLOW_HOME:-$HOME/.gpuflow}/fleet/staged"; F="$D/$1"; [ -f "$F" ] && exit 0;'
-    ' mkdir -p "$D" && cat > "$F.part.$$" && mv "$F.part.$$" "$F"'
+    'umask 077; D="${GPUFLOW_HOME:-$HOME/.gpuflow}/fleet/staged"; F="$D/$1";'
+    ' [ -f "$F" ] && exit 0; mkdir -p "$D" && cat > "$F.part.$$" && mv "$F.part.$$" "$F"'
 )
 
 

@@ -107,8 +107,8 @@ def gpuflow_command(host: FleetHost, sha: str, argv: list[str]) -> str:
     with this gpuflow's wheel first on its path (exit NOT_INSTALLED where it is not)."""
     lib = _LIB % sha
     python = shlex.quote(host.python)
-    return (
-        f'L={lib}; [ -d "$L" ] || exit {NOT_INSTALLED}; '
+    return (  # umask 077: what it writes there is the user's alone
+        f'umask 077; L={lib}; [ -d "$L" ] || exit {NOT_INSTALLED}; '
         f'PYTHONPATH="$L${{PYTHONPATH:+:$PYTHONPATH}}" exec {python} -m {REMOTE} '
         + shlex.join(argv)
     )
@@ -122,7 +122,8 @@ def install(ssh: SshTarget, host: FleetHost) -> str:
     python = shlex.quote(host.python)
     script = shlex.quote(_INSTALL)
     remote = (
-        f'L={lib}; [ -d "$L" ] && exit 0; mkdir -p "${{L%/*}}" && {python} -c {script} {sha} "$L"'
+        f'umask 077; L={lib}; [ -d "$L" ] && exit 0; mkdir -p "${{L%/*}}" &&'
+        f' {python} -c {script} {sha} "$L"'
     )
     done = ssh.run(remote, data, timeout_s=120)
     if done.returncode == SSH_FAILED:
