@@ -123,11 +123,8 @@ def _status(name: str, as_json: bool) -> int:
         fleet = fleet_block(name)
     except InvalidSpec as exc:
         return invalid(exc)
-    checks = {c.host: c for c in fleet.checked}
     with ThreadPoolExecutor(max_workers=min(16, max(1, len(fleet.hosts)))) as pool:
-        found = list(
-            pool.map(lambda host: host_status(fleet, host, checks.get(host.label)), fleet.hosts)
-        )
+        found = list(pool.map(lambda host: host_status(fleet, host), fleet.hosts))
     rows = [{"host": host.label, **said} for host, said in zip(fleet.hosts, found, strict=True)]
     if as_json:
         print(json.dumps(rows, indent=1))
@@ -155,7 +152,7 @@ def _delete(name: str) -> int:
         return invalid(exc)
     busy = []
     for host in fleet.hosts:
-        said = host_status(fleet, host, None)
+        said = host_status(fleet, host)
         busy += [f"{host.label}: {run['name']}" for run in said.get("runs", [])]
     if busy:
         session.fail(

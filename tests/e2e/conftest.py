@@ -120,11 +120,11 @@ def s3_scene(s3_server, tmp_path, monkeypatch) -> str:
 @pytest.fixture(scope="session")
 def contract_fleet(tmp_path_factory, prefect_api) -> Iterator[dict]:
     """A one-host fleet (2 GPUs) for the backend contract, applied as GpuFleet `contract`
-    (a lease of 5 s: a killed orchestrator's run looks orphaned soon)."""
+    (a lease of 10 s: a killed orchestrator's run looks orphaned soon)."""
     from tests.e2e.fleet_bed import fleet_bed, host_entry, save_fleet
 
     with fleet_bed(tmp_path_factory.mktemp("contract-fleet") / "bed", ["c1:2"]) as bed:
-        save_fleet(bed, "contract", [host_entry(bed, "c1")], lease_s=5)
+        save_fleet(bed, "contract", [host_entry(bed, "c1")], lease_s=10)
         home = tmp_path_factory.mktemp("contract-fleet-home")
         done = subprocess.run(
             [sys.executable, "-m", "gpuflow", "fleet", "apply", "contract"],

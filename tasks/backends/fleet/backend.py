@@ -218,7 +218,7 @@ class FleetBackend(UnitBackend):
         if not fitting:
             return [Offer(where=where, hourly_usd=hourly, can_start=False, why_not="no host fits")]
         fleet = self.fleet()
-        free = {host.label: host_status(fleet, host, check) for host, check in fitting}
+        free = {host.label: host_status(fleet, host) for host, _found in fitting}
         room = [label for label, said in free.items() if said.get("free", 0) >= res.gpus]
         offers = []
         for host, check in fitting:
@@ -691,12 +691,12 @@ def _remote_json(fleet: GpuFleet, host: FleetHost, argv: list[str]) -> dict[str,
         if done.returncode != 0:
             said = done.stderr.decode(errors="replace").strip().splitlines()
             raise ProvisionError(f"{ssh}: {said[-1] if said else f'exit {done.returncode}'}")
-        return fleet_hosts._json(done.stdout)
+        return fleet_hosts.json_answer(done.stdout)
     finally:
         ssh.close()
 
 
-def host_status(fleet: GpuFleet, host: FleetHost, check: HostCheck | None) -> dict[str, Any]:
+def host_status(fleet: GpuFleet, host: FleetHost) -> dict[str, Any]:
     """Return what `host` says now: its GPUs, the runs holding them, and how many are free
     (`error`: why it could not be asked)."""
     try:

@@ -169,7 +169,7 @@ def _checked(ssh: SshTarget, host: FleetHost, found: HostCheck) -> HostCheck:
                 " python to the interpreter's full path."
             }
         )
-    pre = _json(done.stdout)
+    pre = json_answer(done.stdout)
     version = tuple(pre.get("version", (0, 0, 0)))
     if version[:2] < MIN_PYTHON:
         return found.model_copy(
@@ -196,7 +196,7 @@ def _checked(ssh: SshTarget, host: FleetHost, found: HostCheck) -> HostCheck:
         return found.model_copy(
             update={"reason": f"gpuflow's probe failed on {ssh}: {said[-1] if said else '?'}"}
         )
-    probe = _json(done.stdout)
+    probe = json_answer(done.stdout)
     gpus = probe.get("gpus", [])
     found = found.model_copy(
         update={
@@ -229,7 +229,8 @@ def _checked(ssh: SshTarget, host: FleetHost, found: HostCheck) -> HostCheck:
     return found.model_copy(update={"ok": True})
 
 
-def _json(data: bytes) -> dict[str, Any]:
+def json_answer(data: bytes) -> dict[str, Any]:
+    """Return the last JSON object a host program printed (its answer), or {}."""
     for line in reversed(data.decode(errors="replace").splitlines()):
         if line.startswith("{"):
             try:
