@@ -8,6 +8,7 @@ and known hosts as the target. Every failure is one sentence with its fix."""
 from __future__ import annotations
 
 import atexit
+import base64
 import shlex
 import shutil
 import subprocess
@@ -37,8 +38,6 @@ def passphrase_protected(key: str) -> bool:
         return True
     if "BEGIN OPENSSH PRIVATE KEY" not in key:
         return False
-    import base64
-
     body = "".join(line for line in key.splitlines() if line and "-----" not in line)
     try:
         raw = base64.b64decode(body)

@@ -9,7 +9,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from uuid import UUID
 
@@ -410,3 +412,25 @@ def _status(pid: int) -> dict[str, str] | None:
 def _pending(status: dict[str, str]) -> int:
     """Return the signals waiting for the process (its threads' and its own), as a mask."""
     return int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)
+
+
+@contextlib.contextmanager
+def command_lines_seen() -> Iterator[set[str]]:
+    """Yield a set that fills with every command line on this machine while the body runs
+    (a secret must appear on none)."""
+    seen: set[str] = set()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            for proc in psutil.process_iter(["cmdline"]):
+                seen.add(" ".join(proc.info["cmdline"] or []))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        watcher.join()

@@ -24,7 +24,7 @@ from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.pipeline.checks import check_spec
 from gpuflow.tasks.spec import load_spec
 from tests.e2e.fleet_bed import claims_on, fleet_bed, host_entry, records_on, save_fleet
-from tests.e2e.helpers import flow_run, logs_of, process_gone
+from tests.e2e.helpers import command_lines_seen, flow_run, logs_of, process_gone
 
 ROOT = Path(__file__).parents[2]
 GPUFLOW = [sys.executable, "-m", "gpuflow"]
@@ -156,21 +156,8 @@ def test_a_one_gpu_run_takes_one_gpu_of_a_host_and_gives_it_back(
         " cat /proc/self/cgroup"
     )
     raw = fleet_spec(["sh", "-c", show], secret_env={"TOKEN": "fleet-test-token"})
-    watching, seen = threading.Event(), set()
-
-    def watch() -> None:  # every command line on this machine (the hosts' too) meanwhile
-        while not watching.is_set():
-            for proc in psutil.process_iter(["cmdline"]):
-                seen.add(" ".join(proc.info["cmdline"] or []))
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
+    with command_lines_seen() as seen:  # here and on the hosts (one machine)
         state = gpu_pipeline(load_spec(raw), return_state=True)
-    finally:
-        watching.set()
-        watcher.join()
     assert state.is_completed(), state.message
     # the secret went over the SSH connection, never a command line here or on the host
     assert any("gpuflow.tasks.backends.local.remote serve" in line for line in seen)

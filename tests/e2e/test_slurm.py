@@ -12,14 +12,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
 import pytest
 
 from gpuflow.flows.pipeline import gpu_pipeline
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.pipeline.checks import check_spec
 from gpuflow.tasks.spec import load_spec
-from tests.e2e.helpers import logs_of
+from tests.e2e.helpers import command_lines_seen, logs_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -698,28 +697,14 @@ def test_a_job_reaches_the_cluster_through_its_login_node_over_ssh(
     raw = spec(tmp_path, ["bash", "-c", show])
     raw["placement"] = {"backend": "slurm", "block": "test-login"}
     raw["secret_env"] = {"HF_TOKEN": "gpuflow-slurm-ssh-token"}
-    watching = threading.Event()
-    seen: list[str] = []
-
-    def watch() -> None:  # every command line on this machine while the run goes
-        while not watching.is_set():
-            for proc in psutil.process_iter(["cmdline"]):
-                seen.append(" ".join(proc.info["cmdline"] or []))
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
+    with command_lines_seen() as seen:  # every command line on this machine meanwhile
         state = gpu_pipeline(load_spec(raw), return_state=True)
-    finally:
-        watching.set()
-        watcher.join()
     assert state.is_completed(), state.message
     result = state.result()
     assert result.cluster.node_names == ["g1", "g2"]
     logs = logs_of(state.state_details.flow_run_id)
     assert any("on g1 gpus=0,1,2,3 token=***" in line for line in logs), logs
-    assert not any(value in line for line in logs + seen)
+    assert not any(value in line for line in [*logs, *seen])
     assert any("ssh" in line and "srun" in line for line in seen)  # srun went over SSH
     assert "Accepted publickey for root" in node.log()
     monkeypatch.setenv("SLURM_CONF", slurm_conf)

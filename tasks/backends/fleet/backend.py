@@ -11,11 +11,14 @@ lapses. A host lost mid-run (its network or sshd gone) ends its units as a preem
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
+import tarfile
 import threading
 import time
 import uuid
@@ -296,10 +299,7 @@ class FleetBackend(UnitBackend):
                 break
             try:
                 session = self._open(fleet, host, request)
-            except Busy as exc:
-                why.append(f"{host.label}: {exc}")
-                continue
-            except (ProvisionError, InvalidSpec, TimeoutError) as exc:
+            except (Busy, ProvisionError, InvalidSpec, TimeoutError) as exc:
                 why.append(f"{host.label}: {exc}")
                 continue
             sessions.append(session)
@@ -572,8 +572,6 @@ _PUT = (
 
 def _put_staged(session: HostSession, path: Path) -> None:
     """Put `path` on the session's host (ProvisionError with the host's words)."""
-    import shlex
-
     with open(path, "rb") as data:
         done = session.ssh.run(
             f"sh -c {shlex.quote(_PUT)} put {shlex.quote(path.name)}", data.read(), 300
@@ -655,9 +653,6 @@ class FleetUnit:
 
 
 def _untar(data: bytes, folder: Path) -> None:
-    import io
-    import tarfile
-
     folder.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(folder, filter="data")  # no links out, no devices, no absolute paths

@@ -42,7 +42,7 @@ from gpuflow.tasks.backends.base import LogTail
 from gpuflow.tasks.backends.local.backend import LocalBackend, LocalPlacement
 from gpuflow.tasks.contract import RUN_LABEL, StopReason, UnitEnd, WorkUnit
 from gpuflow.tasks.errors import CapacityError, InvalidSpec, ProvisionError
-from gpuflow.tasks.host import gpuflow_home
+from gpuflow.tasks.host import alive, gpuflow_home
 from gpuflow.tasks.metrics.sampler import Sampler
 from gpuflow.tasks.spec import JobSpec, Limits, Resources
 
@@ -310,8 +310,6 @@ def reap(dry_run: bool) -> int:
 
 def status() -> int:
     """Print the runs that hold GPUs here, with their server's process."""
-    from gpuflow.tasks.host import alive
-
     backend = LocalBackend(slots=False)
     runs = []
     for cluster in backend.list_owned({}):
