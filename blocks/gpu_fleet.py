@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from prefect.blocks.core import Block
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -93,6 +95,84 @@ class HostCheck(BaseModel):
     checked_at: str | None = None
 
 
+class FleetNodes(BaseModel):
+    """How many instances an elastic fleet keeps: never fewer than min, never more than max."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min: int = Field(default=0, ge=0, title="Fewest instances")
+    max: int = Field(default=1, ge=0, le=100, title="Most instances")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> FleetNodes:
+        if self.max == 0:
+            raise ValueError(
+                "max is 0: the fleet could never have an instance; set max to 1 or more"
+            )
+        if self.min > self.max:
+            raise ValueError(
+                f"min ({self.min}) is above max ({self.max}); set min to at most {self.max}"
+            )
+        return self
+
+
+class FleetEc2(BaseModel):
+    """An elastic fleet's EC2 side: instances launched as runs wait for GPUs, kept across
+    runs, ended after `idle_duration_s` without a claim (down to `nodes.min`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block: str = Field(
+        min_length=1,
+        title="Ec2GpuFleet block",
+        description="Its region, zones, credentials, image, instance profile and control prefix.",
+    )
+    nodes: FleetNodes = Field(default_factory=FleetNodes, title="Instances (min..max)")
+    instance_types: list[str] = Field(
+        min_length=1,
+        title="Instance types",
+        description="What a new instance may be, tried in order (e.g. g6.xlarge, g5.xlarge).",
+    )
+    market: Literal["spot", "on-demand", "spot-then-on-demand"] = Field(
+        "on-demand",
+        title="Market",
+        description="Rent spot instances, on-demand ones, or spot first then on-demand. A spot"
+        " reclaim is a preemption of the units on the instance.",
+    )
+    user: str = Field(
+        "ubuntu", min_length=1, title="SSH user", description="The image's login user."
+    )
+    ssh_from: list[str] = Field(
+        default_factory=list,
+        title="SSH allowed from",
+        description="CIDRs allowed to reach the instances' SSH port (where gpuflow runs);"
+        " empty: the fleet's own subnet only.",
+    )
+    subnet: str | None = Field(
+        None, title="Subnet", description="Subnet id to launch in; empty: the zone's default."
+    )
+    idle_duration_s: float = Field(
+        600.0,
+        ge=10,
+        title="Idle duration (seconds)",
+        description="An instance with no claim this long is ended (down to nodes.min).",
+    )
+    grow_after_s: float = Field(
+        5.0,
+        ge=0,
+        title="Grow after (seconds)",
+        description="A run that has waited this long for GPUs makes the fleet grow.",
+    )
+
+    @field_validator("instance_types")
+    @classmethod
+    def _types(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if "." not in name or " " in name:
+                raise ValueError(f"{name!r} is not an EC2 instance type; write e.g. g6.xlarge")
+        return value
+
+
 class GpuFleet(Block):
     """GPU servers that outlive a run: existing machines reached over SSH. Runs share them
     by GPU; every gpuflow process that uses the fleet claims GPUs on the hosts themselves,
@@ -130,6 +210,11 @@ class GpuFleet(Block):
     )
     gpu_hourly_usd: float = Field(
         default=0.0, ge=0, title="GPU hourly price (USD)", description="For cost reports."
+    )
+    ec2: FleetEc2 | None = Field(
+        default=None,
+        title="Elastic EC2 instances",
+        description="Grow the fleet with EC2 instances as runs wait, and end them when idle.",
     )
     checked: list[HostCheck] = Field(
         default_factory=list,

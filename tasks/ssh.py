@@ -51,6 +51,21 @@ def passphrase_protected(key: str) -> bool:
     return raw[len(magic) + 4 : len(magic) + 4 + size] != b"none"
 
 
+def public_key_of(key: str) -> str:
+    """Return the public key line of private `key` (no passphrase), as authorized_keys
+    takes it. ValueError when ssh-keygen cannot read it."""
+    with tempfile.TemporaryDirectory(prefix="gpuflow-key-") as folder:
+        path = Path(folder) / "key"
+        path.touch(mode=0o600)
+        path.write_text(key if key.endswith("\n") else key + "\n")
+        done = subprocess.run(
+            ["ssh-keygen", "-y", "-f", str(path)], capture_output=True, text=True, check=False
+        )
+    if done.returncode != 0:
+        raise ValueError(f"ssh-keygen could not read the key: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
 class SshTarget:
     """A machine reached over SSH. `what` names it in sentences ("the login node",
     "fleet host gpu1"); `fields` names the settings a fix changes (key, known_hosts,

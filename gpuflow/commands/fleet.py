@@ -1,8 +1,11 @@
-"""`gpuflow fleet apply | status | delete`: GPU servers that outlive a run (a GpuFleet
-block). `apply` saves a fleet from its YAML (or takes a saved one), reaches every host over
-SSH, puts this gpuflow there and checks it; the hosts that pass serve, each other one is
-named with its reason. `status` asks each host what holds its GPUs now; `delete` removes
-the block once no run holds a GPU of it."""
+"""`gpuflow fleet apply | status | delete | scale`: GPU servers that outlive a run (a
+GpuFleet block). `apply` saves a fleet from its YAML (or takes a saved one), reaches every
+host over SSH, puts this gpuflow there and checks it; the hosts that pass serve, each other
+one is named with its reason; an elastic fleet's EC2 side is checked (its Ec2GpuFleet, the
+instance types offered). `status` asks each host what holds its GPUs now, and what each
+instance has cost; `delete` removes the block once no run holds a GPU of it (an elastic
+fleet's instances, security group and records with it); `scale` is one period of an
+elastic fleet's scaler."""
 
 from __future__ import annotations
 
@@ -43,7 +46,30 @@ def add(commands: Any) -> list[tuple[str, str]]:
     )
     delete.add_argument("name", help="the fleet's name")
     delete.set_defaults(handler=lambda args: run(lambda: _delete(args.name)))
-    return [("fleet", "GPU servers that outlive a run: apply, status, delete")]
+    scale = verbs.add_parser(
+        "scale",
+        description="One period of an elastic fleet's scaler (the fleet-scale deployment's):"
+        " grow it for runs that waited, end instances idle past idle_duration_s.",
+    )
+    scale.add_argument("name", help="the fleet's name")
+    scale.set_defaults(handler=lambda args: run(lambda: _scale(args.name)))
+    return [("fleet", "GPU servers that outlive a run: apply, status, delete, scale")]
+
+
+def backend_of(name: str, fleet: Any = None) -> Any:
+    """Return the fleet backend of fleet `name` (its block as `fleet` when given: one not
+    saved yet)."""
+    from gpuflow.tasks.backends import registry  # noqa: F401  (an elastic fleet's clouds)
+    from gpuflow.tasks.backends.fleet.backend import FleetBackend
+
+    return FleetBackend(name, fleet)
+
+
+def all_hosts(backend: Any) -> list[Any]:
+    """Return the fleet's listed hosts and its elastic instances that serve."""
+    fleet = backend.fleet()
+    listed = {h.label for h in fleet.hosts}
+    return [*fleet.hosts, *(h for h, _ in backend.hosts() if h.label not in listed)]
 
 
 def run(body: Any) -> int:
@@ -92,12 +118,33 @@ def _apply(source: str, as_json: bool) -> int:
         name, fleet = read_fleet(source)
     except InvalidSpec as exc:
         return invalid(exc)
-    if not fleet.hosts:
-        return invalid(InvalidSpec(f"hosts: fleet {name!r} has no hosts; list at least one."))
-    with ThreadPoolExecutor(max_workers=min(16, len(fleet.hosts))) as pool:
-        checks = list(pool.map(lambda host: check_host(fleet, host, secret_text), fleet.hosts))
+    if not fleet.hosts and fleet.ec2 is None:
+        return invalid(
+            InvalidSpec(f"hosts: fleet {name!r} has no hosts; list at least one, or add ec2:.")
+        )
+    elastic = None
+    if fleet.ec2 is not None:
+        try:
+            nodes = backend_of(name, fleet).nodes()
+            elastic = nodes.instance_gpus(), len(nodes.instances())
+        except InvalidSpec as exc:
+            return invalid(exc)
+    checks = []
+    if fleet.hosts:
+        with ThreadPoolExecutor(max_workers=min(16, len(fleet.hosts))) as pool:
+            checks = list(pool.map(lambda host: check_host(fleet, host, secret_text), fleet.hosts))
     fleet.checked = checks
     fleet.save(name, overwrite=True)
+    if elastic is not None and not as_json:
+        (gpus, product, hourly), running = elastic
+        section = fleet.ec2
+        print(
+            f"fleet {name}: elastic, {running} instance(s) now, {section.nodes.min}..{section.nodes.max};"
+            f" a new one is a {section.instance_types[0]} ({gpus} x {product},"
+            f" {section.market}, ${hourly:.3f}/h), ended after {section.idle_duration_s:.0f} s idle"
+        )
+        if not checks:
+            return EXIT_OK
     if as_json:
         print(json.dumps([c.model_dump() for c in checks], indent=1))
     else:
@@ -121,13 +168,19 @@ def _status(name: str, as_json: bool) -> int:
 
     try:
         fleet = fleet_block(name)
+        backend = backend_of(name, fleet)
+        hosts = all_hosts(backend)
+        nodes = backend.nodes()
+        instances = {i.id: i for i in nodes.instances()} if nodes is not None else {}
     except InvalidSpec as exc:
         return invalid(exc)
-    with ThreadPoolExecutor(max_workers=min(16, max(1, len(fleet.hosts)))) as pool:
-        found = list(pool.map(lambda host: host_status(fleet, host), fleet.hosts))
-    rows = [{"host": host.label, **said} for host, said in zip(fleet.hosts, found, strict=True)]
+    with ThreadPoolExecutor(max_workers=min(16, max(1, len(hosts)))) as pool:
+        found = list(pool.map(lambda host: host_status(fleet, host), hosts))
+    rows = [{"host": host.label, **said} for host, said in zip(hosts, found, strict=True)]
+    costs = _instance_costs(instances, rows)
+    ledger = nodes.ledger() if nodes is not None else []
     if as_json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps({"hosts": rows, "instances": costs, "ended": ledger}, indent=1))
         return EXIT_OK
     print(f"fleet {name}: {len(rows)} host(s)")
     for row in rows:
@@ -139,7 +192,43 @@ def _status(name: str, as_json: bool) -> int:
         for held in runs:
             alive = "held" if held.get("server_alive") else "lease lapsed, to be reaped"
             print(f"    {held['name']}: GPUs {held['gpus']} ({alive})")
+    for cost in costs:
+        print(
+            f"  {cost['instance']:16} {cost['instance_type']} {cost['market']}, up"
+            f" {cost['hours']:.2f} h, ${cost['cost_usd']:.3f} so far, of it idle ${cost['idle_cost_usd']:.3f}"
+        )
+    if ledger:
+        idle = sum(r.get("idle_cost_usd", 0.0) for r in ledger)
+        total = sum(r.get("cost_usd", 0.0) for r in ledger)
+        print(f"  {len(ledger)} instance(s) ended: ${total:.3f}, of it idle (nobody's) ${idle:.3f}")
     return EXIT_OK
+
+
+def _instance_costs(instances: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Return each elastic instance's hours, cost so far and idle cost (its GPU-hours no
+    claim used, at its hourly price)."""
+    import time
+
+    usage = {row["host"]: row.get("usage", {}) for row in rows}
+    costs = []
+    for instance in instances.values():
+        hours = max(0.0, time.time() - instance.launched_at.timestamp()) / 3600
+        used = (
+            float(usage.get(instance.id, {}).get("used_gpu_s", 0.0)) / 3600 / max(1, instance.gpus)
+        )
+        costs.append(
+            {
+                "instance": instance.id,
+                "instance_type": instance.instance_type,
+                "market": instance.market,
+                "state": instance.state,
+                "hours": hours,
+                "used_hours": used,
+                "cost_usd": hours * instance.hourly_usd,
+                "idle_cost_usd": max(0.0, hours - used) * instance.hourly_usd,
+            }
+        )
+    return costs
 
 
 def _delete(name: str) -> int:
@@ -148,10 +237,13 @@ def _delete(name: str) -> int:
 
     try:
         fleet = fleet_block(name)
+        backend = backend_of(name, fleet)
+        hosts = all_hosts(backend)
+        nodes = backend.nodes()
     except InvalidSpec as exc:
         return invalid(exc)
     busy = []
-    for host in fleet.hosts:
+    for host in hosts:
         said = host_status(fleet, host)
         busy += [f"{host.label}: {run['name']}" for run in said.get("runs", [])]
     if busy:
@@ -160,8 +252,26 @@ def _delete(name: str) -> int:
             " them (`gpuflow cancel`) or wait for them to end, then delete it."
         )
         return EXIT_FAILED
+    if nodes is not None:
+        instances = [i.id for i in nodes.instances()]
+        nodes.end(instances, print)
+        nodes.remove_all(print)
     from prefect.blocks.core import Block
 
     Block.delete(f"gpuflow-gpu-fleet/{name}")
     print(f"fleet {name} deleted")
+    return EXIT_OK
+
+
+def _scale(name: str) -> int:
+    from gpuflow.flows.fleet_scale import fleet_scale
+    from gpuflow.tasks.errors import InvalidSpec
+
+    try:
+        backend_of(name).nodes()
+    except InvalidSpec as exc:
+        return invalid(exc)
+    rows = fleet_scale(name)
+    for row in rows:
+        print(f"{row['action']:7} {row['instance'] or '-':20} {row['why']}")
     return EXIT_OK

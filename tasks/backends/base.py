@@ -332,3 +332,13 @@ class Backend(Protocol):
     def reap(self, dry_run: bool, say: Callable[[str], None], runs: RunStates) -> ReapReport:
         """Remove what runs that are over (or whose gpuflow died) left, asking `runs` how
         each run stands; with `dry_run`, only say what would go. Idempotent."""
+
+
+def say_in_run(message: str) -> None:
+    """Say `message` in the run's log (the Prefect run logger when there is one)."""
+    try:
+        from prefect import get_run_logger
+
+        get_run_logger().info(message)
+    except Exception:
+        print(message, flush=True)

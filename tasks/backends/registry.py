@@ -3,8 +3,10 @@ package with a class that has `name`, `capabilities` and the verbs, plus a `regi
 
 from __future__ import annotations
 
+from gpuflow.tasks.backends import elastic
 from gpuflow.tasks.backends.base import Backend
 from gpuflow.tasks.backends.ec2.backend import Ec2Backend
+from gpuflow.tasks.backends.ec2.fleet_nodes import Ec2FleetNodes
 from gpuflow.tasks.backends.fleet.backend import FleetBackend
 from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
 from gpuflow.tasks.backends.local.backend import LocalBackend
@@ -47,3 +49,7 @@ def backend_for(cluster: Cluster) -> Backend:
 
 for _builtin in (LocalBackend, KubernetesBackend, Ec2Backend, SlurmBackend, FleetBackend):
     register(_builtin)
+
+# an elastic fleet grows on EC2: the fleet backend reaches EC2's instances through this
+# (no backend imports another)
+elastic.CLOUDS["ec2"] = Ec2FleetNodes

@@ -1,13 +1,16 @@
 """GPU servers for fleet tests (scripts/fleet-testbed.sh): brought up, described, saved as
-a GpuFleet block, brought down."""
+a GpuFleet block, brought down; an elastic fleet's EC2 instances played as its hosts."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,3 +64,93 @@ def records_on(bed: dict, host: str) -> list[str]:
     """Return the runs `host` still has a record of."""
     folder = Path(bed["dir"]) / host / "gpuflow" / "local" / "clusters"
     return sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
+
+
+class PlayedFleetInstances:
+    """An elastic fleet's EC2 instances (moto's), played as hosts of a test bed: each new
+    instance of the fleet becomes, after `boot_s` (a boot's delay), a host at its private
+    address (`fleet-testbed.sh add`), its GPUs those of its instance type, and its real
+    user-data runs (letting the fleet's key in and publishing its host key, as on EC2). An
+    instance moto says is terminated loses its host (`remove`: its power cut)."""
+
+    def __init__(
+        self,
+        ec2,
+        bed: dict,
+        products: dict[str, tuple[int, str]],
+        profile: dict[str, str],
+        boot_s: float = 0,
+    ):
+        self.ec2, self.bed, self.products, self.boot_s = ec2, bed, products, boot_s
+        self.profile = profile  # the instance profile's keys
+        self.booted: dict[str, Path] = {}
+        self.console: dict[str, str] = {}
+        self.errors: list[
+            str
+        ] = []  # what went wrong booting or powering off (for a test's message)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True, name="played-fleet")
+
+    def __enter__(self) -> PlayedFleetInstances:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self.thread.join(30)
+
+    def _watch(self) -> None:
+        seen: dict[str, float] = {}
+        while not self.stopping.is_set():
+            try:
+                states = {}
+                owned = [{"Name": "tag:gpuflow.io/owner", "Values": ["gpuflow-fleet"]}]
+                for page in self.ec2.get_paginator("describe_instances").paginate(Filters=owned):
+                    for reservation in page["Reservations"]:
+                        for item in reservation["Instances"]:
+                            states[item["InstanceId"]] = item
+                for instance_id, item in states.items():
+                    alive = item["State"]["Name"] in ("pending", "running")
+                    if alive and instance_id not in self.booted:
+                        seen.setdefault(instance_id, time.monotonic())
+                        if time.monotonic() - seen[instance_id] >= self.boot_s:
+                            self._boot(item)
+                    elif not alive and instance_id in self.booted:
+                        self._power_off(instance_id)
+            except Exception as exc:  # said in the test's failure; the next tick tries again
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+            self.stopping.wait(0.3)
+
+    def _boot(self, item: dict) -> None:
+        instance_id, address = item["InstanceId"], item["PrivateIpAddress"]
+        gpus, product = self.products[item["InstanceType"]]
+        home = Path(self.bed["dir"]) / instance_id
+        self.booted[instance_id] = home  # before `add`: a failed boot is not tried again
+        added = subprocess.run(
+            [str(TESTBED), "add", str(self.bed["dir"]), f"{instance_id}:{gpus}:{product}", address],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "FLEET_PYTHON": sys.executable},
+        )
+        if added.returncode != 0:
+            raise RuntimeError(f"fleet-testbed add {instance_id}: {added.stderr.strip()}")
+        data = self.ec2.describe_instance_attribute(InstanceId=instance_id, Attribute="userData")
+        script = home / "user-data"
+        script.write_text(base64.b64decode(data["UserData"]["Value"]).decode())
+        done = subprocess.run(
+            ["bash", str(script)],
+            env={
+                "PATH": f"{home / 'bin'}:/usr/bin:/bin",  # the image's python3 (with boto3)
+                **self.profile,
+                "AUTHORIZED_KEYS": str(home / "authorized_keys"),
+                "SSH_HOST_KEY": str(home / "host_key.pub"),
+            },
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        self.console[instance_id] = done.stdout + done.stderr
+
+    def _power_off(self, instance_id: str) -> None:
+        subprocess.run([str(TESTBED), "remove", str(self.bed["dir"]), instance_id], check=True)
+        self.booted.pop(instance_id)

@@ -35,7 +35,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from gpuflow.tasks import contract, own_wheel
-from gpuflow.tasks.backends.base import LogTail, UnitBackend, join_samples
+from gpuflow.tasks.backends.base import LogTail, UnitBackend, join_samples, say_in_run
 from gpuflow.tasks.backends.ec2 import launch as launching
 from gpuflow.tasks.backends.ec2 import reap as reaping
 from gpuflow.tasks.backends.ec2.agent import PYTHON, AgentConfig, UnitSpec
@@ -751,14 +751,7 @@ def _endpoint(fleet: Fleet) -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL")
 
 
-def _say(message: str) -> None:
-    """Say `message` in the run's log (the Prefect run logger when there is one)."""
-    try:
-        from prefect import get_run_logger
-
-        get_run_logger().info(message)
-    except Exception:
-        print(message, flush=True)
+_say = say_in_run
 
 
 __all__ = ["Ec2Backend", "Heartbeat", "remove_leftovers", "user_data"]

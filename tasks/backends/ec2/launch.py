@@ -71,6 +71,7 @@ def launch(
     say: Callable[[str], None],
     instance_profile: str | None = None,
     security_groups: list[str] | None = None,
+    subnet: str | None = None,
 ) -> Launched:
     """Return the run's `nodes` instances: adopted when they exist, else launched from the
     first offer that has capacity. CapacityError (retryable) when none has."""
@@ -94,6 +95,8 @@ def launch(
             request["IamInstanceProfile"] = {"Name": instance_profile}
         if security_groups:
             request["SecurityGroupIds"] = security_groups
+        if subnet:
+            request["SubnetId"] = subnet
         try:
             made = ec2.run_instances(**request)
         except ClientError as exc:

@@ -40,6 +40,24 @@ class Mailbox:
     def put_json(self, key: str, value: Any) -> None:
         self.put(key, json.dumps(value, sort_keys=True))
 
+    def put_new(self, key: str, data: str) -> bool:
+        """Write `key` only if no object is there (S3's conditional write); return whether
+        this call made it."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self.s3.put_object(
+                Bucket=self.bucket, Key=self.prefix + key, Body=data.encode(), IfNoneMatch="*"
+            )
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
+                return False
+            raise
+        return True
+
+    def delete(self, key: str) -> None:
+        self.s3.delete_object(Bucket=self.bucket, Key=self.prefix + key)
+
     def get(self, key: str) -> bytes | None:
         try:
             return self.s3.get_object(Bucket=self.bucket, Key=self.prefix + key)["Body"].read()

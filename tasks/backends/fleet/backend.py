@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from gpuflow.tasks.backends.base import LogTail, UnitBackend
+from gpuflow.tasks.backends import elastic
+from gpuflow.tasks.backends.base import LogTail, UnitBackend, say_in_run
 from gpuflow.tasks.backends.fleet import hosts as fleet_hosts
 from gpuflow.tasks.backends.fleet.session import Busy, HostSession, UnitWatch
 from gpuflow.tasks.contract import (
@@ -52,7 +53,8 @@ from gpuflow.tasks.host import gpuflow_home, make_dirs, read_state_json, write_a
 from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
 from gpuflow.tasks.metrics.sampler import NODE_SAMPLES
 from gpuflow.tasks.saved_blocks import load_block
-from gpuflow.tasks.spec import JobSpec, Placement
+from gpuflow.tasks.spec import JobSpec, Placement, Resources
+from gpuflow.tasks.ssh import public_key_of
 from gpuflow.tasks.storage import S3Settings
 
 if TYPE_CHECKING:
@@ -138,9 +140,12 @@ class FleetBackend(UnitBackend):
     def of(cls, cluster: Cluster) -> FleetBackend:
         return cls(state_of(cluster, FleetState).fleet)
 
-    def __init__(self, fleet: str | None = None) -> None:
+    def __init__(self, fleet: str | None = None, block: GpuFleet | None = None) -> None:
+        """`block`: the fleet's GpuFleet when it is not saved yet (else read by name)."""
         self.fleet_name = fleet
-        self._fleet: GpuFleet | None = None
+        self._fleet: GpuFleet | None = block
+        self._nodes: list[elastic.Nodes | None] = []
+        self._described: tuple[float, list[elastic.Instance]] = (-1e9, [])
 
     def fleet(self) -> GpuFleet:
         if self._fleet is None:
@@ -149,11 +154,71 @@ class FleetBackend(UnitBackend):
             self._fleet = fleet_block(self.fleet_name)
         return self._fleet
 
+    def nodes(self) -> elastic.Nodes | None:
+        """Return the elastic fleet's instances (None for a fleet of listed hosts only)."""
+        if not self._nodes:
+            fleet = self.fleet()
+            if fleet.ec2 is None:
+                self._nodes.append(None)
+            else:
+                if not fleet.ssh_key:
+                    raise InvalidSpec(
+                        f"ssh_key: elastic fleet {self.fleet_name!r} has no ssh_key; name the"
+                        " Secret block holding the private key its instances will accept."
+                    )
+                try:
+                    public = public_key_of(secret_text(fleet.ssh_key))
+                except ValueError as exc:
+                    raise InvalidSpec(f"ssh_key: Secret block {fleet.ssh_key!r}: {exc}") from None
+                self._nodes.append(elastic.CLOUDS["ec2"](fleet.ec2, self.fleet_name or "", public))
+        return self._nodes[0]
+
+    def hosts(self) -> list[tuple[FleetHost, HostCheck]]:
+        """Return the hosts that serve: the listed ones the last apply found fit, and the
+        elastic fleet's running instances that have published their host key."""
+        from gpuflow.blocks.gpu_fleet import FleetHost, HostCheck
+
+        fleet = self.fleet()
+        found = list(fleet.serving())
+        nodes = self.nodes()
+        if nodes is None or fleet.ec2 is None:
+            return found
+        if time.monotonic() - self._described[0] > 1.0:  # asked of the cloud once a second
+            self._described = (time.monotonic(), nodes.instances())
+        for instance in self._described[1]:
+            if instance.state != "running" or not instance.known_hosts:
+                continue
+            host = FleetHost(
+                address=instance.address,
+                name=instance.id,
+                user=fleet.ec2.user,
+                known_hosts=instance.known_hosts,
+                gpus=instance.gpus,
+            )
+            check = HostCheck(
+                host=instance.id, ok=True, gpus=instance.gpus, products=[instance.product]
+            )
+            found.append((host, check))
+        return found
+
+    def host(self, label: str) -> FleetHost | None:
+        found = self.fleet().host(label)
+        if found is None:
+            found = next((h for h, _ in self.hosts() if h.label == label), None)
+        return found
+
     # -- before anything is made ---------------------------------------------------------
 
     def configure(self, spec: JobSpec, prices: PriceTable) -> tuple[JobSpec, PriceTable]:
+        """Price a GPU-hour: the fleet's own price, or on an elastic fleet's instances
+        their hourly price shared by their GPUs (each run pays its share)."""
         fleet = self.fleet()
-        return spec, prices.with_gpu_rate(self.name, fleet.gpu_hourly_usd, 0.0)
+        rate = fleet.gpu_hourly_usd
+        nodes = self.nodes()
+        if nodes is not None and not rate:
+            gpus, _product, hourly = nodes.instance_gpus()
+            rate = hourly / max(1, gpus)
+        return spec, prices.with_gpu_rate(self.name, rate, 0.0)
 
     def _fitting(self, spec: JobSpec) -> list[tuple[FleetHost, HostCheck]]:
         """Return the serving hosts with the job's GPUs per node, fewest GPUs first (a
@@ -161,7 +226,7 @@ class FleetBackend(UnitBackend):
         res = spec.resources
         fits = [
             (host, check)
-            for host, check in self.fleet().serving()
+            for host, check in self.hosts()
             if check.gpus >= res.gpus
             and (res.gpu_product is None or res.gpu_product in check.products)
         ]
@@ -170,39 +235,52 @@ class FleetBackend(UnitBackend):
     def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
         """Raise InvalidSpec when the fleet cannot run `spec` (nothing is claimed)."""
         fleet, name, res = self.fleet(), self.fleet_name, spec.resources
-        if not fleet.hosts:
+        nodes = self.nodes()
+        if not fleet.hosts and nodes is None:
             raise InvalidSpec(f"placement.fleet: fleet {name!r} has no hosts; add them.")
-        if not fleet.checked:
+        if fleet.hosts and not fleet.checked:
             raise InvalidSpec(
                 f"placement.fleet: fleet {name!r} has not been checked yet; run"
                 f" `gpuflow fleet apply {name}` first."
             )
-        serving = fleet.serving()
+        serving = [(h.label, c.gpus, c.products) for h, c in self.hosts()]
+        grown = 0
+        if nodes is not None and fleet.ec2 is not None:
+            gpus, product, _hourly = nodes.instance_gpus()
+            serving.append((f"a new {fleet.ec2.instance_types[0]}", gpus, [product]))
+            grown = fleet.ec2.nodes.max
         if not serving:
             why = "; ".join(f"{c.host}: {c.reason}" for c in fleet.checked if not c.ok)
             raise InvalidSpec(
                 f"placement.fleet: no host of fleet {name!r} serves ({why}); fix them and run"
                 f" `gpuflow fleet apply {name}`."
             )
-        largest_host, largest = max(serving, key=lambda pair: pair[1].gpus)
-        if res.gpus > largest.gpus:
+        largest_host, largest, _ = max(serving, key=lambda row: row[1])
+        if res.gpus > largest:
             raise InvalidSpec(
                 f"resources.gpus: {res.gpus} GPU(s) per node is more than any host of fleet"
-                f" {name!r} has (the largest, {largest_host.label}, has {largest.gpus}); ask"
-                f" for at most {largest.gpus} per node, or use more nodes."
+                f" {name!r} has (the largest, {largest_host}, has {largest}); ask"
+                f" for at most {largest} per node, or use more nodes."
             )
-        fitting = self._fitting(spec)
+        fitting = [
+            row
+            for row in serving
+            if row[1] >= res.gpus and (res.gpu_product is None or res.gpu_product in row[2])
+        ]
         if res.gpu_product and not fitting:
-            products = sorted({p for _, c in serving for p in c.products})
+            products = sorted({p for row in serving for p in row[2]})
             raise InvalidSpec(
                 f"resources.gpu_product: no host of fleet {name!r} has {res.gpu_product}; its"
                 f" hosts have {', '.join(products) or 'no GPUs'}."
             )
-        if res.nodes > len(fitting):
+        room = len([row for row in fitting if not row[0].startswith("a new ")])
+        if nodes is not None and any(row[0].startswith("a new ") for row in fitting):
+            room = len(fleet.serving()) + grown
+        if res.nodes > room:
             raise InvalidSpec(
                 f"resources.nodes: {res.nodes} nodes with {res.gpus} GPU(s) each, but fleet"
-                f" {name!r} has {len(fitting)} host(s) with that many; ask for at most"
-                f" {len(fitting)} nodes."
+                f" {name!r} can have {room} host(s) with that many; ask for at most"
+                f" {room} nodes."
             )
 
     def offers(self, spec: JobSpec, prices: PriceTable) -> list[Offer]:
@@ -218,7 +296,10 @@ class FleetBackend(UnitBackend):
         )
         where = f"fleet/{self.fleet_name}"
         fitting = self._fitting(spec)
+        growth = self._growth_offer(spec, prices)
         if not fitting:
+            if growth is not None:
+                return [growth]
             return [Offer(where=where, hourly_usd=hourly, can_start=False, why_not="no host fits")]
         fleet = self.fleet()
         free = {host.label: host_status(fleet, host) for host, _found in fitting}
@@ -244,7 +325,33 @@ class FleetBackend(UnitBackend):
                 )
             )
         # the hosts that could start it first, the emptiest first among them
-        return sorted(offers, key=lambda o: (not o.can_start, -(o.gpus_free or 0)))
+        offers.sort(key=lambda o: (not o.can_start, -(o.gpus_free or 0)))
+        return offers + ([growth] if growth is not None else [])
+
+    def _growth_offer(self, spec: JobSpec, prices: PriceTable) -> Offer | None:
+        """Return what growing an elastic fleet for the job would give and cost (its
+        instances' share for the job's GPUs), None for a fleet of listed hosts only."""
+        nodes, fleet = self.nodes(), self.fleet()
+        if nodes is None or fleet.ec2 is None:
+            return None
+        res = spec.resources
+        gpus, product, hourly = nodes.instance_gpus()
+        taken = len(nodes.slots())
+        room = fleet.ec2.nodes.max - taken
+        why = ""
+        if gpus < res.gpus:
+            why = f"a new instance has {gpus} GPU(s)"
+        elif room < res.nodes:
+            why = f"the fleet is at {taken} of its max {fleet.ec2.nodes.max} instance(s)"
+        return Offer(
+            where=f"fleet/{self.fleet_name} +{res.nodes} x {fleet.ec2.instance_types[0]} (new)",
+            gpu_product=product,
+            gpus_free=None,
+            hourly_usd=hourly * res.nodes * res.gpus / max(1, gpus),
+            can_start=False,
+            why_not=why or "boots a new instance first",
+            preemptible=fleet.ec2.market != "on-demand",
+        )
 
     # -- provision -----------------------------------------------------------------------
 
@@ -269,18 +376,26 @@ class FleetBackend(UnitBackend):
             "grace_s": spec.limits.stop_grace_s,
             "interval_s": spec.metrics.interval_s,
         }
-        while True:
-            sessions, why = self._claim(fleet, spec, request)
-            if len(sessions) == res.nodes:
-                break
-            for session in sessions:
-                session.teardown(30)
-            if time.monotonic() >= deadline:
-                raise CapacityError(
-                    f"fleet {self.fleet_name!r} has not {res.nodes} host(s) with {res.gpus}"
-                    f" free GPU(s) now: {'; '.join(why)}"
-                )
-            time.sleep(0.5)
+        nodes = self.nodes()
+        grower = _Grower(self, nodes, spec, owner[RUN_LABEL]) if nodes is not None else None
+        try:
+            while True:
+                sessions, why = self._claim(fleet, spec, request)
+                if len(sessions) == res.nodes:
+                    break
+                for session in sessions:
+                    session.teardown(30)
+                if grower is not None:
+                    deadline = max(deadline, grower.step())
+                if time.monotonic() >= deadline:
+                    raise CapacityError(
+                        f"fleet {self.fleet_name!r} has not {res.nodes} host(s) with {res.gpus}"
+                        f" free GPU(s) now: {'; '.join(why) or 'no host serves yet'}"
+                    )
+                time.sleep(0.5)
+        finally:
+            if grower is not None:
+                grower.done()
         with _SESSIONS_LOCK:
             _SESSIONS[name] = sessions
         cluster = self._cluster(spec, owner, name, sessions)
@@ -396,27 +511,50 @@ class FleetBackend(UnitBackend):
         fleet = self.fleet()
         spec_gpus = int(lost.request["resources"]["gpus"])
         in_use = {s.host for s in sessions if s is not lost}
-        hosts = [
-            (host, check)
-            for host, check in fleet.serving()
-            if check.gpus >= spec_gpus and host.label not in in_use
-        ]
-        # another host first; the lost one last (it may be back)
-        hosts.sort(key=lambda pair: (pair[0].label == lost.host, pair[1].gpus, pair[0].label))
+        nodes = self.nodes()
+        grower = None
+        deadline = time.monotonic()
         why: list[str] = []
-        for host, _found in hosts:
-            try:
-                replacement = self._open(fleet, host, lost.request)
-            except (Busy, ProvisionError, InvalidSpec, TimeoutError) as exc:
-                why.append(f"{host.label}: {exc}")
-                continue
-            for staged in _STAGED.get(cluster.name, []):
-                _put_staged(replacement, staged)
-            with _SESSIONS_LOCK:
-                sessions[node] = replacement
-                _MOVED.setdefault(cluster.name, {})[lost.address] = replacement.address
-            self._save(cluster, sessions)
-            return replacement
+        try:
+            while True:
+                hosts = [
+                    (host, check)
+                    for host, check in self.hosts()
+                    if check.gpus >= spec_gpus and host.label not in in_use
+                ]
+                # another host first; the lost one last (it may be back)
+                hosts.sort(
+                    key=lambda pair: (pair[0].label == lost.host, pair[1].gpus, pair[0].label)
+                )
+                why = []
+                for host, _found in hosts:
+                    try:
+                        replacement = self._open(fleet, host, lost.request)
+                    except (Busy, ProvisionError, InvalidSpec, TimeoutError) as exc:
+                        why.append(f"{host.label}: {exc}")
+                        continue
+                    for staged in _STAGED.get(cluster.name, []):
+                        _put_staged(replacement, staged)
+                    with _SESSIONS_LOCK:
+                        sessions[node] = replacement
+                        _MOVED.setdefault(cluster.name, {})[lost.address] = replacement.address
+                    self._save(cluster, sessions)
+                    return replacement
+                if nodes is None:
+                    break
+                if grower is None:  # an elastic fleet grows for the lost node
+                    spec = JobSpec.model_construct(
+                        resources=Resources(gpus=spec_gpus, nodes=1),
+                        placement=FleetPlacement(fleet=self.fleet_name or "", gpu_wait=0),
+                    )
+                    grower = _Grower(self, nodes, spec, f"{cluster.name}-node{node}")
+                deadline = max(deadline, grower.step())
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.5)
+        finally:
+            if grower is not None:
+                grower.done()
         raise CapacityError(
             f"{lost.lost}; no other host of fleet {self.fleet_name!r} has"
             f" {spec_gpus} free GPU(s) now: {'; '.join(why) or 'none fits'}"
@@ -463,7 +601,7 @@ class FleetBackend(UnitBackend):
         else:
             fleet = self.fleet()
             for hold in state.holds:
-                host = fleet.host(hold.host)
+                host = self.host(hold.host)
                 if host is None:
                     continue
                 with contextlib.suppress(InvalidSpec, ProvisionError, TimeoutError):
@@ -502,7 +640,8 @@ class FleetBackend(UnitBackend):
         fleet = self.fleet()
         held: set[str] = set()
         answered: set[str] = set()
-        for host in fleet.hosts:
+        instances = [h for h, _ in self.hosts() if fleet.host(h.label) is None]
+        for host in [*fleet.hosts, *instances]:
             argv = ["reap", "--dry-run"] if dry_run else ["reap"]
             try:
                 said = _remote_json(fleet, host, argv)
@@ -533,6 +672,267 @@ class FleetBackend(UnitBackend):
                 _record_path(cluster.name).unlink(missing_ok=True)
                 _record_path(cluster.name).with_suffix(".api").unlink(missing_ok=True)
         return report
+
+
+class _Grower:
+    """A run waiting for GPUs on an elastic fleet: its want is recorded where every
+    orchestrator sees it, and each step grows the fleet by what all waiting runs need
+    (`elastic.plan_growth`), taking slots by conditional writes."""
+
+    every_s = 2.0
+
+    def __init__(self, backend: FleetBackend, nodes: elastic.Nodes, spec: JobSpec, run: str):
+        section = backend.fleet().ec2
+        assert section is not None
+        self.backend, self.nodes, self.section = backend, nodes, section
+        self.boot_s = nodes.boot_timeout_s()
+        now = time.time()
+        self.want = elastic.Want(
+            run=run,
+            gpus=spec.resources.gpus,
+            nodes=spec.resources.nodes,
+            since=now,
+            until=now + spec.placement.gpu_wait + section.grow_after_s + self.boot_s + 60,
+        )
+        nodes.want(self.want)
+        self.next_at = 0.0
+        self.deadline = time.monotonic()
+
+    def step(self) -> float:
+        """Grow the fleet if the waiting runs need it; return until when this run waits
+        (a launch gives it the boot timeout)."""
+        if time.monotonic() < self.next_at:
+            return self.deadline
+        self.next_at = time.monotonic() + self.every_s
+        if grow(self.backend, self.nodes, say_in_run):
+            self.deadline = time.monotonic() + self.boot_s + 30
+        if self.booting():
+            self.deadline = max(self.deadline, time.monotonic() + 5)
+        elif time.time() - self.want.since < self.section.grow_after_s + self.every_s:
+            self.deadline = max(
+                self.deadline, time.monotonic() + self.section.grow_after_s + self.every_s
+            )
+        return self.deadline
+
+    def booting(self) -> bool:
+        return any(not i.known_hosts or i.state != "running" for i in self.nodes.instances())
+
+    def done(self) -> None:
+        with contextlib.suppress(Exception):
+            self.nodes.unwant(self.want.run)
+
+
+def grow(backend: FleetBackend, nodes: elastic.Nodes, say: Callable[[str], None]) -> list[str]:
+    """Launch the instances the fleet's waiting runs need, beyond those booting; return
+    their ids. Every process that runs this at once takes different slots (or none)."""
+    section = backend.fleet().ec2
+    assert section is not None
+    gpus, _product, _hourly = nodes.instance_gpus()
+    slots = nodes.slots()
+    live = {i.id: i for i in nodes.instances()}
+    booting = sum(
+        1
+        for record in slots.values()
+        if not record.get("instance")
+        or (
+            record["instance"] not in live and time.time() - record.get("at", 0) < 30
+        )  # launched, not described yet
+        or (record["instance"] in live and not live[record["instance"]].known_hosts)
+    )
+    count, why = elastic.plan_growth(
+        nodes.wants(),
+        booting,
+        len(slots),
+        section.nodes.max,
+        gpus,
+        time.time(),
+        section.grow_after_s,
+    )
+    launched: list[str] = []
+    free = [k for k in range(section.nodes.max) if k not in slots]
+    for slot in free[:count]:
+        if not nodes.take_slot(slot, {"at": time.time(), "by": os.getpid()}):
+            continue  # another process took it: it launches that one
+        try:
+            instance = nodes.launch(slot, say)
+        except Exception:
+            nodes.free_slot(slot)
+            raise
+        nodes.set_slot(slot, {"at": time.time(), "instance": instance.id})
+        launched.append(instance.id)
+        say(f"fleet {backend.fleet_name}: grew by {instance.id} ({why})")
+    return launched
+
+
+def scale(backend: FleetBackend, say: Callable[[str], None]) -> list[elastic.Decision]:
+    """One period of an elastic fleet's scaler; return what it decided and why.
+
+    - slots whose instance is gone (ended elsewhere, a spot reclaim) are freed, and wants
+      past their time forgotten;
+    - an instance that has not published its host key within the boot timeout is ended;
+    - the fleet grows for the runs that have waited longer than `grow_after_s`, and up to
+      `nodes.min`;
+    - an instance with no claim for `idle_duration_s` (since its last claim ended, or its
+      launch) is ended, down to `nodes.min`: its GPUs are claimed first, so no run takes
+      it meanwhile; what it cost and how much of it runs used goes to the fleet's ledger.
+
+    The hysteresis: growth needs a wait of `grow_after_s`, an end an idle time of
+    `idle_duration_s` (at least 10 s, 600 by default), so an instance launched for a burst
+    serves every run that comes within idle_duration_s of the last one."""
+    nodes, section = backend.nodes(), backend.fleet().ec2
+    if nodes is None or section is None:
+        raise InvalidSpec(f"fleet {backend.fleet_name!r} has no ec2 section: nothing to scale.")
+    decisions: list[elastic.Decision] = []
+    now = time.time()
+    instances = nodes.instances()
+    live = {i.id: i for i in instances}
+    boot_s = nodes.boot_timeout_s()
+    for slot, record in sorted(nodes.slots().items()):
+        instance = record.get("instance")
+        if instance and instance not in live and now - record.get("at", now) > 30:
+            nodes.free_slot(slot)
+            decisions.append(
+                elastic.Decision(
+                    action="forget",
+                    instance=instance,
+                    why="it is no longer running (ended outside the fleet, or a spot reclaim)",
+                )
+            )
+        elif not instance and now - record.get("at", now) > 120:
+            nodes.free_slot(slot)  # its launcher died between taking it and launching
+    for want in nodes.wants():
+        if want.until < now:
+            nodes.unwant(want.run)
+    for instance in instances:
+        age = now - instance.launched_at.timestamp()
+        if not instance.known_hosts and age > boot_s:
+            nodes.end([instance.id], say)
+            _forget(nodes, instance)
+            live.pop(instance.id)
+            decisions.append(
+                elastic.Decision(
+                    action="shrink",
+                    instance=instance.id,
+                    why=f"it did not publish its host key within the boot timeout ({boot_s:.0f} s)",
+                )
+            )
+    for instance_id in grow(backend, nodes, say):
+        decisions.append(elastic.Decision(action="grow", instance=instance_id, why="runs waited"))
+    while len(nodes.slots()) < section.nodes.min:
+        free = [k for k in range(section.nodes.max) if k not in nodes.slots()]
+        if not free or not nodes.take_slot(free[0], {"at": time.time(), "by": os.getpid()}):
+            break
+        instance = nodes.launch(free[0], say)
+        nodes.set_slot(free[0], {"at": time.time(), "instance": instance.id})
+        decisions.append(
+            elastic.Decision(
+                action="grow", instance=instance.id, why=f"below min {section.nodes.min}"
+            )
+        )
+    fleet = backend.fleet()
+    ready = {h.label: h for h, _ in backend.hosts() if h.label in live}
+    count = len(live)
+    for instance in sorted(live.values(), key=lambda i: i.launched_at):
+        host = ready.get(instance.id)
+        if host is None:
+            continue
+        said = host_status(fleet, host)
+        if "error" in said:
+            decisions.append(
+                elastic.Decision(action="keep", instance=instance.id, why=said["error"])
+            )
+            continue
+        usage = said.get("usage", {})
+        if said.get("runs"):
+            decisions.append(
+                elastic.Decision(
+                    action="keep",
+                    instance=instance.id,
+                    why=f"{len(said['runs'])} run(s) hold its GPUs",
+                )
+            )
+            continue
+        idle_since = max(instance.launched_at.timestamp(), float(usage.get("last_release", 0)))
+        idle = now - idle_since
+        if idle < section.idle_duration_s:
+            decisions.append(
+                elastic.Decision(
+                    action="keep",
+                    instance=instance.id,
+                    why=f"idle {idle:.0f} s of idle_duration {section.idle_duration_s:.0f} s",
+                )
+            )
+            continue
+        if count <= section.nodes.min:
+            decisions.append(
+                elastic.Decision(
+                    action="keep",
+                    instance=instance.id,
+                    why=f"the fleet's min is {section.nodes.min}",
+                )
+            )
+            continue
+        if not _retire(backend, fleet, host, instance, nodes, say, usage, now):
+            decisions.append(
+                elastic.Decision(
+                    action="keep", instance=instance.id, why="a run claimed it meanwhile"
+                )
+            )
+            continue
+        count -= 1
+        decisions.append(
+            elastic.Decision(action="shrink", instance=instance.id, why=f"idle for {idle:.0f} s")
+        )
+    return decisions
+
+
+def _retire(
+    backend: FleetBackend,
+    fleet: GpuFleet,
+    host: FleetHost,
+    instance: elastic.Instance,
+    nodes: elastic.Nodes,
+    say: Callable[[str], None],
+    usage: dict[str, float],
+    now: float,
+) -> bool:
+    """Claim every GPU of an idle instance (no run can take it meanwhile), end it and
+    record what it cost; False when a run holds a GPU of it now."""
+    request = {
+        "resources": {"gpus": instance.gpus},
+        "owner": {RUN_LABEL: f"fleet-scale-{uuid.uuid4().hex[:8]}"},
+        "job": "fleet-scale",
+        "counts": False,
+    }
+    try:
+        session = backend._open(fleet, host, request)
+    except (Busy, ProvisionError, InvalidSpec, TimeoutError):
+        return False
+    try:
+        nodes.end([instance.id], say)
+    finally:
+        session.close()
+    _forget(nodes, instance)
+    hours = (now - instance.launched_at.timestamp()) / 3600
+    used_h = float(usage.get("used_gpu_s", 0.0)) / 3600 / max(1, instance.gpus)
+    nodes.ended(
+        instance.id,
+        {
+            "instance_type": instance.instance_type,
+            "market": instance.market,
+            "hours": hours,
+            "used_hours": used_h,
+            "cost_usd": hours * instance.hourly_usd,
+            "idle_cost_usd": max(0.0, hours - used_h) * instance.hourly_usd,
+            "ended_at": now,
+        },
+    )
+    return True
+
+
+def _forget(nodes: elastic.Nodes, instance: elastic.Instance) -> None:
+    if instance.slot is not None:
+        nodes.free_slot(instance.slot)
 
 
 def _holds(sessions: list[HostSession]) -> list[HostHold]:
@@ -702,4 +1102,10 @@ def host_status(fleet: GpuFleet, host: FleetHost) -> dict[str, Any]:
     gpus = len(probe.get("gpus", []))
     runs = said.get("runs", [])
     held = sum(len(run.get("gpus", [])) for run in runs)
-    return {"gpus": gpus, "free": max(0, gpus - held), "runs": runs, "probe": probe}
+    return {
+        "gpus": gpus,
+        "free": max(0, gpus - held),
+        "runs": runs,
+        "probe": probe,
+        "usage": said.get("usage", {}),
+    }

@@ -102,6 +102,8 @@ class Served:
             limits=Limits(),
         )
         self.owner = dict(header["owner"])
+        self.counts = bool(header.get("counts", True))  # False: the fleet's scaler retiring it
+        self.claimed_at = time.time()
         self.renewed = time.monotonic()
         self.units: dict[str, dict[str, Any]] = {}
         self.lock = threading.Lock()
@@ -238,8 +240,37 @@ class Served:
         while self.units and time.monotonic() < until:
             time.sleep(0.1)
         report = self.backend.teardown(self.cluster)
+        if self.counts:
+            _used(len(self.cluster.gpu_indices), self.claimed_at)
         self.emit(down=why, report=report.model_dump(mode="json"))
         return why
+
+
+def _usage_path() -> Path:
+    return gpuflow_home() / "fleet" / "usage.jsonl"
+
+
+def _used(gpus: int, since: float) -> None:
+    """Add a claim that ended to this host's usage (what an elastic fleet's idle time and
+    idle cost are counted from)."""
+    path = _usage_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"gpus": gpus, "from": since, "to": time.time()})
+    with path.open("a") as out:
+        out.write(line + "\n")
+
+
+def usage() -> dict[str, float]:
+    """Return the GPU-seconds claims held on this host, and when the last one ended."""
+    used, last = 0.0, 0.0
+    path = _usage_path()
+    if path.exists():
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                record = json.loads(line)
+                used += record["gpus"] * (record["to"] - record["from"])
+                last = max(last, record["to"])
+    return {"used_gpu_s": used, "last_release": last}
 
 
 def serve() -> int:
@@ -325,7 +356,7 @@ def status() -> int:
                 "units": len(record.jobs),
             }
         )
-    print(json.dumps({"host": probe(), "runs": runs}))
+    print(json.dumps({"host": probe(), "runs": runs, "usage": usage()}))
     return 0
 
 

@@ -1,0 +1,180 @@
+"""An elastic EC2 fleet on moto: each instance moto launches for the fleet is played as a
+host of a fleet test bed at its private address (tests/e2e/fleet_bed.py
+PlayedFleetInstances), with its real user-data letting the fleet's key in and publishing
+its host key."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gpuflow.flows.pipeline import gpu_pipeline
+from gpuflow.tasks.spec import load_spec
+from tests.e2e.conftest import FLEET
+from tests.e2e.fleet_bed import PlayedFleetInstances, fleet_bed
+from tests.e2e.test_fleet import in_thread, wait_for
+
+GPUFLOW = [sys.executable, "-m", "gpuflow"]
+
+
+def fleet_instances(ec2, states: list[str] | None = None) -> list[dict]:
+    filters = [{"Name": "tag:gpuflow.io/fleet", "Values": ["elastic"]}]
+    if states:
+        filters.append({"Name": "instance-state-name", "Values": states})
+    found = []
+    for page in ec2.get_paginator("describe_instances").paginate(Filters=filters):
+        for reservation in page["Reservations"]:
+            found += reservation["Instances"]
+    return found
+
+
+@pytest.fixture
+def elastic(aws, prefect_api, tmp_path, s3_server):
+    """Fleet `elastic`: no listed host; up to 3 g6.xlarge instances (one L4 each) in a
+    subnet on the test bed's /24; idle_duration 10 s."""
+    from prefect.blocks.system import Secret
+
+    from gpuflow.blocks import GpuFleet
+    from gpuflow.tasks.backends.ec2.catalog import gpu_types
+
+    ec2 = aws["ec2"]
+    with fleet_bed(tmp_path / "bed", []) as bed:
+        net = bed["address"].rsplit(".", 1)[0]
+        vpc = ec2.create_vpc(CidrBlock=f"{net}.0/24")["Vpc"]["VpcId"]
+        subnet = ec2.create_subnet(
+            VpcId=vpc, CidrBlock=f"{net}.0/24", AvailabilityZone="us-east-1a"
+        )["Subnet"]["SubnetId"]
+        Secret(value=bed["key"]).save("fleet-test-key", overwrite=True)
+        GpuFleet(
+            ssh_key="fleet-test-key",
+            lease_s=10,
+            ec2={
+                "block": FLEET,
+                "nodes": {"min": 0, "max": 3},
+                "instance_types": ["g6.xlarge"],
+                "user": "root",
+                "subnet": subnet,
+                "idle_duration_s": 10,
+                "grow_after_s": 0,
+            },
+        ).save("elastic", overwrite=True)
+        products = {t.instance_type: (t.gpus, t.product) for t in gpu_types(ec2, ["g6"])}
+        profile = {"AWS_ACCESS_KEY_ID": s3_server.key_id, "AWS_SECRET_ACCESS_KEY": s3_server.secret}
+        with PlayedFleetInstances(ec2, bed, products, profile) as played:
+            yield {"bed": bed, "ec2": ec2, "played": played, "s3": aws["s3"], "vpc": vpc}
+
+
+def elastic_spec(command: list[str], name: str) -> dict:
+    return {
+        "name": name,
+        "job": {"kind": "command", "command": command},
+        "resources": {"gpus": 1},
+        "placement": {"backend": "fleet", "fleet": "elastic", "gpu_wait": "2m"},
+        "limits": {"max_duration": "10m"},
+    }
+
+
+def cli(prefect_api, gpuflow_home, *argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "GPUFLOW_HOME": str(gpuflow_home)}
+    return subprocess.run([*GPUFLOW, *argv], env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.timeout(600)
+def test_an_elastic_fleet_grows_for_queued_runs_reuses_warm_instances_and_shrinks_to_zero(
+    elastic, prefect_api, gpuflow_home, s3_server, tmp_path
+):
+    """min 0, max 3: three runs queued at once (each waits until all three run) grow the
+    fleet to three instances, no more; the next run takes a warm one (no launch); past
+    idle_duration the scaler ends them all; `fleet delete` leaves nothing in moto."""
+    ec2 = elastic["ec2"]
+    met = tmp_path / "met"
+    met.mkdir()
+    wait_all = (
+        f'touch {met}/"$(hostname)-$$"; n=0;'
+        f' while [ "$(ls {met} | wc -l)" -lt 3 ]; do n=$((n+1));'
+        ' [ $n -gt 3000 ] && { echo "only some met"; exit 1; }; sleep 0.1; done; echo met'
+    )
+    states: list = []
+
+    def one(i: int):
+        def body():
+            spec = load_spec(elastic_spec(["sh", "-c", wait_all], f"queued-{i}"))
+            states.append(gpu_pipeline(spec, return_state=True))
+
+        return body
+
+    threads = [in_thread(one(i)) for i in range(3)]
+    for thread in threads:
+        thread.join(400)
+    played = elastic["played"]
+    assert len(states) == 3 and all(s.is_completed() for s in states), (
+        [s.message for s in states],
+        played.errors,
+        played.console,
+    )
+    launched = fleet_instances(ec2)
+    assert len(launched) == 3, [i["InstanceId"] for i in launched]  # what they needed, no more
+    hosts = {s.result().cluster.node_names[0] for s in states}
+    assert hosts == {i["InstanceId"] for i in launched}  # one run per one-GPU instance
+    # the host key came from the instance (through S3), not its user-data; no private key there
+    for home in played.booted.values():
+        user_data = (home / "user-data").read_text()
+        host_key = (home / "host_key.pub").read_text().split()[1]
+        assert host_key not in user_data and "PRIVATE KEY" not in user_data
+    # the next run: a warm instance, no launch
+    state = gpu_pipeline(load_spec(elastic_spec(["echo", "warm"], "warm")), return_state=True)
+    assert state.is_completed(), state.message
+    assert len(fleet_instances(ec2)) == 3
+    assert state.result().cluster.node_names[0] in hosts
+    # status: per instance, what it cost and what of it was idle
+    done = cli(prefect_api, gpuflow_home, "fleet", "status", "elastic", "--json")
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)
+    assert sorted(c["instance"] for c in shown["instances"]) == sorted(hosts)
+    assert all(c["used_hours"] > 0 and c["idle_cost_usd"] >= 0 for c in shown["instances"])
+    # idle past idle_duration (10 s): one scaler period ends them all (min 0)
+    time.sleep(10)
+    done = cli(prefect_api, gpuflow_home, "fleet", "scale", "elastic")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("shrink") == 3, done.stdout
+    wait_for(lambda: not fleet_instances(ec2, ["pending", "running"]), 60, "the instances' end")
+    wait_for(lambda: not elastic["played"].booted, 60, "the hosts' power cut")
+    done = cli(prefect_api, gpuflow_home, "fleet", "delete", "elastic")
+    assert done.returncode == 0, done.stdout + done.stderr
+    groups = ec2.describe_security_groups(
+        Filters=[{"Name": "tag:gpuflow.io/fleet", "Values": ["elastic"]}]
+    )["SecurityGroups"]
+    assert groups == []
+    left = elastic["s3"].list_objects_v2(Bucket=s3_server.bucket, Prefix="control/fleets/")
+    assert left.get("KeyCount", 0) == 0, left.get("Contents")
+
+
+def test_bad_elastic_fleet_input_is_one_sentence(prefect_api, gpuflow_home, tmp_path):
+    """min above max, max 0: one sentence naming the field, nothing saved."""
+    for nodes, said in (
+        ({"min": 3, "max": 2}, "ec2.nodes: min (3) is above max (2); set min to at most 2."),
+        ({"min": 0, "max": 0}, "ec2.nodes: max is 0: the fleet could never have an instance"),
+    ):
+        path = tmp_path / "bad.yaml"
+        path.write_text(
+            json.dumps(
+                {
+                    "name": "bad-elastic",
+                    "ssh_key": "k",
+                    "ec2": {"block": FLEET, "instance_types": ["g6.xlarge"], "nodes": nodes},
+                }
+            )
+        )
+        done = cli(prefect_api, gpuflow_home, "fleet", "apply", str(path))
+        assert done.returncode != 0
+        assert said in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+    from gpuflow.blocks import GpuFleet
+
+    with pytest.raises(ValueError):
+        GpuFleet.load("bad-elastic")
