@@ -21,7 +21,6 @@ backend imports another).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Protocol
@@ -125,15 +124,28 @@ def plan_growth(
     """Return how many instances to launch for the runs that have waited `grow_after_s` or
     longer, beyond `booting` ones that will serve them, never above `most` slots in all
     (`taken` now), and why. Each node takes an instance with per_instance GPUs, several
-    nodes share one when they fit."""
+    nodes of different runs share one when they fit (a run's own nodes never do)."""
     ready = [w for w in wants if now - w.since >= grow_after_s and w.until > now]
     if not ready:
         return 0, "no run has waited for GPUs long enough to grow"
-    per_node_fit = [max(1, per_instance // max(1, w.gpus)) for w in ready]
-    needed = sum(math.ceil(w.nodes / fit) for w, fit in zip(ready, per_node_fit, strict=True))
-    needed = max(needed, max(w.nodes for w in ready))
+    needed = len(_packed(ready, per_instance))
     launch = max(0, min(needed - booting, most - taken))
     waiting = f"{len(ready)} run(s) waiting need {needed} instance(s), {booting} booting"
     if launch == 0 and needed > booting:
         return 0, f"{waiting}; the fleet is at its max of {most}"
     return launch, waiting
+
+
+def _packed(wants: list[Want], per_instance: int) -> list[tuple[int, set[str]]]:
+    """Return the instances the wants' nodes fill (first fit, largest nodes first): each
+    its free GPUs and the runs on it; a run's nodes go on different instances."""
+    bins: list[tuple[int, set[str]]] = []
+    for w in sorted(wants, key=lambda w: -w.gpus):
+        for _node in range(w.nodes):
+            for i, (free, runs) in enumerate(bins):
+                if free >= w.gpus and w.run not in runs:
+                    bins[i] = (free - w.gpus, runs | {w.run})
+                    break
+            else:
+                bins.append((per_instance - w.gpus, {w.run}))
+    return bins

@@ -349,7 +349,7 @@ def test_a_killed_orchestrators_gpus_come_free_after_its_lease_and_its_unit_stop
     assert not record.exists()
     assert flow_run(record.stem.removeprefix("gpuflow-")).state.is_crashed()
     status = cli(prefect_api, gpuflow_home, "fleet", "status", "lab", "--json")
-    rows = json.loads(status.stdout)
+    rows = json.loads(status.stdout)["hosts"]
     offers = cli(prefect_api, gpuflow_home, "offers", str(path), "--json")
     shown = {(o["where"], o["gpus_free"], o["can_start"]) for o in json.loads(offers.stdout)}
     assert shown == {(f"fleet/lab {h}", 4, True) for h in ("g1", "g2", "g3")}, offers.stdout
@@ -439,7 +439,7 @@ def test_a_host_cut_off_mid_run_is_a_preemption_and_the_training_resumes_on_anot
         assert claims_on(lab, name) == []
     # back: it serves again (a one-GPU run on each host at once reaches it)
     status = cli(prefect_api, gpuflow_home, "fleet", "status", "lab", "--json")
-    rows = {r["host"]: r for r in json.loads(status.stdout)}
+    rows = {r["host"]: r for r in json.loads(status.stdout)["hosts"]}
     assert rows[host]["free"] == 4, rows[host]
 
 

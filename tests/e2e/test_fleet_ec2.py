@@ -131,6 +131,16 @@ def test_an_elastic_fleet_grows_for_queued_runs_reuses_warm_instances_and_shrink
     assert state.is_completed(), state.message
     assert len(fleet_instances(ec2)) == 3
     assert state.result().cluster.node_names[0] in hosts
+    # offers: each warm host's free GPUs now, then what growing the fleet would cost
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps(elastic_spec(["true"], "offered")))
+    done = cli(prefect_api, gpuflow_home, "offers", str(job), "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(done.stdout)
+    wheres = [row["where"] for row in rows]
+    assert sum(w.startswith("fleet/elastic i-") for w in wheres) == 3, wheres
+    grow = next(row for row in rows if "(new)" in row["where"])
+    assert grow["where"] == "fleet/elastic +1 x g6.xlarge (new)" and grow["hourly_usd"] > 0
     # status: per instance, what it cost and what of it was idle
     done = cli(prefect_api, gpuflow_home, "fleet", "status", "elastic", "--json")
     assert done.returncode == 0, done.stderr
@@ -178,3 +188,40 @@ def test_bad_elastic_fleet_input_is_one_sentence(prefect_api, gpuflow_home, tmp_
 
     with pytest.raises(ValueError):
         GpuFleet.load("bad-elastic")
+
+
+@pytest.mark.timeout(420)
+def test_a_spot_reclaim_of_a_fleet_instance_is_a_preemption_and_the_fleet_grows_for_it(
+    elastic, tmp_path
+):
+    """The instance running the unit is reclaimed (moto terminates it; its host's power is
+    cut): the unit ends as preempted, the run stage's retry finds no free host, the fleet
+    grows by a new instance (the reclaimed one's slot freed), and the unit runs again there."""
+    from tests.e2e.helpers import logs_of
+
+    ec2, played = elastic["ec2"], elastic["played"]
+    mark = tmp_path / "started"
+    once = (
+        f'if [ -f {mark} ]; then echo "resumed in $GPUFLOW_WORKSPACE"; exit 0; fi;'
+        f" touch {mark}; sleep 300"
+    )
+    done: dict = {}
+    flow = in_thread(
+        lambda: done.update(
+            state=gpu_pipeline(
+                load_spec(elastic_spec(["sh", "-c", once], "reclaimed")), return_state=True
+            )
+        )
+    )
+    wait_for(mark.exists, 180, "the unit's start")
+    (first,) = [i["InstanceId"] for i in fleet_instances(ec2, ["running"])]
+    ec2.terminate_instances(InstanceIds=[first])  # EC2 takes the spot instance back
+    flow.join(timeout=360)
+    assert not flow.is_alive(), "the run did not end"
+    state = done["state"]
+    assert state.is_completed(), (state.message, played.errors)
+    logs = "\n".join(logs_of(state.state_details.flow_run_id))
+    assert f"fleet host {first}" in logs, logs  # named as the host that was lost
+    (second,) = [i["InstanceId"] for i in fleet_instances(ec2, ["running"])]
+    assert second != first
+    assert f"resumed in {elastic['bed']['dir']}/{second}/" in logs, logs  # on the new one

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import shlex
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -45,6 +46,9 @@ _PUBLISH = (
     " Body=sys.stdin.read().strip(), IfNoneMatch='*')"
 )
 FLEET_TAG = "gpuflow.io/fleet"
+OFFERS_FOR_S = 300.0
+_OFFERS: dict[tuple, tuple[float, list[Offer]]] = {}
+_OFFERS_LOCK = threading.Lock()
 FLEET_OWNER = "gpuflow-fleet"
 SLOT_TAG = "gpuflow.io/fleet-slot"
 
@@ -78,7 +82,24 @@ class Ec2FleetNodes:
     @functools.cached_property
     def offers(self) -> list[Offer]:
         """Return the offers for the fleet's instance types, in the order they are tried:
-        the types as listed, the market's order within each."""
+        the types as listed, the market's order within each (asked of EC2 once every
+        OFFERS_FOR_S per process: every stage of a run reads them)."""
+        key = (
+            self.section.block,
+            tuple(self.section.instance_types),
+            self.section.market,
+            self.section.subnet,
+        )
+        with _OFFERS_LOCK:
+            cached = _OFFERS.get(key)
+        if cached is not None and time.monotonic() - cached[0] < OFFERS_FOR_S:
+            return cached[1]
+        found = self._offers()
+        with _OFFERS_LOCK:
+            _OFFERS[key] = (time.monotonic(), found)
+        return found
+
+    def _offers(self) -> list[Offer]:
         spec = JobSpec.model_validate(
             {
                 "name": f"fleet-{self.name}",

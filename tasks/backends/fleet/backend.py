@@ -279,7 +279,7 @@ class FleetBackend(UnitBackend):
         if res.nodes > room:
             raise InvalidSpec(
                 f"resources.nodes: {res.nodes} nodes with {res.gpus} GPU(s) each, but fleet"
-                f" {name!r} can have {room} host(s) with that many; ask for at most"
+                f" {name!r} {'can have' if grown else 'has'} {room} host(s) with that many; ask for at most"
                 f" {room} nodes."
             )
 
@@ -728,8 +728,10 @@ def grow(backend: FleetBackend, nodes: elastic.Nodes, say: Callable[[str], None]
     section = backend.fleet().ec2
     assert section is not None
     gpus, _product, _hourly = nodes.instance_gpus()
-    slots = nodes.slots()
     live = {i.id: i for i in nodes.instances()}
+    for instance_id in _forget_gone(nodes, set(live)):
+        say(f"fleet {backend.fleet_name}: {instance_id} is no longer running; its slot is free")
+    slots = nodes.slots()
     booting = sum(
         1
         for record in slots.values()
@@ -787,19 +789,14 @@ def scale(backend: FleetBackend, say: Callable[[str], None]) -> list[elastic.Dec
     instances = nodes.instances()
     live = {i.id: i for i in instances}
     boot_s = nodes.boot_timeout_s()
-    for slot, record in sorted(nodes.slots().items()):
-        instance = record.get("instance")
-        if instance and instance not in live and now - record.get("at", now) > 30:
-            nodes.free_slot(slot)
-            decisions.append(
-                elastic.Decision(
-                    action="forget",
-                    instance=instance,
-                    why="it is no longer running (ended outside the fleet, or a spot reclaim)",
-                )
+    for instance_id in _forget_gone(nodes, set(live)):
+        decisions.append(
+            elastic.Decision(
+                action="forget",
+                instance=instance_id,
+                why="it is no longer running (ended outside the fleet, or a spot reclaim)",
             )
-        elif not instance and now - record.get("at", now) > 120:
-            nodes.free_slot(slot)  # its launcher died between taking it and launching
+        )
     for want in nodes.wants():
         if want.until < now:
             nodes.unwant(want.run)
@@ -884,6 +881,20 @@ def scale(backend: FleetBackend, say: Callable[[str], None]) -> list[elastic.Dec
             elastic.Decision(action="shrink", instance=instance.id, why=f"idle for {idle:.0f} s")
         )
     return decisions
+
+
+def _forget_gone(nodes: elastic.Nodes, live: set[str]) -> list[str]:
+    """Free the slots whose instance no longer runs (ended outside the fleet, a spot
+    reclaim) or was never launched (its launcher died); return those instances."""
+    now, gone = time.time(), []
+    for slot, record in sorted(nodes.slots().items()):
+        instance = record.get("instance")
+        if instance and instance not in live and now - record.get("at", now) > 30:
+            nodes.free_slot(slot)
+            gone.append(instance)
+        elif not instance and now - record.get("at", now) > 120:
+            nodes.free_slot(slot)
+    return gone
 
 
 def _retire(
