@@ -17,6 +17,7 @@ from gpuflow.flows.pipeline import gpu_pipeline
 from gpuflow.tasks.spec import load_spec
 from tests.e2e.conftest import FLEET
 from tests.e2e.fleet_bed import PlayedFleetInstances, fleet_bed
+from tests.e2e.helpers import events_named
 from tests.e2e.test_fleet import in_thread, wait_for
 
 GPUFLOW = [sys.executable, "-m", "gpuflow"]
@@ -67,6 +68,21 @@ def elastic(aws, prefect_api, tmp_path, s3_server):
         profile = {"AWS_ACCESS_KEY_ID": s3_server.key_id, "AWS_SECRET_ACCESS_KEY": s3_server.secret}
         with PlayedFleetInstances(ec2, bed, products, profile) as played:
             yield {"bed": bed, "ec2": ec2, "played": played, "s3": aws["s3"], "vpc": vpc}
+
+
+def latest_artifacts(key: str) -> list:
+    """Return the latest artifact of `key` (as one item), its table's rows as `data`."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_latest_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
+        )
+    for artifact in found:
+        if isinstance(artifact.data, str):
+            artifact.data = json.loads(artifact.data)
+    return found
 
 
 def elastic_spec(command: list[str], name: str) -> dict:
@@ -152,6 +168,13 @@ def test_an_elastic_fleet_grows_for_queued_runs_reuses_warm_instances_and_shrink
     done = cli(prefect_api, gpuflow_home, "fleet", "scale", "elastic")
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("shrink") == 3, done.stdout
+    # its decisions: Prefect events, and the table artifact of the scaler's flow run
+    shrank = events_named("gpuflow.fleet.shrank", "gpuflow.fleet.elastic")
+    assert len(shrank) == 3 and all("idle for" in e["payload"]["why"] for e in shrank), shrank
+    [scaler] = [a for a in latest_artifacts("fleet-elastic-scale")]
+    assert sorted(row["instance"] for row in scaler.data if row["action"] == "shrink") == sorted(
+        hosts
+    ), scaler.data
     wait_for(lambda: not fleet_instances(ec2, ["pending", "running"]), 60, "the instances' end")
     wait_for(lambda: not elastic["played"].booted, 60, "the hosts' power cut")
     done = cli(prefect_api, gpuflow_home, "fleet", "delete", "elastic")
