@@ -14,6 +14,8 @@ import time
 import pytest
 
 from gpuflow.flows.pipeline import gpu_pipeline
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.pipeline.checks import check_spec
 from gpuflow.tasks.spec import load_spec
 from tests.e2e.conftest import FLEET
 from tests.e2e.fleet_bed import PlayedFleetInstances, fleet_bed
@@ -108,6 +110,13 @@ def test_an_elastic_fleet_grows_for_queued_runs_reuses_warm_instances_and_shrink
     fleet to three instances, no more; the next run takes a warm one (no launch); past
     idle_duration the scaler ends them all; `fleet delete` leaves nothing in moto."""
     ec2 = elastic["ec2"]
+    # more GPUs per node than a new instance has: named before anything is launched
+    too_big = load_spec(elastic_spec(["true"], "too-big") | {"resources": {"gpus": 2}})
+    with pytest.raises(
+        InvalidSpec, match=r"the largest, a new g6.xlarge, has 1\); ask for at most 1"
+    ):
+        check_spec(too_big)
+    assert fleet_instances(ec2) == []
     met = tmp_path / "met"
     met.mkdir()
     wait_all = (
@@ -183,6 +192,10 @@ def test_an_elastic_fleet_grows_for_queued_runs_reuses_warm_instances_and_shrink
         Filters=[{"Name": "tag:gpuflow.io/fleet", "Values": ["elastic"]}]
     )["SecurityGroups"]
     assert groups == []
+    volumes = ec2.describe_volumes(
+        Filters=[{"Name": "tag:gpuflow.io/fleet", "Values": ["elastic"]}]
+    )["Volumes"]
+    assert [v for v in volumes if v["State"] != "deleted"] == []
     left = elastic["s3"].list_objects_v2(Bucket=s3_server.bucket, Prefix="control/fleets/")
     assert left.get("KeyCount", 0) == 0, left.get("Contents")
 
