@@ -53,3 +53,31 @@ def test_bad_nodes_are_one_sentence(nodes, said):
 def test_an_instance_type_that_is_not_one_is_named():
     with pytest.raises(ValidationError, match="'g6' is not an EC2 instance type"):
         FleetEc2(block="b", instance_types=["g6"])
+
+
+def test_an_instance_costs_its_hours_and_its_idle_cost_is_the_hours_no_claim_used():
+    from datetime import UTC, datetime
+
+    from gpuflow.tasks.backends.elastic import Instance, cost_of
+
+    launched = datetime(2026, 1, 1, tzinfo=UTC)
+    instance = Instance(id="i-1", gpus=4, launched_at=launched, hourly_usd=2.0)
+    cost = cost_of(instance, {"used_gpu_s": 4 * 3600.0}, launched.timestamp() + 3 * 3600)
+    assert cost["hours"] == 3 and cost["used_hours"] == 1
+    assert cost["cost_usd"] == 6.0 and cost["idle_cost_usd"] == 4.0
+
+
+def test_the_scaler_keeps_a_busy_young_or_last_instance_and_ends_an_idle_one():
+    from gpuflow.tasks.backends.fleet.backend import _kept_because
+
+    section = FleetEc2(
+        block="b", instance_types=["g6.xlarge"], nodes={"min": 1, "max": 3}, idle_duration_s=60
+    )
+    idle = {"runs": [], "usage": {}}
+    assert _kept_because({"error": "fleet host i-1: refused"}, 999, section, 3) == (
+        "fleet host i-1: refused"
+    )
+    assert _kept_because({"runs": [{"name": "r"}]}, 999, section, 3) == "1 run(s) hold its GPUs"
+    assert _kept_because(idle, 30, section, 3) == "idle 30 s of idle_duration 60 s"
+    assert _kept_because(idle, 90, section, 1) == "the fleet's min is 1"
+    assert _kept_because(idle, 90, section, 2) is None

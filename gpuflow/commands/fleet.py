@@ -205,30 +205,13 @@ def _status(name: str, as_json: bool) -> int:
 
 
 def _instance_costs(instances: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Return each elastic instance's hours, cost so far and idle cost (its GPU-hours no
-    claim used, at its hourly price)."""
+    """Return each elastic instance's hours, cost so far and idle cost."""
     import time
 
+    from gpuflow.tasks.backends.elastic import cost_of
+
     usage = {row["host"]: row.get("usage", {}) for row in rows}
-    costs = []
-    for instance in instances.values():
-        hours = max(0.0, time.time() - instance.launched_at.timestamp()) / 3600
-        used = (
-            float(usage.get(instance.id, {}).get("used_gpu_s", 0.0)) / 3600 / max(1, instance.gpus)
-        )
-        costs.append(
-            {
-                "instance": instance.id,
-                "instance_type": instance.instance_type,
-                "market": instance.market,
-                "state": instance.state,
-                "hours": hours,
-                "used_hours": used,
-                "cost_usd": hours * instance.hourly_usd,
-                "idle_cost_usd": max(0.0, hours - used) * instance.hourly_usd,
-            }
-        )
-    return costs
+    return [cost_of(i, usage.get(i.id, {}), time.time()) for i in instances.values()]
 
 
 def _delete(name: str) -> int:

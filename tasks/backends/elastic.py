@@ -112,6 +112,23 @@ class Nodes(Protocol):
 CLOUDS: dict[str, Callable[[Any, str, str], Nodes]] = {}
 
 
+def cost_of(instance: Instance, usage: dict[str, float], now: float) -> dict[str, Any]:
+    """Return what `instance` has cost by `now`: hours up, GPU-hours used by claims (its
+    host's `usage`), cost and idle cost (the hours no claim used, at its price)."""
+    hours = max(0.0, now - instance.launched_at.timestamp()) / 3600
+    used = float(usage.get("used_gpu_s", 0.0)) / 3600 / max(1, instance.gpus)
+    return {
+        "instance": instance.id,
+        "instance_type": instance.instance_type,
+        "market": instance.market,
+        "state": instance.state,
+        "hours": hours,
+        "used_hours": used,
+        "cost_usd": hours * instance.hourly_usd,
+        "idle_cost_usd": max(0.0, hours - used) * instance.hourly_usd,
+    }
+
+
 def plan_growth(
     wants: list[Want],
     booting: int,

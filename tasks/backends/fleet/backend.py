@@ -834,53 +834,33 @@ def scale(backend: FleetBackend, say: Callable[[str], None]) -> list[elastic.Dec
         if host is None:
             continue
         said = host_status(fleet, host)
-        if "error" in said:
-            decisions.append(
-                elastic.Decision(action="keep", instance=instance.id, why=said["error"])
-            )
-            continue
         usage = said.get("usage", {})
-        if said.get("runs"):
-            decisions.append(
-                elastic.Decision(
-                    action="keep",
-                    instance=instance.id,
-                    why=f"{len(said['runs'])} run(s) hold its GPUs",
-                )
-            )
-            continue
-        idle_since = max(instance.launched_at.timestamp(), float(usage.get("last_release", 0)))
-        idle = now - idle_since
-        if idle < section.idle_duration_s:
-            decisions.append(
-                elastic.Decision(
-                    action="keep",
-                    instance=instance.id,
-                    why=f"idle {idle:.0f} s of idle_duration {section.idle_duration_s:.0f} s",
-                )
-            )
-            continue
-        if count <= section.nodes.min:
-            decisions.append(
-                elastic.Decision(
-                    action="keep",
-                    instance=instance.id,
-                    why=f"the fleet's min is {section.nodes.min}",
-                )
-            )
-            continue
-        if not _retire(backend, fleet, host, instance, nodes, say, usage, now):
-            decisions.append(
-                elastic.Decision(
-                    action="keep", instance=instance.id, why="a run claimed it meanwhile"
-                )
-            )
+        idle = now - max(instance.launched_at.timestamp(), float(usage.get("last_release", 0)))
+        why = _kept_because(said, idle, section, count)
+        if why is None and not _retire(backend, fleet, host, instance, nodes, say, usage, now):
+            why = "a run claimed it meanwhile"
+        if why is not None:
+            decisions.append(elastic.Decision(action="keep", instance=instance.id, why=why))
             continue
         count -= 1
         decisions.append(
             elastic.Decision(action="shrink", instance=instance.id, why=f"idle for {idle:.0f} s")
         )
     return decisions
+
+
+def _kept_because(said: dict[str, Any], idle: float, section: Any, count: int) -> str | None:
+    """Return why an instance stays (its host's answer `said`, idle for `idle` s, the fleet
+    at `count` instances), None when it is to be ended."""
+    if "error" in said:
+        return str(said["error"])
+    if said.get("runs"):
+        return f"{len(said['runs'])} run(s) hold its GPUs"
+    if idle < section.idle_duration_s:
+        return f"idle {idle:.0f} s of idle_duration {section.idle_duration_s:.0f} s"
+    if count <= section.nodes.min:
+        return f"the fleet's min is {section.nodes.min}"
+    return None
 
 
 def _forget_gone(nodes: elastic.Nodes, live: set[str]) -> list[str]:
@@ -924,20 +904,7 @@ def _retire(
     finally:
         session.close()
     _forget(nodes, instance)
-    hours = (now - instance.launched_at.timestamp()) / 3600
-    used_h = float(usage.get("used_gpu_s", 0.0)) / 3600 / max(1, instance.gpus)
-    nodes.ended(
-        instance.id,
-        {
-            "instance_type": instance.instance_type,
-            "market": instance.market,
-            "hours": hours,
-            "used_hours": used_h,
-            "cost_usd": hours * instance.hourly_usd,
-            "idle_cost_usd": max(0.0, hours - used_h) * instance.hourly_usd,
-            "ended_at": now,
-        },
-    )
+    nodes.ended(instance.id, elastic.cost_of(instance, usage, now) | {"ended_at": now})
     return True
 
 
