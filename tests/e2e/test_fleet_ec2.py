@@ -151,6 +151,7 @@ def test_an_elastic_fleet_grows_for_queued_runs_reuses_warm_instances_and_shrink
         user_data = (home / "user-data").read_text()
         host_key = (home / "host_key.pub").read_text().split()[1]
         assert host_key not in user_data and "PRIVATE KEY" not in user_data
+        assert s3_server.secret not in user_data  # the instance's profile, not our keys
     # the next run: a warm instance, no launch
     state = gpu_pipeline(load_spec(elastic_spec(["echo", "warm"], "warm")), return_state=True)
     assert state.is_completed(), state.message
