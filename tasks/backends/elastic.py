@@ -52,6 +52,7 @@ class Want(BaseModel):
     nodes: int
     since: float  # epoch seconds
     until: float  # epoch seconds: it gives up then (a want past it is stale)
+    tried: list[str] = []  # the hosts its last try found busy
 
 
 class Decision(BaseModel):
@@ -131,7 +132,7 @@ def cost_of(instance: Instance, usage: dict[str, float], now: float) -> dict[str
 
 def plan_growth(
     wants: list[Want],
-    booting: int,
+    booting: int,  # instances that will serve waiting runs: booting, or ready and untried
     taken: int,
     most: int,
     per_instance: int,

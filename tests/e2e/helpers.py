@@ -350,16 +350,21 @@ def hold_ranks_at(
     logged `step` (its outputs/train_metrics.jsonl); return them, stopped, and the last
     step logged."""
     until = time.monotonic() + seconds
-    found: list[psutil.Process] = []
-    while len(found) != ranks:
-        assert time.monotonic() < until, f"{len(found)} training rank(s) found, not {ranks}"
-        found = training_ranks(under)
-        time.sleep(0.1)
-    metrics = Path(found[0].cwd()) / "outputs" / "train_metrics.jsonl"
-    while _last_step(metrics) < step:
-        assert time.monotonic() < until, f"the training did not reach step {step}"
-        assert all(p.is_running() for p in found), "a training rank ended before the hold"
-        time.sleep(0.02)
+    while True:  # a rank that ends before the hold (an earlier run's, winding down): look again
+        found: list[psutil.Process] = []
+        while len(found) != ranks:
+            assert time.monotonic() < until, f"{len(found)} training rank(s) found, not {ranks}"
+            found = training_ranks(under)
+            time.sleep(0.1)
+        try:
+            metrics = Path(found[0].cwd()) / "outputs" / "train_metrics.jsonl"
+        except psutil.NoSuchProcess:
+            continue
+        while _last_step(metrics) < step and all(p.is_running() for p in found):
+            assert time.monotonic() < until, f"the training did not reach step {step}"
+            time.sleep(0.02)
+        if all(p.is_running() for p in found):
+            break
     for proc in found:
         proc.send_signal(signal.SIGSTOP)
     # stopped only once each has taken its SIGSTOP: a SIGTERM sent before that would be

@@ -386,7 +386,7 @@ class FleetBackend(UnitBackend):
                 for session in sessions:
                     session.teardown(30)
                 if grower is not None:
-                    deadline = max(deadline, grower.step())
+                    deadline = max(deadline, grower.step([w.partition(": ")[0] for w in why]))
                 if time.monotonic() >= deadline:
                     raise CapacityError(
                         f"fleet {self.fleet_name!r} has not {res.nodes} host(s) with {res.gpus}"
@@ -548,7 +548,7 @@ class FleetBackend(UnitBackend):
                         placement=FleetPlacement(fleet=self.fleet_name or "", gpu_wait=0),
                     )
                     grower = _Grower(self, nodes, spec, f"{cluster.name}-node{node}")
-                deadline = max(deadline, grower.step())
+                deadline = max(deadline, grower.step([w.partition(": ")[0] for w in why]))
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(0.5)
@@ -698,9 +698,13 @@ class _Grower:
         self.next_at = 0.0
         self.deadline = time.monotonic()
 
-    def step(self) -> float:
+    def step(self, refused: list[str]) -> float:
         """Grow the fleet if the waiting runs need it; return until when this run waits
-        (a launch gives it the boot timeout)."""
+        (a launch gives it the boot timeout). `refused`: the hosts this run's last try
+        found busy (an instance it has not tried yet may still serve it)."""
+        if sorted(refused) != self.want.tried:
+            self.want.tried = sorted(refused)
+            self.nodes.want(self.want)
         if time.monotonic() < self.next_at:
             return self.deadline
         self.next_at = time.monotonic() + self.every_s
@@ -732,6 +736,7 @@ def grow(backend: FleetBackend, nodes: elastic.Nodes, say: Callable[[str], None]
     for instance_id in _forget_gone(nodes, set(live)):
         say(f"fleet {backend.fleet_name}: {instance_id} is no longer running; its slot is free")
     slots = nodes.slots()
+    wants = nodes.wants()
     booting = sum(
         1
         for record in slots.values()
@@ -741,8 +746,14 @@ def grow(backend: FleetBackend, nodes: elastic.Nodes, say: Callable[[str], None]
         )  # launched, not described yet
         or (record["instance"] in live and not live[record["instance"]].known_hosts)
     )
+    # a ready instance some waiting run has not tried yet may serve it: capacity to come
+    booting += sum(
+        1
+        for i in live.values()
+        if i.known_hosts and i.state == "running" and any(i.id not in w.tried for w in wants)
+    )
     count, why = elastic.plan_growth(
-        nodes.wants(),
+        wants,
         booting,
         len(slots),
         section.nodes.max,
