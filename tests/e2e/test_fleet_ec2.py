@@ -262,3 +262,46 @@ def test_a_spot_reclaim_of_a_fleet_instance_is_a_preemption_and_the_fleet_grows_
     (second,) = [i["InstanceId"] for i in fleet_instances(ec2, ["running"])]
     assert second != first
     assert f"resumed in {elastic['bed']['dir']}/{second}/" in logs, logs  # on the new one
+
+
+def test_an_elastic_fleet_whose_aws_does_not_answer_is_named_in_one_sentence(
+    prefect_api, gpuflow_home, tmp_path, s3_server
+):
+    """apply asks EC2 which instance types it offers: an endpoint nobody listens on is
+    named with its real cause, no traceback, and nothing is saved."""
+    from prefect.blocks.system import Secret
+
+    from gpuflow.blocks import Ec2GpuFleet, GpuFleet
+    from tests.conftest import free_port, save_aws_block
+
+    class Away:  # the test S3 server's credentials, at a port nothing listens on
+        endpoint = f"http://127.0.0.1:{free_port()}"
+        key_id, secret = s3_server.key_id, s3_server.secret
+
+    Ec2GpuFleet(
+        aws_credentials=save_aws_block(Away, "away-aws"),
+        image_id="ami-12345678",
+        control_prefix="s3://away/control",
+        boot_timeout_s=60,
+    ).save("away", overwrite=True)
+    path = tmp_path / "away.json"
+    path.write_text(
+        json.dumps(
+            {
+                "name": "away-fleet",
+                "ssh_key": "fleet-test-key",
+                "ec2": {"block": "away", "instance_types": ["g6.xlarge"], "nodes": {"max": 1}},
+            }
+        )
+    )
+    key = tmp_path / "key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    Secret(value=key.read_text()).save("fleet-test-key", overwrite=True)
+    done = cli(prefect_api, gpuflow_home, "fleet", "apply", str(path))
+    assert done.returncode != 0
+    said = [line for line in done.stderr.splitlines() if not line.startswith("[gpuflow] using")]
+    assert len(said) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert said[0].startswith("gpuflow: EC2 in us-east-1 did not answer when asked to list GPU")
+    assert Away.endpoint in said[0], said
+    with pytest.raises(ValueError):
+        GpuFleet.load("away-fleet")

@@ -53,6 +53,25 @@ FLEET_OWNER = "gpuflow-fleet"
 SLOT_TAG = "gpuflow.io/fleet-slot"
 
 
+def _aws(doing: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Turn an AWS failure of the decorated method into one sentence: what it was doing
+    (`doing`, with {name}: the fleet's), where, and why."""
+
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def said(self: Ec2FleetNodes, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except (InvalidSpec, CapacityError):
+                raise
+            except Exception as exc:
+                raise aws_error(exc, self.settings, doing.format(name=self.name)) from None
+
+        return said
+
+    return wrap
+
+
 class Ec2FleetNodes:
     """An elastic fleet's instances on EC2, and its records under the control prefix."""
 
@@ -267,6 +286,7 @@ class Ec2FleetNodes:
             ]
         )
 
+    @_aws("read fleet {name!r}'s host keys")
     def host_keys(self) -> dict[str, str]:
         """Return instance id -> the host key it published (under its slot)."""
         keys: dict[str, str] = {}
@@ -278,6 +298,7 @@ class Ec2FleetNodes:
 
     # -- the fleet's records ---------------------------------------------------------------
 
+    @_aws("read fleet {name!r}'s slots")
     def slots(self) -> dict[int, dict[str, Any]]:
         found = {}
         for key in self.records.keys("slots/"):
@@ -286,19 +307,23 @@ class Ec2FleetNodes:
                 found[int(key.rsplit("/", 1)[1])] = record
         return found
 
+    @_aws("take a slot of fleet {name!r}")
     def take_slot(self, slot: int, record: dict[str, Any]) -> bool:
         if not self.records.put_new(f"slots/{slot}", json.dumps(record)):
             return False
         self.records.delete(f"hosts/slot-{slot}.pub")  # a reclaimed instance's, if any
         return True
 
+    @_aws("write a slot of fleet {name!r}")
     def set_slot(self, slot: int, record: dict[str, Any]) -> None:
         self.records.put_json(f"slots/{slot}", record)
 
+    @_aws("free a slot of fleet {name!r}")
     def free_slot(self, slot: int) -> None:
         self.records.delete(f"hosts/slot-{slot}.pub")
         self.records.delete(f"slots/{slot}")
 
+    @_aws("read the runs waiting on fleet {name!r}")
     def wants(self) -> list[Want]:
         found = []
         for key in self.records.keys("wants/"):
@@ -307,15 +332,19 @@ class Ec2FleetNodes:
                 found.append(Want.model_validate(record))
         return found
 
+    @_aws("record a run waiting on fleet {name!r}")
     def want(self, want: Want) -> None:
         self.records.put(f"wants/{want.run}", want.model_dump_json())
 
+    @_aws("forget a run waiting on fleet {name!r}")
     def unwant(self, run: str) -> None:
         self.records.delete(f"wants/{run}")
 
+    @_aws("record an ended instance of fleet {name!r}")
     def ended(self, instance_id: str, record: dict[str, Any]) -> None:
         self.records.put_json(f"ended/{instance_id}", record)
 
+    @_aws("read fleet {name!r}'s ledger")
     def ledger(self) -> list[dict[str, Any]]:
         return [r for k in self.records.keys("ended/") if (r := self.records.get_json(k))]
 

@@ -764,14 +764,9 @@ def grow(backend: FleetBackend, nodes: elastic.Nodes, say: Callable[[str], None]
     launched: list[str] = []
     free = [k for k in range(section.nodes.max) if k not in slots]
     for slot in free[:count]:
-        if not nodes.take_slot(slot, {"at": time.time(), "by": os.getpid()}):
+        instance = _launch_into(nodes, slot, say)
+        if instance is None:
             continue  # another process took it: it launches that one
-        try:
-            instance = nodes.launch(slot, say)
-        except Exception:
-            nodes.free_slot(slot)
-            raise
-        nodes.set_slot(slot, {"at": time.time(), "instance": instance.id})
         launched.append(instance.id)
         say(f"fleet {backend.fleet_name}: grew by {instance.id} ({why})")
     return launched
@@ -795,48 +790,18 @@ def scale(backend: FleetBackend, say: Callable[[str], None]) -> list[elastic.Dec
     nodes, section = backend.nodes(), backend.fleet().ec2
     if nodes is None or section is None:
         raise InvalidSpec(f"fleet {backend.fleet_name!r} has no ec2 section: nothing to scale.")
-    decisions: list[elastic.Decision] = []
     now = time.time()
-    instances = nodes.instances()
-    live = {i.id: i for i in instances}
-    boot_s = nodes.boot_timeout_s()
-    for instance_id in _forget_gone(nodes, set(live)):
-        decisions.append(
-            elastic.Decision(
-                action="forget",
-                instance=instance_id,
-                why="it is no longer running (ended outside the fleet, or a spot reclaim)",
-            )
-        )
-    for want in nodes.wants():
-        if want.until < now:
-            nodes.unwant(want.run)
-    for instance in instances:
-        age = now - instance.launched_at.timestamp()
-        if not instance.known_hosts and age > boot_s:
-            nodes.end([instance.id], say)
-            _forget(nodes, instance)
-            live.pop(instance.id)
-            decisions.append(
-                elastic.Decision(
-                    action="shrink",
-                    instance=instance.id,
-                    why=f"it did not publish its host key within the boot timeout ({boot_s:.0f} s)",
-                )
-            )
+    live = {i.id: i for i in nodes.instances()}
+    decisions = _tidy(nodes, live, now, say)
     for instance_id in grow(backend, nodes, say):
         decisions.append(elastic.Decision(action="grow", instance=instance_id, why="runs waited"))
-    while len(nodes.slots()) < section.nodes.min:
-        free = [k for k in range(section.nodes.max) if k not in nodes.slots()]
-        if not free or not nodes.take_slot(free[0], {"at": time.time(), "by": os.getpid()}):
+    while len(slots := nodes.slots()) < section.nodes.min:
+        free = [k for k in range(section.nodes.max) if k not in slots]
+        made = _launch_into(nodes, free[0], say) if free else None
+        if made is None:
             break
-        instance = nodes.launch(free[0], say)
-        nodes.set_slot(free[0], {"at": time.time(), "instance": instance.id})
-        decisions.append(
-            elastic.Decision(
-                action="grow", instance=instance.id, why=f"below min {section.nodes.min}"
-            )
-        )
+        why = f"below min {section.nodes.min}"
+        decisions.append(elastic.Decision(action="grow", instance=made.id, why=why))
     fleet = backend.fleet()
     ready = {h.label: h for h, _ in backend.hosts() if h.label in live}
     count = len(live)
@@ -872,6 +837,48 @@ def _kept_because(said: dict[str, Any], idle: float, section: Any, count: int) -
     if count <= section.nodes.min:
         return f"the fleet's min is {section.nodes.min}"
     return None
+
+
+def _tidy(
+    nodes: elastic.Nodes, live: dict[str, elastic.Instance], now: float, say: Callable[[str], None]
+) -> list[elastic.Decision]:
+    """Free the slots of instances gone elsewhere, forget wants past their time, end the
+    instances that did not publish their host key within the boot timeout (out of `live`)."""
+    decisions = [
+        elastic.Decision(
+            action="forget",
+            instance=instance_id,
+            why="it is no longer running (ended outside the fleet, or a spot reclaim)",
+        )
+        for instance_id in _forget_gone(nodes, set(live))
+    ]
+    for want in nodes.wants():
+        if want.until < now:
+            nodes.unwant(want.run)
+    boot_s = nodes.boot_timeout_s()
+    for instance in list(live.values()):
+        if not instance.known_hosts and now - instance.launched_at.timestamp() > boot_s:
+            nodes.end([instance.id], say)
+            _forget(nodes, instance)
+            live.pop(instance.id)
+            why = f"it did not publish its host key within the boot timeout ({boot_s:.0f} s)"
+            decisions.append(elastic.Decision(action="shrink", instance=instance.id, why=why))
+    return decisions
+
+
+def _launch_into(
+    nodes: elastic.Nodes, slot: int, say: Callable[[str], None]
+) -> elastic.Instance | None:
+    """Take `slot` and launch its instance; None when another process took it first."""
+    if not nodes.take_slot(slot, {"at": time.time(), "by": os.getpid()}):
+        return None
+    try:
+        instance = nodes.launch(slot, say)
+    except Exception:
+        nodes.free_slot(slot)
+        raise
+    nodes.set_slot(slot, {"at": time.time(), "instance": instance.id})
+    return instance
 
 
 def _forget_gone(nodes: elastic.Nodes, live: set[str]) -> list[str]:
