@@ -165,10 +165,12 @@ def _result(
     outcome: Any,
     metrics: RunMetrics,
     out: Path,
-) -> PipelineResult:
+) -> PipelineResult | State:
     if outcome.failure:
         raise JobFailed(outcome.failure)
     get_run_logger().info("artifacts: %s", out)
+    if outcome.result.cancelled:  # a service's end: stopped on the run's cancel, collected
+        return Cancelled(message="the run was cancelled; its job stopped and was collected")
     return PipelineResult(
         name=job.name,
         flow_run_id=run_id,

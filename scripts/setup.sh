@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Creates .venv and installs gpuflow into it; with --test, also what the tests need;
-# with --render, also Blender (and ffmpeg) for renders; with --hpc, Open MPI for MPI jobs.
+# with --render, also Blender (and ffmpeg) for renders; with --hpc, Open MPI for MPI jobs;
+# with --serve, HAProxy for services' endpoints.
 # Safe to rerun: it installs only what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$SECONDS
 step() { echo "setup: $* ($((SECONDS - t0)) s so far)"; }
 
-want_test=false want_render=false want_hpc=false
-[[ "${1:-}" == "--test" ]] && want_test=true want_render=true want_hpc=true
+want_test=false want_render=false want_hpc=false want_serve=false
+[[ "${1:-}" == "--test" ]] && want_test=true want_render=true want_hpc=true want_serve=true
+[[ "${1:-}" == "--serve" ]] && want_serve=true
 [[ "${1:-}" == "--render" ]] && want_render=true
 [[ "${1:-}" == "--hpc" ]] && want_hpc=true
 
@@ -31,11 +33,15 @@ if $want_test; then
     command -v runc >/dev/null || apt_packages+=(runc)              # cluster's real node
     [ -x /usr/lib/cni/bridge ] || apt_packages+=(containernetworking-plugins)
     command -v ip >/dev/null || apt_packages+=(iproute2)
+    command -v wrk >/dev/null || apt_packages+=(wrk)  # the services' load generator
     command -v mmdebstrap >/dev/null || apt_packages+=(mmdebstrap)  # gpuflow's job image
 fi
 if $want_render; then
     command -v blender >/dev/null || apt_packages+=(blender)  # renders run the real Blender
     command -v ffmpeg >/dev/null || apt_packages+=(ffmpeg)    # preview videos
+fi
+if $want_serve; then
+    command -v haproxy >/dev/null || apt_packages+=(haproxy)  # a service's endpoint
 fi
 if $want_hpc; then
     command -v mpirun >/dev/null || apt_packages+=(openmpi-bin)  # mpirun; mpi4py loads its libmpi

@@ -220,12 +220,19 @@ class UnitRunner(Protocol):
     handed_on: tuple[type[Exception], ...]
     limit: str  # the limit the deadline comes from: max_duration, or max_cost_usd
     storage: S3Settings  # the run's storage settings, resolved once for every unit
+    hourly_usd: float | None  # what the run's cluster is paid per hour (None: unknown)
 
     def run(
-        self, unit: WorkUnit, on_line: LineSink, env: Mapping[str, str], deadline: float
+        self,
+        unit: WorkUnit,
+        on_line: LineSink,
+        env: Mapping[str, str],
+        deadline: float,
+        stop: StopCheck | None = None,
     ) -> JobResult:
-        """Run `unit` with the run's variables plus `env` until it ends or the wall-clock
-        `deadline` (time.time()) passes; lines go to `on_line` unredacted."""
+        """Run `unit` with the run's variables plus `env` until it ends, the wall-clock
+        `deadline` (time.time()) passes, or `stop()` says so (ended as cancelled, like a
+        cancelled run); lines go to `on_line` unredacted."""
 
     def idle_stop(self) -> str | None:
         """Return why limits.idle_gpu stopped the run, if it did."""

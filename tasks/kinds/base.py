@@ -42,6 +42,11 @@ class JobKind:
     # the figures its job writes to outputs/result.json; None: the job's own, free-form
     result: ClassVar[type[BaseModel] | None] = None
 
+    def sized(self, spec: JobSpec) -> JobSpec:
+        """Return `spec` as the backend provisions it (a service holds room for its most
+        replicas); the spec itself for most kinds. Applied once, before every check."""
+        return spec
+
     def check(self, spec: JobSpec, where: Capabilities) -> None:
         """Raise InvalidSpec when the job cannot run as written on a backend that can do
         `where`; makes nothing. Runs before anything is provisioned, after the spec itself

@@ -5,7 +5,6 @@ meeting at the first node (nnodes from resources.nodes, a rank per GPU of a node
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -14,7 +13,6 @@ from pydantic import Field, field_validator, model_validator
 
 from gpuflow.tasks.contract import (
     RENDEZVOUS_PORT,
-    UNIT_VARIABLES,
     Capabilities,
     Cluster,
     Needs,
@@ -22,11 +20,8 @@ from gpuflow.tasks.contract import (
 )
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.kinds.base import JobKind
+from gpuflow.tasks.kinds.code import check_code
 from gpuflow.tasks.spec import CodeJob, JobSpec, split_argv
-from gpuflow.tasks.workdir import WorkdirError, scan, variables
-
-# programs whose first word is the script they run: [bash, run.sh], [Rscript, fit.R]
-INTERPRETER = re.compile(r"^(python[0-9.]*|bash|sh|zsh|node|Rscript|julia|perl|ruby)$")
 
 
 class CommandJob(CodeJob):
@@ -105,13 +100,8 @@ class CommandKind(JobKind):
                 "job.copies: per_gpu runs a copy on each GPU, but resources.gpus is 0; ask"
                 " for GPUs (resources.gpus) or use copies: per_node."
             )
-        if job.workdir:
-            try:
-                scan(Path(job.workdir), job.workdir_max)
-            except WorkdirError as exc:
-                raise InvalidSpec(f"{exc}.") from None
-        _check_script(job, where)
-        _check_variables(spec, job)
+        copies = {"GPUFLOW_TASK_INDEX", "GPUFLOW_TASKS"} if job.copies != "one" else set()
+        check_code(spec, job, job.command, copies, where)
 
     def units(self, spec: JobSpec, cluster: Cluster) -> list[WorkUnit]:
         job = spec.job
@@ -166,54 +156,3 @@ def torchrun_units(command: list[str], cluster: Cluster, ranks: int | None) -> l
         )
         for node in range(cluster.nodes)
     ]
-
-
-def _check_script(job: CommandJob, where: Capabilities) -> None:
-    """Refuse a file the command names that will not be where the job starts: the script
-    of `python train.py` or `bash run.sh`, or a program given as a relative path (./run.sh), with no
-    working folder (the job starts in an empty workspace) or one that lacks it."""
-    words = job.command
-    if INTERPRETER.match(Path(words[0]).name) and len(words) > 1:
-        path = words[1]
-        if path.startswith("-"):
-            return  # the interpreter's own options (python -m, sh -c)
-    elif "/" in words[0]:
-        path = words[0]
-    else:
-        return  # a program on PATH (or in the working folder): needs() and the node check it
-    if Path(path).is_absolute():
-        if where.runs_here and not Path(path).exists():
-            raise InvalidSpec(f"job.command: {path} does not exist on this machine; fix the path.")
-        return
-    if not job.workdir:
-        raise InvalidSpec(
-            f"job.command: {path} is a path in the folder the job starts in, an empty"
-            " workspace; set job.workdir to the folder that holds it (relative to the spec"
-            " file), or give its absolute path."
-        )
-    if not (Path(job.workdir) / path).exists():
-        raise InvalidSpec(
-            f"job.command: {path} is not in job.workdir ({job.workdir}), where the job"
-            " starts; fix the path, or point workdir at the folder that holds it."
-        )
-
-
-def _check_variables(spec: JobSpec, job: CommandJob) -> None:
-    """Refuse `${NAME}` in the command for a variable the job will not have, or a secret
-    (the value would show in every process list of the node)."""
-    known = {*spec.env, *UNIT_VARIABLES}
-    if job.copies != "one":
-        known |= {"GPUFLOW_TASK_INDEX", "GPUFLOW_TASKS"}
-    for name in variables([*job.command, *job.resume_args]):
-        if name in spec.secret_env:
-            raise InvalidSpec(
-                f"job.command: ${{{name}}} is a secret (secret_env), and a command's words show"
-                " in every process list of the node; read it from the environment in the"
-                " program instead."
-            )
-        if name not in known:
-            raise InvalidSpec(
-                f"job.command: ${{{name}}} is not set for the job; gpuflow expands only the"
-                " spec's env and its own variables (GPUFLOW_OUTPUT_DIR, GPUFLOW_NODE_RANK, ...);"
-                " add it to env, or remove it."
-            )

@@ -8,10 +8,11 @@ from gpuflow.tasks.kinds.command import CommandKind
 from gpuflow.tasks.kinds.hpc import HpcKind
 from gpuflow.tasks.kinds.matmul import MatmulKind
 from gpuflow.tasks.kinds.render import RenderKind
+from gpuflow.tasks.kinds.service import ServiceKind
 from gpuflow.tasks.kinds.train import TrainKind
 from gpuflow.tasks.spec import JobSpec, add_job_model, remove_job_model
 
-BUILT_IN = ("command", "matmul", "train", "render", "hpc")
+BUILT_IN = ("command", "matmul", "train", "render", "hpc", "service")
 _KINDS: dict[str, JobKind] = {}
 
 
@@ -40,5 +41,5 @@ def kind_of(spec: JobSpec) -> JobKind:
     return get_kind(spec.job.kind)
 
 
-for _builtin in (CommandKind(), MatmulKind(), TrainKind(), RenderKind(), HpcKind()):
+for _builtin in (CommandKind(), MatmulKind(), TrainKind(), RenderKind(), HpcKind(), ServiceKind()):
     register(_builtin)

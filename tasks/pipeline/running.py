@@ -26,6 +26,7 @@ from gpuflow.tasks.contract import (
     JobResult,
     LineSink,
     RunOutcome,
+    StopCheck,
     WorkUnit,
     cluster_env,
 )
@@ -225,7 +226,9 @@ def run_stage(
         return retrying(run, spec.retry.run, condition)(spec, cluster, prices, flow_run_id)
     logger = get_run_logger()
     timeout, stopped_by = time_limit(spec, cluster, prices)
-    runner = PipelineRunner(spec, cluster, flow_run_id, stopped_by, handed_on)
+    runner = PipelineRunner(
+        spec, cluster, flow_run_id, stopped_by, handed_on, hourly_paid(spec, cluster, prices)
+    )
     with sampling(spec, cluster, flow_run_id, logger.warning):
         return kind.schedule(spec, runner, time.time() + timeout)
 
@@ -242,9 +245,10 @@ class PipelineRunner:
         flow_run_id: str,
         limit: str = "max_duration",
         handed_on: tuple[type[Exception], ...] = (),
+        hourly_usd: float | None = None,
     ) -> None:
         self.cluster, self.spec, self.flow_run_id = cluster, spec, flow_run_id
-        self.limit, self.handed_on = limit, handed_on
+        self.limit, self.handed_on, self.hourly_usd = limit, handed_on, hourly_usd
         environment = JobEnvironment(spec)
         self.env, self.storage, self.redactor = (
             {**environment.env, **cluster_env(cluster)},
@@ -259,9 +263,19 @@ class PipelineRunner:
         return backend_for(self.cluster)
 
     def run(
-        self, unit: WorkUnit, on_line: LineSink, env: Mapping[str, str], deadline: float
+        self,
+        unit: WorkUnit,
+        on_line: LineSink,
+        env: Mapping[str, str],
+        deadline: float,
+        stop: StopCheck | None = None,
     ) -> JobResult:
-        """Run `unit` with the run's variables over `env` until it ends or `deadline`."""
+        """Run `unit` with the run's variables over `env` until it ends, `deadline`, or
+        `stop()` (or the run's own stop check) says so. A unit of the user's own code
+        starts in the packed working folder, after job.setup, with `${NAME}` expanded."""
+        run_stop = stop_check(self.flow_run_id)
+        should_stop = run_stop if stop is None else (lambda: stop() or run_stop())
+        [unit] = started(self.spec, self.cluster, [unit], self.backend, self.storage, 1)
         with unit_running():
             return self.backend.run(
                 self.cluster,
@@ -269,7 +283,7 @@ class PipelineRunner:
                 {**env, **self.env},
                 max(1.0, deadline - time.time()),
                 on_line,
-                stop_check(self.flow_run_id),
+                should_stop,
                 grace_s=self.spec.limits.stop_grace_s,
             )
 

@@ -1,0 +1,99 @@
+"""Kind `service`: a long-running command serving on a port, as replicas behind one
+endpoint (HAProxy), scaled on GPU utilisation or request rate, to zero when idle
+(gpuflow.tasks.service)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+from gpuflow.tasks.contract import Capabilities, Needs, RunOutcome, UnitRunner
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.kinds.base import JobKind
+from gpuflow.tasks.kinds.code import check_code
+from gpuflow.tasks.service.model import PORT_VARIABLE, ServiceJob, ServiceResult
+from gpuflow.tasks.service.serve import serve
+from gpuflow.tasks.spec import JobSpec
+
+
+class ServiceKind(JobKind):
+    name = "service"
+    model = ServiceJob
+    result = ServiceResult
+    schedules_units = True  # replicas start and stop as the load says
+
+    def sized(self, spec: JobSpec) -> JobSpec:
+        """Return `spec` as the backend provisions it: the replicas share the run's node,
+        so it holds room for replicas.max of them (resources.gpus each)."""
+        job = spec.job
+        assert isinstance(job, ServiceJob)
+        if job.replica_gpus is not None:
+            return spec  # sized already (a retried attempt, a pool's next candidate)
+        each = spec.resources.gpus
+        return spec.model_copy(
+            update={
+                "job": job.model_copy(update={"replica_gpus": each}),
+                "resources": spec.resources.model_copy(update={"gpus": each * job.replicas.max}),
+            }
+        )
+
+    def needs(self, spec: JobSpec) -> Needs:
+        job = spec.job
+        assert isinstance(job, ServiceJob)
+        programs = {"job (its endpoint, HAProxy)": "haproxy"}
+        program = job.command[0]
+        if "/" not in program and not (job.workdir and (Path(job.workdir) / program).is_file()):
+            programs["job.command"] = program
+        return Needs(programs=programs)
+
+    def check(self, spec: JobSpec, where: Capabilities) -> None:
+        job = spec.job
+        assert isinstance(job, ServiceJob)
+        gpus = job.replica_gpus if job.replica_gpus is not None else spec.resources.gpus
+        if job.scaling.gpu_util is not None and gpus == 0:
+            raise InvalidSpec(
+                "job.scaling.gpu_util: scales on the replicas' GPU utilisation, but"
+                " resources.gpus is 0, so a replica holds no GPU; ask for GPUs"
+                " (resources.gpus) or scale on job.scaling.rps."
+            )
+        if spec.resources.nodes != 1:
+            raise InvalidSpec(
+                f"resources.nodes: a service's replicas are counted by job.replicas, each on"
+                f" one node; remove nodes ({spec.resources.nodes})."
+            )
+        if not where.runs_here:
+            raise InvalidSpec(
+                f"placement.backend: services run on this machine (backend local) for now;"
+                f" {spec.placement.backend} cannot serve one yet; use backend: local."
+            )
+        check_code(spec, job, job.command, {PORT_VARIABLE, "GPUFLOW_REPLICA"}, where)
+        if job.port is not None and _listening(job.host, job.port):
+            raise InvalidSpec(
+                f"job.port: {job.host}:{job.port} is in use on this machine; pick another"
+                " port, or leave it out for a free one."
+            )
+
+    def schedule(self, spec: JobSpec, runner: UnitRunner, deadline: float) -> RunOutcome:
+        return serve(spec, runner, deadline)
+
+    def summary(self, job: dict[str, Any]) -> list[str]:
+        done = self.figures(job)
+        if not isinstance(done, ServiceResult):
+            return []
+        latency = "" if done.p50_ms is None else f", p50 {done.p50_ms:g} ms, p95 {done.p95_ms:g} ms"
+        cost = "" if done.cost_usd is None else f", ${done.cost_usd:.4f}"
+        return [
+            f"  served {done.requests} requests at {done.endpoint} ({done.errors} errors"
+            f"{latency}) with up to {done.most_replicas} replica(s), {done.gpu_seconds:g}"
+            f" GPU-seconds{cost}"
+        ]
+
+
+def _listening(host: str, port: int) -> bool:
+    """Return True when something accepts connections on host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False

@@ -1,0 +1,587 @@
+"""A service while it lives: the endpoint (HAProxy) and the replicas as units of the run,
+each replica checked (ready, then alive), the count scaled on what the endpoint and the
+GPUs say, every decision an event and a row of the run's artifacts.
+
+Every process is a unit the run's backend starts, so the backend's guarantees hold for
+each (its GPUs, its cgroup, teardown and the reaper finding it); a replica that scales
+away is stopped through its own stop check, after HAProxy drained it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import http.client
+import logging
+import shutil
+import socket
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from gpuflow.tasks.contract import RUN_LABEL, JobResult, RunOutcome, UnitRunner, WorkUnit
+from gpuflow.tasks.errors import JobFailed
+from gpuflow.tasks.host import write_atomic
+from gpuflow.tasks.metrics.sampler import SAMPLES, SampleTail
+from gpuflow.tasks.service import proxy
+from gpuflow.tasks.service.model import (
+    PORT_VARIABLE,
+    Probe,
+    ReplicaFigures,
+    ServiceJob,
+    ServiceResult,
+)
+from gpuflow.tasks.service.scaling import Load, Scaler, Targets
+from gpuflow.tasks.spec import JobSpec
+
+logger = logging.getLogger(__name__)
+TICK_S = 0.25  # how often the scaler looks (a waiting request wakes it at once)
+DRAIN_S = 30.0  # the longest a replica scaled away may finish the requests it holds
+LATENCIES_KEPT = 20_000  # per replica: enough for its percentiles, bounded
+
+
+def free_port(host: str) -> int:
+    """Return a TCP port free on `host` now."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def passes(probe: Probe, address: str, port: int) -> bool:
+    """Return True when `probe` passes against address:port."""
+    try:
+        if probe.path is None:
+            with socket.create_connection((address, port), timeout=probe.timeout_s):
+                return True
+        connection = http.client.HTTPConnection(address, port, timeout=probe.timeout_s)
+        try:
+            connection.request("GET", probe.path, headers={"User-Agent": "gpuflow-probe"})
+            return 200 <= connection.getresponse().status < 400
+        finally:
+            connection.close()
+    except (OSError, http.client.HTTPException):
+        return False
+
+
+@dataclass
+class Replica:
+    """One replica: its slot (HAProxy server and GPUs), its port, its unit's future."""
+
+    name: str
+    slot: int
+    port: int
+    gpus: list[int]
+    started: float  # time.monotonic()
+    stop: threading.Event = field(default_factory=threading.Event)
+    state: str = "starting"  # starting -> ready -> draining -> ended
+    ready_at: float | None = None
+    ended_at: float | None = None
+    why_ended: str = ""
+    future: Future[JobResult] | None = None
+    latencies: deque[int] = field(default_factory=lambda: deque(maxlen=LATENCIES_KEPT))
+    requests: int = 0
+    errors: int = 0
+    utils: list[float] = field(default_factory=list)
+    last_lines: deque[str] = field(default_factory=lambda: deque(maxlen=10))
+
+    @property
+    def counted(self) -> bool:
+        """True while the replica counts toward the service's replicas."""
+        return self.state in ("starting", "ready")
+
+
+class Service:
+    """One service's life in this process: call `serve()`."""
+
+    def __init__(self, spec: JobSpec, runner: UnitRunner, deadline: float) -> None:
+        job = spec.job
+        assert isinstance(job, ServiceJob)
+        self.spec, self.job, self.runner, self.deadline = spec, job, runner, deadline
+        cluster = runner.cluster
+        self.cluster = cluster
+        self.run_id = cluster.owner.get(RUN_LABEL, cluster.name)
+        self.address = socket.gethostbyname(cluster.addresses()[0])  # HAProxy takes addresses
+        per_replica = job.replica_gpus if job.replica_gpus is not None else spec.resources.gpus
+        held = cluster.gpu_indices
+        self.slot_gpus = [
+            held[slot * per_replica : (slot + 1) * per_replica] for slot in range(job.replicas.max)
+        ]
+        self.port = job.port or free_port(job.host)
+        self.endpoint = f"http://{job.host}:{self.port}"
+        self.folder = Path(cluster.workspace) / "endpoint"
+        self.replicas: list[Replica] = []
+        self.lock = threading.RLock()
+        self.wake = threading.Event()
+        self.ending = threading.Event()
+        self.window: deque[tuple[float, proxy.Request]] = deque()
+        self.total_requests = 0
+        self.total_errors = 0
+        self.latencies: deque[int] = deque(maxlen=LATENCIES_KEPT * 4)
+        self.last_request: float | None = None
+        self.waiting_since: float | None = None
+        self.util: dict[int, deque[tuple[float, float]]] = {}
+        self.decisions: list[dict[str, Any]] = []
+        self.endpoint_lines: deque[str] = deque(maxlen=20)
+        self.started = time.monotonic()
+        self.scaler = Scaler(
+            Targets(
+                least=job.replicas.min,
+                most=job.replicas.max,
+                gpu_util=job.scaling.gpu_util,
+                rps=job.scaling.rps,
+                down_after_s=job.scaling.down_after_s,
+                to_zero_after_s=job.idle_to_zero_s,
+            )
+        )
+        self.pool = ThreadPoolExecutor(
+            max_workers=3 * job.replicas.max + 2, thread_name_prefix="service"
+        )
+        self._counter = 0
+        self._say = _run_logger()
+
+    def _submit(self, work: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run `work` on the pool in this run's context (its API, its logger)."""
+        return self.pool.submit(contextvars.copy_context().run, work, *args)
+
+    # the endpoint ------------------------------------------------------------------
+
+    def _endpoint_line(self, stream: str, line: str) -> None:
+        request = proxy.request_of(line)
+        now = time.monotonic()
+        if request is not None:
+            with self.lock:
+                self.window.append((now, request))
+                self.last_request = now
+                self.total_requests += 1
+                self.total_errors += request.status >= 500
+                if request.total_ms >= 0:
+                    self.latencies.append(request.total_ms)
+                replica = self._replica_at(request.server)
+                if replica is not None:
+                    replica.requests += 1
+                    replica.errors += request.status >= 500
+                    if request.total_ms >= 0:
+                        replica.latencies.append(request.total_ms)
+            return
+        if proxy.WAITING_MARK in line:
+            with self.lock:
+                self.last_request = now
+                if self.waiting_since is None:
+                    self.waiting_since = now
+            self.wake.set()
+            return
+        self.endpoint_lines.append(self.runner.redact(line))
+        if "[ALERT]" in line and "no server available" not in line:  # at zero: expected
+            self._say("warning", f"endpoint: {self.runner.redact(line)}")
+
+    def _replica_at(self, server: str) -> Replica | None:
+        for replica in reversed(self.replicas):
+            if proxy.server(replica.slot) == server:
+                return replica
+        return None
+
+    def _start_endpoint(self) -> tuple[proxy.Runtime, Future[JobResult]]:
+        job = self.job
+        config = proxy.write_files(
+            self.folder,
+            job.host,
+            self.port,
+            job.replicas.max,
+            job.request_wait_s,
+            max(60.0, job.request_wait_s),
+        )
+        unit = WorkUnit(
+            name="endpoint",
+            command=[shutil.which("haproxy") or "haproxy", "-db", "-f", str(config)],
+            gpus=[],
+        )
+        future = self._submit(
+            self.runner.run, unit, self._endpoint_line, {}, self.deadline, self.ending.is_set
+        )
+        runtime = proxy.Runtime(self.folder)
+        try:
+            runtime.wait_up(30.0, lambda: not future.done())
+        except proxy.ProxyError:
+            self.ending.set()
+            said = " ".join(self.endpoint_lines) or "no output"
+            runtime.close()
+            raise JobFailed(f"the endpoint (HAProxy) did not start: {said}") from None
+        return runtime, future
+
+    # replicas ----------------------------------------------------------------------
+
+    def _start_replica(self, runtime: proxy.Runtime, slot: int) -> None:
+        self._counter += 1
+        replica = Replica(
+            name=f"replica-{self._counter}",
+            slot=slot,
+            port=free_port("127.0.0.1"),
+            gpus=self.slot_gpus[slot],
+            started=time.monotonic(),
+        )
+        runtime.point(slot, self.address, replica.port)
+        unit = WorkUnit(
+            name=replica.name,
+            command=list(self.job.command),
+            env={PORT_VARIABLE: str(replica.port), "GPUFLOW_REPLICA": replica.name},
+            gpus=replica.gpus,
+        )
+
+        def on_line(stream: str, line: str) -> None:
+            said = self.runner.redact(line)
+            replica.last_lines.append(said)
+            self._say("info", f"[{replica.name}] {said}")
+
+        stop = replica.stop
+        replica.future = self._submit(
+            self.runner.run,
+            unit,
+            on_line,
+            {},
+            self.deadline,
+            lambda: stop.is_set() or self.ending.is_set(),
+        )
+        self.replicas.append(replica)
+        self._submit(self._watch, replica, runtime)
+
+    def _watch(self, replica: Replica, runtime: proxy.Runtime) -> None:
+        """Check `replica` until it ends: ready (then it gets requests), then alive."""
+        job = self.job
+        failures = 0
+        while not replica.stop.is_set() and not self.ending.is_set():
+            assert replica.future is not None
+            if replica.future.done():
+                return
+            if replica.state == "starting":
+                if passes(job.ready, self.address, replica.port):
+                    self._ready(replica, runtime)
+                elif time.monotonic() - replica.started > job.start_timeout_s:
+                    self._end(
+                        replica,
+                        runtime,
+                        f"not ready within start_timeout_s ({job.start_timeout_s:g} s)",
+                    )
+                    return
+                replica.stop.wait(job.ready.period_s)
+                continue
+            if replica.state != "ready":
+                return
+            probe = job.liveness
+            failures = 0 if passes(probe, self.address, replica.port) else failures + 1
+            if failures >= probe.failures:
+                self._end(replica, runtime, f"failed its liveness check {failures} times in a row")
+                return
+            replica.stop.wait(probe.period_s)
+
+    def _ready(self, replica: Replica, runtime: proxy.Runtime) -> None:
+        runtime.state(replica.slot, "ready")
+        with self.lock:
+            replica.state, replica.ready_at = "ready", time.monotonic()
+            self.waiting_since = None
+        cold = replica.ready_at - replica.started
+        self._say("info", f"{replica.name} ready on port {replica.port} after {cold:.1f} s")
+        self._event(
+            "gpuflow.service.ready", {"replica": replica.name, "cold_start_s": round(cold, 2)}
+        )
+
+    def _end(self, replica: Replica, runtime: proxy.Runtime, why: str, drain: bool = False) -> None:
+        """Take `replica` out of rotation (after its requests, when `drain`) and stop it."""
+        with self.lock:
+            if not replica.counted:
+                return
+            replica.state, replica.why_ended = "draining", why
+        try:
+            if drain:
+                runtime.state(replica.slot, "drain")
+                until = time.monotonic() + DRAIN_S
+                while runtime.sessions(replica.slot) and time.monotonic() < until:
+                    time.sleep(0.05)
+            runtime.state(replica.slot, "maint")
+        except proxy.ProxyError as exc:  # HAProxy gone: the service is ending anyway
+            logger.debug("taking %s out: %s", replica.name, exc)
+        replica.stop.set()
+        if why and not drain:
+            self._say("warning", f"{replica.name} replaced: {why}")
+            self._event("gpuflow.service.replaced", {"replica": replica.name, "why": why})
+
+    def _reap(self, runtime: proxy.Runtime) -> None:
+        """Mark replicas whose unit ended; one that ended by itself is replaced."""
+        for replica in self.replicas:
+            if replica.state == "ended" or replica.future is None or not replica.future.done():
+                continue
+            exited = replica.counted
+            if exited:
+                try:
+                    result = replica.future.result()
+                    code = (
+                        f"exit code {result.exit_code}"
+                        if result.exit_code is not None
+                        else f"signal {result.signal}"
+                    )
+                except Exception as exc:  # the backend could not start or follow it
+                    code = str(exc)
+                tail = " | ".join(list(replica.last_lines)[-3:])
+                self._end(
+                    replica, runtime, f"its process ended ({code}){': ' + tail if tail else ''}"
+                )
+            replica.state, replica.ended_at = "ended", time.monotonic()
+
+    # scaling -----------------------------------------------------------------------
+
+    def _on_sample(self, sample: dict[str, Any]) -> None:
+        now = time.monotonic()
+        with self.lock:
+            for gpu in sample.get("gpus", []):
+                util = gpu.get("DCGM_FI_DEV_GPU_UTIL")
+                if util is not None:
+                    self.util.setdefault(int(gpu["gpu"]), deque(maxlen=4096)).append(
+                        (now, float(util))
+                    )
+            for replica in self.replicas:
+                if replica.state == "ready" and replica.gpus:
+                    values = [self.util[g][-1][1] for g in replica.gpus if g in self.util]
+                    if values:
+                        replica.utils.append(statistics.fmean(values))
+
+    def _load(self, now: float) -> Load:
+        window = self.job.scaling.window_s
+        with self.lock:
+            while self.window and self.window[0][0] < now - window:
+                self.window.popleft()
+            span = min(window, max(now - self.started, 1.0))
+            ready = [r for r in self.replicas if r.state == "ready"]
+            gpus = [g for r in ready for g in r.gpus]
+            readings = [u for g in gpus for t, u in self.util.get(g, ()) if t >= now - window]
+            return Load(
+                t=now,
+                replicas=sum(r.counted for r in self.replicas),
+                ready=len(ready),
+                rps=len(self.window) / span,
+                gpu_util=statistics.fmean(readings) if readings else None,
+                waiting=self.waiting_since is not None and not ready,
+                last_request_t=self.last_request,
+            )
+
+    def _scale(self, runtime: proxy.Runtime) -> None:
+        load = self._load(time.monotonic())
+        need = self.scaler.decide(load)
+        if need.replicas == load.replicas:
+            return
+        if need.replicas > load.replicas:
+            taken = {r.slot for r in self.replicas if r.state != "ended"}
+            free = [slot for slot in range(self.job.replicas.max) if slot not in taken]
+            if not free:
+                return  # every slot still drains a replica: the next look starts them
+            wanted = min(need.replicas, load.replicas + len(free))
+            self._decided(load, wanted, need.why)
+            for slot in free[: wanted - load.replicas]:
+                self._start_replica(runtime, slot)
+            return
+        self._decided(load, need.replicas, need.why)
+        counted = [r for r in self.replicas if r.counted]
+        # not-yet-ready replicas go first, then the youngest
+        counted.sort(key=lambda r: (r.state == "ready", r.started))
+        for replica in counted[: load.replicas - need.replicas]:
+            self._submit(self._end, replica, runtime, "scaled down", True)
+
+    def _decided(self, load: Load, wanted: int, why: str) -> None:
+        row = {
+            "at_s": round(load.t - self.started, 1),
+            "from": load.replicas,
+            "to": wanted,
+            "why": why,
+            "requests_per_s": round(load.rps, 2),
+            "gpu_util": None if load.gpu_util is None else round(load.gpu_util, 1),
+        }
+        self.decisions.append(row)
+        self._say("info", f"replicas {load.replicas} -> {wanted}: {why}")
+        self._event("gpuflow.service.scaled", row)
+        _table(
+            f"service-{_slug(self.spec.name)}-scaling", self.decisions[-200:], "scaling decisions"
+        )
+
+    # the life ----------------------------------------------------------------------
+
+    def serve(self) -> RunOutcome:
+        """Serve until the run is cancelled or its deadline; return the outcome."""
+        began = datetime.now(UTC)
+        runtime, endpoint = self._start_endpoint()
+        self._say(
+            "info",
+            f"endpoint {self.endpoint} (HAProxy), replicas {self.job.replicas.min}-{self.job.replicas.max}",
+        )
+        _markdown(
+            f"service-{_slug(self.spec.name)}",
+            f"# {self.spec.name}\n\nendpoint: `{self.endpoint}`\n\nreplicas: {self.job.replicas.min}"
+            f" to {self.job.replicas.max}",
+        )
+        self._event("gpuflow.service.started", {"endpoint": self.endpoint})
+        tail = SampleTail(Path(self.cluster.workspace), SAMPLES, self._on_sample, 0.5)
+        try:
+            with tail:
+                while not endpoint.done() and time.time() < self.deadline:
+                    try:
+                        self._reap(runtime)
+                        self._scale(runtime)
+                    except proxy.ProxyError as exc:  # HAProxy went away: its unit says why
+                        logger.debug("the endpoint did not answer: %s", exc)
+                    self.wake.wait(TICK_S)
+                    self.wake.clear()
+        finally:
+            self.ending.set()
+            for replica in self.replicas:
+                replica.stop.set()
+            self.pool.shutdown(wait=True)
+            runtime.close()
+            for replica in self.replicas:
+                if replica.counted or replica.state == "draining":
+                    replica.state, replica.ended_at = "ended", time.monotonic()
+                    replica.why_ended = replica.why_ended or "the service ended"
+        ended = datetime.now(UTC)
+        result = endpoint.result()
+        figures = self._figures()
+        write_atomic(
+            Path(self.cluster.workspace) / "outputs" / "result.json",
+            figures.model_dump_json(indent=1),
+        )
+        self._event(
+            "gpuflow.service.ended", {"requests": figures.requests, "cost_usd": figures.cost_usd}
+        )
+        job_result = JobResult(
+            exit_code=0,
+            started_at=began,
+            ended_at=ended,
+            duration_s=(ended - began).total_seconds(),
+            cancelled=result.cancelled,
+        )
+        if result.cancelled:  # how a service ends: collected, then the run is Cancelled
+            return RunOutcome(result=job_result)
+        if result.timed_out or time.time() >= self.deadline:
+            return RunOutcome(result=job_result, stopped_by=self.runner.limit)
+        said = " | ".join(list(self.endpoint_lines)[-3:]) or "no output"
+        failure = f"the endpoint (HAProxy) ended by itself ({said}); the service stopped"
+        return RunOutcome(result=job_result.model_copy(update={"exit_code": 1}), failure=failure)
+
+    def _figures(self) -> ServiceResult:
+        hourly = self.runner.hourly_usd
+        per_replica_hour = None if hourly is None else hourly / self.job.replicas.max
+        rows = []
+        for replica in self.replicas:
+            end = replica.ended_at or time.monotonic()
+            latencies = sorted(replica.latencies)
+            rows.append(
+                ReplicaFigures(
+                    replica=replica.name,
+                    gpus=replica.gpus,
+                    started_s=round(replica.started - self.started, 2),
+                    cold_start_s=None
+                    if replica.ready_at is None
+                    else round(replica.ready_at - replica.started, 2),
+                    served_s=round(end - replica.started, 2),
+                    requests=replica.requests,
+                    errors=replica.errors,
+                    p50_ms=_percentile(latencies, 50),
+                    p95_ms=_percentile(latencies, 95),
+                    gpu_util=round(statistics.fmean(replica.utils), 1) if replica.utils else None,
+                    ended=replica.why_ended,
+                )
+            )
+        served = sum(r.served_s for r in rows)
+        cost = None if per_replica_hour is None else served * per_replica_hour / 3600
+        lived = max(time.monotonic() - self.started, 1e-9)
+        latencies = sorted(self.latencies)
+        return ServiceResult(
+            endpoint=self.endpoint,
+            requests=self.total_requests,
+            errors=self.total_errors,
+            p50_ms=_percentile(latencies, 50),
+            p95_ms=_percentile(latencies, 95),
+            most_replicas=max([d["to"] for d in self.decisions] or [0]),
+            decisions=len(self.decisions),
+            gpu_seconds=round(sum(r.served_s * len(r.gpus) for r in rows), 2),
+            cost_usd=None if cost is None else round(cost, 6),
+            cost_per_hour_usd=None if cost is None else round(cost * 3600 / lived, 4),
+            cost_per_1000_requests_usd=(
+                round(cost * 1000 / self.total_requests, 6)
+                if cost and self.total_requests
+                else None
+            ),
+            cold_start_s=[r.cold_start_s for r in rows if r.cold_start_s is not None],
+            replicas=rows,
+        )
+
+    def _event(self, name: str, payload: dict[str, Any]) -> None:
+        try:
+            from prefect.events import emit_event
+
+            emit_event(
+                event=name,
+                resource={
+                    "prefect.resource.id": f"gpuflow.service.{self.run_id}",
+                    "prefect.resource.name": self.spec.name,
+                },
+                related=[
+                    {
+                        "prefect.resource.id": f"prefect.flow-run.{self.run_id}",
+                        "prefect.resource.role": "flow-run",
+                    }
+                ],
+                payload=payload,
+            )
+        except Exception:  # events are a view of the service, never a reason to stop it
+            logger.debug("event %s not sent", name, exc_info=True)
+
+
+def serve(spec: JobSpec, runner: UnitRunner, deadline: float) -> RunOutcome:
+    """Run the service of `spec` through `runner` until `deadline` or cancellation."""
+    return Service(spec, runner, deadline).serve()
+
+
+def _percentile(ordered: list[int], percent: float) -> float | None:
+    if not ordered:
+        return None
+    index = min(len(ordered) - 1, max(0, round(percent / 100 * len(ordered) + 0.5) - 1))
+    return float(ordered[index])
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-") or "service"
+
+
+def _run_logger() -> Callable[[str, str], None]:
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        run_logger = get_run_logger()
+    except MissingContextError:
+        run_logger = logging.getLogger("gpuflow.service")  # type: ignore[assignment]
+
+    def say(level: str, message: str) -> None:
+        getattr(run_logger, level)("%s", message)
+
+    return say
+
+
+def _table(key: str, rows: list[dict[str, Any]], description: str) -> None:
+    try:
+        from prefect.artifacts import create_table_artifact
+
+        create_table_artifact(rows, key=key, description=description)
+    except Exception:
+        logger.debug("artifact %s not made", key, exc_info=True)
+
+
+def _markdown(key: str, text: str) -> None:
+    try:
+        from prefect.artifacts import create_markdown_artifact
+
+        create_markdown_artifact(text, key=key)
+    except Exception:
+        logger.debug("artifact %s not made", key, exc_info=True)

@@ -1,0 +1,277 @@
+"""Services on this machine end to end: replicas behind HAProxy scaled on request rate
+(a real load generator, wrk) and on GPU utilisation (fake NVML), to zero and back on a
+request, a killed replica replaced with no failed request, and a killed orchestrator's
+service reaped. Every test ends with nothing left: no process, no port, no workspace."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from uuid import UUID
+
+import psutil
+import pytest
+
+from gpuflow.flows.pipeline import gpu_pipeline
+from gpuflow.tasks.spec import load_spec
+from tests.conftest import free_port, subprocess_env
+from tests.e2e.helpers import artifacts_of, events_named, leftovers
+
+pytestmark = pytest.mark.e2e
+SERVE = str(Path(__file__).resolve().parents[1] / "fixtures" / "service" / "serve.py")
+GPUFLOW = [sys.executable, "-m", "gpuflow"]
+
+
+def replica_pids() -> list[int]:
+    """Return the replicas of the test's service running now."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        cmdline = proc.info["cmdline"] or []
+        if SERVE in cmdline and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(proc.pid)
+    return found
+
+
+def endpoint_pids(port: int) -> list[int]:
+    """Return the HAProxy processes serving `port`."""
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline", "status"]):
+        if proc.info["name"] == "haproxy" and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            try:
+                if any(c.laddr.port == port for c in proc.net_connections("tcp")):
+                    found.append(proc.pid)
+            except psutil.Error:
+                continue
+    return found
+
+
+def wait_for(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {seconds:.0f} s"
+        time.sleep(0.1)
+
+
+def ask(port: int, path: str = "/", timeout: float = 60) -> tuple[int, str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as answer:
+        return answer.status, answer.read().decode()
+
+
+def service_spec(port: int, **job) -> dict:
+    scaling = job.pop("scaling", {})
+    return {
+        "name": job.pop("name", "svc"),
+        "job": {
+            "kind": "service",
+            "command": [sys.executable, SERVE],
+            "port": port,
+            "ready": {"path": "/health", "period_s": 0.2},
+            "scaling": {"window_s": 2, "down_after_s": 2, **scaling},
+            **job,
+        },
+        "env": {"SERVE_DELAY_MS": "20"},
+        "resources": {"gpus": 1},
+        "metrics": {"interval_s": 0.2},
+        "limits": {"max_duration": "15m", "stop_grace_s": 5},
+    }
+
+
+class Served:
+    """A service run in a thread of this process: its port, flow run and final state."""
+
+    def __init__(self, raw: dict, home: Path) -> None:
+        self.raw, self.home = raw, home
+        self.port = raw["job"]["port"]
+        self.state = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        self.state = gpu_pipeline(load_spec(self.raw), return_state=True)
+
+    @property
+    def run_id(self) -> str:
+        (record,) = (self.home / "local" / "clusters").glob("*.json")
+        return record.stem.removeprefix("gpuflow-")
+
+    def cancel(self):
+        from prefect.client.orchestration import get_client
+        from prefect.states import Cancelling
+
+        run_id = self.run_id
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(UUID(run_id), Cancelling(), force=True)
+        self.thread.join(timeout=120)
+        assert not self.thread.is_alive(), "the service did not end when cancelled"
+        return run_id
+
+    def result(self) -> dict:
+        [path] = (self.home / "runs").glob("*/outputs/result.json")
+        return json.loads(path.read_text())
+
+
+@contextmanager
+def serving(raw: dict, home: Path) -> Iterator[Served]:
+    served = Served(raw, home)
+    served.thread.start()
+    try:
+        wait_for(lambda: endpoint_pids(served.port), 120, "the endpoint listening")
+        yield served
+    finally:
+        if served.thread.is_alive():
+            served.cancel()
+    assert served.state is not None and served.state.is_cancelled(), served.state
+    wait_for(lambda: not replica_pids() and not endpoint_pids(served.port), 30, "all stopped")
+    assert leftovers(home) == {"workspaces": [], "records": [], "gpu_claims": []}
+
+
+def test_request_rate_scales_one_to_four_replicas_and_back(prefect_api, gpuflow_home, fake_nvml):
+    """wrk's bounded load on loopback: 1 -> 4 replicas, every answer 2xx; when it stops,
+    back to replicas.min; each decision an event and a row of the run's artifacts."""
+    fake_nvml.config["gpus"] = 4
+    port = free_port()
+    raw = service_spec(port, replicas={"min": 1, "max": 4}, scaling={"rps": 15})
+    with serving(raw, gpuflow_home) as served:
+        wait_for(lambda: len(replica_pids()) == 1, 60, "the first replica")
+        assert ask(port)[0] == 200
+        load = subprocess.Popen(
+            ["wrk", "-t2", "-c8", "-d120s", f"http://127.0.0.1:{port}/"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            wait_for(lambda: len(replica_pids()) == 4, 100, "four replicas under load")
+        finally:
+            load.send_signal(signal.SIGINT)
+            said, _ = load.communicate(timeout=30)
+        assert re.search(r"(\d+) requests in", said), said
+        assert "Non-2xx" not in said and "Socket errors" not in said, said
+        wait_for(lambda: len(replica_pids()) == 1, 60, "back to one replica")
+        run_id = served.cancel()
+    result = served.result()
+    assert result["most_replicas"] == 4 and result["errors"] == 0
+    assert result["requests"] >= int(re.search(r"(\d+) requests in", said).group(1))
+    assert result["p50_ms"] is not None and result["p95_ms"] >= result["p50_ms"]
+    assert len(result["replicas"]) >= 4 and all(r["gpus"] for r in result["replicas"])
+    assert result["gpu_seconds"] > 0
+    assert any(r["ended"] == "scaled down" for r in result["replicas"])
+    scaled = events_named("gpuflow.service.scaled", f"gpuflow.service.{run_id}")
+    ups = [e["payload"] for e in scaled if e["payload"]["to"] > e["payload"]["from"]]
+    downs = [e["payload"] for e in scaled if e["payload"]["to"] < e["payload"]["from"]]
+    assert ups and downs and "requests/s" in ups[0]["why"]
+    assert "service-svc-scaling" in artifacts_of(run_id)
+
+
+def test_gpu_utilisation_step_scales_replicas(prefect_api, gpuflow_home, fake_nvml):
+    """The replicas' GPUs go from 30 % to 95 % busy (a target of 60 %): up to max; to
+    20 %: back down to min."""
+    fake_nvml.config["gpus"] = 3
+    fake_nvml.config["util"] = 30
+    port = free_port()
+    raw = service_spec(port, replicas={"min": 1, "max": 3}, scaling={"gpu_util": 60})
+    with serving(raw, gpuflow_home) as served:
+        wait_for(lambda: len(replica_pids()) == 1, 60, "the first replica")
+        fake_nvml.config["util"] = 95
+        wait_for(lambda: len(replica_pids()) == 3, 60, "three replicas on busy GPUs")
+        fake_nvml.config["util"] = 20
+        wait_for(lambda: len(replica_pids()) == 1, 60, "one replica on idle GPUs")
+        run_id = served.cancel()
+    scaled = events_named("gpuflow.service.scaled", f"gpuflow.service.{run_id}")
+    ups = [e["payload"] for e in scaled if e["payload"]["to"] > e["payload"]["from"] > 0]
+    assert ups and all("% busy" in up["why"] and "target of 60 %" in up["why"] for up in ups)
+    assert all(up["gpu_util"] > 60 for up in ups), ups
+    assert served.result()["most_replicas"] == 3
+
+
+def test_scale_to_zero_then_a_request_waits_for_its_cold_start(
+    prefect_api, gpuflow_home, fake_nvml
+):
+    port = free_port()
+    raw = service_spec(
+        port, replicas={"min": 0, "max": 1}, scaling={"to_zero_after_s": 2}, name="cold"
+    )
+    raw["env"]["SERVE_START_S"] = "1.5"  # a slow start, that the request waits for
+    with serving(raw, gpuflow_home) as served:
+        assert replica_pids() == []  # no request yet: nothing runs
+        began = time.monotonic()
+        assert ask(port) == (200, "replica-1")
+        assert time.monotonic() - began >= 1.5
+        wait_for(lambda: not replica_pids(), 60, "scaled to zero")
+        assert ask(port) == (200, "replica-2")  # a second cold start
+        served.cancel()
+    result = served.result()
+    assert len(result["cold_start_s"]) == 2 and min(result["cold_start_s"]) >= 1.5
+    assert result["errors"] == 0 and result["requests"] == 2
+
+
+def test_a_killed_replica_is_replaced_and_no_request_fails(prefect_api, gpuflow_home, fake_nvml):
+    port = free_port()
+    raw = service_spec(port, replicas={"min": 2, "max": 2}, name="sturdy")
+    answers: list[int] = []
+    stop = threading.Event()
+
+    def keep_asking() -> None:
+        while not stop.is_set():
+            try:
+                answers.append(ask(port, timeout=30)[0])
+            except OSError:
+                answers.append(0)
+
+    with serving(raw, gpuflow_home) as served:
+        wait_for(lambda: len(replica_pids()) == 2, 60, "two replicas")
+        asker = threading.Thread(target=keep_asking)
+        asker.start()
+        try:
+            wait_for(lambda: len(answers) > 20, 60, "requests answered")
+            victim = replica_pids()[0]
+            os.kill(victim, signal.SIGKILL)
+            wait_for(
+                lambda: len(replica_pids()) == 2 and victim not in replica_pids(),
+                60,
+                "the replacement",
+            )
+            seen = len(answers)
+            wait_for(lambda: len(answers) > seen + 20, 60, "requests after the replacement")
+        finally:
+            stop.set()
+            asker.join()
+        run_id = served.cancel()
+    assert set(answers) == {200}, [a for a in answers if a != 200]
+    [replaced] = events_named("gpuflow.service.replaced", f"gpuflow.service.{run_id}")
+    assert "its process ended (signal 9)" in replaced["payload"]["why"]
+
+
+def test_a_killed_orchestrator_leaves_a_service_that_reap_removes(
+    tmp_path, prefect_api, gpuflow_home
+):
+    port = free_port()
+    spec = tmp_path / "service.yaml"
+    spec.write_text(
+        f"name: orphan\njob: {{kind: service, command: [{sys.executable}, {SERVE}], port: {port},"
+        " ready: {path: /health, period_s: 0.2}, replicas: {min: 1, max: 2}}\n"
+        "resources: {gpus: 1}\nlimits: {stop_grace_s: 5}\n"
+    )
+    env = subprocess_env(prefect_api, gpuflow_home, fake_gpus=2)
+    proc = subprocess.Popen(
+        [*GPUFLOW, "run", str(spec)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        wait_for(lambda: replica_pids() and endpoint_pids(port), 120, "the service up")
+        wait_for(lambda: ask(port)[0] == 200, 60, "an answer")
+    finally:
+        proc.kill()  # SIGKILL: no finally, no hooks
+        proc.wait(timeout=30)
+    assert replica_pids() and endpoint_pids(port)  # they outlived their orchestrator
+    out = subprocess.run([*GPUFLOW, "reap"], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and "1 leftover cluster(s)" in out.stdout, out.stdout
+    wait_for(lambda: not replica_pids() and not endpoint_pids(port), 30, "all reaped")
+    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
