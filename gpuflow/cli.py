@@ -23,13 +23,14 @@ from gpuflow.commands import (
     platform,
     render,
     run,
+    service,
 )
 from gpuflow.commands.common import EXIT_CODES, EXIT_FAILED, EXIT_INVALID, EXIT_OK
 
 # (title, the modules whose commands it lists, in this order)
 GROUPS: list[tuple[str, list[Any]]] = [
     ("run work", [run, render, hpc, datasets, offers]),
-    ("fleets", [fleet]),
+    ("fleets and services", [fleet, service]),
     ("follow runs", [follow]),
     ("platform and deployments", [platform]),
     ("maintenance", [maintenance]),

@@ -29,7 +29,7 @@ from gpuflow.tasks.contract import RUN_LABEL, JobResult, RunOutcome, UnitRunner,
 from gpuflow.tasks.errors import JobFailed
 from gpuflow.tasks.host import write_atomic
 from gpuflow.tasks.metrics.sampler import SAMPLES, SampleTail
-from gpuflow.tasks.service import proxy
+from gpuflow.tasks.service import proxy, versions
 from gpuflow.tasks.service.model import (
     PORT_VARIABLE,
     Probe,
@@ -78,6 +78,7 @@ class Replica:
     port: int
     gpus: list[int]
     started: float  # time.monotonic()
+    version: int = 1  # the version of the service's job it runs
     stop: threading.Event = field(default_factory=threading.Event)
     state: str = "starting"  # starting -> ready -> draining -> ended
     ready_at: float | None = None
@@ -129,21 +130,16 @@ class Service:
         self.decisions: list[dict[str, Any]] = []
         self.endpoint_lines: deque[str] = deque(maxlen=20)
         self.started = time.monotonic()
-        self.scaler = Scaler(
-            Targets(
-                least=job.replicas.min,
-                most=job.replicas.max,
-                gpu_util=job.scaling.gpu_util,
-                rps=job.scaling.rps,
-                down_after_s=job.scaling.down_after_s,
-                to_zero_after_s=job.idle_to_zero_s,
-            )
-        )
+        self.scaler = Scaler(_targets(job))
         self.pool = ThreadPoolExecutor(
             max_workers=3 * job.replicas.max + 2, thread_name_prefix="service"
         )
         self._counter = 0
         self._say = _run_logger()
+        self.version = self._latest = 1  # the job's version replicas start with
+        self._previous: tuple[int, ServiceJob] | None = None  # what a failed roll returns to
+        self._offer_ns = 0
+        self._surge: Replica | None = None
 
     def _submit(self, work: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run `work` on the pool in this run's context (its API, its logger)."""
@@ -224,6 +220,7 @@ class Service:
             port=free_port("127.0.0.1"),
             gpus=self.slot_gpus[slot],
             started=time.monotonic(),
+            version=self.version,
         )
         runtime.point(slot, self.address, replica.port)
         unit = WorkUnit(
@@ -383,6 +380,8 @@ class Service:
             for slot in free[: wanted - load.replicas]:
                 self._start_replica(runtime, slot)
             return
+        if any(r.version != self.version for r in self.replicas if r.counted):
+            return  # a roll holds one replica more than the need until it is done
         self._decided(load, need.replicas, need.why)
         counted = [r for r in self.replicas if r.counted]
         # not-yet-ready replicas go first, then the youngest
@@ -406,6 +405,99 @@ class Service:
             f"service-{_slug(self.spec.name)}-scaling", self.decisions[-200:], "scaling decisions"
         )
 
+    # new versions ------------------------------------------------------------------
+
+    def _take_offer(self) -> None:
+        """Take a new version of the job offered (versions.propose), or say why not."""
+        self._offer_ns, offer, unreadable = versions.offered(self.folder, self._offer_ns)
+        if offer is None and unreadable is None:
+            return
+        why = unreadable or versions.refusal(self.job, offer)  # type: ignore[arg-type]
+        if why is not None or offer is None:
+            self._say("warning", f"new version refused: {why}")
+            versions.answer(
+                self.folder,
+                versions.Answer(
+                    offer=self._offer_ns, version=self.version, state="refused", said=str(why)
+                ),
+            )
+            return
+        self._previous = (self.version, self.job)
+        self._latest += 1
+        self.version, self.job = self._latest, versions.taken(self.job, offer)
+        self.scaler.targets = _targets(self.job)
+        said = f"version {self.version} rolling out: replicas replaced one at a time"
+        self._say("info", said)
+        self._event(
+            "gpuflow.service.rolling", {"version": self.version, "command": self.job.command}
+        )
+        versions.answer(
+            self.folder,
+            versions.Answer(offer=self._offer_ns, version=self.version, state="rolling", said=said),
+        )
+
+    def _roll(self, runtime: proxy.Runtime) -> None:
+        """One step of a roll to the current version: start a replica of it where a slot
+        is free, and once it is ready retire one replica of another version (drained);
+        with no slot free, retire one first. A replica of the new version that ends
+        without ever being ready rolls the service back to the version before."""
+        counted = [r for r in self.replicas if r.counted]
+        stale = [r for r in counted if r.version != self.version]
+        failed = [
+            r
+            for r in self.replicas
+            if r.version == self.version
+            and r.state == "ended"
+            and r.ready_at is None
+            and r.why_ended not in ("scaled down", "the service ended")
+        ]
+        if failed and self._previous is not None and stale:
+            version, job = self._previous
+            why = f"{failed[0].name} of version {self.version} never became ready ({failed[0].why_ended})"
+            self._say("warning", f"rolled back to version {version}: {why}")
+            self._event("gpuflow.service.rolled_back", {"version": version, "why": why})
+            versions.answer(
+                self.folder,
+                versions.Answer(
+                    offer=self._offer_ns, version=self.version, state="rolled back", said=why
+                ),
+            )
+            self.version, self.job, self._previous, self._surge = version, job, None, None
+            self.scaler.targets = _targets(job)
+            return
+        if not stale:
+            if self._previous is not None:
+                said = f"version {self.version} serves on every replica"
+                self._say("info", said)
+                self._event("gpuflow.service.rolled", {"version": self.version})
+                versions.answer(
+                    self.folder,
+                    versions.Answer(
+                        offer=self._offer_ns, version=self.version, state="done", said=said
+                    ),
+                )
+                self._previous, self._surge = None, None
+            return
+        if any(r.version == self.version and r.state == "starting" for r in counted):
+            return  # its successor is still starting
+        victims = sorted(stale, key=lambda r: (r.state == "ready", r.started))
+        if self._surge is not None and self._surge.state == "ready":
+            self._surge = None
+            self._submit(
+                self._end, victims[0], runtime, f"replaced by version {self.version}", True
+            )
+            return
+        taken = {r.slot for r in self.replicas if r.state != "ended"}
+        free = [slot for slot in range(self.job.replicas.max) if slot not in taken]
+        if free:
+            self._start_replica(runtime, free[0])
+            self._surge = self.replicas[-1]
+        elif not any(r.state == "draining" for r in self.replicas):
+            # every slot serves: one replica out first, the scaler refills its slot
+            self._submit(
+                self._end, victims[0], runtime, f"replaced by version {self.version}", True
+            )
+
     # the life ----------------------------------------------------------------------
 
     def serve(self) -> RunOutcome:
@@ -428,6 +520,8 @@ class Service:
                 while not endpoint.done() and time.time() < self.deadline:
                     try:
                         self._reap(runtime)
+                        self._take_offer()
+                        self._roll(runtime)
                         self._scale(runtime)
                     except proxy.ProxyError as exc:  # HAProxy went away: its unit says why
                         logger.debug("the endpoint did not answer: %s", exc)
@@ -541,6 +635,17 @@ class Service:
 def serve(spec: JobSpec, runner: UnitRunner, deadline: float) -> RunOutcome:
     """Run the service of `spec` through `runner` until `deadline` or cancellation."""
     return Service(spec, runner, deadline).serve()
+
+
+def _targets(job: ServiceJob) -> Targets:
+    return Targets(
+        least=job.replicas.min,
+        most=job.replicas.max,
+        gpu_util=job.scaling.gpu_util,
+        rps=job.scaling.rps,
+        down_after_s=job.scaling.down_after_s,
+        to_zero_after_s=job.idle_to_zero_s,
+    )
 
 
 def _percentile(ordered: list[int], percent: float) -> float | None:

@@ -250,6 +250,72 @@ def test_a_killed_replica_is_replaced_and_no_request_fails(prefect_api, gpuflow_
     assert "its process ended (signal 9)" in replaced["payload"]["why"]
 
 
+def test_a_new_version_rolls_out_under_load_with_no_failed_request(
+    tmp_path, prefect_api, gpuflow_home, fake_nvml
+):
+    """`gpuflow service update` with a new command: each replica replaced after its
+    successor is ready; then a version whose replica never starts is rolled back."""
+    fake_nvml.config["gpus"] = 3
+    port = free_port()
+    raw = service_spec(port, replicas={"min": 2, "max": 3}, name="rolling")
+    answers: list[tuple[int, str]] = []
+    stop = threading.Event()
+
+    def keep_asking() -> None:
+        while not stop.is_set():
+            try:
+                answers.append(ask(port, timeout=30))
+            except OSError as exc:
+                answers.append((0, str(exc)))
+
+    def update(command: list[str]) -> subprocess.CompletedProcess:
+        new = tmp_path / "v.yaml"
+        job = {**raw["job"], "command": command}
+        new.write_text(json.dumps({**raw, "job": job}))
+        env = subprocess_env(prefect_api, gpuflow_home)
+        return subprocess.run(
+            [*GPUFLOW, "service", "update", str(new)], env=env, capture_output=True, text=True
+        )
+
+    def versions_served(last: int) -> set[str]:
+        return {body.split()[-1] for _, body in answers[-last:]}
+
+    with serving(raw, gpuflow_home) as served:
+        wait_for(lambda: len(replica_pids()) == 2, 60, "two replicas")
+        asker = threading.Thread(target=keep_asking)
+        asker.start()
+        try:
+            wait_for(lambda: len(answers) > 10, 60, "requests answered")
+            out = update([sys.executable, SERVE, "v2"])
+            assert out.returncode == 0, out.stderr
+            assert "rolling: version 2 rolling out" in out.stdout
+            wait_for(lambda: versions_served(20) == {"v2"}, 120, "only v2 answering")
+            wait_for(lambda: len(replica_pids()) == 2, 60, "two replicas of v2")
+            out = update([sys.executable, "-c", "raise SystemExit(3)"])
+            assert out.returncode == 0, out.stderr
+            run_id = served.run_id
+            [back] = events_named("gpuflow.service.rolled_back", f"gpuflow.service.{run_id}", 90)
+            seen = len(answers)
+            wait_for(lambda: len(answers) > seen + 20, 60, "requests after the roll back")
+            assert versions_served(20) == {"v2"}
+            bad = {**raw, "job": {**raw["job"], "port": port + 1}}
+            (tmp_path / "bad.yaml").write_text(json.dumps(bad))
+            refused = subprocess.run(
+                [*GPUFLOW, "service", "update", str(tmp_path / "bad.yaml")],
+                env=subprocess_env(prefect_api, gpuflow_home),
+                capture_output=True,
+                text=True,
+            )
+        finally:
+            stop.set()
+            asker.join()
+        served.cancel()
+    assert [a for a in answers if a[0] != 200] == []
+    assert "replica" in back["payload"]["why"] and "never became ready" in back["payload"]["why"]
+    assert refused.returncode == 2
+    assert "job.port: a running service keeps its port" in refused.stderr
+
+
 def test_a_killed_orchestrator_leaves_a_service_that_reap_removes(
     tmp_path, prefect_api, gpuflow_home
 ):
