@@ -312,22 +312,31 @@ class Service:
         for replica in self.replicas:
             if replica.state == "ended" or replica.future is None or not replica.future.done():
                 continue
-            exited = replica.counted
-            if exited:
-                try:
-                    result = replica.future.result()
-                    code = (
-                        f"exit code {result.exit_code}"
-                        if result.exit_code is not None
-                        else f"signal {result.signal}"
-                    )
-                except Exception as exc:  # the backend could not start or follow it
-                    code = str(exc)
-                tail = " | ".join(list(replica.last_lines)[-3:])
-                self._end(
-                    replica, runtime, f"its process ended ({code}){': ' + tail if tail else ''}"
-                )
+            if replica.counted:
+                why = self._ended_by_itself(replica)
+                if why is None:  # the run's cancel stopped it, as it stops the endpoint
+                    replica.why_ended = "the service ended"
+                else:
+                    self._end(replica, runtime, why)
             replica.state, replica.ended_at = "ended", time.monotonic()
+
+    @staticmethod
+    def _ended_by_itself(replica: Replica) -> str | None:
+        """Return how a replica's unit ended when nothing of gpuflow's stopped it."""
+        assert replica.future is not None
+        try:
+            result = replica.future.result()
+        except Exception as exc:  # the backend could not start or follow it
+            return f"it could not be started: {exc}"
+        if result.cancelled:
+            return None
+        code = (
+            f"exit code {result.exit_code}"
+            if result.exit_code is not None
+            else f"signal {result.signal}"
+        )
+        tail = " | ".join(list(replica.last_lines)[-3:])
+        return f"its process ended ({code}){': ' + tail if tail else ''}"
 
     # scaling -----------------------------------------------------------------------
 

@@ -1,0 +1,247 @@
+"""What a service costs and how fast it reacts, on this machine (fake NVML, 4 GPUs; the
+replica is tests/fixtures/service/serve.py, a small threaded HTTP server):
+
+1. Cold start: a request to a service scaled to zero, until its answer (the replica
+   starting, passing its readiness check, HAProxy sending the held request to it);
+   --rounds times, the service going back to zero in between.
+2. The endpoint's cost: wrk at the same load (-c4, 10 s) straight to the replica and
+   through the endpoint, alternating, --rounds each; p50 and p95 latency side by side.
+3. Reaction to a load step: wrk -c8 starts; seconds until 4 replicas are ready (target
+   15 requests/s per replica, window 2 s); it stops: seconds until 1 again
+   (down_after_s 2).
+
+    python bench/service.py [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from uuid import UUID
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "fakes"))  # fake NVML: 4 GPUs
+SERVE = str(ROOT / "tests" / "fixtures" / "service" / "serve.py")
+PERCENTILES = """
+done = function(summary, latency, requests)
+  io.write(string.format("p50=%d p95=%d requests=%d errors=%d\\n", latency:percentile(50),
+    latency:percentile(95), summary.requests, summary.errors.status + summary.errors.connect
+    + summary.errors.read + summary.errors.write + summary.errors.timeout))
+end
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="gpuflow-bench-service-"))
+    os.environ.update(
+        GPUFLOW_HOME=str(scratch / "home"),
+        FAKE_NVML_GPUS="4",
+        PREFECT_LOGGING_LEVEL="WARNING",
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+    )
+    (scratch / "percentiles.lua").write_text(PERCENTILES)
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        cold = cold_starts(args.rounds)
+        direct, through = endpoint_cost(args.rounds, scratch / "percentiles.lua")
+        up, down = load_step()
+    print("\ncold start, zero to the first answer (s):", _spread(cold))
+    print("latency at the same load (wrk -c4, 10 s), median of rounds:")
+    print(f"  {'':<18} {'p50 ms':>8} {'p95 ms':>8} {'requests/s':>11}")
+    for name, rows in (("straight to it", direct), ("through endpoint", through)):
+        p50 = statistics.median(r[0] for r in rows) / 1000
+        p95 = statistics.median(r[1] for r in rows) / 1000
+        rate = statistics.median(r[2] for r in rows)
+        print(f"  {name:<18} {p50:>8.2f} {p95:>8.2f} {rate:>11.0f}")
+    ratio = statistics.median(r[0] for r in through) / statistics.median(r[0] for r in direct)
+    print(f"  p50 through the endpoint / straight: {ratio:.2f}x")
+    print(
+        f"reaction to a load step (own scaler): 1 -> 4 replicas in {up:.1f} s,"
+        f" back to 1 in {down:.1f} s after the load stopped"
+    )
+
+
+class Service:
+    """A service run in a thread of this process."""
+
+    def __init__(self, port: int, **job: object) -> None:
+        from gpuflow.flows.pipeline import gpu_pipeline
+        from gpuflow.tasks.spec import load_spec
+
+        scaling = job.pop("scaling", {})
+        self.port = port
+        self.spec = load_spec(
+            {
+                "name": "bench",
+                "job": {
+                    "kind": "service",
+                    "command": [sys.executable, SERVE],
+                    "port": port,
+                    "ready": {"path": "/health", "period_s": 0.1},
+                    "scaling": {"window_s": 2, "down_after_s": 2, **scaling},
+                    **job,
+                },
+                "env": {"SERVE_DELAY_MS": "5"},
+                "resources": {"gpus": 1},
+                "limits": {"max_duration": "30m"},
+            }
+        )
+        self.thread = threading.Thread(
+            target=lambda: gpu_pipeline(self.spec, return_state=True), daemon=True
+        )
+
+    def __enter__(self) -> Service:
+        self.thread.start()
+        _until(lambda: _answers(f"http://127.0.0.1:{self.port}/health", 0.2) or self._started())
+        return self
+
+    def _started(self) -> bool:
+        return bool(list((Path(os.environ["GPUFLOW_HOME"]) / "local" / "clusters").glob("*")))
+
+    def __exit__(self, *exc: object) -> None:
+        from prefect.client.orchestration import get_client
+        from prefect.states import Cancelling
+
+        [record] = (Path(os.environ["GPUFLOW_HOME"]) / "local" / "clusters").glob("*.json")
+        with get_client(sync_client=True) as client:
+            run_id = UUID(record.stem.removeprefix("gpuflow-"))
+            client.set_flow_run_state(run_id, Cancelling(), force=True)
+        self.thread.join()
+
+
+def cold_starts(rounds: int) -> list[float]:
+    port = _free_port()
+    times = []
+    with Service(port, replicas={"min": 0, "max": 1}, scaling={"to_zero_after_s": 1}):
+        _until(lambda: _listening(port))
+        for _ in range(rounds):
+            _until(lambda: not _replicas())
+            began = time.monotonic()
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=60).read()
+            times.append(time.monotonic() - began)
+    return times
+
+
+def endpoint_cost(rounds: int, script: Path) -> tuple[list[tuple], list[tuple]]:
+    port = _free_port()
+    direct, through = [], []
+    with Service(port, replicas={"min": 1, "max": 1}):
+        _until(lambda: _answers(f"http://127.0.0.1:{port}/", 1.0))
+        replica_port = _replica_port()
+        for _ in range(rounds):
+            direct.append(_wrk(replica_port, script))
+            through.append(_wrk(port, script))
+    return direct, through
+
+
+def load_step() -> tuple[float, float]:
+    port = _free_port()
+    with Service(port, replicas={"min": 1, "max": 4}, scaling={"rps": 15}):
+        _until(lambda: len(_replicas()) == 1 and _answers(f"http://127.0.0.1:{port}/", 1.0))
+        began = time.monotonic()
+        load = subprocess.Popen(
+            ["wrk", "-t2", "-c8", "-d120s", f"http://127.0.0.1:{port}/"], stdout=subprocess.DEVNULL
+        )
+        _until(lambda: _ready_replicas() == 4)
+        up = time.monotonic() - began
+        load.terminate()
+        load.wait()
+        stopped = time.monotonic()
+        _until(lambda: len(_replicas()) == 1)
+        return up, time.monotonic() - stopped
+
+
+def _wrk(port: int, script: Path) -> tuple[int, int, float]:
+    out = subprocess.run(
+        ["wrk", "-t1", "-c4", "-d10s", "-s", str(script), f"http://127.0.0.1:{port}/"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    fields = dict(word.split("=") for word in out.strip().splitlines()[-1].split())
+    assert fields["errors"] == "0", out
+    return int(fields["p50"]), int(fields["p95"]), int(fields["requests"]) / 10
+
+
+def _replicas() -> list:
+    import psutil
+
+    return [
+        p
+        for p in psutil.process_iter(["cmdline", "status"])
+        if SERVE in (p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE
+    ]
+
+
+def _replica_port() -> int:
+    [proc] = _replicas()
+    return next(c.laddr.port for c in proc.net_connections("tcp") if c.status == "LISTEN")
+
+
+def _ready_replicas() -> int:
+    count = 0
+    for proc in _replicas():
+        try:
+            port = next(c.laddr.port for c in proc.net_connections("tcp") if c.status == "LISTEN")
+        except StopIteration:
+            continue
+        count += _answers(f"http://127.0.0.1:{port}/health", 0.5)
+    return count
+
+
+def _answers(url: str, timeout: float) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=timeout).read()
+        return True
+    except OSError:
+        return False
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _until(condition, limit_s: float = 180.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise SystemExit("the bench waited too long; see the service's logs")
+        time.sleep(0.05)
+
+
+def _spread(values: list[float]) -> str:
+    return (
+        f"min {min(values):.2f}, median {statistics.median(values):.2f},"
+        f" max {max(values):.2f} ({len(values)} rounds)"
+    )
+
+
+if __name__ == "__main__":
+    main()
