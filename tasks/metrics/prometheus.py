@@ -51,7 +51,8 @@ def _labels(labels: dict[str, Any]) -> str:
     return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in labels.items()) + "}"
 
 
-def _family(name: str, help_text: str, kind: str, rows: list[tuple[dict, float]]) -> list[str]:
+def family(name: str, help_text: str, kind: str, rows: list[tuple[dict, float]]) -> list[str]:
+    """Return one metric family in the text format: its HELP, TYPE and a line per row."""
     lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
     return lines + [f"{name}{_labels(labels)} {float(value)}" for labels, value in rows]
 
@@ -85,19 +86,19 @@ def exposition(
                 if field in g
             ]
             if rows:
-                lines += _family(field, _HELP[field], _TYPES.get(field, "gauge"), rows)
+                lines += family(field, _HELP[field], _TYPES.get(field, "gauge"), rows)
         for name, (key, help_text) in _HOST.items():
-            lines += _family(
+            lines += family(
                 name, help_text, "gauge", [({"Hostname": host} | run, sample["host"][key])]
             )
     if summary:
         for name, (attr, help_text) in _SUMMARY.items():
             value = getattr(summary, attr)
             if value is not None:
-                lines += _family(name, help_text, "gauge", [(run, value)])
+                lines += family(name, help_text, "gauge", [(run, value)])
         lines += log_figures(summary.from_log, run)
         if outcome is not None:
-            lines += _family(
+            lines += family(
                 "gpuflow_run_outcome",
                 "1 for the way the run ended (label outcome: completed or failed).",
                 "gauge",
@@ -110,7 +111,7 @@ def log_figures(figures: dict[str, float], run: dict[str, str]) -> list[str]:
     """Return the family of a job's own figures (metrics.from_log), one series per name."""
     if not figures:
         return []
-    return _family(
+    return family(
         "gpuflow_job_metric",
         "A figure the job printed, read by metrics.from_log (label name: its group's name).",
         "gauge",

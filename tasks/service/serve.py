@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from gpuflow.tasks.contract import RUN_LABEL, JobResult, RunOutcome, UnitRunner, WorkUnit
-from gpuflow.tasks.errors import JobFailed
+from gpuflow.tasks.errors import JobFailed, TransientError
 from gpuflow.tasks.host import write_atomic
+from gpuflow.tasks.metrics.prometheus import push
 from gpuflow.tasks.metrics.sampler import SAMPLES, SampleTail
-from gpuflow.tasks.service import proxy, versions
+from gpuflow.tasks.service import metrics, proxy, versions
 from gpuflow.tasks.service.model import (
     PORT_VARIABLE,
     Probe,
@@ -140,6 +141,9 @@ class Service:
         self._previous: tuple[int, ServiceJob] | None = None  # what a failed roll returns to
         self._offer_ns = 0
         self._surge: Replica | None = None
+        self._pushed = 0.0  # when the figures were last pushed (time.monotonic())
+        self._push_warned = False
+        self._sending = threading.Lock()
 
     def _submit(self, work: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run `work` on the pool in this run's context (its API, its logger)."""
@@ -532,6 +536,7 @@ class Service:
                         self._take_offer()
                         self._roll(runtime)
                         self._scale(runtime)
+                        self._push()
                     except proxy.ProxyError as exc:  # HAProxy went away: its unit says why
                         logger.debug("the endpoint did not answer: %s", exc)
                     self.wake.wait(TICK_S)
@@ -549,6 +554,7 @@ class Service:
         ended = datetime.now(UTC)
         result = endpoint.result()
         figures = self._figures()
+        self._push(figures)
         write_atomic(
             Path(self.cluster.workspace) / "outputs" / "result.json",
             figures.model_dump_json(indent=1),
@@ -570,6 +576,35 @@ class Service:
         said = " | ".join(list(self.endpoint_lines)[-3:]) or "no output"
         failure = f"the endpoint (HAProxy) ended by itself ({said}); the service stopped"
         return RunOutcome(result=job_result.model_copy(update={"exit_code": 1}), failure=failure)
+
+    def _push(self, final: ServiceResult | None = None) -> None:
+        """Push the figures to the run's Pushgateway every metrics.push_interval_s (and
+        the `final` ones as the service ends); a failure is said once, never fatal."""
+        gateway = self.spec.metrics.pushgateway
+        now = time.monotonic()
+        if gateway is None or (
+            final is None and now - self._pushed < self.spec.metrics.push_interval_s
+        ):
+            return
+        self._pushed = now
+        load = self._load(now)
+        run = {"flow_run_id": self.run_id, "job": self.spec.name}
+        text = metrics.exposition(
+            final or self._figures(), load.replicas, load.ready, load.rps, run
+        )
+        if final is not None:
+            self._send(gateway, text)
+        elif not self._sending.locked():  # a slow gateway never holds up the scaler
+            threading.Thread(target=self._send, args=(gateway, text), daemon=True).start()
+
+    def _send(self, gateway: str, text: str) -> None:
+        with self._sending:
+            try:
+                push(gateway, text, self.run_id, self.spec.name, metrics.STAGE)
+            except TransientError as exc:
+                if not self._push_warned:
+                    self._push_warned = True
+                    self._say("warning", f"service metrics not pushed: {exc}")
 
     def _figures(self) -> ServiceResult:
         hourly = self.runner.hourly_usd
