@@ -14,6 +14,11 @@
 #   scripts/k8s-testbed.sh expose --dir DIR --port PORT   the real node's pods reach this
 #                                            host's 127.0.0.1:PORT at the node's address
 #                                            (a Prefect server for flow-run pods); gone at down
+#   scripts/k8s-testbed.sh adapter --dir DIR --prometheus URL   the custom metrics API
+#                                            (custom.metrics.k8s.io, through the API
+#                                            server's aggregation layer): each pod's metric
+#                                            is what that Prometheus holds for it (an HPA on
+#                                            DCGM_FI_DEV_GPU_UTIL); stopped by down
 #   scripts/k8s-testbed.sh down --dir DIR    stop what `up` started, by PID (an `up` that
 #                                            fails part-way stops what it started itself)
 #   scripts/k8s-testbed.sh restart-api --dir DIR   stop the API server and start it again (faults)
@@ -28,6 +33,7 @@ ETCD_VERSION=v3.6.15  # go.etcd.io/etcd/server/v3 (scripts/testbed/etcd/go.mod)
 KWOK_VERSION=v0.8.0   # sigs.k8s.io/kwok
 KUEUE_VERSION=v0.17.0 # sigs.k8s.io/kueue: its CRDs only (the API of infra/kubernetes/kueue-*.yaml)
 MPI_OPERATOR_VERSION=v0.6.0 # github.com/kubeflow/mpi-operator (scripts/testbed/mpi-operator/go.mod)
+ADAPTER_VERSION=v1.36.0 # sigs.k8s.io/custom-metrics-apiserver (scripts/testbed/metrics-adapter/go.mod)
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CACHE=${GPUFLOW_TESTBED_CACHE:-$HOME/.cache/gpuflow/testbed}
 BIN=$CACHE/bin
@@ -40,10 +46,10 @@ die() { printf 'testbed: %s\n' "$*" >&2; exit 1; }
 build() {
   mkdir -p "$BIN"
   command -v go >/dev/null || die "Go is not installed; install Go 1.26 (it builds the test cluster)"
-  local stamp=$BIN/.versions want="k8s=$K8S_VERSION etcd=$ETCD_VERSION kwok=$KWOK_VERSION kueue=$KUEUE_VERSION mpi-operator=$MPI_OPERATOR_VERSION"
+  local stamp=$BIN/.versions want="k8s=$K8S_VERSION etcd=$ETCD_VERSION kwok=$KWOK_VERSION kueue=$KUEUE_VERSION mpi-operator=$MPI_OPERATOR_VERSION metrics-adapter=$ADAPTER_VERSION"
   if [[ -f $stamp && $(cat "$stamp") == "$want" ]] &&
     [[ -x $BIN/kube-apiserver && -x $BIN/kube-controller-manager && -x $BIN/kube-scheduler && -x $BIN/kubelet ]] &&
-    [[ -x $BIN/etcd && -x $BIN/kwok && -x $BIN/mpi-operator ]] &&
+    [[ -x $BIN/etcd && -x $BIN/kwok && -x $BIN/mpi-operator && -x $BIN/metrics-adapter ]] &&
     [[ -f $CACHE/crds/kueue.x-k8s.io_clusterqueues.yaml && -f $CACHE/crds/kubeflow.org_mpijobs.yaml ]]; then
     say "built already: $want in $BIN"
     return
@@ -69,6 +75,10 @@ build() {
     say "building mpi-operator $MPI_OPERATOR_VERSION (cold: about 5 minutes on 2 cores)"
     (cd "$HERE/testbed/mpi-operator" && go build -trimpath -ldflags "-s -w" -o "$BIN/mpi-operator" \
       github.com/kubeflow/mpi-operator/cmd/mpi-operator)
+  fi
+  if [[ ! -x $BIN/metrics-adapter ]]; then
+    say "building the custom metrics adapter (custom-metrics-apiserver $ADAPTER_VERSION)"
+    (cd "$HERE/testbed/metrics-adapter" && go build -trimpath -ldflags "-s -w" -o "$BIN/metrics-adapter" .)
   fi
   say "fetching Kueue $KUEUE_VERSION's CRDs"
   local kueue
@@ -126,6 +136,15 @@ certificates() {
   sign admin "/O=system:masters/CN=gpuflow-testbed-admin"
   sign kwok "/CN=gpuflow-testbed-kubelet" "IP:127.0.0.1"  # KWOK's kubelet endpoint (pod logs)
   sign apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client"
+  # the aggregation layer: the API server proxies custom.metrics.k8s.io to the adapter as
+  # front-proxy-client, which the adapter trusts by the front-proxy CA
+  openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=gpuflow-testbed-front-proxy-ca" \
+    -keyout "$pki/front-proxy-ca.key" -out "$pki/front-proxy-ca.crt" 2>/dev/null
+  openssl req -newkey rsa:2048 -nodes -subj "/CN=front-proxy-client" \
+    -keyout "$pki/front-proxy-client.key" -out "$pki/front-proxy-client.csr" 2>/dev/null
+  openssl x509 -req -in "$pki/front-proxy-client.csr" -CA "$pki/front-proxy-ca.crt" \
+    -CAkey "$pki/front-proxy-ca.key" -CAcreateserial -days 30 -out "$pki/front-proxy-client.crt" 2>/dev/null
+  sign metrics-adapter "/CN=gpuflow-metrics-adapter" "DNS:gpuflow-metrics-adapter.kube-system.svc,IP:127.0.0.1"
   openssl genrsa -out "$pki/sa.key" 2048 2>/dev/null
   openssl rsa -in "$pki/sa.key" -pubout -out "$pki/sa.pub" 2>/dev/null
 }
@@ -227,7 +246,12 @@ up() {
     --enable-priority-and-fairness=false --profiling=false \
     --kubelet-preferred-address-types InternalIP --kubelet-certificate-authority "$DIR/pki/ca.crt" \
     --kubelet-client-certificate "$DIR/pki/apiserver-kubelet-client.crt" \
-    --kubelet-client-key "$DIR/pki/apiserver-kubelet-client.key"
+    --kubelet-client-key "$DIR/pki/apiserver-kubelet-client.key" \
+    --requestheader-client-ca-file "$DIR/pki/front-proxy-ca.crt" \
+    --requestheader-allowed-names front-proxy-client --requestheader-username-headers X-Remote-User \
+    --requestheader-group-headers X-Remote-Group --requestheader-extra-headers-prefix X-Remote-Extra- \
+    --proxy-client-cert-file "$DIR/pki/front-proxy-client.crt" \
+    --proxy-client-key-file "$DIR/pki/front-proxy-client.key"
   wait_for kube-apiserver 180 api GET /readyz
   kubeconfig >"$DIR/kubeconfig"
   chmod 600 "$DIR/kubeconfig"
@@ -238,7 +262,8 @@ up() {
     --service-account-private-key-file "$DIR/pki/sa.key" --root-ca-file "$DIR/pki/ca.crt" \
     --use-service-account-credentials=false --controllers '*,-nodeipam' \
     --node-monitor-grace-period 20s --profiling=false \
-    --kube-api-qps 100 --kube-api-burst 200 --concurrent-job-syncs 20
+    --kube-api-qps 100 --kube-api-burst 200 --concurrent-job-syncs 20 \
+    --horizontal-pod-autoscaler-sync-period 2s
   start kube-scheduler "$BIN/kube-scheduler" --kubeconfig "$DIR/kubeconfig" \
     --authentication-kubeconfig "$DIR/kubeconfig" --authorization-kubeconfig "$DIR/kubeconfig" \
     --bind-address 127.0.0.1 --secure-port "$(cat "$DIR/ports/scheduler")" --leader-elect=false \
@@ -319,9 +344,41 @@ down() {
   [[ -d $DIR/pids ]] || { say "nothing runs in $DIR"; return; }
   real_node_down
   local name
-  for name in mpi-operator kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
+  for name in metrics-adapter mpi-operator kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
     stop_pid "$name"
   done
+}
+
+adapter() { # the custom metrics API, served from PROMETHEUS through the aggregation layer
+  [[ -f $DIR/pids/kube-apiserver ]] || die "no test cluster runs in $DIR: start it with up"
+  stop_pid metrics-adapter
+  free_port >"$DIR/ports/metrics-adapter"
+  local port
+  port=$(cat "$DIR/ports/metrics-adapter")
+  start metrics-adapter "$BIN/metrics-adapter" --prometheus-url "$PROMETHEUS" \
+    --bind-address 127.0.0.1 --secure-port "$port" \
+    --tls-cert-file "$DIR/pki/metrics-adapter.crt" --tls-private-key-file "$DIR/pki/metrics-adapter.key" \
+    --lister-kubeconfig "$DIR/kubeconfig" --authentication-kubeconfig "$DIR/kubeconfig" \
+    --authorization-kubeconfig "$DIR/kubeconfig" --v 1
+  # an ExternalName service: the API server reaches the adapter on this host's loopback
+  api DELETE /apis/apiregistration.k8s.io/v1/apiservices/v1beta2.custom.metrics.k8s.io >/dev/null 2>&1 || true
+  api DELETE /api/v1/namespaces/kube-system/services/gpuflow-metrics-adapter >/dev/null 2>&1 || true
+  api POST /api/v1/namespaces/kube-system/services "apiVersion: v1
+kind: Service
+metadata: {name: gpuflow-metrics-adapter, namespace: kube-system}
+spec: {type: ExternalName, externalName: 127.0.0.1, ports: [{port: $port}]}" >/dev/null
+  api POST /apis/apiregistration.k8s.io/v1/apiservices "apiVersion: apiregistration.k8s.io/v1
+kind: APIService
+metadata: {name: v1beta2.custom.metrics.k8s.io}
+spec:
+  group: custom.metrics.k8s.io
+  version: v1beta2
+  groupPriorityMinimum: 100
+  versionPriority: 200
+  caBundle: $(base64 -w0 "$DIR/pki/ca.crt")
+  service: {name: gpuflow-metrics-adapter, namespace: kube-system, port: $port}" >/dev/null
+  wait_for "the custom metrics API" 120 api GET /apis/custom.metrics.k8s.io/v1beta2
+  say "custom metrics API up (adapter pid $(cat "$DIR/pids/metrics-adapter"), Prometheus $PROMETHEUS)"
 }
 
 restart_api() { # stop the API server by PID and start it again with the same arguments
@@ -342,11 +399,12 @@ source "$HERE/testbed/real-node.sh"
 
 command=${1:-}
 shift || true
-DIR= WITH_REAL_NODE=false WITH_MPI_OPERATOR=true PORT=
+DIR= WITH_REAL_NODE=false WITH_MPI_OPERATOR=true PORT= PROMETHEUS=
 while (($#)); do
   case $1 in
   --dir) DIR=$2; shift 2 ;;
   --port) PORT=$2; shift 2 ;;
+  --prometheus) PROMETHEUS=$2; shift 2 ;;
   --real-node) WITH_REAL_NODE=true; shift ;;
   --no-mpi-operator) WITH_MPI_OPERATOR=false; shift ;;
   *) die "unknown option $1; use build, up --dir DIR [--real-node] [--no-mpi-operator], expose --dir DIR --port PORT or down --dir DIR" ;;
@@ -357,6 +415,7 @@ build) build ;;
 up) [[ -n $DIR ]] || die "up needs --dir DIR"; up ;;
 down) [[ -n $DIR ]] || die "down needs --dir DIR"; down ;;
 restart-api) [[ -n $DIR ]] || die "restart-api needs --dir DIR"; restart_api ;;
+adapter) [[ -n $DIR && -n $PROMETHEUS ]] || die "adapter needs --dir DIR --prometheus URL"; adapter ;;
 expose)
   [[ -n $DIR && $PORT =~ ^[0-9]+$ ]] && ((PORT >= 1 && PORT <= 65535)) || die "expose needs --dir DIR --port PORT (1 to 65535)"
   [[ -f $DIR/real-node/id ]] || die "no real node runs in $DIR: start it with up --real-node"

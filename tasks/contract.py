@@ -39,6 +39,8 @@ class Capabilities(BaseModel):
     # ... into the run's workspace (NODE_SAMPLES) as they sample, where the run stage reads
     # them while the job runs (limits.idle_gpu, live push) when it sees that folder
     node_samples_in_workspace: bool = False
+    # it keeps a service's replicas itself (a Deployment scaled by a HorizontalPodAutoscaler)
+    serves_replicas: bool = False
 
 
 class Needs(BaseModel):
@@ -139,6 +141,27 @@ class WorkUnit(BaseModel):
     launcher: MpiLaunch | None = None  # an MPI launcher: where its ranks go
 
 
+class Replicated(BaseModel):
+    """A service a backend keeps itself (`serves_replicas`): replicas of one command, each
+    listening on `port`, checked, behind one address, scaled between `least` and `most`
+    on the replicas' GPU utilisation by the backend's own autoscaler."""
+
+    name: str  # the service's name, in the user's words
+    command: list[str]
+    env: dict[str, str] = {}  # the service's own variables (PORT), over the run's
+    port: int  # where each replica listens, and the address's port
+    ready_path: str | None = None  # HTTP GET; None: a TCP connect
+    live_path: str | None = None
+    period_s: float = 1.0
+    failures: int = 3
+    start_timeout_s: float = 600.0
+    least: int = 1
+    most: int = 1
+    gpus: int = 0  # per replica
+    gpu_util: float | None = None  # target % of DCGM_FI_DEV_GPU_UTIL per replica
+    down_after_s: float = 30.0  # the autoscaler's scale-down stabilisation window
+
+
 class JobResult(BaseModel):
     exit_code: int | None
     signal: int | None = None
@@ -233,6 +256,16 @@ class UnitRunner(Protocol):
         """Run `unit` with the run's variables plus `env` until it ends, the wall-clock
         `deadline` (time.time()) passes, or `stop()` says so (ended as cancelled, like a
         cancelled run); lines go to `on_line` unredacted."""
+
+    def serve(
+        self,
+        app: Replicated,
+        on_change: Callable[[dict[str, Any]], None],
+        deadline: float,
+    ) -> JobResult:
+        """Have the run's backend (one that `serves_replicas`) keep `app` until `deadline`
+        or the run's stop check; `on_change` gets what it reports as it changes (replicas
+        wanted and ready, the autoscaler's metric); ended as cancelled on a cancel."""
 
     def idle_stop(self) -> str | None:
         """Return why limits.idle_gpu stopped the run, if it did."""

@@ -89,6 +89,19 @@ def test_the_cluster_holds_room_for_the_most_replicas(gpuflow_home, fake_nvml):
     assert again.resources.gpus == 4
 
 
+def test_a_backend_that_neither_runs_here_nor_keeps_replicas_is_refused():
+    from gpuflow.tasks.backends.slurm.backend import SlurmBackend
+    from gpuflow.tasks.kinds.registry import get_kind
+
+    raw = spec() | {"placement": {"backend": "slurm"}}
+    with pytest.raises(InvalidSpec) as caught:
+        get_kind("service").check(load_spec(raw), SlurmBackend.capabilities)
+    assert str(caught.value).startswith(
+        "placement.backend: services run on this machine (local) and on Kubernetes for now;"
+        " slurm cannot serve one yet"
+    )
+
+
 T = Targets(least=1, most=4, rps=10.0, down_after_s=30.0)
 
 

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 from gpuflow.tasks.contract import (
     Capabilities,
@@ -22,6 +22,7 @@ from gpuflow.tasks.contract import (
     Needs,
     Offer,
     ReapReport,
+    Replicated,
     RunStates,
     StopCheck,
     StopReason,
@@ -332,6 +333,26 @@ class Backend(Protocol):
     def reap(self, dry_run: bool, say: Callable[[str], None], runs: RunStates) -> ReapReport:
         """Remove what runs that are over (or whose gpuflow died) left, asking `runs` how
         each run stands; with `dry_run`, only say what would go. Idempotent."""
+
+
+class ServesReplicas(Protocol):
+    """A backend that keeps a service's replicas itself (`Capabilities.serves_replicas`):
+    Kubernetes, a Deployment behind a Service, scaled by a HorizontalPodAutoscaler."""
+
+    def serve(
+        self,
+        cluster: Cluster,
+        app: Replicated,
+        env: Mapping[str, str],
+        timeout_s: float,
+        on_change: Callable[[dict[str, Any]], None],
+        should_stop: StopCheck | None,
+        grace_s: float,
+    ) -> JobResult:
+        """Make `app`'s objects, report what changes through `on_change` until `timeout_s`
+        passes or `should_stop()` says so, then delete them; return how it ended. On a
+        retry it adopts what an earlier try made; objects already gone are no error."""
+        ...
 
 
 def say_in_run(message: str) -> None:

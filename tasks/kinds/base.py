@@ -42,9 +42,10 @@ class JobKind:
     # the figures its job writes to outputs/result.json; None: the job's own, free-form
     result: ClassVar[type[BaseModel] | None] = None
 
-    def sized(self, spec: JobSpec) -> JobSpec:
-        """Return `spec` as the backend provisions it (a service holds room for its most
-        replicas); the spec itself for most kinds. Applied once, before every check."""
+    def sized(self, spec: JobSpec, where: Capabilities) -> JobSpec:
+        """Return `spec` as a backend that can do `where` provisions it (a service holds
+        room for its most replicas where they share its node); the spec itself for most
+        kinds. Applied once, before every check."""
         return spec
 
     def check(self, spec: JobSpec, where: Capabilities) -> None:

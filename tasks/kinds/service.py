@@ -12,6 +12,7 @@ from gpuflow.tasks.contract import Capabilities, Needs, RunOutcome, UnitRunner
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.kinds.base import JobKind
 from gpuflow.tasks.kinds.code import check_code
+from gpuflow.tasks.service import native
 from gpuflow.tasks.service.model import PORT_VARIABLE, ServiceJob, ServiceResult
 from gpuflow.tasks.service.serve import serve
 from gpuflow.tasks.spec import JobSpec
@@ -23,14 +24,17 @@ class ServiceKind(JobKind):
     result = ServiceResult
     schedules_units = True  # replicas start and stop as the load says
 
-    def sized(self, spec: JobSpec) -> JobSpec:
-        """Return `spec` as the backend provisions it: the replicas share the run's node,
-        so it holds room for replicas.max of them (resources.gpus each)."""
+    def sized(self, spec: JobSpec, where: Capabilities) -> JobSpec:
+        """Return `spec` as the backend provisions it: where the replicas share the run's
+        node, room for replicas.max of them (resources.gpus each); where the backend keeps
+        them itself (a Deployment), each replica's GPUs."""
         job = spec.job
         assert isinstance(job, ServiceJob)
         if job.replica_gpus is not None:
             return spec  # sized already (a retried attempt, a pool's next candidate)
         each = spec.resources.gpus
+        if where.serves_replicas:
+            return spec.model_copy(update={"job": job.model_copy(update={"replica_gpus": each})})
         return spec.model_copy(
             update={
                 "job": job.model_copy(update={"replica_gpus": each}),
@@ -62,10 +66,13 @@ class ServiceKind(JobKind):
                 f"resources.nodes: a service's replicas are counted by job.replicas, each on"
                 f" one node; remove nodes ({spec.resources.nodes})."
             )
+        if where.serves_replicas:
+            _check_kept(spec, job)
+            return
         if not where.runs_here:
             raise InvalidSpec(
-                f"placement.backend: services run on this machine (backend local) for now;"
-                f" {spec.placement.backend} cannot serve one yet; use backend: local."
+                f"placement.backend: services run on this machine (local) and on Kubernetes"
+                f" for now; {spec.placement.backend} cannot serve one yet; use one of those."
             )
         check_code(spec, job, job.command, {PORT_VARIABLE, "GPUFLOW_REPLICA"}, where)
         if job.port is not None and _listening(job.host, job.port):
@@ -75,6 +82,8 @@ class ServiceKind(JobKind):
             )
 
     def schedule(self, spec: JobSpec, runner: UnitRunner, deadline: float) -> RunOutcome:
+        if runner.cluster.capabilities.serves_replicas:
+            return native.serve(spec, runner, deadline)  # the backend's own autoscaler
         return serve(spec, runner, deadline)
 
     def summary(self, job: dict[str, Any]) -> list[str]:
@@ -88,6 +97,29 @@ class ServiceKind(JobKind):
             f"{latency}) with up to {done.most_replicas} replica(s), {done.gpu_seconds:g}"
             f" GPU-seconds{cost}"
         ]
+
+
+def _check_kept(spec: JobSpec, job: ServiceJob) -> None:
+    """Refuse what a backend that keeps the replicas itself (a Deployment and an HPA)
+    cannot do: requests per second, scaling to zero, a working folder."""
+    where = spec.placement.backend
+    if job.scaling.rps is not None:
+        raise InvalidSpec(
+            f"job.scaling.rps: on {where} the HorizontalPodAutoscaler scales on the replicas'"
+            " GPU utilisation (DCGM_FI_DEV_GPU_UTIL through the custom metrics API) and reads"
+            " no request rate; remove rps and set scaling.gpu_util."
+        )
+    if job.replicas.min == 0:
+        raise InvalidSpec(
+            f"job.replicas.min: on {where} a HorizontalPodAutoscaler keeps at least one"
+            " replica (to zero needs KEDA or the HPAScaleToZero feature gate); set min to 1."
+        )
+    if job.workdir or job.setup:
+        raise InvalidSpec(
+            f"job.workdir: on {where} each replica runs its command in the image"
+            " (placement.image); build your code into the image, or serve it on this"
+            " machine (local)."
+        )
 
 
 def _listening(host: str, port: int) -> bool:

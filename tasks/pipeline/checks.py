@@ -19,8 +19,8 @@ def check_spec(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
     """Return the spec with its placement applied and the prices to use, once every check
     before provisioning passed; InvalidSpec otherwise."""
     spec, prices = placement.resolve(spec)
-    spec = kind_of(spec).sized(spec)
     backend = get_backend(spec.placement.backend, spec.placement)
+    spec = kind_of(spec).sized(spec, backend.capabilities)
     spec, prices = backend.configure(spec, prices)
     backend.check(spec, kind_of(spec).needs(spec))
     check_job(spec)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
@@ -25,6 +26,7 @@ from gpuflow.tasks.contract import (
     Cluster,
     JobResult,
     LineSink,
+    Replicated,
     RunOutcome,
     StopCheck,
     WorkUnit,
@@ -285,6 +287,22 @@ class PipelineRunner:
                 on_line,
                 should_stop,
                 grace_s=self.spec.limits.stop_grace_s,
+            )
+
+    def serve(
+        self, app: Replicated, on_change: Callable[[dict[str, Any]], None], deadline: float
+    ) -> JobResult:
+        """Have the run's backend keep `app` (a backend that serves replicas itself)."""
+        backend: Any = self.backend
+        with unit_running():
+            return backend.serve(
+                self.cluster,
+                app,
+                self.env,
+                max(1.0, deadline - time.time()),
+                on_change,
+                stop_check(self.flow_run_id),
+                self.spec.limits.stop_grace_s,
             )
 
     def idle_stop(self) -> str | None:

@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from gpuflow.tasks.contract import RUN_LABEL, JobResult, RunOutcome, UnitRunner, WorkUnit
+from gpuflow.tasks.contract import RUN_LABEL, Cluster, JobResult, RunOutcome, UnitRunner, WorkUnit
 from gpuflow.tasks.errors import JobFailed, TransientError
 from gpuflow.tasks.host import write_atomic
 from gpuflow.tasks.metrics.prometheus import push
@@ -136,7 +136,8 @@ class Service:
             max_workers=3 * job.replicas.max + 2, thread_name_prefix="service"
         )
         self._counter = 0
-        self._say = _run_logger()
+        self._say = run_logger()
+        self.event = Events(cluster, spec.name)
         self.version = self._latest = 1  # the job's version replicas start with
         self._previous: tuple[int, ServiceJob] | None = None  # what a failed roll returns to
         self._offer_ns = 0
@@ -287,7 +288,7 @@ class Service:
             self.waiting_since = None
         cold = replica.ready_at - replica.started
         self._say("info", f"{replica.name} ready on port {replica.port} after {cold:.1f} s")
-        self._event(
+        self.event(
             "gpuflow.service.ready", {"replica": replica.name, "cold_start_s": round(cold, 2)}
         )
 
@@ -309,7 +310,7 @@ class Service:
         replica.stop.set()
         if why and not drain:
             self._say("warning", f"{replica.name} replaced: {why}")
-            self._event("gpuflow.service.replaced", {"replica": replica.name, "why": why})
+            self.event("gpuflow.service.replaced", {"replica": replica.name, "why": why})
 
     def _reap(self, runtime: proxy.Runtime) -> None:
         """Mark replicas whose unit ended; one that ended by itself is replaced."""
@@ -413,10 +414,8 @@ class Service:
         }
         self.decisions.append(row)
         self._say("info", f"replicas {load.replicas} -> {wanted}: {why}")
-        self._event("gpuflow.service.scaled", row)
-        _table(
-            f"service-{_slug(self.spec.name)}-scaling", self.decisions[-200:], "scaling decisions"
-        )
+        self.event("gpuflow.service.scaled", row)
+        table(f"service-{slug(self.spec.name)}-scaling", self.decisions[-200:], "scaling decisions")
 
     # new versions ------------------------------------------------------------------
 
@@ -441,7 +440,7 @@ class Service:
         self.scaler.targets = _targets(self.job)
         said = f"version {self.version} rolling out: replicas replaced one at a time"
         self._say("info", said)
-        self._event(
+        self.event(
             "gpuflow.service.rolling", {"version": self.version, "command": self.job.command}
         )
         versions.answer(
@@ -468,7 +467,7 @@ class Service:
             version, job = self._previous
             why = f"{failed[0].name} of version {self.version} never became ready ({failed[0].why_ended})"
             self._say("warning", f"rolled back to version {version}: {why}")
-            self._event("gpuflow.service.rolled_back", {"version": version, "why": why})
+            self.event("gpuflow.service.rolled_back", {"version": version, "why": why})
             versions.answer(
                 self.folder,
                 versions.Answer(
@@ -482,7 +481,7 @@ class Service:
             if self._previous is not None:
                 said = f"version {self.version} serves on every replica"
                 self._say("info", said)
-                self._event("gpuflow.service.rolled", {"version": self.version})
+                self.event("gpuflow.service.rolled", {"version": self.version})
                 versions.answer(
                     self.folder,
                     versions.Answer(
@@ -521,12 +520,12 @@ class Service:
             "info",
             f"endpoint {self.endpoint} (HAProxy), replicas {self.job.replicas.min}-{self.job.replicas.max}",
         )
-        _markdown(
-            f"service-{_slug(self.spec.name)}",
+        markdown(
+            f"service-{slug(self.spec.name)}",
             f"# {self.spec.name}\n\nendpoint: `{self.endpoint}`\n\nreplicas: {self.job.replicas.min}"
             f" to {self.job.replicas.max}",
         )
-        self._event("gpuflow.service.started", {"endpoint": self.endpoint})
+        self.event("gpuflow.service.started", {"endpoint": self.endpoint})
         tail = SampleTail(Path(self.cluster.workspace), SAMPLES, self._on_sample, 0.5)
         try:
             with tail:
@@ -559,7 +558,7 @@ class Service:
             Path(self.cluster.workspace) / "outputs" / "result.json",
             figures.model_dump_json(indent=1),
         )
-        self._event(
+        self.event(
             "gpuflow.service.ended", {"requests": figures.requests, "cost_usd": figures.cost_usd}
         )
         job_result = JobResult(
@@ -654,15 +653,24 @@ class Service:
             replicas=rows,
         )
 
-    def _event(self, name: str, payload: dict[str, Any]) -> None:
+
+class Events:
+    """Prefect events about one service: resource `gpuflow.service.<flow run id>`, related
+    to its flow run; never a reason to stop the service."""
+
+    def __init__(self, cluster: Cluster, name: str) -> None:
+        self.run_id = cluster.owner.get(RUN_LABEL, cluster.name)
+        self.name = name
+
+    def __call__(self, event: str, payload: dict[str, Any]) -> None:
         try:
             from prefect.events import emit_event
 
             emit_event(
-                event=name,
+                event=event,
                 resource={
                     "prefect.resource.id": f"gpuflow.service.{self.run_id}",
-                    "prefect.resource.name": self.spec.name,
+                    "prefect.resource.name": self.name,
                 },
                 related=[
                     {
@@ -672,8 +680,8 @@ class Service:
                 ],
                 payload=payload,
             )
-        except Exception:  # events are a view of the service, never a reason to stop it
-            logger.debug("event %s not sent", name, exc_info=True)
+        except Exception:
+            logger.debug("event %s not sent", event, exc_info=True)
 
 
 def serve(spec: JobSpec, runner: UnitRunner, deadline: float) -> RunOutcome:
@@ -699,11 +707,13 @@ def _percentile(ordered: list[int], percent: float) -> float | None:
     return float(ordered[index])
 
 
-def _slug(name: str) -> str:
+def slug(name: str) -> str:
+    """Return `name` as an artifact key's part: lowercase letters, digits and dashes."""
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-") or "service"
 
 
-def _run_logger() -> Callable[[str, str], None]:
+def run_logger() -> Callable[[str, str], None]:
+    """Return say(level, message): the run's logger, or this module's outside a run."""
     from prefect import get_run_logger
     from prefect.exceptions import MissingContextError
 
@@ -718,7 +728,7 @@ def _run_logger() -> Callable[[str, str], None]:
     return say
 
 
-def _table(key: str, rows: list[dict[str, Any]], description: str) -> None:
+def table(key: str, rows: list[dict[str, Any]], description: str) -> None:
     try:
         from prefect.artifacts import create_table_artifact
 
@@ -727,7 +737,7 @@ def _table(key: str, rows: list[dict[str, Any]], description: str) -> None:
         logger.debug("artifact %s not made", key, exc_info=True)
 
 
-def _markdown(key: str, text: str) -> None:
+def markdown(key: str, text: str) -> None:
     try:
         from prefect.artifacts import create_markdown_artifact
 

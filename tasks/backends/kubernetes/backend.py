@@ -26,6 +26,7 @@ from pydantic import Field
 from gpuflow.tasks.backends.base import LogTail, UnitBackend, join_samples
 from gpuflow.tasks.backends.kubernetes import manifests as objects
 from gpuflow.tasks.backends.kubernetes import reap as reaping
+from gpuflow.tasks.backends.kubernetes import serving
 from gpuflow.tasks.backends.kubernetes.kubeapi import (
     KubeApi,
     KubeError,
@@ -39,10 +40,13 @@ from gpuflow.tasks.contract import (
     RUN_LABEL,
     Capabilities,
     Cluster,
+    JobResult,
     Needs,
     Offer,
     ReapReport,
+    Replicated,
     RunStates,
+    StopCheck,
     StopReason,
     TeardownReport,
     UnitEnd,
@@ -91,6 +95,7 @@ class KubernetesBackend(UnitBackend):
         # into the run's workspace here as they come
         samples_nodes=True,
         node_samples_in_workspace=True,
+        serves_replicas=True,  # a service: a Deployment, a Service and an HPA
     )
     placement_model = KubernetesPlacement
 
@@ -355,6 +360,31 @@ class KubernetesBackend(UnitBackend):
         )
         return _KubeUnit(self, cluster, unit, path, selector, follower)
 
+    def serve(
+        self,
+        cluster: Cluster,
+        app: Replicated,
+        env: Mapping[str, str],
+        timeout_s: float,
+        on_change: Callable[[dict[str, Any]], None],
+        should_stop: StopCheck | None,
+        grace_s: float,
+    ) -> JobResult:
+        """Keep `app` as a Deployment, a Service and an HPA (tasks/backends/kubernetes/
+        serving.py) until `timeout_s` or `should_stop()`; then delete them."""
+        settings = state_of(cluster, KubeState).settings
+        return serving.serve(
+            self.api(),
+            cluster,
+            app,
+            settings,
+            lambda variables: self._put_secret(cluster, variables),
+            env,
+            timeout_s,
+            on_change,
+            should_stop,
+        )
+
     def _serves_mpijobs(self) -> bool:
         """Return True when the cluster serves Kubeflow's MPIJob API (the MPI Operator)."""
         try:
@@ -421,6 +451,7 @@ class KubernetesBackend(UnitBackend):
             api.request(
                 "DELETE", f"/api/v1/namespaces/{ns}/pods", params={"labelSelector": selector}
             )
+        serving.remove(api, cluster)  # a service's Deployment, Service and HPA
         self._delete(f"/api/v1/namespaces/{ns}/secrets/{cluster.name}-env", 0)
         self._delete(f"/api/v1/namespaces/{ns}/services/{cluster.name}", 0)
         shutil.rmtree(local_folder(cluster.name), ignore_errors=True)
@@ -437,7 +468,11 @@ class KubernetesBackend(UnitBackend):
         ns, names = api.namespace, [cluster.name for cluster in clusters]
         selector = {"labelSelector": f"{objects.CLUSTER_LABEL} in ({','.join(names)})"}
         body = {"propagationPolicy": "Background", "gracePeriodSeconds": 0}
-        collections = [f"/apis/batch/v1/namespaces/{ns}/jobs"]
+        collections = [
+            f"/apis/batch/v1/namespaces/{ns}/jobs",
+            serving.HPAS.format(ns=ns),
+            serving.APPS.format(ns=ns),
+        ]
         if self._serves_mpijobs():  # the operator's launcher Job and workers go with them
             collections.append(f"/apis/{MPIJOB_API}/namespaces/{ns}/mpijobs")
         collections += [f"/api/v1/namespaces/{ns}/pods", f"/api/v1/namespaces/{ns}/secrets"]
@@ -449,8 +484,9 @@ class KubernetesBackend(UnitBackend):
         except KubeError as exc:
             if exc.status != 405:  # not served as a collection here: one at a time
                 raise
-            for name in names:
-                self._delete(f"{services}/{name}", 0)
+            for cluster in clusters:
+                self._delete(f"{services}/{cluster.name}", 0)
+                self._delete(f"{services}/{serving.name_of(cluster)}", 0)
         for cluster in clusters:
             shutil.rmtree(local_folder(cluster.name), ignore_errors=True)
 
