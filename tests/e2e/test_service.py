@@ -357,3 +357,20 @@ def test_a_killed_orchestrator_leaves_a_service_that_reap_removes(
     assert out.returncode == 0 and "1 leftover cluster(s)" in out.stdout, out.stdout
     wait_for(lambda: not replica_pids() and not endpoint_pids(port), 30, "all reaped")
     assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
+
+
+def test_max_duration_ends_a_service_which_completes_with_its_figures(
+    prefect_api, gpuflow_home, fake_nvml
+):
+    port = free_port()
+    raw = service_spec(port, replicas={"min": 1, "max": 1}, name="brief")
+    raw["limits"]["max_duration"] = 6
+    served = Served(raw, gpuflow_home)
+    served.thread.start()
+    wait_for(lambda: replica_pids() and endpoint_pids(port), 60, "the service up")
+    wait_for(lambda: ask(port)[0] == 200, 30, "an answer")
+    served.thread.join(timeout=120)
+    assert served.state is not None and served.state.is_completed(), served.state
+    assert served.result()["requests"] >= 1
+    wait_for(lambda: not replica_pids() and not endpoint_pids(port), 30, "all stopped")
+    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}

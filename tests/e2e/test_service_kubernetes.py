@@ -236,3 +236,60 @@ def test_what_the_hpa_cannot_do_is_one_sentence(kube, prefect_api, gpuflow_home,
     with pytest.raises(InvalidSpec) as caught:
         check_pool(load_spec(spec(**job)))
     assert str(caught.value).startswith(said)
+
+
+class StillRunning:
+    """Every run still Running in its API: what a SIGKILLed gpuflow on another host
+    leaves (nothing here marks its run over)."""
+
+    def state(self, run_id, api_url):
+        return "running"
+
+    def states(self, runs):
+        return {run: "running" for run in runs}
+
+
+def test_a_service_past_its_deadline_is_reaped_though_its_run_looks_alive(kube, gpuflow_home):
+    """gpuflow is gone (no process here to find dead) and its run still says Running: the
+    objects' own deadline is what the reaper goes by."""
+    from datetime import UTC, datetime, timedelta
+
+    from gpuflow.tasks.backends.kubernetes import serving
+    from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
+    from gpuflow.tasks.backends.kubernetes.state import KubeState
+    from gpuflow.tasks.contract import owner_labels, state_of
+    from gpuflow.tasks.service.native import replicated
+
+    job = load_spec(spec(scaling={"gpu_util": 60}))
+    [(placed, _)] = check_pool(job)
+    backend = KubernetesBackend.at(placed.placement)
+    run_id = "7e57dead-0000-4000-8000-00000000dead"
+    cluster = backend.provision(placed, owner_labels(run_id, "k8s-service"))
+    # its orchestrator is this process, alive: only the deadline says it is over
+    settings = state_of(cluster, KubeState).settings
+    app = replicated(placed)
+    past = datetime.now(UTC) - timedelta(seconds=1)
+    for path, manifest in (
+        (APPS, serving.deployment(cluster, app, settings, past)),
+        (HPAS, serving.autoscaler(cluster, app, "default", past)),
+    ):
+        kube.request("POST", path, manifest)
+    said: list[str] = []
+    backend.reap(False, said.append, StillRunning())
+    assert any(
+        cluster.name in line and "past the run's deadline (limits.max_duration)" in line
+        for line in said
+    ), said
+    selector = {"labelSelector": f"gpuflow.io/cluster={cluster.name}"}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        left = [
+            item["metadata"]["name"]
+            for path in (APPS, HPAS, "/api/v1/namespaces/default/services")
+            for item in kube.request("GET", path, params=selector)["items"]
+            if not item["metadata"].get("deletionTimestamp")
+        ]
+        if not left:
+            break
+        time.sleep(0.5)
+    assert left == []

@@ -235,6 +235,24 @@ def _status(api: KubeApi, cluster: Cluster) -> dict[str, Any]:
     return now
 
 
+def deadlines(api: KubeApi) -> dict[str, datetime]:
+    """Return each cluster's service deadline (its Deployment's annotation), by cluster;
+    none where this account may not list Deployments (a Role from before services)."""
+    try:
+        found = api.request(
+            "GET", APPS.format(ns=api.namespace), params={"labelSelector": objects.CLUSTER_LABEL}
+        )
+    except KubeError as exc:
+        if exc.status in (403, 404):
+            return {}
+        raise
+    return {
+        item["metadata"]["labels"][objects.CLUSTER_LABEL]: datetime.fromisoformat(stamp)
+        for item in found.get("items", [])
+        if (stamp := item["metadata"].get("annotations", {}).get(DEADLINE_ANNOTATION))
+    }
+
+
 def _quantity(text: str) -> float:
     """Return a Kubernetes quantity (`95`, `95500m`) as a number."""
     return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
