@@ -300,6 +300,7 @@ EOF
     --config "$stages/node/fast/node-initialize.yaml" \
     --config "$stages/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml" \
     --config "$stages/pod/fast/pod-ready.yaml" --config "$HERE/testbed/kwok/pod-complete.yaml" \
+    --config "$HERE/testbed/kwok/pod-ready-again.yaml" \
     --config "$stages/pod/fast/pod-delete.yaml" \
     --config "$stages/pod/chaos/pod-container-running-failed.yaml"
   nodes >"$DIR/nodes.yaml"
