@@ -32,13 +32,19 @@ SERVE = str(Path(__file__).resolve().parents[1] / "fixtures" / "service" / "serv
 GPUFLOW = [sys.executable, "-m", "gpuflow"]
 
 
-def replica_pids() -> list[int]:
-    """Return the replicas of the test's service running now."""
+def replica_pids(home: Path) -> list[int]:
+    """Return the replicas running now of the services whose GPUFLOW_HOME is `home` (the
+    test's own: other tests may serve beside it), found by their working folder."""
     found = []
     for proc in psutil.process_iter(["cmdline", "status"]):
         cmdline = proc.info["cmdline"] or []
-        if SERVE in cmdline and proc.info["status"] != psutil.STATUS_ZOMBIE:
-            found.append(proc.pid)
+        if SERVE not in cmdline or proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            if Path(proc.cwd()).is_relative_to(home):
+                found.append(proc.pid)
+        except psutil.Error:
+            continue
     return found
 
 
@@ -143,7 +149,7 @@ def serving(raw: dict, home: Path) -> Iterator[Served]:
         if served.thread.is_alive():
             served.cancel()
     assert served.state is not None and served.state.is_cancelled(), served.state
-    wait_for(lambda: not replica_pids() and not endpoint_pids(served.port), 30, "all stopped")
+    wait_for(lambda: not replica_pids(home) and not endpoint_pids(served.port), 30, "all stopped")
     assert leftovers(home) == {"workspaces": [], "records": [], "gpu_claims": []}
 
 
@@ -154,7 +160,7 @@ def test_request_rate_scales_one_to_four_replicas_and_back(prefect_api, gpuflow_
     port = free_port()
     raw = service_spec(port, replicas={"min": 1, "max": 4}, scaling={"rps": 15})
     with serving(raw, gpuflow_home) as served:
-        wait_for(lambda: len(replica_pids()) == 1, 60, "the first replica")
+        wait_for(lambda: len(replica_pids(gpuflow_home)) == 1, 60, "the first replica")
         assert ask(port)[0] == 200
         load = subprocess.Popen(
             ["wrk", "-t2", "-c8", "-d120s", f"http://127.0.0.1:{port}/"],
@@ -162,13 +168,13 @@ def test_request_rate_scales_one_to_four_replicas_and_back(prefect_api, gpuflow_
             text=True,
         )
         try:
-            wait_for(lambda: len(replica_pids()) == 4, 100, "four replicas under load")
+            wait_for(lambda: len(replica_pids(gpuflow_home)) == 4, 100, "four replicas under load")
         finally:
             load.send_signal(signal.SIGINT)
             said, _ = load.communicate(timeout=30)
         assert re.search(r"(\d+) requests in", said), said
         assert "Non-2xx" not in said and "Socket errors" not in said, said
-        wait_for(lambda: len(replica_pids()) == 1, 60, "back to one replica")
+        wait_for(lambda: len(replica_pids(gpuflow_home)) == 1, 60, "back to one replica")
         run_id = served.cancel()
     result = served.result()
     assert result["most_replicas"] == 4 and result["errors"] == 0
@@ -193,11 +199,11 @@ def test_gpu_utilisation_step_scales_replicas(prefect_api, gpuflow_home, fake_nv
     port = free_port()
     raw = service_spec(port, replicas={"min": 1, "max": 3}, scaling={"gpu_util": 60})
     with serving(raw, gpuflow_home) as served:
-        wait_for(lambda: len(replica_pids()) == 1, 60, "the first replica")
+        wait_for(lambda: len(replica_pids(gpuflow_home)) == 1, 60, "the first replica")
         fake_nvml.config["util"] = 95
-        wait_for(lambda: len(replica_pids()) == 3, 60, "three replicas on busy GPUs")
+        wait_for(lambda: len(replica_pids(gpuflow_home)) == 3, 60, "three replicas on busy GPUs")
         fake_nvml.config["util"] = 20
-        wait_for(lambda: len(replica_pids()) == 1, 60, "one replica on idle GPUs")
+        wait_for(lambda: len(replica_pids(gpuflow_home)) == 1, 60, "one replica on idle GPUs")
         run_id = served.cancel()
     scaled = events_until(
         "gpuflow.service.scaled", run_id, lambda found: any(e["to"] == 3 for e in found)
@@ -217,11 +223,11 @@ def test_scale_to_zero_then_a_request_waits_for_its_cold_start(
     )
     raw["env"]["SERVE_START_S"] = "1.5"  # a slow start, that the request waits for
     with serving(raw, gpuflow_home) as served:
-        assert replica_pids() == []  # no request yet: nothing runs
+        assert replica_pids(gpuflow_home) == []  # no request yet: nothing runs
         began = time.monotonic()
         assert ask(port) == (200, "replica-1")
         assert time.monotonic() - began >= 1.5
-        wait_for(lambda: not replica_pids(), 60, "scaled to zero")
+        wait_for(lambda: not replica_pids(gpuflow_home), 60, "scaled to zero")
         assert ask(port) == (200, "replica-2")  # a second cold start
         served.cancel()
     result = served.result()
@@ -243,15 +249,18 @@ def test_a_killed_replica_is_replaced_and_no_request_fails(prefect_api, gpuflow_
                 answers.append(0)
 
     with serving(raw, gpuflow_home) as served:
-        wait_for(lambda: len(replica_pids()) == 2, 60, "two replicas")
+        wait_for(lambda: len(replica_pids(gpuflow_home)) == 2, 60, "two replicas")
         asker = threading.Thread(target=keep_asking)
         asker.start()
         try:
             wait_for(lambda: len(answers) > 20, 60, "requests answered")
-            victim = replica_pids()[0]
+            victim = replica_pids(gpuflow_home)[0]
             os.kill(victim, signal.SIGKILL)
             wait_for(
-                lambda: len(replica_pids()) == 2 and victim not in replica_pids(),
+                lambda: (
+                    len(replica_pids(gpuflow_home)) == 2
+                    and victim not in replica_pids(gpuflow_home)
+                ),
                 60,
                 "the replacement",
             )
@@ -297,7 +306,7 @@ def test_a_new_version_rolls_out_under_load_with_no_failed_request(
         return {body.split()[-1] for _, body in answers[-last:]}
 
     with serving(raw, gpuflow_home) as served:
-        wait_for(lambda: len(replica_pids()) == 2, 60, "two replicas")
+        wait_for(lambda: len(replica_pids(gpuflow_home)) == 2, 60, "two replicas")
         asker = threading.Thread(target=keep_asking)
         asker.start()
         try:
@@ -306,7 +315,7 @@ def test_a_new_version_rolls_out_under_load_with_no_failed_request(
             assert out.returncode == 0, out.stderr
             assert "rolling: version 2 rolling out" in out.stdout
             wait_for(lambda: versions_served(20) == {"v2"}, 120, "only v2 answering")
-            wait_for(lambda: len(replica_pids()) == 2, 60, "two replicas of v2")
+            wait_for(lambda: len(replica_pids(gpuflow_home)) == 2, 60, "two replicas of v2")
             out = update([sys.executable, "-c", "raise SystemExit(3)"])
             assert out.returncode == 0, out.stderr
             run_id = served.run_id
@@ -347,15 +356,15 @@ def test_a_killed_orchestrator_leaves_a_service_that_reap_removes(
         [*GPUFLOW, "run", str(spec)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     try:
-        wait_for(lambda: replica_pids() and endpoint_pids(port), 120, "the service up")
+        wait_for(lambda: replica_pids(gpuflow_home) and endpoint_pids(port), 120, "the service up")
         wait_for(lambda: ask(port)[0] == 200, 60, "an answer")
     finally:
         proc.kill()  # SIGKILL: no finally, no hooks
         proc.wait(timeout=30)
-    assert replica_pids() and endpoint_pids(port)  # they outlived their orchestrator
+    assert replica_pids(gpuflow_home) and endpoint_pids(port)  # they outlived their orchestrator
     out = subprocess.run([*GPUFLOW, "reap"], env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0 and "1 leftover cluster(s)" in out.stdout, out.stdout
-    wait_for(lambda: not replica_pids() and not endpoint_pids(port), 30, "all reaped")
+    wait_for(lambda: not replica_pids(gpuflow_home) and not endpoint_pids(port), 90, "all reaped")
     assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
 
 
@@ -367,10 +376,10 @@ def test_max_duration_ends_a_service_which_completes_with_its_figures(
     raw["limits"]["max_duration"] = 6
     served = Served(raw, gpuflow_home)
     served.thread.start()
-    wait_for(lambda: replica_pids() and endpoint_pids(port), 60, "the service up")
+    wait_for(lambda: replica_pids(gpuflow_home) and endpoint_pids(port), 60, "the service up")
     wait_for(lambda: ask(port)[0] == 200, 30, "an answer")
     served.thread.join(timeout=120)
     assert served.state is not None and served.state.is_completed(), served.state
     assert served.result()["requests"] >= 1
-    wait_for(lambda: not replica_pids() and not endpoint_pids(port), 30, "all stopped")
+    wait_for(lambda: not replica_pids(gpuflow_home) and not endpoint_pids(port), 30, "all stopped")
     assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
