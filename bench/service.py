@@ -9,8 +9,12 @@ replica is tests/fixtures/service/serve.py, a small threaded HTTP server):
 3. Reaction to a load step: wrk -c8 starts; seconds until 4 replicas are ready (target
    15 requests/s per replica, window 2 s); it stops: seconds until 1 again
    (down_after_s 2).
+4. With --fleet (root: two fleet hosts as network namespaces, scripts/fleet-testbed.sh,
+   2 fake GPUs each): the cold start there (a claim on a host, the replica's start, its
+   answer through the endpoint here), and the reaction to the same load step, 1 -> 3
+   replicas, each a claim of its own on a host.
 
-    python bench/service.py [--rounds 3]
+    python bench/service.py [--rounds 3] [--fleet]
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ end
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--fleet", action="store_true", help="also on a fleet (root)")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="gpuflow-bench-service-"))
     os.environ.update(
@@ -58,6 +63,7 @@ def main() -> None:
         cold = cold_starts(args.rounds)
         direct, through = endpoint_cost(args.rounds, scratch / "percentiles.lua")
         up, down = load_step()
+        fleet = on_fleet(args.rounds, scratch) if args.fleet else None
     print("\ncold start, zero to the first answer (s):", _spread(cold))
     print("latency at the same load (wrk -c4, 10 s), median of rounds:")
     print(f"  {'':<18} {'p50 ms':>8} {'p95 ms':>8} {'requests/s':>11}")
@@ -72,17 +78,26 @@ def main() -> None:
         f"reaction to a load step (own scaler): 1 -> 4 replicas in {up:.1f} s,"
         f" back to 1 in {down:.1f} s after the load stopped"
     )
+    if fleet is not None:
+        cold_fleet, up_fleet, down_fleet = fleet
+        print("on a fleet (two hosts, a claim per replica):")
+        print("  cold start, zero to the first answer (s):", _spread(cold_fleet))
+        print(
+            f"  reaction to a load step: 1 -> 3 replicas in {up_fleet:.1f} s,"
+            f" back to 1 in {down_fleet:.1f} s after the load stopped"
+        )
 
 
 class Service:
     """A service run in a thread of this process."""
 
-    def __init__(self, port: int, **job: object) -> None:
+    def __init__(self, port: int, placement: dict | None = None, **job: object) -> None:
         from gpuflow.flows.pipeline import gpu_pipeline
         from gpuflow.tasks.spec import load_spec
 
         scaling = job.pop("scaling", {})
         self.port = port
+        where = {"placement": placement} if placement else {}
         self.spec = load_spec(
             {
                 "name": "bench",
@@ -94,9 +109,11 @@ class Service:
                     "scaling": {"window_s": 2, "down_after_s": 2, **scaling},
                     **job,
                 },
-                "env": {"SERVE_DELAY_MS": "5"},
+                # a fleet host's replica listens where the endpoint here reaches it
+                "env": {"SERVE_DELAY_MS": "5", **({"SERVE_HOST": "0.0.0.0"} if placement else {})},
                 "resources": {"gpus": 1},
                 "limits": {"max_duration": "30m"},
+                **where,
             }
         )
         self.thread = threading.Thread(
@@ -109,23 +126,45 @@ class Service:
         return self
 
     def _started(self) -> bool:
-        return bool(list((Path(os.environ["GPUFLOW_HOME"]) / "local" / "clusters").glob("*")))
+        return bool(_records())
 
     def __exit__(self, *exc: object) -> None:
         from prefect.client.orchestration import get_client
         from prefect.states import Cancelling
 
-        [record] = (Path(os.environ["GPUFLOW_HOME"]) / "local" / "clusters").glob("*.json")
+        [record] = _records()
         with get_client(sync_client=True) as client:
             run_id = UUID(record.stem.removeprefix("gpuflow-"))
             client.set_flow_run_state(run_id, Cancelling(), force=True)
         self.thread.join()
 
 
-def cold_starts(rounds: int) -> list[float]:
+def _records() -> list[Path]:
+    home = Path(os.environ["GPUFLOW_HOME"])
+    return [
+        *(home / "local" / "clusters").glob("*.json"),
+        *(home / "fleet" / "clusters").glob("*.json"),
+    ]
+
+
+def on_fleet(rounds: int, scratch: Path) -> tuple[list[float], float, float]:
+    """Cold starts and a load step on a fleet of two hosts (2 GPUs each)."""
+    from gpuflow.commands.fleet import _apply
+    from tests.e2e.fleet_bed import fleet_bed, host_entry, save_fleet
+
+    with fleet_bed(scratch / "bed", ["b1:2", "b2:2"]) as bed:
+        save_fleet(bed, "bench", [host_entry(bed, n) for n in ("b1", "b2")], lease_s=10)
+        assert _apply("bench", True) == 0
+        placement = {"backend": "fleet", "fleet": "bench"}
+        cold = cold_starts(rounds, placement)
+        up, down = load_step(placement, 3)
+    return cold, up, down
+
+
+def cold_starts(rounds: int, placement: dict | None = None) -> list[float]:
     port = _free_port()
     times = []
-    with Service(port, replicas={"min": 0, "max": 1}, scaling={"to_zero_after_s": 1}):
+    with Service(port, placement, replicas={"min": 0, "max": 1}, scaling={"to_zero_after_s": 1}):
         _until(lambda: _listening(port))
         for _ in range(rounds):
             _until(lambda: not _replicas())
@@ -147,15 +186,15 @@ def endpoint_cost(rounds: int, script: Path) -> tuple[list[tuple], list[tuple]]:
     return direct, through
 
 
-def load_step() -> tuple[float, float]:
+def load_step(placement: dict | None = None, most: int = 4) -> tuple[float, float]:
     port = _free_port()
-    with Service(port, replicas={"min": 1, "max": 4}, scaling={"rps": 15}):
+    with Service(port, placement, replicas={"min": 1, "max": most}, scaling={"rps": 15}):
         _until(lambda: len(_replicas()) == 1 and _answers(f"http://127.0.0.1:{port}/", 1.0))
         began = time.monotonic()
         load = subprocess.Popen(
             ["wrk", "-t2", "-c8", "-d120s", f"http://127.0.0.1:{port}/"], stdout=subprocess.DEVNULL
         )
-        _until(lambda: _ready_replicas() == 4)
+        _until(lambda: _ready_replicas() == most)
         up = time.monotonic() - began
         load.terminate()
         load.wait()
@@ -199,6 +238,25 @@ def _ready_replicas() -> int:
         except StopIteration:
             continue
         count += _answers(f"http://127.0.0.1:{port}/health", 0.5)
+    return count + _ready_on_fleet()
+
+
+def _ready_on_fleet() -> int:
+    """Return the replicas a fleet service's endpoint sends requests to (their hosts'
+    namespaces hide their sockets from here): HAProxy's servers that are UP."""
+    from gpuflow.tasks.service import proxy
+
+    count = 0
+    for folder in (Path(os.environ["GPUFLOW_HOME"]) / "fleet" / "runs").glob("*/endpoint"):
+        runtime = proxy.Runtime(folder)
+        try:
+            count += sum(
+                row.get("status") in ("UP", "no check") for row in runtime.stats().values()
+            )
+        except proxy.ProxyError:
+            pass
+        finally:
+            runtime.close()
     return count
 
 

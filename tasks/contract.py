@@ -41,6 +41,9 @@ class Capabilities(BaseModel):
     node_samples_in_workspace: bool = False
     # it keeps a service's replicas itself (a Deployment scaled by a HorizontalPodAutoscaler)
     serves_replicas: bool = False
+    # a run may claim one node more while it runs, and give one back (a fleet: a host's
+    # GPUs, the fleet growing for it): a service's replicas each hold a claim of their own
+    adds_nodes: bool = False
 
 
 class Needs(BaseModel):
@@ -266,6 +269,18 @@ class UnitRunner(Protocol):
         """Have the run's backend (one that `serves_replicas`) keep `app` until `deadline`
         or the run's stop check; `on_change` gets what it reports as it changes (replicas
         wanted and ready, the autoscaler's metric); ended as cancelled on a cancel."""
+
+    def add_node(self, deadline: float) -> int:
+        """Claim one node more for the run (a backend that `adds_nodes`), as its nodes
+        were claimed, waiting for room until `deadline` (time.time()); return its index
+        (its address is `cluster.addresses()[index]`). CapacityError when none came."""
+
+    def drop_node(self, node: int) -> None:
+        """Give back `node` (claimed by add_node, or one of the run's first) once its units
+        ended: its GPUs are free for other runs."""
+
+    def stopping(self) -> bool:
+        """Return True once the run is to stop: cancelled in the API, or stopped idle."""
 
     def idle_stop(self) -> str | None:
         """Return why limits.idle_gpu stopped the run, if it did."""

@@ -438,3 +438,17 @@ def signals_deferred() -> Iterator[None]:
 
     with _stop_signals_to(absorb):
         yield
+
+
+def dies_with_parent(sig: int = 15) -> Callable[[], None]:
+    """Return a preexec_fn for subprocess.Popen: the child gets `sig` (SIGTERM) when the
+    thread that started it ends, the whole process SIGKILLed included (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return lambda: None
+    return lambda: prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG

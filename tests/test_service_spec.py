@@ -97,8 +97,8 @@ def test_a_backend_that_neither_runs_here_nor_keeps_replicas_is_refused():
     with pytest.raises(InvalidSpec) as caught:
         get_kind("service").check(load_spec(raw), SlurmBackend.capabilities)
     assert str(caught.value).startswith(
-        "placement.backend: services run on this machine (local) and on Kubernetes for now;"
-        " slurm cannot serve one yet"
+        "placement.backend: services run on this machine (local), on a fleet (an elastic one"
+        " grows on EC2) and on Kubernetes; slurm cannot serve one"
     )
 
 

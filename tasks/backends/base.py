@@ -335,6 +335,21 @@ class Backend(Protocol):
         each run stands; with `dry_run`, only say what would go. Idempotent."""
 
 
+class AddsNodes(Protocol):
+    """A backend whose runs may claim a node more, and give one back, while they run
+    (`Capabilities.adds_nodes`): a fleet, where each is a host's GPUs."""
+
+    def add_node(self, cluster: Cluster, deadline: float) -> Cluster:
+        """Claim one node more for `cluster`'s run, waiting for room (an elastic fleet
+        grows for it) until `deadline` (time.time()); return the cluster with it last.
+        CapacityError when no room came in time."""
+        ...
+
+    def drop_node(self, cluster: Cluster, node: int) -> Cluster:
+        """Give back `node` of `cluster` (its units ended); return the cluster."""
+        ...
+
+
 class ServesReplicas(Protocol):
     """A backend that keeps a service's replicas itself (`Capabilities.serves_replicas`):
     Kubernetes, a Deployment behind a Service, scaled by a HorizontalPodAutoscaler."""

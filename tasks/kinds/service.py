@@ -4,6 +4,7 @@ endpoint (HAProxy), scaled on GPU utilisation or request rate, to zero when idle
 
 from __future__ import annotations
 
+import shutil
 import socket
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,12 @@ class ServiceKind(JobKind):
         each = spec.resources.gpus
         if where.serves_replicas:
             return spec.model_copy(update={"job": job.model_copy(update={"replica_gpus": each})})
+        if where.adds_nodes:  # a node per replica, claimed as the load says
+            return spec.model_copy(
+                update={
+                    "job": job.model_copy(update={"replica_gpus": each, "replica_claims": True})
+                }
+            )
         return spec.model_copy(
             update={
                 "job": job.model_copy(update={"replica_gpus": each}),
@@ -45,7 +52,8 @@ class ServiceKind(JobKind):
     def needs(self, spec: JobSpec) -> Needs:
         job = spec.job
         assert isinstance(job, ServiceJob)
-        programs = {"job (its endpoint, HAProxy)": "haproxy"}
+        # the endpoint runs beside the replicas, or on this machine in front of claims
+        programs = {} if job.replica_claims else {"job (its endpoint, HAProxy)": "haproxy"}
         program = job.command[0]
         if "/" not in program and not (job.workdir and (Path(job.workdir) / program).is_file()):
             programs["job.command"] = program
@@ -69,10 +77,17 @@ class ServiceKind(JobKind):
         if where.serves_replicas:
             _check_kept(spec, job)
             return
-        if not where.runs_here:
+        if not where.runs_here and not where.adds_nodes:
             raise InvalidSpec(
-                f"placement.backend: services run on this machine (local) and on Kubernetes"
-                f" for now; {spec.placement.backend} cannot serve one yet; use one of those."
+                f"placement.backend: services run on this machine (local), on a fleet (an"
+                f" elastic one grows on EC2) and on Kubernetes; {spec.placement.backend} cannot"
+                " serve one; use one of those."
+            )
+        if where.adds_nodes and shutil.which("haproxy") is None:
+            raise InvalidSpec(
+                "job: a service's endpoint runs on this machine, in front of its replicas on"
+                f" {where.where}, and HAProxy is not installed here; install it"
+                " (scripts/setup.sh --serve, or apt-get install haproxy)."
             )
         check_code(spec, job, job.command, {PORT_VARIABLE, "GPUFLOW_REPLICA"}, where)
         if job.port is not None and _listening(job.host, job.port):

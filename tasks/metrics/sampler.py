@@ -193,17 +193,18 @@ class SampleTail:
     """Samples that other machines write into a shared folder (files matching `pattern`),
     handed to `on_sample` as they come: a thread reads the whole lines each file gained
     every `interval_s`, and once more when it stops. A file removed meanwhile (its samples
-    joined the run's) is forgotten."""
+    joined the run's) is forgotten. `named`: on_sample gets the file's name too."""
 
     def __init__(
         self,
         folder: Path,
         pattern: str,
-        on_sample: Callable[[dict[str, Any]], None],
+        on_sample: Callable[..., None],
         interval_s: float = 1.0,
+        named: bool = False,
     ) -> None:
         self.folder, self.pattern, self.on_sample = Path(folder), pattern, on_sample
-        self.interval_s = interval_s
+        self.interval_s, self.named = interval_s, named
         self._read: dict[Path, int] = {}  # file -> bytes handed on
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="sample-tail", daemon=True)
@@ -241,7 +242,10 @@ class SampleTail:
                     sample = json.loads(line)
                 except ValueError:
                     continue
-                self.on_sample(sample)
+                if self.named:
+                    self.on_sample(sample, path.name)
+                else:
+                    self.on_sample(sample)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -251,6 +251,8 @@ class PipelineRunner:
     ) -> None:
         self.cluster, self.spec, self.flow_run_id = cluster, spec, flow_run_id
         self.limit, self.handed_on, self.hourly_usd = limit, handed_on, hourly_usd
+        self._nodes_lock = threading.Lock()
+        self._stop = stop_check(flow_run_id)
         environment = JobEnvironment(spec)
         self.env, self.storage, self.redactor = (
             {**environment.env, **cluster_env(cluster)},
@@ -304,6 +306,29 @@ class PipelineRunner:
                 stop_check(self.flow_run_id),
                 self.spec.limits.stop_grace_s,
             )
+
+    def add_node(self, deadline: float) -> int:
+        """Claim a node more for the run (a backend that `adds_nodes`); return its index."""
+        backend: Any = self.backend
+        added = backend.add_node(self.cluster, deadline)  # the new node is its last
+        with self._nodes_lock:  # claims made side by side: the run's cluster knows all
+            if len(added.node_addresses) > len(self.cluster.node_addresses):
+                self.cluster = self.cluster.model_copy(
+                    update={
+                        "nodes": added.nodes,
+                        "node_names": list(added.node_names),
+                        "node_addresses": list(added.node_addresses),
+                    }
+                )
+            return len(added.node_addresses) - 1
+
+    def drop_node(self, node: int) -> None:
+        """Give back a node of the run's (its units ended)."""
+        backend: Any = self.backend
+        backend.drop_node(self.cluster, node)
+
+    def stopping(self) -> bool:
+        return self._stop()
 
     def idle_stop(self) -> str | None:
         return idle_stop(self.flow_run_id)

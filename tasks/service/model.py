@@ -141,6 +141,11 @@ class ServiceJob(CodeJob):
     # set by gpuflow when it sizes the run: the GPUs each replica holds (resources.gpus
     # as the user gave it; the cluster then holds room for replicas.max of them)
     replica_gpus: int | None = Field(None, description="Set by gpuflow: GPUs per replica.")
+    # set by gpuflow where each replica claims GPUs of its own (a fleet's hosts, as the
+    # load says); the endpoint then runs on this machine, in front of them
+    replica_claims: bool = Field(
+        False, description="Set by gpuflow: each replica claims a node of its own."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -203,6 +208,7 @@ class ReplicaFigures(BaseModel):
     """One replica as the service saw it."""
 
     replica: str
+    host: str = ""  # where it ran (a fleet's host; this machine's name otherwise)
     gpus: list[int] = []
     started_s: float  # seconds after the service started
     cold_start_s: float | None = None  # start to first passed readiness check

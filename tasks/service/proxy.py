@@ -13,10 +13,19 @@ latencies from them.
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import socket
+import subprocess
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
+
+from gpuflow.tasks.contract import JobResult
+from gpuflow.tasks.host import dies_with_parent
 
 BACKEND = "replicas"
 SOCKET = "admin.sock"
@@ -89,6 +98,70 @@ def write_files(
     path = folder / "haproxy.cfg"
     path.write_text(config(folder, host, port, slots, wait_s, server_timeout_s))
     return path
+
+
+def run_here(
+    config: Path,
+    on_line: Callable[[str, str], None],
+    cancelled: Callable[[], bool],
+    ended: Callable[[], bool],
+    deadline: float,
+    grace_s: float = 10.0,
+) -> JobResult:
+    """Run HAProxy with `config` on this machine, in front of replicas elsewhere (a
+    fleet's hosts), until it ends by itself, the run is `cancelled()`, the service has
+    `ended()` or the wall-clock `deadline` passes; each line it writes goes to `on_line`. It dies with the thread that started it, so a
+    SIGKILLed gpuflow leaves no endpoint behind."""
+    began = datetime.now(UTC)
+    proc = subprocess.Popen(
+        [shutil.which("haproxy") or "haproxy", "-db", "-f", str(config)],
+        cwd=config.parent.parent,  # the admin socket's path is relative to it
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+        preexec_fn=dies_with_parent(),
+    )
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            on_line("stdout", line.rstrip("\n"))
+
+    reader = threading.Thread(target=read, name="endpoint-log", daemon=True)
+    reader.start()
+    was_cancelled = timed_out = False
+    while proc.poll() is None:
+        if cancelled():
+            was_cancelled = True
+            break
+        if ended():
+            break
+        if time.time() >= deadline:
+            timed_out = True
+            break
+        time.sleep(0.1)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGUSR1)  # HAProxy's soft stop: ends once requests do
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    reader.join(5.0)
+    ended = datetime.now(UTC)
+    code = proc.returncode
+    return JobResult(
+        exit_code=code if code >= 0 else None,
+        signal=-code if code < 0 else None,
+        started_at=began,
+        ended_at=ended,
+        duration_s=(ended - began).total_seconds(),
+        timed_out=timed_out,
+        cancelled=was_cancelled,
+    )
 
 
 def server(slot: int) -> str:

@@ -10,6 +10,7 @@ away is stopped through its own stop check, after HAProxy drained it.
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import http.client
 import logging
 import shutil
@@ -29,7 +30,7 @@ from gpuflow.tasks.contract import RUN_LABEL, Cluster, JobResult, RunOutcome, Un
 from gpuflow.tasks.errors import JobFailed, TransientError
 from gpuflow.tasks.host import write_atomic
 from gpuflow.tasks.metrics.prometheus import push
-from gpuflow.tasks.metrics.sampler import SAMPLES, SampleTail
+from gpuflow.tasks.metrics.sampler import NODE_SAMPLES, SAMPLES, SampleTail
 from gpuflow.tasks.service import metrics, proxy, versions
 from gpuflow.tasks.service.model import (
     PORT_VARIABLE,
@@ -76,10 +77,15 @@ class Replica:
 
     name: str
     slot: int
-    port: int
     gpus: list[int]
     started: float  # time.monotonic()
+    command: list[str]  # its version's
     version: int = 1  # the version of the service's job it runs
+    port: int = 0
+    address: str = ""  # where the endpoint and the checks reach it (once placed)
+    host: str = ""
+    node: int = 0  # the run's node it runs on (a claim of its own on a fleet)
+    held_from: float | None = None  # when it got its GPUs (time.monotonic())
     stop: threading.Event = field(default_factory=threading.Event)
     state: str = "starting"  # starting -> ready -> draining -> ended
     ready_at: float | None = None
@@ -110,9 +116,17 @@ class Service:
         self.run_id = cluster.owner.get(RUN_LABEL, cluster.name)
         self.address = socket.gethostbyname(cluster.addresses()[0])  # HAProxy takes addresses
         per_replica = job.replica_gpus if job.replica_gpus is not None else spec.resources.gpus
+        # on a fleet each replica claims a node of its own as the load says (the run's
+        # first goes to the first replica), the endpoint running here in front of them;
+        # elsewhere the replicas share the run's node, each on a slot's GPUs
+        self.claims = job.replica_claims
+        self.spare: list[int] = [0] if self.claims else []
         held = cluster.gpu_indices
         self.slot_gpus = [
-            held[slot * per_replica : (slot + 1) * per_replica] for slot in range(job.replicas.max)
+            list(range(per_replica))
+            if self.claims
+            else held[slot * per_replica : (slot + 1) * per_replica]
+            for slot in range(job.replicas.max)
         ]
         self.port = job.port or free_port(job.host)
         self.endpoint = f"http://{job.host}:{self.port}"
@@ -127,7 +141,8 @@ class Service:
         self.latencies: deque[int] = deque(maxlen=LATENCIES_KEPT * 4)
         self.last_request: float | None = None
         self.waiting_since: float | None = None
-        self.util: dict[int, deque[tuple[float, float]]] = {}
+        # GPU utilisation readings by (replica on a fleet, "" here; GPU index)
+        self.util: dict[tuple[str, int], deque[tuple[float, float]]] = {}
         self.decisions: list[dict[str, Any]] = []
         self.endpoint_lines: deque[str] = deque(maxlen=20)
         self.started = time.monotonic()
@@ -197,14 +212,24 @@ class Service:
             job.request_wait_s,
             max(60.0, job.request_wait_s),
         )
-        unit = WorkUnit(
-            name="endpoint",
-            command=[shutil.which("haproxy") or "haproxy", "-db", "-f", str(config)],
-            gpus=[],
-        )
-        future = self._submit(
-            self.runner.run, unit, self._endpoint_line, {}, self.deadline, self.ending.is_set
-        )
+        if self.claims:  # here, in front of the replicas on the fleet's hosts
+            future = self._submit(
+                proxy.run_here,
+                config,
+                self._endpoint_line,
+                self.runner.stopping,
+                self.ending.is_set,
+                self.deadline,
+            )
+        else:  # a unit of the run, beside its replicas
+            unit = WorkUnit(
+                name="endpoint",
+                command=[shutil.which("haproxy") or "haproxy", "-db", "-f", str(config)],
+                gpus=[],
+            )
+            future = self._submit(
+                self.runner.run, unit, self._endpoint_line, {}, self.deadline, self.ending.is_set
+            )
         runtime = proxy.Runtime(self.folder)
         try:
             runtime.wait_up(30.0, lambda: not future.done())
@@ -222,35 +247,80 @@ class Service:
         replica = Replica(
             name=f"replica-{self._counter}",
             slot=slot,
-            port=free_port("127.0.0.1"),
             gpus=self.slot_gpus[slot],
             started=time.monotonic(),
+            command=list(self.job.command),
             version=self.version,
         )
-        runtime.point(slot, self.address, replica.port)
-        unit = WorkUnit(
-            name=replica.name,
-            command=list(self.job.command),
-            env={PORT_VARIABLE: str(replica.port), "GPUFLOW_REPLICA": replica.name},
-            gpus=replica.gpus,
-        )
-
-        def on_line(stream: str, line: str) -> None:
-            said = self.runner.redact(line)
-            replica.last_lines.append(said)
-            self._say("info", f"[{replica.name}] {said}")
-
-        stop = replica.stop
-        replica.future = self._submit(
-            self.runner.run,
-            unit,
-            on_line,
-            {},
-            self.deadline,
-            lambda: stop.is_set() or self.ending.is_set(),
-        )
         self.replicas.append(replica)
-        self._submit(self._watch, replica, runtime)
+        replica.future = self._submit(self._run_replica, replica, runtime)
+
+    def _run_replica(self, replica: Replica, runtime: proxy.Runtime) -> JobResult:
+        """Place `replica` (on a fleet: claim its node), point its slot at it, check it,
+        run it until it ends or is stopped; give its node back after."""
+        began = datetime.now(UTC)
+        self._place(replica)
+        stop = replica.stop
+        try:
+            if stop.is_set() or self.ending.is_set():  # scaled away while it was placed
+                ended = datetime.now(UTC)
+                return JobResult(
+                    exit_code=None, started_at=began, ended_at=ended, duration_s=0.0, cancelled=True
+                )
+            runtime.point(replica.slot, replica.address, replica.port)
+            unit = WorkUnit(
+                name=replica.name,
+                command=replica.command,
+                env={PORT_VARIABLE: str(replica.port), "GPUFLOW_REPLICA": replica.name},
+                gpus=None if self.claims else replica.gpus,  # a claim: its node's own
+                node=replica.node,
+            )
+
+            def on_line(stream: str, line: str) -> None:
+                said = self.runner.redact(line)
+                replica.last_lines.append(said)
+                self._say("info", f"[{replica.name}] {said}")
+
+            self._submit(self._watch, replica, runtime)
+            return self.runner.run(
+                unit,
+                on_line,
+                {},
+                self.deadline,
+                lambda: stop.is_set() or self.ending.is_set(),
+            )
+        finally:
+            if self.claims:
+                self._give_back(replica)
+
+    def _place(self, replica: Replica) -> None:
+        """Give `replica` its node, address and port: the run's node here; on a fleet a
+        node of its own (the run's first if spare, else claimed now, the fleet growing
+        for it within start_timeout_s). CapacityError when none came."""
+        if not self.claims:
+            replica.address, replica.host = self.address, self.cluster.hostname
+            replica.port, replica.held_from = free_port("127.0.0.1"), replica.started
+            return
+        with self.lock:
+            node = self.spare.pop() if self.spare else None
+        if node is None:
+            node = self.runner.add_node(time.time() + self.job.start_timeout_s)
+        cluster = self.runner.cluster
+        replica.node, replica.held_from = node, time.monotonic()
+        replica.host = cluster.node_names[node] if node < len(cluster.node_names) else ""
+        replica.address = socket.gethostbyname(cluster.addresses()[node])
+        replica.port = replica_port(self.run_id, int(replica.name.rpartition("-")[2]))
+        self._say("info", f"{replica.name} placed on {replica.host or replica.address}")
+
+    def _give_back(self, replica: Replica) -> None:
+        """Give back a replica's node once it ended: its GPUs are free for others."""
+        if replica.held_from is None:
+            return
+        replica.ended_at = replica.ended_at or time.monotonic()
+        try:
+            self.runner.drop_node(replica.node)
+        except Exception as exc:  # teardown gives it back in any case
+            logger.debug("node %s of %s not given back: %s", replica.node, replica.name, exc)
 
     def _watch(self, replica: Replica, runtime: proxy.Runtime) -> None:
         """Check `replica` until it ends: ready (then it gets requests), then alive."""
@@ -261,9 +331,11 @@ class Service:
             if replica.future.done():
                 return
             if replica.state == "starting":
-                if passes(job.ready, self.address, replica.port):
+                if passes(job.ready, replica.address, replica.port):
                     self._ready(replica, runtime)
-                elif time.monotonic() - replica.started > job.start_timeout_s:
+                elif (
+                    time.monotonic() - (replica.held_from or replica.started) > job.start_timeout_s
+                ):
                     self._end(
                         replica,
                         runtime,
@@ -275,7 +347,7 @@ class Service:
             if replica.state != "ready":
                 return
             probe = job.liveness
-            failures = 0 if passes(probe, self.address, replica.port) else failures + 1
+            failures = 0 if passes(probe, replica.address, replica.port) else failures + 1
             if failures >= probe.failures:
                 self._end(replica, runtime, f"failed its liveness check {failures} times in a row")
                 return
@@ -285,6 +357,8 @@ class Service:
         runtime.state(replica.slot, "ready")
         with self.lock:
             replica.state, replica.ready_at = "ready", time.monotonic()
+            if self.waiting_since is not None:  # the requests that waited go to it now:
+                self.last_request = replica.ready_at  # the quiet before zero starts after
             self.waiting_since = None
         cold = replica.ready_at - replica.started
         self._say("info", f"{replica.name} ready on port {replica.port} after {cold:.1f} s")
@@ -345,20 +419,29 @@ class Service:
 
     # scaling -----------------------------------------------------------------------
 
-    def _on_sample(self, sample: dict[str, Any]) -> None:
+    def _on_sample(self, sample: dict[str, Any], source: str = "") -> None:
+        """Keep a GPU sample: of this machine's GPUs, or (`source`: the file a fleet
+        host's sampler writes for one unit) of one replica's."""
         now = time.monotonic()
+        owner = _unit_of(source)
         with self.lock:
             for gpu in sample.get("gpus", []):
                 util = gpu.get("DCGM_FI_DEV_GPU_UTIL")
                 if util is not None:
-                    self.util.setdefault(int(gpu["gpu"]), deque(maxlen=4096)).append(
+                    self.util.setdefault((owner, int(gpu["gpu"])), deque(maxlen=4096)).append(
                         (now, float(util))
                     )
             for replica in self.replicas:
                 if replica.state == "ready" and replica.gpus:
-                    values = [self.util[g][-1][1] for g in replica.gpus if g in self.util]
+                    values = [self.util[k][-1][1] for k in self._gpus_of(replica)]
                     if values:
                         replica.utils.append(statistics.fmean(values))
+
+    def _gpus_of(self, replica: Replica) -> list[tuple[str, int]]:
+        """Return the keys of `replica`'s GPU readings."""
+        if self.claims:
+            return [key for key in self.util if key[0] == replica.name]
+        return [("", g) for g in replica.gpus if ("", g) in self.util]
 
     def _load(self, now: float) -> Load:
         window = self.job.scaling.window_s
@@ -367,8 +450,8 @@ class Service:
                 self.window.popleft()
             span = min(window, max(now - self.started, 1.0))
             ready = [r for r in self.replicas if r.state == "ready"]
-            gpus = [g for r in ready for g in r.gpus]
-            readings = [u for g in gpus for t, u in self.util.get(g, ()) if t >= now - window]
+            keys = [k for r in ready for k in self._gpus_of(r)]
+            readings = [u for k in keys for t, u in self.util.get(k, ()) if t >= now - window]
             return Load(
                 t=now,
                 replicas=sum(r.counted for r in self.replicas),
@@ -526,7 +609,15 @@ class Service:
             f" to {self.job.replicas.max}",
         )
         self.event("gpuflow.service.started", {"endpoint": self.endpoint})
-        tail = SampleTail(Path(self.cluster.workspace), SAMPLES, self._on_sample, 0.5)
+        if self.claims:  # each replica's host writes its samples here as they come
+            tail = SampleTail(
+                Path(self.cluster.workspace), NODE_SAMPLES, self._on_sample, 0.5, named=True
+            )
+            if self.job.replicas.min == 0:  # nothing serves yet: the run's node goes back
+                self.spare.clear()
+                self.runner.drop_node(0)
+        else:
+            tail = SampleTail(Path(self.cluster.workspace), SAMPLES, self._on_sample, 0.5)
         try:
             with tail:
                 while not endpoint.done() and time.time() < self.deadline:
@@ -606,15 +697,22 @@ class Service:
                     self._say("warning", f"service metrics not pushed: {exc}")
 
     def _figures(self) -> ServiceResult:
-        hourly = self.runner.hourly_usd
-        per_replica_hour = None if hourly is None else hourly / self.job.replicas.max
+        hourly = self.runner.hourly_usd  # the run's node: one replica's claim on a fleet
+        share = 1 if self.claims else self.job.replicas.max
+        per_replica_hour = None if hourly is None else hourly / share
         rows = []
+        held_s = 0.0  # replica-seconds with GPUs held: what is paid
+        gpu_seconds = 0.0
         for replica in self.replicas:
             end = replica.ended_at or time.monotonic()
+            held = 0.0 if replica.held_from is None else max(0.0, end - replica.held_from)
+            held_s += held
+            gpu_seconds += held * len(replica.gpus)
             latencies = sorted(replica.latencies)
             rows.append(
                 ReplicaFigures(
                     replica=replica.name,
+                    host=replica.host,
                     gpus=replica.gpus,
                     started_s=round(replica.started - self.started, 2),
                     cold_start_s=None
@@ -629,8 +727,7 @@ class Service:
                     ended=replica.why_ended,
                 )
             )
-        served = sum(r.served_s for r in rows)
-        cost = None if per_replica_hour is None else served * per_replica_hour / 3600
+        cost = None if per_replica_hour is None else held_s * per_replica_hour / 3600
         lived = max(time.monotonic() - self.started, 1e-9)
         latencies = sorted(self.latencies)
         return ServiceResult(
@@ -641,7 +738,7 @@ class Service:
             p95_ms=_percentile(latencies, 95),
             most_replicas=max([d["to"] for d in self.decisions] or [0]),
             decisions=len(self.decisions),
-            gpu_seconds=round(sum(r.served_s * len(r.gpus) for r in rows), 2),
+            gpu_seconds=round(gpu_seconds, 2),
             cost_usd=None if cost is None else round(cost, 6),
             cost_per_hour_usd=None if cost is None else round(cost * 3600 / lived, 4),
             cost_per_1000_requests_usd=(
@@ -698,6 +795,22 @@ def _targets(job: ServiceJob) -> Targets:
         down_after_s=job.scaling.down_after_s,
         to_zero_after_s=job.idle_to_zero_s,
     )
+
+
+def replica_port(run_id: str, counter: int) -> int:
+    """Return the port replica `counter` of run `run_id` listens on, on a host that many
+    runs share (12000-19999, below the runs' rendezvous ports and the ephemeral ones): a
+    replica that finds it taken fails its start and is replaced on the next."""
+    base = int(hashlib.sha256(run_id.encode()).hexdigest()[:8], 16)
+    return 12000 + (base + counter) % 8000
+
+
+def _unit_of(source: str) -> str:
+    """Return the replica a fleet host's sample file is of ("" for this machine's)."""
+    if not source:
+        return ""
+    stem = source.removeprefix(NODE_SAMPLES.split("*")[0]).removesuffix(NODE_SAMPLES.split("*")[1])
+    return stem.rpartition("-")[0]  # the unit's id: NAME-XXXXXX
 
 
 def _percentile(ordered: list[int], percent: float) -> float | None:

@@ -17,12 +17,26 @@ from gpuflow.flows.pipeline import gpu_pipeline
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.pipeline.checks import check_spec
 from gpuflow.tasks.spec import load_spec
+from tests.conftest import free_port
 from tests.e2e.conftest import FLEET
 from tests.e2e.fleet_bed import PlayedFleetInstances, fleet_bed
 from tests.e2e.helpers import events_named
 from tests.e2e.test_fleet import in_thread, wait_for
 
 GPUFLOW = [sys.executable, "-m", "gpuflow"]
+
+
+def serving_replicas(script: str, bed: dict):
+    """Yield the service replicas (running `script`) on the played instances of `bed`."""
+    import contextlib
+
+    import psutil
+
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if script in (proc.info["cmdline"] or []) and proc.info["status"] != "zombie":
+            with contextlib.suppress(psutil.Error):
+                if str(bed["dir"]) in proc.environ().get("GPUFLOW_WORKSPACE", ""):
+                    yield proc
 
 
 def fleet_instances(ec2, states: list[str] | None = None) -> list[dict]:
@@ -70,6 +84,8 @@ def elastic(aws, prefect_api, tmp_path, s3_server):
         profile = {"AWS_ACCESS_KEY_ID": s3_server.key_id, "AWS_SECRET_ACCESS_KEY": s3_server.secret}
         with PlayedFleetInstances(ec2, bed, products, profile) as played:
             yield {"bed": bed, "ec2": ec2, "played": played, "s3": aws["s3"], "vpc": vpc}
+            # the next test's fleet starts empty: what this one left running is ended
+            cli(prefect_api, tmp_path / "home", "fleet", "delete", "elastic")
 
 
 def latest_artifacts(key: str) -> list:
@@ -305,3 +321,64 @@ def test_an_elastic_fleet_whose_aws_does_not_answer_is_named_in_one_sentence(
     assert Away.endpoint in said[0], said
     with pytest.raises(ValueError):
         GpuFleet.load("away-fleet")
+
+
+@pytest.mark.timeout(600)
+def test_an_elastic_fleet_grows_for_a_services_second_replica_and_shrinks_after_it(
+    elastic, prefect_api, gpuflow_home
+):
+    """A service of one-GPU replicas (min 1, max 2) on an elastic fleet of one-GPU
+    instances: its first replica grows the fleet to one instance; a load that needs a
+    second replica grows it to two; when the load stops, the second replica's claim is
+    given back and the scaler ends that instance while the service goes on serving."""
+    import signal
+
+    from tests.e2e.test_service import SERVE, Served, ask, endpoint_pids
+    from tests.e2e.test_service_fleet import fleet_service
+
+    ec2 = elastic["ec2"]
+    port = free_port()
+    raw = fleet_service(port, replicas={"min": 1, "max": 2}, scaling={"rps": 15})
+    raw["placement"] = {"backend": "fleet", "fleet": "elastic", "gpu_wait": "2m"}
+    served = Served(raw, gpuflow_home)
+    served.thread.start()
+    try:
+        wait_for(lambda: endpoint_pids(port), 180, "the endpoint listening")
+        assert ask(port, timeout=120)[0] == 200
+        assert len(fleet_instances(ec2, ["pending", "running"])) == 1
+        load = subprocess.Popen(
+            ["wrk", "-t2", "-c8", "-d300s", f"http://127.0.0.1:{port}/"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            wait_for(lambda: len(fleet_instances(ec2, ["running"])) == 2, 180, "a second instance")
+            wait_for(
+                lambda: sum(1 for _ in serving_replicas(SERVE, elastic["bed"])) == 2,
+                180,
+                "the second replica",
+            )
+        finally:
+            load.send_signal(signal.SIGINT)
+            text, _ = load.communicate(timeout=30)
+        assert "Non-2xx" not in text and "Socket errors" not in text, text
+        wait_for(
+            lambda: sum(1 for _ in serving_replicas(SERVE, elastic["bed"])) == 1,
+            120,
+            "back to one replica",
+        )
+        time.sleep(10)  # idle_duration: the instance the second replica gave back is idle
+        done = cli(prefect_api, gpuflow_home, "fleet", "scale", "elastic")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.stdout.count("shrink") == 1, done.stdout  # the serving one is kept
+        wait_for(lambda: len(fleet_instances(ec2, ["pending", "running"])) == 1, 60, "one instance")
+        assert ask(port)[0] == 200  # still served, by the first replica's instance
+        served.cancel()
+    finally:
+        if served.thread.is_alive():
+            served.cancel()
+    assert served.state is not None and served.state.is_cancelled(), served.state
+    [path] = (gpuflow_home / "runs").glob("*/outputs/result.json")
+    result = json.loads(path.read_text())
+    assert result["most_replicas"] == 2 and result["errors"] == 0
+    assert len({r["host"] for r in result["replicas"]}) == 2  # two instances

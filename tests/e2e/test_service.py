@@ -119,7 +119,10 @@ class Served:
 
     @property
     def run_id(self) -> str:
-        (record,) = (self.home / "local" / "clusters").glob("*.json")
+        (record,) = [
+            *(self.home / "local" / "clusters").glob("*.json"),
+            *(self.home / "fleet" / "clusters").glob("*.json"),  # a fleet's run, recorded here
+        ]
         return record.stem.removeprefix("gpuflow-")
 
     def cancel(self):

@@ -96,6 +96,7 @@ class FleetState(BaseModel):
 # The host programs this process holds, by cluster name: they live from provision to
 # teardown (a teardown in another process asks each host to tear the run down instead).
 _SESSIONS: dict[str, list[HostSession]] = {}
+_DROPPED: dict[str, set[int]] = {}  # by cluster name: its nodes given back (drop_node)
 _SESSIONS_LOCK = threading.Lock()
 
 
@@ -128,6 +129,7 @@ class FleetBackend(UnitBackend):
         local_files=False,
         samples_nodes=True,
         node_samples_in_workspace=True,  # the hosts' samples are written here as they come
+        adds_nodes=True,  # a service's replicas each claim GPUs on a host of their own
     )
     placement_model = FleetPlacement
 
@@ -363,7 +365,7 @@ class FleetBackend(UnitBackend):
         fleet, res = self.fleet(), spec.resources
         with _SESSIONS_LOCK:
             held = _SESSIONS.get(name)
-        if held and all(s.lost is None and s.down is None for s in held):
+        if held and all(s.lost is None and s.down is None for s in held[: res.nodes]):
             return self._cluster(spec, owner, name, held, adopted=True)
         deadline = time.monotonic() + spec.placement.gpu_wait
         request = {
@@ -496,11 +498,14 @@ class FleetBackend(UnitBackend):
         was lost."""
         with _SESSIONS_LOCK:
             sessions = _SESSIONS.get(cluster.name)
+            dropped = node in _DROPPED.get(cluster.name, set())
         if not sessions:
             raise ProvisionError(
                 f"this process holds no hosts for {cluster.name} (it was provisioned by"
                 " another process); run it again"
             )
+        if dropped:
+            raise ProvisionError(f"node {node} of {cluster.name} was given back")
         lost = sessions[node]
         if lost.lost is None:
             return lost
@@ -508,61 +513,120 @@ class FleetBackend(UnitBackend):
         wait = lost.fenced_at() - time.monotonic()
         if wait > 0:
             time.sleep(wait)
-        fleet = self.fleet()
-        spec_gpus = int(lost.request["resources"]["gpus"])
         in_use = {s.host for s in sessions if s is not lost}
+        try:
+            # another host first; the lost one last (it may be back)
+            replacement = self._place(
+                cluster, lost.request, in_use, lost.host, time.time(), f"{cluster.name}-node{node}"
+            )
+        except CapacityError as exc:
+            raise CapacityError(f"{lost.lost}; {exc}") from None
+        with _SESSIONS_LOCK:
+            sessions[node] = replacement
+            _MOVED.setdefault(cluster.name, {})[lost.address] = replacement.address
+        self._save(cluster, sessions)
+        return replacement
+
+    def _place(
+        self,
+        cluster: Cluster,
+        request: dict[str, Any],
+        avoid: set[str],
+        last: str | None,
+        deadline: float,
+        want: str,
+    ) -> HostSession:
+        """Claim `request`'s GPUs on a host of the fleet not in `avoid` (`last` tried
+        last), the files staged for the run put there; keep trying until `deadline`
+        (time.time()), an elastic fleet growing for it (`want`: what it waits as).
+        CapacityError when no host had room in time."""
+        fleet = self.fleet()
+        gpus = int(request["resources"]["gpus"])
         nodes = self.nodes()
         grower = None
-        deadline = time.monotonic()
+        until = time.monotonic() + max(0.0, deadline - time.time())
         why: list[str] = []
         try:
             while True:
                 hosts = [
                     (host, check)
                     for host, check in self.hosts()
-                    if check.gpus >= spec_gpus and host.label not in in_use
+                    if check.gpus >= gpus and host.label not in avoid
                 ]
-                # another host first; the lost one last (it may be back)
-                hosts.sort(
-                    key=lambda pair: (pair[0].label == lost.host, pair[1].gpus, pair[0].label)
-                )
+                hosts.sort(key=lambda pair: (pair[0].label == last, pair[1].gpus, pair[0].label))
                 why = []
                 for host, _found in hosts:
                     try:
-                        replacement = self._open(fleet, host, lost.request)
+                        session = self._open(fleet, host, request)
                     except (Busy, ProvisionError, InvalidSpec, TimeoutError) as exc:
                         why.append(f"{host.label}: {exc}")
                         continue
                     for staged in _STAGED.get(cluster.name, []):
-                        _put_staged(replacement, staged)
-                    with _SESSIONS_LOCK:
-                        sessions[node] = replacement
-                        _MOVED.setdefault(cluster.name, {})[lost.address] = replacement.address
-                    self._save(cluster, sessions)
-                    return replacement
-                if nodes is None:
-                    break
-                if grower is None:  # an elastic fleet grows for the lost node
-                    spec = JobSpec.model_construct(
-                        resources=Resources(gpus=spec_gpus, nodes=1),
-                        placement=FleetPlacement(fleet=self.fleet_name or "", gpu_wait=0),
-                    )
-                    grower = _Grower(self, nodes, spec, f"{cluster.name}-node{node}")
-                deadline = max(deadline, grower.step([w.partition(": ")[0] for w in why]))
-                if time.monotonic() >= deadline:
+                        _put_staged(session, staged)
+                    return session
+                if nodes is not None:
+                    if grower is None:  # an elastic fleet grows for it
+                        spec = JobSpec.model_construct(
+                            resources=Resources(gpus=gpus, nodes=1),
+                            placement=FleetPlacement(fleet=self.fleet_name or "", gpu_wait=0),
+                        )
+                        grower = _Grower(self, nodes, spec, want)
+                    until = max(until, grower.step([w.partition(": ")[0] for w in why]))
+                if time.monotonic() >= until:
                     break
                 time.sleep(0.5)
         finally:
             if grower is not None:
                 grower.done()
+        other = "other " if avoid else ""
         raise CapacityError(
-            f"{lost.lost}; no other host of fleet {self.fleet_name!r} has"
-            f" {spec_gpus} free GPU(s) now: {'; '.join(why) or 'none fits'}"
+            f"no {other}host of fleet {self.fleet_name!r} has {gpus} free GPU(s) now:"
+            f" {'; '.join(why) or 'none fits'}"
         )
+
+    def add_node(self, cluster: Cluster, deadline: float) -> Cluster:
+        """Claim one node more for the run, as its first ones were claimed (each claim a
+        run of its own on its host, so a host may hold several); the fleet grows for it."""
+        with _SESSIONS_LOCK:
+            sessions = _SESSIONS.get(cluster.name)
+        if not sessions:
+            raise ProvisionError(f"this process holds no hosts for {cluster.name}")
+        first = sessions[0].request
+        tag = uuid.uuid4().hex[:6]
+        owner = {**first["owner"], RUN_LABEL: f"{first['owner'][RUN_LABEL]}-{tag}"}
+        session = self._place(
+            cluster, {**first, "owner": owner}, set(), None, deadline, f"{cluster.name}-{tag}"
+        )
+        with _SESSIONS_LOCK:
+            sessions.append(session)
+            added = cluster.model_copy(
+                update={
+                    "nodes": len(sessions),
+                    "node_names": [s.host for s in sessions],
+                    "node_addresses": [s.address for s in sessions],
+                }
+            )
+        self._save(added, sessions)
+        return added
+
+    def drop_node(self, cluster: Cluster, node: int) -> Cluster:
+        """Give back `node`'s claim (its host frees the GPUs and the run's folder there)."""
+        with _SESSIONS_LOCK:
+            sessions = _SESSIONS.get(cluster.name) or []
+            dropped = _DROPPED.setdefault(cluster.name, set())
+            if node >= len(sessions) or node in dropped:
+                return cluster
+            dropped.add(node)
+            session = sessions[node]
+        session.teardown(wait_s=120)
+        self._save(cluster, sessions)
+        return cluster
 
     def _save(self, cluster: Cluster, sessions: list[HostSession]) -> None:
         state = state_of(cluster, FleetState)
-        state.holds = _holds(sessions)
+        with _SESSIONS_LOCK:
+            dropped = set(_DROPPED.get(cluster.name, set()))
+        state.holds = _holds([s for n, s in enumerate(sessions) if n not in dropped])
         write_atomic(
             _record_path(cluster.name),
             cluster.model_copy(update={"state": state.model_dump()}).model_dump_json(),
@@ -574,7 +638,10 @@ class FleetBackend(UnitBackend):
         if staging:
             return super().stage(cluster, path, storage, staging)
         with _SESSIONS_LOCK:
-            sessions = list(_SESSIONS.get(cluster.name) or [])
+            dropped = _DROPPED.get(cluster.name, set())
+            sessions = [
+                s for n, s in enumerate(_SESSIONS.get(cluster.name) or []) if n not in dropped
+            ]
             _STAGED.setdefault(cluster.name, []).append(path)
         for session in sessions:
             _put_staged(session, path)
@@ -589,10 +656,11 @@ class FleetBackend(UnitBackend):
         report = TeardownReport(name=cluster.name)
         with _SESSIONS_LOCK:
             sessions = _SESSIONS.pop(cluster.name, None)
+            dropped = _DROPPED.pop(cluster.name, set())
             _MOVED.pop(cluster.name, None)
             _STAGED.pop(cluster.name, None)
         if sessions is not None:
-            for session in sessions:
+            for session in [s for n, s in enumerate(sessions) if n not in dropped]:
                 said = session.teardown(wait_s=120)
                 if said:
                     report.killed_processes += int(said.get("killed_processes", 0))

@@ -1,0 +1,191 @@
+"""Services on a fleet: each replica claims GPUs on a fleet host of its own as the load
+says and gives them back when scaled away; the endpoint (HAProxy) runs here, in front of
+the hosts' addresses, and dies with the gpuflow process that started it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+import yaml
+
+from gpuflow.tasks.spec import load_spec
+from tests.conftest import free_port
+from tests.e2e.fleet_bed import claims_on, fleet_bed, host_entry, records_on, save_fleet
+from tests.e2e.helpers import process_gone
+from tests.e2e.test_service import SERVE, Served, ask, endpoint_pids, events_until, wait_for
+
+pytestmark = pytest.mark.e2e
+HOSTS = ["s1:2", "s2:2"]
+GPUFLOW = [sys.executable, "-m", "gpuflow"]
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory, prefect_api):
+    """Fleet `serving`: two hosts with 2 GPUs each, applied."""
+    with fleet_bed(tmp_path_factory.mktemp("fleet") / "bed", HOSTS) as found:
+        save_fleet(found, "serving", [host_entry(found, n) for n in ("s1", "s2")], lease_s=10)
+        env = {
+            **os.environ,
+            "PREFECT_API_URL": prefect_api,
+            "GPUFLOW_HOME": str(tmp_path_factory.mktemp("home")),
+        }
+        done = subprocess.run(
+            [*GPUFLOW, "fleet", "apply", "serving"], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        yield found
+
+
+def held(bed: dict) -> dict[str, int]:
+    """Return the GPUs claimed on each host of the bed now."""
+    return {host: len(claims_on(bed, host)) for host in ("s1", "s2")}
+
+
+def replicas_on_hosts(bed: dict) -> list[psutil.Process]:
+    """Return the replicas running on the bed's hosts (their workspace is there)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if SERVE not in (proc.info["cmdline"] or []) or proc.info["status"] == "zombie":
+            continue
+        with contextlib.suppress(psutil.Error):
+            if str(bed["dir"]) in proc.environ().get("GPUFLOW_WORKSPACE", ""):
+                found.append(proc)
+    return found
+
+
+def fleet_service(port: int, **job) -> dict:
+    scaling = job.pop("scaling", {})
+    return {
+        "name": job.pop("name", "fleet-svc"),
+        "job": {
+            "kind": "service",
+            "command": [sys.executable, SERVE],
+            "port": port,
+            "ready": {"path": "/health", "period_s": 0.2},
+            "scaling": {"window_s": 2, "down_after_s": 2, **scaling},
+            **job,
+        },
+        "env": {"SERVE_DELAY_MS": "20", "SERVE_HOST": "0.0.0.0"},
+        "resources": {"gpus": 1},
+        "placement": {"backend": "fleet", "fleet": "serving"},
+        "metrics": {"interval_s": 0.2},
+        "limits": {"max_duration": "15m", "stop_grace_s": 5},
+    }
+
+
+@pytest.mark.timeout(420)
+def test_replicas_claim_fleet_hosts_as_the_load_grows_and_give_them_back(
+    bed, prefect_api, gpuflow_home
+):
+    """wrk's bounded load: 1 -> 3 replicas, each a claim of one GPU on a host of the
+    fleet (two hosts, so both serve), every answer 2xx through the endpoint here; when the
+    load stops, back to one claim; cancelled, no claim, record or process is left."""
+    port = free_port()
+    raw = fleet_service(port, replicas={"min": 1, "max": 3}, scaling={"rps": 15})
+    served = Served(raw, gpuflow_home)
+    served.thread.start()
+    try:
+        wait_for(lambda: endpoint_pids(port), 120, "the endpoint listening")
+        wait_for(lambda: len(replicas_on_hosts(bed)) == 1, 120, "the first replica")
+        assert sum(held(bed).values()) == 1
+        status, said = ask(port)
+        assert (status, said) == (200, "replica-1")
+        load = subprocess.Popen(
+            ["wrk", "-t2", "-c8", "-d120s", f"http://127.0.0.1:{port}/"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            wait_for(lambda: len(replicas_on_hosts(bed)) == 3, 120, "three replicas under load")
+            claims = held(bed)
+            assert sum(claims.values()) == 3 and all(claims.values()), claims  # both hosts
+        finally:
+            load.send_signal(signal.SIGINT)
+            text, _ = load.communicate(timeout=30)
+        assert re.search(r"(\d+) requests in", text), text
+        assert "Non-2xx" not in text and "Socket errors" not in text, text
+        wait_for(lambda: sum(held(bed).values()) == 1, 90, "two claims given back")
+        run_id = served.cancel()
+    finally:
+        if served.thread.is_alive():
+            served.cancel()
+    assert served.state is not None and served.state.is_cancelled(), served.state
+    wait_for(lambda: not replicas_on_hosts(bed) and not endpoint_pids(port), 60, "all stopped")
+    assert held(bed) == {"s1": 0, "s2": 0}
+    assert records_on(bed, "s1") == [] and records_on(bed, "s2") == []
+    assert not list((gpuflow_home / "fleet" / "clusters").glob("*.json"))
+    [path] = (gpuflow_home / "runs").glob("*/outputs/result.json")
+    result = json.loads(path.read_text())
+    assert result["most_replicas"] == 3 and result["errors"] == 0
+    hosts = {r["host"] for r in result["replicas"]}
+    assert hosts == {"s1", "s2"}, result["replicas"]
+    assert any(r["ended"] == "scaled down" for r in result["replicas"])
+    # GPU-seconds count only while a replica held its claim: below the service's life x 3
+    assert 0 < result["gpu_seconds"] < sum(r["served_s"] for r in result["replicas"]) + 1
+    placed = events_until(
+        "gpuflow.service.ready", run_id, lambda found: len(found) >= 3, seconds=60
+    )
+    assert all(p["cold_start_s"] > 0 for p in placed)
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_gpuflow_leaves_no_endpoint_and_its_hosts_free_the_replicas(
+    bed, prefect_api, gpuflow_home, tmp_path
+):
+    """`gpuflow run` SIGKILLed while a fleet service serves: the endpoint here ends with
+    it at once; the hosts stop the replicas and free their GPUs once the lease lapses."""
+    port = free_port()
+    path = tmp_path / "svc.yaml"
+    path.write_text(yaml.safe_dump(fleet_service(port, replicas={"min": 2, "max": 2})))
+    orchestrator = subprocess.Popen(
+        [*GPUFLOW, "run", str(path)],
+        env={**os.environ, "PREFECT_API_URL": prefect_api, "GPUFLOW_HOME": str(gpuflow_home)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: len(replicas_on_hosts(bed)) == 2, 120, "two replicas")
+        wait_for(lambda: endpoint_pids(port), 60, "the endpoint listening")
+        endpoint = endpoint_pids(port)
+        replicas = [p.pid for p in replicas_on_hosts(bed)]
+        orchestrator.send_signal(signal.SIGKILL)
+        orchestrator.wait()
+        wait_for(lambda: all(process_gone(pid) for pid in endpoint), 10, "the endpoint's end")
+        wait_for(lambda: all(process_gone(pid) for pid in replicas), 90, "the replicas' stop")
+        wait_for(lambda: held(bed) == {"s1": 0, "s2": 0}, 30, "the GPUs' release")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(orchestrator.pid, signal.SIGKILL)
+    reaped = subprocess.run(
+        [*GPUFLOW, "reap", "--backend", "fleet", "--block", "serving"],
+        env={**os.environ, "PREFECT_API_URL": prefect_api, "GPUFLOW_HOME": str(gpuflow_home)},
+        capture_output=True,
+        text=True,
+    )
+    assert reaped.returncode == 0, reaped.stdout + reaped.stderr
+    assert not list((gpuflow_home / "fleet" / "clusters").glob("*.json")), reaped.stdout
+
+
+def test_a_fleet_service_is_sized_one_replica_per_claim(bed, prefect_api):
+    """Checked before anything is claimed: each replica a node of its own (resources.gpus
+    each), the endpoint here; nodes given is refused in one sentence."""
+    from gpuflow.tasks.errors import InvalidSpec
+    from gpuflow.tasks.pipeline.checks import check_pool
+
+    raw = fleet_service(free_port(), replicas={"min": 0, "max": 4})
+    [(placed, _)] = check_pool(load_spec(raw))
+    assert placed.job.replica_claims and placed.job.replica_gpus == 1
+    assert placed.resources.gpus == 1 and placed.resources.nodes == 1
+    raw["resources"] = {"gpus": 1, "nodes": 2}
+    with pytest.raises(InvalidSpec) as caught:
+        check_pool(load_spec(raw))
+    assert str(caught.value).startswith("resources.nodes: a service's replicas are counted")
