@@ -9,10 +9,11 @@ from gpuflow.tasks.kinds.hpc import HpcKind
 from gpuflow.tasks.kinds.matmul import MatmulKind
 from gpuflow.tasks.kinds.render import RenderKind
 from gpuflow.tasks.kinds.service import ServiceKind
+from gpuflow.tasks.kinds.stream import StreamKind
 from gpuflow.tasks.kinds.train import TrainKind
 from gpuflow.tasks.spec import JobSpec, add_job_model, remove_job_model
 
-BUILT_IN = ("command", "matmul", "train", "render", "hpc", "service")
+BUILT_IN = ("command", "matmul", "train", "render", "hpc", "service", "stream")
 _KINDS: dict[str, JobKind] = {}
 
 
@@ -41,5 +42,13 @@ def kind_of(spec: JobSpec) -> JobKind:
     return get_kind(spec.job.kind)
 
 
-for _builtin in (CommandKind(), MatmulKind(), TrainKind(), RenderKind(), HpcKind(), ServiceKind()):
+for _builtin in (
+    CommandKind(),
+    MatmulKind(),
+    TrainKind(),
+    RenderKind(),
+    HpcKind(),
+    ServiceKind(),
+    StreamKind(),
+):
     register(_builtin)

@@ -463,6 +463,13 @@ class Service:
             )
 
     def _scale(self, runtime: proxy.Runtime) -> None:
+        try:  # connections open now (a WebSocket, a long request) are not quiet
+            busy = sum(int(row.get("scur") or 0) for row in runtime.stats().values())
+        except (proxy.ProxyError, ValueError):
+            busy = 0
+        if busy:
+            with self.lock:
+                self.last_request = time.monotonic()
         load = self._load(time.monotonic())
         need = self.scaler.decide(load)
         if need.replicas == load.replicas:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
 import json
 import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,23 @@ class Page:
 
     async def call(self, method: str, **params: Any) -> dict:
         return await _call(self.socket, method, params, self.ids, self.session)
+
+    async def key(self, key: str) -> None:
+        """Press and release `key` (a DOM key name: ArrowRight, a) as a user's keyboard does."""
+        codes = {"ArrowLeft": 37, "ArrowUp": 38, "ArrowRight": 39, "ArrowDown": 40}
+        code = codes.get(key, ord(key.upper()) if len(key) == 1 else 0)
+        for kind in ("rawKeyDown", "keyUp"):
+            await self.call(
+                "Input.dispatchKeyEvent", type=kind, key=key, windowsVirtualKeyCode=code, code=key
+            )
+
+    async def wait_until(self, expression: str, timeout_s: float) -> Any:
+        """Return `expression`'s value once it is truthy; AssertionError after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while not (value := await self.evaluate(expression)):
+            assert time.monotonic() < deadline, f"{expression} within {timeout_s:.0f} s"
+            await asyncio.sleep(0.2)
+        return value
 
     async def evaluate(self, expression: str) -> Any:
         answer = await self.call("Runtime.evaluate", expression=expression, returnByValue=True)
@@ -71,12 +90,19 @@ def ui_page(
     user who typed `auth` into the UI's login (None: one who typed nothing); save a PNG
     of it to `screenshot` when given. With `probe` (a JavaScript expression), return the
     HTML and the expression's value once it is truthy (or as it is after `timeout_s`)."""
+    with chromium() as endpoint:
+        return asyncio.run(_load(endpoint, url, auth, wait_for, screenshot, timeout_s, probe))
+
+
+@contextlib.contextmanager
+def chromium(window: str = "1400,1000") -> Iterator[str]:
+    """Start headless Chromium; yield its DevTools websocket URL; stop it and its children."""
     assert CHROMIUM is not None, "chromium is not installed; the test command installs it"
     with tempfile.TemporaryDirectory(
         prefix="gpuflow-chromium-", ignore_cleanup_errors=True
     ) as profile:
         argv = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu"]
-        argv += ["--disable-dev-shm-usage", "--window-size=1400,1000"]
+        argv += ["--disable-dev-shm-usage", f"--window-size={window}"]
         argv += ["--remote-debugging-port=0", f"--user-data-dir={profile}", "about:blank"]
         browser = subprocess.Popen(
             argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
@@ -89,20 +115,33 @@ def ui_page(
                 assert time.monotonic() < deadline, "chromium never opened its DevTools port"
                 time.sleep(0.1)
             port, path = active.read_text().split()
-            return asyncio.run(
-                _load(
-                    f"ws://127.0.0.1:{port}{path}",
-                    url,
-                    auth,
-                    wait_for,
-                    screenshot,
-                    timeout_s,
-                    probe,
-                )
-            )
+            yield f"ws://127.0.0.1:{port}{path}"
         finally:
             stop_group(browser.pid, None, grace_s=5.0)  # its renderers and zygote too
             browser.wait(timeout=30)
+
+
+@contextlib.asynccontextmanager
+async def tab(endpoint: str, url: str) -> AsyncIterator[Page]:
+    """Open `url` in a new tab of the browser at `endpoint`; yield it; close it."""
+    from websockets.asyncio.client import connect
+
+    async with connect(endpoint, max_size=64 * 1024 * 1024) as socket:
+        ids = itertools.count(1)
+        target = await _call(socket, "Target.createTarget", {"url": "about:blank"}, ids, None)
+        attached = await _call(
+            socket, "Target.attachToTarget", {"targetId": target["targetId"], "flatten": True},
+            ids, None,
+        )  # fmt: skip
+        page = Page(socket, attached["sessionId"])
+        await page.call("Page.navigate", url=url)
+        try:
+            yield page
+        finally:
+            with contextlib.suppress(Exception):
+                await _call(
+                    socket, "Target.closeTarget", {"targetId": target["targetId"]}, ids, None
+                )
 
 
 async def _load(
