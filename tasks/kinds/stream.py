@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gpuflow.tasks.contract import Capabilities, Cluster
+from gpuflow.tasks.contract import RUN_LABEL, Capabilities, Cluster, RunOutcome, UnitRunner
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.kinds.base import Report
 from gpuflow.tasks.kinds.service import ServiceKind
@@ -56,6 +56,23 @@ class StreamKind(ServiceKind):
                     " job.workdir, or install it."
                 )
         super().check(spec, where)
+
+    def schedule(self, spec: JobSpec, runner: UnitRunner, deadline: float) -> RunOutcome:
+        """Serve the session; its replicas push their figures to the run's Pushgateway."""
+        job = spec.job
+        assert isinstance(job, StreamJob)
+        gateway = spec.metrics.pushgateway
+        if gateway:
+            run_id = runner.cluster.owner.get(RUN_LABEL, runner.cluster.name)
+            command = [
+                *job.command,
+                f"--pushgateway={gateway}",
+                f"--run-id={run_id}",
+                f"--job={spec.name}",
+                f"--push-interval-s={spec.metrics.push_interval_s:g}",
+            ]
+            spec = spec.model_copy(update={"job": job.model_copy(update={"command": command})})
+        return super().schedule(spec, runner, deadline)
 
     def preflight_rows(self, spec: JobSpec, cluster: Cluster) -> list[dict[str, str]]:
         """How the session will encode, and the largest size and rate this host keeps up

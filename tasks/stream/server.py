@@ -53,6 +53,8 @@ class Settings:
         self.width, self.height, self.fps = args.width, args.height, args.fps
         self.bitrate_kbps, self.clients = args.bitrate_kbps, args.clients
         self.renderer = args.renderer
+        self.pushgateway, self.run_id, self.job = args.pushgateway, args.run_id, args.job
+        self.push_every_s = args.push_interval_s
         gpus = bool(os.environ.get("CUDA_VISIBLE_DEVICES", "").strip(" ,-1"))
         self.encoder, self.encoder_why = encode.choose(args.encoder, gpus)
         self.codec = encode.codec_string(self.width, self.height, self.fps)
@@ -254,7 +256,40 @@ class Session:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.clients: dict[int, Client] = {}
+        self.gone: list[StreamFigures] = []  # clients that left: their last figures
         self.count = 0
+        self._push_warned = False
+
+    def push(self) -> None:
+        """Push every client's figures to the run's Pushgateway (when it has one); a
+        failure is said once, never fatal."""
+        settings = self.settings
+        if not settings.pushgateway:
+            return
+        from gpuflow.tasks.errors import TransientError
+        from gpuflow.tasks.metrics.prometheus import push
+        from gpuflow.tasks.stream import metrics
+
+        clients = [*self.gone[-50:], *(c.figures() for c in list(self.clients.values()))]
+        run = {"flow_run_id": settings.run_id, "job": settings.job}
+        try:
+            push(
+                settings.pushgateway,
+                metrics.exposition(clients, run),
+                settings.run_id,
+                settings.job,
+                f"stream-{settings.replica}",
+            )
+        except TransientError as exc:
+            if not self._push_warned:
+                self._push_warned = True
+                say(f"stream figures not pushed: {exc}")
+
+    async def pushing(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.push_every_s)
+            if self.clients:
+                await asyncio.to_thread(self.push)
 
     async def client(self, ws: Any) -> None:
         settings = self.settings
@@ -326,6 +361,8 @@ class Session:
             figures = client.figures()
             say(f"{client.name} ended ({client.ended}): {summary(figures)}")
             self.clients.pop(client.number, None)
+            self.gone.append(figures)
+            await asyncio.to_thread(self.push)
 
 
 def summary(figures: StreamFigures) -> str:
@@ -387,7 +424,9 @@ async def serve(settings: Settings, host: str, port: int) -> None:
             f"stream session on port {port}: {settings.width}x{settings.height} at"
             f" {settings.fps} fps, {settings.encoder_why}, codec {settings.codec}"
         )
+        pushing = asyncio.create_task(session.pushing())
         await stop.wait()
+        pushing.cancel()
         for client in list(session.clients.values()):
             client.ended = "the session ended"
         server.close(close_connections=True)
@@ -403,6 +442,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bitrate-kbps", type=int, default=8000)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--renderer", default=None)
+    parser.add_argument("--pushgateway", default=None, help="the run's Pushgateway URL")
+    parser.add_argument("--run-id", default="", help="the flow run's id (its push group)")
+    parser.add_argument("--job", default="stream", help="the spec's name (its push group)")
+    parser.add_argument("--push-interval-s", type=float, default=2.0)
     parser.add_argument("--host", default=os.environ.get("STREAM_HOST", "0.0.0.0"))
     args = parser.parse_args(argv)
     try:

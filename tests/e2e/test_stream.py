@@ -106,10 +106,11 @@ async def a_session(url: str, endpoint: str) -> dict:
 
 @pytest.mark.timeout(300)
 def test_a_session_streams_to_a_browser_page_and_measures_each_stage(
-    prefect_api, gpuflow_home, fake_nvml
+    prefect_api, gpuflow_home, fake_nvml, pushgateway
 ):
     port = free_port()
     raw = stream_spec(port, width=1280, height=720, fps=30, idle_after_s=3)
+    raw["metrics"] = {"pushgateway": pushgateway, "push_interval_s": 1}
     served = Served(raw, gpuflow_home)
     served.thread.start()
     try:
@@ -144,6 +145,15 @@ def test_a_session_streams_to_a_browser_page_and_measures_each_stage(
     assert set(page["stages"]) == {"render", "encode", "send", "decode", "draw"}
     assert all(page["stages"][s]["p50"] is not None for s in page["stages"])
     assert page["capture_to_display"]["p50"] <= page["capture_to_display"]["p95"]
+    # and in the run's Pushgateway: each client's stages by quantile
+    import urllib.request
+
+    with urllib.request.urlopen(f"{pushgateway}/metrics", timeout=10) as answer:
+        pushed = answer.read().decode()
+    client = page["client"]
+    assert f'gpuflow_stream_fps{{client="{client}"' in pushed, pushed[-2000:]
+    for stage in ("capture_to_display", "input_to_photon", "encode", "decode", "draw"):
+        assert f'client="{client}",' in pushed and f'phase="{stage}"' in pushed, stage
     ended = sorted(f["ended"] for f in figures.values())
     assert any(e.startswith("cut off: a binary message") for e in ended), ended
     assert any(e.startswith("cut off: more than") for e in ended), ended
