@@ -120,6 +120,9 @@ def load(t=0.0, replicas=1, ready=1, rps=0.0, util=None, waiting=False, last=Non
         (Targets(1, 4, gpu_util=70.0), load(replicas=2, ready=2, util=None), 1),  # unknown
         (Targets(1, 4, gpu_util=50.0, rps=10.0), load(rps=15.0, util=90.0), 2),  # larger wins
         (Targets(2, 4), load(), 2),  # no target: min
+        # a connection per replica (a stream's clients): the open and the waiting ones
+        (Targets(0, 4, connections=1), Load(0, 1, 1, 0.0, None, False, None, 2), 2),
+        (Targets(0, 8, connections=3), Load(0, 1, 1, 0.0, None, False, None, 7), 3),
     ],
 )
 def test_the_need_now(targets, now, want):
@@ -168,3 +171,7 @@ def test_the_endpoint_retries_elsewhere_and_sends_only_to_ready_replicas(tmp_pat
     assert "server-template r 1-4 127.0.0.1:1 disabled" in text  # out until made ready
     assert "lua.gpuflow_wait replicas 30000 if { nbsrv(replicas) eq 0 }" in text
     assert "stats socket unix@endpoint/admin.sock mode 600 level admin" in text
+    assert "timeout queue 30s" in text
+    # connections per replica bounded: one more waits in the queue for the replica it needs
+    bounded = config(tmp_path / "endpoint", "127.0.0.1", 8080, 4, 30.0, 60.0, per_server=1)
+    assert "server-template r 1-4 127.0.0.1:1 disabled maxconn 1" in bounded

@@ -65,6 +65,13 @@ class Scaling(SpecModel):
     rps: float | None = Field(
         None, gt=0, description="Target requests per second per replica at the endpoint."
     )
+    connections: int | None = Field(
+        None,
+        ge=1,
+        le=10_000,
+        description="Open connections each replica takes at most (a WebSocket, a stream's"
+        " client); one more waits at the endpoint for a replica the scaler adds.",
+    )
     window_s: Seconds = Field(
         10.0, ge=1, le=3600, description="Seconds the request rate and utilisation average over."
     )

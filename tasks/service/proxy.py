@@ -51,7 +51,13 @@ end, 2)
 
 
 def config(
-    folder: Path, host: str, port: int, slots: int, wait_s: float, server_timeout_s: float
+    folder: Path,
+    host: str,
+    port: int,
+    slots: int,
+    wait_s: float,
+    server_timeout_s: float,
+    per_server: int | None = None,
 ) -> str:
     """Return HAProxy's configuration for an endpoint on host:port with `slots` replica
     slots, its runtime socket and Lua file in `folder` (private to the run's user). The
@@ -73,6 +79,7 @@ defaults
   timeout server {int(server_timeout_s)}s
   timeout tunnel 1h
   timeout http-request 30s
+  timeout queue {int(wait_s)}s
   retries 3
   option redispatch 1
   retry-on conn-failure empty-response response-timeout 503
@@ -84,19 +91,26 @@ frontend endpoint
 
 backend {BACKEND}
   balance leastconn
-  server-template r 1-{slots} 127.0.0.1:1 disabled
+  server-template r 1-{slots} 127.0.0.1:1 disabled{f" maxconn {per_server}" if per_server else ""}
 """
 
 
 def write_files(
-    folder: Path, host: str, port: int, slots: int, wait_s: float, server_timeout_s: float
+    folder: Path,
+    host: str,
+    port: int,
+    slots: int,
+    wait_s: float,
+    server_timeout_s: float,
+    per_server: int | None = None,
 ) -> Path:
     """Write the configuration and the Lua action into `folder`; return the
-    configuration's path."""
+    configuration's path. `per_server`: the connections each replica takes at most (the
+    rest wait in the endpoint's queue, up to `wait_s`)."""
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     (folder / "wait.lua").write_text(WAIT_LUA)
     path = folder / "haproxy.cfg"
-    path.write_text(config(folder, host, port, slots, wait_s, server_timeout_s))
+    path.write_text(config(folder, host, port, slots, wait_s, server_timeout_s, per_server))
     return path
 
 
@@ -226,6 +240,18 @@ class Runtime:
     def sessions(self, slot: int) -> int:
         """Return the requests slot `slot` is serving now."""
         return int(self.stats().get(server(slot), {}).get("scur") or 0)
+
+    def queued(self) -> int:
+        """Return the requests waiting in the endpoint's queue for a replica's slot."""
+        lines = self.ask(f"show stat {BACKEND} 2 -1").splitlines()
+        if not lines or not lines[0].startswith("# "):
+            return 0
+        fields = lines[0][2:].split(",")
+        for line in lines[1:]:
+            row = dict(zip(fields, line.split(","), strict=False))
+            if row.get("pxname") == BACKEND and row.get("svname") == "BACKEND":
+                return int(row.get("qcur") or 0)
+        return 0
 
     def stats(self) -> dict[str, dict[str, str]]:
         """Return `show stat` of the replicas' backend: server name -> its fields."""

@@ -2,7 +2,8 @@
 
 The HPA's rule (desired = ceil(current x metric / target), nothing done within 10 % of
 the target) for GPU utilisation; ceil(rate / target) for requests per second; the larger
-need wins. Up at once; down only to the largest need of the last `down_after_s` (the
+need wins; ceil(connections / per replica) where each replica takes a bounded number of
+open connections (a stream's clients). Up at once; down only to the largest need of the last `down_after_s` (the
 HPA's stabilisation window), and to zero only after `to_zero_after_s` without a request.
 """
 
@@ -26,6 +27,7 @@ class Load:
     gpu_util: float | None  # mean utilisation of the ready replicas' GPUs (%); None: unknown
     waiting: bool  # a request waits at the endpoint for a replica
     last_request_t: float | None  # when the endpoint last saw a request
+    connections: int = 0  # open at the replicas, and waiting at the endpoint for one
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class Targets:
     most: int
     gpu_util: float | None = None
     rps: float | None = None
+    connections: int | None = None  # per replica, at most
     down_after_s: float = 30.0
     to_zero_after_s: float | None = None  # None: never to zero
 
@@ -53,6 +56,15 @@ def need_now(targets: Targets, load: Load) -> Need:
             count = load.replicas
         needs.append(
             Need(count, f"{load.rps:.1f} requests/s at a target of {targets.rps:g} per replica")
+        )
+    if targets.connections is not None:
+        count = math.ceil(load.connections / targets.connections)
+        needs.append(
+            Need(
+                count,
+                f"{load.connections} connection(s) open or waiting, at most"
+                f" {targets.connections} per replica",
+            )
         )
     if targets.gpu_util is not None and load.gpu_util is not None and load.ready:
         ratio = load.gpu_util / targets.gpu_util

@@ -211,6 +211,7 @@ class Service:
             job.replicas.max,
             job.request_wait_s,
             max(60.0, job.request_wait_s),
+            job.scaling.connections,
         )
         if self.claims:  # here, in front of the replicas on the fleet's hosts
             future = self._submit(
@@ -443,7 +444,7 @@ class Service:
             return [key for key in self.util if key[0] == replica.name]
         return [("", g) for g in replica.gpus if ("", g) in self.util]
 
-    def _load(self, now: float) -> Load:
+    def _load(self, now: float, connections: int = 0) -> Load:
         window = self.job.scaling.window_s
         with self.lock:
             while self.window and self.window[0][0] < now - window:
@@ -460,17 +461,19 @@ class Service:
                 gpu_util=statistics.fmean(readings) if readings else None,
                 waiting=self.waiting_since is not None and not ready,
                 last_request_t=self.last_request,
+                connections=connections,
             )
 
     def _scale(self, runtime: proxy.Runtime) -> None:
         try:  # connections open now (a WebSocket, a long request) are not quiet
-            busy = sum(int(row.get("scur") or 0) for row in runtime.stats().values())
+            sessions = {name: int(row.get("scur") or 0) for name, row in runtime.stats().items()}
+            open_now = sum(sessions.values()) + runtime.queued()
         except (proxy.ProxyError, ValueError):
-            busy = 0
-        if busy:
+            sessions, open_now = {}, 0
+        if open_now:
             with self.lock:
                 self.last_request = time.monotonic()
-        load = self._load(time.monotonic())
+        load = self._load(time.monotonic(), open_now)
         need = self.scaler.decide(load)
         if need.replicas == load.replicas:
             return
@@ -488,8 +491,10 @@ class Service:
             return  # a roll holds one replica more than the need until it is done
         self._decided(load, need.replicas, need.why)
         counted = [r for r in self.replicas if r.counted]
-        # not-yet-ready replicas go first, then the youngest
-        counted.sort(key=lambda r: (r.state == "ready", r.started))
+        # idle replicas go first (a client's connection stays), not-yet-ready ones first
+        counted.sort(
+            key=lambda r: (sessions.get(proxy.server(r.slot), 0), r.state == "ready", r.started)
+        )
         for replica in counted[: load.replicas - need.replicas]:
             self._submit(self._end, replica, runtime, "scaled down", True)
 
@@ -799,6 +804,7 @@ def _targets(job: ServiceJob) -> Targets:
         most=job.replicas.max,
         gpu_util=job.scaling.gpu_util,
         rps=job.scaling.rps,
+        connections=job.scaling.connections,
         down_after_s=job.scaling.down_after_s,
         to_zero_after_s=job.idle_to_zero_s,
     )

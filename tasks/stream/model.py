@@ -44,11 +44,15 @@ class StreamJob(ServiceJob):
         description="A session with no client connected for this long ends its replica.",
     )
     clients: int = Field(
-        4, ge=1, le=64, description="Clients served at once by one replica (each its own encoder)."
+        4,
+        ge=1,
+        le=64,
+        description="Clients served at once: one replica each (its own renderer, encoder"
+        " and GPUs), started when a client comes, ended after idle_after_s once it left.",
     )
     # a session's endpoint: the page and its WebSocket; a replica at once ready
     ready: Probe = Field(default_factory=lambda: Probe(path="/health", period_s=0.2))
-    replicas: Replicas = Field(default_factory=lambda: Replicas(min=0, max=1))
+    replicas: Replicas = Field(default_factory=lambda: Replicas(min=0, max=4))
     scaling: Scaling = Field(default_factory=Scaling)
 
     @model_validator(mode="before")
@@ -64,8 +68,11 @@ class StreamJob(ServiceJob):
                 " renderer in with job.renderer (module:factory) instead of a command"
             )
         scaling = dict(data.get("scaling") or {})
-        least = (data.get("replicas") or {}).get("min", 0)
-        if "to_zero_after_s" not in scaling and not least:
+        replicas = dict(data.get("replicas") or {})
+        replicas.setdefault("min", 0)
+        replicas.setdefault("max", data.get("clients", 4))  # a replica per client
+        scaling.setdefault("connections", 1)  # ... holding its page's WebSocket
+        if "to_zero_after_s" not in scaling and not replicas.get("min"):
             # the session ends with its last client
             scaling["to_zero_after_s"] = data.get("idle_after_s", 60.0)
         settings = [  # the fields' own checks judge them; the server reads them so
@@ -74,7 +81,7 @@ class StreamJob(ServiceJob):
             f"--fps={data.get('fps', 30)}",
             f"--encoder={data.get('encoder', 'auto')}",
             f"--bitrate-kbps={data.get('bitrate_kbps', 8000)}",
-            f"--clients={data.get('clients', 4)}",
+            "--clients=1",  # a replica per client: the endpoint sends it one
         ]
         if data.get("renderer"):
             settings.append(f"--renderer={data['renderer']}")
@@ -82,6 +89,7 @@ class StreamJob(ServiceJob):
             **data,
             "command": [sys.executable, "-m", SERVER, *settings],
             "scaling": scaling,
+            "replicas": replicas,
         }
 
     @field_validator("width", "height")

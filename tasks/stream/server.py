@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from websockets.exceptions import ConnectionClosed
+from websockets.protocol import State
 
 from gpuflow.tasks.stream import encode, scene
 from gpuflow.tasks.stream.model import StageFigures, StreamFigures
@@ -293,7 +294,8 @@ class Session:
 
     async def client(self, ws: Any) -> None:
         settings = self.settings
-        if len(self.clients) >= settings.clients:
+        watching = [c for c in self.clients.values() if c.ws.state is State.OPEN]
+        if len(watching) >= settings.clients:  # one that is closing has left already
             await ws.close(1013, f"this session serves {settings.clients} client(s) at once")
             return
         self.count += 1
@@ -349,6 +351,7 @@ class Session:
             client.ended = client.ended or f"{type(exc).__name__}: {exc}"
             say(f"{client.name} failed: {client.ended}")
         finally:
+            self.clients.pop(client.number, None)  # its place is free: the socket closed
             client.stop.set()
             if sender is not None:
                 sender.cancel()
@@ -360,7 +363,6 @@ class Session:
             client.save()
             figures = client.figures()
             say(f"{client.name} ended ({client.ended}): {summary(figures)}")
-            self.clients.pop(client.number, None)
             self.gone.append(figures)
             await asyncio.to_thread(self.push)
 
