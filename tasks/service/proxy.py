@@ -114,6 +114,20 @@ def write_files(
     return path
 
 
+def command(config: Path) -> list[str]:
+    """Return the command running HAProxy with `config`, in the folder above its own (the
+    admin socket's path is relative to it, wherever the process starts: a service with a
+    working folder starts its units there)."""
+    return [
+        shutil.which("haproxy") or "haproxy",
+        "-db",
+        "-C",
+        str(config.parent.parent),
+        "-f",
+        str(config),
+    ]
+
+
 def run_here(
     config: Path,
     on_line: Callable[[str, str], None],
@@ -128,8 +142,8 @@ def run_here(
     SIGKILLed gpuflow leaves no endpoint behind."""
     began = datetime.now(UTC)
     proc = subprocess.Popen(
-        [shutil.which("haproxy") or "haproxy", "-db", "-f", str(config)],
-        cwd=config.parent.parent,  # the admin socket's path is relative to it
+        command(config),
+        cwd=config.parent.parent,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

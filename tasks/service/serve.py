@@ -13,7 +13,6 @@ import contextvars
 import hashlib
 import http.client
 import logging
-import shutil
 import socket
 import statistics
 import threading
@@ -225,7 +224,7 @@ class Service:
         else:  # a unit of the run, beside its replicas
             unit = WorkUnit(
                 name="endpoint",
-                command=[shutil.which("haproxy") or "haproxy", "-db", "-f", str(config)],
+                command=proxy.command(config),
                 gpus=[],
             )
             future = self._submit(

@@ -204,3 +204,52 @@ def test_nvenc_without_a_gpu_and_a_renderer_not_there_are_refused(prefect_api, f
     with pytest.raises(InvalidSpec) as caught:
         check_spec(spec)
     assert str(caught.value).startswith("job.renderer: module 'no_such_scene' cannot be imported")
+
+
+async def frames_of(ws_url: str, count: int, key: str | None = None) -> list:
+    """Connect as a page does; return the decoded frames' mean red after pressing `key`."""
+    import av
+    from websockets.asyncio.client import connect
+
+    decoder = av.CodecContext.create("h264", "r")
+    reds = []
+    async with connect(ws_url, max_size=None) as client:
+        config = json.loads(await client.recv())
+        assert config["t"] == "config"
+        if key is not None:
+            await client.send(json.dumps({"t": "input", "seq": 1, "key": key}))
+        while len(reds) < count:
+            message = await client.recv()
+            if isinstance(message, str):
+                continue
+            applied = int.from_bytes(message[8:12], "little")
+            for frame in decoder.decode(av.Packet(message[44:])):  # one access unit each
+                if key is None or applied >= 1:
+                    reds.append(float(frame.to_ndarray(format="rgb24")[..., 0].mean()))
+    return reds
+
+
+@pytest.mark.timeout(180)
+def test_a_users_renderer_from_the_working_folder_draws_what_the_camera_sees(
+    prefect_api, gpuflow_home, fake_nvml
+):
+    """renderer: scene:make from job.workdir; a client's key turns the camera, and the
+    frames it gets after the input was applied show the renderer's picture of that yaw."""
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "stream"
+    port = free_port()
+    raw = stream_spec(
+        port, width=128, height=72, renderer="scene:make", workdir=str(fixtures), idle_after_s=2
+    )
+    served = Served(raw, gpuflow_home)
+    served.thread.start()
+    try:
+        wait_for(lambda: endpoint_pids(port), 120, "the endpoint listening")
+        url = f"ws://127.0.0.1:{port}/stream"
+        before = asyncio.run(frames_of(url, 5))
+        after = asyncio.run(frames_of(url, 5, key="ArrowRight"))
+        served.cancel()
+    finally:
+        if served.thread.is_alive():
+            served.cancel()
+    assert all(red < 3 for red in before), before  # yaw 0: no red
+    assert all(3 < red < 8 for red in after), after  # yaw 5 after the key
