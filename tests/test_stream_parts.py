@@ -53,7 +53,7 @@ def test_the_built_in_scene_turns_with_the_camera_and_a_users_renderer_plugs_in(
     ahead = render(scene.Camera(0, 0), 0.0)
     assert ahead.shape == (180, 320, 3) and ahead.dtype == np.uint8
     assert not np.array_equal(ahead, render(scene.Camera(90, 0), 0.0))
-    assert not np.array_equal(ahead, render(scene.Camera(0, 0), 1.0))  # the ball moved
+    assert not np.array_equal(ahead, render(scene.Camera(0, 0), 1.0))  # the block moved
     camera = scene.Camera(355, 0)
     camera.turn(10, 100)
     assert (camera.yaw, camera.pitch) == (5, 60)  # around, and no further than up

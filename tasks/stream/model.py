@@ -52,6 +52,10 @@ class StreamJob(ServiceJob):
     )
     # a session's endpoint: the page and its WebSocket; a replica at once ready
     ready: Probe = Field(default_factory=lambda: Probe(path="/health", period_s=0.2))
+    # a replica encoding at full speed answers a little late now and then: not dead
+    live: Probe | None = Field(
+        default_factory=lambda: Probe(path="/health", period_s=2.0, timeout_s=5.0, failures=3)
+    )
     replicas: Replicas = Field(default_factory=lambda: Replicas(min=0, max=4))
     scaling: Scaling = Field(default_factory=Scaling)
 
