@@ -33,7 +33,7 @@ def test_the_dashboard_is_well_formed():
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     for panel in dashboard["panels"]:
-        if panel["type"] == "row":  # a heading (Services): no query of its own
+        if panel["type"] == "row":  # a heading (Services, Streams): no query of its own
             assert panel["title"] and not panel.get("targets"), panel
             continue
         assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
@@ -66,6 +66,25 @@ def _service(gateway: str, home: Path) -> None:
             assert ask(port)[0] == 200
 
 
+def _stream(gateway: str) -> None:
+    """A stream replica's push of one client's figures (what its server pushes)."""
+    from gpuflow.tasks.stream import metrics
+    from gpuflow.tasks.stream.model import StreamFigures
+
+    stage = {"p50": 5.0, "p95": 9.0, "p99": 12.0}
+    done = StreamFigures.model_validate(
+        {
+            "client": "replica-1-client1", "width": 1920, "height": 1080, "encoder": "x264",
+            "seconds": 10, "frames_sent": 300, "frames_shown": 298, "fps": 29.8,
+            "bitrate_kbps": 900, "dropped": 2, "capture_to_display": stage,
+            "input_to_photon": stage,
+            "stages": {s: stage for s in ("render", "encode", "send", "decode", "draw")},
+        }
+    )  # fmt: skip
+    run = {"flow_run_id": "stream-run", "job": "dash-stream"}
+    push(gateway, metrics.exposition([done], run), "stream-run", "dash-stream", "stream-replica-1")
+
+
 def test_every_panel_returns_series_from_gpuflows_metrics(
     prefect_api, gpuflow_home, fake_nvml, prometheus, tmp_path
 ):
@@ -82,6 +101,7 @@ def test_every_panel_returns_series_from_gpuflows_metrics(
         }
         gpu_pipeline(load_spec(raw), return_state=True)
     _service(prometheus.gateway, gpuflow_home)
+    _stream(prometheus.gateway)
     _live(prometheus.gateway, "live-idle", "dash-idle", 0, tmp_path)
     _live(prometheus.gateway, "live-busy", "dash-busy", None, tmp_path)
 
