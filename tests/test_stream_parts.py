@@ -122,3 +122,15 @@ def test_the_push_names_each_clients_phases_by_quantile():
         'gpuflow_stream_dropped_frames_total{flow_run_id="r",job="j",client="replica-1-client1"} 1.0'
         in text
     )
+
+
+def test_the_example_stream_spec_is_valid():
+    from pathlib import Path
+
+    from gpuflow.tasks.spec import load_spec
+
+    spec = load_spec(Path(__file__).resolve().parents[1] / "examples" / "stream.yaml")
+    job = spec.job
+    assert job.kind == "stream" and (job.width, job.height) == (1920, 1080)
+    assert job.replicas.max == 2 and job.scaling.connections == 1
+    assert job.scaling.to_zero_after_s == 120 and "--width=1920" in job.command

@@ -153,17 +153,7 @@ async def _load(
     timeout_s: float,
     probe: str | None = None,
 ) -> Any:
-    from websockets.asyncio.client import connect
-
-    async with connect(endpoint, max_size=64 * 1024 * 1024) as socket:
-        ids = itertools.count(1)
-        target = await _call(socket, "Target.createTarget", {"url": "about:blank"}, ids, None)
-        attached = await _call(
-            socket, "Target.attachToTarget", {"targetId": target["targetId"], "flatten": True},
-            ids, None,
-        )  # fmt: skip
-        page = Page(socket, attached["sessionId"])
-        await page.call("Page.navigate", url=url)
+    async with tab(endpoint, url) as page:
         if auth is not None:  # as the login form does: the string, base64, in localStorage
             await page.wait_for_text(("</body>",), timeout_s)
             token = base64.b64encode(auth.encode()).decode()

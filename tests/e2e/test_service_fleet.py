@@ -20,7 +20,15 @@ from gpuflow.tasks.spec import load_spec
 from tests.conftest import free_port
 from tests.e2e.fleet_bed import claims_on, fleet_bed, host_entry, records_on, save_fleet
 from tests.e2e.helpers import process_gone
-from tests.e2e.test_service import SERVE, Served, ask, endpoint_pids, events_until, wait_for
+from tests.e2e.test_service import (
+    SERVE,
+    Served,
+    ask,
+    endpoint_pids,
+    events_until,
+    service_spec,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 HOSTS = ["s1:2", "s2:2"]
@@ -62,23 +70,11 @@ def replicas_on_hosts(bed: dict) -> list[psutil.Process]:
 
 
 def fleet_service(port: int, **job) -> dict:
-    scaling = job.pop("scaling", {})
-    return {
-        "name": job.pop("name", "fleet-svc"),
-        "job": {
-            "kind": "service",
-            "command": [sys.executable, SERVE],
-            "port": port,
-            "ready": {"path": "/health", "period_s": 0.2},
-            "scaling": {"window_s": 2, "down_after_s": 2, **scaling},
-            **job,
-        },
-        "env": {"SERVE_DELAY_MS": "20", "SERVE_HOST": "0.0.0.0"},
-        "resources": {"gpus": 1},
-        "placement": {"backend": "fleet", "fleet": "serving"},
-        "metrics": {"interval_s": 0.2},
-        "limits": {"max_duration": "15m", "stop_grace_s": 5},
-    }
+    """A service of the test replica on fleet `serving`, each replica listening where the
+    endpoint here reaches it."""
+    raw = service_spec(port, name=job.pop("name", "fleet-svc"), **job)
+    raw["env"]["SERVE_HOST"] = "0.0.0.0"
+    return raw | {"placement": {"backend": "fleet", "fleet": "serving"}}
 
 
 @pytest.mark.timeout(420)
