@@ -61,17 +61,19 @@ class StreamKind(ServiceKind):
         """Serve the session; its replicas push their figures to the run's Pushgateway."""
         job = spec.job
         assert isinstance(job, StreamJob)
+        # a replica on this machine listens on loopback, behind the endpoint; on a fleet's
+        # host where the endpoint here reaches it
+        command = [*job.command, f"--host={'0.0.0.0' if job.replica_claims else '127.0.0.1'}"]
         gateway = spec.metrics.pushgateway
         if gateway:
             run_id = runner.cluster.owner.get(RUN_LABEL, runner.cluster.name)
-            command = [
-                *job.command,
+            command += [
                 f"--pushgateway={gateway}",
                 f"--run-id={run_id}",
                 f"--job={spec.name}",
                 f"--push-interval-s={spec.metrics.push_interval_s:g}",
             ]
-            spec = spec.model_copy(update={"job": job.model_copy(update={"command": command})})
+        spec = spec.model_copy(update={"job": job.model_copy(update={"command": command})})
         return super().schedule(spec, runner, deadline)
 
     def preflight_rows(self, spec: JobSpec, cluster: Cluster) -> list[dict[str, str]]:

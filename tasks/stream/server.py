@@ -448,7 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-id", default="", help="the flow run's id (its push group)")
     parser.add_argument("--job", default="stream", help="the spec's name (its push group)")
     parser.add_argument("--push-interval-s", type=float, default=2.0)
-    parser.add_argument("--host", default=os.environ.get("STREAM_HOST", "0.0.0.0"))
+    # where the endpoint reaches it: this machine's loopback, or (a fleet host's session)
+    # every address: gpuflow says which
+    parser.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args(argv)
     try:
         settings = Settings(args)

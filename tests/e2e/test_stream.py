@@ -78,6 +78,12 @@ async def a_session(url: str, endpoint: str, home: Path) -> dict:
         async with tab(endpoint, url) as second:  # a second client: a replica of its own
             await second.wait_until("window.gpuflowStream && window.gpuflowStream.shown > 10", 60)
             replicas_for_two = len(sessions_running(home))
+            listening = {
+                c.laddr.ip
+                for p in sessions_running(home)
+                for c in p.net_connections("tcp")
+                if c.status == "LISTEN"
+            }
         cut: dict[str, tuple[int, str]] = {}
         ws_url = url.replace("http://", "ws://") + "stream"
         for name, bad in (
@@ -112,6 +118,7 @@ async def a_session(url: str, endpoint: str, home: Path) -> dict:
         "cut": cut,
         "said": said,
         "replicas_for_two": replicas_for_two,
+        "listening": listening,
     }
 
 
@@ -145,6 +152,7 @@ def test_a_session_streams_to_a_browser_page_and_measures_each_stage(
     assert state["shown"] >= 100, state  # 30 s of frames, decoded and drawn
     assert seen["moved"] != seen["yaw0"]  # the keys turned the camera, the frames show it
     assert seen["replicas_for_two"] == 2  # a replica per client
+    assert seen["listening"] == {"127.0.0.1"}  # behind the endpoint only, not on the network
     assert len(state["photon"]) >= 3 and all(0 < ms < 5000 for ms in state["photon"])
     assert seen["cut"]["garbage"][0] == 1008 and "binary" in seen["cut"]["garbage"][1]
     assert seen["cut"]["flood"][0] == 1008 and "messages a second" in seen["cut"]["flood"][1]
