@@ -629,6 +629,7 @@ class Service:
                 self.runner.drop_node(0)
         else:
             tail = SampleTail(Path(self.cluster.workspace), SAMPLES, self._on_sample, 0.5)
+        limited = False
         try:
             with tail:
                 while not endpoint.done() and time.time() < self.deadline:
@@ -642,6 +643,9 @@ class Service:
                         logger.debug("the endpoint did not answer: %s", exc)
                     self.wake.wait(TICK_S)
                     self.wake.clear()
+                # the deadline came with the endpoint still up: the limit ends the service
+                # (its unit, stopped next, may say cancelled: it is stopped by us)
+                limited = not endpoint.done()
         finally:
             self.ending.set()
             for replica in self.replicas:
@@ -670,9 +674,12 @@ class Service:
             duration_s=(ended - began).total_seconds(),
             cancelled=result.cancelled,
         )
+        if limited or result.timed_out:
+            job_result = job_result.model_copy(update={"cancelled": False})
+            return RunOutcome(result=job_result, stopped_by=self.runner.limit)
         if result.cancelled:  # how a service ends: collected, then the run is Cancelled
             return RunOutcome(result=job_result)
-        if result.timed_out or time.time() >= self.deadline:
+        if time.time() >= self.deadline:
             return RunOutcome(result=job_result, stopped_by=self.runner.limit)
         said = " | ".join(list(self.endpoint_lines)[-3:]) or "no output"
         failure = f"the endpoint (HAProxy) ended by itself ({said}); the service stopped"
