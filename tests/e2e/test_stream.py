@@ -153,7 +153,7 @@ def test_a_session_streams_to_a_browser_page_and_measures_each_stage(
     assert seen["moved"] != seen["yaw0"]  # the keys turned the camera, the frames show it
     assert seen["replicas_for_two"] == 2  # a replica per client
     assert seen["listening"] == {"127.0.0.1"}  # behind the endpoint only, not on the network
-    assert len(state["photon"]) >= 3 and all(0 < ms < 5000 for ms in state["photon"])
+    assert len(state["photon"]) >= 3 and all(ms > 0 for ms in state["photon"])
     assert seen["cut"]["garbage"][0] == 1008 and "binary" in seen["cut"]["garbage"][1]
     assert seen["cut"]["flood"][0] == 1008 and "messages a second" in seen["cut"]["flood"][1]
     assert seen["said"].startswith("This browser cannot decode the stream (avc9.FFFFFF")
