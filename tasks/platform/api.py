@@ -271,7 +271,8 @@ def talking_to(url: str) -> Iterator[None]:
 
 
 def start_timeout_s() -> float:
-    """Return how long a temporary API may take to start (GPUFLOW_API_START_TIMEOUT_S)."""
+    """Return how long a Prefect server gpuflow starts (a temporary API, the platform's) may
+    take to answer (GPUFLOW_API_START_TIMEOUT_S)."""
     return env_number("GPUFLOW_API_START_TIMEOUT_S", 240.0, 1.0, 3600.0)
 
 

@@ -36,7 +36,7 @@ from gpuflow.tasks.backends.local.gpu_slots import LIMIT_NAME
 from gpuflow.tasks.errors import GpuflowError, InvalidSpec
 from gpuflow.tasks.host import open_private, private_dir, secure_home, stop_group, write_atomic
 from gpuflow.tasks.platform import postgres
-from gpuflow.tasks.platform.api import stop_kept
+from gpuflow.tasks.platform.api import start_timeout_s, stop_kept
 from gpuflow.tasks.platform.blocks_setup import init_blocks
 from gpuflow.tasks.platform.deploy import (
     GPU_K8S_POOL,
@@ -122,7 +122,8 @@ def _wait_healthy(
                     return
         time.sleep(0.25)
     raise PlatformError(
-        f"the Prefect server did not answer {api}/health within {timeout_s:.0f} s; see"
+        f"the Prefect server did not answer {api}/health within {timeout_s:.0f} s (the machine"
+        " may be busy); set GPUFLOW_API_START_TIMEOUT_S higher, or see its log"
         f" {server['log']}"
     )
 
@@ -223,7 +224,7 @@ def up(
             state["database"] = {"kind": "sqlite", "file": str(platform_dir() / "prefect.db")}
         processes["server"] = _start_server(where, port, env, state)
         _write_state(state)
-        _wait_healthy(api, processes["server"], 90, port, where.trust)
+        _wait_healthy(api, processes["server"], start_timeout_s(), port, where.trust)
         say(
             f"started the Prefect server (pid {processes['server']['pid']}) at {ui} in"
             f" {time.monotonic() - started:.1f} s; log {processes['server']['log']}"

@@ -25,6 +25,7 @@ from tests.e2e.helpers import (
     Platform,
     nothing_left,
     outsider,
+    process_gone,
     shared_folder,
     wider_than_private,
 )
@@ -387,6 +388,25 @@ def test_up_on_a_port_another_server_holds_is_refused(platform, tmp_path):
         bad = other.gpuflow("platform", "up", "--port", port, timeout=60)
         assert bad.returncode == 2, bad.stderr
         assert f"argument --port: {port} is out of range; give from 1 to 65535" in bad.stderr
+
+
+def test_a_server_slower_than_its_start_bound_is_one_sentence_and_leaves_nothing(tmp_path):
+    """The server has not answered within GPUFLOW_API_START_TIMEOUT_S (1 s: no cold start is
+    that quick): `up` says so in one sentence naming the setting, and stops what it started."""
+    slow = Platform(tmp_path / "home", free_port())
+    slow.env["GPUFLOW_API_START_TIMEOUT_S"] = "1"
+    up = slow.gpuflow("platform", "up", "--port", str(slow.port), timeout=120)
+    assert up.returncode == 1, up.stdout + up.stderr
+    (line,) = [line for line in up.stderr.splitlines() if line.startswith("gpuflow:")]
+    assert f"did not answer {slow.api}/health within 1 s" in line, line
+    assert "set GPUFLOW_API_START_TIMEOUT_S higher" in line, line
+    assert "Traceback" not in up.stderr
+    assert not (slow.home / "platform" / "state.json").exists()
+    auth_file = str(slow.home / "platform" / "auth")
+    servers = [
+        p for p in psutil.process_iter(["cmdline"]) if auth_file in (p.info["cmdline"] or [])
+    ]
+    assert not [p for p in servers if not process_gone(p.pid)], "the server was left running"
 
 
 def test_up_on_another_database_than_the_running_platform_is_refused(platform):

@@ -284,7 +284,10 @@ def test_a_unit_whose_gpus_are_taken_saves_its_state_and_the_run_resumes_when_sl
         'n=$(cat "$GPUFLOW_WORKSPACE/../saved" 2>/dev/null || echo 0); echo "attempt $n";'
         ' if [ "$n" -ge 1 ]; then echo resumed; exit 0; fi;'
         " trap 'echo $((n+1)) > \"$GPUFLOW_WORKSPACE/../saved\"; echo saved; exit 75' TERM;"
-        ' touch "$GPUFLOW_WORKSPACE/../ready"; sleep 300 & wait'
+        # Slurm signals every process of the step: when the sleep's end reaches bash before
+        # its own SIGTERM, `wait` returns and bash would end the script before its trap
+        # runs. It waits again instead, so only the trap ends it.
+        ' touch "$GPUFLOW_WORKSPACE/../ready"; while :; do sleep 300 & wait; done'
     )
     raw = spec(tmp_path, ["bash", "-c", script], resources={"nodes": 1})
     raw["retry"] = {"run": {"retries": 2, "delay_s": 1}}

@@ -81,7 +81,9 @@ def test_an_urgent_job_preempts_a_gpu_job_which_gets_sigterm_and_is_requeued(slu
         "#!/bin/bash\n"
         "trap 'echo terminated; exit 75' TERM\n"
         'echo "started ${SLURM_RESTART_COUNT:-0}"\n'
-        "sleep 300 & wait\n"
+        # wait again if the sleep's end reaches bash before bash's own SIGTERM: only the
+        # trap ends the script
+        "while :; do sleep 300 & wait; done\n"
     )
     out = tmp_path / "unit-%j.out"
     job = run_slurm(
