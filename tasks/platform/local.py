@@ -36,7 +36,7 @@ from gpuflow.tasks.backends.local.gpu_slots import LIMIT_NAME
 from gpuflow.tasks.errors import GpuflowError, InvalidSpec
 from gpuflow.tasks.host import open_private, private_dir, secure_home, stop_group, write_atomic
 from gpuflow.tasks.platform import postgres
-from gpuflow.tasks.platform.api import start_timeout_s, stop_kept
+from gpuflow.tasks.platform.api import start_timeout_s, startup_error, stop_kept
 from gpuflow.tasks.platform.blocks_setup import init_blocks
 from gpuflow.tasks.platform.deploy import (
     GPU_K8S_POOL,
@@ -121,10 +121,11 @@ def _wait_healthy(
                 if response.status == 200:
                     return
         time.sleep(0.25)
+    said = startup_error(Path(server["log"]).read_text(errors="replace"))
     raise PlatformError(
         f"the Prefect server did not answer {api}/health within {timeout_s:.0f} s (the machine"
-        " may be busy); set GPUFLOW_API_START_TIMEOUT_S higher, or see its log"
-        f" {server['log']}"
+        f" may be busy; its log {server['log']} ends: {said}); set GPUFLOW_API_START_TIMEOUT_S"
+        " higher"
     )
 
 
