@@ -33,7 +33,11 @@ from uuid import UUID
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests" / "fakes"))  # fake NVML: 4 GPUs
+
+from waiting import free_port, listening, until  # noqa: E402
+
 SERVE = str(ROOT / "tests" / "fixtures" / "service" / "serve.py")
 PERCENTILES = """
 done = function(summary, latency, requests)
@@ -122,7 +126,7 @@ class Service:
 
     def __enter__(self) -> Service:
         self.thread.start()
-        _until(lambda: _answers(f"http://127.0.0.1:{self.port}/health", 0.2) or self._started())
+        until(lambda: _answers(f"http://127.0.0.1:{self.port}/health", 0.2) or self._started())
         return self
 
     def _started(self) -> bool:
@@ -162,12 +166,12 @@ def on_fleet(rounds: int, scratch: Path) -> tuple[list[float], float, float]:
 
 
 def cold_starts(rounds: int, placement: dict | None = None) -> list[float]:
-    port = _free_port()
+    port = free_port()
     times = []
     with Service(port, placement, replicas={"min": 0, "max": 1}, scaling={"to_zero_after_s": 1}):
-        _until(lambda: _listening(port))
+        until(lambda: listening(port))
         for _ in range(rounds):
-            _until(lambda: not _replicas())
+            until(lambda: not _replicas())
             began = time.monotonic()
             urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=60).read()
             times.append(time.monotonic() - began)
@@ -175,10 +179,10 @@ def cold_starts(rounds: int, placement: dict | None = None) -> list[float]:
 
 
 def endpoint_cost(rounds: int, script: Path) -> tuple[list[tuple], list[tuple]]:
-    port = _free_port()
+    port = free_port()
     direct, through = [], []
     with Service(port, replicas={"min": 1, "max": 1}):
-        _until(lambda: _answers(f"http://127.0.0.1:{port}/", 1.0))
+        until(lambda: _answers(f"http://127.0.0.1:{port}/", 1.0))
         replica_port = _replica_port()
         for _ in range(rounds):
             direct.append(_wrk(replica_port, script))
@@ -187,19 +191,19 @@ def endpoint_cost(rounds: int, script: Path) -> tuple[list[tuple], list[tuple]]:
 
 
 def load_step(placement: dict | None = None, most: int = 4) -> tuple[float, float]:
-    port = _free_port()
+    port = free_port()
     with Service(port, placement, replicas={"min": 1, "max": most}, scaling={"rps": 15}):
-        _until(lambda: len(_replicas()) == 1 and _answers(f"http://127.0.0.1:{port}/", 1.0))
+        until(lambda: len(_replicas()) == 1 and _answers(f"http://127.0.0.1:{port}/", 1.0))
         began = time.monotonic()
         load = subprocess.Popen(
             ["wrk", "-t2", "-c8", "-d120s", f"http://127.0.0.1:{port}/"], stdout=subprocess.DEVNULL
         )
-        _until(lambda: _ready_replicas() == most)
+        until(lambda: _ready_replicas() == most)
         up = time.monotonic() - began
         load.terminate()
         load.wait()
         stopped = time.monotonic()
-        _until(lambda: len(_replicas()) == 1)
+        until(lambda: len(_replicas()) == 1)
         return up, time.monotonic() - stopped
 
 
@@ -266,32 +270,6 @@ def _answers(url: str, timeout: float) -> bool:
         return True
     except OSError:
         return False
-
-
-def _listening(port: int) -> bool:
-    import socket
-
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-        return True
-    except OSError:
-        return False
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _until(condition, limit_s: float = 180.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise SystemExit("the bench waited too long; see the service's logs")
-        time.sleep(0.05)
 
 
 def _spread(values: list[float]) -> str:

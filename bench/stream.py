@@ -22,7 +22,11 @@ from uuid import UUID
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests" / "fakes"))  # fake NVML: the host's GPUs, none used
+
+from waiting import free_port, listening, until  # noqa: E402
+
 TARGET_MS = 80.0  # the seeds' 1080p glass-to-glass bound
 STAGES = ("render", "encode", "send", "decode", "draw")
 
@@ -77,7 +81,7 @@ def session(width: int, height: int, fps: int, seconds: float) -> dict:
     from gpuflow.tasks.spec import load_spec
     from tests.e2e.browser import chromium, tab
 
-    port = _free_port()
+    port = free_port()
     spec = load_spec(
         {
             "name": f"bench-{width}x{height}",
@@ -89,7 +93,7 @@ def session(width: int, height: int, fps: int, seconds: float) -> dict:
     )  # fmt: skip
     thread = threading.Thread(target=lambda: gpu_pipeline(spec, return_state=True), daemon=True)
     thread.start()
-    _until(lambda: _listening(port))
+    until(lambda: listening(port))
 
     async def watch(endpoint: str) -> None:
         async with tab(endpoint, f"http://127.0.0.1:{port}/") as page:
@@ -106,7 +110,7 @@ def session(width: int, height: int, fps: int, seconds: float) -> dict:
     run_id = record.stem.removeprefix("gpuflow-")
     workspace = json.loads(record.read_text())["cluster"]["workspace"]
     outputs = Path(workspace) / "outputs"
-    _until(lambda: any(_shown(p) for p in outputs.glob("stream-*.json")), 60)
+    until(lambda: any(_shown(p) for p in outputs.glob("stream-*.json")), 60)
     figures = next(json.loads(p.read_text()) for p in outputs.glob("stream-*.json") if _shown(p))
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
@@ -123,32 +127,6 @@ def _shown(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return said["frames_shown"] > 0 and said["ended"] != ""
-
-
-def _listening(port: int) -> bool:
-    import socket
-
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-        return True
-    except OSError:
-        return False
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _until(condition, limit_s: float = 180.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise SystemExit("the bench waited too long; see the session's logs")
-        time.sleep(0.1)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,34 @@ def publish(create: Callable[..., Any], **artifact: Any) -> Any:
         return None
 
 
+def emit_run_event(
+    event: str, resource: str, name: str, run_id: str, payload: dict[str, Any]
+) -> bool:
+    """Send Prefect event `event` about `resource` (its id, e.g. gpuflow.run.<id>, named
+    `name`), related to flow run `run_id`; False when it could not be sent (the cause is
+    logged at debug): an event is a report, never a reason to stop."""
+    from prefect.events import emit_event
+
+    try:
+        emit_event(
+            event=event,
+            resource={"prefect.resource.id": resource, "prefect.resource.name": name},
+            related=[
+                {
+                    "prefect.resource.id": f"prefect.flow-run.{run_id}",
+                    "prefect.resource.role": "flow-run",
+                }
+            ],
+            payload=payload,
+        )
+        return True
+    except Exception:
+        import logging
+
+        logging.getLogger("gpuflow").debug("event %s not sent", event, exc_info=True)
+        return False
+
+
 def _logger() -> Any:
     """Return the run's logger (its lines reach the run's log), else gpuflow's."""
     import logging

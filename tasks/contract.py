@@ -216,6 +216,10 @@ class RunOutcome(BaseModel):
     result: JobResult
     failure: str | None = None  # one sentence when the job failed deterministically
     stopped_by: str | None = None  # the limit that stopped it: max_duration, max_cost_usd, idle_gpu
+    # seconds the run's node was held, summed over claims that came and went (a fleet
+    # service's replicas, each a claim of the run's size): what its GPU-hours and cost
+    # count; None: the run's cluster for the job's whole duration
+    held_s: float | None = None
 
 
 class TeardownReport(BaseModel):
@@ -270,10 +274,11 @@ class UnitRunner(Protocol):
         or the run's stop check; `on_change` gets what it reports as it changes (replicas
         wanted and ready, the autoscaler's metric); ended as cancelled on a cancel."""
 
-    def add_node(self, deadline: float) -> int:
+    def add_node(self, deadline: float, stop: StopCheck | None = None) -> int:
         """Claim one node more for the run (a backend that `adds_nodes`), as its nodes
-        were claimed, waiting for room until `deadline` (time.time()); return its index
-        (its address is `cluster.addresses()[index]`). CapacityError when none came."""
+        were claimed, waiting for room until `deadline` (time.time()) or `stop()`; return
+        its index (its address is `cluster.addresses()[index]`). CapacityError when none
+        came, JobCancelled when `stop` ended the wait."""
 
     def drop_node(self, node: int) -> None:
         """Give back `node` (claimed by add_node, or one of the run's first) once its units

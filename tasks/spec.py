@@ -337,6 +337,19 @@ class CodeJob(SpecModel):
         return split_argv(value)
 
 
+def command_line(example: str) -> Any:
+    """Return the type of a job's command: a list of words (a string split as a shell does,
+    see split_argv) whose first names a program; an empty one is refused with `example`
+    (e.g. "[python, train.py]") as the fix."""
+
+    def named(value: list[str]) -> list[str]:
+        if not value or not value[0].strip():
+            raise ValueError(f"is empty; give the program to run, e.g. {example}")
+        return value
+
+    return Annotated[list[str], BeforeValidator(split_argv), AfterValidator(named)]
+
+
 def add_placement_model(backend: str, model: type[Placement]) -> None:
     """Read `placement: {backend: <backend>}` as `model` from now on (the base Placement:
     the backend has no settings of its own)."""

@@ -3,13 +3,14 @@ is made), the scaler's decisions as a table, HAProxy's request lines."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
 
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.pipeline.checks import check_pool
-from gpuflow.tasks.service.proxy import Request, config, request_of
+from gpuflow.tasks.service.proxy import Endpoint, Request, config, request_of
 from gpuflow.tasks.service.scaling import Load, Need, Scaler, Targets, need_now
 from gpuflow.tasks.spec import load_spec
 
@@ -26,6 +27,11 @@ def spec(resources=None, **job):
     ("job", "said"),
     [
         ({"port": 0}, "job.port: 0 is not a TCP port; give one from 1 to 65535, or none"),
+        (
+            {"command": []},
+            "job.command: is empty; give the program to run, e.g. [python, serve.py]",
+        ),
+        ({"command": "serve | tee log"}, "job.command: holds the shell syntax '|'"),
         ({"port": 70000}, "job.port: 70000 is not a TCP port; give one from 1 to 65535"),
         (
             {"replicas": {"min": 3, "max": 2}},
@@ -165,7 +171,8 @@ def test_request_lines(line, logged):
 
 
 def test_the_endpoint_retries_elsewhere_and_sends_only_to_ready_replicas(tmp_path):
-    text = config(tmp_path / "endpoint", "127.0.0.1", 8080, 4, 30.0, 60.0)
+    endpoint = Endpoint("127.0.0.1", 8080, slots=4, wait_s=30.0, server_timeout_s=60.0)
+    text = config(tmp_path / "endpoint", endpoint)
     assert "retry-on conn-failure empty-response response-timeout 503" in text
     assert "option redispatch" in text
     assert "server-template r 1-4 127.0.0.1:1 disabled" in text  # out until made ready
@@ -173,5 +180,5 @@ def test_the_endpoint_retries_elsewhere_and_sends_only_to_ready_replicas(tmp_pat
     assert "stats socket unix@endpoint/admin.sock mode 600 level admin" in text
     assert "timeout queue 30s" in text
     # connections per replica bounded: one more waits in the queue for the replica it needs
-    bounded = config(tmp_path / "endpoint", "127.0.0.1", 8080, 4, 30.0, 60.0, per_server=1)
+    bounded = config(tmp_path / "endpoint", dataclasses.replace(endpoint, per_server=1))
     assert "server-template r 1-4 127.0.0.1:1 disabled maxconn 1" in bounded

@@ -339,10 +339,11 @@ class AddsNodes(Protocol):
     """A backend whose runs may claim a node more, and give one back, while they run
     (`Capabilities.adds_nodes`): a fleet, where each is a host's GPUs."""
 
-    def add_node(self, cluster: Cluster, deadline: float) -> Cluster:
+    def add_node(self, cluster: Cluster, deadline: float, stop: StopCheck | None = None) -> Cluster:
         """Claim one node more for `cluster`'s run, waiting for room (an elastic fleet
-        grows for it) until `deadline` (time.time()); return the cluster with it last.
-        CapacityError when no room came in time."""
+        grows for it) until `deadline` (time.time()) or until `stop()` says so; return the
+        cluster with it last. CapacityError when no room came in time, JobCancelled when
+        `stop` ended the wait."""
         ...
 
     def drop_node(self, cluster: Cluster, node: int) -> Cluster:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from gpuflow.tasks.contract import (
     RENDEZVOUS_PORT,
@@ -21,14 +21,16 @@ from gpuflow.tasks.contract import (
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.kinds.base import JobKind
 from gpuflow.tasks.kinds.code import check_code
-from gpuflow.tasks.spec import CodeJob, JobSpec, split_argv
+from gpuflow.tasks.spec import CodeJob, JobSpec, command_line
+
+Command = command_line("[python, train.py]")
 
 
 class CommandJob(CodeJob):
     """Run an arbitrary program in the workspace, like a container entrypoint."""
 
     kind: Literal["command"] = "command"
-    command: list[str] = Field(description="Program and arguments, e.g. [python, train.py].")
+    command: Command = Field(description="Program and arguments, e.g. [python, train.py].")
     torch: bool = Field(False, description="Check torch's CUDA in preflight for this command.")
     copies: Literal["one", "per_node", "per_gpu"] = Field(
         "one",
@@ -65,18 +67,6 @@ class CommandJob(CodeJob):
                 " or remove it"
             )
         return self
-
-    @field_validator("command", mode="before")
-    @classmethod
-    def _split(cls, value: Any) -> Any:
-        return split_argv(value)
-
-    @field_validator("command")
-    @classmethod
-    def _not_empty(cls, value: list[str]) -> list[str]:
-        if not value or not value[0].strip():
-            raise ValueError("is empty; give the program to run, e.g. [python, train.py]")
-        return value
 
 
 class CommandKind(JobKind):

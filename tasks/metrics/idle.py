@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from gpuflow.tasks.api_client import emit_run_event
 from gpuflow.tasks.spec import IdleGpu
 
 logger = logging.getLogger(__name__)
@@ -111,22 +112,6 @@ def watch_of(flow_run_id: str) -> IdleWatch | None:
 def send_idle_event(payload: dict[str, Any]) -> None:
     """Send gpuflow.gpu.idle about the run in `payload` (flow_run_id, job, ...) to Prefect,
     from a run's own watch or the fleet's reclaim; an API away costs only the event."""
-    from prefect.events import emit_event
-
-    try:
-        emit_event(
-            event=IDLE_EVENT,
-            resource={
-                "prefect.resource.id": f"gpuflow.run.{payload['flow_run_id']}",
-                "prefect.resource.name": payload["job"],
-            },
-            related=[
-                {
-                    "prefect.resource.id": f"prefect.flow-run.{payload['flow_run_id']}",
-                    "prefect.resource.role": "flow-run",
-                }
-            ],
-            payload=payload,
-        )
-    except Exception:
-        logger.warning("the %s event was not sent", IDLE_EVENT, exc_info=True)
+    run_id = payload["flow_run_id"]
+    if not emit_run_event(IDLE_EVENT, f"gpuflow.run.{run_id}", payload["job"], run_id, payload):
+        logger.warning("the %s event was not sent", IDLE_EVENT)

@@ -65,8 +65,10 @@ def summarise(
     cost: Cost,
     gpu_note: str = "",
     idle_pct: float = IDLE_PCT,
+    held_s: float | None = None,
 ) -> RunMetrics:
-    """Return the run's summary: utilisation, memory, energy, GPU-hours and cost."""
+    """Return the run's summary: utilisation, memory, energy, GPU-hours (the GPUs held for
+    `held_s`, else for the whole duration) and cost."""
     gpus = [g for s in samples for g in s["gpus"]]
     utils = [g["DCGM_FI_DEV_GPU_UTIL"] for g in gpus if "DCGM_FI_DEV_GPU_UTIL" in g]
     mems = [g["DCGM_FI_DEV_FB_USED"] for g in gpus if "DCGM_FI_DEV_FB_USED" in g]
@@ -74,7 +76,7 @@ def summarise(
     cpus = [s["host"]["cpu_percent"] for s in samples]
     host_mem = [s["host"]["memory_used_bytes"] for s in samples]
     seen = bool(gpus)
-    gpu_hours = gpu_count * duration_s / 3600.0
+    gpu_hours = gpu_count * (duration_s if held_s is None else held_s) / 3600.0
     idle_share = sum(u < idle_pct for u in utils) / len(utils) if utils else 0.0
     note = gpu_note or ("" if seen else "no GPU was seen: host CPU and memory only")
     return RunMetrics(

@@ -172,12 +172,14 @@ def _collect(
     _copy_outputs(Path(cluster.workspace) / "outputs", out, redact, logger)
     job_result = _job_figures(out / "outputs" / "result.json", logger)
     idle = spec.limits.idle_gpu
+    held_s = outcome.held_s if outcome.held_s is not None else outcome.result.duration_s
     metrics = summarise(
         samples,
         outcome.result.duration_s,
         len(cluster.gpu_indices),
-        cost_of(spec, cluster, prices, outcome.result.duration_s),
+        cost_of(spec, cluster, prices, held_s),
         idle_pct=idle.below_pct if idle is not None else IDLE_PCT,
+        held_s=held_s,
     ).model_copy(update={"job": job_result})
     metrics, figures = _log_figures(metrics, flow_run_id, out)
     if candidate is not None:

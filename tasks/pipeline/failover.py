@@ -14,7 +14,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
-from gpuflow.tasks.api_client import publish
+from gpuflow.tasks.api_client import emit_run_event, publish
 from gpuflow.tasks.backends.registry import get_backend
 from gpuflow.tasks.contract import Cluster, Offer, RunOutcome
 from gpuflow.tasks.errors import (
@@ -110,30 +110,10 @@ def tell(
 ) -> None:
     """Publish the placement table and send `event` with the candidates' names."""
     publish_table(spec, candidates)
-    from prefect.events import emit_event
-
-    try:
-        emit_event(
-            event=event,
-            resource={
-                "prefect.resource.id": f"gpuflow.run.{run_id}",
-                "prefect.resource.name": spec.name,
-            },
-            related=[
-                {
-                    "prefect.resource.id": f"prefect.flow-run.{run_id}",
-                    "prefect.resource.role": "flow-run",
-                }
-            ],
-            payload={
-                "flow_run_id": run_id,
-                "job": spec.name,
-                "candidates": [c.name for c in sorted(candidates, key=lambda c: c.index)],
-                **payload,
-            },
-        )
-    except Exception:
-        logger.warning("the %s event was not sent", event, exc_info=True)
+    named = [c.name for c in sorted(candidates, key=lambda c: c.index)]
+    said = {"flow_run_id": run_id, "job": spec.name, "candidates": named, **payload}
+    if not emit_run_event(event, f"gpuflow.run.{run_id}", spec.name, run_id, said):
+        logger.warning("the %s event was not sent", event)
 
 
 def use_of(

@@ -307,10 +307,10 @@ class PipelineRunner:
                 self.spec.limits.stop_grace_s,
             )
 
-    def add_node(self, deadline: float) -> int:
+    def add_node(self, deadline: float, stop: StopCheck | None = None) -> int:
         """Claim a node more for the run (a backend that `adds_nodes`); return its index."""
         backend: Any = self.backend
-        added = backend.add_node(self.cluster, deadline)  # the new node is its last
+        added = backend.add_node(self.cluster, deadline, stop)  # the new node is its last
         with self._nodes_lock:  # claims made side by side: the run's cluster knows all
             if len(added.node_addresses) > len(self.cluster.node_addresses):
                 self.cluster = self.cluster.model_copy(

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from gpuflow.tasks.spec import CodeJob, Seconds, SpecModel, split_argv
+from gpuflow.tasks.spec import CodeJob, Seconds, SpecModel, command_line
 
 # every replica reads the port it must listen on here (several share a host)
 PORT_VARIABLE = "PORT"
@@ -104,12 +104,15 @@ class Scaling(SpecModel):
         return value
 
 
+ServingCommand = command_line("[python, serve.py]")
+
+
 class ServiceJob(CodeJob):
     """Serve a program behind one endpoint: replicas of `command`, each listening on the
     port in $PORT, scaled on GPU utilisation or request rate, down to zero when idle."""
 
     kind: Literal["service"] = "service"
-    command: list[str] = Field(
+    command: ServingCommand = Field(
         description="Program and arguments that serve on the port in $PORT, e.g."
         " [python, serve.py, --port, '${PORT}']."
     )
@@ -176,18 +179,6 @@ class ServiceJob(CodeJob):
     def _port(cls, value: int | None) -> int | None:
         if value is not None and not 1 <= value <= 65535:
             raise ValueError(f"{value} is not a TCP port; give one from 1 to 65535, or none")
-        return value
-
-    @field_validator("command", mode="before")
-    @classmethod
-    def _split(cls, value: Any) -> Any:
-        return split_argv(value)
-
-    @field_validator("command")
-    @classmethod
-    def _not_empty(cls, value: list[str]) -> list[str]:
-        if not value or not value[0].strip():
-            raise ValueError("is empty; give the program that serves, e.g. [python, serve.py]")
         return value
 
     @model_validator(mode="after")

@@ -50,19 +50,27 @@ end, 2)
 """
 
 
-def config(
-    folder: Path,
-    host: str,
-    port: int,
-    slots: int,
-    wait_s: float,
-    server_timeout_s: float,
-    per_server: int | None = None,
-) -> str:
-    """Return HAProxy's configuration for an endpoint on host:port with `slots` replica
-    slots, its runtime socket and Lua file in `folder` (private to the run's user). The
-    socket's path is relative, to the folder above `folder` where HAProxy starts: a
-    workspace's full path can be longer than a socket's path may be."""
+@dataclass(frozen=True)
+class Endpoint:
+    """What an endpoint is: where it listens, its replica slots, how long a request waits
+    for a ready replica (`wait_s`) and for its answer, and the connections each replica
+    takes at most (`per_server`; the rest wait in the endpoint's queue, up to `wait_s`)."""
+
+    host: str
+    port: int
+    slots: int
+    wait_s: float
+    server_timeout_s: float
+    per_server: int | None = None
+
+
+def config(folder: Path, endpoint: Endpoint) -> str:
+    """Return HAProxy's configuration for `endpoint`, its runtime socket and Lua file in
+    `folder` (private to the run's user). The socket's path is relative, to the folder
+    above `folder` where HAProxy starts: a workspace's full path can be longer than a
+    socket's path may be."""
+    host, port, wait_s = endpoint.host, endpoint.port, endpoint.wait_s
+    slots, per_server = endpoint.slots, endpoint.per_server
     return f"""global
   stats socket unix@{folder.name}/{SOCKET} mode 600 level admin
   lua-load {folder / "wait.lua"}
@@ -76,7 +84,7 @@ defaults
   option dontlognull
   timeout connect 2s
   timeout client 120s
-  timeout server {int(server_timeout_s)}s
+  timeout server {int(endpoint.server_timeout_s)}s
   timeout tunnel 1h
   timeout http-request 30s
   timeout queue {int(wait_s)}s
@@ -95,22 +103,13 @@ backend {BACKEND}
 """
 
 
-def write_files(
-    folder: Path,
-    host: str,
-    port: int,
-    slots: int,
-    wait_s: float,
-    server_timeout_s: float,
-    per_server: int | None = None,
-) -> Path:
-    """Write the configuration and the Lua action into `folder`; return the
-    configuration's path. `per_server`: the connections each replica takes at most (the
-    rest wait in the endpoint's queue, up to `wait_s`)."""
+def write_files(folder: Path, endpoint: Endpoint) -> Path:
+    """Write `endpoint`'s configuration and the Lua action into `folder`; return the
+    configuration's path."""
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     (folder / "wait.lua").write_text(WAIT_LUA)
     path = folder / "haproxy.cfg"
-    path.write_text(config(folder, host, port, slots, wait_s, server_timeout_s, per_server))
+    path.write_text(config(folder, endpoint))
     return path
 
 

@@ -9,6 +9,7 @@ away is stopped through its own stop check, after HAProxy drained it.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import hashlib
 import http.client
@@ -25,8 +26,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from gpuflow.tasks.api_client import emit_run_event
 from gpuflow.tasks.contract import RUN_LABEL, Cluster, JobResult, RunOutcome, UnitRunner, WorkUnit
-from gpuflow.tasks.errors import JobFailed, TransientError
+from gpuflow.tasks.errors import JobCancelled, JobFailed, TransientError
 from gpuflow.tasks.host import write_atomic
 from gpuflow.tasks.metrics.prometheus import push
 from gpuflow.tasks.metrics.sampler import NODE_SAMPLES, SAMPLES, SampleTail
@@ -120,6 +122,13 @@ class Service:
         # elsewhere the replicas share the run's node, each on a slot's GPUs
         self.claims = job.replica_claims
         self.spare: list[int] = [0] if self.claims else []
+        self.limit = runner.limit  # what ends the service at `deadline`
+        if self.claims and runner.limit == "max_cost_usd":
+            # the run pays for its replicas' claims as they come and go, not for one claim
+            # all along: max_duration bounds its life, and max_cost_usd what the claims
+            # have cost, as it serves (_spent_out)
+            self.deadline = time.time() + spec.limits.max_duration
+            self.limit = "max_duration"
         held = cluster.gpu_indices
         self.slot_gpus = [
             list(range(per_replica))
@@ -203,15 +212,15 @@ class Service:
 
     def _start_endpoint(self) -> tuple[proxy.Runtime, Future[JobResult]]:
         job = self.job
-        config = proxy.write_files(
-            self.folder,
-            job.host,
-            self.port,
-            job.replicas.max,
-            job.request_wait_s,
-            max(60.0, job.request_wait_s),
-            job.scaling.connections,
+        endpoint = proxy.Endpoint(
+            host=job.host,
+            port=self.port,
+            slots=job.replicas.max,
+            wait_s=job.request_wait_s,
+            server_timeout_s=max(60.0, job.request_wait_s),
+            per_server=job.scaling.connections,
         )
+        config = proxy.write_files(self.folder, endpoint)
         if self.claims:  # here, in front of the replicas on the fleet's hosts
             future = self._submit(
                 proxy.run_here,
@@ -259,7 +268,8 @@ class Service:
         """Place `replica` (on a fleet: claim its node), point its slot at it, check it,
         run it until it ends or is stopped; give its node back after."""
         began = datetime.now(UTC)
-        self._place(replica)
+        with contextlib.suppress(JobCancelled):  # scaled away, or the service ended, first
+            self._place(replica)
         stop = replica.stop
         try:
             if stop.is_set() or self.ending.is_set():  # scaled away while it was placed
@@ -304,7 +314,10 @@ class Service:
         with self.lock:
             node = self.spare.pop() if self.spare else None
         if node is None:
-            node = self.runner.add_node(time.time() + self.job.start_timeout_s)
+            node = self.runner.add_node(
+                time.time() + self.job.start_timeout_s,
+                lambda: replica.stop.is_set() or self.ending.is_set(),
+            )
         cluster = self.runner.cluster
         replica.node, replica.held_from = node, time.monotonic()
         replica.host = cluster.node_names[node] if node < len(cluster.node_names) else ""
@@ -633,6 +646,9 @@ class Service:
         try:
             with tail:
                 while not endpoint.done() and time.time() < self.deadline:
+                    if self._spent_out():
+                        self.limit = "max_cost_usd"
+                        break
                     try:
                         self._reap(runtime)
                         self._take_offer()
@@ -646,6 +662,8 @@ class Service:
                 # the deadline came with the endpoint still up: the limit ends the service
                 # (its unit, stopped next, may say cancelled: it is stopped by us)
                 limited = not endpoint.done()
+                if limited:
+                    self._say("info", f"limits.{self.limit} reached: the service ends")
         finally:
             self.ending.set()
             for replica in self.replicas:
@@ -674,16 +692,19 @@ class Service:
             duration_s=(ended - began).total_seconds(),
             cancelled=result.cancelled,
         )
+        # on a fleet the run holds its replicas' claims, each for the replica's life
+        held_s = sum(self._held(r)[1] for r in self.replicas) if self.claims else None
         if limited or result.timed_out:
             job_result = job_result.model_copy(update={"cancelled": False})
-            return RunOutcome(result=job_result, stopped_by=self.runner.limit)
+            return RunOutcome(result=job_result, stopped_by=self.limit, held_s=held_s)
         if result.cancelled:  # how a service ends: collected, then the run is Cancelled
-            return RunOutcome(result=job_result)
+            return RunOutcome(result=job_result, held_s=held_s)
         if time.time() >= self.deadline:
-            return RunOutcome(result=job_result, stopped_by=self.runner.limit)
+            return RunOutcome(result=job_result, stopped_by=self.limit, held_s=held_s)
         said = " | ".join(list(self.endpoint_lines)[-3:]) or "no output"
         failure = f"the endpoint (HAProxy) ended by itself ({said}); the service stopped"
-        return RunOutcome(result=job_result.model_copy(update={"exit_code": 1}), failure=failure)
+        failed = job_result.model_copy(update={"exit_code": 1})
+        return RunOutcome(result=failed, failure=failure, held_s=held_s)
 
     def _push(self, final: ServiceResult | None = None) -> None:
         """Push the figures to the run's Pushgateway every metrics.push_interval_s (and
@@ -714,6 +735,20 @@ class Service:
                     self._push_warned = True
                     self._say("warning", f"service metrics not pushed: {exc}")
 
+    def _spent_out(self) -> bool:
+        """Return True once the replicas' claims (on a fleet) have cost limits.max_cost_usd."""
+        budget, hourly = self.spec.limits.max_cost_usd, self.runner.hourly_usd
+        if not self.claims or budget is None or not hourly:
+            return False
+        return sum(self._held(r)[1] for r in self.replicas) * hourly / 3600 >= budget
+
+    @staticmethod
+    def _held(replica: Replica) -> tuple[float, float]:
+        """Return when `replica` ended (time.monotonic(); now if it runs) and how long it
+        held its GPUs until then."""
+        end = replica.ended_at or time.monotonic()
+        return end, 0.0 if replica.held_from is None else max(0.0, end - replica.held_from)
+
     def _figures(self) -> ServiceResult:
         hourly = self.runner.hourly_usd  # the run's node: one replica's claim on a fleet
         share = 1 if self.claims else self.job.replicas.max
@@ -722,8 +757,7 @@ class Service:
         held_s = 0.0  # replica-seconds with GPUs held: what is paid
         gpu_seconds = 0.0
         for replica in self.replicas:
-            end = replica.ended_at or time.monotonic()
-            held = 0.0 if replica.held_from is None else max(0.0, end - replica.held_from)
+            end, held = self._held(replica)
             held_s += held
             gpu_seconds += held * len(replica.gpus)
             latencies = sorted(replica.latencies)
@@ -778,25 +812,7 @@ class Events:
         self.name = name
 
     def __call__(self, event: str, payload: dict[str, Any]) -> None:
-        try:
-            from prefect.events import emit_event
-
-            emit_event(
-                event=event,
-                resource={
-                    "prefect.resource.id": f"gpuflow.service.{self.run_id}",
-                    "prefect.resource.name": self.name,
-                },
-                related=[
-                    {
-                        "prefect.resource.id": f"prefect.flow-run.{self.run_id}",
-                        "prefect.resource.role": "flow-run",
-                    }
-                ],
-                payload=payload,
-            )
-        except Exception:
-            logger.debug("event %s not sent", event, exc_info=True)
+        emit_run_event(event, f"gpuflow.service.{self.run_id}", self.name, self.run_id, payload)
 
 
 def serve(spec: JobSpec, runner: UnitRunner, deadline: float) -> RunOutcome:

@@ -128,10 +128,70 @@ def test_replicas_claim_fleet_hosts_as_the_load_grows_and_give_them_back(
     # after the replica does: never more than the replicas' lives (each rounded to 0.01 s)
     lives = sum(r["served_s"] for r in result["replicas"])
     assert 0 < result["gpu_seconds"] <= lives + 0.01 * len(result["replicas"])
+    # the run's own report (metrics.json, the summary, the pushes) counts the same claims
+    [counted] = (gpuflow_home / "runs").glob("*/metrics.json")
+    run_hours = json.loads(counted.read_text())["gpu_hours"]
+    assert abs(run_hours * 3600 - result["gpu_seconds"]) < 0.1, (run_hours, result)
     placed = events_until(
         "gpuflow.service.ready", run_id, lambda found: len(found) >= 3, seconds=60
     )
     assert all(p["cold_start_s"] > 0 for p in placed)
+
+
+@pytest.mark.timeout(300)
+def test_a_cancel_ends_a_replica_that_waits_for_a_claim(bed, prefect_api, gpuflow_home):
+    """Three replicas of two GPUs each on a fleet of two 2-GPU hosts: the third waits for
+    a host with room (start_timeout_s: 10 min). Cancelling the run ends that wait at once,
+    not after it; nothing is claimed, recorded or running after."""
+    port = free_port()
+    raw = fleet_service(port, replicas={"min": 3, "max": 3}, start_timeout_s="10m")
+    raw["resources"] = {"gpus": 2}
+    served = Served(raw, gpuflow_home)
+    served.thread.start()
+    try:
+        wait_for(lambda: held(bed) == {"s1": 2, "s2": 2}, 120, "two replicas' claims")
+        wait_for(lambda: len(replicas_on_hosts(bed)) == 2, 120, "two replicas running")
+        assert ask(port)[0] == 200
+        served.cancel()  # within its 120 s: the third replica's wait read the cancel
+    finally:
+        if served.thread.is_alive():
+            served.cancel()
+    assert served.state is not None and served.state.is_cancelled(), served.state
+    wait_for(lambda: not replicas_on_hosts(bed) and not endpoint_pids(port), 60, "all stopped")
+    assert held(bed) == {"s1": 0, "s2": 0}
+    assert records_on(bed, "s1") == [] and records_on(bed, "s2") == []
+    assert not list((gpuflow_home / "fleet" / "clusters").glob("*.json"))
+
+
+@pytest.mark.timeout(300)
+def test_max_cost_counts_every_replicas_claim(bed, prefect_api, gpuflow_home):
+    """Two replicas, each a one-GPU claim at $36 a GPU-hour (1 cent a second), and
+    max_cost_usd 0.60: together they spend it in about 30 s, half the time one claim
+    alone would. The service ends by that limit having spent its budget, not the twice
+    as much a deadline priced on one claim would let two claims spend."""
+    hosts = [host_entry(bed, n) for n in ("s1", "s2")]
+    save_fleet(bed, "serving-priced", hosts, lease_s=10, gpu_hourly_usd=36.0)
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "GPUFLOW_HOME": str(gpuflow_home)}
+    done = subprocess.run(
+        [*GPUFLOW, "fleet", "apply", "serving-priced"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    port = free_port()
+    raw = fleet_service(port, replicas={"min": 2, "max": 2}, name="priced")
+    raw["placement"]["fleet"] = "serving-priced"
+    raw["limits"]["max_cost_usd"] = 0.6
+    served = Served(raw, gpuflow_home)
+    served.thread.start()
+    served.thread.join(timeout=240)
+    assert not served.thread.is_alive(), "the service did not end by its budget"
+    assert served.state is not None and served.state.is_completed(), served.state
+    result = served.result()
+    # the claims' cost at the stop is the budget; their stop adds a few seconds of two
+    # claims, far from the 1.20 of two claims for the 60 s one claim's budget lasts
+    assert 0.6 <= result["cost_usd"] < 0.9, result
+    assert len(result["replicas"]) == 2 and all(r["host"] for r in result["replicas"])
+    wait_for(lambda: not replicas_on_hosts(bed) and not endpoint_pids(port), 60, "all stopped")
+    assert held(bed) == {"s1": 0, "s2": 0}
 
 
 @pytest.mark.timeout(300)

@@ -41,6 +41,7 @@ from gpuflow.tasks.contract import (
     Offer,
     ReapReport,
     RunStates,
+    StopCheck,
     StopReason,
     TeardownReport,
     UnitEnd,
@@ -48,7 +49,7 @@ from gpuflow.tasks.contract import (
     run_port,
     state_of,
 )
-from gpuflow.tasks.errors import CapacityError, InvalidSpec, ProvisionError
+from gpuflow.tasks.errors import CapacityError, InvalidSpec, JobCancelled, ProvisionError
 from gpuflow.tasks.host import gpuflow_home, make_dirs, read_state_json, write_atomic
 from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
 from gpuflow.tasks.metrics.sampler import NODE_SAMPLES
@@ -535,11 +536,12 @@ class FleetBackend(UnitBackend):
         last: str | None,
         deadline: float,
         want: str,
+        stop: StopCheck | None = None,
     ) -> HostSession:
         """Claim `request`'s GPUs on a host of the fleet not in `avoid` (`last` tried
         last), the files staged for the run put there; keep trying until `deadline`
         (time.time()), an elastic fleet growing for it (`want`: what it waits as).
-        CapacityError when no host had room in time."""
+        CapacityError when no host had room in time; JobCancelled once `stop()` says so."""
         fleet = self.fleet()
         gpus = int(request["resources"]["gpus"])
         nodes = self.nodes()
@@ -574,6 +576,11 @@ class FleetBackend(UnitBackend):
                     until = max(until, grower.step([w.partition(": ")[0] for w in why]))
                 if time.monotonic() >= until:
                     break
+                if stop is not None and stop():
+                    raise JobCancelled(
+                        f"the run stopped while it waited for a host of fleet"
+                        f" {self.fleet_name!r} with {gpus} free GPU(s)"
+                    )
                 time.sleep(0.5)
         finally:
             if grower is not None:
@@ -584,9 +591,10 @@ class FleetBackend(UnitBackend):
             f" {'; '.join(why) or 'none fits'}"
         )
 
-    def add_node(self, cluster: Cluster, deadline: float) -> Cluster:
+    def add_node(self, cluster: Cluster, deadline: float, stop: StopCheck | None = None) -> Cluster:
         """Claim one node more for the run, as its first ones were claimed (each claim a
-        run of its own on its host, so a host may hold several); the fleet grows for it."""
+        run of its own on its host, so a host may hold several); the fleet grows for it.
+        JobCancelled once `stop()` says so while it waits for room."""
         with _SESSIONS_LOCK:
             sessions = _SESSIONS.get(cluster.name)
         if not sessions:
@@ -595,7 +603,13 @@ class FleetBackend(UnitBackend):
         tag = uuid.uuid4().hex[:6]
         owner = {**first["owner"], RUN_LABEL: f"{first['owner'][RUN_LABEL]}-{tag}"}
         session = self._place(
-            cluster, {**first, "owner": owner}, set(), None, deadline, f"{cluster.name}-{tag}"
+            cluster,
+            {**first, "owner": owner},
+            set(),
+            None,
+            deadline,
+            f"{cluster.name}-{tag}",
+            stop,
         )
         with _SESSIONS_LOCK:
             sessions.append(session)
