@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import types
 from datetime import UTC, datetime
 
 import pytest
@@ -146,6 +147,33 @@ def test_train_runs_one_unit_per_node_meeting_at_one_rendezvous():
     assert {a[a.index("--rendezvous") + 1] for a in argvs} == {"node-0:29400"}
     assert {a[a.index("--nnodes") + 1] for a in argvs} == {"2"}
     assert argvs[0][:3] == [sys.executable, "-m", "gpuflow.tasks.training.launch"]
+    assert {a[a.index("--stop-grace-s") + 1] for a in argvs} == {"30"}  # limits.stop_grace_s
+
+
+def test_torchrun_waits_the_jobs_stop_grace_for_its_ranks(monkeypatch, tmp_path):
+    """torchrun SIGKILLs its ranks 30 s after its SIGTERM by default: launch hands it the
+    job's limits.stop_grace_s, so a longer grace is the ranks' to write their checkpoint."""
+    from gpuflow.tasks.training import launch
+
+    started: dict = {}
+
+    class Torchrun:  # what launch starts, as the process boundary sees it
+        def __init__(self, command: list[str], env: dict[str, str]) -> None:
+            started.update(command=command, env=env)
+
+        def wait(self) -> int:
+            return 0
+
+    monkeypatch.setattr(launch, "subprocess", types.SimpleNamespace(Popen=Torchrun))
+    monkeypatch.setattr(launch.signal, "signal", lambda *_: None)  # this process's own
+    monkeypatch.setenv("GPUFLOW_WORKSPACE", str(tmp_path))
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    spec = load_spec({"job": {**TRAIN, "cpu_processes": 1}, "limits": {"stop_grace_s": 120}})
+    [unit] = get_kind("train").units(spec, cluster())
+    args = unit.command[unit.command.index("--job-json") :]
+    assert launch.main(args) == 0
+    assert "torch.distributed.run" in started["command"]
+    assert started["env"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "120"
 
 
 def test_train_on_one_node_is_standalone():

@@ -53,6 +53,7 @@ class TrainKind(JobKind):
         per_node = cluster.gpus_per_node or job.cpu_processes
         command = [sys.executable, "-m", "gpuflow.tasks.training.launch", "--job-json"]
         command += [job.model_dump_json(), "--run-name", spec.name]
+        command += ["--stop-grace-s", f"{spec.limits.stop_grace_s:g}"]
         if cluster.nodes == 1:
             return [WorkUnit(name="main", command=command, world_size=per_node)]
         rendezvous = cluster.rendezvous or f"{cluster.hosts()[0]}:{RENDEZVOUS_PORT}"

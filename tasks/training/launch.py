@@ -11,6 +11,7 @@ would reach torchrun twice, which breaks its shutdown).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import subprocess
@@ -37,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-rank", type=int, default=0, help="this node's index")
     parser.add_argument("--rendezvous", help="host:port every node's torchrun meets at")
     parser.add_argument("--rendezvous-id", default="gpuflow", help="the same on every node")
+    parser.add_argument(
+        "--stop-grace-s",
+        type=float,
+        default=30.0,
+        help="the job's limits.stop_grace_s: torchrun waits as long for its ranks' checkpoint",
+    )
     args = parser.parse_args(argv)
     job = TrainJob.model_validate_json(args.job_json)
     with loading():  # torch: no garbage collection while it loads
@@ -46,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         marker.unlink()
     env = dict(os.environ, GPUFLOW_TRAIN_JOB=args.job_json, GPUFLOW_RUN_NAME=args.run_name)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # torchrun SIGKILLs its ranks 30 s after its own SIGTERM unless told otherwise: a stop
+    # gives them the job's whole grace to finish the step and write the checkpoint (a
+    # torch that knows no such setting keeps its 30 s)
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(max(1, math.ceil(args.stop_grace_s))))
     if args.nnodes > 1 and (interface := interface_of(node_address())):
         # the ranks talk over the interface the other nodes reach (a host's name may
         # resolve to another, or to loopback); a user's own choice stays
