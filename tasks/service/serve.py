@@ -674,8 +674,12 @@ class Service:
                 if replica.counted or replica.state == "draining":
                     replica.state, replica.ended_at = "ended", time.monotonic()
                     replica.why_ended = replica.why_ended or "the service ended"
+        return self._outcome(began, endpoint.result(), limited)
+
+    def _outcome(self, began: datetime, result: JobResult, limited: bool) -> RunOutcome:
+        """Write the service's figures (result.json, the last push, an event) and return
+        how it ended: by a limit, cancelled, or its endpoint's own end (a failure)."""
         ended = datetime.now(UTC)
-        result = endpoint.result()
         figures = self._figures()
         self._push(figures)
         write_atomic(

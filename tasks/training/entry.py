@@ -177,6 +177,8 @@ class Trainer:
         return wdata.decode_classify, wdata.collate_classify
 
     def _loader(self, urls: list[str], epoch: int, shuffle: bool):
+        """Return the batches of `urls` for `epoch`: an iterator whose loader workers have
+        started (with SIGTERM held, see _ignore_sigterm)."""
         decode, collate = self._codec()
         dataset = wdata.batches(
             urls,
@@ -190,13 +192,14 @@ class Trainer:
             policy=self.job.on_corrupt,
             rank=self.rank,
         )
-        return torch.utils.data.DataLoader(
+        loader = torch.utils.data.DataLoader(
             dataset,
             batch_size=None,
             num_workers=self.job.num_workers,
             persistent_workers=False,
             worker_init_fn=_ignore_sigterm,
         )
+        return started(loader)
 
     def _stream(self, urls: list[str]):
         """Yield batches forever, epoch after epoch; resumes at (epoch, batches_in_epoch)."""
@@ -564,10 +567,24 @@ def describe_eval(scores: dict[str, float]) -> str:
     return text
 
 
+def started(loader: torch.utils.data.DataLoader) -> Any:
+    """Return `loader`'s iterator, its workers started with SIGTERM held in their signal
+    mask until they ignore it (its worker_init_fn: _ignore_sigterm)."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return iter(loader)  # the workers start here
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # one sent to the rank lands now
+
+
 def _ignore_sigterm(worker_id: int) -> None:
     # SIGTERM reaches the whole process group; the rank decides when to stop, and it
-    # shuts its loader workers down itself.
+    # shuts its loader workers down itself. A worker starts with SIGTERM held (the rank
+    # blocks it while it starts them): torch's own handler, set before this runs, would
+    # end the worker on a SIGTERM that is not its rank's. Ignored first, then let in: one
+    # that came meanwhile is dropped.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def main() -> int:

@@ -69,6 +69,16 @@ def replicas_on_hosts(bed: dict) -> list[psutil.Process]:
     return found
 
 
+def cancelled_and_gone(served: Served, bed: dict, home) -> None:
+    """Assert the service ended cancelled and left no replica, endpoint, claim or record."""
+    assert served.state is not None and served.state.is_cancelled(), served.state
+    port = served.port
+    wait_for(lambda: not replicas_on_hosts(bed) and not endpoint_pids(port), 60, "all stopped")
+    assert held(bed) == {"s1": 0, "s2": 0}
+    assert records_on(bed, "s1") == [] and records_on(bed, "s2") == []
+    assert not list((home / "fleet" / "clusters").glob("*.json"))
+
+
 def fleet_service(port: int, **job) -> dict:
     """A service of the test replica on fleet `serving`, each replica listening where the
     endpoint here reaches it."""
@@ -113,11 +123,7 @@ def test_replicas_claim_fleet_hosts_as_the_load_grows_and_give_them_back(
     finally:
         if served.thread.is_alive():
             served.cancel()
-    assert served.state is not None and served.state.is_cancelled(), served.state
-    wait_for(lambda: not replicas_on_hosts(bed) and not endpoint_pids(port), 60, "all stopped")
-    assert held(bed) == {"s1": 0, "s2": 0}
-    assert records_on(bed, "s1") == [] and records_on(bed, "s2") == []
-    assert not list((gpuflow_home / "fleet" / "clusters").glob("*.json"))
+    cancelled_and_gone(served, bed, gpuflow_home)
     [path] = (gpuflow_home / "runs").glob("*/outputs/result.json")
     result = json.loads(path.read_text())
     assert result["most_replicas"] == 3 and result["errors"] == 0
@@ -156,11 +162,7 @@ def test_a_cancel_ends_a_replica_that_waits_for_a_claim(bed, prefect_api, gpuflo
     finally:
         if served.thread.is_alive():
             served.cancel()
-    assert served.state is not None and served.state.is_cancelled(), served.state
-    wait_for(lambda: not replicas_on_hosts(bed) and not endpoint_pids(port), 60, "all stopped")
-    assert held(bed) == {"s1": 0, "s2": 0}
-    assert records_on(bed, "s1") == [] and records_on(bed, "s2") == []
-    assert not list((gpuflow_home / "fleet" / "clusters").glob("*.json"))
+    cancelled_and_gone(served, bed, gpuflow_home)
 
 
 @pytest.mark.timeout(300)
