@@ -4,12 +4,17 @@ Register them with `prefect block register -m gpuflow.blocks` (or `gpuflow block
 creates the documents a fresh setup needs).
 """
 
+from importlib.util import find_spec
+
 from gpuflow.blocks.ec2_fleet import Ec2GpuFleet
 from gpuflow.blocks.gpu_fleet import GpuFleet
-from gpuflow.blocks.kubernetes_pool import KubernetesGpuPool
 from gpuflow.blocks.local_host import LocalGpuHost
 from gpuflow.blocks.prices import GpuPriceTable
 from gpuflow.blocks.slurm_cluster import SlurmCluster
+
+# the Kubernetes pool's block holds prefect-kubernetes' cluster config: gpuflow[kubernetes]
+if find_spec("prefect_kubernetes") is not None:
+    from gpuflow.blocks.kubernetes_pool import KubernetesGpuPool
 
 __all__ = [
     "Ec2GpuFleet",

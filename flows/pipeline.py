@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ from prefect.runtime import flow_run as current_run
 from prefect.states import Cancelled, State
 from pydantic import BaseModel
 
+from gpuflow.tasks import secrets
 from gpuflow.tasks.contract import Cluster, owner_labels
 from gpuflow.tasks.errors import InvalidSpec, JobCancelled, JobFailed
 from gpuflow.tasks.host import gpuflow_home, signals_deferred
@@ -20,6 +22,7 @@ from gpuflow.tasks.pipeline.failover import place_on
 from gpuflow.tasks.pipeline.heartbeat import flow_run_heartbeat
 from gpuflow.tasks.pipeline.inflight import run_in_flight
 from gpuflow.tasks.pipeline.stages import (
+    keep_outputs,
     nothing_to_do,
     release_unprovisioned,
     retrying,
@@ -140,13 +143,16 @@ def _attempt(
             placed.earlier, placed.candidate.name if placed.pooled else None,
         )  # fmt: skip
     except JobCancelled as exc:
+        kept = _kept(pool[0][0], run_id, out, places)
         _teardown(run_id, *places)
-        return Cancelled(message=str(exc))
+        return Cancelled(message=f"{exc}{kept}")
     except Exception:
+        _kept(pool[0][0], run_id, out, places)
         _teardown(run_id, *places)
         raise
     except BaseException:
         with signals_deferred():  # interrupted: the engine may be going down
+            _kept(pool[0][0], run_id, out, places)
             for where in places:
                 teardown_owned(where, run_id)
         raise
@@ -155,6 +161,28 @@ def _attempt(
             release_unprovisioned(run_id)
     _teardown(run_id, job.placement)
     return _result(job, run_id, placed.cluster, placed.verdict, placed.outcome, metrics, out)
+
+
+def _kept(spec: JobSpec, run_id: str, out: Path, places: list[Placement]) -> str:
+    """Keep what the job wrote, for a run that ends without collect; return "; " and
+    what was kept, to add to the run's last sentence ("" when nothing was)."""
+    try:
+        redact = secrets.Redactor(secrets.resolve(spec.secret_env).values())
+    except Exception:  # its blocks cannot be read now: the summaries' files mask nothing
+        redact = _unreadable
+    said = [line for where in places for line in keep_outputs(where, run_id, out, redact)]
+    try:
+        logger: Any = get_run_logger()
+    except Exception:  # outside a run's context
+        logger = logging.getLogger("gpuflow")
+    for line in said:
+        logger.warning("%s", line)
+    return "".join(f"; {line}" for line in said)
+
+
+def _unreadable(text: str) -> str:
+    """A redactor for when the run's secrets cannot be read: nothing of the text is shown."""
+    return "(not shown: the run's secrets could not be read to mask it)"
 
 
 def _result(
@@ -169,8 +197,10 @@ def _result(
     if outcome.failure:
         raise JobFailed(outcome.failure)
     get_run_logger().info("artifacts: %s", out)
-    if outcome.result.cancelled:  # a service's end: stopped on the run's cancel, collected
-        return Cancelled(message="the run was cancelled; its job stopped and was collected")
+    if outcome.ended == "cancelled":  # stopped with its grace on the run's cancel, collected
+        return Cancelled(
+            message=f"the run was cancelled; its job was stopped and what it wrote is in {out}"
+        )
     return PipelineResult(
         name=job.name,
         flow_run_id=run_id,

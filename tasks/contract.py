@@ -221,6 +221,13 @@ class RunOutcome(BaseModel):
     # count; None: the run's cluster for the job's whole duration
     held_s: float | None = None
 
+    @property
+    def ended(self) -> str:
+        """Return how the run ended in one word: cancelled, failed or completed."""
+        if self.result.cancelled and self.stopped_by is None:
+            return "cancelled"
+        return "failed" if self.failure else "completed"
+
 
 class TeardownReport(BaseModel):
     name: str

@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, SecretStr
 
+from gpuflow.tasks import extras
 from gpuflow.tasks.errors import GpuflowError, InvalidSpec, TransientError
 from gpuflow.tasks.saved_blocks import load_block
 
@@ -60,6 +61,7 @@ class S3Settings(BaseModel):
     @classmethod
     def from_block(cls, name: str) -> S3Settings:
         """Return settings from the prefect-aws AwsCredentials block `name`."""
+        extras.require("aws", "storage.aws_credentials", "an AwsCredentials block")
         from prefect_aws import AwsCredentials
 
         block = load_block(
@@ -216,6 +218,7 @@ class S3Store:
     object is kept in its metadata, so a rerun can tell identical content."""
 
     def __init__(self, settings: S3Settings | None = None) -> None:
+        extras.require("aws", "storage", "an s3:// URL")
         import boto3
         from botocore.config import Config
 

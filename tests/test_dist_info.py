@@ -28,7 +28,7 @@ def test_the_project_is_installed_where_its_code_lies_with_its_entry_points_and_
     found = PathDistribution(info)
     assert (found.metadata["Name"], found.version) == ("gpuflow", project["version"])
     points = {(p.group, p.name): p.value for p in found.entry_points}
-    assert points[("prefect.collections", "gpuflow")] == "gpuflow.tasks.platform.k8s_worker"
+    assert points[("prefect.collections", "gpuflow")] == "gpuflow.tasks.platform.collection"
     assert points[("console_scripts", "gpuflow")] == "gpuflow.cli:command"
     program = tmp_path / "bin" / "gpuflow"
     assert program.stat().st_mode & 0o111

@@ -36,7 +36,7 @@ def test_the_wheel_installs_one_import_name(wheel):
     version = next(t for t in tops if t.endswith(".dist-info"))
     assert tops == {"gpuflow", version}
     points = wheel.read(f"{version}/entry_points.txt").decode()
-    assert "gpuflow = gpuflow.tasks.platform.k8s_worker" in points
+    assert "gpuflow = gpuflow.tasks.platform.collection" in points
 
 
 def test_every_source_file_is_in_the_wheel_under_gpuflow(wheel):

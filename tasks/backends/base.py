@@ -126,6 +126,7 @@ class UnitBackend:
 
     placement_model: ClassVar[type[Placement]] = Placement  # none of its own: the shared fields
     capabilities: ClassVar[Capabilities]
+    extra: ClassVar[str | None] = None  # the gpuflow extra it needs here (tasks/extras.py)
 
     def start(
         self,
@@ -269,6 +270,8 @@ class Backend(Protocol):
     capabilities: ClassVar[Capabilities]
     # what its `placement:` holds besides the shared fields (registered with the backend)
     placement_model: ClassVar[type[Placement]]
+    # the gpuflow extra its client needs in gpuflow's environment (None: the base install)
+    extra: ClassVar[str | None]
 
     @classmethod
     def at(cls, placement: Placement | None = None) -> Backend:

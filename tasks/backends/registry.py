@@ -35,11 +35,16 @@ def unregister(name: str) -> None:
 def get_backend(name: str, placement: Placement | None = None) -> Backend:
     """Return the backend registered under `name`, looking where `placement` (a spec's) says:
     its block and, for Kubernetes, its namespace. InvalidSpec for a name none has."""
+    return backend_class(name).at(placement)
+
+
+def backend_class(name: str) -> type[Backend]:
+    """Return the class registered under `name`; InvalidSpec for a name none has."""
     if name not in _BACKENDS:
         raise InvalidSpec(
             f"placement.backend: {name!r} is not a backend; use one of: {', '.join(_BACKENDS)}"
         )
-    return _BACKENDS[name].at(placement)
+    return _BACKENDS[name]
 
 
 def backend_for(cluster: Cluster) -> Backend:

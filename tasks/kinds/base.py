@@ -53,6 +53,11 @@ class JobKind:
         `where`; makes nothing. Runs before anything is provisioned, after the spec itself
         was validated and the kind's `needs` were matched with the backend."""
 
+    def extra(self, spec: JobSpec, where: Capabilities) -> str | None:
+        """Return the gpuflow extra (tasks/extras.py) this job needs in gpuflow's own
+        environment on a backend that can do `where`; None for none."""
+        return None
+
     def uses_torch(self, spec: JobSpec) -> bool:
         """Return True when preflight should check torch and its CUDA for this job."""
         return bool(getattr(spec.job, "torch", False))

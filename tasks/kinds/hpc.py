@@ -38,6 +38,11 @@ class HpcKind(JobKind):
             inputs["job.output"] = job.output
         return Needs(inputs=inputs, mpi_launcher=True)
 
+    def extra(self, spec: JobSpec, where: Capabilities) -> str | None:
+        job = spec.job
+        assert isinstance(job, HpcJob)
+        return "hpc" if where.runs_here and job.md is not None else None  # the MD workload
+
     def check(self, spec: JobSpec, where: Capabilities) -> None:
         check_hpc(spec, s3_settings(spec), on_host=where.runs_here)
 

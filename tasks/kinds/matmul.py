@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from gpuflow.tasks.contract import Cluster, WorkUnit
+from gpuflow.tasks.extras import installed
 from gpuflow.tasks.kinds.base import JobKind, Report
 from gpuflow.tasks.spec import JobSpec, SpecModel
 
@@ -28,6 +29,23 @@ class MatmulJob(SpecModel):
 class MatmulKind(JobKind):
     name = "matmul"
     model = MatmulJob
+
+    def uses_torch(self, spec: JobSpec) -> bool:
+        # without torch (gpuflow's train extra) the smoke job multiplies with numpy on the
+        # CPU and says so: there is no torch to check
+        return super().uses_torch(spec) and installed("torch")
+
+    def preflight_rows(self, spec: JobSpec, cluster: Cluster) -> list[dict[str, str]]:
+        if installed("torch") or not cluster.capabilities.runs_here:
+            return []
+        return [
+            {
+                "name": "torch",
+                "level": "warn",
+                "message": "torch is not installed: the smoke job multiplies with numpy on the"
+                " CPU; pip install 'gpuflow[train]' to measure the GPU.",
+            }
+        ]
 
     def units(self, spec: JobSpec, cluster: Cluster) -> list[WorkUnit]:
         job = spec.job

@@ -14,8 +14,12 @@ from pathlib import Path
 
 
 def benchmark(size: int, dtype_name: str, seconds: float) -> dict:
-    """Return achieved TFLOP/s of torch.matmul on the best device here."""
-    import torch
+    """Return achieved TFLOP/s of torch.matmul on the best device here (numpy's on the
+    CPU where torch is not installed: gpuflow without its train extra)."""
+    try:
+        import torch
+    except ImportError:
+        return _numpy_benchmark(size, seconds)
 
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
@@ -55,6 +59,35 @@ def benchmark(size: int, dtype_name: str, seconds: float) -> dict:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "note": note,
+    }
+
+
+def _numpy_benchmark(size: int, seconds: float) -> dict:
+    """Return achieved TFLOP/s of numpy's matmul (float32, on the CPU)."""
+    import numpy
+
+    size = min(size, 2048)  # keeps one CPU multiply near a second
+    rng = numpy.random.default_rng(0)
+    a = rng.standard_normal((size, size), dtype=numpy.float32)
+    b = rng.standard_normal((size, size), dtype=numpy.float32)
+    a @ b  # warm-up
+    iterations = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        iterations += 1
+    elapsed = time.perf_counter() - start
+    return {
+        "device": "cpu",
+        "on_gpu": False,
+        "dtype": "float32",
+        "size": size,
+        "iterations": iterations,
+        "seconds": round(elapsed, 3),
+        "tflops": round(2.0 * size**3 * iterations / elapsed / 1e12, 4),
+        "numpy": numpy.__version__,
+        "note": "torch is not installed: numpy float32 on the CPU"
+        " (pip install 'gpuflow[train]' to measure the GPU)",
     }
 
 

@@ -24,6 +24,9 @@ class StreamKind(ServiceKind):
     name = "stream"
     model = StreamJob
 
+    def extra(self, spec: JobSpec, where: Capabilities) -> str | None:
+        return "stream" if where.runs_here else None  # the session's encoder (PyAV)
+
     def check(self, spec: JobSpec, where: Capabilities) -> None:
         job = spec.job
         assert isinstance(job, StreamJob)

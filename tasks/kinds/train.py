@@ -39,6 +39,9 @@ class TrainKind(JobKind):
             inputs["job.eval_dataset"] = job.eval_dataset
         return Needs(inputs=inputs)
 
+    def extra(self, spec: JobSpec, where: Capabilities) -> str | None:
+        return "train" if where.runs_here else None  # elsewhere: the nodes' own torch
+
     def check(self, spec: JobSpec, where: Capabilities) -> None:
 
         try:

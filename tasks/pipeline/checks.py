@@ -4,8 +4,8 @@ and the secrets. One sentence per problem (InvalidSpec), naming the field and th
 
 from __future__ import annotations
 
-from gpuflow.tasks import placement, secrets
-from gpuflow.tasks.backends.registry import get_backend
+from gpuflow.tasks import extras, placement, secrets
+from gpuflow.tasks.backends.registry import backend_class, get_backend
 from gpuflow.tasks.contract import Capabilities, Needs
 from gpuflow.tasks.errors import InvalidSpec, Unreachable
 from gpuflow.tasks.host import resolve_program
@@ -18,6 +18,8 @@ from gpuflow.tasks.storage import StorageError, check_writable
 def check_spec(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
     """Return the spec with its placement applied and the prices to use, once every check
     before provisioning passed; InvalidSpec otherwise."""
+    chosen = spec.placement.backend
+    extras.require(backend_class(chosen).extra, "placement.backend", f"the {chosen} backend")
     spec, prices = placement.resolve(spec)
     backend = get_backend(spec.placement.backend, spec.placement)
     spec = kind_of(spec).sized(spec, backend.capabilities)
@@ -58,7 +60,13 @@ def check_pool(spec: JobSpec) -> list[tuple[JobSpec, PriceTable]]:
 def check_job(spec: JobSpec) -> None:
     """Raise InvalidSpec when the job itself (not the backend) cannot run as written."""
     where = get_backend(spec.placement.backend, spec.placement).capabilities
-    match(spec, kind_of(spec).needs(spec), where)
+    kind = kind_of(spec)
+    extras.require(kind.extra(spec, where), "job.kind", f"a {kind.name} job here")
+    needs = kind.needs(spec)
+    for field, url in [*needs.inputs.items(), ("storage.staging", spec.storage.staging or "")]:
+        if url.startswith("s3://"):
+            extras.require("aws", field, "an s3:// URL")
+    match(spec, needs, where)
     try:
         if spec.storage.artifacts:
             check_writable(spec.storage.artifacts, None, "storage.artifacts")

@@ -136,7 +136,7 @@ def _split(
     last = {
         "candidate": candidate,
         "backend": cluster.backend,
-        "ended": "failed" if outcome.failure else "completed",
+        "ended": outcome.ended,
         "gpu_hours": round(metrics.gpu_hours, 6),
         "usd_per_hour": round(metrics.cost_hourly_usd, 4),
         "cost_usd": round(metrics.cost_usd, 6),
@@ -185,7 +185,7 @@ def _collect(
     if candidate is not None:
         metrics = _split(cluster, outcome, metrics, earlier or [], candidate)
     (out / "metrics.json").write_text(metrics.model_dump_json(indent=2))
-    ended = "failed" if outcome.failure else "completed"
+    ended = outcome.ended
     text = exposition(samples[-1] if samples else None, metrics, flow_run_id, spec.name, ended)
     (out / "metrics.prom").write_text(text)
     title = f"{spec.name} {flow_run_id[:8]}"
@@ -304,7 +304,7 @@ def _summary(
     GPUs, cost and artifacts, and what each candidate it used held and cost."""
     gpus = ", ".join(cluster.gpu_products) or "none"
     return [
-        f"# {spec.name}: {'failed' if outcome.failure else 'completed'}",
+        f"# {spec.name}: {outcome.ended}",
         "",
         *headline,
         f"- duration: {outcome.result.duration_s:.1f} s, exit code {outcome.result.exit_code}",

@@ -270,7 +270,9 @@ def _torch_check(spec: JobSpec, facts: HostFacts, have_gpu: bool) -> Check:
     torch = facts.torch
     if torch.version is None:
         return Check(
-            name="torch", level="fail", message="torch is not installed; pip install torch."
+            name="torch",
+            level="fail",
+            message="torch is not installed; pip install 'gpuflow[train]'.",
         )
     finding = compat.check(
         torch.cuda_build, facts.nvml.cuda_driver_version, facts.nvml.driver_version

@@ -35,7 +35,6 @@ from gpuflow.tasks.contract import (
 from gpuflow.tasks.errors import (
     ERROR_FILE,
     PREEMPTED_EXIT_CODE,
-    JobCancelled,
     PreemptedError,
     retry_unless,
 )
@@ -167,8 +166,8 @@ def run(
     result = result.model_copy(update={"log_tail": [redact(line) for line in result.log_tail]})
     if idle is not None and idle.stopped():  # stopped for idling, not cancelled or preempted
         return RunOutcome(result=result, failure=idle.sentence(), stopped_by="idle_gpu")
-    if result.cancelled:
-        raise JobCancelled("the run was cancelled while the job ran; the job was stopped")
+    if result.cancelled:  # stopped with its grace: collect keeps what it wrote
+        return RunOutcome(result=result)
     if result.exit_code == PREEMPTED_EXIT_CODE:
         raise PreemptedError(
             f"the job was interrupted and saved its state (exit {PREEMPTED_EXIT_CODE}); "

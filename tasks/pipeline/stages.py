@@ -8,8 +8,11 @@ retry may succeed (CapacityError, TransientError, PreemptedError).
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 import socket
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -29,8 +32,9 @@ from gpuflow.tasks.errors import (
     PreflightFailed,
     retry_when_retryable,
 )
-from gpuflow.tasks.host import gpuflow_home
+from gpuflow.tasks.host import gpuflow_home, make_dirs
 from gpuflow.tasks.kinds.registry import kind_of
+from gpuflow.tasks.outputs import copy_outputs, keep_whole
 from gpuflow.tasks.pipeline import preflight as preflight_checks
 from gpuflow.tasks.spec import JobSpec, Placement, StageRetry
 
@@ -145,3 +149,43 @@ def teardown_owned(placement: Placement, flow_run_id: str) -> list[TeardownRepor
     Kubernetes namespace other than the kubeconfig's included); for hooks and reapers too."""
     compute = get_backend(placement.backend, placement)
     return [compute.teardown(c) for c in compute.list_owned({RUN_LABEL: flow_run_id})]
+
+
+def keep_outputs(
+    placement: Placement, flow_run_id: str, artifacts: Path, redact: Callable[[str], str]
+) -> list[str]:
+    """Copy what the job left in its outputs folder, on every cluster this run owns where
+    `placement` put it, into the run's artifacts, for a run that ends without collect (a
+    preemption with no retry left, an interrupt, a failure after the job ran); return one
+    sentence per cluster saying what was kept and where. Never raises: a disk that cannot
+    take the copy has the outputs moved out of teardown's reach whole."""
+    said: list[str] = []
+    try:
+        owned = get_backend(placement.backend, placement).list_owned({RUN_LABEL: flow_run_id})
+    except Exception as exc:  # its service is away: teardown names it too
+        logging.getLogger(__name__).warning("outputs not kept from %s: %s", placement.backend, exc)
+        return said
+    for cluster in owned:
+        outputs = Path(cluster.workspace) / "outputs"
+        if outputs.is_symlink() or not outputs.is_dir() or not any(outputs.iterdir()):
+            continue
+        try:
+            make_dirs(artifacts)
+            left_out = copy_outputs(outputs, artifacts / "outputs", redact)
+        except OSError as exc:
+            try:
+                kept = keep_whole(outputs, gpuflow_home() / "kept")
+            except OSError:
+                said.append(f"the job's outputs could not be kept ({exc.strerror or exc})")
+                continue
+            said.append(
+                f"the job's outputs could not be copied to {artifacts} ({exc.strerror or exc});"
+                f" they are kept whole in {kept}"
+            )
+            continue
+        files = sum(len(names) for _, _, names in os.walk(artifacts / "outputs"))
+        left = f" ({len(left_out)} left out: {', '.join(left_out[:3])})" if left_out else ""
+        said.append(
+            f"the job's outputs were kept: {files} file(s) in {artifacts / 'outputs'}{left}"
+        )
+    return said

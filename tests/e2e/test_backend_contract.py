@@ -48,8 +48,10 @@ BACKENDS = [
 LINES = 300
 # Prints its lines, then waits; on SIGTERM it says so and exits 75 (state saved).
 STOPPABLE = (
-    "import signal, sys, time\n"
+    "import os, pathlib, signal, sys, time\n"
     "def saved(*_):\n"
+    "    out = pathlib.Path(os.environ['GPUFLOW_OUTPUT_DIR'])\n"
+    "    (out / 'checkpoint.txt').write_text('saved on SIGTERM')\n"
     "    print('stopped cleanly', flush=True); sys.exit(75)\n"
     "signal.signal(signal.SIGTERM, saved)\n"
     "print('ready', flush=True)\n"
@@ -289,7 +291,8 @@ def test_contract_offers_price_the_job(place):
 
 def test_contract_a_stop_request_ends_the_unit_within_its_grace(place):
     """A stop check that says stop: the unit gets SIGTERM and its grace, saves its state
-    and exits 75 (not SIGKILL), and the result says it was cancelled."""
+    and exits 75 (not SIGKILL), and the result says it was cancelled. What it wrote in its
+    grace is in the workspace's outputs here once run returns (collect keeps it)."""
     run_id = f"contract-stop-{place.name}-{os.getpid()}"
     spec = place.spec(["true"])
     backend = place.backend
@@ -311,6 +314,8 @@ def test_contract_a_stop_request_ends_the_unit_within_its_grace(place):
         else:
             assert result.exit_code == 75 and result.signal is None, (result, lines)
             assert "stopped cleanly" in lines
+        kept = Path(cluster.workspace) / "outputs" / "checkpoint.txt"
+        assert kept.read_text() == "saved on SIGTERM", (place.name, lines)
     finally:
         backend.teardown(cluster)
     assert settle(lambda: place.left(run_id)) == []

@@ -291,11 +291,18 @@ def test_preflight_command(tmp_path, gpuflow_home):
     assert "[fail] program: job.command: 'no-such-program-x' was not found here" in out.stdout
 
 
-def _start_long_run(tmp_path, prefect_api, gpuflow_home, script="exec sleep 300", extra=""):
+# what a job wrote before it was stopped: written before its pid, so it is there when the
+# test stops the run
+SAVED = 'echo step-90 > "$GPUFLOW_OUTPUT_DIR/checkpoint.txt"'
+
+
+def _start_long_run(
+    tmp_path, prefect_api, gpuflow_home, script="exec sleep 300", extra="", first="true"
+):
     pidfile = tmp_path / "job.pid"
     job = write(
         tmp_path,
-        f"name: long\njob: {{kind: command, command: [sh, -c, 'echo $$ > {pidfile}; {script}']}}\n"
+        f"name: long\njob: {{kind: command, command: [sh, -c, '{first}; echo $$ > {pidfile}; {script}']}}\n"
         f"resources: {{gpus: 1}}\n{extra}",
     )
     env = subprocess_env(prefect_api, gpuflow_home, fake_gpus=2)
@@ -323,13 +330,15 @@ def _flow_run_id(gpuflow_home: Path) -> str:
 def test_interrupting_a_run_tears_everything_down(
     sig, tmp_path, prefect_api, gpuflow_home, gpu_limit
 ):
-    proc, job_pid, _ = _start_long_run(tmp_path, prefect_api, gpuflow_home)
+    proc, job_pid, _ = _start_long_run(tmp_path, prefect_api, gpuflow_home, first=SAVED)
     run_id = _flow_run_id(gpuflow_home)
     assert gpu_slots.slots_in_use() == 1
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + sig, out[-3000:]
     assert "Traceback" not in out
+    (kept,) = (gpuflow_home / "runs").glob("long-*/outputs/checkpoint.txt")  # kept, and said
+    assert kept.read_text() == "step-90\n" and "the job's outputs were kept: 1 file(s)" in out
     (sentence,) = [line for line in out.splitlines() if line.startswith("gpuflow:")]
     assert sentence.startswith(f"gpuflow: stopped by {signal.Signals(sig).name}")
     assert process_gone(job_pid), out[-3000:]
@@ -403,13 +412,18 @@ def test_cancelling_in_the_api_stops_the_job_and_cleans_up(
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 
-    proc, job_pid, _ = _start_long_run(tmp_path, prefect_api, gpuflow_home)
+    proc, job_pid, _ = _start_long_run(tmp_path, prefect_api, gpuflow_home, first=SAVED)
     run_id = _flow_run_id(gpuflow_home)
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(UUID(run_id), Cancelling(), force=True)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1, out[-3000:]
     assert "gpuflow: cancelled" in out
+    # what the job wrote before the cancel is in the run's artifacts, and the summary says so
+    (kept,) = (gpuflow_home / "runs").glob("long-*/outputs/checkpoint.txt")
+    assert kept.read_text() == "step-90\n"
+    assert f"what it wrote is in {kept.parent.parent}" in out, out[-3000:]
+    assert json.loads((kept.parent.parent / "metrics.json").read_text())["duration_s"] > 0
     assert process_gone(job_pid)
     assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
     assert gpu_slots.slots_in_use() == 0

@@ -189,6 +189,7 @@ class Ec2Backend(UnitBackend):
         runs_here=False, where="rented instances", local_files=False, samples_nodes=True
     )
     placement_model = Ec2Placement
+    extra = "aws"
 
     @classmethod
     def at(cls, placement: Placement | None = None) -> Ec2Backend:

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from gpuflow.tasks import extras
 from gpuflow.tasks.backends.base import LogTail, UnitBackend, join_samples
 from gpuflow.tasks.backends.kubernetes import manifests as objects
 from gpuflow.tasks.backends.kubernetes import reap as reaping
@@ -124,6 +125,7 @@ class KubernetesBackend(UnitBackend):
         if not self.block:
             return None
         # blocks import prefect-aws and prefect-kubernetes (about 1 s): read one only when used
+        extras.require("kubernetes", "placement.block", "a KubernetesGpuPool block")
         from gpuflow.blocks.kubernetes_pool import KubernetesGpuPool
 
         return load_block(
