@@ -41,6 +41,6 @@ def require(extra: str | None, field: str, what: str) -> None:
     lacking = missing(extra)
     if lacking:
         raise InvalidSpec(
-            f"{field}: {what} needs {', '.join(lacking)}, which this gpuflow was installed"
+            f"{field}: {what} needs {' and '.join(lacking)}, which this gpuflow was installed"
             f" without; install its extra: pip install 'gpuflow[{extra}]'."
         )

@@ -160,3 +160,42 @@ def test_synthetic_parameters_out_of_range_are_named(query):
     name = query.split("=")[0]
     with pytest.raises(InvalidSpec, match=f"source: {name}=.* is out of range; give"):
         open_source(f"synthetic:classify?{query}")
+
+
+class _Job:
+    model, model_args, task, strategy, dataset = (
+        "m:small",
+        {"width": 8},
+        "classify",
+        "ddp",
+        "s3://d",
+    )
+
+
+_MINE = ckpt.identity(_Job, 2, "abc", "mine")
+
+
+@pytest.mark.parametrize(
+    ("recorded", "refused"),
+    [
+        ({"identity": _MINE}, None),  # this job's own
+        ({"identity": {**_MINE, "job": "renamed"}}, None),  # a name is shown, not compared
+        ({"identity": {**_MINE, "dataset": "s3://other"}}, "dataset s3://other), not this"),
+        ({"identity": {**_MINE, "dataset_index": "def"}}, "(dataset_index def), not this"),
+        ({"identity": {**_MINE, "model_args": {"width": 9}}}, 'model_args {"width": 9}'),
+        ({"identity": {**_MINE, "world_size": 4}}, "(world_size 4), not this job 'mine''s"),
+        ({"model": "m:small", "world_size": 2}, None),  # written before identities: model, ranks
+        ({"model": "m:big", "world_size": 2}, "is job 'unknown''s (model m:big)"),
+    ],
+)
+def test_a_checkpoint_of_another_job_is_refused_naming_both(recorded, refused):
+    said = ckpt.mismatch(recorded, _MINE, "s3://o/checkpoints", 90)
+    if refused is None:
+        assert said is None
+    else:
+        assert said.startswith(
+            "job.output: the newest checkpoint under s3://o/checkpoints (step 90)"
+        )
+        assert refused in said and said.endswith(
+            "set job.checkpoint.resume: any to resume from it anyway."
+        )

@@ -63,7 +63,8 @@ class MatmulKind(JobKind):
     def summary(self, job: dict[str, Any]) -> list[str]:
         if "tflops" not in job:
             return []
-        return [f"  matmul: {job['tflops']} TFLOP/s on {job['device']} ({job['dtype']})"]
+        library = ", numpy: torch is not installed" if "numpy" in job else ""
+        return [f"  matmul: {job['tflops']} TFLOP/s on {job['device']} ({job['dtype']}{library})"]
 
 
 def _result(artifacts: Path) -> dict[str, Any]:

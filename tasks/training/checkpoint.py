@@ -6,6 +6,7 @@ recorded sha256, so one half-written when the process died is never chosen.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import re
@@ -18,6 +19,62 @@ from gpuflow.tasks.training.shards import sha256
 Store = FileStore | S3Store
 _STEP_RE = re.compile(r"/step-(\d{8})/")
 MANIFEST = "manifest.json"
+
+
+# what makes a checkpoint this job's: its weights only fit the same model, and its data
+# position only means something over the same data set and the same ranks
+IDENTITY = ("model", "model_args", "task", "strategy", "dataset", "dataset_index", "world_size")
+
+
+def identity(job: Any, world_size: int, dataset_index: str, name: str) -> dict[str, Any]:
+    """Return the identity a checkpoint of `job` records: its model (factory and
+    arguments), task, strategy, data set (URL and a digest of its index), ranks, a hash
+    of all of these (`spec`), and the job's name (shown, never compared)."""
+    fields = {
+        "model": job.model,
+        "model_args": job.model_args,
+        "task": job.task,
+        "strategy": job.strategy,
+        "dataset": job.dataset,
+        "dataset_index": dataset_index,
+        "world_size": world_size,
+    }
+    spec = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+    return {**fields, "spec": spec[:16], "job": name}
+
+
+def index_digest(index_json: str) -> str:
+    """Return the short digest of a data set's index (its JSON) a checkpoint records."""
+    return hashlib.sha256(index_json.encode()).hexdigest()[:16]
+
+
+def mismatch(found: dict[str, Any], wanted: dict[str, Any], prefix: str, step: int) -> str | None:
+    """Return the sentence refusing a resume from the checkpoint at `step` (its manifest
+    `found`) by the job `wanted`; None when it is this job's. A checkpoint written before
+    identities were recorded names its model and ranks only: those are compared."""
+    recorded = found.get("identity") or {
+        "model": found.get("model"),
+        "world_size": found.get("world_size"),
+    }
+    differ = [
+        k
+        for k in IDENTITY
+        if k in recorded and wanted.get(k) is not None and recorded[k] != wanted[k]
+    ]
+    if not differ:
+        return None
+    theirs = ", ".join(f"{k} {_shown(recorded[k])}" for k in differ)
+    ours = ", ".join(f"{k} {_shown(wanted.get(k))}" for k in differ)
+    return (
+        f"job.output: the newest checkpoint under {prefix} (step {step}) is job"
+        f" {recorded.get('job', 'unknown')!r}'s ({theirs}), not this job {wanted.get('job')!r}'s"
+        f" ({ours}); give this job another job.output, or set job.checkpoint.resume: any to"
+        " resume from it anyway."
+    )
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str) if isinstance(value, dict) else str(value)
 
 
 def step_prefix(prefix: str, step: int) -> str:

@@ -115,11 +115,13 @@ def _schedule(job: TrainJob):
 
 
 class Trainer:
-    def __init__(self, job: TrainJob, run_name: str) -> None:
+    def __init__(self, job: TrainJob, run_name: str, dataset_index: str = "") -> None:
         self.job = job
         self.run_name = run_name
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
+        # what a checkpoint of this job records, and a resume compares
+        self.identity = ckpt.identity(job, self.world, dataset_index, run_name)
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.cuda = torch.cuda.is_available()
         self.device = torch.device(f"cuda:{self.local_rank}" if self.cuda else "cpu")
@@ -449,7 +451,7 @@ class Trainer:
                 self.ckpt_prefix,
                 self.step,
                 files,
-                {"world_size": self.world, "model": self.job.model},
+                {"world_size": self.world, "model": self.job.model, "identity": self.identity},
             )
             ckpt.prune(self.out_store, self.ckpt_prefix, self.job.checkpoint.keep)
             print(
@@ -467,6 +469,10 @@ class Trainer:
             return
         files = ckpt.load_valid(self.out_store, self.ckpt_prefix, step)
         manifest = json.loads(files[ckpt.MANIFEST])
+        if self.job.checkpoint.resume == "same_job":
+            refused = ckpt.mismatch(manifest, self.identity, self.ckpt_prefix, step)
+            if refused:
+                raise InvalidSpec(refused)
         if manifest.get("world_size") != self.world:
             raise RuntimeError(
                 f"checkpoint step {step} was written by {manifest.get('world_size')} ranks, this run has"
@@ -619,7 +625,8 @@ def _train(job: TrainJob, run_name: str) -> int:
             job.eval_dataset, store_for(job.eval_dataset), "train.eval_dataset"
         )
         eval_urls = eval_index.urls(job.eval_dataset)
-    return Trainer(job, run_name).train(index.urls(job.dataset), eval_urls)
+    digest = ckpt.index_digest(index.model_dump_json())
+    return Trainer(job, run_name, digest).train(index.urls(job.dataset), eval_urls)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,12 @@ class CheckpointSettings(SpecModel):
     every_steps: int = Field(100, ge=1, description="Checkpoint every N optimiser steps.")
     every_minutes: float | None = Field(10.0, gt=0, description="... and at least this often.")
     keep: int = Field(3, ge=1, le=1000, description="How many checkpoints to keep.")
+    resume: Literal["same_job", "any"] = Field(
+        "same_job",
+        description="same_job: resume only from a checkpoint this job wrote (the same model,"
+        " data set and ranks), else refuse; any: from whatever checkpoint is under job.output"
+        " (the same number of ranks still).",
+    )
 
 
 class ProfileSettings(SpecModel):

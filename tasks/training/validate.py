@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import uuid
+from typing import Any
 
 from gpuflow.tasks import nvml
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.spec import JobSpec
 from gpuflow.tasks.storage import S3Settings, StorageError, join, store_for
+from gpuflow.tasks.training import checkpoint as ckpt
 from gpuflow.tasks.training import data
 from gpuflow.tasks.training.model import TrainJob
 
@@ -75,6 +78,27 @@ def check_train(spec: JobSpec, s3: S3Settings | None, here: bool) -> None:
         probe = join(job.output, f".gpuflow-probe-{uuid.uuid4().hex[:8]}")
         out.write_bytes(probe, b"ok")
         out.delete(probe)
+        if job.checkpoint.resume == "same_job":
+            digest = ckpt.index_digest(index.model_dump_json())
+            # the ranks compare their number themselves: the node's GPUs decide it
+            wanted = {**ckpt.identity(job, ranks, digest, spec.name), "world_size": None}
+            _check_resume(out, join(job.output, "checkpoints"), wanted)
     except StorageError as exc:
         raise InvalidSpec(f"storage: {exc}") from None
     check_model(job, here)
+
+
+def _check_resume(out: Any, prefix: str, wanted: dict[str, Any]) -> None:
+    """Raise InvalidSpec when the checkpoint this job would resume from is another job's
+    (read here before anything is made; the ranks check again as they resume)."""
+    for step in ckpt.steps(out, prefix):
+        try:
+            manifest = json.loads(
+                out.read_bytes(join(ckpt.step_prefix(prefix, step), ckpt.MANIFEST))
+            )
+        except (StorageError, ValueError):
+            continue  # half-written: the ranks skip it too
+        refused = ckpt.mismatch(manifest, wanted, prefix, step)
+        if refused:
+            raise InvalidSpec(refused)
+        return

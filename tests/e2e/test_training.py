@@ -21,6 +21,7 @@ from gpuflow.flows.train import train
 from gpuflow.tasks.errors import InvalidSpec, JobFailed
 from gpuflow.tasks.spec import load_spec
 from gpuflow.tasks.storage import FileStore, S3Store
+from gpuflow.tasks.training import checkpoint as ckpt
 from tests.conftest import save_aws_block
 from tests.e2e.helpers import (
     hold_ranks_at,
@@ -255,7 +256,18 @@ def _bad(tmp_path: Path, s3_server) -> dict:
     (notar / "shard-000000.tar").write_bytes(b"<html>not a tar</html>" * 100)
     out = f"file://{tmp_path}/out"
     local = {"storage": {}}
+    theirs = {"model": "their_models:big", "job": "their-job", "dataset": good}
+    ckpt.write_manifest(
+        store, f"file://{tmp_path}/theirs/checkpoints", 10, {}, {"identity": theirs}
+    )
     return {
+        "another job's checkpoint": (
+            train_spec(good, f"file://{tmp_path}/theirs") | local,
+            f"job.output: the newest checkpoint under file://{tmp_path}/theirs/checkpoints (step"
+            " 10) is job 'their-job''s (model their_models:big), not this job 'cnn''s"
+            " (model gpuflow.tasks.training.models:small_cnn); give this job another job.output,"
+            " or set job.checkpoint.resume: any to resume from it anyway.",
+        ),
         "dataset missing": (
             train_spec(f"file://{tmp_path}/nothing", out) | local,
             "has no index.json",

@@ -15,6 +15,23 @@ from tests.conftest import free_port
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
+# what a site without gpuflow's extras cannot import (pyproject.toml's optional dependencies)
+HIDE_EXTRAS = """
+import sys
+
+EXTRAS = {"torch", "webdataset", "boto3", "botocore", "prefect_aws", "prefect_kubernetes",
+          "kubernetes", "mpi4py", "av"}
+
+
+class NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in EXTRAS:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NotInstalled())
+"""
 
 
 def test_the_wheel_works_without_the_repository(tmp_path):
@@ -56,9 +73,33 @@ def test_the_wheel_works_without_the_repository(tmp_path):
         cwd=elsewhere, env=env, capture_output=True, text=True,
     )  # fmt: skip
     assert where.stdout.strip() == str(target / "gpuflow" / "prefect.yaml"), where.stderr[-2000:]
+    # `pip install gpuflow` without extras: the modules they bring cannot be imported
+    light = tmp_path / "light"
+    light.mkdir()
+    (light / "sitecustomize.py").write_text(HIDE_EXTRAS)
+    env["PYTHONPATH"] = f"{target}:{light}"
     demo, _ = gpuflow("demo")
     assert demo.returncode == 0, (demo.stdout + demo.stderr)[-3000:]
     assert "smoke: completed" in demo.stdout
+    assert "TFLOP/s on cpu (float32, numpy: torch is not installed)" in demo.stdout
+    needing = {
+        "aws": "placement.backend: the ec2 backend needs boto3 and prefect_aws",
+        "train": "job.kind: a train job here needs torch and webdataset",
+    }
+    (elsewhere / "aws.yaml").write_text(
+        "job: {kind: command, command: [nvidia-smi]}\nplacement: {backend: ec2}\n"
+    )
+    (elsewhere / "train.yaml").write_text(
+        f"job: {{kind: train, dataset: 'file://{tmp_path}/d', output: 'file://{tmp_path}/o'}}\n"
+    )
+    for extra, sentence in needing.items():
+        refused, _ = gpuflow("run", f"{extra}.yaml")
+        assert refused.returncode == 2, (refused.stdout + refused.stderr)[-3000:]
+        assert refused.stderr.strip() == (
+            f"gpuflow: invalid input: {sentence}, which this gpuflow was installed without;"
+            f" install its extra: pip install 'gpuflow[{extra}]'."
+        )
+    env["PYTHONPATH"] = str(target)
     port = str(free_port())
     up, _ = gpuflow("platform", "up", "--port", port)
     try:
