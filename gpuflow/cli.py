@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", help="one of the commands below"
     )
+    parser.set_defaults(on_signal=None)  # what a signal's sentence says the stop did
     groups = [(title, [e for m in modules for e in m.add(commands)]) for title, modules in GROUPS]
     width = max(len(name) for _, listed in groups for name, _ in listed)
     listing = []
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     session.outlive_the_terminal()
-    return session.interruptible(lambda: args.handler(args))
+    return session.interruptible(lambda: args.handler(args), args.on_signal)
 
 
 def command() -> int:

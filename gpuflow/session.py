@@ -182,10 +182,14 @@ def with_api(body: Callable[[Any], int], temporary: bool = True) -> int:
             return EXIT_FAILED
 
 
-def interruptible(command: Callable[[], int]) -> int:
+STOPPED_A_RUN = "the job (if one ran) was stopped and torn down, and its flow run marked Crashed."
+
+
+def interruptible(command: Callable[[], int], stopped: str | None = None) -> int:
     """Run a whole command with gpuflow's signal handlers: a signal ends it, after the
     `finally` blocks and flow hooks stopped and tore down what it started, with one
-    sentence and exit 128 + the signal's number."""
+    sentence (`stopped` says what the stop did; a run's command by default) and exit
+    128 + the signal's number."""
     previous = install_signal_handlers()
     try:
         return command()
@@ -193,10 +197,7 @@ def interruptible(command: Callable[[], int]) -> int:
         signum = signal_of(exc)
         if signum is None:
             raise
-        fail(
-            f"stopped by {SIGNAL_NAMES.get(signum, signum)}: the job (if one ran) was stopped"
-            " and torn down, and its flow run marked Crashed."
-        )
+        fail(f"stopped by {SIGNAL_NAMES.get(signum, signum)}: {stopped or STOPPED_A_RUN}")
         return 128 + int(signum)
     finally:
         for signum, handler in previous.items():  # as they were, for a caller that goes on

@@ -201,3 +201,18 @@ def test_credentials_in_a_metrics_url_become_a_basic_auth_header():
     scheme, token = headers["Authorization"].split()
     assert scheme == "Basic" and base64.b64decode(token) == b"ops:s3cr@t"
     assert without_credentials("http://prom:9090") == ("http://prom:9090", {})
+
+
+def test_the_log_figures_table_keeps_every_column_of_every_row():
+    from gpuflow.tasks.metrics.logmetrics import TABLE_ROWS, table
+
+    rows = [{"step": 1, "loss": 2.0}, {"step": 2, "acc": 0.5}, {"step": 3, "loss": 1.0}]
+    assert table(rows) == [
+        {"step": 1, "loss": 2.0, "acc": None},
+        {"step": 2, "loss": None, "acc": 0.5},
+        {"step": 3, "loss": 1.0, "acc": None},
+    ]
+    many = [{"step": i} for i in range(TABLE_ROWS * 3)] + [{"step": -1, "eval": 0.9}]
+    shown = table(many)
+    assert len(shown) == TABLE_ROWS and shown[-1] == {"step": -1, "eval": 0.9}
+    assert all(set(row) == {"step", "eval"} for row in shown)

@@ -20,7 +20,10 @@ def add(commands: Any) -> list[tuple[str, str]]:
     logs.add_argument(
         "-f", "--follow", action="store_true", help="keep printing until the run is over"
     )
-    logs.set_defaults(handler=lambda args: _with_api(lambda: print_logs(args.run, args.follow)))
+    logs.set_defaults(
+        handler=lambda args: _with_api(lambda: print_logs(args.run, args.follow)),
+        on_signal="only this command stopped; the run goes on (`gpuflow cancel RUN` stops it).",
+    )
     cancel = commands.add_parser(
         "cancel", description="Cancel a run: its job is stopped and torn down, as from the UI."
     )

@@ -99,11 +99,13 @@ def last_values(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Return the rows for a table artifact: every row up to TABLE_ROWS, else evenly
-    spaced ones, the last always in."""
-    if len(rows) <= TABLE_ROWS:
-        return rows
-    step = len(rows) / (TABLE_ROWS - 1)
-    return [rows[int(i * step)] for i in range(TABLE_ROWS - 1)] + [rows[-1]]
+    spaced ones, the last always in; each with every column any row has, in the order
+    they first came (None where a row has none: the UI takes its columns from one row)."""
+    if len(rows) > TABLE_ROWS:
+        step = len(rows) / (TABLE_ROWS - 1)
+        rows = [rows[int(i * step)] for i in range(TABLE_ROWS - 1)] + [rows[-1]]
+    columns = list(dict.fromkeys(name for row in rows for name in row))
+    return [{name: row.get(name) for name in columns} for row in rows]
 
 
 def curves_png(rows: list[dict[str, float]], path: Path, title: str) -> Path | None:

@@ -540,6 +540,20 @@ def test_ls_logs_follow_and_cancel_follow_a_run_from_another_terminal(
     while not any("tick 3" in line for line in seen):  # printed as the job prints it
         assert time.monotonic() < deadline, seen
         seen.append(following.stdout.readline())
+    # Ctrl-C on a second `logs --follow`: that command ends, saying the run goes on
+    interrupted = subprocess.Popen(
+        [*GPUFLOW, "logs", "long", "--follow"], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    while "tick 1" not in interrupted.stdout.readline():
+        assert time.monotonic() < deadline + 60 and interrupted.poll() is None
+    interrupted.send_signal(signal.SIGINT)
+    _, said = interrupted.communicate(timeout=60)
+    assert interrupted.returncode == 130 and said.strip().endswith(
+        "gpuflow: stopped by SIGINT (Ctrl-C): only this command stopped; the run goes on"
+        " (`gpuflow cancel RUN` stops it)."
+    ), said
+    assert flow_run(run_id).state.is_running()
     cancelled = gpuflow(["cancel", run_id[:8]], env)
     assert cancelled.returncode == 0, cancelled.stderr[-2000:]
     assert cancelled.stdout.strip().endswith("is cancelled: its job was stopped and torn down.")
