@@ -583,6 +583,7 @@ class _KubeUnit:
         self.pending_since: float | None = None
         self.unreachable_since: float | None = None
         self.seen: str | None = None
+        self.stop_grace_s = 0.0
 
     def poll(self) -> UnitEnd | None:
         """Return the unit's end, or None while it runs. An API server that does not
@@ -661,6 +662,7 @@ class _KubeUnit:
 
     def stop(self, reason: StopReason, grace_s: float) -> UnitEnd:
         self.backend._delete(self.path, grace_s=grace_s)  # its pods get SIGTERM and the grace
+        self.stop_grace_s = grace_s
         return UnitEnd()
 
     def interrupt(self, grace_s: float) -> None:
@@ -674,7 +676,8 @@ class _KubeUnit:
         """Let an ended pod's last lines arrive, and add its node's samples to the run's."""
         if end is None:  # interrupted: the follower stopped with it
             return None
-        self.follower.stop(drain_s=0 if end.stop else LOG_DRAIN_S)
+        # a stopped pod sends what its job wrote in its grace as its log's last lines
+        self.follower.stop(drain_s=LOG_DRAIN_S + (self.stop_grace_s if end.stop else 0))
         if self.follower.samples is not None:
             join_samples(Path(self.cluster.workspace) / SAMPLES, self.follower.samples)
         return end

@@ -369,7 +369,7 @@ class SlurmBackend(UnitBackend):
         name = f"gpuflow-{run_id}"
         workspace = workspace_root(spec.placement.workspace_root) / name
         cli = self.cli
-        cli.make_dir(str(workspace))
+        cli.make_dir(str(workspace / "outputs"))  # the job contract: $GPUFLOW_OUTPUT_DIR is there
         me = psutil.Process()
         comment = json.dumps(
             {
