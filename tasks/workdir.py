@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from gpuflow.tasks.units import format_bytes
 
@@ -46,6 +46,37 @@ class WorkdirError(ValueError):
     """The working folder cannot be sent as it is; one sentence naming the fix."""
 
 
+class LeftOut(BaseModel):
+    """What a working folder's ignore files left out of what is sent: how many files, their
+    bytes, and the largest paths (a folder left out whole ends in /)."""
+
+    files: int = 0
+    size: int = 0
+    largest: list[tuple[str, int]] = []  # (path, bytes), largest first
+    at_least: bool = False  # a folder too large to count whole: more than the figures say
+
+    def add(self, path: str, files: int, size: int) -> None:
+        self.files += files
+        self.size += size
+        self.largest = sorted([*self.largest, (path, size)], key=lambda e: -e[1])[:LARGEST]
+
+    def said(self) -> str:
+        """Return one phrase for a run's log: what was left out, and how to keep a file."""
+        if not self.files:
+            return "nothing left out"
+        more = "more than " if self.at_least else ""
+        shown = ", ".join(f"{path} {format_bytes(size)}" for path, size in self.largest)
+        return (
+            f"left out by its ignore files: {more}{self.files} files, {more}"
+            f"{format_bytes(self.size)} (largest: {shown}); a `!PATTERN` line in .gpuflowignore"
+            " sends a file .gitignore leaves out"
+        )
+
+
+LARGEST = 3  # the largest paths left out, named in the log
+COUNT_AT_MOST = 20_000  # files counted in the folders left out, at most (a whole .venv)
+
+
 class Packed(BaseModel):
     """A working folder packed: its archive on this machine, named by its SHA-256."""
 
@@ -53,6 +84,7 @@ class Packed(BaseModel):
     path: str
     files: int
     size: int  # bytes of the files before compression
+    left_out: LeftOut = Field(default_factory=LeftOut)
 
 
 class Start(BaseModel):
@@ -64,20 +96,46 @@ class Start(BaseModel):
     expand: bool = False  # ${NAME} in the command's words, from the unit's environment
 
 
-def _ignores(root: Path):
+def _ignores(root: Path, field: str):
     import pathspec
 
     lines = list(ALWAYS_LEFT_OUT)
     for name in IGNORE_FILES:
+        path = root / name
+        if path.exists() and not path.is_file():
+            raise WorkdirError(
+                f"{field}: {path} is not a file; make it a file of patterns, one a line, as"
+                " .gitignore's (a `!PATTERN` line sends what another line leaves out)"
+            )
         with contextlib.suppress(OSError):
-            lines += (root / name).read_text(errors="replace").splitlines()
+            lines += path.read_text(errors="replace").splitlines()
     return pathspec.GitIgnoreSpec.from_lines(lines)
+
+
+def _count(folder: Path, left: LeftOut) -> tuple[int, int]:
+    """Return the files and bytes under `folder` (links not followed), counting at most
+    COUNT_AT_MOST files in all (then `left.at_least`)."""
+    files = size = 0
+    for here, _, names in os.walk(folder):
+        for name in names:
+            if left.files + files >= COUNT_AT_MOST:
+                left.at_least = True
+                return files, size
+            with contextlib.suppress(OSError):
+                size += os.lstat(os.path.join(here, name)).st_size
+                files += 1
+    return files, size
 
 
 def scan(root: Path, limit: int, field: str = "job.workdir") -> list[Path]:
     """Return the files of `root` to send (relative paths, sorted), without what its
     ignore files exclude; WorkdirError when it is missing, not a folder, holds a link out
     of it, or sends more than `limit` bytes."""
+    return scan_folder(root, limit, field)[0]
+
+
+def scan_folder(root: Path, limit: int, field: str = "job.workdir") -> tuple[list[Path], LeftOut]:
+    """Return what `scan` sends, and what the ignore files left out of it."""
     if not root.exists():
         raise WorkdirError(f"{field}: {root} does not exist; give the folder that holds the code")
     if not root.is_dir():
@@ -85,17 +143,23 @@ def scan(root: Path, limit: int, field: str = "job.workdir") -> list[Path]:
             f"{field}: {root} is a file, not a folder; give the folder that holds it"
             f" ({root.parent})"
         )
-    ignored = _ignores(root)
+    ignored = _ignores(root, field)
     found: list[Path] = []
+    left = LeftOut()
     size = 0
     real_root = root.resolve()
     for folder, dirs, files in os.walk(root):
         here = Path(folder)
         rel_dir = here.relative_to(root)
+        for d in [d for d in dirs if ignored.match_file(f"{(rel_dir / d).as_posix()}/")]:
+            if not (here / d).is_symlink():
+                left.add(f"{(rel_dir / d).as_posix()}/", *_count(here / d, left))
         dirs[:] = sorted(d for d in dirs if not ignored.match_file(f"{(rel_dir / d).as_posix()}/"))
         for name in sorted(files) + [d for d in dirs if (here / d).is_symlink()]:
             rel = rel_dir / name
             if ignored.match_file(rel.as_posix()):
+                with contextlib.suppress(OSError):
+                    left.add(rel.as_posix(), 1, (here / name).lstat().st_size)
                 continue
             path = here / name
             if path.is_symlink():
@@ -120,13 +184,13 @@ def scan(root: Path, limit: int, field: str = "job.workdir") -> list[Path]:
             f" over the limit of {format_bytes(limit)}; exclude what the job does not need in"
             f" {root}/.gpuflowignore, or raise job.workdir_max"
         )
-    return sorted(found)
+    return sorted(found), left
 
 
 def pack(root: Path, limit: int, into: Path) -> Packed:
     """Pack `root` into `into`/<sha256>.tar.gz and return it; the same files give the same
     bytes (sorted names, no times, no owners), so a run that packs twice sends once."""
-    files = scan(root, limit)
+    files, left_out = scan_folder(root, limit)
     into.mkdir(parents=True, exist_ok=True)
     _remove_old(into)
     temporary = into / f".packing-{os.getpid()}-{time.monotonic_ns()}"
@@ -157,7 +221,7 @@ def pack(root: Path, limit: int, into: Path) -> Packed:
         os.replace(temporary, final)
     finally:
         temporary.unlink(missing_ok=True)
-    return Packed(sha256=sha, path=str(final), files=len(files), size=size)
+    return Packed(sha256=sha, path=str(final), files=len(files), size=size, left_out=left_out)
 
 
 class _HashingWriter(io.RawIOBase):

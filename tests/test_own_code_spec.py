@@ -17,7 +17,7 @@ from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.kinds.command import torchrun_units
 from gpuflow.tasks.pipeline.checks import check_job, check_spec
 from gpuflow.tasks.spec import load_spec
-from gpuflow.tasks.workdir import expand, pack, variables
+from gpuflow.tasks.workdir import WorkdirError, expand, pack, scan, variables
 
 
 def command(folder: Path | None = None, **job) -> dict:
@@ -209,6 +209,41 @@ def test_the_same_files_pack_to_the_same_bytes_and_excludes_stay_out(folder, tmp
         assert sorted(tar.getnames()) == [".gitignore", "train.py"]
     (folder / "train.py").write_text("print('changed')\n")
     assert pack(folder, 1 << 20, tmp_path / "c").sha256 != first.sha256
+
+
+def test_the_log_names_what_the_ignore_files_left_out_and_a_bang_pattern_keeps_a_file(
+    folder, tmp_path
+):
+    from gpuflow.tasks.pipeline.usercode import said
+
+    (folder / "data").mkdir()
+    (folder / "data" / "weights.bin").write_bytes(b"w" * 3000)
+    (folder / "data" / "vocab.bin").write_bytes(b"v" * 1000)
+    (folder / "run.log").write_bytes(b"l" * 10)
+    (folder / ".gitignore").write_text("*.bin\n*.log\n")
+    packed = pack(folder, 1 << 20, tmp_path / "a")
+    assert (packed.left_out.files, packed.left_out.size) == (3, 4010)
+    line = said(packed)
+    assert line.endswith(
+        "left out by its ignore files: 3 files, 3.9 KiB (largest: data/weights.bin 2.9 KiB,"
+        " data/vocab.bin 1000 B, run.log 10 B); a `!PATTERN` line in .gpuflowignore sends a"
+        " file .gitignore leaves out"
+    ), line
+    (folder / ".gpuflowignore").write_text("!data/vocab.bin\n")
+    kept = pack(folder, 1 << 20, tmp_path / "b")
+    with tarfile.open(kept.path) as tar:
+        assert "data/vocab.bin" in tar.getnames() and "data/weights.bin" not in tar.getnames()
+    assert kept.left_out.files == 2
+
+
+def test_a_gpuflowignore_that_is_a_folder_is_one_sentence(folder):
+    (folder / ".gpuflowignore").mkdir()
+    with pytest.raises(WorkdirError) as refused:
+        scan(folder, 1 << 20)
+    assert str(refused.value) == (
+        f"job.workdir: {folder}/.gpuflowignore is not a file; make it a file of patterns, one a"
+        " line, as .gitignore's (a `!PATTERN` line sends what another line leaves out)"
+    )
 
 
 def cluster(nodes: int, gpus: int, rendezvous: str | None = None) -> Cluster:

@@ -113,12 +113,15 @@ def preflight(path: str | None, as_json: bool) -> int:
         verdict = "fail" if any(r["level"] == "fail" for r in rows) else "pass"
         print(f"verdict: {verdict}")
         return EXIT_FAILED if verdict == "fail" else EXIT_OK
-    facts = checks.inspect(str(Path.cwd()), kind_of(spec).uses_torch(spec))
+    kind = kind_of(spec)
+    facts = checks.inspect(str(Path.cwd()), kind.uses_torch(spec), python=kind.interpreter(spec))
     count = min(spec.resources.gpus, len(facts.nvml.gpus))
     report = checks.verdict(spec, facts, [g.index for g in facts.nvml.gpus[:count]])
     if as_json:
         print(report.model_dump_json(indent=2))
     else:
+        if (python := kind.interpreter(spec)) is not None:
+            print(f"[pass] python: the job runs {python}")
         for check in report.checks:
             print(f"[{check.level:4}] {check.name}: {check.message}")
         print(f"verdict: {report.verdict}")

@@ -58,6 +58,12 @@ class JobKind:
         environment on a backend that can do `where`; None for none."""
         return None
 
+    def interpreter(self, spec: JobSpec) -> str | None:
+        """Return the Python the job's own command runs where its units run here (preflight
+        checks torch as that one imports it); None: gpuflow's own (the kinds that start
+        gpuflow's modules)."""
+        return None
+
     def uses_torch(self, spec: JobSpec) -> bool:
         """Return True when preflight should check torch and its CUDA for this job."""
         return bool(getattr(spec.job, "torch", False))

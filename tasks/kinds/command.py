@@ -5,6 +5,8 @@ meeting at the first node (nnodes from resources.nodes, a rank per GPU of a node
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Literal
@@ -19,6 +21,7 @@ from gpuflow.tasks.contract import (
     WorkUnit,
 )
 from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.host import resolve_program
 from gpuflow.tasks.kinds.base import JobKind
 from gpuflow.tasks.kinds.code import check_code
 from gpuflow.tasks.spec import CodeJob, JobSpec, command_line
@@ -31,7 +34,17 @@ class CommandJob(CodeJob):
 
     kind: Literal["command"] = "command"
     command: Command = Field(description="Program and arguments, e.g. [python, train.py].")
-    torch: bool = Field(False, description="Check torch's CUDA in preflight for this command.")
+    torch: bool = Field(
+        False,
+        description="Check torch and its CUDA in preflight for this command, as the Python"
+        " it starts imports them.",
+    )
+    python: str | None = Field(
+        None,
+        description="The Python a command that starts with python (python3, python3.11)"
+        " runs: omitted, the first on the job's PATH where it runs; gpuflow: the Python"
+        " gpuflow runs from (its packages); or the absolute path of an interpreter.",
+    )
     copies: Literal["one", "per_node", "per_gpu"] = Field(
         "one",
         description="one: the command once, on the first node with every GPU; per_node: a"
@@ -55,6 +68,28 @@ class CommandJob(CodeJob):
     )
 
     @model_validator(mode="after")
+    def _python(self) -> CommandJob:
+        if self.python is not None and self.python != "gpuflow" and not self.python.startswith("/"):
+            raise ValueError(
+                f"job.python: {self.python!r} is neither gpuflow nor an absolute path; give"
+                " gpuflow (the Python gpuflow runs from) or the full path of an interpreter"
+            )
+        if self.python is not None and not is_python(self.command[0]):
+            raise ValueError(
+                f"job.python: names the Python of a command that starts with python, and this"
+                f" one starts with {self.command[0]!r}; remove job.python or start the command"
+                " with python"
+            )
+        return self
+
+    def argv(self) -> list[str]:
+        """Return the command as it runs: its leading python replaced by job.python's."""
+        if self.python is None:
+            return list(self.command)
+        python = sys.executable if self.python == "gpuflow" else self.python
+        return [python, *self.command[1:]]
+
+    @model_validator(mode="after")
     def _one_launch(self) -> CommandJob:
         if self.launcher == "torchrun" and self.copies != "one":
             raise ValueError(
@@ -69,14 +104,38 @@ class CommandJob(CodeJob):
         return self
 
 
+PYTHON_NAME = re.compile(r"python(\d+(\.\d+)?)?")
+
+
+def is_python(program: str) -> bool:
+    """Return True when `program` (a name or a path) is a Python interpreter by its name."""
+    return PYTHON_NAME.fullmatch(Path(program).name) is not None
+
+
 class CommandKind(JobKind):
     name = "command"
     model = CommandJob
 
+    def interpreter(self, spec: JobSpec) -> str | None:
+        job = spec.job
+        assert isinstance(job, CommandJob)
+        program = job.argv()[0]
+        if not is_python(program):
+            return None
+        return resolve_program(program, spec.env.get("PATH", os.environ.get("PATH")))
+
+    def preflight_rows(self, spec: JobSpec, cluster: Cluster) -> list[dict[str, str]]:
+        python = self.interpreter(spec) if cluster.capabilities.runs_here else None
+        if python is None:
+            return []
+        real = os.path.realpath(python)
+        shown = python if real == python else f"{python} (-> {real})"
+        return [{"name": "python", "level": "pass", "message": f"the job runs {shown}."}]
+
     def needs(self, spec: JobSpec) -> Needs:
         job = spec.job
         assert isinstance(job, CommandJob)
-        program = job.command[0]
+        program = job.argv()[0]
         relative = "/" in program and not program.startswith("/")  # ./run.sh: check() sees it
         if relative or (job.workdir and (Path(job.workdir) / program).is_file()):
             return Needs()  # a file of the working folder, not a program on PATH
@@ -96,7 +155,7 @@ class CommandKind(JobKind):
     def units(self, spec: JobSpec, cluster: Cluster) -> list[WorkUnit]:
         job = spec.job
         assert isinstance(job, CommandJob)
-        command = list(job.command)
+        command = job.argv()
         if job.launcher == "torchrun":
             return torchrun_units(command, cluster, job.ranks_per_node)
         if job.copies == "one":

@@ -88,7 +88,13 @@ def match(spec: JobSpec, needs: Needs, where: Capabilities) -> None:
     if where.runs_here:
         for field, program in needs.programs.items():
             if resolve_program(program) is None:
+                python = program.startswith("python") and "/" not in program
                 raise InvalidSpec(
                     f"{field}: {program!r} was not found on PATH or is not executable;"
-                    " install it or give its full path."
+                    " install it or give its full path"
+                    + (
+                        " (or job.python: gpuflow, the Python gpuflow runs from)."
+                        if python
+                        else "."
+                    )
                 )

@@ -7,6 +7,7 @@ pass/warn/fail findings, each with the fix in words. `verdict` is pure.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import shutil
 import subprocess
@@ -36,6 +37,9 @@ class TorchInfo(BaseModel):
     cuda_build: str | None = None
     cuda_available: bool | None = None  # None: not asked (job does not use torch)
     device_count: int | None = None
+    # the Python asked (the job's own, where it is not gpuflow's); None: gpuflow's
+    python: str | None = None
+    import_error: str | None = None  # why that Python could not import torch
 
 
 class HostFacts(BaseModel):
@@ -57,6 +61,33 @@ class PreflightReport(BaseModel):
 
     def failures(self) -> list[Check]:
         return [c for c in self.checks if c.level == "fail"]
+
+
+def job_torch_info(python: str) -> TorchInfo:
+    """Return torch's version, CUDA build and devices as the job's own Python `python`
+    sees them (in a child process: its packages, not gpuflow's)."""
+    code = (
+        "import json\ntry:\n import torch\nexcept Exception as e:\n"
+        " print(json.dumps([None, f'{type(e).__name__}: {e}', None, False, 0]))\nelse:\n"
+        " ok = torch.cuda.is_available()\n"
+        " print(json.dumps([torch.__version__, None, torch.version.cuda, ok,"
+        " torch.cuda.device_count() if ok else 0]))"
+    )
+    try:
+        done = subprocess.run(
+            [python, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        )
+        version, error, cuda, available, count = json.loads(done.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
+        return TorchInfo(python=python, import_error=f"it could not be run ({exc})")
+    return TorchInfo(
+        version=version,
+        cuda_build=cuda,
+        cuda_available=available if version else None,
+        device_count=count,
+        python=python,
+        import_error=error,
+    )
 
 
 def torch_info(probe_cuda: bool) -> TorchInfo:
@@ -85,8 +116,6 @@ def torch_info(probe_cuda: bool) -> TorchInfo:
                 .stdout.strip()
                 .splitlines()[-1]
             )
-            import json
-
             cuda, available, count = json.loads(out)
             info = info.model_copy(
                 update={"cuda_build": cuda, "cuda_available": available, "device_count": count}
@@ -101,10 +130,15 @@ def inspect(
     uses_torch: bool,
     visible_gpus: list[int] | None = None,
     nvml_module: types.ModuleType | None = None,
+    python: str | None = None,
 ) -> HostFacts:
-    """Return what this host offers: GPUs (NVML), nvidia-smi, torch, free disk, NCCL vars."""
+    """Return what this host offers: GPUs (NVML), nvidia-smi, torch (as `python`, the
+    job's own Python, sees it; gpuflow's without one), free disk, NCCL vars."""
     status = nvml.query(nvml_module)
-    torch = torch_info(uses_torch and status.available and bool(status.gpus))
+    if uses_torch and python is not None:
+        torch = job_torch_info(python)
+    else:
+        torch = torch_info(uses_torch and status.available and bool(status.gpus))
     disk = shutil.disk_usage(workspace).free if workspace and os.path.isdir(workspace) else None
     nccl = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
     import psutil
@@ -151,7 +185,12 @@ def verdict(spec: JobSpec, facts: HostFacts, reserved: list[int]) -> PreflightRe
                 level="pass" if found else "fail",
                 message=f"{field}: {program} is {found}."
                 if found
-                else f"{field}: {program!r} was not found here; install it or give its full path.",
+                else f"{field}: {program!r} was not found here; install it or give its full path"
+                + (
+                    " (or job.python: gpuflow, the Python gpuflow runs from)."
+                    if program.startswith("python") and "/" not in program
+                    else "."
+                ),
             )
         )
     if facts.nccl_env:
@@ -268,6 +307,14 @@ def _host_size_checks(spec: JobSpec, facts: HostFacts) -> list[Check]:
 
 def _torch_check(spec: JobSpec, facts: HostFacts, have_gpu: bool) -> Check:
     torch = facts.torch
+    if torch.version is None and torch.python is not None:
+        return Check(
+            name="torch",
+            level="fail",
+            message=f"job.command: the job's Python {torch.python} cannot import torch"
+            f" ({torch.import_error}); install torch for it, or set job.python: gpuflow to run"
+            f" the Python gpuflow runs from ({sys.executable}), or the path of another.",
+        )
     if torch.version is None:
         return Check(
             name="torch",
@@ -279,10 +326,13 @@ def _torch_check(spec: JobSpec, facts: HostFacts, have_gpu: bool) -> Check:
     )
     level: Level = finding.level
     message = f"torch {torch.version}: {finding.message}"
+    if torch.python is not None:
+        message = f"torch {torch.version} (as {torch.python} imports it): {finding.message}"
     if not have_gpu:
         # On a CPU host a CPU build is what we expect.
         level = "pass" if finding.level != "fail" else "warn"
-        message = f"torch {torch.version} will run on CPU."
+        asked = f" (as {torch.python} imports it)" if torch.python else ""
+        message = f"torch {torch.version}{asked} will run on CPU."
     elif torch.cuda_available is False:
         level = "fail" if not spec.resources.allow_cpu else "warn"
         message += " torch.cuda.is_available() is False; " + (

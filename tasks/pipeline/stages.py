@@ -103,7 +103,10 @@ def _unprovisioned_folder(flow_run_id: str) -> Path:
 def preflight(spec: JobSpec, cluster: Cluster) -> preflight_checks.PreflightReport:
     """Return the preflight report; raise PreflightFailed when the verdict is fail."""
     if cluster.capabilities.runs_here:
-        facts = preflight_checks.inspect(cluster.workspace, kind_of(spec).uses_torch(spec))
+        kind = kind_of(spec)
+        facts = preflight_checks.inspect(
+            cluster.workspace, kind.uses_torch(spec), python=kind.interpreter(spec)
+        )
         report = preflight_checks.verdict(spec, facts, cluster.gpu_indices)
     else:  # the job's machines are elsewhere: the scheduler matches their GPUs
         facts = preflight_checks.inspect(".", False)

@@ -48,7 +48,8 @@ def said(packed: Packed) -> str:
     """Return what a run's log says of its packed working folder."""
     return (
         f"job.workdir: {packed.files} files, {format_bytes(packed.size)}, packed as"
-        f" {packed.sha256[:12]} (every attempt of this run gets these files)"
+        f" {packed.sha256[:12]} (every attempt of this run gets these files);"
+        f" {packed.left_out.said()}"
     )
 
 
