@@ -71,9 +71,12 @@ if ! $py -c 'import torch' 2>/dev/null; then
         $py -m pip install -q torch==2.13.0
     fi
 fi
-extra=""
+# the demo's smoke job and the examples' training use torch (installed above): gpuflow[train];
+# the tests use every extra (gpuflow[test] holds gpuflow[all])
+extra="[train]"
+$want_hpc && extra="[train,hpc]"
 $want_test && extra="[test]"
-step "installing gpuflow and its dependencies${extra:+ with the test tools} into .venv (pip: only what is missing)"
+step "installing gpuflow$extra into .venv (pip: only what is missing)"
 $py -m pip install -q -e ".$extra"
 if $want_test; then
     image=
