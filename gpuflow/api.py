@@ -218,7 +218,11 @@ def _api_for_a_run(needed: bool = True) -> Iterator[None]:
     """Inside a flow: nothing to do, the flow's API is used. Outside any: the API `gpuflow
     run` would use (PREFECT_API_URL, the local platform, else a temporary API kept for the
     next command), chosen once and set for this process while the job runs."""
-    if not needed or _in_a_flow():
+    if not needed:
+        yield
+        return
+    if _in_a_flow():
+        _say_where_the_flow_records()
         yield
         return
     from gpuflow.session import say, settings_checked
@@ -230,6 +234,22 @@ def _api_for_a_run(needed: bool = True) -> Iterator[None]:
     chosen = prefect_api.choose(say)
     with prefect_api.using(chosen):
         yield
+
+
+_SAID: set[str] = set()  # what a process was told once about its flows' API
+
+
+def _say_where_the_flow_records() -> None:
+    """Say, once a process, that a running local platform is not the API this flow uses."""
+    from prefect.settings import PREFECT_API_URL
+
+    from gpuflow.session import say
+    from gpuflow.tasks.platform import api as prefect_api
+
+    sentence = prefect_api.platform_elsewhere(PREFECT_API_URL.value(), in_a_flow=True)
+    if sentence and sentence not in _SAID:
+        _SAID.add(sentence)
+        say(sentence)
 
 
 def _link(flow_run_id: str) -> str | None:

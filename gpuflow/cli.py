@@ -23,6 +23,7 @@ from gpuflow.commands import (
     platform,
     render,
     run,
+    secret,
     service,
 )
 from gpuflow.commands.common import EXIT_CODES, EXIT_FAILED, EXIT_INVALID, EXIT_OK
@@ -32,7 +33,7 @@ GROUPS: list[tuple[str, list[Any]]] = [
     ("run work", [run, render, hpc, datasets, offers]),
     ("fleets and services", [fleet, service]),
     ("follow runs", [follow]),
-    ("platform and deployments", [platform]),
+    ("platform and deployments", [platform, secret]),
     ("maintenance", [maintenance]),
 ]
 

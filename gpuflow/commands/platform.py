@@ -43,6 +43,12 @@ def _platform_parser(commands: Any) -> None:
         help="address to listen on (default 127.0.0.1: this machine only); an address of this"
         " host, or 0.0.0.0 for all, shares the platform with a team over TLS 1.3",
     )
+    plat.add_argument(
+        "--use",
+        action="store_true",
+        help="up: make the platform's Prefect profile (gpuflow) the active one, so Prefect's"
+        " CLI, your own flows and Secret(...).save(...) use the platform",
+    )
     plat.add_argument("--tls-cert", type=Path, help="with --listen: the certificate (PEM)")
     plat.add_argument(
         "--tls-key",
@@ -57,6 +63,7 @@ def _platform_parser(commands: Any) -> None:
             args.image,
             args.database,
             (args.listen, args.tls_cert, args.tls_key),
+            args.use,
         )
     )
 
@@ -117,6 +124,7 @@ def platform(
     image: str | None = None,
     database: str = "sqlite",
     exposure: tuple[str, Path | None, Path | None] = ("127.0.0.1", None, None),
+    use: bool = False,
 ) -> int:
     """Bring the local platform up or down, or say whether it runs."""
     from gpuflow.tasks.platform import local
@@ -138,6 +146,7 @@ def platform(
             listen=listen,
             tls_cert=cert,
             tls_key=key,
+            use=use,
         )
     except InvalidSpec as exc:
         return invalid(exc)

@@ -188,8 +188,15 @@ def choose(say: Callable[[str], None], temporary: bool = True) -> Api:
         from prefect.settings import PREFECT_UI_URL
 
         api = Api(url, "configured", ui=PREFECT_UI_URL.value() or None, auth=auth_for(url))
+        state = platform_state.read_state()
+        if state and url.rstrip("/") == state["api"].rstrip("/"):  # its profile, say
+            api = Api(
+                url, "platform", ui=state["ui"], auth=api.auth, trust=platform_state.trust(state)
+            )
         if refused := auth_refused(api):
             raise ApiUnavailable(refused)
+        if elsewhere := platform_elsewhere(url):
+            say(elsewhere)
         return api
     state = platform_state.read_state()
     if state and all(platform_state.running(p) for p in state["processes"].values()):
@@ -227,6 +234,37 @@ def choose(say: Callable[[str], None], temporary: bool = True) -> Api:
             )
             return Api(record["api"], "temporary", server=record, auth=temporary_auth())
         return start_temporary(say)
+
+
+def platform_elsewhere(url: str | None, in_a_flow: bool = False) -> str | None:
+    """Return the sentence that says a running local platform is not the API `url` (what
+    PREFECT_API_URL names; None: Prefect's ephemeral API), and how to use it; None when no
+    platform runs, or it is `url`. `in_a_flow`: the API is a user's flow's own."""
+    state = platform_state.read_state()
+    if not state or not all(platform_state.running(p) for p in state["processes"].values()):
+        return None
+    if url is not None and url.rstrip("/") == state["api"].rstrip("/"):
+        return None
+    if in_a_flow:
+        where = url or "Prefect's ephemeral API"
+        return (
+            f"the local platform runs (UI {state['ui']}), but this flow runs on"
+            f" {where}: its jobs are recorded there,"
+            " not in the platform; run the flow with PREFECT_PROFILE=gpuflow (or make that"
+            " profile the active one: `gpuflow platform up --use`) to record them there"
+        )
+    if "PREFECT_API_URL" in os.environ:
+        source = "the environment's PREFECT_API_URL"
+        fix = "unset PREFECT_API_URL"
+    else:
+        from prefect.context import get_settings_context
+
+        source = f"the active Prefect profile {get_settings_context().profile.name!r}"
+        fix = "run `prefect profile use gpuflow` (or `gpuflow platform up --use`)"
+    return (
+        f"the local platform runs (UI {state['ui']}), but {source} names {url}: what this"
+        f" command makes is recorded there, not in the platform; {fix} to use the platform"
+    )
 
 
 def auth_for(url: str) -> str | None:

@@ -50,6 +50,7 @@ from gpuflow.tasks.platform.deploy import (
 from gpuflow.tasks.platform.reap import reap
 from gpuflow.tasks.platform.state import auth as platform_auth
 from gpuflow.tasks.platform.state import auth_path, platform_dir, read_state, running, state_path
+from gpuflow.tasks.platform.state import trust as platform_trust
 from gpuflow.tasks.platform.tls import Listening, client_context, listening
 
 # gpuflow's own prefect.yaml: the repository's (gpuflow/prefect.yaml links to it), or the
@@ -179,8 +180,10 @@ def up(
     listen: str = "127.0.0.1",
     tls_cert: Path | None = None,
     tls_key: Path | None = None,
+    use: bool = False,
 ) -> dict[str, Any]:
     """Start (or find running) the local platform; return its state: api, ui, processes.
+    With `use`, the Prefect profile `gpuflow` (the platform's) becomes the active one.
     With `kubeconfig`, also a Kubernetes worker on that cluster running `image`; with
     `database="postgresql"`, the server keeps its runs in a PostgreSQL server started for it;
     with `listen` other than loopback, the server is shared over TLS 1.3 (tasks/platform/tls.py)."""
@@ -190,6 +193,8 @@ def up(
     if state and all(running(p) for p in state["processes"].values()):
         _same_platform(state, kubeconfig, database)
         say(f"already running: UI {state['ui']}")
+        if use:
+            _say_profile(say, write_profile(state["api"], platform_trust(state), use=True))
         return state
     if not 1 <= port <= 65535:
         raise InvalidSpec(f"--port: {port} is not a TCP port; give one from 1 to 65535.")
@@ -246,7 +251,7 @@ def up(
     )
     _say_who_gets_in(say, where, api, ui, port)
     try:
-        _say_profile(say, write_profile(api, where.trust))
+        _say_profile(say, write_profile(api, where.trust, use=use))
     except OSError as exc:  # a read-only PREFECT_HOME: the export line above still works
         say(f"Prefect's profile {PROFILE} could not be written ({exc.strerror or exc})")
     return state
@@ -315,10 +320,11 @@ def _start_workers(
 PROFILE = "gpuflow"
 
 
-def write_profile(api: str, trust: str | None) -> tuple[Path, str | None]:
+def write_profile(api: str, trust: str | None, use: bool = False) -> tuple[Path, str | None]:
     """Write (or update) the Prefect profile `gpuflow` that points Prefect's CLI and the
     user's own scripts at the platform, with its auth string; the active profile stays as
-    it was. Return the profiles file and the active profile's name."""
+    it was, unless `use` makes this one active. Return the profiles file and the active
+    profile's name."""
     from prefect.settings import (
         PREFECT_API_AUTH_STRING,
         PREFECT_API_SSL_CERT_FILE,
@@ -337,6 +343,8 @@ def write_profile(api: str, trust: str | None) -> tuple[Path, str | None]:
             PREFECT_API_SSL_CERT_FILE: trust,  # None drops an earlier one
         },
     )
+    if use:
+        profiles.set_active(PROFILE)
     save_profiles(profiles)
     path = Path(PREFECT_PROFILES_PATH.value())
     os.chmod(path, 0o600)  # it holds the auth string now
@@ -345,8 +353,18 @@ def write_profile(api: str, trust: str | None) -> tuple[Path, str | None]:
 
 def _say_profile(say: Callable[[str], None], written: tuple[Path, str | None]) -> None:
     path, active = written
+    if active == PROFILE:
+        say(
+            f"the profile {PROFILE} is the active one: Prefect's CLI, your own flows and"
+            f" `Secret(...).save(...)` use the platform (written to {path}; `prefect profile"
+            " use default` goes back)"
+        )
+        return
     still = (
-        f"your active profile ({active}) is unchanged" if active else "no profile was made active"
+        f"your active profile ({active}) is unchanged; `gpuflow platform up --use` makes"
+        f" {PROFILE} the active one"
+        if active
+        else f"no profile was made active; `gpuflow platform up --use` makes {PROFILE} the one"
     )
     say(
         f"Prefect's CLI and your own flows reach it with the profile {PROFILE}"

@@ -423,6 +423,87 @@ def test_up_on_another_database_than_the_running_platform_is_refused(platform):
     assert "postgres" not in processes
 
 
+def test_secrets_and_flows_say_which_api_they_land_on_and_up_use_makes_it_the_default(
+    platform, prefect_api
+):
+    """With the platform up: `gpuflow secret set` saves where gpuflow reads secret_env (the
+    platform), the value from stdin and never shown; an API named elsewhere (the
+    environment, a user's flow on Prefect's ephemeral API) is said in one sentence with the
+    fix; `platform up --use` makes the platform's profile the active one. Bad names and
+    values are one sentence and save nothing."""
+    import tomllib
+
+    env = {k: v for k, v in platform.env.items() if not k.startswith("PREFECT_")}
+    env["PREFECT_HOME"] = str(platform.prefect_home)  # its profiles: gpuflow's, not active
+
+    def gpuflow(*argv: str, stdin: str = "", **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "gpuflow", *argv], env={**env, **extra}, input=stdin,
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    value = "lab-secret-value-0451"
+    saved = gpuflow("secret", "set", "lab-key", stdin=value + "\n")
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    assert saved.stdout.strip() == (
+        f"saved the Secret block lab-key on the local platform (UI {platform.ui}); a spec reads"
+        " it as secret_env: {VARIABLE: lab-key}"
+    )
+    assert value not in saved.stdout + saved.stderr
+    bad = {
+        ("Lab_Key", value): "NAME: 'Lab_Key' is not a name Prefect takes for a block; use"
+        " lowercase letters, digits and dashes (for example lab-key)",
+        ("empty-key", "\n"): "the value is empty; give it on standard input, for example"
+        " `gpuflow secret set empty-key < key.txt`",
+        ("short-key", "abc"): "the value is shorter than 4 characters, too short to mask",
+    }
+    for (name, given), said in bad.items():
+        refused = gpuflow("secret", "set", name, stdin=given)
+        assert refused.returncode == 2 and said in refused.stderr, refused.stderr
+    from prefect.blocks.system import Secret
+
+    with platform.settings():
+        assert Secret.load("lab-key").get() == value
+        for name in ("empty-key", "short-key"):
+            with pytest.raises(ValueError):
+                Secret.load(name)
+    elsewhere = gpuflow("secret", "set", "elsewhere-key", stdin=value, PREFECT_API_URL=prefect_api)
+    assert elsewhere.returncode == 0, elsewhere.stderr[-2000:]
+    assert (
+        f"the local platform runs (UI {platform.ui}), but the environment's PREFECT_API_URL"
+        f" names {prefect_api}: what this command makes is recorded there, not in the"
+        " platform; unset PREFECT_API_URL to use the platform" in elsewhere.stderr
+    )
+    flow = (
+        "from prefect import flow\nfrom gpuflow import gpu_job\n"
+        "@flow\ndef mine():\n    gpu_job({'job': {'kind': 'command', 'command': ['true']}})\n"
+        "mine()\n"
+    )
+    users = subprocess.run(
+        [sys.executable, "-c", flow], env={**env, "PREFECT_API_URL": prefect_api},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert users.returncode == 0, users.stderr[-3000:]
+    assert (
+        f"the local platform runs (UI {platform.ui}), but this flow runs on {prefect_api}: its"
+        " jobs are recorded there, not in the platform; run the flow with"
+        " PREFECT_PROFILE=gpuflow" in users.stderr
+    )
+    profiles = platform.prefect_home / "profiles.toml"
+    before = tomllib.loads(profiles.read_text()).get("active")
+    used = gpuflow("platform", "up", "--use")
+    try:
+        assert used.returncode == 0, used.stderr[-2000:]
+        assert f"already running: UI {platform.ui}" in used.stdout
+        assert "the profile gpuflow is the active one" in used.stdout
+        assert tomllib.loads(profiles.read_text())["active"] == "gpuflow"
+        found = gpuflow("secret", "set", "via-profile", stdin=value)  # no PREFECT_API_URL
+        assert "the local platform (UI" in found.stdout, found.stderr[-2000:]
+    finally:  # the profile the rest of the module expects
+        text = profiles.read_text().replace('active = "gpuflow"', f'active = "{before}"')
+        profiles.write_text(text if before else text.replace('active = "None"', ""))
+
+
 def test_down_stops_everything_it_started(platform):
     processes = platform.state()["processes"]
     down = platform.gpuflow("platform", "down", timeout=120)
