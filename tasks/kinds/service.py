@@ -9,10 +9,11 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from gpuflow.tasks.contract import Capabilities, Needs, RunOutcome, UnitRunner
+from gpuflow.tasks.contract import Capabilities, Cluster, Needs, RunOutcome, UnitRunner
 from gpuflow.tasks.errors import InvalidSpec
-from gpuflow.tasks.kinds.base import JobKind
+from gpuflow.tasks.kinds.base import JobKind, Report
 from gpuflow.tasks.kinds.code import check_code
+from gpuflow.tasks.outputs import read_result
 from gpuflow.tasks.service import native
 from gpuflow.tasks.service.model import PORT_VARIABLE, ServiceJob, ServiceResult
 from gpuflow.tasks.service.serve import serve
@@ -101,6 +102,43 @@ class ServiceKind(JobKind):
             return native.serve(spec, runner, deadline)  # the backend's own autoscaler
         return serve(spec, runner, deadline)
 
+    def report(self, spec: JobSpec, cluster: Cluster, artifacts: Path, title: str) -> Report:
+        """The service's figures where people look: requests, latency, replicas over its
+        life (each one's host, GPUs, requests and latency) and cost, in the summary."""
+        done = read_result(artifacts / "outputs" / "result.json", ServiceResult)
+        if done is None:
+            return Report()
+        latency = (
+            "no request timed"
+            if done.p50_ms is None
+            else (f"p50 {done.p50_ms:g} ms, p95 {done.p95_ms:g} ms")
+        )
+        cost = "" if done.cost_usd is None else f", ${done.cost_usd:.4f}"
+        per_1000 = done.cost_per_1000_requests_usd
+        headline = [
+            f"- **{done.requests} requests** ({done.errors} errors), {latency}, up to"
+            f" {done.most_replicas} replica(s), {done.gpu_seconds:g} GPU-seconds{cost}"
+            + ("" if per_1000 is None else f" (${per_1000:.4f} per 1000 requests)")
+        ]
+        lines = [
+            "",
+            "| replica | host | GPUs | started (s) | lived (s) | requests | p50 ms | p95 ms | GPU % | ended |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+            *(
+                f"| {r.replica} | {r.host or '-'} | {','.join(map(str, r.gpus)) or '-'}"
+                f" | {r.started_s:.1f} | {r.served_s:.1f} | {r.requests} | {_ms(r.p50_ms)}"
+                f" | {_ms(r.p95_ms)} | {_ms(r.gpu_util)} | {r.ended or '-'} |"
+                for r in done.replicas
+            ),
+        ]
+        rows = [
+            {"metric": f"service.{name}", "value": value}
+            for name, value in done.model_dump(
+                include={"requests", "errors", "p50_ms", "p95_ms", "most_replicas", "cost_usd"}
+            ).items()
+        ]
+        return Report(rows=rows, lines=lines if done.replicas else [], headline=headline)
+
     def summary(self, job: dict[str, Any]) -> list[str]:
         done = self.figures(job)
         if not isinstance(done, ServiceResult):
@@ -144,3 +182,7 @@ def _listening(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"

@@ -191,7 +191,15 @@ def test_request_rate_scales_one_to_four_replicas_and_back(prefect_api, gpuflow_
     )
     ups = [e for e in scaled if e["to"] > e["from"] > 0]
     assert ups and all("requests/s" in up["why"] for up in ups), scaled
-    assert "service-svc-scaling" in artifacts_of(run_id)
+    found = artifacts_of(run_id)
+    assert "service-svc-scaling" in found
+    # the summary (the UI's) has the service's own figures, and says it was cancelled
+    summary = found["gpuflow-summary"].data
+    assert summary.startswith("# svc: cancelled"), summary[:200]
+    assert f"- **{result['requests']} requests** (0 errors), p50 {result['p50_ms']:g} ms," in summary
+    assert f"up to 4 replica(s), {result['gpu_seconds']:g} GPU-seconds" in summary
+    rows = [line for line in summary.splitlines() if line.startswith("| replica-")]
+    assert len(rows) == len(result["replicas"]) and any("scaled down" in row for row in rows)
 
 
 def test_gpu_utilisation_step_scales_replicas(prefect_api, gpuflow_home, fake_nvml):
