@@ -200,6 +200,31 @@ def test_submit_tells_each_outcome_apart(platform):
     assert f"{platform.ui}/runs/flow-run/" in timed.stderr
 
 
+def test_the_ci_example_runs_as_written_against_a_plain_platform(platform):
+    """docs/ci-example.yml's submit step, with the platform's URL and auth string where its
+    secrets go: the deployment it names exists after a plain `platform up`, and it waits
+    for the run to complete."""
+    import shlex
+
+    import yaml
+
+    example = yaml.safe_load((ROOT / "docs" / "ci-example.yml").read_text())
+    job = example["jobs"]["run-on-gpus"]
+    assert job["env"]["PREFECT_API_AUTH_STRING"] == "${{ secrets.GPUFLOW_API_AUTH_STRING }}"
+    [step] = [s["run"] for s in job["steps"] if "gpuflow submit" in s.get("run", "")]
+    argv = shlex.split(step.replace("\\\n", " "))
+    assert argv[:2] == ["gpuflow", "submit"]
+    env = {k: v for k, v in platform.env.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_API_URL=platform.api, PREFECT_API_AUTH_STRING=platform.auth)
+    env["PREFECT_HOME"] = str(platform.prefect_home)
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuflow", *argv[1:]], env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "completed:" in done.stdout
+
+
 @pytest.mark.skipif(shutil.which("blender") is None, reason="blender is not installed")
 def test_a_scene_uploaded_event_starts_a_render(platform, tmp_path):
     from gpuflow.tasks.render.scene import demo_scene

@@ -196,7 +196,9 @@ def test_request_rate_scales_one_to_four_replicas_and_back(prefect_api, gpuflow_
     # the summary (the UI's) has the service's own figures, and says it was cancelled
     summary = found["gpuflow-summary"].data
     assert summary.startswith("# svc: cancelled"), summary[:200]
-    assert f"- **{result['requests']} requests** (0 errors), p50 {result['p50_ms']:g} ms," in summary
+    assert (
+        f"- **{result['requests']} requests** (0 errors), p50 {result['p50_ms']:g} ms," in summary
+    )
     assert f"up to 4 replica(s), {result['gpu_seconds']:g} GPU-seconds" in summary
     rows = [line for line in summary.splitlines() if line.startswith("| replica-")]
     assert len(rows) == len(result["replicas"]) and any("scaled down" in row for row in rows)
