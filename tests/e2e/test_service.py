@@ -396,3 +396,40 @@ def test_max_duration_ends_a_service_which_completes_with_its_figures(
     assert served.result()["requests"] >= 1
     wait_for(lambda: not replica_pids(gpuflow_home) and not endpoint_pids(port), 30, "all stopped")
     assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
+
+
+def test_the_documented_service_example_runs_as_docs_services_says(
+    tmp_path, prefect_api, gpuflow_home
+):
+    """docs/services.md's first commands: `gpuflow run examples/service.yaml`, a request,
+    `gpuflow cancel service-demo` (on a free port here, the example's folder as it is)."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    raw = yaml.safe_load((root / "examples" / "service.yaml").read_text())
+    port = free_port()
+    raw["job"].update(port=port, workdir=str(root / "examples" / "service"))
+    spec = tmp_path / "service.yaml"
+    spec.write_text(yaml.safe_dump(raw))
+    env = subprocess_env(prefect_api, gpuflow_home)
+    running = subprocess.Popen(
+        [*GPUFLOW, "run", str(spec)], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: endpoint_pids(port) or running.poll() is not None, 120, "the endpoint")
+        status, body = ask(port)
+        assert status == 200 and json.loads(body)["replica"] == "replica-1", body
+        cancelled = subprocess.run(
+            [*GPUFLOW, "cancel", "service-demo"], env=env, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert cancelled.returncode == 0, cancelled.stderr[-2000:]
+        out, _ = running.communicate(timeout=120)
+    finally:
+        if running.poll() is None:
+            running.kill()
+    assert "gpuflow: cancelled" in out, out[-3000:]
+    [result] = (gpuflow_home / "runs").glob("service-demo-*/outputs/result.json")
+    assert json.loads(result.read_text())["requests"] >= 1
+    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
