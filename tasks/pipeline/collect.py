@@ -308,7 +308,8 @@ def _summary(
         "",
         *headline,
         f"- duration: {outcome.result.duration_s:.1f} s, exit code {outcome.result.exit_code}",
-        f"- GPUs: {len(cluster.gpu_indices)} ({gpus}); {metrics.note or 'GPU metrics sampled'}",
+        f"- GPUs: {len(cluster.gpu_indices)} ({gpus}) on {cluster.hostname};"
+        f" {metrics.note or 'GPU metrics sampled'}",
         f"- cost: ${metrics.cost_usd:.4f} at ${metrics.cost_hourly_usd:.4f}/h",
         f"- artifacts: `{out}`",
         *(

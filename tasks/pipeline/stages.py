@@ -61,7 +61,10 @@ def provision(spec: JobSpec, owner: dict[str, str]) -> Cluster:
     logger = get_run_logger()
     verb = "adopted" if cluster.adopted else "provisioned"
     gpus = ",".join(map(str, cluster.gpu_indices)) or "none"
-    logger.info("%s %s: workspace %s, GPUs %s", verb, cluster.name, cluster.workspace, gpus)
+    logger.info(
+        "%s %s on %s: workspace %s, GPUs %s",
+        verb, cluster.name, cluster.hostname, cluster.workspace, gpus,
+    )  # fmt: skip
     return cluster
 
 

@@ -24,7 +24,7 @@ from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.pipeline.checks import check_spec
 from gpuflow.tasks.spec import load_spec
 from tests.e2e.fleet_bed import claims_on, fleet_bed, host_entry, records_on, save_fleet
-from tests.e2e.helpers import command_lines_seen, flow_run, logs_of, process_gone
+from tests.e2e.helpers import artifacts_of, command_lines_seen, flow_run, logs_of, process_gone
 
 ROOT = Path(__file__).parents[2]
 GPUFLOW = [sys.executable, "-m", "gpuflow"]
@@ -153,9 +153,11 @@ def test_a_one_gpu_run_takes_one_gpu_of_a_host_and_gives_it_back(
     show = (
         'echo "netns=$(stat -L -c %i /proc/self/ns/net) gpus=$CUDA_VISIBLE_DEVICES'
         ' tok=$TOKEN"; echo done > "$GPUFLOW_OUTPUT_DIR/result.txt";'
-        " cat /proc/self/cgroup"
+        " cat /proc/self/cgroup; sleep 1"
     )
-    raw = fleet_spec(["sh", "-c", show], secret_env={"TOKEN": "fleet-test-token"})
+    raw = fleet_spec(
+        ["sh", "-c", show], secret_env={"TOKEN": "fleet-test-token"}, metrics={"interval_s": 0.2}
+    )
     with command_lines_seen() as seen:  # here and on the hosts (one machine)
         state = gpu_pipeline(load_spec(raw), return_state=True)
     assert state.is_completed(), state.message
@@ -169,6 +171,11 @@ def test_a_one_gpu_run_takes_one_gpu_of_a_host_and_gives_it_back(
     assert "tok-fleet-31f7" not in text
     host = result.cluster.node_names[0]
     assert host in ("g1", "g2", "g3")
+    # the host sampled its GPUs into the run's metrics, and the run names where it ran
+    assert result.metrics.samples > 0 and result.metrics.gpu_seen, result.metrics
+    assert any(f"on {result.cluster.hostname}: workspace" in line for line in logs), text
+    summary = artifacts_of(state.state_details.flow_run_id)["gpuflow-summary"].data
+    assert f"on {result.cluster.hostname};" in summary, summary
     namespace = next(h["namespace"] for h in lab["hosts"] if h["name"] == host)
     assert f"netns={os.stat(f'/run/netns/{namespace}').st_ino} gpus=0" in text, text
     kept = list((gpuflow_home / "runs").rglob("result.txt"))  # brought back, then collected

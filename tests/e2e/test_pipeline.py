@@ -205,8 +205,10 @@ def test_preempted_job_is_retried(prefect_api, gpuflow_home, tmp_path):
 
 
 def test_a_preemption_past_the_last_retry_does_not_promise_one(prefect_api, gpuflow_home):
+    """... and keeps what the job saved: its checkpoint is in the run's artifacts."""
+    saved = 'echo "step $GPUFLOW_ATTEMPT" > "$GPUFLOW_OUTPUT_DIR/checkpoint.txt"; exit 75'
     raw = {
-        "job": {"kind": "command", "command": ["sh", "-c", "exit 75"]},
+        "job": {"kind": "command", "command": ["sh", "-c", saved]},
         "retry": {"run": {"retries": 1, "delay_s": 0.01}},
     }
     state, run_id = run_pipeline(raw)
@@ -214,7 +216,11 @@ def test_a_preemption_past_the_last_retry_does_not_promise_one(prefect_api, gpuf
     assert state.is_failed()
     assert "its retries are used up (retry.run.retries)" in message, message
     assert "a retry resumes it" not in message
-    assert any("a retry resumes it" in line for line in logs_of(run_id))  # the first try
+    logs = logs_of(run_id)
+    assert any("a retry resumes it" in line for line in logs)  # the first try
+    (kept,) = (gpuflow_home / "runs").glob(f"*-{str(run_id)[:8]}/outputs/checkpoint.txt")
+    assert kept.read_text() == "step 2\n"  # the last attempt's
+    assert any("the job's outputs were kept: 1 file(s)" in line for line in logs), logs
 
 
 def test_a_secret_too_short_to_mask_is_refused_before_provisioning(prefect_api, gpuflow_home):

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, Field
 
 from gpuflow.tasks.backends import elastic
-from gpuflow.tasks.backends.base import LogTail, UnitBackend, say_in_run
+from gpuflow.tasks.backends.base import LogTail, UnitBackend, join_samples, say_in_run
 from gpuflow.tasks.backends.fleet import hosts as fleet_hosts
 from gpuflow.tasks.backends.fleet.session import Busy, HostSession, UnitWatch
 from gpuflow.tasks.contract import (
@@ -52,7 +52,7 @@ from gpuflow.tasks.contract import (
 from gpuflow.tasks.errors import CapacityError, InvalidSpec, JobCancelled, ProvisionError
 from gpuflow.tasks.host import gpuflow_home, make_dirs, read_state_json, write_atomic
 from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
-from gpuflow.tasks.metrics.sampler import NODE_SAMPLES
+from gpuflow.tasks.metrics.sampler import NODE_SAMPLES, SAMPLES
 from gpuflow.tasks.saved_blocks import load_block
 from gpuflow.tasks.spec import JobSpec, Placement, Resources
 from gpuflow.tasks.ssh import public_key_of
@@ -492,7 +492,7 @@ class FleetBackend(UnitBackend):
         watch = session.run(
             unit_id, unit.model_copy(update={"command": command}), env, tail, writer
         )
-        return FleetUnit(session, unit_id, watch, cluster, tail)
+        return FleetUnit(session, unit_id, watch, cluster, tail, samples)
 
     def _node(self, cluster: Cluster, node: int) -> HostSession:
         """Return the host program holding `node`'s GPUs, on another host when its own
@@ -1095,9 +1095,10 @@ class FleetUnit:
         watch: UnitWatch,
         cluster: Cluster,
         tail: LogTail,
+        samples: Path,
     ) -> None:
         self.session, self.unit_id, self.watch, self.cluster = session, unit_id, watch, cluster
-        self.tail = tail
+        self.tail, self.samples = tail, samples
 
     def poll(self) -> UnitEnd | None:
         return self.watch.end
@@ -1117,8 +1118,11 @@ class FleetUnit:
         return UnitEnd(signal=9, tail=[f"{self.session.ssh} never confirmed the unit's end"])
 
     def finish(self, end: UnitEnd | None) -> UnitEnd | None:
-        """Bring the unit's outputs back from its host (a lost host has none to give)."""
+        """Add the unit's samples from its host to the run's, and bring its outputs back
+        from the host (a lost host has none to give)."""
         self.session.units.pop(self.unit_id, None)
+        if self.samples.is_file():  # kept: a service's scaler may still be reading it
+            join_samples(Path(self.cluster.workspace) / SAMPLES, self.samples.read_bytes())
         if self.session.lost is not None:
             self.tail.note(self.session.lost)  # why it was preempted, in the run's log
         if end is None or self.session.lost is not None:
