@@ -9,11 +9,13 @@ PAGE = r"""<!doctype html>
 <style>
   body { margin: 0; background: #111; color: #ddd; font: 14px sans-serif; }
   #view { display: block; max-width: 100vw; max-height: 92vh; margin: 0 auto; outline: none; }
-  #said { padding: 6px 10px; }
+  #said, #figures { padding: 6px 10px; }
+  #figures { color: #9a9; font-family: monospace; }
 </style></head>
 <body>
 <canvas id="view" tabindex="0"></canvas>
 <div id="said">connecting...</div>
+<div id="figures"></div>
 <script>
 "use strict";
 const FRAME_BYTES = 44;
@@ -127,6 +129,26 @@ window.addEventListener("mousemove", e => {
   drag = [e.clientX, e.clientY];
   if (dx || dy) input({dx: dx, dy: dy});
 });
+// what this page measures, shown under the picture: the last 2 s of frames
+const figures = document.getElementById("figures");
+function quantile(values, q) {
+  if (!values.length) return null;
+  const sorted = values.slice().sort((a, b) => a - b);
+  return sorted[Math.min(sorted.length - 1, Math.floor(q * sorted.length))];
+}
+let lastShown = 0, lastGlass = 0, lastPhoton = 0;
+setInterval(() => {
+  const glass = S.glass.slice(lastGlass), photon = S.photon.slice(lastPhoton);
+  lastGlass = S.glass.length; lastPhoton = S.photon.length;
+  if (S.glass.length > 10000) { S.glass.splice(0, 5000); lastGlass -= 5000; }
+  const fps = (S.shown - lastShown) / 2; lastShown = S.shown;
+  if (!glass.length) return;
+  const ms = v => v === null ? "-" : v.toFixed(0) + " ms";
+  S.figures = "glass-to-glass p50 " + ms(quantile(glass, 0.5)) + ", p95 " + ms(quantile(glass, 0.95)) +
+    "; input-to-photon " + (photon.length ? ms(quantile(photon, 0.5)) : "-") +
+    "; " + fps.toFixed(0) + " fps shown, " + S.dropped + " dropped";
+  figures.textContent = S.figures;
+}, 2000);
 setInterval(() => {
   ping();
   if (!pending.length && !pendingInputs.length) return;

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from pathlib import Path
 
@@ -105,6 +106,7 @@ async def a_session(url: str, endpoint: str, home: Path) -> dict:
             await page.key("ArrowLeft")
             await asyncio.sleep(1.0)
         state = json.loads(await page.evaluate(STATE))
+        figures = await page.evaluate("document.getElementById('figures').textContent")
         # a codec the browser cannot decode: the page says so in one sentence
         await page.evaluate(
             "configure({t: 'config', width: 640, height: 360, fps: 30, encoder: 'x',"
@@ -117,6 +119,7 @@ async def a_session(url: str, endpoint: str, home: Path) -> dict:
         "yaw0": yaw0,
         "cut": cut,
         "said": said,
+        "figures": figures,
         "replicas_for_two": replicas_for_two,
         "listening": listening,
     }
@@ -157,6 +160,12 @@ def test_a_session_streams_to_a_browser_page_and_measures_each_stage(
     assert seen["cut"]["garbage"][0] == 1008 and "binary" in seen["cut"]["garbage"][1]
     assert seen["cut"]["flood"][0] == 1008 and "messages a second" in seen["cut"]["flood"][1]
     assert seen["said"].startswith("This browser cannot decode the stream (avc9.FFFFFF")
+    # the page shows its own figures as it plays (the last 2 s), not only in the artifacts
+    assert re.fullmatch(
+        r"glass-to-glass p50 \d+ ms, p95 \d+ ms; input-to-photon (\d+ ms|-); \d+ fps shown,"
+        r" \d+ dropped",
+        seen["figures"],
+    ), seen["figures"]
     # the session's figures, per client, in the run's outputs and its report
     [run] = (gpuflow_home / "runs").glob("*/outputs")
     figures = {p.name: json.loads(p.read_text()) for p in run.glob("stream-*.json")}
