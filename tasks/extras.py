@@ -14,7 +14,7 @@ from gpuflow.tasks.errors import InvalidSpec
 EXTRAS: dict[str, tuple[str, ...]] = {
     "train": ("torch", "webdataset"),
     "aws": ("boto3", "prefect_aws"),
-    "kubernetes": ("prefect_kubernetes", "kubernetes"),
+    "kubernetes": ("prefect_kubernetes",),
     "hpc": ("mpi4py", "torch"),
     "stream": ("av",),
 }

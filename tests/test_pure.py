@@ -216,3 +216,18 @@ def test_the_log_figures_table_keeps_every_column_of_every_row():
     shown = table(many)
     assert len(shown) == TABLE_ROWS and shown[-1] == {"step": -1, "eval": 0.9}
     assert all(set(row) == {"step", "eval"} for row in shown)
+
+
+def test_the_extras_table_names_what_pyproject_installs():
+    """tasks/extras.py and pyproject.toml name the same extras, and where gpuflow[all] is
+    installed (the tests' venv) nothing any of them names is missing."""
+    import tomllib
+    from pathlib import Path
+
+    from gpuflow.tasks.extras import EXTRAS, missing
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    declared = project["project"]["optional-dependencies"]
+    assert set(EXTRAS) == set(declared) - {"all", "test"}
+    assert declared["all"] == [f"gpuflow[{','.join(EXTRAS)}]"]
+    assert {extra: missing(extra) for extra in EXTRAS} == dict.fromkeys(EXTRAS, [])
