@@ -230,4 +230,4 @@ def test_the_extras_table_names_what_pyproject_installs():
     declared = project["project"]["optional-dependencies"]
     assert set(EXTRAS) == set(declared) - {"all", "test"}
     assert declared["all"] == [f"gpuflow[{','.join(EXTRAS)}]"]
-    assert {extra: missing(extra) for extra in EXTRAS} == dict.fromkeys(EXTRAS, [])
+    assert {extra: missing(extra) for extra in EXTRAS} == {extra: [] for extra in EXTRAS}
