@@ -59,7 +59,7 @@ def list_runs(limit: int) -> int:
     if not rows:
         print("no runs on this API yet")
         return EXIT_OK
-    table = [("RUN", "JOB", "STATE", "BACKEND", "GPUS", "DURATION", "COST", "FLOW RUN")]
+    table = [("RUN", "JOB", "STATE", "BACKEND", "HOST", "GPUS", "DURATION", "COST", "FLOW RUN")]
     for row in rows:
         table.append(
             (
@@ -67,6 +67,7 @@ def list_runs(limit: int) -> int:
                 row.job,
                 row.state,
                 row.backend or "-",
+                row.host or "-",
                 "-" if row.gpus is None else str(row.gpus),
                 _duration(row.duration_s),
                 "-" if row.cost_usd is None else f"${row.cost_usd:.4f}",

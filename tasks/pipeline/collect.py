@@ -286,6 +286,7 @@ def _metric_rows(
     rows += [
         {"metric": "run.job", "value": spec.name},
         {"metric": "run.backend", "value": cluster.backend},
+        {"metric": "run.host", "value": cluster.hostname},
         {"metric": "run.gpu_product", "value": _product(cluster)},
         {"metric": "run.outcome", "value": ended},
     ]

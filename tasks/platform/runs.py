@@ -28,6 +28,7 @@ class RunRow(BaseModel):
     flow_run: str
     state: str
     backend: str = ""
+    host: str = ""  # where it ran, once collected (the metrics table says)
     gpus: int | None = None
     started: datetime | None = None
     duration_s: float | None = None
@@ -45,7 +46,7 @@ def _spec_of(run: Any) -> dict[str, Any]:
     return spec if isinstance(spec, dict) else {}
 
 
-def _row(run: Any, cost: float | None = None) -> RunRow:
+def _row(run: Any, collected: dict[str, Any] | None = None) -> RunRow:
     spec = _spec_of(run)
     placement = spec.get("placement") or {}
     if isinstance(placement, list):
@@ -67,7 +68,8 @@ def _row(run: Any, cost: float | None = None) -> RunRow:
         gpus=gpus * int(resources.get("nodes") or 1) if isinstance(gpus, int) else None,
         started=run.start_time or run.expected_start_time,
         duration_s=duration,
-        cost_usd=cost,
+        cost_usd=(collected or {}).get("cost_usd"),
+        host=str((collected or {}).get("run.host") or ""),
         final=final,
     )
 
@@ -78,8 +80,9 @@ def _recent(client: Any, limit: int) -> list[Any]:
     return list(client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=limit))
 
 
-def _costs(client: Any, run_ids: list[str]) -> dict[str, float]:
-    """Return what each run cost, from its metrics table (runs without one: absent)."""
+def _collected(client: Any, run_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """Return what each run's metrics table says of its cost (`cost_usd`, a number) and
+    where it ran (`run.host`); runs without one: absent."""
     from prefect.client.schemas.filters import (
         ArtifactFilter,
         ArtifactFilterKey,
@@ -93,13 +96,18 @@ def _costs(client: Any, run_ids: list[str]) -> dict[str, float]:
         artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["gpuflow-metrics"])),
         flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[UUID(i) for i in run_ids])),
     )
-    costs: dict[str, float] = {}
+    collected: dict[str, dict[str, Any]] = {}
     for artifact in found:
         rows = artifact.data if isinstance(artifact.data, list) else _json(artifact.data)
+        said = collected.setdefault(str(artifact.flow_run_id), {})
         for row in rows or []:
-            if isinstance(row, dict) and row.get("metric") == "cost_usd":
-                costs.setdefault(str(artifact.flow_run_id), float(row["value"]))
-    return costs
+            if not isinstance(row, dict):
+                continue
+            if row.get("metric") == "cost_usd":
+                said.setdefault("cost_usd", float(row["value"]))
+            elif row.get("metric") == "run.host":
+                said.setdefault("run.host", str(row["value"]))
+    return collected
 
 
 def _json(text: Any) -> Any:
@@ -110,11 +118,12 @@ def _json(text: Any) -> Any:
 
 
 def listed(limit: int = 20) -> list[RunRow]:
-    """Return the newest `limit` runs, newest first, with what each cost where it says."""
+    """Return the newest `limit` runs, newest first, with what each cost and where it ran
+    where its metrics say."""
     with api_client() as client:
         runs = _recent(client, limit)
-        costs = _costs(client, [str(r.id) for r in runs])
-    return [_row(run, costs.get(str(run.id))) for run in runs]
+        collected = _collected(client, [str(r.id) for r in runs])
+    return [_row(run, collected.get(str(run.id))) for run in runs]
 
 
 def find(name: str) -> RunRow:

@@ -524,6 +524,7 @@ def test_ls_logs_follow_and_cancel_follow_a_run_from_another_terminal(
         "JOB",
         "STATE",
         "BACKEND",
+        "HOST",
         "GPUS",
         "DURATION",
         "COST",
@@ -531,7 +532,7 @@ def test_ls_logs_follow_and_cancel_follow_a_run_from_another_terminal(
         "RUN",
     ]
     [row] = [r.split() for r in rows if r.startswith(run_id[:8])]
-    assert row[1:5] == ["long", "Running", "local", "1"]
+    assert row[1:6] == ["long", "Running", "local", "-", "1"]  # the host: once collected
     following = subprocess.Popen(
         [*GPUFLOW, "logs", "long", "--follow"], env=env, stdout=subprocess.PIPE, text=True
     )

@@ -176,6 +176,10 @@ def test_a_one_gpu_run_takes_one_gpu_of_a_host_and_gives_it_back(
     assert any(f"on {result.cluster.hostname}: workspace" in line for line in logs), text
     summary = artifacts_of(state.state_details.flow_run_id)["gpuflow-summary"].data
     assert f"on {result.cluster.hostname};" in summary, summary
+    from gpuflow.tasks.platform.runs import listed  # what `gpuflow ls` shows
+
+    [row] = [r for r in listed(50) if r.id == str(state.state_details.flow_run_id)]
+    assert (row.backend, row.host) == ("fleet", result.cluster.hostname)
     namespace = next(h["namespace"] for h in lab["hosts"] if h["name"] == host)
     assert f"netns={os.stat(f'/run/netns/{namespace}').st_ino} gpus=0" in text, text
     kept = list((gpuflow_home / "runs").rglob("result.txt"))  # brought back, then collected

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -380,7 +381,7 @@ def test_gpuflow_run_records_its_run_on_the_running_platform(platform, tmp_path)
     listed = platform.as_user("ls")
     assert listed.returncode == 0, listed.stderr[-3000:]
     [row] = [line.split() for line in listed.stdout.splitlines() if str(run.id)[:8] in line]
-    assert row[1:5] == ["on-platform", "Completed", "local", "0"]
+    assert row[1:6] == ["on-platform", "Completed", "local", socket.gethostname(), "0"]
     logs = platform.as_user("logs", "on-platform")
     assert logs.returncode == 0 and "hi" in logs.stdout.split(), logs.stderr[-3000:]
 
