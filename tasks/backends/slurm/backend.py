@@ -81,6 +81,8 @@ BUSY = ("Resources", "Priority", "None", "BeginTime", "Dependency")
 # how long a job whose GPUs are idle may wait for the scheduler to reach it (its main and
 # backfill cycles: 60 s and 30 s by default) before gpuflow gives up on it
 SCHEDULER_CYCLES_S = 120.0
+# how long a job that is COMPLETING after its step ended is watched for its requeue
+REQUEUE_SEEN_S = 120.0
 # how often a running step's job is asked whether Slurm took it back (requeued)
 ORPHAN_CHECK_S = 2.0
 # how often a unit's node samples its GPUs
@@ -846,16 +848,19 @@ def _sinfo(cli: LocalClient) -> str:
 def _requeued(cli: LocalClient, job_id: str) -> str | None:
     """Return why the run's job was taken back (preempted, its node lost) when Slurm
     requeued it; None while it still runs as it did."""
-    for _ in range(50):  # a job being requeued passes through COMPLETING for a moment
+    # A job being requeued passes through COMPLETING until its steps are gone: on a busy
+    # node that lasts KillWait and more, so it is waited out (a run's job is COMPLETING only
+    # when the whole job ends, never when one of its steps does), up to REQUEUE_SEEN_S.
+    until = time.monotonic() + REQUEUE_SEEN_S
+    while True:
         row = job_row(cli, job_id)
         if row is None:
             return None
         if row["state"] in REQUEUED or (row["state"] == "RUNNING" and _preempting(cli, job_id)):
             return f"the Slurm job {job_id} was preempted or lost a node, and is requeued"
-        if row["state"] == "RUNNING":
+        if row["state"] != "COMPLETING" or time.monotonic() > until:
             return None
         time.sleep(0.1)
-    return None
 
 
 def _preempting(cli: LocalClient, job_id: str) -> bool:
