@@ -191,11 +191,7 @@ def up(
         raise InvalidSpec(f"--database: {database!r} is not one of {', '.join(DATABASES)}.")
     state = read_state()
     if state and all(running(p) for p in state["processes"].values()):
-        _same_platform(state, kubeconfig, database)
-        say(f"already running: UI {state['ui']}")
-        if use:
-            _say_profile(say, write_profile(state["api"], platform_trust(state), use=True))
-        return state
+        return _already_running(state, kubeconfig, database, use, say)
     if not 1 <= port <= 65535:
         raise InvalidSpec(f"--port: {port} is not a TCP port; give one from 1 to 65535.")
     if database == "postgresql":
@@ -254,6 +250,18 @@ def up(
         _say_profile(say, write_profile(api, where.trust, use=use))
     except OSError as exc:  # a read-only PREFECT_HOME: the export line above still works
         say(f"Prefect's profile {PROFILE} could not be written ({exc.strerror or exc})")
+    return state
+
+
+def _already_running(
+    state: dict[str, Any], kubeconfig: Path | None, database: str, use: bool, say: Any
+) -> dict[str, Any]:
+    """Return the running platform's state once it is the one asked for; with `use`, make
+    its profile the active one."""
+    _same_platform(state, kubeconfig, database)
+    say(f"already running: UI {state['ui']}")
+    if use:
+        _say_profile(say, write_profile(state["api"], platform_trust(state), use=True))
     return state
 
 
