@@ -136,6 +136,28 @@ def test_a_cpu_unit_asks_for_no_gpu_and_tolerates_nothing():
     assert pod["tolerations"] == [] and "nodeSelector" not in pod
 
 
+def test_each_node_of_a_run_is_a_machine_of_its_own():
+    """Node 1's pod may not share a machine with a GPU pod of the same cluster standing for
+    another node; a one-node run and a CPU unit are placed freely."""
+    unit = WorkUnit(name="node-1", command=["true"], node=1)
+    job = unit_job(cluster(gpus=8, nodes=2), unit, KubeSettings(), 60)
+    pod = job["spec"]["template"]["spec"]
+    assert job["spec"]["template"]["metadata"]["labels"]["gpuflow.io/node"] == "1"
+    (term,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"] == {
+        "matchLabels": {"gpuflow.io/cluster": f"gpuflow-{RUN}"},
+        "matchExpressions": [
+            {"key": "gpuflow.io/node", "operator": "Exists"},
+            {"key": "gpuflow.io/node", "operator": "NotIn", "values": ["1"]},
+        ],
+    }
+    one = unit_job(cluster(gpus=8, nodes=1), unit, KubeSettings(), 60)["spec"]["template"]
+    cpu = unit.model_copy(update={"gpus": []})
+    apart = unit_job(cluster(gpus=8, nodes=2), cpu, KubeSettings(), 60)["spec"]["template"]
+    assert "affinity" not in one["spec"] and "affinity" not in apart["spec"]
+
+
 def test_secrets_live_in_the_secret_never_in_a_manifest():
     token = "s3cr3t-value-7f1e"
     env = {"HF_TOKEN": token, "AWS_SECRET_ACCESS_KEY": token + "x"}
@@ -278,6 +300,18 @@ def test_an_mpi_launcher_becomes_an_mpijob_of_one_worker_per_node():
     assert {"name": "GPUFLOW_MPI_HOSTFILE", "value": "/etc/mpi/hostfile"} in head["containers"][0][
         "env"
     ]
+    # one worker per machine, whatever a machine has free; the launcher goes anywhere
+    (term,) = worker["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"] == {
+        "matchLabels": {"gpuflow.io/cluster": f"gpuflow-{RUN}"},
+        "matchExpressions": [
+            {"key": "training.kubeflow.org/job-role", "operator": "In", "values": ["worker"]}
+        ],
+    }
+    assert "affinity" not in head
     for pod in (worker, head):  # the operator names the pods and mounts root's SSH keys
         assert "hostname" not in pod and "subdomain" not in pod
         assert pod["securityContext"] == {"runAsUser": 0}
@@ -530,3 +564,15 @@ def test_an_api_server_that_answers_429_is_asked_again_after_its_retry_after():
         server.shutdown()
         server.server_close()
     assert made["metadata"]["name"] == "made" and seen == ["POST"] * 3
+
+
+def test_more_nodes_than_machines_is_never():
+    """Each node of a run is a machine of its own: 3 nodes of 8 H100 on a cluster of two
+    such machines can never be placed, however many GPUs are free."""
+    sentence, verdict = explain_pending(8, "NVIDIA-H100-80GB-HBM3", NODES, {}, SCHEDULER, 3)
+    assert verdict == "never"
+    assert sentence == (
+        "needs 3 nodes with 8 x nvidia.com/gpu each on NVIDIA-H100-80GB-HBM3; the cluster has"
+        " 2 such node(s); lower resources.nodes to 2 or add nodes."
+    )
+    assert explain_pending(4, "NVIDIA-H100-80GB-HBM3", NODES, {}, SCHEDULER, 2)[1] == "unclear"

@@ -430,7 +430,9 @@ class KubernetesBackend(UnitBackend):
             pods = api.request("GET", "/api/v1/pods").get("items", [])
         except KubeError:  # may not list nodes: the scheduler's words are all there is
             return f"the scheduler cannot place it yet: {why}.", "unclear"
-        return explain_pending(gpus, settings.gpu_product, nodes, used_gpus(pods), why)
+        machines = cluster.nodes if gpus else 1  # each GPU pod on a machine of its own
+        used = used_gpus(pods)
+        return explain_pending(gpus, settings.gpu_product, nodes, used, why, machines)
 
     def teardown(self, cluster: Cluster) -> TeardownReport:
         """Delete every object of `cluster` (Jobs and their pods, the Secret, the Service).

@@ -19,6 +19,8 @@ from gpuflow.tasks.gpus import GPU_RESOURCE as GPU
 
 CLUSTER_LABEL = "gpuflow.io/cluster"
 UNIT_LABEL = "gpuflow.io/unit"
+NODE_LABEL = "gpuflow.io/node"  # the cluster node a multi-node pod stands for
+HOST_TOPOLOGY = "kubernetes.io/hostname"
 CLUSTER_ANNOTATION = "gpuflow.io/cluster-json"
 
 RENDEZVOUS_PORT = 29400
@@ -227,6 +229,10 @@ def unit_job(
     }
     if gpus and settings.gpu_product:
         pod["nodeSelector"] = {PRODUCT_LABEL: settings.gpu_product}
+    if gpus and cluster.nodes > 1:  # `resources.nodes` machines, not fewer
+        pod_labels[NODE_LABEL] = str(unit.node)
+        others = {"key": NODE_LABEL, "operator": "NotIn", "values": [str(unit.node)]}
+        pod["affinity"] = apart(cluster, {"key": NODE_LABEL, "operator": "Exists"}, others)
     if settings.priority_class_name:
         pod["priorityClassName"] = settings.priority_class_name
     if settings.service_account:
@@ -248,6 +254,15 @@ def unit_job(
     }
 
 
+def apart(cluster: Cluster, *others: dict[str, Any]) -> dict[str, Any]:
+    """Return the affinity that keeps a pod off any machine holding a pod of `cluster` that
+    stands for another of its nodes (`others` select those): a run asking for two nodes of
+    8 GPUs gets two machines, even where one machine has 16 free."""
+    selector = {"matchLabels": {CLUSTER_LABEL: cluster.name}, "matchExpressions": list(others)}
+    term = {"labelSelector": selector, "topologyKey": HOST_TOPOLOGY}
+    return {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
+
+
 def grace_seconds(stop_grace_s: float) -> int:
     """Return `limits.stop_grace_s` as a pod's terminationGracePeriodSeconds: whole seconds,
     rounded up, at least 1 (0 would mean SIGKILL at once)."""
@@ -260,6 +275,7 @@ def unit_job_name(cluster: Cluster, unit: WorkUnit) -> str:
 
 MPI_HOSTFILE_ENV = "GPUFLOW_MPI_HOSTFILE"
 MPI_HOSTFILE = "/etc/mpi/hostfile"  # where the MPI Operator mounts the workers' hostfile
+MPI_ROLE_LABEL = "training.kubeflow.org/job-role"  # the operator's label: launcher | worker
 
 
 def mpi_job_name(cluster: Cluster) -> str:
@@ -294,6 +310,10 @@ def mpi_job(
     launcher.pop("nodeSelector", None)
     worker = pod(WorkUnit(name="worker", command=[]))
     worker["containers"][0].update(command=["/usr/sbin/sshd", "-De"], args=[])
+    worker.pop("affinity", None)  # each worker is a node of its own: one per machine
+    if cluster.nodes > 1:
+        workers = {"key": MPI_ROLE_LABEL, "operator": "In", "values": ["worker"]}
+        worker["affinity"] = apart(cluster, workers)
     owner = {**labels(cluster), UNIT_LABEL: dns_name(unit.name)}
     made = manifest(
         mpi_job_name(cluster), settings.namespace, owner, slots, cluster.nodes,

@@ -33,10 +33,12 @@ def explain_pending(
     nodes: list[dict[str, Any]],
     used: dict[str, int],
     scheduler_message: str,
+    machines: int = 1,
 ) -> tuple[str, str]:
-    """Return why a pod asking `gpus` GPUs of `product` is not scheduled, and what waiting
-    can do: "never" (no node could ever take it), "busy" (GPUs are held by others now) or
-    "unclear" (only the scheduler's words: a node not ready yet, a taint)."""
+    """Return why a pod asking `gpus` GPUs of `product` (one of `machines` such pods, each
+    on a machine of its own) is not scheduled, and what waiting can do: "never" (no node
+    could ever take it), "busy" (GPUs are held by others now) or "unclear" (only the
+    scheduler's words: a node not ready yet, a taint)."""
 
     def product_of(node: dict[str, Any]) -> str | None:
         return node.get("metadata", {}).get("labels", {}).get(PRODUCT_LABEL)
@@ -67,6 +69,14 @@ def explain_pending(
                 f"needs {gpus} x {GPU} {where}; the largest node has {largest} in all; lower"
                 f" resources.gpus or use {math.ceil(gpus / largest)} nodes"
                 f" (resources.nodes) of {largest} GPUs.",
+                "never",
+            )
+        able = sum(1 for n in gpu_nodes if allocatable(n) >= gpus)
+        if machines > able:
+            return (
+                f"needs {machines} nodes with {gpus} x {GPU} each"
+                f"{f' on {product}' if product else ''}; the cluster has {able} such node(s);"
+                f" lower resources.nodes to {able} or add nodes.",
                 "never",
             )
         free = max(allocatable(n) - used.get(n["metadata"]["name"], 0) for n in gpu_nodes)
