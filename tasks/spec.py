@@ -11,6 +11,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args
 
+import regex
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -537,8 +538,8 @@ class MetricsSettings(SpecModel):
     def _named_groups(cls, value: list[str]) -> list[str]:
         for index, pattern in enumerate(value):
             try:
-                compiled = re.compile(pattern)
-            except re.error as exc:
+                compiled = regex.compile(pattern)  # the engine that reads the job's lines
+            except regex.error as exc:
                 raise ValueError(
                     f"[{index}] {pattern!r} is not a regular expression ({exc}); fix it"
                 ) from None

@@ -1,23 +1,31 @@
 """A job's own figures, read from its output lines (spec `metrics.from_log`): each regex
 with named groups that matches a line makes a row of numbers (`step`, `loss`, ...), kept
 on this machine as they come (`rows_file`), pushed live to a Pushgateway when one is set, and
-drawn, tabled and summed up at collect."""
+drawn, tabled and summed up at collect.
+
+Patterns are matched by the `regex` engine (the syntax of Python's `re`) with a time bound
+per line, on the line's first LINE_CHARS characters: a pattern that backtracks without end
+('(a+)+$' on 'aaaa…!') is turned off for the run with one sentence in its log, instead of
+holding the interpreter (Python's `re` can be stopped by nothing, Ctrl-C included)."""
 
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import regex
+
 from gpuflow.tasks.host import gpuflow_home, make_dirs
 
 LOG_METRICS = "log_metrics.jsonl"  # its name among the run's artifacts
 STEP_NAMES = ("step", "iteration", "iter", "epoch", "batch")  # drawn along x when captured
 TABLE_ROWS = 500  # the most rows the table artifact shows (the file keeps every one)
+LINE_CHARS = 4096  # the most of one line a pattern sees
+MATCH_BOUND_S = 0.25  # the most one pattern may take on one line before it is turned off
 
 
 def _number(text: str | None) -> float | None:
@@ -40,17 +48,32 @@ class LogMetrics:
         patterns: list[str],
         path: Path,
         push: Callable[[dict[str, float]], None] | None = None,
+        warn: Callable[[str], None] | None = None,
     ) -> None:
-        self.patterns = [re.compile(p) for p in patterns]
-        self.path, self.push = path, push
+        self.patterns: list[regex.Pattern[str] | None] = [regex.compile(p) for p in patterns]
+        self.path, self.push, self.warn = path, push, warn
         self.last: dict[str, float] = {}
         self.rows = 0
         self._started = time.monotonic()
         self._lock = threading.Lock()
 
     def __call__(self, line: str) -> None:
-        for pattern in self.patterns:
-            found = pattern.search(line)
+        line = line[:LINE_CHARS]
+        for index, pattern in enumerate(self.patterns):
+            if pattern is None:
+                continue
+            try:
+                found = pattern.search(line, timeout=MATCH_BOUND_S)
+            except TimeoutError:
+                self.patterns[index] = None
+                if self.warn is not None:
+                    self.warn(
+                        f"metrics.from_log[{index}] {pattern.pattern!r} took over"
+                        f" {MATCH_BOUND_S:g} s on one line of the job's output and is off for"
+                        " the rest of this run; rewrite it without nested repeats such as"
+                        " (a+)+ or (a|aa)+."
+                    )
+                continue
             if found is None:
                 continue
             row = {

@@ -207,7 +207,7 @@ def log_metrics(spec: JobSpec, flow_run_id: str, warn: Callable[..., None]) -> L
         push = LiveLogPush(
             spec.metrics.pushgateway, flow_run_id, spec.name, spec.metrics.push_interval_s, warn
         )
-    return LogMetrics(spec.metrics.from_log, rows_file(flow_run_id), push)
+    return LogMetrics(spec.metrics.from_log, rows_file(flow_run_id), push, warn)
 
 
 def run_stage(
