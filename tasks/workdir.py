@@ -13,6 +13,7 @@ becomes the command, started in the working folder.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import gzip
 import hashlib
@@ -96,20 +97,47 @@ class Start(BaseModel):
     expand: bool = False  # ${NAME} in the command's words, from the unit's environment
 
 
+IGNORE_MAX = 1 << 20  # the most an ignore file may hold
+
+
 def _ignores(root: Path, field: str):
     import pathspec
 
     lines = list(ALWAYS_LEFT_OUT)
     for name in IGNORE_FILES:
-        path = root / name
-        if path.exists() and not path.is_file():
-            raise WorkdirError(
-                f"{field}: {path} is not a file; make it a file of patterns, one a line, as"
-                " .gitignore's (a `!PATTERN` line sends what another line leaves out)"
-            )
-        with contextlib.suppress(OSError):
-            lines += path.read_text(errors="replace").splitlines()
+        lines += _ignore_lines(root / name, field)
     return pathspec.GitIgnoreSpec.from_lines(lines)
+
+
+def _ignore_lines(path: Path, field: str) -> list[str]:
+    """Return the lines of one ignore file (none when there is none); WorkdirError when a
+    FIFO, a device or a folder stands there or it is over IGNORE_MAX bytes: opened without
+    blocking, its type and size checked before a byte is read."""
+    refused = WorkdirError(
+        f"{field}: {path} is not a file; make it a file of patterns, one a line, as"
+        " .gitignore's (a `!PATTERN` line sends what another line leaves out)"
+    )
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return []
+    except IsADirectoryError:
+        raise refused from None
+    except OSError as exc:  # a link loop, no permission
+        raise WorkdirError(
+            f"{field}: {path} cannot be read ({exc.strerror}); fix it or remove it"
+        ) from None
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise refused
+    with os.fdopen(descriptor, "rb") as handle:
+        data = handle.read(IGNORE_MAX + 1)
+    if len(data) > IGNORE_MAX:
+        raise WorkdirError(
+            f"{field}: {path} holds over {format_bytes(IGNORE_MAX)} of patterns; an ignore"
+            " file that large is not one: make it a file of patterns, one a line"
+        )
+    return data.decode("utf-8", errors="replace").splitlines()
 
 
 def _count(folder: Path, left: LeftOut) -> tuple[int, int]:
@@ -135,7 +163,9 @@ def scan(root: Path, limit: int, field: str = "job.workdir") -> list[Path]:
 
 
 def scan_folder(root: Path, limit: int, field: str = "job.workdir") -> tuple[list[Path], LeftOut]:
-    """Return what `scan` sends, and what the ignore files left out of it."""
+    """Return what `scan` sends, and what the ignore files left out of it. Links are never
+    followed (one pointing out of the folder, or in a loop, is refused), a folder that
+    cannot be read is named, and the walk stops as soon as the files pass `limit`."""
     if not root.exists():
         raise WorkdirError(f"{field}: {root} does not exist; give the folder that holds the code")
     if not root.is_dir():
@@ -148,9 +178,17 @@ def scan_folder(root: Path, limit: int, field: str = "job.workdir") -> tuple[lis
     left = LeftOut()
     size = 0
     real_root = root.resolve()
-    for folder, dirs, files in os.walk(root):
+
+    def unreadable(exc: OSError) -> None:
+        where = Path(exc.filename or root)
+        raise WorkdirError(
+            f"{field}: {where} cannot be read ({exc.strerror}); make it readable, or exclude"
+            f" it in {root}/.gpuflowignore"
+        )
+
+    for folder, dirs, files in os.walk(real_root, onerror=unreadable):
         here = Path(folder)
-        rel_dir = here.relative_to(root)
+        rel_dir = here.relative_to(real_root)
         for d in [d for d in dirs if ignored.match_file(f"{(rel_dir / d).as_posix()}/")]:
             if not (here / d).is_symlink():
                 left.add(f"{(rel_dir / d).as_posix()}/", *_count(here / d, left))
@@ -162,29 +200,52 @@ def scan_folder(root: Path, limit: int, field: str = "job.workdir") -> tuple[lis
                     left.add(rel.as_posix(), 1, (here / name).lstat().st_size)
                 continue
             path = here / name
-            if path.is_symlink():
-                target = path.resolve()
-                if not target.is_relative_to(real_root):
-                    raise WorkdirError(
-                        f"{field}: {rel} is a link to {os.readlink(path)}, out of {root};"
-                        " copy what it points to into the folder, or exclude it in"
-                        f" {root}/.gpuflowignore"
-                    )
+            try:
+                info = path.lstat()
+            except OSError as exc:
+                unreadable(exc)
+            if stat.S_ISLNK(info.st_mode):
+                _check_link(path, rel, root, real_root, field)
                 found.append(rel)
                 continue
-            info = path.lstat()
             if not stat.S_ISREG(info.st_mode):
                 continue  # sockets, FIFOs: nothing a node could use
             size += info.st_size
             found.append(rel)
+            if size > limit:  # said at once, not after the whole walk
+                raise WorkdirError(
+                    f"{field}: {root} holds more than {format_bytes(limit)} to send (after its"
+                    f" ignore files), its limit; exclude what the job does not need in"
+                    f" {root}/.gpuflowignore, or raise job.workdir_max"
+                )
         dirs[:] = [d for d in dirs if not (here / d).is_symlink()]
-    if size > limit:
-        raise WorkdirError(
-            f"{field}: {root} holds {format_bytes(size)} to send (after its ignore files),"
-            f" over the limit of {format_bytes(limit)}; exclude what the job does not need in"
-            f" {root}/.gpuflowignore, or raise job.workdir_max"
-        )
     return sorted(found), left
+
+
+def _check_link(path: Path, rel: Path, root: Path, real_root: Path, field: str) -> None:
+    """WorkdirError when the link `path` points out of the folder, loops or cannot be
+    followed: a node gets the link as it is, so what it points to must be sent too."""
+    try:
+        target = path.resolve()  # a link to a file still to be made inside is sent as it is
+    except RuntimeError:  # Python 3.11 says a loop this way
+        target = None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise WorkdirError(
+                f"{field}: {rel} is a link to {os.readlink(path)}, which cannot be followed"
+                f" ({exc.strerror}); remove it or exclude it in {root}/.gpuflowignore"
+            ) from None
+        target = None
+    if target is None:
+        raise WorkdirError(
+            f"{field}: {rel} is a link that loops ({rel} -> {os.readlink(path)} -> ...);"
+            f" remove it or exclude it in {root}/.gpuflowignore"
+        )
+    if not target.is_relative_to(real_root):
+        raise WorkdirError(
+            f"{field}: {rel} is a link to {os.readlink(path)}, out of {root}; copy what it"
+            f" points to into the folder, or exclude it in {root}/.gpuflowignore"
+        )
 
 
 def pack(root: Path, limit: int, into: Path) -> Packed:

@@ -61,9 +61,11 @@ def test_a_workdir_over_its_limit_says_the_size_and_the_limit(folder):
     (folder / "ignored.bin").write_bytes(b"\1" * 900_000)
     (folder / ".gpuflowignore").write_text("ignored.bin\n")
     said = refused(command(folder, workdir_max="256Ki"))
-    assert said.startswith(f"job.workdir: {folder} holds 293.0 KiB to send (after its ignore")
-    assert "over the limit of 256.0 KiB; exclude what the job does not need in" in said
-    assert "or raise job.workdir_max." in said
+    assert said == (
+        f"job.workdir: {folder} holds more than 256.0 KiB to send (after its ignore files), its"
+        f" limit; exclude what the job does not need in {folder}/.gpuflowignore, or raise"
+        " job.workdir_max."
+    )
 
 
 def test_a_link_out_of_the_workdir_is_refused_and_one_inside_is_kept(folder, tmp_path):
@@ -244,6 +246,59 @@ def test_a_gpuflowignore_that_is_a_folder_is_one_sentence(folder):
         f"job.workdir: {folder}/.gpuflowignore is not a file; make it a file of patterns, one a"
         " line, as .gitignore's (a `!PATTERN` line sends what another line leaves out)"
     )
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+@pytest.mark.parametrize(
+    "plant, expected",
+    [
+        (
+            lambda f: (f / "a").symlink_to("b") or (f / "b").symlink_to("a"),
+            "job.workdir: a is a link that loops (a -> b -> ...); remove it or exclude it in"
+            " {folder}/.gpuflowignore",
+        ),
+        (
+            lambda f: (f / "root").symlink_to("/"),
+            "job.workdir: root is a link to /, out of {folder}; copy what it points to into the"
+            " folder, or exclude it in {folder}/.gpuflowignore",
+        ),
+        (
+            lambda f: _fifo(f / ".gpuflowignore"),
+            "job.workdir: {folder}/.gpuflowignore is not a file; make it a file of patterns, one"
+            " a line, as .gitignore's (a `!PATTERN` line sends what another line leaves out)",
+        ),
+        (
+            lambda f: (f / ".gitignore").symlink_to("/dev/zero"),
+            "job.workdir: {folder}/.gitignore is not a file; make it a file of patterns, one a"
+            " line, as .gitignore's (a `!PATTERN` line sends what another line leaves out)",
+        ),
+        (
+            lambda f: (f / ".gitignore").write_text("x\n" * 600_000),
+            "job.workdir: {folder}/.gitignore holds over 1.0 MiB of patterns; an ignore file"
+            " that large is not one: make it a file of patterns, one a line",
+        ),
+    ],
+    ids=["link-loop", "link-to-root", "fifo-ignore", "dev-zero-ignore", "huge-ignore"],
+)
+def test_a_hostile_working_folder_is_one_sentence_without_waiting(folder, plant, expected):
+    """Nothing blocks on a FIFO, reads /dev/zero, follows a link out or walks a loop."""
+    plant(folder)
+    with pytest.raises(WorkdirError) as refused:
+        scan(folder, 1 << 20)
+    assert str(refused.value) == expected.format(folder=folder)
+
+
+def test_a_workdir_that_is_a_link_to_the_root_stops_at_its_limit(tmp_path):
+    """The walk stops once the files pass the limit: it never reads the whole of /."""
+    (tmp_path / "everything").symlink_to("/")
+    with pytest.raises(WorkdirError) as refused:
+        scan(tmp_path / "everything", 1 << 20)
+    assert str(refused.value).startswith(
+        f"job.workdir: {tmp_path}/everything holds more than 1.0 MiB to send (after its ignore"
+    ) or "cannot be" in str(refused.value)
 
 
 def cluster(nodes: int, gpus: int, rendezvous: str | None = None) -> Cluster:
