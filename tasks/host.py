@@ -158,6 +158,24 @@ def read_state_json(path: Path) -> dict | None:
     return found if isinstance(found, dict) else None
 
 
+def state_records(
+    folder: Path, pattern: str = "*.json", skipped: Callable[[str], None] | None = None
+) -> Iterator[tuple[Path, dict]]:
+    """Yield each of gpuflow's state files in `folder` matching `pattern` with its JSON
+    object, in name order; one that is half-written is passed over, and one that is not a
+    plain file of this user's (a FIFO, a device, a link planted there) is passed over and
+    named to `skipped` (else to stderr), so it stops no reader of the others."""
+    for path in sorted(folder.glob(pattern)) if folder.is_dir() else []:
+        try:
+            found = read_state_json(path)
+        except (StateFileError, OSError) as exc:
+            said = f"passed over {path}: {exc}" if isinstance(exc, StateFileError) else str(exc)
+            (skipped or (lambda text: print(f"gpuflow: {text}", file=sys.stderr)))(said)
+            continue
+        if found is not None:
+            yield path, found
+
+
 def make_dirs(path: Path, private: bool | None = None) -> Path:
     """Make `path` and its missing parents, and return it. Private (0700, each folder made,
     not only the last: Path.mkdir gives parents the default mode) when `private` is True,

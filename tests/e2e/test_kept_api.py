@@ -202,12 +202,19 @@ def test_fifos_where_gpuflow_keeps_its_records_hang_no_command(tmp_path, gpuflow
     (servers / "4243.leases").mkdir(parents=True)
     os.mkfifo(servers / "4242.json")
     os.mkfifo(servers / "4243.leases" / "777")
+    planted = ["local/clusters/gpuflow-evil.json", "local/gpus/0.json", "unreported/x.json"]
+    planted += ["fleet/clusters/gpuflow-evil.json"]
+    for where in planted:
+        (gpuflow_home / where).parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(gpuflow_home / where)
     env = kept_env(tmp_path, gpuflow_home, GPUFLOW_API_IDLE_S="0")
     for argv in (["reap"], ["platform", "down"]):
         done = subprocess.run(
             [*GPUFLOW, *argv], env=env, capture_output=True, text=True, timeout=120
         )
         assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        if argv == ["reap"]:  # named, and the rest reaped
+            assert f"passed over {gpuflow_home}/local/clusters/gpuflow-evil.json" in done.stderr
     proc = start_run(tmp_path, "[echo, past-the-fifos]", env)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0 and "past-the-fifos" in out, out[-3000:]

@@ -50,7 +50,12 @@ from gpuflow.tasks.contract import (
     state_of,
 )
 from gpuflow.tasks.errors import CapacityError, InvalidSpec, JobCancelled, ProvisionError
-from gpuflow.tasks.host import gpuflow_home, make_dirs, read_state_json, write_atomic
+from gpuflow.tasks.host import (
+    gpuflow_home,
+    make_dirs,
+    state_records,
+    write_atomic,
+)
 from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
 from gpuflow.tasks.metrics.sampler import NODE_SAMPLES, SAMPLES
 from gpuflow.tasks.saved_blocks import load_block
@@ -699,10 +704,7 @@ class FleetBackend(UnitBackend):
     def list_owned(self, selector: Mapping[str, str]) -> list[Cluster]:
         """Return the runs on this fleet recorded here whose owner labels include `selector`."""
         found = []
-        for path in sorted(_record_path("x").parent.glob("*.json")):
-            data = read_state_json(path)
-            if data is None:
-                continue
+        for _, data in state_records(_record_path("x").parent):
             try:
                 cluster = Cluster.model_validate(data)
             except ValueError:

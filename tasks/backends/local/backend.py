@@ -45,6 +45,7 @@ from gpuflow.tasks.contract import (
 from gpuflow.tasks.errors import CapacityError, InvalidSpec, ProvisionError
 from gpuflow.tasks.host import (
     OutputPump,
+    StateFileError,
     alive,
     gpuflow_home,
     job_environ,
@@ -53,6 +54,7 @@ from gpuflow.tasks.host import (
     read_state_json,
     resolve_program,
     start_time,
+    state_records,
     stop_group,
     sweep_partial_writes,
     write_atomic,
@@ -152,6 +154,14 @@ class LocalBackend(UnitBackend):
             return LocalRecord.model_validate(found)
         except ValueError:  # not a record of this shape: as good as half-written
             return None
+
+    def _recorded(self, name: str) -> bool:
+        """Return True when cluster `name` has a record here (what another run planted
+        where its record would be is no record)."""
+        try:
+            return self._read_record(name) is not None
+        except StateFileError:
+            return False
 
     def _write_record(self, record: LocalRecord) -> None:
         text = record.model_dump_json(exclude={"cluster": {"adopted"}})
@@ -272,9 +282,8 @@ class LocalBackend(UnitBackend):
 
     def _claimed(self, index: int) -> bool:
         """Return True when another live gpuflow cluster holds GPU `index` of this host."""
-        path = self.home / "gpus" / f"{index}.json"
-        claim = read_state_json(path)
-        return claim is not None and self._read_record(str(claim.get("cluster", ""))) is not None
+        owner = _claim_owner(self.home / "gpus" / f"{index}.json")
+        return owner is not None and self._recorded(owner)
 
     def provision(self, spec: JobSpec, owner: Mapping[str, str]) -> Cluster:
         """Reserve GPUs and make the workspace. Retried with the same owner, it adopts what
@@ -384,10 +393,15 @@ class LocalBackend(UnitBackend):
         return [i for i, _ in taken], [p for _, p in taken]
 
     def _drop_stale_claim(self, path: Path) -> None:
-        claim = read_state_json(path)
+        try:
+            claim = read_state_json(path)
+        except StateFileError:  # planted in gpuflow's own folder: no claim of a run
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return
         if claim is None:
             return
-        if self._read_record(str(claim.get("cluster", ""))) is None:
+        if not self._recorded(str(claim.get("cluster", ""))):
             path.unlink(missing_ok=True)
 
     def start(
@@ -531,11 +545,11 @@ class LocalBackend(UnitBackend):
     def list_owned(self, selector: Mapping[str, str]) -> list[Cluster]:
         """Return clusters recorded on this host whose owner labels include `selector`."""
         found = []
-        for path in sorted((self.home / "clusters").glob("*.json")):
-            record = self._read_record(path.stem)
-            if record is None:
+        for _, data in state_records(self.home / "clusters"):
+            try:
+                cluster = LocalRecord.model_validate(data).cluster
+            except ValueError:  # not a record of this shape: as good as half-written
                 continue
-            cluster = record.cluster
             if all(cluster.owner.get(k) == v for k, v in selector.items()):
                 found.append(cluster)
         return found
@@ -611,5 +625,9 @@ def _stop_strays(workspace: str, grace_s: float = 5.0, cwd_since: float | None =
 
 
 def _claim_owner(path: Path) -> str | None:
-    claim = read_state_json(path)
-    return None if claim is None else claim.get("cluster")
+    try:
+        claim = read_state_json(path)
+    except StateFileError:  # not a claim gpuflow wrote: nobody's
+        return None
+    owner = None if claim is None else claim.get("cluster")
+    return owner if isinstance(owner, str) else None
