@@ -89,3 +89,58 @@ def test_a_zombie_is_not_alive():
     finally:
         os.waitpid(pid, 0)
     assert not alive(pid, started)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make folders of another user's")
+def test_a_planted_gpuflow_or_prefect_home_is_refused_before_anything_is_written(tmp_path):
+    """Another user's GPUFLOW_HOME gets nothing written into it; another user's PREFECT_HOME
+    (or their database in a folder of the victim's) gets no server started on it: that user
+    could read the Secret blocks and the key in the database."""
+    import subprocess
+    import sys
+
+    def foreign(path, mode):
+        path.mkdir(mode=mode)
+        path.chmod(mode)
+        os.chown(path, 65534, 65534)
+        return path
+
+    job = tmp_path / "job.yaml"
+    job.write_text("job: {kind: command, command: [echo, hi]}\n")
+    mine = tmp_path / "mine"
+    plant = foreign(tmp_path / "planted", 0o777)
+    (plant / "prefect.db").touch()
+    (plant / "prefect.db").chmod(0o666)
+    os.chown(plant / "prefect.db", 65534, 65534)
+
+    def run(gpuflow_home, prefect_home) -> str:
+        env = {**os.environ, "GPUFLOW_HOME": str(gpuflow_home), "PREFECT_HOME": str(prefect_home)}
+        env.pop("PREFECT_API_URL", None)
+        done = subprocess.run(
+            [sys.executable, "-m", "gpuflow.cli", "run", str(job)],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        return done.stderr.strip()
+
+    said = run(plant, tmp_path / "prefect")
+    assert said == (
+        f"gpuflow: invalid input: {plant} belongs to uid 65534, not to you: another user could"
+        " read your runs and secrets there; point GPUFLOW_HOME at a folder of your own."
+    )
+    assert [p.name for p in plant.iterdir()] == ["prefect.db"]  # nothing made in it
+    said = run(mine, plant)
+    assert said.endswith(
+        f"gpuflow: PREFECT_HOME {plant} belongs to uid 65534, not to you: that user could read"
+        " your Secret blocks in its database; point PREFECT_HOME at a folder of your own, or"
+        " unset it (~/.prefect)."
+    ), said
+    os.chown(plant, 0, 0)  # the victim's own folder, with another user's database in it
+    said = run(mine, plant)
+    assert said.endswith(
+        f"gpuflow: {plant}/prefect.db is not a database file of yours (uid 65534, mode"
+        " -rw-rw-rw-): another user could read your Secret blocks in it; remove it, or point"
+        " PREFECT_HOME at a folder of your own, or unset it (~/.prefect)."
+    ), said
+    assert plant.stat().st_mode & 0o777 == 0o700  # the victim's folder: narrowed
+    assert (plant / "prefect.db").stat().st_size == 0  # no server opened it

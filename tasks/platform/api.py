@@ -22,6 +22,7 @@ import shutil
 import signal
 import socket
 import ssl
+import stat
 import subprocess
 import sys
 import time
@@ -51,6 +52,7 @@ from gpuflow.tasks.host import (
 )
 from gpuflow.tasks.platform import kept_api
 from gpuflow.tasks.platform import state as platform_state
+from gpuflow.tasks.platform.server import sqlite_file
 
 # A cold first start (no bytecode yet, a new SQLite database) took 34 s on a busy
 # 2-core machine; Prefect's own ephemeral start gives up after 20 s.
@@ -84,6 +86,55 @@ class Api:
 
 def prefect_home() -> str:
     return kept_api.prefect_home(dict(os.environ))
+
+
+DATABASE_URL_SETTINGS = (
+    "PREFECT_SERVER_DATABASE_CONNECTION_URL",
+    "PREFECT_API_DATABASE_CONNECTION_URL",
+)
+
+
+def own_prefect_home() -> Path:
+    """Return PREFECT_HOME, made (or narrowed to) a folder this user alone may enter, once
+    it and the SQLite database a temporary API would open are this user's own: a folder or
+    database another user made (and so can read: Secret blocks and the key that decrypts
+    them live in that database) is refused in one sentence before a server starts on it."""
+    home = Path(prefect_home())
+    fix = "point PREFECT_HOME at a folder of your own, or unset it (~/.prefect)"
+    try:
+        info = home.stat() if home.exists() else None
+        if info is not None and info.st_uid != os.geteuid():
+            raise StateFileError(
+                f"PREFECT_HOME {home} belongs to uid {info.st_uid}, not to you: that user could"
+                f" read your Secret blocks in its database; {fix}."
+            )
+        private_dir(home)
+        database = _sqlite_path(home)
+        for path in (database, *(database.with_name(database.name + x) for x in ("-wal", "-shm"))):
+            if not path.exists() and not path.is_symlink():
+                continue
+            found = path.lstat()
+            if not stat.S_ISREG(found.st_mode) or found.st_uid != os.geteuid():
+                raise StateFileError(
+                    f"{path} is not a database file of yours (uid {found.st_uid}, mode"
+                    f" {stat.filemode(found.st_mode)}): another user could read your Secret"
+                    f" blocks in it; remove it, or {fix}."
+                )
+            if found.st_mode & 0o077:
+                path.chmod(0o600)
+    except OSError as exc:
+        raise StateFileError(
+            f"PREFECT_HOME {home} cannot be used ({exc.strerror or exc}); {fix}."
+        ) from None
+    return home
+
+
+def _sqlite_path(home: Path) -> Path:
+    """Return the SQLite file a Prefect server started here would use (PREFECT_HOME's
+    prefect.db unless a database URL names another)."""
+    url = next((os.environ[k] for k in DATABASE_URL_SETTINGS if os.environ.get(k)), "")
+    named = sqlite_file(url.replace("${PREFECT_HOME}", str(home)))
+    return home / "prefect.db" if named is None else named
 
 
 def servers_dir() -> Path:
@@ -323,6 +374,7 @@ def start_temporary(
     timeout_s = start_timeout_s() if timeout_s is None else timeout_s
     keep_s = kept_api.idle_s() if keep_s is None else keep_s
     secure_home()
+    own_prefect_home()
     servers = private_dir(servers_dir())
     auth_file = servers / "auth"
     auth = auth_string(auth_file)

@@ -101,16 +101,22 @@ def create_app() -> Any:
     return HostCheck(app, names)
 
 
+def sqlite_file(url: str) -> Path | None:
+    """Return the file of a SQLite database URL (None for another database)."""
+    if not url.startswith("sqlite") or ":///" not in url:
+        return None
+    return Path(url.split(":///", 1)[1].split("?", 1)[0])
+
+
 def narrow_database() -> None:
     """Make the server's SQLite database, its journal files and their folder this user's
     alone (an older one, or one Prefect made, may be 0644: it holds the key that decrypts
     the blocks' secrets). A database of another user's is left as it is."""
     from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
 
-    url = PREFECT_API_DATABASE_CONNECTION_URL.value() or ""
-    if not url.startswith("sqlite") or ":///" not in url:
+    database = sqlite_file(PREFECT_API_DATABASE_CONNECTION_URL.value() or "")
+    if database is None:
         return
-    database = Path(url.split(":///", 1)[1].split("?", 1)[0])
     for path, mode in [(database.parent, 0o700)] + [
         (database.with_name(database.name + suffix), 0o600) for suffix in ("", "-wal", "-shm")
     ]:

@@ -53,6 +53,7 @@ from gpuflow.tasks.host import (
     private_dir,
     read_state_json,
     resolve_program,
+    secure_home,
     start_time,
     state_records,
     stop_group,
@@ -208,6 +209,11 @@ class LocalBackend(UnitBackend):
                 f" {spec.resources.nodes}; set resources.nodes: 1 or placement.backend: kubernetes."
             )
         root = workspace_root(spec)
+        if not spec.placement.workspace_root:
+            try:  # a GPUFLOW_HOME of another user's is refused before a byte goes in
+                secure_home()
+            except StateFileError as exc:
+                raise InvalidSpec(str(exc)) from None
         probe = root / f".gpuflow-probe-{os.getpid()}"
         try:
             make_dirs(root)
