@@ -165,7 +165,7 @@ def _status(local: Any) -> int:
         return EXIT_FAILED
     for name, entry in state["processes"].items():
         print(f"{name}: pid {entry['pid']} {'running' if local.running(entry) else 'gone'}")
-    problem = health_error(state["api"], timeout_s=5)
+    problem = local.half_started(state) or health_error(state["api"], timeout_s=5)
     running = problem is None and all(local.running(p) for p in state["processes"].values())
     print(f"runs kept in {local.runs_kept_in(state.get('database'))}")
     print(

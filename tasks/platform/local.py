@@ -49,7 +49,14 @@ from gpuflow.tasks.platform.deploy import (
 )
 from gpuflow.tasks.platform.reap import reap
 from gpuflow.tasks.platform.state import auth as platform_auth
-from gpuflow.tasks.platform.state import auth_path, platform_dir, read_state, running, state_path
+from gpuflow.tasks.platform.state import (
+    auth_path,
+    half_started,
+    platform_dir,
+    read_state,
+    running,
+    state_path,
+)
 from gpuflow.tasks.platform.state import trust as platform_trust
 from gpuflow.tasks.platform.tls import Listening, client_context, listening
 
@@ -190,7 +197,7 @@ def up(
     if database not in DATABASES:
         raise InvalidSpec(f"--database: {database!r} is not one of {', '.join(DATABASES)}.")
     state = read_state()
-    if state and all(running(p) for p in state["processes"].values()):
+    if state and all(running(p) for p in state["processes"].values()) and _whole(state, say):
         return _already_running(state, kubeconfig, database, use, say)
     if not 1 <= port <= 65535:
         raise InvalidSpec(f"--port: {port} is not a TCP port; give one from 1 to 65535.")
@@ -217,6 +224,8 @@ def up(
         "ui": ui,
         "processes": processes,
         "listening": where.model_dump(),
+        # until `up_seconds` is written, this `up` is starting it (half_started says when not)
+        "starter": {"pid": os.getpid(), "started": psutil.Process().create_time()},
     }
     try:
         if database == "postgresql":
@@ -251,6 +260,21 @@ def up(
     except OSError as exc:  # a read-only PREFECT_HOME: the export line above still works
         say(f"Prefect's profile {PROFILE} could not be written ({exc.strerror or exc})")
     return state
+
+
+def _whole(state: dict[str, Any], say: Any) -> bool:
+    """Return True when the running platform is whole; False (said) when its `up` ended
+    before its worker started, to be stopped and started again; PlatformError while
+    another `up` is still starting it."""
+    if (half := half_started(state)) is not None:
+        say(f"the platform was {half.split(';')[0]}: stopping what it started, then starting it")
+        return False
+    if state.get("up_seconds") is None:
+        raise PlatformError(
+            f"another `gpuflow platform up` (pid {state['starter']['pid']}) is starting the"
+            " platform; wait for it to say `up in ...`, or stop it and run `up` again"
+        )
+    return True
 
 
 def _already_running(

@@ -46,6 +46,22 @@ def read_state() -> dict[str, Any] | None:
     return state if isinstance(state, dict) and "processes" in state else None
 
 
+def half_started(state: dict[str, Any]) -> str | None:
+    """Return why a recorded platform is not whole (its `up` ended, by a SIGKILL or a
+    reboot, before its worker started: it would take runs and never start them), or None
+    when it is whole or its `up` still runs."""
+    if state.get("up_seconds") is not None:  # written once the workers run
+        return None
+    starter = state.get("starter")
+    if isinstance(starter, dict) and running(starter):
+        return None
+    pid = starter.get("pid") if isinstance(starter, dict) else "?"
+    return (
+        f"half started: its `gpuflow platform up` (pid {pid}) ended before its worker started,"
+        " so submitted runs would wait for ever; `gpuflow platform up` starts it again"
+    )
+
+
 def running(entry: dict[str, Any]) -> bool:
     """Return True while the process `up` recorded still runs (not a reused PID)."""
     return alive(entry["pid"], entry["started"])

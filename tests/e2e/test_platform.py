@@ -423,6 +423,38 @@ def test_a_server_slower_than_its_start_bound_is_one_sentence_and_leaves_nothing
     assert not [p for p in servers if not process_gone(p.pid)], "the server was left running"
 
 
+def test_a_platform_whose_up_was_killed_before_its_worker_is_never_called_running(tmp_path):
+    """SIGKILL to `platform up` once its server answers, before its worker starts (the
+    moment it says so): `status` says it is half started and fails; the next `up` stops
+    what was left and starts the whole platform; nothing stays after `down`."""
+    half = Platform(tmp_path / "home", free_port())
+    killed_at_the_server = (
+        "import os, signal, sys\n"
+        "from gpuflow.tasks.platform import local\n"
+        "def say(line):\n"
+        "    print(line, flush=True)\n"
+        "    if line.startswith('started the Prefect server'):\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"local.up(port={half.port}, say=say)\n"
+    )
+    killed = half.run(sys.executable, "-c", killed_at_the_server, timeout=300)
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    assert set(half.state()["processes"]) == {"server"}
+    status = half.gpuflow("platform", "status", timeout=60)
+    assert status.returncode == 1, status.stdout
+    assert "not healthy: half started: its `gpuflow platform up` (pid" in status.stdout
+    assert "ended before its worker started" in status.stdout, status.stdout
+    server = half.state()["processes"]["server"]["pid"]
+    up = half.gpuflow("platform", "up", "--port", str(half.port), timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert "the platform was half started: its `gpuflow platform up` (pid" in up.stdout
+    assert "started a process worker" in up.stdout and process_gone(server)
+    assert half.gpuflow("platform", "status", timeout=60).returncode == 0
+    pids = [p["pid"] for p in half.state()["processes"].values()]
+    half.gpuflow("platform", "down", timeout=120)
+    assert all(process_gone(pid) for pid in pids)
+
+
 def test_up_on_another_database_than_the_running_platform_is_refused(platform):
     """The running platform keeps its runs in SQLite: asking for PostgreSQL says so and
     changes nothing (its runs would not be where the user looks)."""
