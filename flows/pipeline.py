@@ -11,7 +11,6 @@ from prefect.runtime import flow_run as current_run
 from prefect.states import Cancelled, State
 from pydantic import BaseModel
 
-from gpuflow.tasks import secrets
 from gpuflow.tasks.contract import Cluster, owner_labels
 from gpuflow.tasks.errors import InvalidSpec, JobCancelled, JobFailed
 from gpuflow.tasks.host import gpuflow_home, signals_deferred
@@ -22,7 +21,7 @@ from gpuflow.tasks.pipeline.failover import place_on
 from gpuflow.tasks.pipeline.heartbeat import flow_run_heartbeat
 from gpuflow.tasks.pipeline.inflight import run_in_flight
 from gpuflow.tasks.pipeline.stages import (
-    keep_outputs,
+    keep_run_outputs,
     nothing_to_do,
     release_unprovisioned,
     retrying,
@@ -112,15 +111,16 @@ def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
 def _checked_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
     job = load_spec(spec.model_dump() if isinstance(spec, JobSpec) else spec)
     pool = check_pool(job)  # every candidate, before anything is provisioned
-    job, packed = pack_code(job)  # once per run: every attempt, anywhere, gets these files
-    if packed is not None:
-        get_run_logger().info(said(packed))
-        pool = [(placed.model_copy(update={"job": job.job}), prices) for placed, prices in pool]
     run_id = str(current_run.id)
     out = artifacts_dir(pool[0][0], run_id)
-    idle = nothing_to_do(pool[0][0])
     places = [j.placement for j, _ in pool]
-    with run_in_flight(run_id, *places):
+    # on disk from here: a gpuflow killed at any later moment is found by `gpuflow reap`
+    with run_in_flight(run_id, *places, artifacts=out, secret_env=job.secret_env):
+        job, packed = pack_code(job)  # once per run: every attempt, anywhere, gets these files
+        if packed is not None:
+            get_run_logger().info(said(packed))
+            pool = [(placed.model_copy(update={"job": job.job}), prices) for placed, prices in pool]
+        idle = nothing_to_do(pool[0][0])
         return _attempt(pool, run_id, out, owner_labels(run_id, job.name), idle)
 
 
@@ -166,11 +166,7 @@ def _attempt(
 def _kept(spec: JobSpec, run_id: str, out: Path, places: list[Placement]) -> str:
     """Keep what the job wrote, for a run that ends without collect; return "; " and
     what was kept, to add to the run's last sentence ("" when nothing was)."""
-    try:
-        redact = secrets.Redactor(secrets.resolve(spec.secret_env).values())
-    except Exception:  # its blocks cannot be read now: the summaries' files mask nothing
-        redact = _unreadable
-    said = [line for where in places for line in keep_outputs(where, run_id, out, redact)]
+    said = keep_run_outputs(places, run_id, out, spec.secret_env)
     try:
         logger: Any = get_run_logger()
     except Exception:  # outside a run's context
@@ -178,11 +174,6 @@ def _kept(spec: JobSpec, run_id: str, out: Path, places: list[Placement]) -> str
     for line in said:
         logger.warning("%s", line)
     return "".join(f"; {line}" for line in said)
-
-
-def _unreadable(text: str) -> str:
-    """A redactor for when the run's secrets cannot be read: nothing of the text is shown."""
-    return "(not shown: the run's secrets could not be read to mask it)"
 
 
 def _result(

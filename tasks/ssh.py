@@ -9,15 +9,43 @@ from __future__ import annotations
 
 import atexit
 import base64
+import os
 import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 # ssh's own failures exit with this; the remote command's codes pass through
 SSH_FAILED = 255
+
+KEY_FOLDER = "gpuflow-ssh-"  # in the temporary folder: gpuflow-ssh-<pid>-<random>
+
+
+def sweep_keys() -> list[Path]:
+    """Remove this user's SSH folders (key, known hosts, config) that a gpuflow process
+    made and left when it was killed; return them. A folder whose process runs is kept."""
+    swept = []
+    for folder in Path(tempfile.gettempdir()).glob(f"{KEY_FOLDER}*-*"):
+        pid = folder.name.removeprefix(KEY_FOLDER).split("-", 1)[0]
+        try:
+            info = folder.lstat()
+        except OSError:
+            continue
+        if not pid.isdigit() or not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            continue
+        try:  # the same process made it, not a later one given the same PID
+            if psutil.Process(int(pid)).create_time() <= info.st_mtime + 1:
+                continue
+        except psutil.Error:
+            pass
+        shutil.rmtree(folder, ignore_errors=True)
+        swept.append(folder)
+    return swept
 
 
 @dataclass(frozen=True)
@@ -86,7 +114,9 @@ class SshTarget:
         self.endpoint, self.what, self.jump, self.key_name = endpoint, what, jump, key_name
         self.fields = {"key": "ssh_key", "known_hosts": "known_hosts", "address": "host"}
         self.fields.update(fields or {})
-        self._dir = Path(tempfile.mkdtemp(prefix="gpuflow-ssh-"))  # 0700: the key stays private
+        # 0700: the key stays private; named by this process, so `gpuflow reap` removes it
+        # once the process is gone (a SIGKILL skips atexit)
+        self._dir = Path(tempfile.mkdtemp(prefix=f"{KEY_FOLDER}{os.getpid()}-"))
         atexit.register(self.close)
         lines = [
             "BatchMode yes",

@@ -37,6 +37,7 @@ from gpuflow.tasks.units import format_bytes
 IGNORE_FILES = (".gitignore", ".gpuflowignore")
 ALWAYS_LEFT_OUT = (".git/",)
 WORK = "work"  # the working folder's place in a unit's workspace
+PACKING = ".packing-"  # an archive being written: .packing-<pid>-<ns>
 SHA_MARKER = ".gpuflow-work-sha256"  # beside it: the archive it was unpacked from
 SETUP_FAILED_EXIT = 3  # what the starter exits with when a setup command fails
 KEEP_ARCHIVES_S = 7 * 24 * 3600  # packed archives unused this long are removed
@@ -254,11 +255,12 @@ def pack(root: Path, limit: int, into: Path) -> Packed:
     files, left_out = scan_folder(root, limit)
     into.mkdir(parents=True, exist_ok=True)
     _remove_old(into)
-    temporary = into / f".packing-{os.getpid()}-{time.monotonic_ns()}"
+    temporary = into / f"{PACKING}{os.getpid()}-{time.monotonic_ns()}"  # 0600, swept by reap
     size = 0
     digest = hashlib.sha256()
     try:
-        with open(temporary, "wb") as raw:
+        made = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(made, "wb") as raw:
             hashing = _HashingWriter(raw, digest)
             with (
                 gzip.GzipFile(fileobj=hashing, mode="wb", compresslevel=1, mtime=0) as zipped,

@@ -157,6 +157,25 @@ def teardown_owned(placement: Placement, flow_run_id: str) -> list[TeardownRepor
     return [compute.teardown(c) for c in compute.list_owned({RUN_LABEL: flow_run_id})]
 
 
+def keep_run_outputs(
+    places: list[Placement], run_id: str, artifacts: Path, secret_env: dict[str, str]
+) -> list[str]:
+    """`keep_outputs` on each of the run's placements, the summaries' secrets masked (the
+    run's secrets are read again; when they cannot be, those files show nothing)."""
+    from gpuflow.tasks import secrets
+
+    try:
+        redact: Callable[[str], str] = secrets.Redactor(secrets.resolve(secret_env).values())
+    except Exception:  # its blocks cannot be read now
+        redact = _unreadable
+    return [line for where in places for line in keep_outputs(where, run_id, artifacts, redact)]
+
+
+def _unreadable(text: str) -> str:
+    """A redactor for when the run's secrets cannot be read: nothing of the text is shown."""
+    return "(not shown: the run's secrets could not be read to mask it)"
+
+
 def keep_outputs(
     placement: Placement, flow_run_id: str, artifacts: Path, redact: Callable[[str], str]
 ) -> list[str]:

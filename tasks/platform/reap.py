@@ -34,8 +34,13 @@ from gpuflow.tasks.host import (
     read_state_json,
     write_atomic,
 )
+from gpuflow.tasks.pipeline import inflight
+from gpuflow.tasks.pipeline.stages import keep_run_outputs
+from gpuflow.tasks.pipeline.usercode import archives
 from gpuflow.tasks.platform import api as prefect_api
 from gpuflow.tasks.platform.state import read_state
+from gpuflow.tasks.ssh import sweep_keys
+from gpuflow.tasks.workdir import PACKING
 
 CRASHED_MESSAGE = "its gpuflow process was killed; `gpuflow reap` tore down what it left"
 OUTAGE_MESSAGE = (
@@ -142,6 +147,38 @@ def deliver_unreported(say: Callable[[str], None], current_url: str | None = Non
     return marked
 
 
+def keep_orphans(
+    dry_run: bool, say: Callable[[str], None]
+) -> tuple[list[tuple[str, str | None]], int]:
+    """Find the runs whose gpuflow died at any stage (by their in-flight records, made
+    before anything was packed or provisioned): keep what each job wrote (its outputs, a
+    checkpoint) in the run's artifacts while its workspace still stands, remove what the
+    dead process half-wrote (a folder being packed, its SSH key folder); return the runs
+    to mark Crashed and how many files were removed."""
+    crashed: list[tuple[str, str | None]] = []
+    removed = 0
+    for path, run in inflight.orphans():
+        if dry_run:
+            say(f"would keep what flow run {run.run_id} wrote in {run.artifacts} (its gpuflow,"
+                f" pid {run.pid}, is gone)")  # fmt: skip
+            continue
+        started = time.monotonic()
+        artifacts = Path(run.artifacts)
+        for line in keep_run_outputs(run.placements, run.run_id, artifacts, run.secret_env):
+            say(f"flow run {run.run_id}: {line} (in {time.monotonic() - started:.1f} s)")
+        for half in archives().glob(f"{PACKING}{run.pid}-*"):
+            half.unlink(missing_ok=True)
+            say(f"removed {half} (half-written by a process that died)")
+            removed += 1
+        crashed.append((run.run_id, run.api_url))
+        path.unlink(missing_ok=True)
+    if not dry_run:
+        for folder in sweep_keys():
+            say(f"removed {folder} (the SSH key folder of a process that died)")
+            removed += 1
+    return crashed, removed
+
+
 def os_api_url() -> str:
     """Return the API this process would use: PREFECT_API_URL, else the local platform's."""
     state = read_state()
@@ -179,9 +216,12 @@ def reap(
     node) or the Ec2GpuFleet asked; `namespace`: the Kubernetes namespace. On this host,
     also the temporary Prefect APIs killed gpuflows left. Return counts of what was (or,
     with `dry_run`, would be) done; EC2 adds what its instances cost an hour."""
+    orphans, half_written = keep_orphans(dry_run, say)  # before any backend tears down
     found = _reaper(backend, block, namespace).reap(dry_run, say, PrefectRuns())
+    found.crashed = list(dict.fromkeys([*orphans, *found.crashed]))
     done: dict[str, Any] = {"clusters": 0, "flow_runs_crashed": 0, "servers": 0, "files": 0}
     done |= {k: v if k.endswith("_usd") else int(v) for k, v in found.counts.items()}
+    done["files"] += half_written
     servers = prefect_api.leftover_servers() if backend == "local" else []
     for record in servers:
         say(

@@ -33,6 +33,7 @@ def leftovers(home: Path) -> dict[str, list[str]]:
         "workspaces": names(home / "workspaces"),
         "records": names(home / "local" / "clusters"),
         "gpu_claims": names(home / "local" / "gpus"),
+        "in_flight": names(home / "inflight"),
     }
 
 

@@ -226,6 +226,52 @@ def test_the_temporary_api_stops_on_sigterm_not_sigkill(tmp_path, gpuflow_home, 
     assert servers_of(tmp_path / "prefect-home") == []
 
 
+def test_reap_keeps_what_a_killed_runs_job_wrote_and_finds_a_run_killed_before_provision(
+    tmp_path, gpuflow_home, monkeypatch
+):
+    """Two runs SIGKILLed: one whose job wrote 2,000 outputs and one still waiting for the
+    GPU the first holds (nothing provisioned). `gpuflow reap` keeps the first's outputs in
+    its artifacts before its workspace goes, and marks both flow runs Crashed; no record,
+    workspace or SSH key folder of theirs is left."""
+    from tests.conftest import FAKES
+
+    env = fresh_env(tmp_path, gpuflow_home)
+    env.update(PYTHONPATH=str(FAKES), FAKE_NVML_GPUS="1")
+    pidfile = tmp_path / "job.pid"
+    writes = "cd $GPUFLOW_OUTPUT_DIR && seq -f f%04g.txt 1 2000 | xargs touch && echo done > last"
+    first = tmp_path / "first.yaml"
+    first.write_text(
+        "name: first\nresources: {gpus: 1}\njob: {kind: command, command: [sh, -c,"
+        f" '{writes}; echo $$ > {pidfile}; exec sleep 300']}}\n"
+    )
+    second = tmp_path / "second.yaml"
+    second.write_text(
+        "name: second\nresources: {gpus: 1}\nplacement: {gpu_wait: 900}\n"
+        "job: {kind: command, command: [echo, never]}\n"
+    )
+    runs = [subprocess.Popen([*GPUFLOW, "run", str(first)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)]  # fmt: skip
+    wait_for(runs[0], lambda: pidfile.exists() and pidfile.read_text().strip())
+    runs.append(subprocess.Popen([*GPUFLOW, "run", str(second)], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    in_flight = gpuflow_home / "inflight"
+    wait_for(runs[1], lambda: len(list(in_flight.glob("*.json"))) == 2)
+    for proc in runs:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert len(list((gpuflow_home / "local" / "clusters").glob("*.json"))) == 1  # the first's
+    out = subprocess.run([*GPUFLOW, "reap"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "2 flow run(s) marked Crashed" in out.stdout, out.stdout
+    assert "the job's outputs were kept: 2001 file(s) in" in out.stdout, out.stdout
+    (kept,) = (gpuflow_home / "runs").glob("first-*")
+    assert len(list((kept / "outputs").iterdir())) == 2001
+    assert (kept / "outputs" / "last").read_text() == "done\n"
+    assert nothing_left(gpuflow_home)
+    states = flow_run_states(env, monkeypatch)
+    assert [s for s, _ in states] == ["CRASHED", "CRASHED"], states
+
+
 def test_reap_after_sigkill_stops_the_temporary_api_and_marks_the_run_crashed(
     tmp_path, gpuflow_home, monkeypatch
 ):

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import tempfile
 import sys
 import textwrap
 import threading
@@ -358,6 +359,9 @@ def test_a_killed_orchestrators_gpus_come_free_after_its_lease_and_its_unit_stop
     assert f"forgetting {record.stem}: no host holds it" in reaped.stdout, reaped.stdout
     assert "1 flow run(s) marked Crashed" in reaped.stdout, reaped.stdout
     assert not record.exists()
+    # the fleet's private SSH key, in a folder named by the killed process: removed too
+    assert not list(Path(tempfile.gettempdir()).glob(f"gpuflow-ssh-{orchestrator.pid}-*"))
+    assert f"gpuflow-ssh-{orchestrator.pid}-" in reaped.stdout, reaped.stdout
     assert flow_run(record.stem.removeprefix("gpuflow-")).state.is_crashed()
     status = cli(prefect_api, gpuflow_home, "fleet", "status", "lab", "--json")
     rows = json.loads(status.stdout)["hosts"]
