@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import psutil
 from pydantic import BaseModel
@@ -105,9 +105,41 @@ def write_atomic(path: Path, text: str) -> None:
         with os.fdopen(descriptor, "w") as out:
             out.write(text)
         tmp.replace(path)
-    except BaseException:  # a full disk: no half-written sibling stays behind
+    except BaseException as exc:  # a full disk: no half-written sibling stays behind
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise NoSpace(exc.errno, path.parent, len(text.encode())) from None
         raise
+
+
+class NoSpace(GpuflowError, OSError):
+    """A disk gpuflow writes to is full (or its quota spent): one sentence naming the folder
+    and what the write needed; still an OSError to every `except OSError`."""
+
+    def __init__(self, code: int, folder: Path, needed: int) -> None:
+        super().__init__(code, os.strerror(code))
+        try:
+            free = shutil.disk_usage(folder).free
+        except OSError:
+            free = 0
+        spent = "its quota is spent" if code == errno.EDQUOT else f"{free:,} bytes free"
+        self.sentence = (
+            f"the disk of {folder} is full ({spent}; gpuflow needed {needed:,} bytes to write"
+            " its record there); free space on it, or point GPUFLOW_HOME at a disk with room"
+        )
+
+    def __str__(self) -> str:
+        return self.sentence
+
+    def __reduce__(self) -> Any:  # pickled into a Prefect state: the sentence stays
+        return (_no_space, (self.errno, self.sentence))
+
+
+def _no_space(code: int, sentence: str) -> NoSpace:
+    made = NoSpace.__new__(NoSpace)
+    OSError.__init__(made, code, os.strerror(code))
+    made.sentence = sentence
+    return made
 
 
 class StateFileError(GpuflowError):

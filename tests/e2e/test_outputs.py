@@ -90,6 +90,41 @@ def test_a_full_artifacts_disk_keeps_the_outputs_whole_and_says_where(
         subprocess.run(["umount", str(small)], check=True)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small tmpfs")
+def test_a_full_gpuflow_home_is_one_sentence_and_the_outputs_are_kept_whole(prefect_api, tmp_path):
+    """GPUFLOW_HOME on an 8 MiB disk, which the job fills: the run fails with one sentence
+    naming the full folder (never a traceback), what the job wrote is kept whole, and no
+    half-written file of gpuflow's stays."""
+    import subprocess
+
+    from tests.conftest import subprocess_env
+
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)], check=True)
+    try:
+        job = tmp_path / "fill.yaml"
+        fill = "head -c 20000000 /dev/zero > $GPUFLOW_OUTPUT_DIR/big.bin; echo filled"
+        job.write_text(
+            f"resources: {{disk: 1Mi}}\nretry: {{run: {{retries: 0}}}}\n"
+            f"job: {{kind: command, command: [sh, -c, '{fill}']}}\n"
+        )
+        env = subprocess_env(prefect_api, small / "home")
+        done = subprocess.run(
+            [*GPUFLOW, "run", str(job)], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+        assert "Traceback" not in done.stdout + done.stderr, done.stderr[-3000:]
+        (last,) = [line for line in done.stderr.splitlines() if line.startswith("gpuflow: failed")]
+        assert last.startswith(f"gpuflow: failed: the disk of {small}/home/"), last
+        assert "is full (" in last and "point GPUFLOW_HOME at a disk with room" in last, last
+        (kept,) = (small / "home" / "kept").iterdir()
+        assert (kept / "big.bin").stat().st_size > 0
+        assert not [p for p in small.rglob(".*.tmp")]
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
 def test_a_job_s_temporary_files_go_with_its_workspace(prefect_api, gpuflow_home, tmp_path):
     """A job's TMPDIR is a folder of its own (0700, a short path: programs put Unix sockets
     there): what it leaves in its temporary folder (mktemp, Python's tempfile) is removed by
