@@ -10,8 +10,8 @@ import os
 import re
 import signal
 import subprocess
-import tempfile
 import sys
+import tempfile
 import textwrap
 import threading
 import time
