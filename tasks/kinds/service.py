@@ -16,6 +16,7 @@ from gpuflow.tasks.kinds.code import check_code
 from gpuflow.tasks.outputs import read_result
 from gpuflow.tasks.service import native
 from gpuflow.tasks.service.model import PORT_VARIABLE, ServiceJob, ServiceResult
+from gpuflow.tasks.service.restarts import address_here
 from gpuflow.tasks.service.serve import serve
 from gpuflow.tasks.spec import JobSpec
 
@@ -89,6 +90,12 @@ class ServiceKind(JobKind):
                 "job: a service's endpoint runs on this machine, in front of its replicas on"
                 f" {where.where}, and HAProxy is not installed here; install it"
                 " (scripts/setup.sh --serve, or apt-get install haproxy)."
+            )
+        if (why := address_here(job.host)) is not None:
+            raise InvalidSpec(
+                f"job.host: the endpoint cannot listen on {job.host} on this machine ({why});"
+                " give one of its addresses (127.0.0.1 for this machine alone, 0.0.0.0 for"
+                " every network)."
             )
         check_code(spec, job, job.command, {PORT_VARIABLE, "GPUFLOW_REPLICA"}, where)
         if job.port is not None and _listening(job.host, job.port):

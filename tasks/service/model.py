@@ -140,6 +140,13 @@ class ServiceJob(CodeJob):
         description="How long a replica may take to pass its readiness check before it is"
         " replaced.",
     )
+    failures_max: int = Field(
+        5,
+        ge=1,
+        le=1000,
+        description="Replicas in a row that end by themselves or are never ready before the"
+        " service fails (each next one starts after a back-off: 1 s, doubling, up to 60 s).",
+    )
     request_wait_s: Seconds = Field(
         120.0,
         gt=0,

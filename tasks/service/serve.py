@@ -40,6 +40,7 @@ from gpuflow.tasks.service.model import (
     ServiceJob,
     ServiceResult,
 )
+from gpuflow.tasks.service.restarts import STABLE_S, Restarts, listening_elsewhere
 from gpuflow.tasks.service.scaling import Load, Scaler, Targets
 from gpuflow.tasks.spec import JobSpec
 
@@ -168,6 +169,8 @@ class Service:
         self._pushed = 0.0  # when the figures were last pushed (time.monotonic())
         self._push_warned = False
         self._sending = threading.Lock()
+        self.restarts = Restarts(job.failures_max)
+        self.failure: str | None = None  # why the service fails (replicas that never serve)
 
     def _submit(self, work: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run `work` on the pool in this run's context (its API, its logger)."""
@@ -349,11 +352,11 @@ class Service:
                 elif (
                     time.monotonic() - (replica.held_from or replica.started) > job.start_timeout_s
                 ):
-                    self._end(
-                        replica,
-                        runtime,
-                        f"not ready within start_timeout_s ({job.start_timeout_s:g} s)",
-                    )
+                    why = f"not ready within start_timeout_s ({job.start_timeout_s:g} s)"
+                    if not self.claims:  # its process is on this machine: look where it listens
+                        why += listening_elsewhere(replica.name, replica.port)
+                    self._failed(replica, why)
+                    self._end(replica, runtime, why)
                     return
                 replica.stop.wait(job.ready.period_s)
                 continue
@@ -409,8 +412,27 @@ class Service:
                 if why is None:  # the run's cancel stopped it, as it stops the endpoint
                     replica.why_ended = "the service ended"
                 else:
+                    served = replica.ready_at is not None and time.monotonic() - replica.ready_at
+                    if not served or served < STABLE_S:
+                        self._failed(replica, why)
                     self._end(replica, runtime, why)
             replica.state, replica.ended_at = "ended", time.monotonic()
+        now = time.monotonic()
+        if any(r.state == "ready" and now - (r.ready_at or now) >= STABLE_S for r in self.replicas):
+            self.restarts.served()
+        self.failure = self.failure or self.restarts.given_up()
+
+    def _failed(self, replica: Replica, why: str) -> None:
+        """Count `replica` as one that failed to serve; the next waits (said)."""
+        with self.lock:
+            wait = self.restarts.failed(f"{replica.name} {why}", time.monotonic())
+            count = self.restarts.failures
+        if count < self.job.failures_max:
+            self._say(
+                "warning",
+                f"{replica.name} failed to serve ({count} of job.failures_max"
+                f" {self.job.failures_max} in a row); the next replica starts in {wait:g} s",
+            )
 
     @staticmethod
     def _ended_by_itself(replica: Replica) -> str | None:
@@ -490,6 +512,8 @@ class Service:
         if need.replicas == load.replicas:
             return
         if need.replicas > load.replicas:
+            if not self.restarts.may_start(time.monotonic()):
+                return  # backing off after replicas that failed to serve
             taken = {r.slot for r in self.replicas if r.state != "ended"}
             free = [slot for slot in range(self.job.replicas.max) if slot not in taken]
             if not free:
@@ -651,6 +675,9 @@ class Service:
                         break
                     try:
                         self._reap(runtime)
+                        if self.failure is not None:
+                            self._say("error", f"the service fails: {self.failure}")
+                            break
                         self._take_offer()
                         self._roll(runtime)
                         self._scale(runtime)
@@ -698,6 +725,9 @@ class Service:
         )
         # on a fleet the run holds its replicas' claims, each for the replica's life
         held_s = sum(self._held(r)[1] for r in self.replicas) if self.claims else None
+        if self.failure is not None:  # its replicas never served: not a completed service
+            failed = job_result.model_copy(update={"exit_code": 1, "cancelled": False})
+            return RunOutcome(result=failed, failure=f"{self.failure}.", held_s=held_s)
         if limited or result.timed_out:
             job_result = job_result.model_copy(update={"cancelled": False})
             return RunOutcome(result=job_result, stopped_by=self.limit, held_s=held_s)

@@ -148,7 +148,7 @@ def test_failure_at_each_stage_leaves_nothing(
     assert state.is_failed()
     assert isinstance(state.result(raise_on_failure=False), error)
     assert held == [2], "the run held both GPU slots while it ran"
-    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
+    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": [], "in_flight": []}
     assert gpu_slots.slots_in_use() == 0
     if pidfile.exists():
         assert process_gone(int(pidfile.read_text()))

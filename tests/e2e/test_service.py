@@ -25,7 +25,7 @@ import pytest
 from gpuflow.flows.pipeline import gpu_pipeline
 from gpuflow.tasks.spec import load_spec
 from tests.conftest import free_port, subprocess_env
-from tests.e2e.helpers import artifacts_of, events_named, leftovers
+from tests.e2e.helpers import artifacts_of, events_named, leftovers, logs_of
 
 pytestmark = pytest.mark.e2e
 SERVE = str(Path(__file__).resolve().parents[1] / "fixtures" / "service" / "serve.py")
@@ -153,7 +153,7 @@ def serving(raw: dict, home: Path) -> Iterator[Served]:
             served.cancel()
     assert served.state is not None and served.state.is_cancelled(), served.state
     wait_for(lambda: not replica_pids(home) and not endpoint_pids(served.port), 30, "all stopped")
-    assert leftovers(home) == {"workspaces": [], "records": [], "gpu_claims": []}
+    assert leftovers(home) == {"workspaces": [], "records": [], "gpu_claims": [], "in_flight": []}
 
 
 def test_request_rate_scales_one_to_four_replicas_and_back(prefect_api, gpuflow_home, fake_nvml):
@@ -378,7 +378,12 @@ def test_a_killed_orchestrator_leaves_a_service_that_reap_removes(
     out = subprocess.run([*GPUFLOW, "reap"], env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0 and "1 leftover cluster(s)" in out.stdout, out.stdout
     wait_for(lambda: not replica_pids(gpuflow_home) and not endpoint_pids(port), 90, "all reaped")
-    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
+    assert leftovers(gpuflow_home) == {
+        "workspaces": [],
+        "records": [],
+        "gpu_claims": [],
+        "in_flight": [],
+    }
 
 
 def test_max_duration_ends_a_service_which_completes_with_its_figures(
@@ -395,7 +400,12 @@ def test_max_duration_ends_a_service_which_completes_with_its_figures(
     assert served.state is not None and served.state.is_completed(), served.state
     assert served.result()["requests"] >= 1
     wait_for(lambda: not replica_pids(gpuflow_home) and not endpoint_pids(port), 30, "all stopped")
-    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
+    assert leftovers(gpuflow_home) == {
+        "workspaces": [],
+        "records": [],
+        "gpu_claims": [],
+        "in_flight": [],
+    }
 
 
 def test_the_documented_service_example_runs_as_docs_services_says(
@@ -432,4 +442,61 @@ def test_the_documented_service_example_runs_as_docs_services_says(
     assert "gpuflow: cancelled" in out, out[-3000:]
     [result] = (gpuflow_home / "runs").glob("service-demo-*/outputs/result.json")
     assert json.loads(result.read_text())["requests"] >= 1
-    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
+    assert leftovers(gpuflow_home) == {
+        "workspaces": [],
+        "records": [],
+        "gpu_claims": [],
+        "in_flight": [],
+    }
+
+
+CRASH = "import sys; print('cannot load the model', flush=True); sys.exit(3)"
+# serves, but on another port than $PORT: never ready
+ELSEWHERE = (
+    "import http.server, sys; http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])),"
+    " http.server.SimpleHTTPRequestHandler).serve_forever()"
+)
+
+
+@pytest.mark.parametrize("case", ["crash-loop", "wrong-port"])
+def test_a_service_whose_replicas_never_serve_fails_with_their_cause(
+    case, prefect_api, gpuflow_home, fake_nvml
+):
+    """Replicas that exit at once, or listen where $PORT is not, are replaced after a
+    back-off (1 s, 2 s, ...) and after job.failures_max in a row the run fails with the
+    last one's cause: never "completed", never a replica restarted hundreds of times."""
+    port, elsewhere = free_port(), free_port()
+    command = [sys.executable, "-c", CRASH if case == "crash-loop" else ELSEWHERE]
+    if case == "wrong-port":
+        command.append(str(elsewhere))
+    raw = service_spec(port, replicas={"min": 1, "max": 1}, failures_max=2, command=command)
+    raw["job"]["start_timeout_s"] = 3
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    assert state.is_failed(), state
+    said = str(state.message)
+    assert "2 replicas in a row failed to serve (job.failures_max: 2); the last: replica-2" in said
+    if case == "crash-loop":
+        assert "its process ended (exit code 3): cannot load the model" in said, said
+    else:
+        assert "not ready within start_timeout_s (3 s)" in said, said
+        assert f"it listens on {elsewhere}, not on $PORT (" in said, said
+    lines = "\n".join(logs_of(state.state_details.flow_run_id))
+    assert "replica-1 failed to serve (1 of job.failures_max 2 in a row); the next replica" in lines
+    assert "replica-3" not in lines  # no replica after the budget
+    assert leftovers(gpuflow_home) == {
+        "workspaces": [], "records": [], "gpu_claims": [], "in_flight": []
+    }  # fmt: skip
+
+
+def test_an_endpoint_address_not_on_this_machine_is_refused_before_anything_starts(fake_nvml):
+    from gpuflow.tasks.errors import InvalidSpec
+    from gpuflow.tasks.pipeline.checks import check_spec
+
+    raw = service_spec(free_port(), host="192.0.2.7")  # TEST-NET-1: no machine's own
+    with pytest.raises(InvalidSpec) as refused:
+        check_spec(load_spec(raw))
+    assert str(refused.value) == (
+        "job.host: the endpoint cannot listen on 192.0.2.7 on this machine (Cannot assign"
+        " requested address); give one of its addresses (127.0.0.1 for this machine alone,"
+        " 0.0.0.0 for every network)."
+    )

@@ -148,7 +148,7 @@ def test_a_session_streams_to_a_browser_page_and_measures_each_stage(
             served.cancel()
     assert served.state is not None and served.state.is_cancelled(), served.state
     wait_for(lambda: not endpoint_pids(port), 30, "the endpoint's end")
-    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": []}
+    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": [], "in_flight": []}
     state = seen["state"]
     assert state["state"] == "streaming" and state["error"] is None, state
     assert state["config"]["codec"].startswith("avc1.42E0") and state["config"]["encoder"] == "x264"
