@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from gpuflow.tasks.contract import RUN_LABEL, Capabilities, Cluster, RunOutcome,
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.kinds.base import Report
 from gpuflow.tasks.kinds.service import ServiceKind
+from gpuflow.tasks.service.serve import serve
 from gpuflow.tasks.spec import JobSpec
 from gpuflow.tasks.stream import encode
 from gpuflow.tasks.stream.model import StreamFigures, StreamJob
@@ -77,7 +79,8 @@ class StreamKind(ServiceKind):
                 f"--push-interval-s={spec.metrics.push_interval_s:g}",
             ]
         spec = spec.model_copy(update={"job": job.model_copy(update={"command": command})})
-        return super().schedule(spec, runner, deadline)
+        # the session's own key: its page and WebSocket admit only who holds it
+        return serve(spec, runner, deadline, key=secrets.token_urlsafe(24))
 
     def preflight_rows(self, spec: JobSpec, cluster: Cluster) -> list[dict[str, str]]:
         """How the session will encode, and the largest size and rate this host keeps up

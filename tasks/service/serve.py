@@ -47,6 +47,7 @@ from gpuflow.tasks.spec import JobSpec
 logger = logging.getLogger(__name__)
 TICK_S = 0.25  # how often the scaler looks (a waiting request wakes it at once)
 DRAIN_S = 30.0  # the longest a replica scaled away may finish the requests it holds
+KEY_VARIABLE = "GPUFLOW_STREAM_KEY"  # a stream session's key, in its replicas' environment
 LATENCIES_KEPT = 20_000  # per replica: enough for its percentiles, bounded
 
 
@@ -109,7 +110,9 @@ class Replica:
 class Service:
     """One service's life in this process: call `serve()`."""
 
-    def __init__(self, spec: JobSpec, runner: UnitRunner, deadline: float) -> None:
+    def __init__(
+        self, spec: JobSpec, runner: UnitRunner, deadline: float, key: str | None = None
+    ) -> None:
         job = spec.job
         assert isinstance(job, ServiceJob)
         self.spec, self.job, self.runner, self.deadline = spec, job, runner, deadline
@@ -170,6 +173,7 @@ class Service:
         self._push_warned = False
         self._sending = threading.Lock()
         self.restarts = Restarts(job.failures_max)
+        self.key = key  # a stream session's key: its replicas admit only who holds it
         self.failure: str | None = None  # why the service fails (replicas that never serve)
 
     def _submit(self, work: Callable[..., Any], *args: Any) -> Future[Any]:
@@ -298,7 +302,7 @@ class Service:
             return self.runner.run(
                 unit,
                 on_line,
-                {},
+                {KEY_VARIABLE: self.key} if self.key else {},
                 self.deadline,
                 lambda: stop.is_set() or self.ending.is_set(),
             )
@@ -651,6 +655,12 @@ class Service:
             "info",
             f"endpoint {self.endpoint} (HAProxy), replicas {self.job.replicas.min}-{self.job.replicas.max}",
         )
+        if self.key:
+            self._say(
+                "info",
+                f"open {self.endpoint}/?key={self.key} (the session's key: whoever holds this"
+                " address watches and drives the session; nobody else gets in)",
+            )
         markdown(
             f"service-{slug(self.spec.name)}",
             f"# {self.spec.name}\n\nendpoint: `{self.endpoint}`\n\nreplicas: {self.job.replicas.min}"
@@ -849,9 +859,11 @@ class Events:
         emit_run_event(event, f"gpuflow.service.{self.run_id}", self.name, self.run_id, payload)
 
 
-def serve(spec: JobSpec, runner: UnitRunner, deadline: float) -> RunOutcome:
-    """Run the service of `spec` through `runner` until `deadline` or cancellation."""
-    return Service(spec, runner, deadline).serve()
+def serve(spec: JobSpec, runner: UnitRunner, deadline: float, key: str | None = None) -> RunOutcome:
+    """Run the service of `spec` through `runner` until `deadline` or cancellation; with
+    `key`, each replica gets it ($GPUFLOW_STREAM_KEY, never in its command line) and the
+    page's address the run says carries it."""
+    return Service(spec, runner, deadline, key).serve()
 
 
 def _targets(job: ServiceJob) -> Targets:

@@ -31,7 +31,7 @@ const ctx = canvas.getContext("2d");
 const meta = new Map();     // frame number -> what its header and arrival said
 const inputs = new Map();   // input sequence -> when it was made
 let pending = [], pendingInputs = [], seq = 0, decoder = null, newestShown = -1;
-const url = (location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/stream";
+const url = (location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/stream" + location.search;
 const ws = new WebSocket(url);
 ws.binaryType = "arraybuffer";
 

@@ -8,8 +8,15 @@ Frames are binary messages: a 44-byte header (struct FRAME: kind 1, key flag, fr
 number, the last input applied, capture and send times in the server's ms, render and
 encode ms, the camera's yaw and pitch) then the H.264 access unit (Annex B). The client
 sends JSON text only: `input` (a key, or a mouse move), `ping` (clock sync), `stats`
-(what it showed); anything else, a binary message, or a flood of messages cuts it off
-(close 1008) and the session and its other clients go on.
+(what it showed); anything else, a binary message, a figure that is not a finite number
+in its range, or a flood of messages cuts it off (close 1008) and the session and its
+other clients go on.
+
+Who gets in: the page and the WebSocket answer only a request that carries the session's
+key (`?key=`, from $GPUFLOW_STREAM_KEY: the run prints the page's address with it), whose
+Host is an IP address or localhost (a page whose name is rebound to this machine, DNS
+rebinding, gets 421) and whose Origin, when it has one, is the page's own (another web
+site's page gets 403). /health answers anyone: it says nothing.
 """
 
 from __future__ import annotations
@@ -17,13 +24,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
+import ipaddress
 import json
+import math
 import os
 import signal
 import struct
 import sys
 import threading
 import time
+import urllib.parse
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -35,6 +46,7 @@ from gpuflow.tasks.stream import encode, scene
 from gpuflow.tasks.stream.model import StageFigures, StreamFigures
 from gpuflow.tasks.stream.page import PAGE
 
+KEY_VARIABLE = "GPUFLOW_STREAM_KEY"  # the session's key (tasks/service/serve.py gives it)
 FRAME = struct.Struct(
     "<BBHIIddffff"
 )  # kind, flags, -, frame, input, capture, sent, ms, ms, yaw, pitch
@@ -43,6 +55,8 @@ FLOOD_PER_S = 300  # messages a second from one client: more is a flood
 BEHIND = 2  # frames waiting to be sent: more and the next is not made (dropped)
 KEPT = 20_000  # per client and stage: enough for its percentiles, bounded
 STAGES = ("render", "encode", "send", "decode", "draw")
+LONGEST_MS = 3_600_000.0  # a client's figure (ms) above this, or below 0, is not one
+LAST_SEQ = 2**32 - 1  # input sequence numbers fit the frame header's field
 
 
 def now_ms() -> float:
@@ -91,6 +105,17 @@ class Client:
         self.encoder: encode.Encoder | None = None
 
     # the producer: render, encode, hand to the sender --------------------------------
+
+    def producing(self) -> None:
+        """Produce until stopped; a failure ends this client (said, its socket closed and
+        its place freed), never a dead thread that keeps its place."""
+        try:
+            self.produce()
+        except Exception as exc:
+            self.ended = f"its frames could not be made: {type(exc).__name__}: {exc}"
+            say(f"{self.name} cut off: {self.ended}")
+
+            asyncio.run_coroutine_threadsafe(self.ws.close(1011, self.ended[:120]), self.loop)
 
     def produce(self) -> None:
         settings = self.settings
@@ -163,7 +188,7 @@ class Client:
         if kind == "input":
             return self._input(said)
         if kind == "ping":
-            if not isinstance(said.get("c"), int | float):
+            if not _finite(said.get("c"), 1e15):
                 return "a ping without its time"
             self.replies.append(json.dumps({"t": "pong", "c": said["c"], "s": now_ms()}))
             return None
@@ -177,12 +202,12 @@ class Client:
 
     def _input(self, said: dict) -> str | None:
         seq = said.get("seq")
-        if not isinstance(seq, int) or seq <= self.input_seq:
-            return "an input without a rising sequence number"
+        if not isinstance(seq, int) or not self.input_seq < seq <= LAST_SEQ:
+            return f"an input without a rising sequence number up to {LAST_SEQ}"
         key, dx, dy = said.get("key"), said.get("dx"), said.get("dy")
         if isinstance(key, str) and key in scene.KEYS:
             turn = scene.KEYS[key]
-        elif isinstance(dx, int | float) and isinstance(dy, int | float):
+        elif _finite(dx, 1e6) and _finite(dy, 1e6):
             turn = (max(-90.0, min(90.0, dx * 0.2)), max(-90.0, min(90.0, -dy * 0.2)))
         else:
             return "an input that is neither a known key nor a mouse move"
@@ -197,18 +222,31 @@ class Client:
         if not isinstance(frames, list) or not isinstance(inputs, list) or len(frames) > 2000:
             return "stats that are not lists of figures"
         try:
-            for glass, send, decode, draw in frames:
-                self.glass.append(float(glass))
-                self.stages["send"].append(float(send))
-                self.stages["decode"].append(float(decode))
-                self.stages["draw"].append(float(draw))
-            self.photon.extend(float(ms) for ms in inputs[:2000])
-            self.shown += len(frames)
-            self.dropped_there = int(said.get("dropped", self.dropped_there))
-            if isinstance(said.get("clock_error_ms"), int | float):
-                self.clock_error_ms = float(said["clock_error_ms"])
+            rows = [[float(v) for v in row] for row in frames]
+            photon = [float(ms) for ms in inputs[:2000]]
+            dropped = said.get("dropped", self.dropped_there)
+            clock = said.get("clock_error_ms")
+            if any(len(row) != 4 for row in rows):
+                raise ValueError
         except (TypeError, ValueError):
             return "stats that are not lists of figures"
+        figures = [v for row in rows for v in row] + photon
+        if not all(_finite(v, LONGEST_MS) for v in figures):  # a clock's error may go below 0
+            return f"a figure that is not a finite time within {LONGEST_MS:g} ms"
+        if not isinstance(dropped, int) or not 0 <= dropped <= LAST_SEQ:
+            return "a dropped count that is not a whole number of frames"
+        if clock is not None and not _finite(clock, LONGEST_MS):
+            return "a clock error that is not a finite time in ms"
+        for glass, send, decode, draw in rows:
+            self.glass.append(glass)
+            self.stages["send"].append(send)
+            self.stages["decode"].append(decode)
+            self.stages["draw"].append(draw)
+        self.photon.extend(photon)
+        self.shown += len(rows)
+        self.dropped_there = dropped
+        if clock is not None:
+            self.clock_error_ms = float(clock)
         return None
 
     def figures(self) -> StreamFigures:
@@ -330,7 +368,7 @@ class Session:
                 )
             )
             sender = asyncio.create_task(client.send_frames())
-            producer = threading.Thread(target=client.produce, name=client.name, daemon=True)
+            producer = threading.Thread(target=client.producing, name=client.name, daemon=True)
             producer.start()
             saved = time.monotonic()
             async for message in ws:
@@ -367,6 +405,46 @@ class Session:
             await asyncio.to_thread(self.push)
 
 
+def _finite(value: Any, most: float, least: float | None = None) -> bool:
+    """Return True for a number (not a bool) that is finite and within [least, most]
+    (least defaults to -most)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    low = -most if least is None else least
+    return math.isfinite(value) and low <= value <= most
+
+
+def admitted(request: Any, key: str | None) -> tuple[int, str] | None:
+    """Return (status, why) when a request to the page or the WebSocket is refused: a name
+    other than localhost in its Host (421), another site's Origin (403), no session key
+    or a wrong one (403); None when it may go on."""
+    headers = request.headers
+    host = headers.get("Host", "")
+    try:
+        name = urllib.parse.urlsplit(f"//{host}").hostname or ""
+    except ValueError:
+        name = ""
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        if name != "localhost":
+            return 421, f"this session answers its own addresses only, not {name[:60]!r}"
+    origin = headers.get("Origin")
+    if origin is not None and origin not in (f"http://{host}", f"https://{host}"):
+        return 403, "a page of another site may not open this session"
+    if key is None:
+        return None
+    given = ""
+    query = request.path.split("?", 1)[1] if "?" in request.path else ""
+    for pair in query.split("&"):
+        name_, _, value = pair.partition("=")
+        if name_ == "key":
+            given = value
+    if not hmac.compare_digest(given.encode(), key.encode()):
+        return 403, "the session's key is missing or wrong: open the address the run printed"
+    return None
+
+
 def summary(figures: StreamFigures) -> str:
     glass = figures.capture_to_display
     photon = figures.input_to_photon
@@ -391,12 +469,17 @@ async def serve(settings: Settings, host: str, port: int) -> None:
     session = Session(settings)
     page = PAGE.encode()
 
+    key = os.environ.get(KEY_VARIABLE) or None
+
     def process_request(connection: Any, request: Any) -> Any:
         path = request.path.split("?", 1)[0]
-        if path == "/stream":
-            return None  # the WebSocket
         if path == "/health":
             return connection.respond(200, "ok\n")
+        if path in ("/stream", "/", "/index.html") and (refused := admitted(request, key)):
+            say(f"refused a request for {path}: {refused[1]}")
+            return connection.respond(refused[0], f"{refused[1]}\n")
+        if path == "/stream":
+            return None  # the WebSocket
         if path in ("/", "/index.html"):
             headers = Headers(
                 [

@@ -37,6 +37,9 @@ def leftovers(home: Path) -> dict[str, list[str]]:
     }
 
 
+NOTHING_LEFT = {"workspaces": [], "records": [], "gpu_claims": [], "in_flight": []}
+
+
 def nothing_left(home: Path) -> bool:
     return not any(leftovers(home).values())
 

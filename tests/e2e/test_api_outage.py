@@ -15,7 +15,7 @@ from uuid import UUID
 import pytest
 
 from tests.conftest import free_port, subprocess_env
-from tests.e2e.helpers import leftovers
+from tests.e2e.helpers import NOTHING_LEFT, leftovers
 
 pytestmark = pytest.mark.e2e
 GPUFLOW = [sys.executable, "-m", "gpuflow"]
@@ -125,7 +125,7 @@ def test_an_api_back_within_the_bound_loses_nothing(tmp_path, server, gpuflow_ho
     assert "Traceback" not in out
     assert server.state_of(run_id) == "COMPLETED"
     assert server.ticks_logged(run_id) == [f"tick {i}" for i in range(1, 9)]  # none lost
-    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": [], "in_flight": []}
+    assert leftovers(gpuflow_home) == NOTHING_LEFT
 
 
 def test_an_api_that_stays_away_ends_the_run_cleanly_and_reap_marks_it(
@@ -144,7 +144,7 @@ def test_an_api_that_stays_away_ends_the_run_cleanly_and_reap_marks_it(
     assert "did not come back within 3 s" in sentence and "`gpuflow reap`" in sentence
     assert "log lines kept" in sentence
     assert "Traceback" not in out and "Error logging to API" not in out
-    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": [], "in_flight": []}
+    assert leftovers(gpuflow_home) == NOTHING_LEFT
     unreported = gpuflow_home / "unreported" / f"{run_id}.json"
     assert json.loads(unreported.read_text())["api_url"] == server.url
     server.start()

@@ -14,7 +14,7 @@ import pytest
 
 from gpuflow.tasks.backends.local import gpu_slots
 from tests.conftest import subprocess_env
-from tests.e2e.helpers import flow_run, leftovers, nothing_left, process_gone
+from tests.e2e.helpers import NOTHING_LEFT, flow_run, leftovers, nothing_left, process_gone
 from tests.test_spec import BOMB
 
 pytestmark = pytest.mark.e2e
@@ -342,7 +342,7 @@ def test_interrupting_a_run_tears_everything_down(
     (sentence,) = [line for line in out.splitlines() if line.startswith("gpuflow:")]
     assert sentence.startswith(f"gpuflow: stopped by {signal.Signals(sig).name}")
     assert process_gone(job_pid), out[-3000:]
-    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": [], "in_flight": []}
+    assert leftovers(gpuflow_home) == NOTHING_LEFT
     assert gpu_slots.slots_in_use() == 0
     assert flow_run(run_id).state.is_crashed()
 
@@ -372,7 +372,7 @@ def test_a_second_signal_does_not_cut_the_stop_short(
     assert notes.read_text().split() == ["term", "saved"], out[-3000:]
     assert "already stopping" in out and "Traceback" not in out
     assert process_gone(job_pid)
-    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": [], "in_flight": []}
+    assert leftovers(gpuflow_home) == NOTHING_LEFT
     assert flow_run(run_id).state.is_crashed()
 
 
@@ -397,7 +397,7 @@ def test_reaper_cleans_up_after_a_killed_orchestrator(
     while not process_gone(job_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert process_gone(job_pid)
-    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": [], "in_flight": []}
+    assert leftovers(gpuflow_home) == NOTHING_LEFT
     assert not half_written.exists()
     assert gpu_slots.slots_in_use() == 0
     assert flow_run(run_id).state.is_crashed()
@@ -425,7 +425,7 @@ def test_cancelling_in_the_api_stops_the_job_and_cleans_up(
     assert f"what it wrote is in {kept.parent.parent}" in out, out[-3000:]
     assert json.loads((kept.parent.parent / "metrics.json").read_text())["duration_s"] > 0
     assert process_gone(job_pid)
-    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": [], "in_flight": []}
+    assert leftovers(gpuflow_home) == NOTHING_LEFT
     assert gpu_slots.slots_in_use() == 0
     assert flow_run(run_id).state.is_cancelled()
 
@@ -563,7 +563,7 @@ def test_ls_logs_follow_and_cancel_follow_a_run_from_another_terminal(
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1 and "gpuflow: cancelled" in out
     assert process_gone(job_pid)
-    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": [], "in_flight": []}
+    assert leftovers(gpuflow_home) == NOTHING_LEFT
     assert flow_run(run_id).state.is_cancelled()
     again = gpuflow(["cancel", "long"], env)
     assert again.returncode == 2

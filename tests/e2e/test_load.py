@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FAKES, free_port
-from tests.e2e.helpers import Platform, leftovers, purge_database
+from tests.e2e.helpers import NOTHING_LEFT, Platform, leftovers, purge_database
 
 pytestmark = [
     pytest.mark.e2e,
@@ -100,7 +100,7 @@ def test_fifty_runs_at_once_share_four_gpus(platform, tmp_path):
     for a in holds:  # no two jobs at once on one GPU
         assert not [b for b in holds if b is not a and b[2] == a[2] and b[0] < a[1] and a[0] < b[1]]
     assert {gpu for _, _, gpu in holds} <= {str(i) for i in range(GPUS)}
-    assert leftovers(platform.home) == {"workspaces": [], "records": [], "gpu_claims": [], "in_flight": []}
+    assert leftovers(platform.home) == NOTHING_LEFT
     per_minute = RUNS / (took / 60)
     print(
         f"\n{platform.database}: {RUNS} runs: submitted in {submitted:.1f} s, all completed"

@@ -25,6 +25,7 @@ from gpuflow.tasks.errors import (
 from gpuflow.tasks.pipeline import collect as collect_stage
 from gpuflow.tasks.spec import load_spec
 from tests.e2e.helpers import (
+    NOTHING_LEFT,
     artifacts_of,
     leftovers,
     logs_of,
@@ -148,7 +149,7 @@ def test_failure_at_each_stage_leaves_nothing(
     assert state.is_failed()
     assert isinstance(state.result(raise_on_failure=False), error)
     assert held == [2], "the run held both GPU slots while it ran"
-    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": [], "in_flight": []}
+    assert leftovers(gpuflow_home) == NOTHING_LEFT
     assert gpu_slots.slots_in_use() == 0
     if pidfile.exists():
         assert process_gone(int(pidfile.read_text()))

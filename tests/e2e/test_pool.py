@@ -18,7 +18,7 @@ from gpuflow.tasks.contract import RUN_LABEL, owner_labels
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.pipeline.checks import check_pool
 from gpuflow.tasks.spec import load_spec
-from tests.e2e.helpers import events_named, leftovers, logs_of
+from tests.e2e.helpers import NOTHING_LEFT, events_named, leftovers, logs_of
 from tests.e2e.test_pool_clusters import latest
 
 pytestmark = pytest.mark.e2e
@@ -154,7 +154,7 @@ def test_pool_bad_candidates_are_refused_before_anything_is_made(
         InvalidSpec, match=r"^placement\[1\] \(local\): resources.nodes: the local backend"
     ):
         check_pool(two_nodes)
-    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": [], "in_flight": []}
+    assert leftovers(gpuflow_home) == NOTHING_LEFT
 
 
 def _rows(data) -> list[dict]:
@@ -220,7 +220,7 @@ def test_pool_offers_prints_every_candidate_side_by_side(prefect_api, gpuflow_ho
         " 'no-such-host'; create it with LocalGpuHost(...).save('no-such-host') or remove"
         " placement[0].block."
     )
-    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": [], "in_flight": []}
+    assert leftovers(gpuflow_home) == NOTHING_LEFT
 
 
 def test_pool_a_candidate_whose_cloud_does_not_answer_is_passed_over(

@@ -25,7 +25,7 @@ import pytest
 from gpuflow.flows.pipeline import gpu_pipeline
 from gpuflow.tasks.spec import load_spec
 from tests.conftest import free_port, subprocess_env
-from tests.e2e.helpers import artifacts_of, events_named, leftovers, logs_of
+from tests.e2e.helpers import NOTHING_LEFT, artifacts_of, events_named, leftovers, logs_of
 
 pytestmark = pytest.mark.e2e
 SERVE = str(Path(__file__).resolve().parents[1] / "fixtures" / "service" / "serve.py")
@@ -153,7 +153,7 @@ def serving(raw: dict, home: Path) -> Iterator[Served]:
             served.cancel()
     assert served.state is not None and served.state.is_cancelled(), served.state
     wait_for(lambda: not replica_pids(home) and not endpoint_pids(served.port), 30, "all stopped")
-    assert leftovers(home) == {"workspaces": [], "records": [], "gpu_claims": [], "in_flight": []}
+    assert leftovers(home) == NOTHING_LEFT
 
 
 def test_request_rate_scales_one_to_four_replicas_and_back(prefect_api, gpuflow_home, fake_nvml):
@@ -378,12 +378,7 @@ def test_a_killed_orchestrator_leaves_a_service_that_reap_removes(
     out = subprocess.run([*GPUFLOW, "reap"], env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0 and "1 leftover cluster(s)" in out.stdout, out.stdout
     wait_for(lambda: not replica_pids(gpuflow_home) and not endpoint_pids(port), 90, "all reaped")
-    assert leftovers(gpuflow_home) == {
-        "workspaces": [],
-        "records": [],
-        "gpu_claims": [],
-        "in_flight": [],
-    }
+    assert leftovers(gpuflow_home) == NOTHING_LEFT
 
 
 def test_max_duration_ends_a_service_which_completes_with_its_figures(
@@ -400,12 +395,7 @@ def test_max_duration_ends_a_service_which_completes_with_its_figures(
     assert served.state is not None and served.state.is_completed(), served.state
     assert served.result()["requests"] >= 1
     wait_for(lambda: not replica_pids(gpuflow_home) and not endpoint_pids(port), 30, "all stopped")
-    assert leftovers(gpuflow_home) == {
-        "workspaces": [],
-        "records": [],
-        "gpu_claims": [],
-        "in_flight": [],
-    }
+    assert leftovers(gpuflow_home) == NOTHING_LEFT
 
 
 def test_the_documented_service_example_runs_as_docs_services_says(
@@ -442,12 +432,7 @@ def test_the_documented_service_example_runs_as_docs_services_says(
     assert "gpuflow: cancelled" in out, out[-3000:]
     [result] = (gpuflow_home / "runs").glob("service-demo-*/outputs/result.json")
     assert json.loads(result.read_text())["requests"] >= 1
-    assert leftovers(gpuflow_home) == {
-        "workspaces": [],
-        "records": [],
-        "gpu_claims": [],
-        "in_flight": [],
-    }
+    assert leftovers(gpuflow_home) == NOTHING_LEFT
 
 
 CRASH = "import sys; print('cannot load the model', flush=True); sys.exit(3)"
@@ -483,9 +468,7 @@ def test_a_service_whose_replicas_never_serve_fails_with_their_cause(
     lines = "\n".join(logs_of(state.state_details.flow_run_id))
     assert "replica-1 failed to serve (1 of job.failures_max 2 in a row); the next replica" in lines
     assert "replica-3" not in lines  # no replica after the budget
-    assert leftovers(gpuflow_home) == {
-        "workspaces": [], "records": [], "gpu_claims": [], "in_flight": []
-    }  # fmt: skip
+    assert leftovers(gpuflow_home) == NOTHING_LEFT
 
 
 def test_an_endpoint_address_not_on_this_machine_is_refused_before_anything_starts(fake_nvml):

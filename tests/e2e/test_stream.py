@@ -19,7 +19,7 @@ from gpuflow.tasks.pipeline.checks import check_spec
 from gpuflow.tasks.spec import load_spec
 from tests.conftest import free_port
 from tests.e2e.browser import chromium, tab
-from tests.e2e.helpers import leftovers
+from tests.e2e.helpers import NOTHING_LEFT, leftovers
 from tests.e2e.test_service import Served, endpoint_pids, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -86,10 +86,13 @@ async def a_session(url: str, endpoint: str, home: Path) -> dict:
                 if c.status == "LISTEN"
             }
         cut: dict[str, tuple[int, str]] = {}
-        ws_url = url.replace("http://", "ws://") + "stream"
+        ws_url = url.replace("http://", "ws://").replace("/?key=", "/stream?key=")
         for name, bad in (
             ("garbage", [b"\x00\xffnot json"]),
             ("flood", ['{"t":"ping","c":1}'] * 2000),
+            ("huge-seq", ['{"t":"input","seq":' + "9" * 4000 + ',"key":"ArrowLeft"}']),
+            ("nan", ['{"t":"stats","frames":[[NaN,1,1,1]],"inputs":[]}']),
+            ("1e308", ['{"t":"stats","frames":[],"inputs":[1e308]}']),
         ):
             async with connect(ws_url, max_size=None) as client:
                 try:
@@ -125,6 +128,50 @@ async def a_session(url: str, endpoint: str, home: Path) -> dict:
     }
 
 
+def page_address(served: Served) -> str:
+    """Return the page's address the run printed, with the session's key."""
+    from tests.e2e.helpers import logs_of
+
+    def said() -> str | None:
+        for line in logs_of(served.run_id):
+            if found := re.search(r"open (http://\S+/\?key=\S+) ", line):
+                return found.group(1)
+        return None
+
+    wait_for(lambda: said() is not None, 60, "the page's address in the run's log")
+    return said()
+
+
+def who_gets_in(port: int, key: str) -> dict[str, int]:
+    """Return the HTTP status of each kind of visitor, through the endpoint."""
+    import http.client
+
+    socket = {"Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13",
+              "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}  # fmt: skip
+    here = f"127.0.0.1:{port}"
+    visits = {
+        "page without the key": ("/", {}),
+        "page with a wrong key": ("/?key=" + "x" * len(key), {}),
+        "page with the key": (f"/?key={key}", {}),
+        "socket without the key": ("/stream", socket),
+        "socket from another site's page": (
+            f"/stream?key={key}",
+            {**socket, "Origin": "http://evil.example"},
+        ),
+        "socket under a rebound name": (
+            f"/stream?key={key}",
+            {**socket, "Host": f"evil.example:{port}"},
+        ),
+    }
+    seen = {}
+    for who, (path, headers) in visits.items():
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        connection.request("GET", path, headers={"Host": here, **headers})
+        seen[who] = connection.getresponse().status
+        connection.close()
+    return seen
+
+
 @pytest.mark.timeout(300)
 def test_a_session_streams_to_a_browser_page_and_measures_each_stage(
     prefect_api, gpuflow_home, fake_nvml, pushgateway
@@ -137,8 +184,10 @@ def test_a_session_streams_to_a_browser_page_and_measures_each_stage(
     served.thread.start()
     try:
         wait_for(lambda: endpoint_pids(port), 120, "the endpoint listening")
+        url = page_address(served)
+        refused = who_gets_in(port, url.split("?key=")[1])
         with chromium() as endpoint:
-            seen = asyncio.run(a_session(f"http://127.0.0.1:{port}/", endpoint, gpuflow_home))
+            seen = asyncio.run(a_session(url, endpoint, gpuflow_home))
         # the page went away: after idle_after_s the replica ends, the endpoint stays
         wait_for(lambda: not sessions_running(gpuflow_home), 60, "the replica's end")
         assert endpoint_pids(port)
@@ -148,7 +197,7 @@ def test_a_session_streams_to_a_browser_page_and_measures_each_stage(
             served.cancel()
     assert served.state is not None and served.state.is_cancelled(), served.state
     wait_for(lambda: not endpoint_pids(port), 30, "the endpoint's end")
-    assert leftovers(gpuflow_home) == {"workspaces": [], "records": [], "gpu_claims": [], "in_flight": []}
+    assert leftovers(gpuflow_home) == NOTHING_LEFT
     state = seen["state"]
     assert state["state"] == "streaming" and state["error"] is None, state
     assert state["config"]["codec"].startswith("avc1.42E0") and state["config"]["encoder"] == "x264"
@@ -159,6 +208,21 @@ def test_a_session_streams_to_a_browser_page_and_measures_each_stage(
     assert len(state["photon"]) >= 3 and all(ms > 0 for ms in state["photon"])
     assert seen["cut"]["garbage"][0] == 1008 and "binary" in seen["cut"]["garbage"][1]
     assert seen["cut"]["flood"][0] == 1008 and "messages a second" in seen["cut"]["flood"][1]
+    assert seen["cut"]["huge-seq"] == (
+        1008,
+        "an input without a rising sequence number up to 4294967295",
+    )
+    for bad in ("nan", "1e308"):  # never a figure: "p50 nan ms"
+        assert seen["cut"][bad] == (1008, "a figure that is not a finite time within 3.6e+06 ms")
+    # only who holds the session's key, from its own address and page, gets in
+    assert refused == {
+        "page without the key": 403,
+        "page with a wrong key": 403,
+        "page with the key": 200,
+        "socket without the key": 403,
+        "socket from another site's page": 403,
+        "socket under a rebound name": 421,
+    }, refused
     assert seen["said"].startswith("This browser cannot decode the stream (avc9.FFFFFF")
     # the page shows its own figures as it plays (the last 2 s), not only in the artifacts
     assert re.fullmatch(
@@ -261,7 +325,7 @@ def test_a_users_renderer_from_the_working_folder_draws_what_the_camera_sees(
     served.thread.start()
     try:
         wait_for(lambda: endpoint_pids(port), 120, "the endpoint listening")
-        url = f"ws://127.0.0.1:{port}/stream"
+        url = page_address(served).replace("http://", "ws://").replace("/?key=", "/stream?key=")
         before = asyncio.run(frames_of(url, 5))
         after = asyncio.run(frames_of(url, 5, key="ArrowRight"))
         served.cancel()
