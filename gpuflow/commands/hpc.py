@@ -52,8 +52,10 @@ def _hpc(args: argparse.Namespace) -> int:
     spec = hpc_spec(args)
     if args.mpijob is None:
         return run_job(spec)
-    if not args.mpijob.strip():
-        return invalid(ValueError("--mpijob: the image is empty; give the image the pods run."))
+    from gpuflow.tasks.images import image_problem
+
+    if (why := image_problem(args.mpijob)) is not None:
+        return invalid(ValueError(f"--mpijob: {why}."))
     return mpijob(spec, args.mpijob)
 
 

@@ -160,6 +160,15 @@ NUMBERS_OUT_OF_RANGE = {
     ),
     "submit --timeout nan": (["submit", "a/b", "--timeout", "nan"], "--timeout: nan is out"),
     "hpc --mpijob ''": (["hpc", "--mpijob", ""], "--mpijob: the image is empty"),
+    "hpc --mpijob 'UPPER CASE:bad tag'": (
+        ["hpc", "--mpijob", "UPPER CASE:bad tag"],
+        "--mpijob: 'UPPER CASE:bad tag' has a space in it; an image reference has none.",
+    ),
+    "hpc --mpijob Registry/Job": (
+        ["hpc", "--mpijob", "Registry/Job"],
+        "--mpijob: 'Registry/Job' is not an image reference (its path must be lower case:"
+        " 'registry/job'?); write [host[:port]/]path[:tag][@digest], e.g. ghcr.io/team/train:1.4.",
+    ),
 }
 
 

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from gpuflow.tasks import extras
 from gpuflow.tasks.backends.base import LogTail, UnitBackend, join_samples
@@ -56,6 +56,7 @@ from gpuflow.tasks.contract import (
 )
 from gpuflow.tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
 from gpuflow.tasks.host import env_number, gpuflow_home, this_process
+from gpuflow.tasks.images import image_problem
 from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
 from gpuflow.tasks.metrics.sampler import NODE_SAMPLES, SAMPLES
 from gpuflow.tasks.saved_blocks import load_block
@@ -77,6 +78,13 @@ class KubernetesPlacement(Placement):
         None, description="Kubernetes namespace (default: the block's, else the kubeconfig's)."
     )
     image: str | None = Field(None, description="The image the job's pods run.")
+
+    @field_validator("image")
+    @classmethod
+    def _reference(cls, value: str | None) -> str | None:
+        if value is not None and (why := image_problem(value)) is not None:
+            raise ValueError(why)
+        return value
 
     def where(self) -> str | None:
         return self.block or self.namespace
