@@ -54,11 +54,27 @@ def test_prepare_skips_identical_shards_and_removes_stale_ones(tmp_path):
         ("synthetic:pictures", "is not a synthetic data set"),
         ("synthetic:classify?samples=0", "samples=0 .* is out of range"),
         ("/no/such/folder", "is not a folder"),
+        ("synthetic:classify?samples=2&samples=3", "samples is given twice in"),
+        ("synthetic:classify?samples=2&foo=1", "'foo' in .* is not a parameter of a synthetic"),
+        ("synthetic:classify?=&&=", "'' in .* is not a parameter"),
+        ("synthetic:lm?samples=", "samples has no value in"),
     ],
 )
 def test_prepare_bad_sources(source, message, tmp_path):
     with pytest.raises(InvalidSpec, match=message):
         prepare(source, f"file://{tmp_path}/ds", 20_000, FileStore())
+
+
+def test_an_output_that_climbs_out_with_dots_is_refused(tmp_path):
+    from gpuflow.tasks.training.prepare import check_request
+
+    climbing = f"file://{tmp_path}/a/../../../../../etc/x"
+    with pytest.raises(InvalidSpec) as refused:
+        check_request("synthetic:classify?samples=2", climbing, "1MB")
+    assert str(refused.value) == (
+        f"output: {climbing!r} climbs out of its folder with '..'; write the folder's own"
+        " absolute path."
+    )
 
 
 def test_prepare_empty_folder(tmp_path):

@@ -10,11 +10,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qsl, urlparse
 
 from pydantic import BaseModel
 
 from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.spec import no_climbing
 from gpuflow.tasks.storage import FileStore, S3Store, StorageError, join, store_for
 from gpuflow.tasks.training.shards import (
     DatasetIndex,
@@ -55,13 +56,10 @@ def open_source(source: str) -> tuple[Iterator[Sample], str]:
     if source.startswith("synthetic:"):
         parsed = urlparse(source)
         kind = parsed.path
-        query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
-        unknown = set(query) - {"samples", "seed", "image_size", "classes"}
-        if unknown or kind not in ("classify", "lm"):
-            raise InvalidSpec(
-                f"source: {source!r} is not a synthetic data set; write e.g."
-                " synthetic:classify?samples=2000&seed=0 or synthetic:lm?samples=500"
-            )
+        example = "write e.g. synthetic:classify?samples=2000&seed=0 or synthetic:lm?samples=500"
+        if kind not in ("classify", "lm"):
+            raise InvalidSpec(f"source: {source!r} is not a synthetic data set; {example}")
+        query = _parameters(source, parsed.query, example)
         try:
             args = {k: int(v) for k, v in query.items()}
         except ValueError:
@@ -91,6 +89,27 @@ def open_source(source: str) -> tuple[Iterator[Sample], str]:
     return chained(), str(folder)
 
 
+def _parameters(source: str, text: str, example: str) -> dict[str, str]:
+    """Return a synthetic data set's parameters; InvalidSpec names one that is unknown,
+    empty or given twice."""
+    query: dict[str, str] = {}
+    for name, value in parse_qsl(text, keep_blank_values=True):
+        if name not in _SYNTHETIC_BOUNDS:
+            known = ", ".join(_SYNTHETIC_BOUNDS)
+            raise InvalidSpec(
+                f"source: {name!r} in {source!r} is not a parameter of a synthetic data set"
+                f" (it takes {known}); {example}"
+            )
+        if name in query:
+            raise InvalidSpec(f"source: {name} is given twice in {source!r}; give it once.")
+        if not value:
+            raise InvalidSpec(f"source: {name} has no value in {source!r}; {example}")
+        query[name] = value
+    if (text and not query) or any(not part for part in text.split("&") if text):
+        raise InvalidSpec(f"source: {source!r} has an empty parameter; {example}")
+    return query
+
+
 def check_request(source: str, output: str, shard_size: str) -> int:
     """Return the shard size in bytes; InvalidSpec names the first input that is wrong.
     Reads no credentials and writes nothing, so it runs before any API or flow run."""
@@ -106,9 +125,10 @@ def check_request(source: str, output: str, shard_size: str) -> int:
             f"output: {output!r} is not a storage URL; write file:///path or s3://bucket/prefix."
         )
     try:
+        no_climbing(output)
         store_for(output)
-    except StorageError as exc:
-        raise InvalidSpec(f"output: {exc}") from None
+    except (StorageError, ValueError) as exc:
+        raise InvalidSpec(f"output: {exc}.") from None
     open_source(source)
     return shard_bytes
 
