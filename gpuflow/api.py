@@ -137,11 +137,21 @@ def gpu_jobs(
     all); the GPUs themselves are shared out by each backend (on this machine, the `gpu`
     concurrency limit and GPU claims). Every spec is checked before any job starts; once
     all have ended, the first failure is raised unless `return_state` is True."""
+    if isinstance(specs, str | bytes | os.PathLike | Mapping | JobSpec):
+        raise InvalidSpec(
+            f"specs: gpu_jobs takes a list of specs, not one {type(specs).__name__}; give"
+            " [spec], or call gpu_job(spec)."
+        )
+    if at_once is not None and (isinstance(at_once, bool) or not isinstance(at_once, int)):
+        raise InvalidSpec(
+            f"at_once: {at_once!r} is not a whole number; give how many jobs run together"
+            " (1 or more), or None for all."
+        )
+    if at_once is not None and at_once < 1:
+        raise InvalidSpec(f"at_once: {at_once} is below 1; give at least 1, or None for all.")
     jobs = [job_spec(s) for s in specs]
     if not jobs:
         return []
-    if at_once is not None and at_once < 1:
-        raise InvalidSpec(f"at_once: {at_once} is below 1; give at least 1, or None for all.")
     with (
         _api_for_a_run(),
         _sentences_on_console(),

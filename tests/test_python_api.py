@@ -41,6 +41,23 @@ BAD = {
         lambda: gpu_jobs([{"job": {"kind": "command", "command": ["true"]}}], at_once=0),
         "at_once: 0 is below 1; give at least 1, or None for all.",
     ),
+    "at_once a string": (
+        lambda: gpu_jobs([{"job": {"kind": "command", "command": ["true"]}}], at_once="2"),
+        "at_once: '2' is not a whole number; give how many jobs run together (1 or more), or"
+        " None for all.",
+    ),
+    "at_once a fraction": (
+        lambda: gpu_jobs([{"job": {"kind": "command", "command": ["true"]}}], at_once=1.5),
+        "at_once: 1.5 is not a whole number;",
+    ),
+    "one dict to gpu_jobs": (
+        lambda: gpu_jobs({"job": {"kind": "command", "command": ["true"]}}),
+        "specs: gpu_jobs takes a list of specs, not one dict; give [spec], or call gpu_job(spec).",
+    ),
+    "one path to gpu_jobs": (
+        lambda: gpu_jobs("job.yaml"),
+        "specs: gpu_jobs takes a list of specs, not one str;",
+    ),
 }
 
 
