@@ -94,3 +94,18 @@ def test_offers_asks_every_candidate_before_launching(fake_nvml, gpuflow_home):
     assert not (gpuflow_home / "workspaces").exists() or not any(
         (gpuflow_home / "workspaces").iterdir()
     )
+
+
+def test_ls_shows_each_run_by_a_start_of_its_id_no_other_recent_run_shares():
+    """Runs made in the same minute share their ids' first 8 characters (a UUIDv7 begins
+    with its time): each is shown by as much as tells it apart, never less than 8."""
+    from gpuflow.tasks.platform.runs import short_id
+
+    ids = [
+        "019af3a1-7c2e-7aaa-8000-000000000001",
+        "019af3a1-7c2f-7bbb-8000-000000000002",
+        "019af3a2-0000-7ccc-8000-000000000003",
+    ]
+    shown = [short_id(i, ids) for i in ids]
+    assert shown == ["019af3a1-7c2e", "019af3a1-7c2f", "019af3a2"]
+    assert all(sum(other.startswith(s) for other in ids) == 1 for s in shown)

@@ -63,7 +63,7 @@ def list_runs(limit: int) -> int:
     for row in rows:
         table.append(
             (
-                row.id[:8],
+                row.short or row.id[:8],
                 row.job,
                 row.state,
                 row.backend or "-",

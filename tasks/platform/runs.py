@@ -34,6 +34,7 @@ class RunRow(BaseModel):
     duration_s: float | None = None
     cost_usd: float | None = None
     final: bool = False
+    short: str = ""  # the shortest start of its id (8 or more) no other recent run shares
 
 
 def _spec_of(run: Any) -> dict[str, Any]:
@@ -121,9 +122,28 @@ def listed(limit: int = 20) -> list[RunRow]:
     """Return the newest `limit` runs, newest first, with what each cost and where it ran
     where its metrics say."""
     with api_client() as client:
-        runs = _recent(client, limit)
+        recent = _recent(client, max(limit, RECENT))
+        runs = recent[:limit]
         collected = _collected(client, [str(r.id) for r in runs])
-    return [_row(run, collected.get(str(run.id))) for run in runs]
+    ids = [str(r.id) for r in recent]  # what `find` looks among: the shown start resolves
+    return [
+        _row(run, collected.get(str(run.id))).model_copy(
+            update={"short": short_id(str(run.id), ids)}
+        )
+        for run in runs
+    ]
+
+
+def short_id(run_id: str, ids: list[str], least: int = 8) -> str:
+    """Return the shortest start of `run_id` (at least `least` characters) that no other
+    of `ids` begins with: runs made in the same minute share their first 8 (a UUIDv7
+    begins with its time)."""
+    others = [i for i in ids if i != run_id]
+    for length in range(least, len(run_id) + 1):
+        start = run_id[:length]
+        if not start.endswith("-") and not any(i.startswith(start) for i in others):
+            return start
+    return run_id
 
 
 def find(name: str) -> RunRow:

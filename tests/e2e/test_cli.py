@@ -540,8 +540,10 @@ def test_ls_logs_follow_and_cancel_follow_a_run_from_another_terminal(
         "FLOW",
         "RUN",
     ]
-    [row] = [r.split() for r in rows if r.startswith(run_id[:8])]
+    [row] = [r.split() for r in rows if run_id.startswith(r.split()[0])]
     assert row[1:6] == ["long", "Running", "local", "-", "1"]  # the host: once collected
+    # the id it shows (8 characters, more when a recent run shares them) resolves
+    assert len(row[0]) >= 8 and not [r for r in rows if r.split()[0] == row[0] and r.split() != row]
     following = subprocess.Popen(
         [*GPUFLOW, "logs", "long", "--follow"], env=env, stdout=subprocess.PIPE, text=True
     )
@@ -564,7 +566,7 @@ def test_ls_logs_follow_and_cancel_follow_a_run_from_another_terminal(
         " (`gpuflow cancel RUN` stops it)."
     ), said
     assert flow_run(run_id).state.is_running()
-    cancelled = gpuflow(["cancel", run_id[:8]], env)
+    cancelled = gpuflow(["cancel", row[0]], env)
     assert cancelled.returncode == 0, cancelled.stderr[-2000:]
     assert cancelled.stdout.strip().endswith("is cancelled: its job was stopped and torn down.")
     rest, _ = following.communicate(timeout=60)  # the run is over: so is --follow
