@@ -35,7 +35,7 @@ from gpuflow.tasks.host import (
     write_atomic,
 )
 from gpuflow.tasks.pipeline import inflight
-from gpuflow.tasks.pipeline.stages import keep_run_outputs
+from gpuflow.tasks.pipeline.stages import keep_run_outputs, teardown_owned
 from gpuflow.tasks.pipeline.usercode import archives
 from gpuflow.tasks.platform import api as prefect_api
 from gpuflow.tasks.platform.state import read_state
@@ -162,21 +162,47 @@ def keep_orphans(
             say(f"would keep what flow run {run.run_id} wrote in {run.artifacts} (its gpuflow,"
                 f" pid {run.pid}, is gone)")  # fmt: skip
             continue
-        started = time.monotonic()
-        artifacts = Path(run.artifacts)
-        for line in keep_run_outputs(run.placements, run.run_id, artifacts, run.secret_env):
-            say(f"flow run {run.run_id}: {line} (in {time.monotonic() - started:.1f} s)")
-        for half in archives().glob(f"{PACKING}{run.pid}-*"):
-            half.unlink(missing_ok=True)
-            say(f"removed {half} (half-written by a process that died)")
-            removed += 1
+        removed += _keep_orphan(path, run, say)
         crashed.append((run.run_id, run.api_url))
-        path.unlink(missing_ok=True)
     if not dry_run:
         for folder in sweep_keys():
             say(f"removed {folder} (the SSH key folder of a process that died)")
             removed += 1
     return crashed, removed
+
+
+def _keep_orphan(path: Path, run: inflight.InFlight, say: Callable[[str], None]) -> int:
+    """Keep what the orphaned `run`'s job wrote, remove its half-packed archive and its
+    record; return how many files were removed."""
+    started = time.monotonic()
+    artifacts = Path(run.artifacts)
+    for line in keep_run_outputs(run.placements, run.run_id, artifacts, run.secret_env):
+        say(f"flow run {run.run_id}: {line} (in {time.monotonic() - started:.1f} s)")
+    removed = 0
+    for half in archives().glob(f"{PACKING}{run.pid}-*"):
+        half.unlink(missing_ok=True)
+        say(f"removed {half} (half-written by a process that died)")
+        removed += 1
+    path.unlink(missing_ok=True)
+    return removed
+
+
+def end_orphan(run_id: str, say: Callable[[str], None]) -> inflight.InFlight | None:
+    """When the gpuflow that ran `run_id` on this machine is gone (its in-flight record
+    says so), keep what its job wrote, tear down what it left and return its record: a
+    cancel then ends the run at once instead of waiting on a process that cannot answer.
+    None when no such record is here (the run is alive, or ran elsewhere)."""
+    for path, run in inflight.orphans():
+        if run.run_id != run_id:
+            continue
+        _keep_orphan(path, run, say)
+        for where in run.placements:
+            try:
+                teardown_owned(where, run_id)
+            except Exception as exc:  # its service is away: `gpuflow reap` tries again
+                say(f"flow run {run_id}: not torn down on {where.backend}: {exc}")
+        return run
+    return None
 
 
 def os_api_url() -> str:

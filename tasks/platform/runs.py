@@ -238,6 +238,20 @@ def cancel(run: RunRow, wait_s: float = 120.0, poll_s: float = 0.5) -> str:
             f"RUN: {run.job} ({run.flow_run}, {run.id[:8]}) is already {run.state.lower()};"
             " there is nothing to cancel."
         )
+    from gpuflow.tasks.platform.reap import end_orphan
+
+    said: list[str] = []
+    if (orphan := end_orphan(run.id, said.append)) is not None:  # its gpuflow is gone
+        from prefect.states import Cancelled
+
+        with api_client() as client:
+            message = f"cancelled after its gpuflow (pid {orphan.pid}) had died"
+            client.set_flow_run_state(UUID(run.id), Cancelled(message=message), force=True)
+        kept = "".join(f"; {line}" for line in said)
+        return (
+            f"{run.job} ({run.flow_run}, {run.id[:8]}) is cancelled: its gpuflow (pid"
+            f" {orphan.pid}) had died, so what it left was torn down here{kept}."
+        )
     with api_client() as client:
         client.set_flow_run_state(UUID(run.id), Cancelling(), force=True)
         until = time.monotonic() + wait_s

@@ -230,9 +230,10 @@ def test_reap_keeps_what_a_killed_runs_job_wrote_and_finds_a_run_killed_before_p
     tmp_path, gpuflow_home, monkeypatch
 ):
     """Two runs SIGKILLed: one whose job wrote 2,000 outputs and one still waiting for the
-    GPU the first holds (nothing provisioned). `gpuflow reap` keeps the first's outputs in
-    its artifacts before its workspace goes, and marks both flow runs Crashed; no record,
-    workspace or SSH key folder of theirs is left."""
+    GPU the first holds (nothing provisioned). `gpuflow cancel` ends the second at once
+    (its gpuflow is gone: nothing would answer); `gpuflow reap` keeps the first's outputs
+    in its artifacts before its workspace goes and marks it Crashed; no record or
+    workspace of theirs is left."""
     from tests.conftest import FAKES
 
     env = fresh_env(tmp_path, gpuflow_home)
@@ -260,16 +261,23 @@ def test_reap_keeps_what_a_killed_runs_job_wrote_and_finds_a_run_killed_before_p
         proc.kill()
         proc.wait(timeout=30)
     assert len(list((gpuflow_home / "local" / "clusters").glob("*.json"))) == 1  # the first's
+    # a cancel of the run whose gpuflow died before provision ends it at once
+    cancel = [*GPUFLOW, "cancel", "second"]
+    out = subprocess.run(cancel, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert re.search(
+        r"is cancelled: its gpuflow \(pid \d+\) had died, so what it left was", out.stdout
+    )
     out = subprocess.run([*GPUFLOW, "reap"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert "2 flow run(s) marked Crashed" in out.stdout, out.stdout
+    assert "1 flow run(s) marked Crashed" in out.stdout, out.stdout
     assert "the job's outputs were kept: 2001 file(s) in" in out.stdout, out.stdout
     (kept,) = (gpuflow_home / "runs").glob("first-*")
     assert len(list((kept / "outputs").iterdir())) == 2001
     assert (kept / "outputs" / "last").read_text() == "done\n"
     assert nothing_left(gpuflow_home)
     states = flow_run_states(env, monkeypatch)
-    assert [s for s, _ in states] == ["CRASHED", "CRASHED"], states
+    assert sorted(s for s, _ in states) == ["CANCELLED", "CRASHED"], states
 
 
 def test_reap_after_sigkill_stops_the_temporary_api_and_marks_the_run_crashed(
