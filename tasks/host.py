@@ -42,10 +42,17 @@ def gpuflow_home() -> Path:
 OWN_SECRETS: set[str] = set()
 
 
+# Prefect's credentials: the key to every block and run of the API. A job never gets them
+# (the platform's worker hands them to the flow runs it starts, and so to their jobs).
+API_CREDENTIALS = frozenset({"PREFECT_API_AUTH_STRING", "PREFECT_API_KEY"})
+
+
 def job_environ() -> dict[str, str]:
     """Return this process's environment as a job inherits it: without the secrets gpuflow
-    put there for itself."""
-    return {k: v for k, v in os.environ.items() if v not in OWN_SECRETS}
+    put there for itself, and without the Prefect API's credentials."""
+    return {
+        k: v for k, v in os.environ.items() if v not in OWN_SECRETS and k not in API_CREDENTIALS
+    }
 
 
 def env_number(name: str, default: float, low: float, high: float) -> float:

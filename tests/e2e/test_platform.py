@@ -190,12 +190,17 @@ def test_submit_tells_each_outcome_apart(platform):
     ok = platform.gpuflow(*argv[1:])  # PREFECT_API_URL and the auth string, as CI sets them
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "completed:" in ok.stdout and f"{platform.ui}/runs/flow-run/" in ok.stdout
-    failing = json.dumps({"name": "failing", "job": {"kind": "command", "command": ["false"]}})
+    # a job run by the platform's worker looks for the platform's auth string: not there
+    snoop = ["sh", "-c", 'env > "$GPUFLOW_OUTPUT_DIR/env.txt"; exit 1']
+    failing = json.dumps({"name": "failing", "job": {"kind": "command", "command": snoop}})
     failed = platform.gpuflow(
         "submit", "gpu-pipeline/command-local", "--param", f"spec={failing}", "--wait"
     )
     assert failed.returncode == 1 and "failed" in failed.stderr
     assert "the job exited with code 1" in failed.stderr
+    [seen] = (platform.home / "runs").glob("failing-*/outputs/env.txt")
+    assert "PATH=" in seen.read_text() and platform.auth not in seen.read_text()
+    assert "PREFECT_API_AUTH_STRING" not in seen.read_text()
     missing = platform.gpuflow("submit", "gpu-pipeline/no-such-deployment")
     assert missing.returncode == 2
     assert "deployment 'gpu-pipeline/no-such-deployment' does not exist" in missing.stderr
