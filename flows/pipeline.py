@@ -29,6 +29,7 @@ from gpuflow.tasks.pipeline.stages import (
     teardown_owned,
 )
 from gpuflow.tasks.pipeline.usercode import pack_code, said
+from gpuflow.tasks.platform.api import hold_if_ours
 from gpuflow.tasks.spec import JobSpec, Placement, load_spec, read_placement
 
 
@@ -104,6 +105,9 @@ def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
     """The pipeline's body, for flows that run it in their own flow run (render, train)
     rather than as a subflow: one flow run less to create and finish. The job's kind
     runs the run stage (its units); nothing here depends on which kind it is."""
+    from prefect.settings import PREFECT_API_URL
+
+    hold_if_ours(PREFECT_API_URL.value())  # the platform's port: this process's while it runs
     with flow_run_heartbeat():
         return _checked_stages(spec)
 

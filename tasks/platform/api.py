@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -50,7 +51,7 @@ from gpuflow.tasks.host import (
     stop_group,
     write_atomic,
 )
-from gpuflow.tasks.platform import kept_api
+from gpuflow.tasks.platform import kept_api, portguard
 from gpuflow.tasks.platform import state as platform_state
 from gpuflow.tasks.platform.server import sqlite_file
 
@@ -226,7 +227,40 @@ def configured_url() -> str | None:
 
 def choose(say: Callable[[str], None], temporary: bool = True) -> Api:
     """Return the API to use (see the module's docstring); start a temporary one if needed
-    and allowed. Raises ApiUnavailable with the real cause."""
+    and allowed. Raises ApiUnavailable with the real cause. The port of a server gpuflow
+    started (the platform's, a temporary API) is held by this process from here on, so no
+    other user can take it to receive the auth string (tasks/platform/portguard.py)."""
+    api = _choose(say, temporary)
+    if api.kind in ("platform", "temporary"):
+        try:
+            portguard.hold(api.url)
+        except portguard.PortTaken as exc:
+            raise ApiUnavailable(f"{exc.strerror}.") from None
+    return api
+
+
+def loopback_temporary(url: str) -> bool:
+    """Return True when `url` is on loopback and not the local platform's: a temporary API
+    (they keep their runs in PREFECT_HOME's database, whichever of them serves it)."""
+    state = platform_state.read_state()
+    if state and url.rstrip("/") == state["api"].rstrip("/"):
+        return False
+    return portguard.loopback(url) is not None
+
+
+def hold_if_ours(url: str | None) -> None:
+    """Hold `url`'s port when it is the local platform's (a flow run its worker started):
+    never raises; another program on the port is said in the log."""
+    state = platform_state.read_state()
+    if not url or not state or url.rstrip("/") != state["api"].rstrip("/"):
+        return
+    try:
+        portguard.hold(url)
+    except portguard.PortTaken as exc:
+        logging.getLogger("gpuflow").warning("%s", exc.strerror)
+
+
+def _choose(say: Callable[[str], None], temporary: bool) -> Api:
     url = configured_url()
     if url:
         problem = health_error(url)

@@ -35,7 +35,7 @@ from gpuflow.tasks.backends.kubernetes.kubeapi import (
 from gpuflow.tasks.backends.local.gpu_slots import LIMIT_NAME
 from gpuflow.tasks.errors import GpuflowError, InvalidSpec
 from gpuflow.tasks.host import open_private, private_dir, secure_home, stop_group, write_atomic
-from gpuflow.tasks.platform import postgres
+from gpuflow.tasks.platform import portguard, postgres
 from gpuflow.tasks.platform.api import start_timeout_s, startup_error, stop_kept
 from gpuflow.tasks.platform.blocks_setup import init_blocks
 from gpuflow.tasks.platform.deploy import (
@@ -86,14 +86,18 @@ def _start(argv: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
 
 def _port_taken(port: int, address: str = "127.0.0.1") -> str | None:
     """Return who holds `port` on `address` (a sentence), or None when it is free."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # as the server binds it: this user's clients holding the port (portguard) are no
+    # obstacle; another user's program, or a server answering there, is
+    with portguard.reusable_socket(address, server=True) as probe:
         try:
             probe.bind((address, port))
-            return None
         except OSError as exc:
             return f"port {port} on {address} is taken ({exc.strerror or exc})"
+    with contextlib.suppress(OSError):
+        connect_to = "127.0.0.1" if address == "0.0.0.0" else "::1" if address == "::" else address
+        with socket.create_connection((connect_to, port), timeout=0.5):
+            return f"port {port} on {address} is taken (a server answers there)"
+    return None
 
 
 def _listens(pid: int, port: int) -> bool:
@@ -209,6 +213,9 @@ def up(
     if state:
         down(say=lambda *_: None)  # a half-dead platform: clear it first
     if taken := _port_taken(port, where.bind):
+        if state and auth_path().exists():  # its clients may have sent the string there
+            auth_path().unlink()
+            say("the platform's auth string was renewed: its port is held by another program")
         raise PlatformError(
             f"{taken}: another program (perhaps another Prefect server) listens there;"
             " stop it, or start the platform on a free port with --port."
@@ -320,8 +327,11 @@ def _start_workers(
     # wait as Scheduled (SQLite answered "database is locked" to 50 at once).
     limit = max(4, gpus + 1)
     worker = ["worker", "start", "--pool", LOCAL_POOL, "--type", "process"]
+    # the worker holds the API's port as long as it lives (tasks/platform/portguard.py):
+    # were the server to die, no other user could take the port and get its polls
+    guard = [python, "-m", "gpuflow.tasks.platform.portguard", state["api"], "--"]
     processes["worker"] = _start(
-        [python, "-m", "prefect", *worker, "--limit", str(limit)],
+        [*guard, python, "-m", "prefect", *worker, "--limit", str(limit)],
         env,
         platform_dir() / "worker.log",
     )
@@ -330,7 +340,7 @@ def _start_workers(
         worker = ["worker", "start", "--pool", GPU_K8S_POOL]
         worker += ["--type", pool_templates()[GPU_K8S_POOL][0]]
         processes["k8s-worker"] = _start(
-            [python, "-m", "prefect", *worker],
+            [*guard, python, "-m", "prefect", *worker],
             {
                 **env,
                 **_auth_secret(cluster),

@@ -316,10 +316,22 @@ def _mark_crashed(runs: list[tuple[str, str | None]], say: Callable[[str], None]
     """Mark each flow run Crashed in the API it was recorded in, unless it already ended;
     an API that does not answer is named, and the run left as it is."""
     marked = 0
+    here = os.environ.get("PREFECT_API_URL", "")
     for run_id, url in runs:
         if not url:
             continue
         problem = prefect_api.health_error(url, timeout_s=5)
+        if problem and not here and prefect_api.loopback_temporary(url):
+            with contextlib.suppress(Exception):  # none can start: the run is named below
+                here = prefect_api.choose(lambda _: None).url
+        if problem and here and here != url:
+            # a temporary API that died: the one this command uses keeps its runs in the
+            # same database (the same PREFECT_HOME), and finds the run there
+            with contextlib.suppress(Exception):
+                if _crash(run_id, here):
+                    say(f"  flow run {run_id} marked Crashed (through {here}: {url} is gone)")
+                    marked += 1
+                continue
         if problem:
             say(f"  flow run {run_id} not marked Crashed: the API at {url} is away ({problem})")
             continue

@@ -175,6 +175,11 @@ def serve(argv: list[str]) -> int:
         config.load()
         config.ssl = server_context(args.tls_cert, args.tls_key)  # TLS 1.3 only
     server = uvicorn.Server(config)
+    try:  # its port shared with this user's clients only (tasks/platform/portguard.py)
+        bound = _bind(args.host, args.port)
+    except OSError as exc:
+        print(f"could not bind {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
+        return STARTUP_FAILED
     stopped: list[bool] = []
     if args.idle_s > 0 and args.servers:
         threading.Thread(
@@ -184,12 +189,27 @@ def serve(argv: list[str]) -> int:
             name="idle-stop",
         ).start()
     _collect_once_started(server)
-    server.run()
+    server.run(sockets=[bound])
     if stopped:
         if args.log:
             args.log.unlink(missing_ok=True)
         return 0
     return 0 if server.started else STARTUP_FAILED
+
+
+def _bind(host: str, port: int) -> Any:
+    """Return the server's socket on host:port, bound with SO_REUSEPORT: this user's
+    clients hold the same port (portguard), so no other user can take it when it stops."""
+    import socket
+
+    from gpuflow.tasks.platform.portguard import reusable_socket
+
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    bound = reusable_socket(address[0] if family == socket.AF_INET6 else host, server=True)
+    if family == socket.AF_INET6:
+        bound.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    bound.bind(address)
+    return bound
 
 
 def _collect_once_started(server: Any) -> None:

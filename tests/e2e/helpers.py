@@ -443,3 +443,31 @@ def command_lines_seen() -> Iterator[set[str]]:
     finally:
         stop.set()
         watcher.join()
+
+
+SQUAT = """
+import socket, sys
+port = int(sys.argv[1])
+for address, family in (("127.0.0.1", socket.AF_INET), ("0.0.0.0", socket.AF_INET), ("::", socket.AF_INET6)):
+    squatter = socket.socket(family)
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        squatter.bind((address, port))
+        squatter.listen()
+        print(f"took {address}:{port}")
+    except OSError:
+        pass
+    squatter.close()
+"""
+
+
+def squatted(port: int) -> list[str]:
+    """Return what `nobody` could bind and listen on of `port` (loopback, the wildcards):
+    a squatter there would receive what gpuflow's clients send to the port."""
+    done = subprocess.run(
+        ["/usr/bin/python3", "-c", SQUAT, str(port)],
+        user=65534, group=65534, extra_groups=[], cwd="/", env={"PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.split()

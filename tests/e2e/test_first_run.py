@@ -17,7 +17,7 @@ from uuid import UUID
 import psutil
 import pytest
 
-from tests.e2e.helpers import logs_of, nothing_left
+from tests.e2e.helpers import logs_of, nothing_left, squatted
 
 pytestmark = pytest.mark.e2e
 GPUFLOW = [sys.executable, "-m", "gpuflow"]
@@ -230,7 +230,7 @@ def test_reap_keeps_what_a_killed_runs_job_wrote_and_finds_a_run_killed_before_p
     tmp_path, gpuflow_home, monkeypatch
 ):
     """Two runs SIGKILLed: one whose job wrote 2,000 outputs and one still waiting for the
-    GPU the first holds (nothing provisioned). `gpuflow cancel` ends the second at once
+    GPU the first holds (its provision not done: no GPU, no job). `gpuflow cancel` ends the second at once
     (its gpuflow is gone: nothing would answer); `gpuflow reap` keeps the first's outputs
     in its artifacts before its workspace goes and marks it Crashed; no record or
     workspace of theirs is left."""
@@ -257,10 +257,23 @@ def test_reap_keeps_what_a_killed_runs_job_wrote_and_finds_a_run_killed_before_p
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
     in_flight = gpuflow_home / "inflight"
     wait_for(runs[1], lambda: len(list(in_flight.glob("*.json"))) == 2)
+    # the temporary API dies under them: its port stays theirs (they send it the auth
+    # string), no other local user can take it
+    records = [json.loads(p.read_text()) for p in (gpuflow_home / "servers").glob("*.json")]
+    assert records
+    for record in records:
+        os.kill(record["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    for record in records:
+        while (
+            psutil.pid_exists(record["pid"]) and psutil.Process(record["pid"]).status() != "zombie"
+        ):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert squatted(int(record["api"].rsplit(":", 1)[1].split("/")[0])) == []
     for proc in runs:
         proc.kill()
         proc.wait(timeout=30)
-    assert len(list((gpuflow_home / "local" / "clusters").glob("*.json"))) == 1  # the first's
     # a cancel of the run whose gpuflow died before provision ends it at once
     cancel = [*GPUFLOW, "cancel", "second"]
     out = subprocess.run(cancel, env=env, capture_output=True, text=True, timeout=300)

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from tests.e2e.helpers import (
     outsider,
     process_gone,
     shared_folder,
+    squatted,
     wider_than_private,
 )
 
@@ -428,6 +430,13 @@ def test_a_server_slower_than_its_start_bound_is_one_sentence_and_leaves_nothing
     assert not [p for p in servers if not process_gone(p.pid)], "the server was left running"
 
 
+def wait_for_gone(pid: int) -> None:
+    deadline = time.monotonic() + 60
+    while not process_gone(pid):
+        assert time.monotonic() < deadline, f"pid {pid} outlived SIGKILL"
+        time.sleep(0.05)
+
+
 def test_a_platform_whose_up_was_killed_before_its_worker_is_never_called_running(tmp_path):
     """SIGKILL to `platform up` once its server answers, before its worker starts (the
     moment it says so): `status` says it is half started and fails; the next `up` stops
@@ -456,6 +465,11 @@ def test_a_platform_whose_up_was_killed_before_its_worker_is_never_called_runnin
     assert "started a process worker" in up.stdout and process_gone(server)
     assert half.gpuflow("platform", "status", timeout=60).returncode == 0
     pids = [p["pid"] for p in half.state()["processes"].values()]
+    # its server dies: its worker still polls the port with the auth string, and holds it,
+    # so another local user cannot take the port to receive those polls
+    os.kill(half.state()["processes"]["server"]["pid"], signal.SIGKILL)
+    wait_for_gone(half.state()["processes"]["server"]["pid"])
+    assert squatted(half.port) == []
     half.gpuflow("platform", "down", timeout=120)
     assert all(process_gone(pid) for pid in pids)
 
