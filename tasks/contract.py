@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel
 
+from gpuflow.tasks.spec import UNIT_VARIABLES  # noqa: F401 - what gpuflow sets for every unit
 from gpuflow.tasks.storage import S3Settings
 
 OWNER_LABEL = "gpuflow.io/owner"
@@ -307,20 +308,6 @@ State = TypeVar("State", bound=BaseModel)
 def state_of(cluster: Cluster, model: type[State]) -> State:
     """Return the backend's typed state stored on `cluster`."""
     return model.model_validate(cluster.state)
-
-
-# what gpuflow sets for every unit (unit_env, and the run stage's cluster_env): a command
-# may name them as ${NAME}
-UNIT_VARIABLES = (
-    "GPUFLOW_WORKSPACE",
-    "GPUFLOW_OUTPUT_DIR",
-    "GPUFLOW_NODE_RANK",
-    "GPUFLOW_NODES",
-    "GPUFLOW_MASTER_ADDR",
-    "GPUFLOW_MASTER_PORT",
-    "GPUFLOW_NODE_ADDRS",
-    "GPUFLOW_ATTEMPT",
-)
 
 
 def cluster_env(cluster: Cluster, attempt: int = 1) -> dict[str, str]:

@@ -126,6 +126,19 @@ MAX_CANDIDATES = 16  # a placement list's length
 
 # Linux's limit on one environment string (NAME=value) and on one argument (MAX_ARG_STRLEN)
 ENV_STRING_MAX = 128 * 1024
+# what gpuflow sets for every unit (tasks/contract.py's unit_env and cluster_env): a
+# job's env may not set them, and a command may name them as ${NAME}
+UNIT_VARIABLES = (
+    "GPUFLOW_WORKSPACE",
+    "GPUFLOW_OUTPUT_DIR",
+    "GPUFLOW_NODE_RANK",
+    "GPUFLOW_NODES",
+    "GPUFLOW_MASTER_ADDR",
+    "GPUFLOW_MASTER_PORT",
+    "GPUFLOW_NODE_ADDRS",
+    "GPUFLOW_ATTEMPT",
+)
+SET_BY_GPUFLOW = frozenset(UNIT_VARIABLES)
 
 
 def split_argv(value: Any) -> Any:
@@ -686,7 +699,8 @@ class JobSpec(SpecModel):
     def _dns_name(cls, value: str) -> str:
         if len(value) > 40 or not _NAME_RE.match(value):
             raise ValueError(
-                f"{value!r} is not a valid name; use up to 40 lowercase letters, digits and dashes"
+                f"{value!r} is not a valid name; use up to 40 lowercase letters, digits and"
+                " dashes, starting and ending with a letter or digit"
             )
         return value
 
@@ -696,6 +710,11 @@ class JobSpec(SpecModel):
         for key, item in value.items():
             if not _ENV_RE.match(key):
                 raise ValueError(f"{key!r} is not an environment variable name; use A-Z, 0-9, _")
+            if key in SET_BY_GPUFLOW:
+                raise ValueError(
+                    f"{key} is set by gpuflow for every unit (where this run's node keeps its"
+                    " files and what it is); remove it, or read it in the job"
+                )
             if "\0" in item:  # the value itself is never echoed: it may be a secret
                 raise ValueError(
                     f"the value of {key} holds a NUL byte, which no environment can carry;"

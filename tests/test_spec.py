@@ -69,6 +69,12 @@ BAD = [
     ({"job": {**CMD, "comand": "x"}}, "job.comand: unknown field; did you mean 'command'?"),
     ({"job": CMD, "name": "My Job"}, "name: 'My Job' is not a valid name"),
     ({"job": CMD, "env": {"1BAD": "x"}}, "env: '1BAD' is not an environment variable name"),
+    ({"job": CMD, "name": "x-"}, "starting and ending with a letter or digit"),
+    ({"job": CMD, "name": "-lead"}, "starting and ending with a letter or digit"),
+    (
+        {"job": CMD, "env": {"GPUFLOW_OUTPUT_DIR": "/etc"}},
+        "env: GPUFLOW_OUTPUT_DIR is set by gpuflow for every unit",
+    ),
     ({"job": CMD, "limits": {"max_cost_usd": -5}}, "limits.max_cost_usd must be more than 0"),
     ({"job": CMD, "metrics": {"pushgateway": "localhost:9091"}}, "metrics.pushgateway"),
     (

@@ -16,7 +16,7 @@ def _platform_parser(commands: Any) -> None:
     )
     plat.add_argument("action", choices=["up", "down", "status"])
     plat.add_argument(
-        "--port", type=number(1, 65535), default=4200, help="server port (default 4200)"
+        "--port", type=number(1, 65535), default=None, help="server port (default 4200)"
     )
     plat.add_argument(
         "--kubeconfig",
@@ -119,7 +119,7 @@ def add(commands: Any) -> list[tuple[str, str]]:
 
 def platform(
     action: str,
-    port: int,
+    port: int | None,
     kubeconfig: Path | None = None,
     image: str | None = None,
     database: str = "sqlite",

@@ -21,6 +21,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import psutil
 import yaml
@@ -64,6 +65,9 @@ from gpuflow.tasks.platform.tls import Listening, client_context, listening
 # copy inside the installed package; its folder is where `prefect deploy` runs
 PROJECT_FILE = (Path(__file__).parents[2] / "prefect.yaml").resolve()
 ROOT = PROJECT_FILE.parent
+
+
+DEFAULT_PORT = 4200
 
 
 class PlatformError(GpuflowError):
@@ -183,7 +187,7 @@ def runs_kept_in(database: dict[str, Any] | None) -> str:
 
 
 def up(
-    port: int = 4200,
+    port: int | None = None,
     say=print,
     kubeconfig: Path | None = None,
     image: str | None = None,
@@ -202,7 +206,8 @@ def up(
         raise InvalidSpec(f"--database: {database!r} is not one of {', '.join(DATABASES)}.")
     state = read_state()
     if state and all(running(p) for p in state["processes"].values()) and _whole(state, say):
-        return _already_running(state, kubeconfig, database, use, say)
+        return _already_running(state, kubeconfig, database, use, say, port)
+    port = DEFAULT_PORT if port is None else port
     if not 1 <= port <= 65535:
         raise InvalidSpec(f"--port: {port} is not a TCP port; give one from 1 to 65535.")
     if database == "postgresql":
@@ -285,11 +290,22 @@ def _whole(state: dict[str, Any], say: Any) -> bool:
 
 
 def _already_running(
-    state: dict[str, Any], kubeconfig: Path | None, database: str, use: bool, say: Any
+    state: dict[str, Any],
+    kubeconfig: Path | None,
+    database: str,
+    use: bool,
+    say: Any,
+    port: int | None = None,
 ) -> dict[str, Any]:
     """Return the running platform's state once it is the one asked for; with `use`, make
     its profile the active one."""
     _same_platform(state, kubeconfig, database)
+    running_on = urlsplit(state["api"]).port
+    if port is not None and port != running_on:
+        raise PlatformError(
+            f"the platform already runs on port {running_on}, not {port}: --port {port} was"
+            f" not used; run `gpuflow platform down`, then `up --port {port}`, to move it"
+        )
     say(f"already running: UI {state['ui']}")
     if use:
         _say_profile(say, write_profile(state["api"], platform_trust(state), use=True))

@@ -61,6 +61,30 @@ def host_addresses() -> set[str]:
     return found
 
 
+def reachable_name() -> str:
+    """Return the name (or address) another machine reaches this host by: its full name
+    when that does not resolve to loopback here, else its first address that is not a
+    loopback or link-local one (a name like `localhost` would send a teammate to their
+    own machine)."""
+    name = socket.getfqdn()
+    try:
+        resolved = {info[4][0] for info in socket.getaddrinfo(name, None)}
+    except OSError:
+        resolved = set()
+    if (
+        name
+        and resolved
+        and not any(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in resolved)
+    ):
+        return name
+    usable = sorted(
+        a for a in host_addresses()
+        if not (ip := ipaddress.ip_address(a)).is_loopback and not ip.is_link_local
+    )  # fmt: skip
+    usable.sort(key=lambda a: ":" in a)  # IPv4 first: easier to type
+    return usable[0] if usable else socket.gethostname()
+
+
 def listening(listen: str, cert: Path | None, key: Path | None, tls_folder: Path) -> Listening:
     """Return where and how the platform listens, checked before anything starts
     (InvalidSpec, one sentence, naming the option); a certificate is generated in
@@ -85,7 +109,7 @@ def listening(listen: str, cert: Path | None, key: Path | None, tls_folder: Path
         )
     shared = not address.is_loopback
     local = "127.0.0.1" if bind in EVERYWHERE or address.is_loopback else bind
-    shown = socket.getfqdn() if bind in EVERYWHERE else bind
+    shown = reachable_name() if bind in EVERYWHERE else bind
     if cert is not None and key is not None:
         _check_pair(cert, key)
         trust = str(cert.resolve()) if _self_signed(cert) else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -71,6 +72,12 @@ def test_up_brings_server_pools_limit_blocks_deployments_and_worker(platform):
         assert {"gpuflow-local-gpu-host", "gpuflow-gpu-price-table"} <= types
     again = platform.gpuflow("platform", "up", "--port", str(platform.port))
     assert again.returncode == 0 and "already running" in again.stdout
+    elsewhere = platform.gpuflow("platform", "up", "--port", str(platform.port + 1))
+    assert elsewhere.returncode == 1, elsewhere.stdout + elsewhere.stderr
+    assert (
+        f"the platform already runs on port {platform.port}, not {platform.port + 1}: --port"
+        f" {platform.port + 1} was not used; run `gpuflow platform down`, then `up --port"
+    ) in elsewhere.stderr
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another local user")
@@ -608,6 +615,9 @@ def test_a_platform_shared_on_purpose_speaks_tls_1_3_and_still_asks_the_auth_str
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert "shared over TLS 1.3 on 0.0.0.0" in up.stdout
+        # a teammate is told an address that reaches this machine, never their own
+        (told,) = re.findall(r"a teammate sets PREFECT_API_URL=https://([^/:\]]+)", up.stdout)
+        assert told not in ("localhost", "127.0.0.1") and not told.startswith("127."), up.stdout
         cert = shared.home / "platform" / "tls" / "cert.pem"
         assert (shared.home / "platform" / "tls" / "key.pem").stat().st_mode & 0o777 == 0o600
         api = f"https://127.0.0.1:{shared.port}/api"
