@@ -17,11 +17,13 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from gpuflow.tasks.host import env_number
+from gpuflow.tasks.pipeline import inflight
 from gpuflow.tasks.pipeline.inflight import snapshot
-from gpuflow.tasks.pipeline.stages import teardown_owned
+from gpuflow.tasks.pipeline.stages import keep_outputs, teardown_owned, unreadable
 from gpuflow.tasks.platform.api import health_error
 from gpuflow.tasks.platform.reap import record_unreported
 
@@ -90,12 +92,20 @@ class OutageWatch:
         since = datetime.fromtimestamp(time.time() - away_s).strftime("%H:%M:%S")
         why = f"the Prefect API at {self.api.url} stopped answering at {since} ({problem})"
         for run_id, placements in runs.items():
+            record = inflight.recorded(run_id)
             for placement in placements:  # a pool's: each candidate it may have used
                 try:
+                    if record is not None:  # what the job wrote, first (no API: no secrets
+                        # to mask with, so the summaries' files show nothing)
+                        for line in keep_outputs(
+                            placement, run_id, Path(record.artifacts), unreadable
+                        ):
+                            self.say(line)
                     teardown_owned(placement, run_id)
                 except Exception as exc:  # what is left, the reaper finds by its labels
                     self.say(f"teardown of run {run_id} failed ({type(exc).__name__}: {exc})")
             record_unreported(run_id, self.api.url, why)
+            inflight.forget(run_id)  # dealt with here: reap marks it through `unreported`
         kept = self.keep_logs()
         self.fail(
             f"{why} and did not come back within {self.bound_s:.0f} s; the job had ended and"

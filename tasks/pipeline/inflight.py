@@ -38,6 +38,21 @@ def records_dir() -> Path:
     return gpuflow_home() / "inflight"
 
 
+def recorded(run_id: str) -> InFlight | None:
+    """Return the record of `run_id` this machine keeps, or None."""
+    for _, data in state_records(records_dir(), f"{run_id}.json"):
+        try:
+            return InFlight.model_validate(data)
+        except ValueError:
+            return None
+    return None
+
+
+def forget(run_id: str) -> None:
+    """Remove the record of `run_id`: its gpuflow has dealt with what it left."""
+    (records_dir() / f"{run_id}.json").unlink(missing_ok=True)
+
+
 def orphans() -> list[tuple[Path, InFlight]]:
     """Return the recorded runs whose gpuflow process is gone (killed, or its machine
     rebooted), with their records' paths."""

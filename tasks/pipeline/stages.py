@@ -167,11 +167,11 @@ def keep_run_outputs(
     try:
         redact: Callable[[str], str] = secrets.Redactor(secrets.resolve(secret_env).values())
     except Exception:  # its blocks cannot be read now
-        redact = _unreadable
+        redact = unreadable
     return [line for where in places for line in keep_outputs(where, run_id, artifacts, redact)]
 
 
-def _unreadable(text: str) -> str:
+def unreadable(text: str) -> str:
     """A redactor for when the run's secrets cannot be read: nothing of the text is shown."""
     return "(not shown: the run's secrets could not be read to mask it)"
 

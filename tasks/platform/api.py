@@ -104,6 +104,8 @@ def own_prefect_home() -> Path:
     fix = "point PREFECT_HOME at a folder of your own, or unset it (~/.prefect)"
     try:
         info = home.stat() if home.exists() else None
+        if info is not None and not stat.S_ISDIR(info.st_mode):
+            raise StateFileError(f"PREFECT_HOME {home} is not a folder; {fix}.")
         if info is not None and info.st_uid != os.geteuid():
             raise StateFileError(
                 f"PREFECT_HOME {home} belongs to uid {info.st_uid}, not to you: that user could"

@@ -50,8 +50,9 @@ class Restarts:
 
 def listening_elsewhere(replica: str, port: int) -> str:
     """Return "; it listens on N, not on $PORT (P)" when a process of this machine
-    started as `replica` (its GPUFLOW_REPLICA) listens on other ports than `port`; ""
-    when none does or it cannot be told."""
+    started as `replica` and given `port` (its GPUFLOW_REPLICA and PORT: another service's
+    replica of the same name is not it) listens on other ports; "" when none does or it
+    cannot be told."""
     ports: set[int] = set()
     try:
         found = psutil.net_connections(kind="tcp")
@@ -64,7 +65,8 @@ def listening_elsewhere(replica: str, port: int) -> str:
             proc = psutil.Process(conn.pid)
             if proc.uids().real != os.getuid():
                 continue
-            if proc.environ().get("GPUFLOW_REPLICA") == replica:
+            environ = proc.environ()  # this service's replica: its name and the port it was given
+            if environ.get("GPUFLOW_REPLICA") == replica and environ.get("PORT") == str(port):
                 ports.add(conn.laddr.port)
         except (psutil.Error, OSError):
             continue

@@ -473,19 +473,32 @@ def test_a_silent_api_is_named_as_silent(tmp_path, gpuflow_home):
 
 
 def test_a_temporary_api_that_cannot_start_is_named_with_its_cause(tmp_path, gpuflow_home):
-    not_a_folder = tmp_path / "prefect-home"
-    not_a_folder.write_text("a file where PREFECT_HOME should be")
+    home = tmp_path / "prefect-home"
     env = subprocess_env("", gpuflow_home)
     env.pop("PREFECT_API_URL")
-    env["PREFECT_HOME"] = str(not_a_folder)
+    env["PREFECT_HOME"] = str(home)
+    # a database in a folder that is not there: the server itself fails to open it
+    database = tmp_path / "no-such-folder" / "prefect.db"
+    env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = f"sqlite+aiosqlite:///{database}"
     out = gpuflow(["run", str(write(tmp_path, "job: {kind: command, command: [true]}\n"))], env)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     (sentence,) = [line for line in out.stderr.splitlines() if line.startswith("gpuflow:")]
     assert sentence.startswith(
         "gpuflow: the temporary Prefect API could not start: sqlalchemy.exc.OperationalError:"
         " (sqlite3.OperationalError) unable to open database file (its database is under"
-        f" PREFECT_HOME={not_a_folder}); see "
-    )
+        f" PREFECT_HOME={home}); see "
+    ), sentence
+    # PREFECT_HOME a file: refused before any server starts on it
+    home = tmp_path / "prefect-home-file"
+    home.write_text("a file where PREFECT_HOME should be")
+    env["PREFECT_HOME"] = str(home)
+    del env["PREFECT_SERVER_DATABASE_CONNECTION_URL"]
+    out = gpuflow(["run", str(write(tmp_path, "job: {kind: command, command: [true]}\n"))], env)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().endswith(
+        f"gpuflow: PREFECT_HOME {home} is not a folder; point PREFECT_HOME at a folder of your"
+        " own, or unset it (~/.prefect)."
+    ), out.stderr
     kept = [p.suffix for p in (gpuflow_home / "servers").iterdir() if p.name != "auth"]
     assert kept == [".log"]  # named, kept
     assert nothing_left(gpuflow_home)
