@@ -653,7 +653,8 @@ class Service:
         runtime, endpoint = self._start_endpoint()
         self._say(
             "info",
-            f"endpoint {self.endpoint} (HAProxy), replicas {self.job.replicas.min}-{self.job.replicas.max}",
+            f"endpoint {self.endpoint} (HAProxy), replicas {self.job.replicas.min}-{self.job.replicas.max};"
+            f" {reachable_by(self.job.host)}",
         )
         if self.key:
             self._say(
@@ -876,6 +877,21 @@ def _targets(job: ServiceJob) -> Targets:
         down_after_s=job.scaling.down_after_s,
         to_zero_after_s=job.idle_to_zero_s,
     )
+
+
+def reachable_by(host: str) -> str:
+    """Return who reaches an endpoint listening on `host`, and how to narrow it."""
+    if host in ("0.0.0.0", "::"):
+        return (
+            "every machine that reaches this one can call it (job.host 127.0.0.1 keeps it"
+            " to this machine; the endpoint asks no credential: the serving program's own)"
+        )
+    if host.startswith("127.") or host in ("::1", "localhost"):
+        return (
+            "every user of this machine can call it, nobody else (the endpoint asks no"
+            " credential: check one in the serving program if others share the machine)"
+        )
+    return f"whoever reaches {host} can call it (job.host 127.0.0.1 keeps it to this machine)"
 
 
 def replica_port(run_id: str, counter: int) -> int:

@@ -467,6 +467,8 @@ def test_a_service_whose_replicas_never_serve_fails_with_their_cause(
         assert f"it listens on {elsewhere}, not on $PORT (" in said, said
     lines = "\n".join(logs_of(state.state_details.flow_run_id))
     assert "replica-1 failed to serve (1 of job.failures_max 2 in a row); the next replica" in lines
+    # who can call the endpoint, said as it starts
+    assert "; every user of this machine can call it, nobody else (the endpoint asks" in lines
     assert "replica-3" not in lines  # no replica after the budget
     assert leftovers(gpuflow_home) == NOTHING_LEFT
 
