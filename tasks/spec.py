@@ -126,6 +126,7 @@ MAX_CANDIDATES = 16  # a placement list's length
 
 # Linux's limit on one environment string (NAME=value) and on one argument (MAX_ARG_STRLEN)
 ENV_STRING_MAX = 128 * 1024
+ENV_TOTAL_MAX = 1024 * 1024  # of env (or secret_env) in all: half of what exec takes
 # what gpuflow sets for every unit (tasks/contract.py's unit_env and cluster_env): a
 # job's env may not set them, and a command may name them as ${NAME}
 UNIT_VARIABLES = (
@@ -727,6 +728,14 @@ class JobSpec(SpecModel):
                     f" {ENV_STRING_MAX // 1024} KiB in one environment variable: write it to a"
                     " file and pass the file's path"
                 )
+        total = sum(len(k) + len(v.encode()) + 2 for k, v in value.items())
+        if total > ENV_TOTAL_MAX:
+            raise ValueError(
+                f"the variables hold {total / 1024:.0f} KiB in all, over {ENV_TOTAL_MAX // 1024}"
+                " KiB: a program starts with about 2 MiB of arguments and environment together"
+                " (the host's own variables take their share); write the large values to"
+                " files and pass their paths"
+            )
         return value
 
     @model_validator(mode="after")

@@ -72,6 +72,10 @@ BAD = [
     ({"job": CMD, "name": "x-"}, "starting and ending with a letter or digit"),
     ({"job": CMD, "name": "-lead"}, "starting and ending with a letter or digit"),
     (
+        {"job": CMD, "env": {f"V{i}": "x" * 100_000 for i in range(12)}},
+        "env: the variables hold 1172 KiB in all, over 1024 KiB",
+    ),
+    (
         {"job": CMD, "env": {"GPUFLOW_OUTPUT_DIR": "/etc"}},
         "env: GPUFLOW_OUTPUT_DIR is set by gpuflow for every unit",
     ),
