@@ -104,6 +104,19 @@ def _port_taken(port: int, address: str = "127.0.0.1") -> str | None:
     return None
 
 
+def _port_free(port: int, address: str, renew: bool, say: Any) -> None:
+    """PlatformError when another program holds the port; with `renew` (a platform was
+    there before), its auth string is renewed first: its clients may have sent it there."""
+    if taken := _port_taken(port, address):
+        if renew and auth_path().exists():
+            auth_path().unlink()
+            say("the platform's auth string was renewed: its port is held by another program")
+        raise PlatformError(
+            f"{taken}: another program (perhaps another Prefect server) listens there;"
+            " stop it, or start the platform on a free port with --port."
+        )
+
+
 def _listens(pid: int, port: int) -> bool:
     """Return True when the process `pid` or one of its children listens on `port`: the
     server that answers there is the one started, not another one."""
@@ -217,14 +230,7 @@ def up(
     where = listening(listen, tls_cert, tls_key, platform_dir() / "tls")
     if state:
         down(say=lambda *_: None)  # a half-dead platform: clear it first
-    if taken := _port_taken(port, where.bind):
-        if state and auth_path().exists():  # its clients may have sent the string there
-            auth_path().unlink()
-            say("the platform's auth string was renewed: its port is held by another program")
-        raise PlatformError(
-            f"{taken}: another program (perhaps another Prefect server) listens there;"
-            " stop it, or start the platform on a free port with --port."
-        )
+    _port_free(port, where.bind, renew=bool(state), say=say)
     started = time.monotonic()
     private_dir(platform_dir())
     platform_auth()  # made before anything that needs it starts

@@ -230,9 +230,7 @@ def unit_job(
     if gpus and settings.gpu_product:
         pod["nodeSelector"] = {PRODUCT_LABEL: settings.gpu_product}
     if gpus and cluster.nodes > 1:  # `resources.nodes` machines, not fewer
-        pod_labels[NODE_LABEL] = str(unit.node)
-        others = {"key": NODE_LABEL, "operator": "NotIn", "values": [str(unit.node)]}
-        pod["affinity"] = apart(cluster, {"key": NODE_LABEL, "operator": "Exists"}, others)
+        pod_labels[NODE_LABEL], pod["affinity"] = str(unit.node), node_apart(cluster, unit.node)
     if settings.priority_class_name:
         pod["priorityClassName"] = settings.priority_class_name
     if settings.service_account:
@@ -252,6 +250,12 @@ def unit_job(
             "template": {"metadata": {"labels": pod_labels}, "spec": pod},
         },
     }
+
+
+def node_apart(cluster: Cluster, node: int) -> dict[str, Any]:
+    """Return the affinity of the GPU pod standing for node `node` of `cluster`."""
+    others = {"key": NODE_LABEL, "operator": "NotIn", "values": [str(node)]}
+    return apart(cluster, {"key": NODE_LABEL, "operator": "Exists"}, others)
 
 
 def apart(cluster: Cluster, *others: dict[str, Any]) -> dict[str, Any]:
