@@ -227,24 +227,31 @@ def _check_link(path: Path, rel: Path, root: Path, real_root: Path, field: str) 
     """WorkdirError when the link `path` points out of the folder, loops or cannot be
     followed: a node gets the link as it is, so what it points to must be sent too."""
     try:
+        points = os.readlink(path)
+    except OSError as exc:  # a link of /proc: not even where it points may be read
+        raise WorkdirError(
+            f"{field}: {rel} is a link that cannot be read ({exc.strerror}); remove it or"
+            f" exclude it in {root}/.gpuflowignore"
+        ) from None
+    try:
         target = path.resolve()  # a link to a file still to be made inside is sent as it is
     except RuntimeError:  # Python 3.11 says a loop this way
         target = None
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise WorkdirError(
-                f"{field}: {rel} is a link to {os.readlink(path)}, which cannot be followed"
+                f"{field}: {rel} is a link to {points}, which cannot be followed"
                 f" ({exc.strerror}); remove it or exclude it in {root}/.gpuflowignore"
             ) from None
         target = None
     if target is None:
         raise WorkdirError(
-            f"{field}: {rel} is a link that loops ({rel} -> {os.readlink(path)} -> ...);"
+            f"{field}: {rel} is a link that loops ({rel} -> {points} -> ...);"
             f" remove it or exclude it in {root}/.gpuflowignore"
         )
     if not target.is_relative_to(real_root):
         raise WorkdirError(
-            f"{field}: {rel} is a link to {os.readlink(path)}, out of {root}; copy what it"
+            f"{field}: {rel} is a link to {points}, out of {root}; copy what it"
             f" points to into the folder, or exclude it in {root}/.gpuflowignore"
         )
 
