@@ -673,16 +673,22 @@ def using(api: Api) -> Iterator[Api]:
             finally:
                 flush_prefect()
     finally:
-        if api.server is not None and api.server.get("idle_s"):
-            kept_api.release(servers_dir(), api.server)  # it stops by itself once idle
-        elif api.server is not None:
-            stop_server(api.server)
+        done_with(api)
         for name, value in before.items():  # as it was, for a caller that goes on
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
         prefect.context.GLOBAL_SETTINGS_CONTEXT = prior_global
+
+
+def done_with(api: Api) -> None:
+    """End this process's use of `api`: a kept temporary server loses this command's lease
+    (it stops by itself once idle), one kept for no later command stops now."""
+    if api.server is not None and api.server.get("idle_s"):
+        kept_api.release(servers_dir(), api.server)
+    elif api.server is not None:
+        stop_server(api.server)
 
 
 def flush_prefect(timeout_s: float = 30.0) -> None:

@@ -317,13 +317,15 @@ def _mark_crashed(runs: list[tuple[str, str | None]], say: Callable[[str], None]
     an API that does not answer is named, and the run left as it is."""
     marked = 0
     here = os.environ.get("PREFECT_API_URL", "")
+    started: list[Any] = []  # a temporary API chosen here: done with at the end
     for run_id, url in runs:
         if not url:
             continue
         problem = prefect_api.health_error(url, timeout_s=5)
         if problem and not here and prefect_api.loopback_temporary(url):
             with contextlib.suppress(Exception):  # none can start: the run is named below
-                here = prefect_api.choose(lambda _: None).url
+                started.append(prefect_api.choose(lambda _: None))
+                here = started[-1].url
         if problem and here and here != url:
             # a temporary API that died: the one this command uses keeps its runs in the
             # same database (the same PREFECT_HOME), and finds the run there
@@ -338,6 +340,8 @@ def _mark_crashed(runs: list[tuple[str, str | None]], say: Callable[[str], None]
         if _crash(run_id, url):
             say(f"  flow run {run_id} marked Crashed")
             marked += 1
+    for api in started:
+        prefect_api.done_with(api)
     return marked
 
 

@@ -289,6 +289,7 @@ def test_reap_keeps_what_a_killed_runs_job_wrote_and_finds_a_run_killed_before_p
     assert len(list((kept / "outputs").iterdir())) == 2001
     assert (kept / "outputs" / "last").read_text() == "done\n"
     assert nothing_left(gpuflow_home)
+    assert servers_of(tmp_path / "prefect-home") == []  # none left by the commands or reap
     states = flow_run_states(env, monkeypatch)
     assert sorted(s for s, _ in states) == ["CANCELLED", "CRASHED"], states
 
