@@ -18,7 +18,14 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel
 
-from gpuflow.tasks.host import alive, gpuflow_home, state_records, write_atomic
+from gpuflow.tasks.host import (
+    StateFileError,
+    alive,
+    gpuflow_home,
+    read_state_json,
+    state_records,
+    write_atomic,
+)
 from gpuflow.tasks.spec import Placement
 
 
@@ -40,12 +47,11 @@ def records_dir() -> Path:
 
 def recorded(run_id: str) -> InFlight | None:
     """Return the record of `run_id` this machine keeps, or None."""
-    for _, data in state_records(records_dir(), f"{run_id}.json"):
-        try:
-            return InFlight.model_validate(data)
-        except ValueError:
-            return None
-    return None
+    try:
+        data = read_state_json(records_dir() / f"{run_id}.json")
+        return None if data is None else InFlight.model_validate(data)
+    except (StateFileError, ValueError):
+        return None
 
 
 def forget(run_id: str) -> None:

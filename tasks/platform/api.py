@@ -122,9 +122,7 @@ def own_prefect_home() -> Path:
                     f"{path} is not a database file of yours (uid {found.st_uid}, mode"
                     f" {stat.filemode(found.st_mode)}): another user could read your Secret"
                     f" blocks in it; remove it, or {fix}."
-                )
-            if found.st_mode & 0o077:
-                path.chmod(0o600)
+                )  # one of yours wider than 0600: the server narrows it (narrow_database)
     except OSError as exc:
         raise StateFileError(
             f"PREFECT_HOME {home} cannot be used ({exc.strerror or exc}); {fix}."

@@ -80,13 +80,6 @@ def hold(url: str) -> bool:
     return True
 
 
-def release_all() -> None:
-    with _LOCK:
-        for held in _HELD.values():
-            held.close()
-        _HELD.clear()
-
-
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
         print("usage: python -m gpuflow.tasks.platform.portguard URL -- PROGRAM ARGS...")

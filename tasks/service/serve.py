@@ -416,8 +416,8 @@ class Service:
                 if why is None:  # the run's cancel stopped it, as it stops the endpoint
                     replica.why_ended = "the service ended"
                 else:
-                    served = replica.ready_at is not None and time.monotonic() - replica.ready_at
-                    if not served or served < STABLE_S:
+                    ready_at = replica.ready_at
+                    if ready_at is None or time.monotonic() - ready_at < STABLE_S:
                         self._failed(replica, why)
                     self._end(replica, runtime, why)
             replica.state, replica.ended_at = "ended", time.monotonic()

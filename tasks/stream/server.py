@@ -434,12 +434,7 @@ def admitted(request: Any, key: str | None) -> tuple[int, str] | None:
         return 403, "a page of another site may not open this session"
     if key is None:
         return None
-    given = ""
-    query = request.path.split("?", 1)[1] if "?" in request.path else ""
-    for pair in query.split("&"):
-        name_, _, value = pair.partition("=")
-        if name_ == "key":
-            given = value
+    given = urllib.parse.parse_qs(urllib.parse.urlsplit(request.path).query).get("key", [""])[0]
     if not hmac.compare_digest(given.encode(), key.encode()):
         return 403, "the session's key is missing or wrong: open the address the run printed"
     return None
