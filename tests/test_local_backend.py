@@ -405,3 +405,51 @@ def test_units_all_succeeding_report_the_whole_span(backend):
     assert result.exit_code == 0 and not result.cancelled
     assert result.duration_s >= 0.5 and result.ended_at >= result.started_at
     backend.teardown(cluster)
+
+
+PROVISION_AND_DIE = """
+import pathlib, sys
+import gpuflow.tasks.pipeline.plugins
+from gpuflow.tasks.backends.local.backend import LocalBackend
+from gpuflow.tasks.contract import owner_labels
+from gpuflow.tasks.spec import load_spec
+spec = load_spec({"job": {"kind": "command", "command": ["true"]}})
+owner = owner_labels(sys.argv[1], "t") | ({"gpuflow.io/served": "fleet"} if sys.argv[2] else {})
+cluster = LocalBackend(slots=False).provision(spec, owner)
+pathlib.Path(cluster.workspace, "outputs", "ckpt").write_text("step 9")
+print(cluster.name)
+"""
+
+
+def test_a_dead_host_programs_outputs_are_set_aside_and_age_out(gpuflow_home):
+    """On a fleet host, a run whose `serve` died has its outputs moved aside before its
+    reap removes the workspace; a run of the host's own is left to its own reap; kept
+    outputs nobody came for go after KEPT_DAYS; a name that is not a run's is refused."""
+    import subprocess
+
+    from gpuflow.tasks.backends.local import remote
+
+    def provision(run: str, served: bool) -> str:
+        argv = [sys.executable, "-c", PROVISION_AND_DIE, run, "1" if served else ""]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True)
+        return done.stdout.strip()  # the process that recorded it is gone now
+
+    served, own = provision("run-served", True), provision("run-own", False)
+    said: list[str] = []
+    backend = LocalBackend(slots=False)
+    remote.set_aside_orphans(backend, said.append)
+    kept = remote.kept_of(served)
+    assert said == [f"kept the outputs of {served} in {kept} for its orchestrator's reap"]
+    assert (kept / "ckpt").read_text() == "step 9"
+    own_cluster = next(c for c in backend.list_owned({}) if c.name == own)
+    assert (Path(own_cluster.workspace) / "outputs" / "ckpt").exists()  # not the host's to move
+    assert remote.main(["reap"]) == 0  # the workspace goes, what was kept stays
+    assert (kept / "ckpt").exists() and not any(c.name == served for c in backend.list_owned({}))
+    old = time.time() - (remote.KEPT_DAYS + 1) * 86400
+    os.utime(kept, (old, old))
+    said.clear()
+    remote.set_aside_orphans(backend, said.append)
+    assert said == [f"removed {kept}: no orchestrator came for it in {remote.KEPT_DAYS} days"]
+    assert not kept.exists()
+    with pytest.raises(InvalidSpec, match="is not the name of a run gpuflow made"):
+        remote.kept_of("../../etc")

@@ -9,7 +9,7 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -158,6 +158,14 @@ class UnitBackend:
                 " machine's files; set storage.staging to an s3:// prefix they reach."
             )
         return str(path)
+
+    @contextlib.contextmanager
+    def outputs_here(self, cluster: Cluster) -> Iterator[Path]:
+        """Yield the folder here holding what `cluster`'s job wrote: its workspace's
+        `outputs`, where a unit's end brings them. A backend whose nodes keep them
+        elsewhere (a host's disk, a mailbox, a pod's log) brings them here first, and lets
+        its own copy go once the caller is done without error."""
+        yield Path(cluster.workspace) / "outputs"
 
     def run(
         self,
@@ -329,6 +337,11 @@ class Backend(Protocol):
 
     def teardown(self, cluster: Cluster) -> TeardownReport:
         """Release everything `cluster` holds. Idempotent: never raises on "already gone"."""
+
+    def outputs_here(self, cluster: Cluster) -> contextlib.AbstractContextManager[Path]:
+        """Give the folder on this machine that holds what `cluster`'s job wrote to its
+        outputs, for keeping it when a run ends without collect (its gpuflow killed, a
+        preemption with no retry left). See UnitBackend.outputs_here."""
 
     def list_owned(self, selector: Mapping[str, str]) -> list[Cluster]:
         """Return clusters whose owner labels include `selector`, for a reaper."""

@@ -14,6 +14,7 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Annotated
 
 import psutil
 from pydantic import BaseModel
@@ -26,7 +27,7 @@ from gpuflow.tasks.host import (
     state_records,
     write_atomic,
 )
-from gpuflow.tasks.spec import Placement
+from gpuflow.tasks.spec import Placement, PlacementSection
 
 
 class InFlight(BaseModel):
@@ -37,7 +38,8 @@ class InFlight(BaseModel):
     started: float  # the process's start time: a reused PID is not it
     api_url: str | None = None  # the Prefect API that records the run
     artifacts: str  # where its artifacts (and what a reap keeps) go
-    placements: list[Placement]
+    # each read as its backend's own model: a fleet's name, a namespace, kept
+    placements: list[Annotated[Placement, PlacementSection]]
     secret_env: dict[str, str] = {}  # the secrets' names (never their values): to mask them
 
 

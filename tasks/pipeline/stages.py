@@ -186,31 +186,46 @@ def keep_outputs(
     take the copy has the outputs moved out of teardown's reach whole."""
     said: list[str] = []
     try:
-        owned = get_backend(placement.backend, placement).list_owned({RUN_LABEL: flow_run_id})
+        compute = get_backend(placement.backend, placement)
+        owned = compute.list_owned({RUN_LABEL: flow_run_id})
     except Exception as exc:  # its service is away: teardown names it too
         logging.getLogger(__name__).warning("outputs not kept from %s: %s", placement.backend, exc)
         return said
     for cluster in owned:
-        outputs = Path(cluster.workspace) / "outputs"
-        if outputs.is_symlink() or not outputs.is_dir() or not any(outputs.iterdir()):
-            continue
         try:
-            make_dirs(artifacts)
-            left_out = copy_outputs(outputs, artifacts / "outputs", redact)
-        except OSError as exc:
-            try:
-                kept = keep_whole(outputs, gpuflow_home() / "kept")
-            except OSError:
-                said.append(f"the job's outputs could not be kept ({exc.strerror or exc})")
-                continue
-            said.append(
-                f"the job's outputs could not be copied to {artifacts} ({exc.strerror or exc});"
-                f" they are kept whole in {kept}"
-            )
-            continue
-        files = sum(len(names) for _, _, names in os.walk(artifacts / "outputs"))
-        left = f" ({len(left_out)} left out: {', '.join(left_out[:3])})" if left_out else ""
-        said.append(
-            f"the job's outputs were kept: {files} file(s) in {artifacts / 'outputs'}{left}"
-        )
+            with compute.outputs_here(cluster) as outputs:
+                kept = _keep_from(outputs, artifacts, redact)
+        except _NotKept as exc:
+            said.append(str(exc))
+        except Exception as exc:  # a host or service that does not answer: named
+            said.append(f"the job's outputs could not be brought from {placement.backend}: {exc}")
+        else:
+            said += [kept] if kept else []
     return said
+
+
+class _NotKept(Exception):
+    """The job's outputs could be neither copied nor moved: where they are stays as is."""
+
+
+def _keep_from(outputs: Path, artifacts: Path, redact: Callable[[str], str]) -> str | None:
+    """Copy the job's `outputs` folder into `artifacts`, or move it whole out of
+    teardown's reach when that disk cannot take it; return what was done (None: the job
+    wrote nothing). Raises _NotKept when neither could be done."""
+    if outputs.is_symlink() or not outputs.is_dir() or not any(outputs.iterdir()):
+        return None
+    try:
+        make_dirs(artifacts)
+        left_out = copy_outputs(outputs, artifacts / "outputs", redact)
+    except OSError as exc:
+        try:
+            kept = keep_whole(outputs, gpuflow_home() / "kept")
+        except OSError:
+            raise _NotKept(f"the job's outputs could not be kept ({exc.strerror or exc})") from exc
+        return (
+            f"the job's outputs could not be copied to {artifacts} ({exc.strerror or exc});"
+            f" they are kept whole in {kept}"
+        )
+    files = sum(len(names) for _, _, names in os.walk(artifacts / "outputs"))
+    left = f" ({len(left_out)} left out: {', '.join(left_out[:3])})" if left_out else ""
+    return f"the job's outputs were kept: {files} file(s) in {artifacts / 'outputs'}{left}"

@@ -359,10 +359,11 @@ def test_an_orphaned_instance_terminates_itself_and_reap_removes_the_rest(
     from tests.conftest import subprocess_env
     from tests.e2e.helpers import ROOT, flow_run, logs_of
 
-    raw = spec(
-        [sys.executable, "-c", "import time; print('working', flush=True); time.sleep(600)"],
-        limits={"orphan_after": "12s"},
+    job_code = (
+        "import os, pathlib, time; out = pathlib.Path(os.environ['GPUFLOW_OUTPUT_DIR']);"
+        " (out / 'ckpt').write_text('step 7'); print('working', flush=True); time.sleep(600)"
     )
+    raw = spec([sys.executable, "-c", job_code], limits={"orphan_after": "12s"})
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(raw))
     env = subprocess_env(prefect_api, gpuflow_home)
@@ -421,6 +422,11 @@ def test_an_orphaned_instance_terminates_itself_and_reap_removes_the_rest(
     assert reaped.returncode == 0, reaped.stderr
     assert not any(left_of(aws, s3_server, run_id).values())
     assert flow_run(run_id).state.type.value == "CRASHED"
+    # what the job wrote came from the mailbox (its agent sent it when it stopped the job)
+    # into the run's artifacts before the mailbox went
+    assert "the job's outputs were kept: 1 file(s) in" in reaped.stdout, reaped.stdout
+    (kept,) = (gpuflow_home / "runs").glob("*/outputs/ckpt")
+    assert kept.read_text() == "step 7"
     from gpuflow.flows.reap import reap as reap_flow  # the scheduled deployment's flow
 
     state = reap_flow(backend="ec2", block=FLEET, dry_run=True, return_state=True)

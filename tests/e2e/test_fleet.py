@@ -326,11 +326,16 @@ def test_a_killed_orchestrators_gpus_come_free_after_its_lease_and_its_unit_stop
 ):
     """`gpuflow run` SIGKILLed while its unit runs on a host: nothing of it is left to stop
     the unit, yet once its lease lapses (10 s here) the host stops the unit (SIGTERM first:
-    it says so) and frees its GPU; `fleet status` then shows every GPU free."""
+    it says so) and frees its GPU; `fleet status` then shows every GPU free. What the job
+    wrote (a checkpoint before, one more file on SIGTERM) is set aside on the host and
+    brought back by `gpuflow reap` into the run's artifacts, then let go on the host."""
     import yaml
 
     path = tmp_path / "long.yaml"
-    command = "trap 'echo got TERM; exit 75' TERM; echo started; sleep 600 & wait"
+    command = (
+        'cd "$GPUFLOW_OUTPUT_DIR"; for i in $(seq 40); do echo $i > ckpt-$i; done;'
+        " trap 'echo stopped > last; exit 75' TERM; echo started; sleep 600 & wait"
+    )
     path.write_text(yaml.safe_dump(fleet_spec(["sh", "-c", command])))
     orchestrator = subprocess.Popen(
         [*GPUFLOW, "run", str(path)],
@@ -349,6 +354,8 @@ def test_a_killed_orchestrators_gpus_come_free_after_its_lease_and_its_unit_stop
         orchestrator.wait()
         wait_for(lambda: not units_under(lab), 90, "the unit's stop")
         wait_for(lambda: not claims_on(lab, held[0]), 30, "the GPU's release")
+        aside = host_state(lab, held[0]) / "fleet" / "kept"
+        assert [len(list(p.iterdir())) for p in aside.iterdir()] == [41], "set aside on the host"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(orchestrator.pid, signal.SIGKILL)
@@ -360,6 +367,10 @@ def test_a_killed_orchestrators_gpus_come_free_after_its_lease_and_its_unit_stop
     assert reaped.returncode == 0, reaped.stdout + reaped.stderr
     assert f"forgetting {record.stem}: no host holds it" in reaped.stdout, reaped.stdout
     assert "1 flow run(s) marked Crashed" in reaped.stdout, reaped.stdout
+    assert "the job's outputs were kept: 41 file(s) in" in reaped.stdout, reaped.stdout
+    (kept,) = (gpuflow_home / "runs").glob("on-fleet-*/outputs")
+    assert (kept / "ckpt-40").read_text() == "40\n" and (kept / "last").read_text() == "stopped\n"
+    assert not list(aside.iterdir()), "the host's copy is let go once brought back"
     assert not record.exists()
     # the fleet's private SSH key, in a folder named by the killed process: removed by a
     # reap (this one, or one another command ran meanwhile: any reap removes a dead one's)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -1003,6 +1004,12 @@ def test_a_units_log_lines_stream_to_the_run_as_the_pod_prints_them(kube, testbe
         writer.join()
         outputs = Path(cluster.workspace) / "outputs"  # this host's side, for collect
         assert (outputs / "result.json").read_text() == '{"loss": 0.167}'
+        # a gpuflow killed before it read them: its reap takes them from the ended pod's
+        # log (the nonce read from the run's Secret), whichever process asks
+        shutil.rmtree(outputs)
+        with KubernetesBackend.at(spec.placement).outputs_here(cluster) as kept:
+            assert kept == outputs and sorted(p.name for p in kept.iterdir()) == ["result.json"]
+            assert (kept / "result.json").read_text() == '{"loss": 0.167}'
     finally:
         backend.teardown(cluster)
         kube.request("DELETE", f"/api/v1/namespaces/{namespace}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -103,6 +104,7 @@ async def a_session(url: str, endpoint: str, home: Path) -> dict:
                 except ConnectionClosed:
                     pass
                 cut[name] = (client.close_code, client.close_reason)
+        elsewhere = await from_another_site(endpoint, ws_url)
         shown_then = await page.evaluate("window.gpuflowStream.shown")
         await page.wait_until(f"window.gpuflowStream.shown > {shown_then + 10}", 30)
         while time.monotonic() - began < SESSION_S:
@@ -125,7 +127,41 @@ async def a_session(url: str, endpoint: str, home: Path) -> dict:
         "figures": figures,
         "replicas_for_two": replicas_for_two,
         "listening": listening,
+        "elsewhere": elsewhere,
     }
+
+
+async def from_another_site(endpoint: str, ws_url: str) -> list[str]:
+    """Open the session's socket, key and all, from a page of another origin in the same
+    browser (what any web page the user visits could do); return what that page saw."""
+    import http.server
+
+    class Elsewhere(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(b"<!doctype html><title>elsewhere</title>")
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Elsewhere)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        async with tab(endpoint, f"http://localhost:{server.server_port}/") as page:
+            await page.wait_until("document.title === 'elsewhere'", 30)
+            await page.evaluate(
+                f"window.seen = []; const s = new WebSocket({json.dumps(ws_url)});"
+                " s.onopen = () => seen.push('open'); s.onmessage = () => seen.push('message');"
+                " s.onclose = (e) => seen.push('closed ' + e.code)"
+            )
+            return await page.wait_until(
+                "window.seen.some((e) => e.startsWith('closed')) && window.seen", 30
+            )
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def page_address(served: Served) -> str:
@@ -223,6 +259,9 @@ def test_a_session_streams_to_a_browser_page_and_measures_each_stage(
         "socket from another site's page": 403,
         "socket under a rebound name": 421,
     }, refused
+    # a page of another site, in the user's own browser, with the key: refused at the
+    # handshake (no frame, no input), the page sees only the failure
+    assert seen["elsewhere"] == ["closed 1006"], seen["elsewhere"]
     assert seen["said"].startswith("This browser cannot decode the stream (avc9.FFFFFF")
     # the page shows its own figures as it plays (the last 2 s), not only in the artifacts
     assert re.fullmatch(

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -522,6 +522,26 @@ class Ec2Backend(UnitBackend):
     def teardown(self, cluster: Cluster) -> TeardownReport:
         return self.remove_run(cluster.owner[RUN_LABEL], cluster.name)
 
+    @contextlib.contextmanager
+    def outputs_here(self, cluster: Cluster) -> Iterator[Path]:
+        """Bring every output file the run's agents put in its mailbox (each unit's, at its
+        end, whether or not its gpuflow was there to read them) into the run's folder here
+        and yield that folder; the mailbox goes with the run's teardown."""
+        fleet = self.fleet()
+        mailbox = Mailbox(
+            aws_client(fleet, "s3"), fleet.control_prefix or "", cluster.owner[RUN_LABEL]
+        )
+        folder = Path(cluster.workspace) / "outputs"
+        try:
+            keys = mailbox.keys("nodes/")
+        except Exception as exc:
+            raise aws_error(exc, fleet, "read the run's mailbox") from None
+        for key in keys:
+            _, mark, relative = key.partition("/outputs/")
+            if mark and relative:
+                _write_output(mailbox, key, relative, folder)
+        yield folder
+
     def remove_run(self, run_id: str, name: str | None = None) -> TeardownReport:
         """Remove everything the run made: instances, their volumes, the security group,
         the placement group, the secret and the mailbox; idempotent."""
@@ -718,12 +738,17 @@ class _Follower:
     def outputs(self, folder: Path) -> None:
         under = unit_key(self.instance, self.unit, "outputs/")
         for key in self.mailbox.keys(under):
-            relative = key[len(under) :]
-            path = (folder / relative).resolve()
-            if folder.resolve() not in path.parents:
-                continue  # a name climbing out of the folder: not written
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(self.mailbox.get(key) or b"")
+            _write_output(self.mailbox, key, key[len(under) :], folder)
+
+
+def _write_output(mailbox: Mailbox, key: str, relative: str, folder: Path) -> None:
+    """Write the output file at `key` of the mailbox as `relative` in `folder` (a name
+    climbing out of the folder is not written)."""
+    path = (folder / relative).resolve()
+    if folder.resolve() not in path.parents:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(mailbox.get(key) or b"")
 
 
 def _moved(command: list[str], old: list[str], new: list[str]) -> list[str]:

@@ -22,7 +22,7 @@ import tarfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -700,6 +700,36 @@ class FleetBackend(UnitBackend):
         _record_path(cluster.name).unlink(missing_ok=True)
         _record_path(cluster.name).with_suffix(".api").unlink(missing_ok=True)
         return report
+
+    @contextlib.contextmanager
+    def outputs_here(self, cluster: Cluster) -> Iterator[Path]:
+        """Bring what the run's job wrote on each of its hosts (still in its workspace
+        there, or set aside when its host program ended without being asked: a killed
+        gpuflow) into its folder here and yield that folder; once the caller is done,
+        let each host's kept copy go. A host that does not answer raises ProvisionError."""
+        fleet, folder = self.fleet(), Path(cluster.workspace) / "outputs"
+        taken = []
+        for hold in state_of(cluster, FleetState).holds:
+            host = self.host(hold.host)
+            if host is None:
+                continue
+            ssh = fleet_hosts.target(fleet, host, secret_text)
+            try:
+                argv = ["outputs", hold.remote]
+                done = ssh.run(
+                    fleet_hosts.gpuflow_command(host, _installed(fleet, host, ssh), argv)
+                )
+            finally:
+                ssh.close()
+            if done.returncode == fleet_hosts.SSH_FAILED:
+                raise ProvisionError(ssh.failure(done.stderr.decode(errors="replace")))
+            if done.returncode == 0 and done.stdout:
+                _untar(done.stdout, folder)
+                taken.append((host, hold.remote))
+        yield folder
+        for host, remote in taken:
+            with contextlib.suppress(InvalidSpec, ProvisionError, TimeoutError):
+                _remote_json(fleet, host, ["let-go", remote])
 
     def list_owned(self, selector: Mapping[str, str]) -> list[Cluster]:
         """Return the runs on this fleet recorded here whose owner labels include `selector`."""

@@ -10,13 +10,14 @@ are only busy, and refused at once when no node could ever take it.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -441,6 +442,26 @@ class KubernetesBackend(UnitBackend):
         machines = cluster.nodes if gpus else 1  # each GPU pod on a machine of its own
         used = used_gpus(pods)
         return explain_pending(gpus, settings.gpu_product, nodes, used, why, machines)
+
+    @contextlib.contextmanager
+    def outputs_here(self, cluster: Cluster) -> Iterator[Path]:
+        """Take the output files the unit wrapper printed at the end of each of the run's
+        ended pods (in their logs while the pods stand, for a gpuflow killed before it
+        read them) into the run's folder here, and yield that folder. Only the wrapper's
+        records count: they carry the run's nonce, read from the run's Secret."""
+        api = self.api()
+        folder = Path(cluster.workspace) / "outputs"
+        where = f"/api/v1/namespaces/{api.namespace}"
+        stored = (self._read(f"{where}/secrets/{cluster.name}-env") or {}).get("data", {})
+        if objects.NONCE_VARIABLE in stored:
+            nonce = base64.b64decode(stored[objects.NONCE_VARIABLE]).decode()
+            selector = {"labelSelector": f"{objects.CLUSTER_LABEL}={cluster.name}"}
+            for pod in api.request("GET", f"{where}/pods", params=selector).get("items", []):
+                if pod.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
+                    continue  # a pod that did not end has no outputs printed yet
+                follower = LogFollower(api, lambda _stream, _text: None, folder, nonce=nonce)
+                follower.read_to_end(f"{where}/pods/{pod['metadata']['name']}/log")
+        yield folder
 
     def teardown(self, cluster: Cluster) -> TeardownReport:
         """Delete every object of `cluster` (Jobs and their pods, the Secret, the Service).

@@ -155,6 +155,10 @@ class LogFollower:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(content)
 
+    def read_to_end(self, path: str) -> None:
+        """Read the log of an ended pod once, to its end (no thread)."""
+        self._read(path, follow=False, final=True)
+
     def stop(self, drain_s: float = 0.0) -> None:
         """Stop streaming, after up to `drain_s` for a log whose pod ended to be read out. A
         stream still open then (a kubelet that keeps following an ended container's log) is

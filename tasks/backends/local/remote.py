@@ -7,6 +7,7 @@ them, on the host, under the host's own GPUFLOW_HOME.
     python -m gpuflow.tasks.backends.local.remote serve        one run's claim and units
     python -m gpuflow.tasks.backends.local.remote outputs NAME  a run's outputs, as a tar
     python -m gpuflow.tasks.backends.local.remote teardown NAME
+    python -m gpuflow.tasks.backends.local.remote let-go NAME   what was kept of its outputs
     python -m gpuflow.tasks.backends.local.remote reap [--dry-run]
     python -m gpuflow.tasks.backends.local.remote status
 
@@ -18,6 +19,12 @@ host, whoever started it). It answers `claimed` or `busy`, then takes `renew`, `
 orchestrator was killed, or the network between went), or `deadline_s` passed, it stops
 the units with their grace, releases the GPUs and ends. A `serve` that is itself killed
 leaves a record whose process is gone: the next `serve` on the host reaps it first.
+
+A run that ends here without its orchestrator asking (a lapsed lease, a passed deadline, a
+killed `serve`) has what its job wrote set aside before its workspace goes
+(GPUFLOW_HOME/fleet/kept/NAME): `outputs NAME` still gives it, the orchestrator's reap
+brings it back into the run's artifacts and `let-go NAME` (or `teardown NAME`) then
+removes it; one nobody came for is removed by the host's reap after KEPT_DAYS.
 """
 
 from __future__ import annotations
@@ -34,21 +41,25 @@ import sys
 import tarfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from gpuflow.tasks import nvml
 from gpuflow.tasks.backends.base import LogTail
 from gpuflow.tasks.backends.local.backend import LocalBackend, LocalPlacement
-from gpuflow.tasks.contract import RUN_LABEL, StopReason, UnitEnd, WorkUnit
+from gpuflow.tasks.contract import RUN_LABEL, Cluster, StopReason, UnitEnd, WorkUnit
 from gpuflow.tasks.errors import CapacityError, InvalidSpec, ProvisionError
-from gpuflow.tasks.host import alive, gpuflow_home
+from gpuflow.tasks.host import alive, gpuflow_home, make_dirs
 from gpuflow.tasks.metrics.sampler import Sampler
 from gpuflow.tasks.spec import JobSpec, Limits, Resources
 
 PYTHON = "{python}"  # a unit's command naming gpuflow's interpreter: the host's own
 STAGED = "{staged}"  # a unit's command naming the files staged for it: the host's folder
 NEEDED = ("pydantic", "psutil", "yaml")  # what gpuflow's code on a host imports
+ASKED = "teardown asked for"
+SERVED_LABEL = "gpuflow.io/served"  # on the runs a `serve` claimed (not this host's own runs)
+KEPT_DAYS = 7  # how long a dead run's outputs wait here for its orchestrator's reap
 
 
 class Emitter:
@@ -101,7 +112,7 @@ class Served:
             placement=LocalPlacement(),
             limits=Limits(),
         )
-        self.owner = dict(header["owner"])
+        self.owner = {**dict(header["owner"]), SERVED_LABEL: "fleet"}
         self.counts = bool(header.get("counts", True))  # False: the fleet's scaler retiring it
         self.claimed_at = time.time()
         self.renewed = time.monotonic()
@@ -110,6 +121,7 @@ class Served:
 
     def claim(self) -> bool:
         """Reap what dead servers left here, then claim; say `claimed` or `busy`."""
+        set_aside_orphans(self.backend, lambda _text: None)
         self.backend.reap(False, lambda _text: None, None)  # type: ignore[arg-type]
         try:
             self.cluster = self.backend.provision(self.spec, self.owner)
@@ -159,7 +171,7 @@ class Served:
                 elif op == "stop":
                     self._stop(str(message["unit"]), float(message.get("grace_s", self.grace_s)))
                 elif op == "teardown":
-                    return self.down("teardown asked for")
+                    return self.down(ASKED)
             if now - self.renewed > self.lease_s:
                 return self.down(
                     f"the lease lapsed: no renewal for {self.lease_s:.0f} s (the orchestrator"
@@ -239,6 +251,8 @@ class Served:
         until = time.monotonic() + self.grace_s + 10
         while self.units and time.monotonic() < until:
             time.sleep(0.1)
+        if why != ASKED:  # its orchestrator may never come for them: kept for its reap
+            set_aside(self.cluster)
         report = self.backend.teardown(self.cluster)
         if self.counts:
             _used(len(self.cluster.gpu_indices), self.claimed_at)
@@ -302,13 +316,58 @@ def _record(name: str) -> Any:
     return backend, backend._read_record(name)
 
 
+def kept_dir() -> Path:
+    return gpuflow_home() / "fleet" / "kept"
+
+
+def kept_of(name: str) -> Path:
+    """Return where the outputs of the run `name` are kept here (a name that is not one
+    gpuflow makes is refused: it never reaches outside the kept folder)."""
+    if not name.replace("-", "").replace("_", "").isalnum():
+        raise InvalidSpec(f"{name!r} is not the name of a run gpuflow made")
+    return kept_dir() / name
+
+
+def set_aside(cluster: Cluster) -> Path | None:
+    """Move what `cluster`'s job wrote out of its workspace, before the workspace goes,
+    into the kept folder (a rename: no copy); return where, or None when it wrote nothing."""
+    outputs = Path(cluster.workspace) / "outputs"
+    if outputs.is_symlink() or not outputs.is_dir() or not any(outputs.iterdir()):
+        return None
+    kept = kept_of(cluster.name)
+    make_dirs(kept.parent)
+    shutil.rmtree(kept, ignore_errors=True)  # an older run of the same name: let go
+    shutil.move(outputs, kept)
+    return kept
+
+
+def set_aside_orphans(backend: LocalBackend, say: Callable[[str], None]) -> None:
+    """Set aside the outputs of every run a `serve` here claimed and that `serve` died (its
+    reap follows), and remove kept outputs nobody came for in KEPT_DAYS."""
+    for cluster in backend.list_owned({SERVED_LABEL: "fleet"}):
+        owner = backend.record_of(cluster)
+        if owner.orchestrator_pid and alive(owner.orchestrator_pid, owner.orchestrator_started):
+            continue
+        kept = set_aside(cluster)
+        if kept is not None:
+            say(f"kept the outputs of {cluster.name} in {kept} for its orchestrator's reap")
+    folder = kept_dir()
+    for kept in folder.iterdir() if folder.is_dir() else []:
+        with contextlib.suppress(OSError):
+            if time.time() - kept.lstat().st_mtime > KEPT_DAYS * 86400:
+                shutil.rmtree(kept)
+                say(f"removed {kept}: no orchestrator came for it in {KEPT_DAYS} days")
+
+
 def outputs(name: str) -> int:
-    """Write the run's outputs folder on this host to standard output as a tar."""
+    """Write the run's outputs folder on this host (or what was kept of it) to standard
+    output as a tar."""
     _, record = _record(name)
-    if record is None:
+    kept = kept_of(name)
+    if record is None and not kept.is_dir():
         print(f"no run {name} on this host", file=sys.stderr)
         return 1
-    folder = Path(record.cluster.workspace) / "outputs"
+    folder = kept if record is None else Path(record.cluster.workspace) / "outputs"
     data = io.BytesIO()
     with tarfile.open(fileobj=data, mode="w") as tar:
         if folder.is_dir():
@@ -318,8 +377,10 @@ def outputs(name: str) -> int:
 
 
 def teardown(name: str) -> int:
-    """Stop the run's server here (its units and claim with it) and tear down what is left."""
+    """Stop the run's server here (its units and claim with it) and tear down what is left,
+    what was kept of its outputs too."""
     backend, record = _record(name)
+    shutil.rmtree(kept_of(name), ignore_errors=True)
     if record is None:
         print(json.dumps({"already_gone": True}))
         return 0
@@ -334,7 +395,10 @@ def teardown(name: str) -> int:
 def reap(dry_run: bool) -> int:
     """Tear down runs whose server here died; print what was (or would be) reaped."""
     said: list[str] = []
-    report = LocalBackend(slots=False).reap(dry_run, said.append, None)  # type: ignore[arg-type]
+    backend = LocalBackend(slots=False)
+    if not dry_run:
+        set_aside_orphans(backend, said.append)
+    report = backend.reap(dry_run, said.append, None)  # type: ignore[arg-type]
     print(json.dumps({"said": said, "counts": report.counts}))
     return 0
 
@@ -368,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     verbs.add_parser("status")
     verbs.add_parser("outputs").add_argument("name")
     verbs.add_parser("teardown").add_argument("name")
+    verbs.add_parser("let-go").add_argument("name")
     verbs.add_parser("reap").add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
     if args.verb == "probe":
@@ -379,6 +444,10 @@ def main(argv: list[str] | None = None) -> int:
         return outputs(args.name)
     if args.verb == "teardown":
         return teardown(args.name)
+    if args.verb == "let-go":
+        shutil.rmtree(kept_of(args.name), ignore_errors=True)
+        print(json.dumps({"let_go": args.name}))
+        return 0
     if args.verb == "reap":
         return reap(args.dry_run)
     return status()
