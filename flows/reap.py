@@ -3,7 +3,7 @@ gpuflow is gone), on a schedule; the same as `gpuflow reap --backend ...`."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
@@ -13,14 +13,16 @@ from gpuflow.tasks.platform import reap as reaping
 
 @flow(name="reap")
 def reap(
-    backend: Literal["local", "kubernetes", "ec2", "slurm"] = "ec2",
+    backend: str = "ec2",
     block: str | None = None,
     namespace: str | None = None,
     dry_run: bool = False,
 ) -> dict[str, Any]:
     """Reap one backend's leftovers and publish what went (or would go) as an artifact.
-    `block`: the Ec2GpuFleet (ec2) or the SlurmCluster (slurm: its login node); `namespace`:
-    the Kubernetes namespace."""
+    `backend`: any registered backend (local, kubernetes, ec2, slurm, fleet and those
+    registered later; another name fails in one sentence listing them); `block`: the
+    Ec2GpuFleet (ec2), the SlurmCluster (slurm: its login node) or the GpuFleet (fleet);
+    `namespace`: the Kubernetes namespace."""
 
     logger = get_run_logger()
     said: list[str] = []

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # what an editor completes
         SlurmCluster,
     )
     from gpuflow.tasks.backends.ec2.backend import Ec2Placement
+    from gpuflow.tasks.backends.fleet.backend import FleetPlacement
     from gpuflow.tasks.backends.kubernetes.backend import KubernetesPlacement
     from gpuflow.tasks.backends.local.backend import LocalPlacement
     from gpuflow.tasks.backends.slurm.backend import SlurmPlacement
@@ -51,6 +52,7 @@ if TYPE_CHECKING:  # what an editor completes
     from gpuflow.tasks.kinds.command import CommandJob
     from gpuflow.tasks.kinds.matmul import MatmulJob
     from gpuflow.tasks.render.model import RenderJob
+    from gpuflow.tasks.service.model import ServiceJob
     from gpuflow.tasks.spec import (
         IdleGpu,
         JobSpec,
@@ -63,6 +65,7 @@ if TYPE_CHECKING:  # what an editor completes
         StageRetry,
         Storage,
     )
+    from gpuflow.tasks.stream.model import StreamJob
     from gpuflow.tasks.training.model import TrainJob
 
 # public name -> the module it lives in
@@ -115,11 +118,14 @@ _PUBLIC = {
     "TrainJob": "gpuflow.tasks.training.model",
     "RenderJob": "gpuflow.tasks.render.model",
     "HpcJob": "gpuflow.tasks.hpc.model",
+    "ServiceJob": "gpuflow.tasks.service.model",
+    "StreamJob": "gpuflow.tasks.stream.model",
     # each backend's placement: the shared fields and its own
     "LocalPlacement": "gpuflow.tasks.backends.local.backend",
     "KubernetesPlacement": "gpuflow.tasks.backends.kubernetes.backend",
     "Ec2Placement": "gpuflow.tasks.backends.ec2.backend",
     "SlurmPlacement": "gpuflow.tasks.backends.slurm.backend",
+    "FleetPlacement": "gpuflow.tasks.backends.fleet.backend",
 }
 
 __all__ = [
@@ -128,6 +134,7 @@ __all__ = [
     "CommandJob",
     "Ec2GpuFleet",
     "Ec2Placement",
+    "FleetPlacement",
     "GpuFleet",
     "GpuPriceTable",
     "GpuflowError",
@@ -153,10 +160,12 @@ __all__ = [
     "RenderJob",
     "Resources",
     "RetryPolicy",
+    "ServiceJob",
     "SlurmCluster",
     "SlurmPlacement",
     "StageRetry",
     "Storage",
+    "StreamJob",
     "TrainJob",
     "__version__",
     "gpu_job",
@@ -169,7 +178,12 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     where = _PUBLIC.get(name)
-    if where is None:
+    if where is None:  # a job or placement model of a kind or backend registered later
+        if name[:1].isupper() and name.endswith(("Job", "Placement")):
+            import_module("gpuflow.tasks.pipeline.plugins")  # the built-in ones first
+            registered = import_module("gpuflow.tasks.spec").registered_models()
+            if name in registered:
+                return registered[name]
         raise AttributeError(f"module 'gpuflow' has no attribute {name!r}")
     if where.startswith(("gpuflow.tasks.spec", "gpuflow.tasks.backends")):
         import_module("gpuflow.tasks.pipeline.plugins")  # every job and placement model

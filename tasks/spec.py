@@ -836,6 +836,12 @@ def _sentence(error: dict[str, Any], root: Any = None) -> str:
     return f"{where}: {msg[0].lower()}{msg[1:]}{got}"
 
 
+def registered_models() -> dict[str, type[BaseModel]]:
+    """Return every registered kind's job model and backend's placement model by class name
+    (what `gpuflow.<Name>` gives for a kind or backend registered after gpuflow was built)."""
+    return {m.__name__: m for m in [*JOB_MODELS.values(), *PLACEMENT_MODELS.values()]}
+
+
 def add_job_model(model: type[BaseModel]) -> None:
     """Accept `job: {kind: ...}` sections of `model`'s kind in every JobSpec from now on."""
     kind = model.model_fields["kind"].default

@@ -22,11 +22,11 @@ def add(commands: Any) -> list[tuple[str, str]]:
     reap_parser.add_argument("--dry-run", action="store_true")
     reap_parser.add_argument(
         "--backend",
-        choices=["local", "kubernetes", "ec2", "slurm", "fleet"],
         default="local",
-        help="local: this host's leftovers; kubernetes: objects of runs that are over;"
-        " ec2: instances of runs that are over; slurm: jobs of runs that are over (SLURM_CONF);"
-        " fleet: what dead runs left on the hosts of the fleet --block names",
+        help="any registered backend (a wrong name is told the list): local: this host's"
+        " leftovers; kubernetes: objects of runs that are over; ec2: instances of runs that"
+        " are over; slurm: jobs of runs that are over (SLURM_CONF); fleet: what dead runs left"
+        " on the hosts of the fleet --block names",
     )
     reap_parser.add_argument(
         "--namespace", help="kubernetes: the namespace (default: kubeconfig's)"
@@ -132,8 +132,14 @@ def reap(
     dry_run: bool, backend: str = "local", namespace: str | None = None, block: str | None = None
 ) -> int:
     """Tear down clusters, servers and files that killed runs left; say how many."""
+    from gpuflow.tasks.backends.registry import backend_class
+    from gpuflow.tasks.errors import InvalidSpec
     from gpuflow.tasks.platform.reap import reap as reap_leftovers
 
+    try:
+        backend_class(backend, "--backend")  # a wrong name: said before any API starts
+    except InvalidSpec as exc:
+        return invalid(exc)
     if backend == "local":
         return _said(reap_leftovers(dry_run))
     from gpuflow import session
@@ -164,7 +170,7 @@ def _said_remote(backend: str, reap_it: Any, dry_run: bool) -> int:
     except ProvisionError as exc:  # the cluster did not answer
         print(f"gpuflow: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    if backend != "ec2":
+    if "instances" not in done:  # a backend that rents instances says what they cost
         return _said(done)
     verb = "would terminate" if dry_run else "terminated"
     print(

@@ -3,6 +3,7 @@ when things are already gone."""
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import math
 import subprocess
@@ -32,7 +33,7 @@ from gpuflow.tasks.contract import (
 )
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.host import STOP_GRACE_S, signals_deferred, stop_group
-from gpuflow.tasks.metrics.cost import PriceTable
+from gpuflow.tasks.metrics.cost import ListPrices, PriceTable
 from gpuflow.tasks.spec import JobSpec, Placement
 from gpuflow.tasks.storage import S3Settings, store_for
 
@@ -120,14 +121,68 @@ def stop_process(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> int:
     return proc.wait()
 
 
-class UnitBackend:
-    """The run verb written once: a backend that derives from this says how to start a
-    unit (`start`); following it to its end, its log tail and its result are here."""
+class UnitBackend(abc.ABC):
+    """What every backend derives from: the verbs of `Backend` it must give (abstract here,
+    so a type checker, and Python when it is made, refuse one that leaves a verb out), and
+    those written once: `run` (a backend says how to `start` a unit; following it to its
+    end, its log tail and its result are here), `describe`, `stage`, `outputs_here`."""
 
+    name: ClassVar[str]
     placement_model: ClassVar[type[Placement]] = Placement  # none of its own: the shared fields
     capabilities: ClassVar[Capabilities]
     extra: ClassVar[str | None] = None  # the gpuflow extra it needs here (tasks/extras.py)
+    list_prices: ClassVar[ListPrices] = ListPrices()  # its default prices (none: free)
 
+    @classmethod
+    @abc.abstractmethod
+    def at(cls, placement: Placement | None = None) -> UnitBackend:
+        """See Backend.at."""
+
+    @classmethod
+    @abc.abstractmethod
+    def of(cls, cluster: Cluster) -> UnitBackend:
+        """See Backend.of."""
+
+    @classmethod
+    def block_types(cls) -> list[type]:
+        """Return the Prefect block types its settings are saved in (`gpuflow blocks init`
+        registers them); imported when asked, as a block type may need an extra."""
+        return []
+
+    @classmethod
+    def reaper(cls, block: str | None, namespace: str | None) -> UnitBackend:
+        """See Backend.reaper: by default the backend of a placement naming `block`."""
+        return cls.at(cls.placement_model(backend=cls.name, block=block))
+
+    @abc.abstractmethod
+    def configure(self, spec: JobSpec, prices: PriceTable) -> tuple[JobSpec, PriceTable]:
+        """See Backend.configure."""
+
+    @abc.abstractmethod
+    def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
+        """See Backend.check."""
+
+    @abc.abstractmethod
+    def offers(self, spec: JobSpec, prices: PriceTable) -> list[Offer]:
+        """See Backend.offers."""
+
+    @abc.abstractmethod
+    def provision(self, spec: JobSpec, owner: Mapping[str, str]) -> Cluster:
+        """See Backend.provision."""
+
+    @abc.abstractmethod
+    def teardown(self, cluster: Cluster) -> TeardownReport:
+        """See Backend.teardown."""
+
+    @abc.abstractmethod
+    def list_owned(self, selector: Mapping[str, str]) -> list[Cluster]:
+        """See Backend.list_owned."""
+
+    @abc.abstractmethod
+    def reap(self, dry_run: bool, say: Callable[[str], None], runs: RunStates) -> ReapReport:
+        """See Backend.reap."""
+
+    @abc.abstractmethod
     def start(
         self,
         cluster: Cluster,
@@ -139,7 +194,6 @@ class UnitBackend:
         """Start `unit` on its node with `env` (the backend adds what its nodes need and
         the unit's own env over it), its lines going to `tail`; return its handle.
         Raises InvalidSpec or ProvisionError when it cannot start."""
-        raise NotImplementedError
 
     def stage(self, cluster: Cluster, path: Path, storage: S3Settings, staging: str | None) -> str:
         """Return where the nodes of `cluster` read `path`, a file on this machine named by
@@ -158,6 +212,30 @@ class UnitBackend:
                 " machine's files; set storage.staging to an s3:// prefix they reach."
             )
         return str(path)
+
+    def describe(self, spec: JobSpec) -> list[dict[str, str]]:
+        """Return preflight rows for `spec` from what every backend answers: its `check`
+        (a fail row with the sentence) and its `offers` (a row each: GPUs free, whether it
+        could start now and why not). A backend with more to say overrides it."""
+        where = self.capabilities.where
+        rows = [
+            {"name": "backend", "level": "pass", "message": f"{spec.placement.backend}: {where}"}
+        ]
+        try:
+            self.check(spec)
+            offers = self.offers(spec, PriceTable())
+        except InvalidSpec as exc:
+            return [*rows, {"name": "check", "level": "fail", "message": str(exc)}]
+        for offer in offers:
+            free = "unknown" if offer.gpus_free is None else str(offer.gpus_free)
+            product = f" {offer.gpu_product}" if offer.gpu_product else ""
+            state = "can start now" if offer.can_start else f"cannot start now: {offer.why_not}"
+            message = f"{offer.where}: GPUs{product} free {free}; {state}"
+            rows.append({"name": "offer", "level": "pass" if offer.can_start else "warn",
+                         "message": message})  # fmt: skip
+        if not offers:
+            rows.append({"name": "offer", "level": "fail", "message": "nothing here fits the job"})
+        return rows
 
     @contextlib.contextmanager
     def outputs_here(self, cluster: Cluster) -> Iterator[Path]:
@@ -280,6 +358,8 @@ class Backend(Protocol):
     placement_model: ClassVar[type[Placement]]
     # the gpuflow extra its client needs in gpuflow's environment (None: the base install)
     extra: ClassVar[str | None]
+    # its default prices, in every PriceTable once it is registered
+    list_prices: ClassVar[ListPrices]
 
     @classmethod
     def at(cls, placement: Placement | None = None) -> Backend:
@@ -289,6 +369,16 @@ class Backend(Protocol):
     @classmethod
     def of(cls, cluster: Cluster) -> Backend:
         """Return the backend `cluster` was made with, from what its state records."""
+
+    @classmethod
+    def block_types(cls) -> list[type]:
+        """Return the Prefect block types its settings are saved in."""
+
+    @classmethod
+    def reaper(cls, block: str | None, namespace: str | None) -> Backend:
+        """Return the backend `gpuflow reap --backend NAME` asks: `block` its block (a
+        cluster's, a fleet's), `namespace` a Kubernetes namespace; InvalidSpec, naming the
+        option, when it needs one that is not given."""
 
     def configure(self, spec: JobSpec, prices: PriceTable) -> tuple[JobSpec, PriceTable]:
         """Return the spec with its placement block's settings applied (values written in

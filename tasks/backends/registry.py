@@ -13,16 +13,19 @@ from gpuflow.tasks.backends.local.backend import LocalBackend
 from gpuflow.tasks.backends.slurm.backend import SlurmBackend
 from gpuflow.tasks.contract import Cluster
 from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.metrics.cost import add_list_prices, remove_list_prices
 from gpuflow.tasks.spec import Placement, add_placement_model, remove_placement_model
 
 _BACKENDS: dict[str, type[Backend]] = {}
-BUILT_IN = ("local", "kubernetes", "ec2", "slurm")
+_BUILT_IN_CLASSES = (LocalBackend, KubernetesBackend, Ec2Backend, SlurmBackend, FleetBackend)
+BUILT_IN = tuple(b.name for b in _BUILT_IN_CLASSES)
 
 
 def register(backend: type[Backend]) -> type[Backend]:
     """Add a backend class under its `name`, and its placement model to the spec; return it."""
     _BACKENDS[backend.name] = backend
     add_placement_model(backend.name, backend.placement_model)
+    add_list_prices(backend.name, backend.list_prices)
     return backend
 
 
@@ -30,6 +33,7 @@ def unregister(name: str) -> None:
     """Remove a backend `register` added; built-in backends stay."""
     if name not in BUILT_IN and _BACKENDS.pop(name, None) is not None:
         remove_placement_model(name)
+        remove_list_prices(name)
 
 
 def get_backend(name: str, placement: Placement | None = None) -> Backend:
@@ -38,13 +42,23 @@ def get_backend(name: str, placement: Placement | None = None) -> Backend:
     return backend_class(name).at(placement)
 
 
-def backend_class(name: str) -> type[Backend]:
-    """Return the class registered under `name`; InvalidSpec for a name none has."""
+def names() -> list[str]:
+    """Return the names of the registered backends, built-in first, in registration order
+    (every list of backends gpuflow shows or accepts reads it)."""
+    return list(_BACKENDS)
+
+
+def backend_class(name: str, field: str = "placement.backend") -> type[Backend]:
+    """Return the class registered under `name`; InvalidSpec, naming `field`, for a name
+    none has."""
     if name not in _BACKENDS:
-        raise InvalidSpec(
-            f"placement.backend: {name!r} is not a backend; use one of: {', '.join(_BACKENDS)}"
-        )
+        raise InvalidSpec(f"{field}: {name!r} is not a backend; use one of: {', '.join(_BACKENDS)}")
     return _BACKENDS[name]
+
+
+def reaper(name: str, block: str | None, namespace: str | None) -> Backend:
+    """Return the backend `gpuflow reap --backend NAME --block B --namespace N` asks."""
+    return backend_class(name, "--backend").reaper(block, namespace)
 
 
 def backend_for(cluster: Cluster) -> Backend:
@@ -52,7 +66,7 @@ def backend_for(cluster: Cluster) -> Backend:
     return _BACKENDS[cluster.backend].of(cluster)
 
 
-for _builtin in (LocalBackend, KubernetesBackend, Ec2Backend, SlurmBackend, FleetBackend):
+for _builtin in _BUILT_IN_CLASSES:
     register(_builtin)
 
 # an elastic fleet grows on EC2: the fleet backend reaches EC2's instances through this

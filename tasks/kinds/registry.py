@@ -30,6 +30,11 @@ def unregister(name: str) -> None:
         remove_job_model(name)
 
 
+def names() -> list[str]:
+    """Return the names of the registered kinds, built-in first, in registration order."""
+    return list(_KINDS)
+
+
 def get_kind(name: str) -> JobKind:
     """Return the kind registered under `name`."""
     if name not in _KINDS:

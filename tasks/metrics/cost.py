@@ -1,33 +1,52 @@
 """Prices and cost: pure. Hourly price per GPU by backend and product, plus disk and CPU.
 
-Defaults are on-demand list prices per GPU (an instance's price divided by its GPUs);
-the local host costs nothing unless a price is given.
+Defaults are each registered backend's list prices (`ListPrices`: EC2's on-demand prices
+per GPU, an instance's price divided by its GPUs); the local host costs nothing unless a
+price is given.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 HOURS_PER_MONTH = 730.0
 
 
+class ListPrices(BaseModel):
+    """A backend's default prices (its `list_prices`, added when it is registered): per GPU
+    and hour by product ("*": any product), per CPU core and hour, per GB of disk a month."""
+
+    gpu_hourly_usd: dict[str, float] = {}
+    cpu_core_hourly_usd: float = 0.0
+    disk_gb_month_usd: float = 0.0
+
+
+# backend -> its list prices; filled by the backend registry (no backend is named here)
+LIST_PRICES: dict[str, ListPrices] = {}
+
+
+def add_list_prices(backend: str, prices: ListPrices) -> None:
+    """Price `backend` at `prices` in every PriceTable made from now on."""
+    LIST_PRICES[backend] = prices
+
+
+def remove_list_prices(backend: str) -> None:
+    """Stop pricing `backend` in the PriceTables made from now on."""
+    LIST_PRICES.pop(backend, None)
+
+
 class PriceTable(BaseModel):
-    gpu_hourly_usd: dict[str, dict[str, float]] = {
-        "local": {},
-        "ec2": {
-            "Tesla-T4": 0.526,
-            "NVIDIA-A10G": 1.006,
-            "NVIDIA-L4": 0.805,
-            "NVIDIA-L40S": 1.861,
-            "Tesla-V100-SXM2-16GB": 3.06,
-            "NVIDIA-A100-SXM4-40GB": 4.096,
-            "NVIDIA-A100-SXM4-80GB": 5.121,
-            "NVIDIA-H100-80GB-HBM3": 12.29,
-            "NVIDIA-H200": 13.86,
-        },
-    }
-    cpu_core_hourly_usd: dict[str, float] = {"local": 0.0, "ec2": 0.048}
-    disk_gb_month_usd: dict[str, float] = {"local": 0.0, "ec2": 0.08}
+    """Prices by backend: the registered backends' list prices unless given."""
+
+    gpu_hourly_usd: dict[str, dict[str, float]] = Field(
+        default_factory=lambda: {b: dict(p.gpu_hourly_usd) for b, p in LIST_PRICES.items()}
+    )
+    cpu_core_hourly_usd: dict[str, float] = Field(
+        default_factory=lambda: {b: p.cpu_core_hourly_usd for b, p in LIST_PRICES.items()}
+    )
+    disk_gb_month_usd: dict[str, float] = Field(
+        default_factory=lambda: {b: p.disk_gb_month_usd for b, p in LIST_PRICES.items()}
+    )
 
     def gpu_hourly(self, backend: str, product: str | None) -> float:
         """Return the hourly price of one GPU of `product` on `backend`: its own price, else

@@ -7,29 +7,26 @@ from collections.abc import Callable
 
 from prefect.blocks.core import Block
 
-from gpuflow.blocks import (
-    Ec2GpuFleet,
-    GpuFleet,
-    GpuPriceTable,
-    KubernetesGpuPool,
-    LocalGpuHost,
-    SlurmCluster,
-)
+from gpuflow.blocks import GpuPriceTable, LocalGpuHost
+from gpuflow.tasks.backends import registry
 
 DEFAULT_LOCAL_HOST = "local"
 DEFAULT_PRICES = "default"
 
 
 def defaults() -> list[tuple[type[Block], str, Callable[[], Block]]]:
-
-    return [
+    """Return the block types to register, with the name of the document each gets made
+    ("" : the type only, as a cluster or an account needs its own): this host's and the
+    prices', then every registered backend's (`block_types`)."""
+    found: list[tuple[type[Block], str, Callable[[], Block]]] = [
         (LocalGpuHost, DEFAULT_LOCAL_HOST, LocalGpuHost),
         (GpuPriceTable, DEFAULT_PRICES, GpuPriceTable),
-        (KubernetesGpuPool, "", KubernetesGpuPool),  # type only: a cluster needs its own
-        (Ec2GpuFleet, "", Ec2GpuFleet),  # type only: an account needs its own
-        (SlurmCluster, "", SlurmCluster),  # type only: a cluster needs its own
-        (GpuFleet, "", GpuFleet),  # type only: `gpuflow fleet apply` makes the fleets
     ]
+    for name in registry.names():
+        for block_type in registry.backend_class(name).block_types():
+            if all(block_type is not known for known, _, _ in found):
+                found.append((block_type, "", block_type))
+    return found
 
 
 def init_blocks() -> list[tuple[str, str, str]]:

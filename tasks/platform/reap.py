@@ -18,13 +18,7 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-from gpuflow.tasks.backends.base import Backend
-from gpuflow.tasks.backends.ec2.backend import Ec2Backend
-from gpuflow.tasks.backends.fleet.backend import FleetBackend
-from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
-from gpuflow.tasks.backends.local.backend import LocalBackend
-from gpuflow.tasks.backends.slurm.backend import SlurmBackend
-from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.backends.registry import reaper
 from gpuflow.tasks.host import (
     StateFileError,
     gpuflow_home,
@@ -242,8 +236,9 @@ def reap(
     node) or the Ec2GpuFleet asked; `namespace`: the Kubernetes namespace. On this host,
     also the temporary Prefect APIs killed gpuflows left. Return counts of what was (or,
     with `dry_run`, would be) done; EC2 adds what its instances cost an hour."""
+    asked = reaper(backend, block, namespace)  # a wrong name or a missing --block: first
     orphans, half_written = keep_orphans(dry_run, say)  # before any backend tears down
-    found = _reaper(backend, block, namespace).reap(dry_run, say, PrefectRuns())
+    found = asked.reap(dry_run, say, PrefectRuns())
     found.crashed = list(dict.fromkeys([*orphans, *found.crashed]))
     done: dict[str, Any] = {"clusters": 0, "flow_runs_crashed": 0, "servers": 0, "files": 0}
     done |= {k: v if k.endswith("_usd") else int(v) for k, v in found.counts.items()}
@@ -262,23 +257,6 @@ def reap(
     for record in servers:
         done["servers"] += prefect_api.stop_server(record)
     return done
-
-
-def _reaper(backend: str, block: str | None, namespace: str | None) -> Backend:
-    """Return the backend whose leftovers `reap` looks for."""
-    if backend == "kubernetes":
-        return KubernetesBackend(block, namespace)
-    if backend == "slurm":
-        return SlurmBackend(block)
-    if backend == "ec2":
-        return Ec2Backend(block, field="--block")
-    if backend == "fleet":
-        if not block:
-            raise InvalidSpec(
-                "--block: name the fleet to reap (gpuflow reap --backend fleet --block NAME)."
-            )
-        return FleetBackend(block)
-    return LocalBackend()
 
 
 def _run_states(run_ids: list[str], url: str | None, page: int = 200) -> dict[str, str]:

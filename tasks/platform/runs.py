@@ -188,12 +188,16 @@ def log_lines(
     run_id: str, follow: bool = False, poll_s: float = 1.0, stop: Callable[[], bool] | None = None
 ) -> Iterator[str]:
     """Yield the run's log lines in order; with `follow`, wait for new ones until the run
-    is over (then the last ones) or `stop()` says so."""
+    is over (then the last ones: its lines reach the API in batches after its state, so
+    they are read until the flow's own "Finished in state" line came, for at most
+    LAST_LINES_S) or `stop()` says so."""
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import LogSort
 
     seen: set[str] = set()
     offset = 0
+    ended_at: float | None = None
+    finished = False
     while True:
         with api_client() as client:
             run = client.read_flow_run(UUID(run_id))
@@ -209,13 +213,22 @@ def log_lines(
                     if str(log.id) in seen:
                         continue
                     seen.add(str(log.id))
+                    finished |= log.task_run_id is None and log.message.startswith(FINISHED)
                     yield _line(log)
                 offset += len(page)
                 if len(page) < 200:
                     break
-        if not follow or over or (stop is not None and stop()):
+        if not follow or (stop is not None and stop()):
             return
+        if over:
+            ended_at = ended_at or time.monotonic()
+            if finished or run.state is None or time.monotonic() - ended_at > LAST_LINES_S:
+                return
         time.sleep(poll_s)
+
+
+FINISHED = "Finished in state"  # the flow engine's last line of a run
+LAST_LINES_S = 10.0  # how long a run that is over is read for its last lines
 
 
 def _line(log: Any) -> str:

@@ -25,6 +25,7 @@ import psutil
 import pytest
 
 import tests.e2e.toy_backend  # noqa: F401 - registers the toy backend
+from gpuflow.tasks.backends import registry
 from gpuflow.tasks.backends.base import Backend
 from gpuflow.tasks.backends.registry import get_backend
 from gpuflow.tasks.contract import RUN_LABEL, WorkUnit, owner_labels
@@ -36,14 +37,14 @@ from tests.e2e.kubelet import PlayedKubelet
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
+# the test cluster and the Slurm test cluster are one per session: their tests share a worker
+SHARED_BEDS = {"kubernetes": "kubernetes", "slurm": "slurm"}
+# every registered backend (the toy one included): one with no test bed below fails, named
 BACKENDS = [
-    "local",
-    "toy",
-    # the test cluster is one per session: every test that needs it runs on one worker
-    pytest.param("kubernetes", marks=pytest.mark.xdist_group("kubernetes")),
-    "ec2",
-    pytest.param("slurm", marks=pytest.mark.xdist_group("slurm")),  # one Slurm test cluster
-    "fleet",  # a host of the fleet test bed (scripts/fleet-testbed.sh), over SSH
+    pytest.param(name, marks=pytest.mark.xdist_group(SHARED_BEDS[name]))
+    if name in SHARED_BEDS
+    else name
+    for name in registry.names()
 ]
 LINES = 300
 # Prints its lines, then waits; on SIGTERM it says so and exits 75 (state saved).
@@ -186,7 +187,7 @@ def place(request, tmp_path, gpuflow_home, prefect_api) -> Iterator[Place]:
             return clusters_of(name, run_id) + processes_of(run_id)
 
         yield Place(name, raw, left, env)
-    else:
+    elif name == "ec2":
         from tests.e2e.conftest import FLEET
         from tests.e2e.test_ec2 import left_of
         from tests.e2e.test_ec2 import spec as ec2_spec
@@ -204,6 +205,8 @@ def place(request, tmp_path, gpuflow_home, prefect_api) -> Iterator[Place]:
             )
 
         yield Place(name, raw, left, env, orphan_after_s=13.0)
+    else:
+        pytest.fail(f"the registered backend {name!r} has no test bed here: give it one")
 
 
 def test_contract_provision_adopts_lines_arrive_in_order_and_teardown_leaves_nothing(place):

@@ -159,6 +159,12 @@ def test_a_one_gpu_run_takes_one_gpu_of_a_host_and_gives_it_back(
     raw = fleet_spec(
         ["sh", "-c", show], secret_env={"TOKEN": "fleet-test-token"}, metrics={"interval_s": 0.2}
     )
+    spec_file = tmp_path / "one.yaml"
+    spec_file.write_text(json.dumps(raw))
+    looked = cli(prefect_api, gpuflow_home, "preflight", str(spec_file))  # where it would go
+    assert looked.returncode == 0 and "Traceback" not in looked.stderr, looked.stderr
+    for host in ("g1", "g2", "g3"):
+        assert f"[pass] offer: fleet/lab {host}: GPUs" in looked.stdout, looked.stdout
     with command_lines_seen() as seen:  # here and on the hosts (one machine)
         state = gpu_pipeline(load_spec(raw), return_state=True)
     assert state.is_completed(), state.message

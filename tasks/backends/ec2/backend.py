@@ -72,7 +72,7 @@ from gpuflow.tasks.contract import (
 )
 from gpuflow.tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
 from gpuflow.tasks.host import gpuflow_home
-from gpuflow.tasks.metrics.cost import PriceTable
+from gpuflow.tasks.metrics.cost import ListPrices, PriceTable
 from gpuflow.tasks.metrics.sampler import SAMPLES
 from gpuflow.tasks.placement import resolve
 from gpuflow.tasks.spec import JobSpec, Placement
@@ -190,11 +190,37 @@ class Ec2Backend(UnitBackend):
     )
     placement_model = Ec2Placement
     extra = "aws"
+    # on-demand list prices per GPU (an instance's price divided by its GPUs)
+    list_prices = ListPrices(
+        gpu_hourly_usd={
+            "Tesla-T4": 0.526,
+            "NVIDIA-A10G": 1.006,
+            "NVIDIA-L4": 0.805,
+            "NVIDIA-L40S": 1.861,
+            "Tesla-V100-SXM2-16GB": 3.06,
+            "NVIDIA-A100-SXM4-40GB": 4.096,
+            "NVIDIA-A100-SXM4-80GB": 5.121,
+            "NVIDIA-H100-80GB-HBM3": 12.29,
+            "NVIDIA-H200": 13.86,
+        },
+        cpu_core_hourly_usd=0.048,
+        disk_gb_month_usd=0.08,
+    )
+
+    @classmethod
+    def block_types(cls) -> list[type]:
+        from gpuflow.blocks.ec2_fleet import Ec2GpuFleet
+
+        return [Ec2GpuFleet]
 
     @classmethod
     def at(cls, placement: Placement | None = None) -> Ec2Backend:
         """Return the backend for the placement's fleet block (else the default one)."""
         return cls(placement.block if placement is not None else None)
+
+    @classmethod
+    def reaper(cls, block: str | None, namespace: str | None) -> Ec2Backend:
+        return cls(block, field="--block")
 
     @classmethod
     def of(cls, cluster: Cluster) -> Ec2Backend:

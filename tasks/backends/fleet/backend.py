@@ -140,9 +140,23 @@ class FleetBackend(UnitBackend):
     placement_model = FleetPlacement
 
     @classmethod
+    def block_types(cls) -> list[type]:
+        from gpuflow.blocks.gpu_fleet import GpuFleet
+
+        return [GpuFleet]
+
+    @classmethod
     def at(cls, placement: Placement | None = None) -> FleetBackend:
         fleet = placement.fleet if isinstance(placement, FleetPlacement) else None
         return cls(fleet)
+
+    @classmethod
+    def reaper(cls, block: str | None, namespace: str | None) -> FleetBackend:
+        if not block:
+            raise InvalidSpec(
+                "--block: name the fleet to reap (gpuflow reap --backend fleet --block NAME)."
+            )
+        return cls(block)
 
     @classmethod
     def of(cls, cluster: Cluster) -> FleetBackend:

@@ -110,11 +110,26 @@ class KubernetesBackend(UnitBackend):
     placement_model = KubernetesPlacement
 
     @classmethod
+    def block_types(cls) -> list[type]:
+        """Its pool's block holds prefect-kubernetes' cluster config: none without the extra."""
+        from importlib.util import find_spec
+
+        if find_spec("prefect_kubernetes") is None:
+            return []
+        from gpuflow.blocks.kubernetes_pool import KubernetesGpuPool
+
+        return [KubernetesGpuPool]
+
+    @classmethod
     def at(cls, placement: Placement | None = None) -> KubernetesBackend:
         """Return the backend for the placement's block and namespace (else the defaults)."""
         if placement is None:
             return cls()
         return cls(placement.block, placement.namespace)
+
+    @classmethod
+    def reaper(cls, block: str | None, namespace: str | None) -> KubernetesBackend:
+        return cls(block, namespace)
 
     @classmethod
     def of(cls, cluster: Cluster) -> KubernetesBackend:

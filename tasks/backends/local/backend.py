@@ -128,6 +128,12 @@ class LocalBackend(UnitBackend):
     placement_model = LocalPlacement
 
     @classmethod
+    def block_types(cls) -> list[type]:
+        from gpuflow.blocks.local_host import LocalGpuHost
+
+        return [LocalGpuHost]
+
+    @classmethod
     def at(cls, placement: Placement | None = None) -> LocalBackend:
         """Return the backend for this host (the placement's settings are in the spec)."""
         return cls()

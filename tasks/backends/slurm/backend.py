@@ -152,6 +152,12 @@ class SlurmBackend(UnitBackend):
         self.block = block  # the SlurmCluster block of the runs it serves (None: the client here)
 
     @classmethod
+    def block_types(cls) -> list[type]:
+        from gpuflow.blocks.slurm_cluster import SlurmCluster
+
+        return [SlurmCluster]
+
+    @classmethod
     def at(cls, placement: Placement | None = None) -> SlurmBackend:
         return cls(placement.block if placement else None)
 
