@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
 
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.pipeline.stages import retry_when_retryable
@@ -14,7 +15,7 @@ from gpuflow.tasks.units import format_bytes
 
 @task(
     name="pack-and-upload",
-    cache_policy=None,
+    cache_policy=NO_CACHE,
     retries=2,
     retry_delay_seconds=5,
     retry_condition_fn=retry_when_retryable,

@@ -188,7 +188,7 @@ def outcome(state: Any) -> JobRun:
     complete."""
     # _sync: in a worker thread of an async flow Prefect would hand back a coroutine
     if state.is_completed():
-        result = state.result(_sync=True)  # type: ignore[call-overload]
+        result = state.result(_sync=True)
         return JobRun(
             name=result.name,
             flow_run_id=result.flow_run_id,
@@ -198,7 +198,7 @@ def outcome(state: Any) -> JobRun:
             artifacts_dir=Path(result.artifacts_dir),
             url=_link(result.flow_run_id),
         )
-    error = state.result(raise_on_failure=False, _sync=True)  # type: ignore[call-overload]
+    error = state.result(raise_on_failure=False, _sync=True)
     if isinstance(error, BaseException):
         raise error
     if state.is_cancelled():

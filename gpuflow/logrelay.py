@@ -124,7 +124,8 @@ class LogRelay:
     def _batch(self) -> tuple[int, list[bytes]]:
         """Return the oldest held logs, up to BATCH_BYTES, and the number of the last."""
         with self._lock:
-            batch, size, last = [], 0, -1
+            batch: list[bytes] = []
+            size, last = 0, -1
             for number, _, body in self._held:
                 if batch and size + len(body) > BATCH_BYTES:
                     break

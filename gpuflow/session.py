@@ -87,7 +87,7 @@ def outlive_the_terminal() -> None:
         signal.signal(signal.SIGHUP, lambda signum, frame: None)
 
 
-def install_signal_handlers() -> dict[int, Any]:
+def install_signal_handlers() -> dict[signal.Signals, Any]:
     """SIGTERM raises Stopped, SIGINT KeyboardInterrupt, once: a repeated signal while the
     first one is being handled (the job gets its stop_grace_s, teardown runs) is ignored.
     Return the handlers they replace."""
@@ -197,7 +197,8 @@ def interruptible(command: Callable[[], int], stopped: str | None = None) -> int
         signum = signal_of(exc)
         if signum is None:
             raise
-        fail(f"stopped by {SIGNAL_NAMES.get(signum, signum)}: {stopped or STOPPED_A_RUN}")
+        name = SIGNAL_NAMES.get(signal.Signals(signum), str(signum))
+        fail(f"stopped by {name}: {stopped or STOPPED_A_RUN}")
         return 128 + int(signum)
     finally:
         for signum, handler in previous.items():  # as they were, for a caller that goes on

@@ -8,6 +8,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/lint-imports --no-cache  # the import rules in pyproject.toml
+.venv/bin/mypy  # gpuflow/ (tasks/, flows/, blocks/ through it): [tool.mypy] in pyproject.toml
 # Tests run in parallel: four workers keep 2 cores busy (1.79 cores on average; with three,
 # 0.3 of a core stood idle while tests waited on jobs, servers and Slurm's requeue delays:
 # the suite took 1,326-1,408 s, with four 1,268 s). Tests that share one server run on one

@@ -86,7 +86,7 @@ def retry_when_retryable(task: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
-def retry_unless(*moved: type[GpuflowError]) -> Any:
+def retry_unless(*moved: type[Exception]) -> Any:
     """Return a Prefect retry condition like `retry_when_retryable` that does not retry the
     errors of `moved`: a pool hands those to its next candidate instead."""
 

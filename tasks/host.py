@@ -399,9 +399,9 @@ class OutputPump:
     a run (teardown stops it)."""
 
     def __init__(
-        self, streams: Mapping[str, IO[bytes]], on_line: Callable[[str, str], None]
+        self, streams: Mapping[str, IO[bytes] | None], on_line: Callable[[str, str], None]
     ) -> None:
-        self._streams = dict(streams)
+        self._streams = {name: s for name, s in streams.items() if s is not None}
         self._on_line = on_line
         self._until: float | None = None
         self.held: list[str] = []  # the pipes still open when reading stopped

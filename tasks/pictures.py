@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 from pathlib import Path
+from typing import Any
 
 PICTURE_LIMIT = 300 * 1024  # bytes of PNG per picture carried in an artifact
 
@@ -20,7 +21,7 @@ def _fitted(data: bytes, limit: int) -> bytes | None:
     try:
         from PIL import Image
 
-        image = Image.open(io.BytesIO(data))
+        image: Any = Image.open(io.BytesIO(data))
         image.load()
     except Exception:  # not a picture Pillow reads: shown by its path only
         return None

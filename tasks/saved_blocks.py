@@ -23,7 +23,7 @@ def load_block(
     `field` names no such block, how to create one (`create`, by default
     `<Type>(...).save(name)`) and what else to do (`otherwise`)."""
     try:
-        return block_type.load(name)  # type: ignore[attr-defined, no-any-return]
+        return block_type.load(name)  # type: ignore[attr-defined]
     except ValueError:
         kind = kind or block_type.__name__
         how = create or f"{block_type.__name__}(...).save({name!r})"

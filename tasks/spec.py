@@ -9,7 +9,7 @@ import re
 import shlex
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args
+from typing import Annotated, Any, Literal, Protocol, TypeVar, Union, get_args
 
 import regex
 from pydantic import (
@@ -381,6 +381,19 @@ def remove_placement_model(backend: str) -> None:
     _PLACEMENT_ADAPTER.clear()
 
 
+P = TypeVar("P", bound="Placement")
+
+
+def placement_as(spec: JobSpec, model: type[P]) -> P:
+    """Return `spec`'s placement as `model`, its backend's own placement model (a spec
+    reads it as that model already; one built before the backend was registered is read
+    again), so a backend's settings are typed where it reads them."""
+    placement = spec.placement
+    if isinstance(placement, model):
+        return placement
+    return model.model_validate(placement.model_dump(exclude_unset=True))
+
+
 def read_placement(value: Any) -> Placement:
     """Return `value` (a mapping, or a placement built in Python) as the placement model
     of the backend it names; the base model where that backend registered none."""
@@ -420,7 +433,7 @@ class PlacementSection:
             models = tuple(PLACEMENT_MODELS.values()) or (Placement,)
             union: Any = Union[models] if len(models) > 1 else models[0]  # noqa: UP007
             _PLACEMENT_ADAPTER.append(TypeAdapter(union))
-        return handler(_PLACEMENT_ADAPTER[0].core_schema)  # type: ignore[no-any-return]
+        return handler(_PLACEMENT_ADAPTER[0].core_schema)
 
 
 class PlacementPolicy(SpecModel):
@@ -594,6 +607,18 @@ def _job_adapter() -> TypeAdapter[Any]:
     return _JOB_ADAPTER[0]
 
 
+class JobModel(Protocol):
+    """What every kind's job model is (a pydantic model with its `kind`), as code that
+    does not know the kind sees it; a kind reads its own model (JobKind.job_of)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    def model_dump(self, *args: Any, **kwargs: Any) -> dict[str, Any]: ...
+
+    def model_dump_json(self, *args: Any, **kwargs: Any) -> str: ...
+
+
 class JobSection:
     """The type of a spec's `job:`: one of the models kinds register (add_job_model), read
     by its `kind`; the set may grow after JobSpec is made, so it is looked up when read."""
@@ -609,7 +634,7 @@ class JobSection:
 
     @classmethod
     def __get_pydantic_json_schema__(cls, schema: Any, handler: Any) -> dict[str, Any]:
-        return handler(_job_adapter().core_schema)  # type: ignore[no-any-return]
+        return handler(_job_adapter().core_schema)
 
 
 def _one_or_a_list(schema: dict[str, Any]) -> None:
@@ -624,11 +649,11 @@ class JobSpec(SpecModel):
     """Everything gpuflow needs to run one GPU job through the pipeline."""
 
     name: str = Field("job", description="Lowercase letters, digits and dashes.")
-    job: JobSection  # one of the registered kinds' models (add_job_model)
+    job: Annotated[JobModel, JobSection]  # one of the registered kinds' models (add_job_model)
     resources: Resources = Resources()
     # read as the model of the backend it names (PlacementSection); default {backend: local}
     placement: Annotated[Placement, PlacementSection] = Field(
-        default_factory=dict,  # type: ignore[arg-type]
+        default_factory=dict,
         validate_default=True,
         description="Where the job runs, or a list of candidates in the order of preference.",
         json_schema_extra=_one_or_a_list,
@@ -785,7 +810,7 @@ def _field_names(loc: tuple[Any, ...], root: Any = None) -> list[str]:
     return [field.alias or name for name, field in model.model_fields.items()]
 
 
-def _sentence(error: dict[str, Any], root: Any = None) -> str:
+def _sentence(error: Any, root: Any = None) -> str:
     loc = tuple(error["loc"])
     if loc[:1] == ("job",) and len(loc) > 1 and loc[1] in JOB_MODELS:
         loc = loc[:1] + loc[2:]  # drop the union's tag: job.command.command -> job.command

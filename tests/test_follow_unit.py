@@ -14,13 +14,13 @@ import pytest
 from gpuflow.tasks.backends.base import (
     TAIL_LINES,
     LogTail,
-    UnitBackend,
     follow_unit,
     join_samples,
     stop_process,
 )
 from gpuflow.tasks.contract import Cluster, StopReason, UnitEnd, WorkUnit
 from gpuflow.tasks.errors import ProvisionError
+from tests.e2e.toy_backend import ToyBackend
 
 
 class FakeUnit:
@@ -119,7 +119,10 @@ def test_an_interruption_or_an_error_stops_the_unit_with_its_grace_and_propagate
     assert unit.interrupted == [12] and unit.stopped == []
 
 
-class FakeBackend(UnitBackend):
+class FakeBackend(ToyBackend):
+    """The toy backend whose `start` gives a scripted unit: `run`, written once in
+    UnitBackend, is what these tests follow."""
+
     def __init__(self, unit: FakeUnit, lines: list[str]) -> None:
         self.unit, self.lines = unit, lines
 

@@ -21,7 +21,7 @@ def load_job_spec(source: Any) -> Any:
     return load_spec(source)
 
 
-def invalid(exc: Exception) -> int:
+def invalid(exc: Exception | str) -> int:
     """Say why the input is invalid, in one sentence; return the exit code for it."""
     print(f"gpuflow: invalid input: {exc}", file=sys.stderr)
     return EXIT_INVALID

@@ -57,10 +57,10 @@ def prepare(source: str, output: str, shard_size: str, aws_credentials: str | No
             print(f"index: {result.index_url}")
             print_link(api, state)
             return EXIT_OK
-        exc = state.result(raise_on_failure=False)
-        if isinstance(exc, InvalidSpec):
-            return invalid(exc)
-        print(f"gpuflow: {state.name.lower()}: {exc}", file=sys.stderr)
+        error = state.result(raise_on_failure=False)
+        if isinstance(error, InvalidSpec):
+            return invalid(error)
+        print(f"gpuflow: {(state.name or 'failed').lower()}: {error}", file=sys.stderr)
         print_link(api, state, failed=True)
         return EXIT_FAILED
 

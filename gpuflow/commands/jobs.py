@@ -55,13 +55,13 @@ def _run_spec(spec: Any, api: Any, checked: bool) -> int:
         _print_summary(spec, state.result())
         print_link(api, state)
         return EXIT_OK
-    exc = state.result(raise_on_failure=False)
-    if isinstance(exc, InvalidSpec):
-        return invalid(exc)
+    error = state.result(raise_on_failure=False)
+    if isinstance(error, InvalidSpec):
+        return invalid(error)
     if state.is_cancelled():
         print(f"gpuflow: cancelled: {state.message}", file=sys.stderr)
     else:
-        reason = str(exc) if isinstance(exc, GpuflowError) else (state.message or state.name)
+        reason = str(error) if isinstance(error, GpuflowError) else (state.message or state.name)
         print(f"gpuflow: {state.name.lower()}: {reason}", file=sys.stderr)
     print_link(api, state, failed=True)
     return EXIT_FAILED

@@ -82,7 +82,7 @@ def build(
     )
     command[1:1] = job.mpirun_args
     env = [{"name": k, "value": v} for k, v in sorted(spec.env.items())]
-    shm = {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+    shm: dict[str, Any] = {"name": "dshm", "emptyDir": {"medium": "Memory"}}
     if spec.resources.shm:
         shm["emptyDir"]["sizeLimit"] = str(spec.resources.shm)
     worker_pod: dict[str, Any] = {

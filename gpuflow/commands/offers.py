@@ -59,7 +59,8 @@ def _print_pool(spec: Any, top: int, as_json: bool) -> int:
     hours = spec.limits.max_duration / 3600
     rows: list[dict[str, Any]] = []
     for c in ranked:
-        for offer in found[c.index][:top] or [None]:
+        listed: list[Any] = [*found[c.index][:top]] or [None]  # None: the candidate's error
+        for offer in listed:
             rows.append(
                 {"candidate": c.name, "index": c.index}
                 | (offer.model_dump() if offer else {"error": c.error})

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, Self
 
 from gpuflow.tasks.contract import (
     Capabilities,
@@ -135,12 +135,12 @@ class UnitBackend(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def at(cls, placement: Placement | None = None) -> UnitBackend:
+    def at(cls, placement: Placement | None = None) -> Self:
         """See Backend.at."""
 
     @classmethod
     @abc.abstractmethod
-    def of(cls, cluster: Cluster) -> UnitBackend:
+    def of(cls, cluster: Cluster) -> Self:
         """See Backend.of."""
 
     @classmethod
@@ -150,7 +150,7 @@ class UnitBackend(abc.ABC):
         return []
 
     @classmethod
-    def reaper(cls, block: str | None, namespace: str | None) -> UnitBackend:
+    def reaper(cls, block: str | None, namespace: str | None) -> Self:
         """See Backend.reaper: by default the backend of a placement naming `block`."""
         return cls.at(cls.placement_model(backend=cls.name, block=block))
 
@@ -362,12 +362,12 @@ class Backend(Protocol):
     list_prices: ClassVar[ListPrices]
 
     @classmethod
-    def at(cls, placement: Placement | None = None) -> Backend:
+    def at(cls, placement: Placement | None = None) -> Self:
         """Return the backend for a spec's placement (its block, namespace); None: defaults.
         Its settings are read once, when first needed, and never change."""
 
     @classmethod
-    def of(cls, cluster: Cluster) -> Backend:
+    def of(cls, cluster: Cluster) -> Self:
         """Return the backend `cluster` was made with, from what its state records."""
 
     @classmethod
@@ -375,7 +375,7 @@ class Backend(Protocol):
         """Return the Prefect block types its settings are saved in."""
 
     @classmethod
-    def reaper(cls, block: str | None, namespace: str | None) -> Backend:
+    def reaper(cls, block: str | None, namespace: str | None) -> Self:
         """Return the backend `gpuflow reap --backend NAME` asks: `block` its block (a
         cluster's, a fleet's), `namespace` a Kubernetes namespace; InvalidSpec, naming the
         option, when it needs one that is not given."""

@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     # A rank without GPUs of its own sees none, so it cannot take another rank's by accident.
     env["CUDA_VISIBLE_DEVICES"] = ",".join(local_gpus(local_rank, args.gpus_per_rank, visible))
     status = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid()}
+    code: int | None
+    sig: int | None
     try:
         child = subprocess.Popen(program, env=env)
     except OSError as exc:
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(args.status_dir)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"rank-{rank}.json").write_text(json.dumps(record))
-    return code if code is not None else 128 + sig
+    return code if code is not None else 128 + (sig or 0)
 
 
 if __name__ == "__main__":

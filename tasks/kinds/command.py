@@ -9,7 +9,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
@@ -26,7 +26,10 @@ from gpuflow.tasks.kinds.base import JobKind
 from gpuflow.tasks.kinds.code import check_code
 from gpuflow.tasks.spec import CodeJob, JobSpec, command_line
 
-Command = command_line("[python, train.py]")
+if TYPE_CHECKING:  # what the validators make of it
+    Command = list[str]
+else:
+    Command = command_line("[python, train.py]")
 
 
 class CommandJob(CodeJob):

@@ -148,7 +148,7 @@ class Sampler:
                 logger.warning("sample consumer failed", exc_info=True)
 
     def _gpu(self, index: int, handle: Any, uuid: str, name: str) -> dict[str, Any]:
-        nvml = self._nvml
+        nvml: Any = self._nvml  # set: a GPU is only read once NVML answered
         reading: dict[str, Any] = {"gpu": index, "UUID": uuid, "modelName": name}
         probes = {
             "DCGM_FI_DEV_GPU_UTIL": lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu,

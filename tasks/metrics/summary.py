@@ -50,8 +50,9 @@ def _energy_j(samples: list[dict[str, Any]]) -> float | None:
     total = 0.0
     for readings in by_gpu.values():
         counters = [g.get("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION") for _, g in readings]
-        if len(readings) > 1 and None not in counters:
-            total += (counters[-1] - counters[0]) / 1000.0
+        first, last = counters[0], counters[-1]
+        if len(readings) > 1 and None not in counters and first is not None and last is not None:
+            total += (last - first) / 1000.0
             continue
         for (t0, g0), (t1, _) in itertools.pairwise(readings):
             total += g0.get("DCGM_FI_DEV_POWER_USAGE", 0.0) * (t1 - t0)

@@ -12,6 +12,7 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
 
 from gpuflow.tasks import secrets
 from gpuflow.tasks.api_client import publish
@@ -98,7 +99,7 @@ def _job_figures(result_file: Path, logger: Any) -> dict[str, Any]:
     return secrets.printable_json(figures)  # type: ignore[return-value]
 
 
-@task(name="collect", cache_policy=None)
+@task(name="collect", cache_policy=NO_CACHE)
 def collect(
     spec: JobSpec,
     cluster: Cluster,

@@ -12,6 +12,7 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from gpuflow.tasks.api_client import emit_run_event, publish
@@ -74,7 +75,7 @@ def offers_of(pool: list[tuple[JobSpec, PriceTable]]) -> list[tuple[Candidate, l
         return list(asking.map(ask, range(len(pool))))
 
 
-@task(name="place", cache_policy=None)
+@task(name="place", cache_policy=NO_CACHE)
 def place(pool: list[tuple[JobSpec, PriceTable]]) -> list[Candidate]:
     """Return the pool's candidates in the order its policy tries them, each with its best
     offer now (every backend asked at once; one that fails to answer says why)."""

@@ -98,7 +98,7 @@ def _heartbeat_event() -> dict | None:
             {
                 "prefect.resource.id": f"prefect.flow.{run.flow_id}",
                 "prefect.resource.role": "flow",
-                "prefect.resource.name": context.flow.name if context.flow else "",
+                "prefect.resource.name": context.flow.name if context and context.flow else "",
             }
         )
     ]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
 from gpuflow.tasks import secrets
@@ -121,7 +122,7 @@ def _retries_left() -> bool:
     return context.task_run.run_count <= (context.task.retries or 0)
 
 
-@task(name="run", cache_policy=None)
+@task(name="run", cache_policy=NO_CACHE)
 def run(
     spec: JobSpec, cluster: Cluster, prices: pricing.PriceTable, flow_run_id: str
 ) -> RunOutcome:

@@ -19,6 +19,7 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from gpuflow.tasks.api_client import publish
@@ -54,7 +55,7 @@ def retrying(stage: Any, policy: StageRetry, condition: Any = retry_when_retryab
     )
 
 
-@task(name="provision", cache_policy=None)
+@task(name="provision", cache_policy=NO_CACHE)
 def provision(spec: JobSpec, owner: dict[str, str]) -> Cluster:
     """Return the cluster for this run; a retry adopts what an earlier try made."""
     cluster = get_backend(spec.placement.backend, spec.placement).provision(spec, owner)
@@ -102,7 +103,7 @@ def _unprovisioned_folder(flow_run_id: str) -> Path:
     return gpuflow_home() / "unprovisioned" / flow_run_id
 
 
-@task(name="preflight", cache_policy=None)
+@task(name="preflight", cache_policy=NO_CACHE)
 def preflight(spec: JobSpec, cluster: Cluster) -> preflight_checks.PreflightReport:
     """Return the preflight report; raise PreflightFailed when the verdict is fail."""
     if cluster.capabilities.runs_here:
@@ -144,7 +145,7 @@ def preflight(spec: JobSpec, cluster: Cluster) -> preflight_checks.PreflightRepo
     return report
 
 
-@task(name="teardown", cache_policy=None, retries=2, retry_delay_seconds=2)
+@task(name="teardown", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
 def teardown(placement: Placement, flow_run_id: str) -> list[TeardownReport]:
     """Return what was released for every resource this flow run owns. Idempotent."""
     return teardown_owned(placement, flow_run_id)

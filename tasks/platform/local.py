@@ -217,9 +217,9 @@ def up(
     with `listen` other than loopback, the server is shared over TLS 1.3 (tasks/platform/tls.py)."""
     if database not in DATABASES:
         raise InvalidSpec(f"--database: {database!r} is not one of {', '.join(DATABASES)}.")
-    state = read_state()
-    if state and all(running(p) for p in state["processes"].values()) and _whole(state, say):
-        return _already_running(state, kubeconfig, database, use, say, port)
+    before = read_state()
+    if before and all(running(p) for p in before["processes"].values()) and _whole(before, say):
+        return _already_running(before, kubeconfig, database, use, say, port)
     port = DEFAULT_PORT if port is None else port
     if not 1 <= port <= 65535:
         raise InvalidSpec(f"--port: {port} is not a TCP port; give one from 1 to 65535.")
@@ -228,9 +228,9 @@ def up(
     cluster = _cluster(kubeconfig, image) if kubeconfig else None
     secure_home()
     where = listening(listen, tls_cert, tls_key, platform_dir() / "tls")
-    if state:
+    if before:
         down(say=lambda *_: None)  # a half-dead platform: clear it first
-    _port_free(port, where.bind, renew=bool(state), say=say)
+    _port_free(port, where.bind, renew=bool(before), say=say)
     started = time.monotonic()
     private_dir(platform_dir())
     platform_auth()  # made before anything that needs it starts

@@ -278,7 +278,7 @@ def stop(entry: dict[str, Any], grace_s: float = 30.0) -> None:
 
     escalate(
         interrupt,
-        lambda: stop_group(pid, started, grace_s=5.0),
+        lambda: _stopped(stop_group(pid, started, grace_s=5.0)),
         lambda: alive(pid, started) and not _zombie(pid),
         grace_s,
     )
@@ -289,3 +289,7 @@ def _zombie(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.Error:
         return True
+
+
+def _stopped(_killed: int) -> None:
+    """What `escalate` calls to force a stop: `stop_group`, its count dropped."""

@@ -205,7 +205,7 @@ def _bind(host: str, port: int) -> Any:
     from gpuflow.tasks.platform.portguard import reusable_socket
 
     family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    bound = reusable_socket(address[0] if family == socket.AF_INET6 else host, server=True)
+    bound = reusable_socket(str(address[0]) if family == socket.AF_INET6 else host, server=True)
     if family == socket.AF_INET6:
         bound.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
     bound.bind(address)

@@ -68,7 +68,7 @@ def reachable_name() -> str:
     own machine)."""
     name = socket.getfqdn()
     try:
-        resolved = {info[4][0] for info in socket.getaddrinfo(name, None)}
+        resolved = {str(info[4][0]) for info in socket.getaddrinfo(name, None)}
     except OSError:
         resolved = set()
     if (
@@ -168,7 +168,7 @@ def generate(folder: Path, bind: str) -> tuple[Path, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, socket.getfqdn()[:64])])
     now = datetime.datetime.now(datetime.UTC)
-    alt = [x509.DNSName(n) for n in names]
+    alt: list[x509.GeneralName] = [x509.DNSName(n) for n in names]
     alt += [x509.IPAddress(ipaddress.ip_address(a)) for a in sorted(addresses)]
     cert = (
         x509.CertificateBuilder()

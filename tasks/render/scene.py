@@ -16,6 +16,7 @@ import subprocess
 import time
 import zipfile
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from pydantic import BaseModel
@@ -399,7 +400,7 @@ def preflight_checks(spec: JobSpec, s3: S3Settings | None, here: bool) -> list[d
         }
     ]
     wants_gpu = found.device and found.device != "CPU"
-    if here and wants_gpu and not found.info.devices.get(found.device):
+    if here and wants_gpu and not found.info.devices.get(found.device or ""):
         checks.append(
             {
                 "name": "cycles-device",
@@ -417,7 +418,12 @@ def demo_scene(
 ) -> Path:
     """Save the demo scene (a turning, moving cube; Cycles, PNG) at `path`, then apply
     `expr` (bpy code, e.g. to change samples or engine) to it. For demos, tests, benches."""
-    run = {"check": True, "capture_output": True, "timeout": 300, "stdin": subprocess.DEVNULL}
+    run: dict[str, Any] = {
+        "check": True,
+        "capture_output": True,
+        "timeout": 300,
+        "stdin": subprocess.DEVNULL,
+    }
     subprocess.run(
         [blender, "-b", "--python", str(DEMO_SCRIPT), "--", str(path), str(frames), str(size)],
         **run,

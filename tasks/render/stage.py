@@ -24,6 +24,7 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact
+from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.actions import ArtifactUpdate
 from prefect.futures import as_completed
 from pydantic import BaseModel
@@ -120,7 +121,7 @@ class _Progress:
             client.update_artifact(self.artifact_id, update)
 
 
-@task(name="render-chunk", cache_policy=None)
+@task(name="render-chunk", cache_policy=NO_CACHE)
 def render_chunk(
     spec: JobSpec,
     progress: _Progress,

@@ -108,7 +108,7 @@ def units_for(
     pending = list(plan.frames if frames is None else frames)
     free = slots(spec, cluster)
     sizer = ChunkSizer(job.chunk, plan.info.load_s, len(free))
-    units = []
+    units: list[WorkUnit] = []
     while pending:
         size = sizer.next(len(pending))
         chunk, pending = pending[:size], pending[size:]

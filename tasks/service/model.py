@@ -3,7 +3,7 @@ probes, how many replicas it may have and what scales them; and the figures it l
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -104,7 +104,10 @@ class Scaling(SpecModel):
         return value
 
 
-ServingCommand = command_line("[python, serve.py]")
+if TYPE_CHECKING:  # what the validators make of it
+    ServingCommand = list[str]
+else:
+    ServingCommand = command_line("[python, serve.py]")
 
 
 class ServiceJob(CodeJob):

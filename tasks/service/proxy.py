@@ -178,14 +178,14 @@ def run_here(
             proc.kill()
             proc.wait()
     reader.join(5.0)
-    ended = datetime.now(UTC)
+    finished = datetime.now(UTC)
     code = proc.returncode
     return JobResult(
         exit_code=code if code >= 0 else None,
         signal=-code if code < 0 else None,
         started_at=began,
-        ended_at=ended,
-        duration_s=(ended - began).total_seconds(),
+        ended_at=finished,
+        duration_s=(finished - began).total_seconds(),
         timed_out=timed_out,
         cancelled=was_cancelled,
     )
@@ -225,7 +225,7 @@ class Runtime:
             raise ProxyError(f"HAProxy's runtime API at {self.path}: {exc}") from None
         return b"".join(chunks).decode(errors="replace")
 
-    def wait_up(self, timeout_s: float, alive: callable) -> None:  # type: ignore[valid-type]
+    def wait_up(self, timeout_s: float, alive: Callable[[], bool]) -> None:
         """Return once the socket answers; ProxyError after `timeout_s` or when `alive()`
         says HAProxy ended."""
         deadline = time.monotonic() + timeout_s

@@ -115,7 +115,8 @@ class Service:
     ) -> None:
         job = spec.job
         assert isinstance(job, ServiceJob)
-        self.spec, self.job, self.runner, self.deadline = spec, job, runner, deadline
+        self.job: ServiceJob = job
+        self.spec, self.runner, self.deadline = spec, runner, deadline
         cluster = runner.cluster
         self.cluster = cluster
         self.run_id = cluster.owner.get(RUN_LABEL, cluster.name)
@@ -930,7 +931,7 @@ def run_logger() -> Callable[[str, str], None]:
     try:
         run_logger = get_run_logger()
     except MissingContextError:
-        run_logger = logging.getLogger("gpuflow.service")  # type: ignore[assignment]
+        run_logger = logging.getLogger("gpuflow.service")
 
     def say(level: str, message: str) -> None:
         getattr(run_logger, level)("%s", message)

@@ -52,7 +52,7 @@ class Encoder:
         self.kind, self.width, self.height = kind, width, height
         name = CODECS[kind]
         try:
-            context = av.CodecContext.create(name, "w")
+            context: Any = av.CodecContext.create(name, "w")  # a video encoder's context
         except Exception as exc:  # not built into this FFmpeg
             raise EncoderError(f"{name} is not in this FFmpeg ({exc})") from None
         context.width, context.height = width, height

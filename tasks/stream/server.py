@@ -37,7 +37,7 @@ import time
 import urllib.parse
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
@@ -405,7 +405,7 @@ class Session:
             await asyncio.to_thread(self.push)
 
 
-def _finite(value: Any, most: float, least: float | None = None) -> bool:
+def _finite(value: Any, most: float, least: float | None = None) -> TypeGuard[int | float]:
     """Return True for a number (not a bool) that is finite and within [least, most]
     (least defaults to -most)."""
     if isinstance(value, bool) or not isinstance(value, int | float):

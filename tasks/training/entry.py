@@ -144,7 +144,7 @@ class Trainer:
         np.random.seed(job.seed + self.rank)
         if not self.cuda:
             torch.use_deterministic_algorithms(True)
-        model = build_model(job).to(self.device)
+        model: Any = build_model(job).to(self.device)
         if job.activation_checkpointing:
             model.set_activation_checkpointing(True)
         self.amp_dtype = None
@@ -154,7 +154,7 @@ class Trainer:
             from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 
             mixed = MixedPrecision(param_dtype=self.amp_dtype) if self.amp_dtype else None
-            self.model = FullyShardedDataParallel(
+            self.model: Any = FullyShardedDataParallel(
                 model, device_id=self.device, mixed_precision=mixed
             )
         else:
@@ -468,6 +468,11 @@ class Trainer:
         if step is None:
             return
         files = ckpt.load_valid(self.out_store, self.ckpt_prefix, step)
+        if files is None:  # rank 0 read it whole; this rank could not, now
+            raise RuntimeError(
+                f"checkpoint step {step} could not be read whole by rank {self.rank} (it is"
+                " incomplete or damaged now); check the storage, or start a new output prefix"
+            )
         manifest = json.loads(files[ckpt.MANIFEST])
         if self.job.checkpoint.resume == "same_job":
             refused = ckpt.mismatch(manifest, self.identity, self.ckpt_prefix, step)

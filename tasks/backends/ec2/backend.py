@@ -30,9 +30,9 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from gpuflow.tasks import contract, own_wheel
 from gpuflow.tasks.backends.base import LogTail, UnitBackend, join_samples, say_in_run
@@ -49,6 +49,7 @@ from gpuflow.tasks.backends.ec2.catalog import (
     fleet_named,
 )
 from gpuflow.tasks.backends.ec2.mailbox import HEARTBEAT, Mailbox, unit_key
+from gpuflow.tasks.backends.ec2.placement import Ec2Placement
 from gpuflow.tasks.backends.ec2.reap import (
     CONTROL_TAG,
     ORPHAN_TAG,
@@ -75,7 +76,7 @@ from gpuflow.tasks.host import gpuflow_home
 from gpuflow.tasks.metrics.cost import ListPrices, PriceTable
 from gpuflow.tasks.metrics.sampler import SAMPLES
 from gpuflow.tasks.placement import resolve
-from gpuflow.tasks.spec import JobSpec, Placement
+from gpuflow.tasks.spec import JobSpec, Placement, placement_as
 from gpuflow.tasks.storage import S3Settings
 
 STATE_EVERY_S = 5.0
@@ -163,33 +164,14 @@ class Ec2State(BaseModel):
     offer: Offer | None = None  # what the instances were launched from
 
 
-class Ec2Placement(Placement):
-    """placement: on EC2: the market instances are rented on."""
-
-    backend: Literal["ec2"] = "ec2"
-    market: Literal["spot", "on-demand", "spot-then-on-demand"] = Field(
-        "spot-then-on-demand",
-        description="Rent spot instances, on-demand ones, or spot first then on-demand.",
-    )
-    on_demand_after: int = Field(
-        2,
-        ge=1,
-        le=100,
-        description="spot-then-on-demand: rent on-demand after this many spot interruptions.",
-    )
-
-    def label(self) -> str:
-        return f"{super().label()} {self.market}"
-
-
 class Ec2Backend(UnitBackend):
     name = "ec2"
     # each agent samples its instance; the run stage samples nothing here
     capabilities = Capabilities(
         runs_here=False, where="rented instances", local_files=False, samples_nodes=True
     )
-    placement_model = Ec2Placement
-    extra = "aws"
+    placement_model: ClassVar[type[Placement]] = Ec2Placement
+    extra: ClassVar[str | None] = "aws"
     # on-demand list prices per GPU (an instance's price divided by its GPUs)
     list_prices = ListPrices(
         gpu_hourly_usd={
@@ -313,7 +295,7 @@ class Ec2Backend(UnitBackend):
                 "name": "instances",
                 "level": "pass",
                 "message": f"{spec.resources.nodes} instance(s) with {spec.resources.gpus} GPU(s)"
-                f" in {fleet.region}, {spec.placement.market}; agents pull work from"
+                f" in {fleet.region}, {placement_as(spec, Ec2Placement).market}; agents pull work from"
                 f" {fleet.control_prefix}",
             }
         ]
@@ -448,11 +430,14 @@ class Ec2Backend(UnitBackend):
 
         _, prices = resolve(spec)
         _, offers = find_offers(spec, prices, self.settings)
-        market = spec.placement.market
-        if market == "spot-then-on-demand" and losses >= spec.placement.on_demand_after:
+        market = placement_as(spec, Ec2Placement).market
+        if (
+            market == "spot-then-on-demand"
+            and losses >= placement_as(spec, Ec2Placement).on_demand_after
+        ):
             _say(
                 f"{losses} spot interruption(s) so far (placement.on_demand_after"
-                f" {spec.placement.on_demand_after}): renting on-demand"
+                f" {placement_as(spec, Ec2Placement).on_demand_after}): renting on-demand"
             )
             offers = [o for o in offers if o.market == "on-demand"]
         return offers

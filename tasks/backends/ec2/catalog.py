@@ -17,11 +17,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from gpuflow.tasks.backends.ec2.placement import Ec2Placement
 from gpuflow.tasks.errors import InvalidSpec, Unreachable
 from gpuflow.tasks.gpus import canonical_product, product_from_ec2
 from gpuflow.tasks.metrics.cost import HOURS_PER_MONTH, PriceTable
 from gpuflow.tasks.saved_blocks import load_block
-from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.spec import JobSpec, placement_as
 from gpuflow.tasks.storage import S3Settings, StorageError
 
 BACKEND = "ec2"
@@ -281,7 +282,7 @@ def rank(
 ) -> list[Offer]:
     """Return the offers that fit `spec.resources`, in launch order (pure). InvalidSpec when
     none fits (naming what the region has) or the budget buys less than an hour."""
-    res, market = spec.resources, spec.placement.market
+    res, market = spec.resources, placement_as(spec, Ec2Placement).market
     if res.gpus < 1:
         raise InvalidSpec(
             "resources.gpus: the ec2 backend rents GPU instances; ask for at least 1 GPU or"
@@ -405,7 +406,11 @@ def find_offers(
         types = gpu_types(ec2, fleet.families)
         names = [t.instance_type for t in types]
         zones = zones_offering(ec2, names) if names else {}
-        spot = spot_prices(ec2, names) if names and spec.placement.market != "on-demand" else {}
+        spot = (
+            spot_prices(ec2, names)
+            if names and placement_as(spec, Ec2Placement).market != "on-demand"
+            else {}
+        )
     except Exception as exc:
         raise aws_error(exc, fleet, "list GPU instance types") from None
     if fleet.families and not types:

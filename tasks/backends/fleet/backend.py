@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
@@ -137,7 +137,7 @@ class FleetBackend(UnitBackend):
         node_samples_in_workspace=True,  # the hosts' samples are written here as they come
         adds_nodes=True,  # a service's replicas each claim GPUs on a host of their own
     )
-    placement_model = FleetPlacement
+    placement_model: ClassVar[type[Placement]] = FleetPlacement
 
     @classmethod
     def block_types(cls) -> list[type]:
@@ -587,7 +587,7 @@ class FleetBackend(UnitBackend):
                     return session
                 if nodes is not None:
                     if grower is None:  # an elastic fleet grows for it
-                        spec = JobSpec.model_construct(
+                        spec = JobSpec.model_construct(  # type: ignore[call-arg]
                             resources=Resources(gpus=gpus, nodes=1),
                             placement=FleetPlacement(fleet=self.fleet_name or "", gpu_wait=0),
                         )
@@ -928,8 +928,9 @@ def scale(backend: FleetBackend, say: Callable[[str], None]) -> list[elastic.Dec
         made = _launch_into(nodes, free[0], say) if free else None
         if made is None:
             break
-        why = f"below min {section.nodes.min}"
-        decisions.append(elastic.Decision(action="grow", instance=made.id, why=why))
+        decisions.append(
+            elastic.Decision(action="grow", instance=made.id, why=f"below min {section.nodes.min}")
+        )
     fleet = backend.fleet()
     ready = {h.label: h for h, _ in backend.hosts() if h.label in live}
     count = len(live)

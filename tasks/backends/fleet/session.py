@@ -132,8 +132,8 @@ class HostSession:
     def _dispatch(self, message: dict[str, Any]) -> None:
         if "down" in message:
             self.down = message
-            for watch in self.units.values():
-                watch.changed.set()
+            for each in self.units.values():
+                each.changed.set()
             return
         name = message.get("unit") or message.get("end")
         watch = self.units.get(str(name)) if name else None

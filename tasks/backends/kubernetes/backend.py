@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
@@ -61,7 +61,7 @@ from gpuflow.tasks.images import image_problem
 from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
 from gpuflow.tasks.metrics.sampler import NODE_SAMPLES, SAMPLES
 from gpuflow.tasks.saved_blocks import load_block
-from gpuflow.tasks.spec import JobSpec, Placement
+from gpuflow.tasks.spec import JobSpec, Placement, placement_as
 
 POLL_S = 1.0
 MPIJOB_API = "kubeflow.org/v2beta1"  # the Kubeflow MPI Operator's
@@ -107,7 +107,7 @@ class KubernetesBackend(UnitBackend):
         node_samples_in_workspace=True,
         serves_replicas=True,  # a service: a Deployment, a Service and an HPA
     )
-    placement_model = KubernetesPlacement
+    placement_model: ClassVar[type[Placement]] = KubernetesPlacement
 
     @classmethod
     def block_types(cls) -> list[type]:
@@ -125,7 +125,8 @@ class KubernetesBackend(UnitBackend):
         """Return the backend for the placement's block and namespace (else the defaults)."""
         if placement is None:
             return cls()
-        return cls(placement.block, placement.namespace)
+        own = placement if isinstance(placement, KubernetesPlacement) else None
+        return cls(placement.block, own.namespace if own is not None else None)
 
     @classmethod
     def reaper(cls, block: str | None, namespace: str | None) -> KubernetesBackend:
@@ -190,7 +191,7 @@ class KubernetesBackend(UnitBackend):
             }
         if spec is not None:
             values |= {
-                "image": spec.placement.image or values.get("image"),
+                "image": placement_as(spec, KubernetesPlacement).image or values.get("image"),
                 "gpu_product": spec.resources.gpu_product or values.get("gpu_product"),
                 "shm_bytes": spec.resources.shm,
                 "cpu": spec.resources.cpu,
@@ -651,8 +652,8 @@ class _KubeUnit:
 
     def _poll(self) -> UnitEnd | None:
         backend, pods = self.backend, self.pods
-        found = backend.api().request("GET", pods, params={"labelSelector": self.selector})
-        found = found.get("items") or []
+        listed = backend.api().request("GET", pods, params={"labelSelector": self.selector})
+        found: list[dict[str, Any]] = listed.get("items") or []
         workers = [p for p in found if _role(p) == "worker"]
         pod = next((p for p in found if _role(p) != "worker"), None)
         unplaced: str | None = None

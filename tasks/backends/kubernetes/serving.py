@@ -61,7 +61,7 @@ def deployment(
     limits: dict[str, Any] = {objects.GPU: str(app.gpus)} if app.gpus else {}
     # gpuflow's own modules: the image's python
     command = [settings.python if word == sys.executable else word for word in app.command]
-    env = [{"name": k, "value": v} for k, v in sorted(app.env.items())]
+    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in sorted(app.env.items())]
     env.append(
         {"name": "GPUFLOW_REPLICA", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
     )

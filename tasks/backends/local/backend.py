@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import psutil
 from pydantic import BaseModel, Field
@@ -62,7 +62,7 @@ from gpuflow.tasks.host import (
 )
 from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
 from gpuflow.tasks.saved_blocks import load_block
-from gpuflow.tasks.spec import Folder, JobSpec, Placement
+from gpuflow.tasks.spec import Folder, JobSpec, Placement, placement_as
 from gpuflow.tasks.units import format_bytes
 
 # Chunks of a render run side by side on one cluster: their records must not race.
@@ -71,7 +71,7 @@ _RECORD_LOCK = threading.Lock()
 
 def workspace_root(spec: JobSpec) -> Path:
     """Return where this spec's workspaces go."""
-    root = spec.placement.workspace_root
+    root = placement_as(spec, LocalPlacement).workspace_root
     return Path(root).expanduser().absolute() if root else gpuflow_home() / "workspaces"
 
 
@@ -125,7 +125,7 @@ class LocalBackend(UnitBackend):
     name = "local"
     # the job runs here: preflight inspects this machine's GPUs and disk
     capabilities = Capabilities(runs_here=True, where="this machine")
-    placement_model = LocalPlacement
+    placement_model: ClassVar[type[Placement]] = LocalPlacement
 
     @classmethod
     def block_types(cls) -> list[type]:
@@ -200,8 +200,10 @@ class LocalBackend(UnitBackend):
         host = load_block(LocalGpuHost, name, "placement.block", otherwise="remove placement.block")
         placement = spec.placement.model_copy(
             update={
-                "workspace_root": spec.placement.workspace_root or host.workspace_root,
-                "strict_gpu_limit": spec.placement.strict_gpu_limit or host.strict_gpu_limit,
+                "workspace_root": placement_as(spec, LocalPlacement).workspace_root
+                or host.workspace_root,
+                "strict_gpu_limit": placement_as(spec, LocalPlacement).strict_gpu_limit
+                or host.strict_gpu_limit,
             }
         )
         prices = prices.with_gpu_rate(self.name, host.gpu_hourly_usd, host.cpu_core_hourly_usd)
@@ -215,7 +217,7 @@ class LocalBackend(UnitBackend):
                 f" {spec.resources.nodes}; set resources.nodes: 1 or placement.backend: kubernetes."
             )
         root = workspace_root(spec)
-        if not spec.placement.workspace_root:
+        if not placement_as(spec, LocalPlacement).workspace_root:
             try:  # a GPUFLOW_HOME of another user's is refused before a byte goes in
                 secure_home()
             except StateFileError as exc:
@@ -227,7 +229,7 @@ class LocalBackend(UnitBackend):
         except OSError as exc:
             field = (
                 "placement.workspace_root"
-                if spec.placement.workspace_root
+                if placement_as(spec, LocalPlacement).workspace_root
                 else "GPUFLOW_HOME (where workspaces go when placement.workspace_root is not set)"
             )
             raise InvalidSpec(
@@ -256,7 +258,11 @@ class LocalBackend(UnitBackend):
                     f" ({seen}); lower resources.gpus, set resources.allow_cpu: true, or run on"
                     " a GPU host."
                 )
-        if wanted and spec.placement.strict_gpu_limit and not gpu_slots.limit_exists():
+        if (
+            wanted
+            and placement_as(spec, LocalPlacement).strict_gpu_limit
+            and not gpu_slots.limit_exists()
+        ):
             raise InvalidSpec(
                 "placement.strict_gpu_limit: the Prefect concurrency limit 'gpu' does not exist;"
                 " create it with `prefect gcl create gpu --limit N` or set strict_gpu_limit: false."
@@ -340,7 +346,7 @@ class LocalBackend(UnitBackend):
             lease = gpu_slots.acquire(
                 len(indices),
                 spec.placement.gpu_wait,
-                spec.placement.strict_gpu_limit,
+                placement_as(spec, LocalPlacement).strict_gpu_limit,
                 owner.get(RUN_LABEL),
             )
             cluster = cluster.model_copy(update={"gpu_lease_id": lease})
@@ -453,7 +459,7 @@ class LocalBackend(UnitBackend):
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             # In its cgroup(s) before exec: nothing it starts can leave them.
-            preexec_fn=(lambda: [cgroups.join(g) for g in groups]) if groups else None,
+            preexec_fn=(lambda: _join_all(groups)) if groups else None,
         )
         self._note_job(cluster, proc.pid, psutil.Process(proc.pid).create_time())
         pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, tail).start()
@@ -643,3 +649,9 @@ def _claim_owner(path: Path) -> str | None:
         return None
     owner = None if claim is None else claim.get("cluster")
     return owner if isinstance(owner, str) else None
+
+
+def _join_all(groups: list[str]) -> None:
+    """Move this process into each of `groups` (a unit's, before it execs)."""
+    for group in groups:
+        cgroups.join(group)

@@ -106,7 +106,7 @@ class Served:
         self.grace_s = float(header.get("grace_s", 30.0))
         self.interval_s = float(header.get("interval_s", 1.0))
         self.backend = LocalBackend(slots=False)
-        self.spec = JobSpec.model_construct(
+        self.spec = JobSpec.model_construct(  # type: ignore[call-arg]
             name=str(header.get("job", "fleet")),
             resources=Resources.model_validate(header["resources"]),
             placement=LocalPlacement(),

@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import psutil
 from pydantic import BaseModel, Field
@@ -69,7 +69,7 @@ from gpuflow.tasks.host import STOP_GRACE_S, OutputPump, alive, gpuflow_home, st
 from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
 from gpuflow.tasks.metrics.sampler import NODE_SAMPLES, SAMPLES
 from gpuflow.tasks.saved_blocks import load_block
-from gpuflow.tasks.spec import Folder, JobSpec, Placement
+from gpuflow.tasks.spec import Folder, JobSpec, Placement, placement_as
 from gpuflow.tasks.storage import S3Settings
 
 # squeue's states of a job that still holds (or waits for) its allocation
@@ -146,7 +146,7 @@ class SlurmBackend(UnitBackend):
         samples_nodes=True,  # a step beside a run's units on each node samples its GPUs
         node_samples_in_workspace=True,  # ... into the shared workspace, as it samples
     )
-    placement_model = SlurmPlacement
+    placement_model: ClassVar[type[Placement]] = SlurmPlacement
 
     def __init__(self, block: str | None = None) -> None:
         self.block = block  # the SlurmCluster block of the runs it serves (None: the client here)
@@ -195,8 +195,9 @@ class SlurmBackend(UnitBackend):
             return spec, prices
         placement = spec.placement.model_copy(
             update={
-                "partition": spec.placement.partition or cluster.partition,
-                "workspace_root": spec.placement.workspace_root or cluster.workspace_root,
+                "partition": placement_as(spec, SlurmPlacement).partition or cluster.partition,
+                "workspace_root": placement_as(spec, SlurmPlacement).workspace_root
+                or cluster.workspace_root,
             }
         )
         prices = prices.with_gpu_rate(self.name, cluster.gpu_hourly_usd)
@@ -253,7 +254,9 @@ class SlurmBackend(UnitBackend):
         res = spec.resources
         request = self._request(spec)
         table = parse_sinfo(_sinfo(cli))
-        name = spec.placement.partition or next((r.partition for r in table if r.default), "")
+        name = placement_as(spec, SlurmPlacement).partition or next(
+            (r.partition for r in table if r.default), ""
+        )
         nodes = sorted({r.node for r in table if r.partition == name})
         if nodes:
             idle = idle_gpus(cli.run(["sinfo", "-h", "-N", "-p", name, "-O", IDLE_FORMAT]))
@@ -291,8 +294,8 @@ class SlurmBackend(UnitBackend):
         ]
         if res.gpus:
             argv.append(f"--gres={gres(res.gpus, gres_type(res.gpu_product, self._types()))}")
-        if spec.placement.partition:
-            argv.append(f"--partition={spec.placement.partition}")
+        if placement_as(spec, SlurmPlacement).partition:
+            argv.append(f"--partition={placement_as(spec, SlurmPlacement).partition}")
         cluster = self.settings
         if cluster is not None:
             argv += [f"--account={cluster.account}"] if cluster.account else []
@@ -304,7 +307,7 @@ class SlurmBackend(UnitBackend):
         """Return the allocation `spec` asks for, as the fit check reads it."""
         res = spec.resources
         return Request(
-            partition=spec.placement.partition,
+            partition=placement_as(spec, SlurmPlacement).partition,
             nodes=res.nodes,
             gpus=res.gpus,
             gres_type=gres_type(res.gpu_product, self._types()),
@@ -320,13 +323,13 @@ class SlurmBackend(UnitBackend):
         nothing."""
         cli = self.cli
         cli.check()
-        if cli.remote and not spec.placement.workspace_root:
+        if cli.remote and not placement_as(spec, SlurmPlacement).workspace_root:
             raise InvalidSpec(
                 "placement.workspace_root: a cluster reached over SSH needs a folder on its"
                 " shared filesystem for the runs' workspaces; set it in the spec or the"
                 " SlurmCluster block."
             )
-        root = workspace_root(spec.placement.workspace_root)
+        root = workspace_root(placement_as(spec, SlurmPlacement).workspace_root)
         try:
             cli.make_dir(str(root))
         except (OSError, ProvisionError) as exc:
@@ -375,7 +378,7 @@ class SlurmBackend(UnitBackend):
             )
             return self._running(cluster, spec).model_copy(update={"adopted": True})
         name = f"gpuflow-{run_id}"
-        workspace = workspace_root(spec.placement.workspace_root) / name
+        workspace = workspace_root(placement_as(spec, SlurmPlacement).workspace_root) / name
         cli = self.cli
         cli.make_dir(str(workspace / "outputs"))  # the job contract: $GPUFLOW_OUTPUT_DIR is there
         me = psutil.Process()
@@ -420,7 +423,7 @@ class SlurmBackend(UnitBackend):
             reason = row["reason"]
             if reason not in BUSY:
                 cli.run(["scancel", job], check=False)
-                partition = spec.placement.partition or "(the default)"
+                partition = placement_as(spec, SlurmPlacement).partition or "(the default)"
                 said = pending_reason(reason, self._request(spec), partition)
                 raise ProvisionError(f"Slurm cannot start this job: {said}; the job was cancelled")
             waited = time.monotonic() - waited_from
@@ -476,7 +479,9 @@ class SlurmBackend(UnitBackend):
         wanted = f"{res.nodes} node(s) x {gres(res.gpus, kind)}"
         cli = self.cli
         table = parse_sinfo(cli.run(["sinfo", "-h", "-N", "-o", SINFO_FORMAT], check=False))
-        name = spec.placement.partition or next((r.partition for r in table if r.default), "")
+        name = placement_as(spec, SlurmPlacement).partition or next(
+            (r.partition for r in table if r.default), ""
+        )
         listed = cli.run(["sinfo", "-h", "-N", "-p", name, "-O", IDLE_FORMAT], check=False)
         idle = idle_gpus(listed).get(kind or "", 0) if kind else sum(idle_gpus(listed).values())
         each = f"gpu:{kind}" if kind else "GPUs"
