@@ -30,6 +30,7 @@ from gpuflow.tasks.pipeline.stages import (
 )
 from gpuflow.tasks.pipeline.usercode import pack_code, said
 from gpuflow.tasks.platform.api import hold_if_ours
+from gpuflow.tasks.runscope import run_scope
 from gpuflow.tasks.spec import JobSpec, Placement, load_spec, read_placement
 
 
@@ -108,7 +109,7 @@ def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
     from prefect.settings import PREFECT_API_URL
 
     hold_if_ours(PREFECT_API_URL.value())  # the platform's port: this process's while it runs
-    with flow_run_heartbeat():
+    with run_scope(), flow_run_heartbeat():  # (the caller's scope, when it checked the spec)
         return _checked_stages(spec)
 
 

@@ -115,8 +115,10 @@ def gpu_job(spec: SpecLike, *, return_state: bool = False) -> JobRun | Any:
         ...                       resources=Resources(gpus=1)))
         >>> run.state, run.exit_code, run.gpu_hours
     """
+    from gpuflow.tasks.runscope import run_scope
+
     job = job_spec(spec)
-    with _api_for_a_run(), _sentences_on_console():
+    with run_scope(), _api_for_a_run(), _sentences_on_console():
         state = _run(job)
     return state if return_state else outcome(state)
 
@@ -149,6 +151,8 @@ def gpu_jobs(
         )
     if at_once is not None and at_once < 1:
         raise InvalidSpec(f"at_once: {at_once} is below 1; give at least 1, or None for all.")
+    from gpuflow.tasks.runscope import Scope
+
     jobs = [job_spec(s) for s in specs]
     if not jobs:
         return []
@@ -159,8 +163,12 @@ def gpu_jobs(
             max_workers=min(at_once or len(jobs), len(jobs)), thread_name_prefix="gpuflow-job"
         ) as pool,
     ):
-        jobs = [checked(job) for job in jobs]  # every one, before any starts
-        futures = [pool.submit(contextvars.copy_context().run, _run, job) for job in jobs]
+        scopes = [Scope() for _ in jobs]  # a run each: checked in it now, run in it later
+        jobs = [_checked_in(scope, job) for scope, job in zip(scopes, jobs, strict=True)]
+        futures = [
+            pool.submit(contextvars.copy_context().run, _run_in, scope, job)
+            for scope, job in zip(scopes, jobs, strict=True)
+        ]
         states = [f.result() for f in futures]
     if return_state:
         return states
@@ -209,6 +217,16 @@ def outcome(state: Any) -> JobRun:
 def _run(job: JobSpec) -> Any:
     """Run `job` through its kind's flow; return the state it ended in."""
     return flow_for(job)(checked(job), return_state=True)
+
+
+def _checked_in(scope: Any, job: JobSpec) -> JobSpec:
+    with scope:
+        return checked(job)
+
+
+def _run_in(scope: Any, job: JobSpec) -> Any:
+    with scope:
+        return _run(job)
 
 
 def _needs_api(job: JobSpec) -> bool:

@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.runscope import once
 from gpuflow.tasks.saved_blocks import load_block
 
 MASK = "***"
@@ -92,7 +93,13 @@ def as_env_value(value: object) -> str:
 
 
 def resolve(secret_env: Mapping[str, str]) -> dict[str, str]:
-    """Return {ENV: value} from Prefect Secret blocks; InvalidSpec names a missing block."""
+    """Return {ENV: value} from Prefect Secret blocks; InvalidSpec names a missing block.
+    Read once per run (tasks/runscope.py)."""
+    key = ("secrets", tuple(sorted(secret_env.items())))
+    return dict(once(key, lambda: _read(secret_env)))
+
+
+def _read(secret_env: Mapping[str, str]) -> dict[str, str]:
     from prefect.blocks.system import Secret
 
     values = {}

@@ -18,15 +18,17 @@ def run_job(path: str | dict) -> int:
         from gpuflow.api import checked as checked_spec
         from gpuflow.tasks import placement
         from gpuflow.tasks.errors import InvalidSpec
+        from gpuflow.tasks.runscope import run_scope
 
-    try:
-        spec = load_job_spec(path)
-        checked = not placement.needs_api(spec)
-        if checked:
-            spec = checked_spec(spec)
-    except InvalidSpec as exc:
-        return invalid(exc)
-    return session.with_api(lambda api: _run_spec(spec, api, checked))
+    with run_scope():  # checked once, blocks and secrets read once, from here to teardown
+        try:
+            spec = load_job_spec(path)
+            checked = not placement.needs_api(spec)
+            if checked:
+                spec = checked_spec(spec)
+        except InvalidSpec as exc:
+            return invalid(exc)
+        return session.with_api(lambda api: _run_spec(spec, api, checked))
 
 
 def _run_spec(spec: Any, api: Any, checked: bool) -> int:

@@ -3,6 +3,8 @@ package with a class that has `name`, `capabilities` and the verbs, plus a `regi
 
 from __future__ import annotations
 
+import json
+
 from gpuflow.tasks.backends import elastic
 from gpuflow.tasks.backends.base import Backend
 from gpuflow.tasks.backends.ec2.backend import Ec2Backend
@@ -14,6 +16,7 @@ from gpuflow.tasks.backends.slurm.backend import SlurmBackend
 from gpuflow.tasks.contract import Cluster
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.metrics.cost import add_list_prices, remove_list_prices
+from gpuflow.tasks.runscope import once
 from gpuflow.tasks.spec import Placement, add_placement_model, remove_placement_model
 
 _BACKENDS: dict[str, type[Backend]] = {}
@@ -38,8 +41,11 @@ def unregister(name: str) -> None:
 
 def get_backend(name: str, placement: Placement | None = None) -> Backend:
     """Return the backend registered under `name`, looking where `placement` (a spec's) says:
-    its block and, for Kubernetes, its namespace. InvalidSpec for a name none has."""
-    return backend_class(name).at(placement)
+    its block and, for Kubernetes, its namespace. InvalidSpec for a name none has. One
+    object per placement in a run (tasks/runscope.py): its block is read once."""
+    cls = backend_class(name)
+    key = ("backend", name, None if placement is None else placement.model_dump_json())
+    return once(key, lambda: cls.at(placement))
 
 
 def names() -> list[str]:
@@ -62,8 +68,11 @@ def reaper(name: str, block: str | None, namespace: str | None) -> Backend:
 
 
 def backend_for(cluster: Cluster) -> Backend:
-    """Return the backend `cluster` was made with, rebuilt from what its state records."""
-    return _BACKENDS[cluster.backend].of(cluster)
+    """Return the backend `cluster` was made with, rebuilt from what its state records
+    (once per cluster state in a run)."""
+    cls = _BACKENDS[cluster.backend]
+    key = ("cluster", cluster.backend, json.dumps(cluster.state, sort_keys=True, default=str))
+    return once(key, lambda: cls.of(cluster))
 
 
 for _builtin in _BUILT_IN_CLASSES:

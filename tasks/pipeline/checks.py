@@ -11,13 +11,21 @@ from gpuflow.tasks.errors import InvalidSpec, Unreachable
 from gpuflow.tasks.host import resolve_program
 from gpuflow.tasks.kinds.registry import kind_of
 from gpuflow.tasks.metrics.cost import PriceTable
+from gpuflow.tasks.runscope import once, remember
 from gpuflow.tasks.spec import JobSpec
 from gpuflow.tasks.storage import StorageError, check_writable
 
 
 def check_spec(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
     """Return the spec with its placement applied and the prices to use, once every check
-    before provisioning passed; InvalidSpec otherwise."""
+    before provisioning passed; InvalidSpec otherwise. Checked once per run (the CLI's
+    check is the flow's, tasks/runscope.py)."""
+    checked = once(("checked", spec.model_dump_json()), lambda: _check_spec(spec))
+    remember(("checked", checked[0].model_dump_json()), checked)  # a checked spec is checked
+    return checked
+
+
+def _check_spec(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
     chosen = spec.placement.backend
     extras.require(backend_class(chosen).extra, "placement.backend", f"the {chosen} backend")
     spec, prices = placement.resolve(spec)

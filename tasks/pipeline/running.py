@@ -7,7 +7,6 @@ retry may succeed (PreemptedError, TransientError).
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import threading
 import time
@@ -42,7 +41,6 @@ from gpuflow.tasks.errors import (
 from gpuflow.tasks.kinds.registry import kind_of
 from gpuflow.tasks.logstream import LineBatcher, job_output_sink
 from gpuflow.tasks.metrics import cost as pricing
-from gpuflow.tasks.metrics.idle import watch_of
 from gpuflow.tasks.metrics.logmetrics import LogMetrics, rows_file
 from gpuflow.tasks.metrics.prometheus import LiveLogPush
 from gpuflow.tasks.pipeline.costs import hourly_paid
@@ -50,6 +48,7 @@ from gpuflow.tasks.pipeline.failure import failure_context, failure_sentence
 from gpuflow.tasks.pipeline.inflight import unit_running
 from gpuflow.tasks.pipeline.sampling import sampling
 from gpuflow.tasks.pipeline.stages import retrying
+from gpuflow.tasks.pipeline.stopping import idle_stop, stop_check
 from gpuflow.tasks.pipeline.usercode import started
 from gpuflow.tasks.spec import JobSpec
 from gpuflow.tasks.storage import S3Settings, s3_settings
@@ -69,43 +68,6 @@ class JobEnvironment:
         storage_env = self.storage.child_env() if spec.storage.aws_credentials or staged else {}
         self.env = {**storage_env, **spec.env, **secret_values}  # the backend adds its own
         self.redact = secrets.Redactor([*secret_values.values(), *self.storage.secrets()])
-
-
-def cancel_requested(flow_run_id: str, every_s: float = 2.0) -> Callable[[], bool]:
-    """Return a check, cheap to call often, that says whether the run was cancelled in the
-    API (UI, `prefect flow-run cancel`): a run started by `gpuflow run` has no worker to
-    kill it, so the run stage stops the job itself. The API is asked on a thread of its
-    own: an API that is away or slow (its client retries for a minute) never holds up
-    the loop that follows the job; the thread ends once the check is no longer called."""
-    from uuid import UUID
-
-    from prefect.client.schemas.objects import StateType
-
-    from gpuflow.tasks.api_client import api_client
-
-    cancelled = threading.Event()
-    last_called = [time.monotonic()]
-
-    def poll() -> None:
-        while time.monotonic() - last_called[0] < 5 * every_s + 10:
-            time.sleep(every_s)
-            try:
-                with api_client() as client:
-                    state = client.read_flow_run(UUID(flow_run_id)).state
-            except Exception:  # the API being away is no reason to stop a job
-                continue
-            if state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED):
-                cancelled.set()
-                return
-
-    context = contextvars.copy_context()  # the API this run uses (settings are context)
-    threading.Thread(target=context.run, args=(poll,), daemon=True, name="cancel-check").start()
-
-    def check() -> bool:
-        last_called[0] = time.monotonic()
-        return cancelled.is_set()
-
-    return check
 
 
 def _attempt() -> int:
@@ -277,19 +239,21 @@ class PipelineRunner:
         """Run `unit` with the run's variables over `env` until it ends, `deadline`, or
         `stop()` (or the run's own stop check) says so. A unit of the user's own code
         starts in the packed working folder, after job.setup, with `${NAME}` expanded."""
-        run_stop = stop_check(self.flow_run_id)
+        run_stop = self._stop
         should_stop = run_stop if stop is None else (lambda: stop() or run_stop())
-        [unit] = started(self.spec, self.cluster, [unit], self.backend, self.storage, 1)
-        with unit_running():
-            return self.backend.run(
-                self.cluster,
-                unit,
-                {**env, **self.env},
-                max(1.0, deadline - time.time()),
-                on_line,
-                should_stop,
-                grace_s=self.spec.limits.stop_grace_s,
-            )
+        attempt = _attempt()
+        [unit] = started(self.spec, self.cluster, [unit], self.backend, self.storage, attempt)
+        return run_one(
+            self.backend,
+            self.cluster,
+            unit,
+            {**env, **self.env, **cluster_env(self.cluster, attempt)},
+            max(1.0, deadline - time.time()),
+            on_line,
+            should_stop,
+            self.spec.limits.stop_grace_s,
+            self.redactor,
+        )
 
     def serve(
         self, app: Replicated, on_change: Callable[[dict[str, Any]], None], deadline: float
@@ -337,6 +301,30 @@ class PipelineRunner:
         return self.redactor(text)
 
 
+def run_one(
+    backend: Backend,
+    cluster: Cluster,
+    unit: WorkUnit,
+    env: Mapping[str, str],
+    timeout_s: float,
+    on_line: LineSink,
+    should_stop: StopCheck,
+    grace_s: float,
+    redact: Callable[[str], str] | None = None,
+) -> JobResult:
+    """The one way into `backend.run`, for every kind: the unit counted as running (the
+    API outage watch waits on it), and with `redact` its lines and its result's tail
+    masked (the run's `run` task masks its lines in its sink, and passes none)."""
+    mask = redact or (lambda text: text)
+
+    def masked(stream: str, line: str) -> None:
+        on_line(stream, mask(line))
+
+    with unit_running():
+        result = backend.run(cluster, unit, env, timeout_s, masked, should_stop, grace_s)
+    return result.model_copy(update={"log_tail": [mask(line) for line in result.log_tail]})
+
+
 def run_units(
     backend: Backend,
     cluster: Cluster,
@@ -352,8 +340,7 @@ def run_units(
     a training node left alone would wait at its rendezvous); else the last to end."""
     if len(units) == 1:
         [unit] = units
-        with unit_running():
-            return backend.run(cluster, unit, env, timeout_s, sink(unit), should_stop, grace_s)
+        return run_one(backend, cluster, unit, env, timeout_s, sink(unit), should_stop, grace_s)
     failed = threading.Event()
     cancelled = threading.Event()
 
@@ -363,8 +350,7 @@ def run_units(
         return cancelled.is_set() or failed.is_set()
 
     def one(unit: WorkUnit) -> JobResult:
-        with unit_running():
-            return backend.run(cluster, unit, env, timeout_s, sink(unit), stop, grace_s)
+        return run_one(backend, cluster, unit, env, timeout_s, sink(unit), stop, grace_s)
 
     results: list[JobResult] = []
     first_failure: JobResult | None = None
@@ -403,21 +389,3 @@ def time_limit(spec: JobSpec, cluster: Cluster, prices: pricing.PriceTable) -> t
     if budget is not None and budget < spec.limits.max_duration:
         return budget, "max_cost_usd"
     return spec.limits.max_duration, "max_duration"
-
-
-def stop_check(flow_run_id: str) -> Callable[[], bool]:
-    """Return the run stage's stop check: the run was cancelled in the API, or its idle
-    watch (limits.idle_gpu with action stop) says so."""
-    cancelled = cancel_requested(flow_run_id)
-
-    def check() -> bool:
-        watch = watch_of(flow_run_id)
-        return (watch is not None and watch.stopped()) or cancelled()
-
-    return check
-
-
-def idle_stop(flow_run_id: str) -> str | None:
-    """Return why the idle watch stopped this run's job, if it did."""
-    watch = watch_of(flow_run_id)
-    return watch.sentence() if watch is not None and watch.stopped() else None
