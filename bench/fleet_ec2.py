@@ -57,7 +57,8 @@ def run(s3, bed: dict, args: argparse.Namespace) -> None:
     from gpuflow.flows.pipeline import gpu_pipeline
     from gpuflow.tasks.backends import registry
     from gpuflow.tasks.backends.ec2.catalog import gpu_types
-    from gpuflow.tasks.backends.fleet.backend import FleetBackend, scale
+    from gpuflow.tasks.backends.fleet.backend import FleetBackend
+    from gpuflow.tasks.backends.fleet.growth import scale
     from gpuflow.tasks.pipeline.heartbeat import heartbeats_sent_by_gpuflow
     from gpuflow.tasks.spec import load_spec
     from tests.conftest import save_aws_block

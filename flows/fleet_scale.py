@@ -13,7 +13,9 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.events import emit_event
 
-from gpuflow.tasks.backends.fleet.backend import FleetBackend, FleetPlacement, scale
+from gpuflow.tasks.backends.fleet.backend import FleetBackend
+from gpuflow.tasks.backends.fleet.growth import scale
+from gpuflow.tasks.backends.fleet.state import FleetPlacement
 from gpuflow.tasks.backends.registry import get_backend
 
 EVENTS = {

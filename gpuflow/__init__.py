@@ -33,10 +33,10 @@ if TYPE_CHECKING:  # what an editor completes
         SlurmCluster,
     )
     from gpuflow.tasks.backends.ec2.backend import Ec2Placement
-    from gpuflow.tasks.backends.fleet.backend import FleetPlacement
+    from gpuflow.tasks.backends.fleet.state import FleetPlacement
     from gpuflow.tasks.backends.kubernetes.backend import KubernetesPlacement
     from gpuflow.tasks.backends.local.backend import LocalPlacement
-    from gpuflow.tasks.backends.slurm.backend import SlurmPlacement
+    from gpuflow.tasks.backends.slurm.model import SlurmPlacement
     from gpuflow.tasks.errors import (
         CapacityError,
         CollectError,
@@ -124,8 +124,8 @@ _PUBLIC = {
     "LocalPlacement": "gpuflow.tasks.backends.local.backend",
     "KubernetesPlacement": "gpuflow.tasks.backends.kubernetes.backend",
     "Ec2Placement": "gpuflow.tasks.backends.ec2.backend",
-    "SlurmPlacement": "gpuflow.tasks.backends.slurm.backend",
-    "FleetPlacement": "gpuflow.tasks.backends.fleet.backend",
+    "SlurmPlacement": "gpuflow.tasks.backends.slurm.model",
+    "FleetPlacement": "gpuflow.tasks.backends.fleet.state",
 }
 
 __all__ = [

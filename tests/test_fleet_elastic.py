@@ -68,16 +68,16 @@ def test_an_instance_costs_its_hours_and_its_idle_cost_is_the_hours_no_claim_use
 
 
 def test_the_scaler_keeps_a_busy_young_or_last_instance_and_ends_an_idle_one():
-    from gpuflow.tasks.backends.fleet.backend import _kept_because
+    from gpuflow.tasks.backends.fleet.growth import kept_because
 
     section = FleetEc2(
         block="b", instance_types=["g6.xlarge"], nodes={"min": 1, "max": 3}, idle_duration_s=60
     )
     idle = {"runs": [], "usage": {}}
-    assert _kept_because({"error": "fleet host i-1: refused"}, 999, section, 3) == (
+    assert kept_because({"error": "fleet host i-1: refused"}, 999, section, 3) == (
         "fleet host i-1: refused"
     )
-    assert _kept_because({"runs": [{"name": "r"}]}, 999, section, 3) == "1 run(s) hold its GPUs"
-    assert _kept_because(idle, 30, section, 3) == "idle 30 s of idle_duration 60 s"
-    assert _kept_because(idle, 90, section, 1) == "the fleet's min is 1"
-    assert _kept_because(idle, 90, section, 2) is None
+    assert kept_because({"runs": [{"name": "r"}]}, 999, section, 3) == "1 run(s) hold its GPUs"
+    assert kept_because(idle, 30, section, 3) == "idle 30 s of idle_duration 60 s"
+    assert kept_because(idle, 90, section, 1) == "the fleet's min is 1"
+    assert kept_because(idle, 90, section, 2) is None

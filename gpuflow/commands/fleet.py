@@ -83,7 +83,7 @@ def read_fleet(source: str) -> tuple[str, Any]:
 
     from gpuflow.blocks.gpu_fleet import GpuFleet
     from gpuflow.tasks import yamlfile
-    from gpuflow.tasks.backends.fleet.backend import fleet_block
+    from gpuflow.tasks.backends.fleet.state import fleet_block
     from gpuflow.tasks.errors import InvalidSpec
 
     path = Path(source)
@@ -110,8 +110,8 @@ def _said(exc: Any) -> str:
 
 
 def _apply(source: str, as_json: bool) -> int:
-    from gpuflow.tasks.backends.fleet.backend import secret_text
     from gpuflow.tasks.backends.fleet.hosts import check_host
+    from gpuflow.tasks.backends.fleet.state import secret_text
     from gpuflow.tasks.errors import InvalidSpec
 
     try:
@@ -163,7 +163,8 @@ def _apply(source: str, as_json: bool) -> int:
 
 
 def _status(name: str, as_json: bool) -> int:
-    from gpuflow.tasks.backends.fleet.backend import fleet_block, host_status
+    from gpuflow.tasks.backends.fleet.state import fleet_block
+    from gpuflow.tasks.backends.fleet.unit import host_status
     from gpuflow.tasks.errors import InvalidSpec
 
     try:
@@ -215,7 +216,8 @@ def _instance_costs(instances: dict[str, Any], rows: list[dict[str, Any]]) -> li
 
 
 def _delete(name: str) -> int:
-    from gpuflow.tasks.backends.fleet.backend import fleet_block, host_status
+    from gpuflow.tasks.backends.fleet.state import fleet_block
+    from gpuflow.tasks.backends.fleet.unit import host_status
     from gpuflow.tasks.errors import InvalidSpec
 
     try:

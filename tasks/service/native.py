@@ -12,6 +12,7 @@ from typing import Any
 
 from gpuflow.tasks.contract import Replicated, RunOutcome, UnitRunner
 from gpuflow.tasks.host import write_atomic
+from gpuflow.tasks.service import report
 from gpuflow.tasks.service import serve as local
 from gpuflow.tasks.service.model import PORT_VARIABLE, ServiceJob, ServiceResult
 from gpuflow.tasks.spec import JobSpec
@@ -58,7 +59,7 @@ class Followed:
         self.most = 0
         self.decisions: list[dict[str, Any]] = []
         self.say = local.run_logger()
-        self.event = local.Events(runner.cluster, spec.name)
+        self.event = report.Events(runner.cluster, spec.name)
 
     def __call__(self, now: dict[str, Any]) -> None:
         if "address" in now:
@@ -67,7 +68,7 @@ class Followed:
             self.say(
                 "info", f"service at {self.address} (a Deployment and a Service; scaled by {how})"
             )
-            local.markdown(
+            report.markdown(
                 self.key, f"# {self.spec.name}\n\naddress: `{self.address}`\n\nscaled by {how}"
             )
             self.event("gpuflow.service.started", {"endpoint": self.address})
@@ -95,7 +96,7 @@ class Followed:
             self.decisions.append(row)
             self.say("info", f"replicas {self.wanted} -> {wanted}: {why}")
             self.event("gpuflow.service.scaled", row)
-            local.table(f"{self.key}-scaling", self.decisions[-200:], "scaling decisions")
+            report.table(f"{self.key}-scaling", self.decisions[-200:], "scaling decisions")
             self.wanted = wanted
 
     def figures(self) -> ServiceResult:

@@ -26,22 +26,23 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from gpuflow.tasks.api_client import emit_run_event
-from gpuflow.tasks.contract import RUN_LABEL, Cluster, JobResult, RunOutcome, UnitRunner, WorkUnit
-from gpuflow.tasks.errors import JobCancelled, JobFailed, TransientError
-from gpuflow.tasks.host import write_atomic
-from gpuflow.tasks.metrics.prometheus import push
+from gpuflow.tasks.contract import (
+    RUN_LABEL,
+    JobResult,
+    RunOutcome,
+    UnitRunner,
+    WorkUnit,
+)
+from gpuflow.tasks.errors import JobCancelled, JobFailed
 from gpuflow.tasks.metrics.sampler import NODE_SAMPLES, SAMPLES, SampleTail
-from gpuflow.tasks.service import metrics, proxy, versions
+from gpuflow.tasks.service import proxy, report, rollout
 from gpuflow.tasks.service.model import (
     PORT_VARIABLE,
     Probe,
-    ReplicaFigures,
     ServiceJob,
-    ServiceResult,
 )
 from gpuflow.tasks.service.restarts import STABLE_S, Restarts, listening_elsewhere
-from gpuflow.tasks.service.scaling import Load, Scaler, Targets
+from gpuflow.tasks.service.scaling import Load, Scaler
 from gpuflow.tasks.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -159,20 +160,18 @@ class Service:
         self.decisions: list[dict[str, Any]] = []
         self.endpoint_lines: deque[str] = deque(maxlen=20)
         self.started = time.monotonic()
-        self.scaler = Scaler(_targets(job))
+        self.scaler = Scaler(rollout.targets(job))
         self.pool = ThreadPoolExecutor(
             max_workers=3 * job.replicas.max + 2, thread_name_prefix="service"
         )
         self._counter = 0
         self._say = run_logger()
-        self.event = Events(cluster, spec.name)
+        self.event = report.Events(cluster, spec.name)
         self.version = self._latest = 1  # the job's version replicas start with
         self._previous: tuple[int, ServiceJob] | None = None  # what a failed roll returns to
         self._offer_ns = 0
         self._surge: Replica | None = None
-        self._pushed = 0.0  # when the figures were last pushed (time.monotonic())
-        self._push_warned = False
-        self._sending = threading.Lock()
+        self.pusher = report.Pusher(self)  # the figures to the run's Pushgateway
         self.restarts = Restarts(job.failures_max)
         self.key = key  # a stream session's key: its replicas admit only who holds it
         self.failure: str | None = None  # why the service fails (replicas that never serve)
@@ -245,7 +244,12 @@ class Service:
                 gpus=[],
             )
             future = self._submit(
-                self.runner.run, unit, self._endpoint_line, {}, self.deadline, self.ending.is_set
+                self.runner.run,
+                unit,
+                self._endpoint_line,
+                {},
+                self.deadline,
+                self.ending.is_set,
             )
         runtime = proxy.Runtime(self.folder)
         try:
@@ -283,7 +287,11 @@ class Service:
             if stop.is_set() or self.ending.is_set():  # scaled away while it was placed
                 ended = datetime.now(UTC)
                 return JobResult(
-                    exit_code=None, started_at=began, ended_at=ended, duration_s=0.0, cancelled=True
+                    exit_code=None,
+                    started_at=began,
+                    ended_at=ended,
+                    duration_s=0.0,
+                    cancelled=True,
                 )
             runtime.point(replica.slot, replica.address, replica.port)
             unit = WorkUnit(
@@ -370,7 +378,11 @@ class Service:
             probe = job.liveness
             failures = 0 if passes(probe, replica.address, replica.port) else failures + 1
             if failures >= probe.failures:
-                self._end(replica, runtime, f"failed its liveness check {failures} times in a row")
+                self._end(
+                    replica,
+                    runtime,
+                    f"failed its liveness check {failures} times in a row",
+                )
                 return
             replica.stop.wait(probe.period_s)
 
@@ -384,7 +396,8 @@ class Service:
         cold = replica.ready_at - replica.started
         self._say("info", f"{replica.name} ready on port {replica.port} after {cold:.1f} s")
         self.event(
-            "gpuflow.service.ready", {"replica": replica.name, "cold_start_s": round(cold, 2)}
+            "gpuflow.service.ready",
+            {"replica": replica.name, "cold_start_s": round(cold, 2)},
         )
 
     def _end(self, replica: Replica, runtime: proxy.Runtime, why: str, drain: bool = False) -> None:
@@ -534,7 +547,11 @@ class Service:
         counted = [r for r in self.replicas if r.counted]
         # idle replicas go first (a client's connection stays), not-yet-ready ones first
         counted.sort(
-            key=lambda r: (sessions.get(proxy.server(r.slot), 0), r.state == "ready", r.started)
+            key=lambda r: (
+                sessions.get(proxy.server(r.slot), 0),
+                r.state == "ready",
+                r.started,
+            )
         )
         for replica in counted[: load.replicas - need.replicas]:
             self._submit(self._end, replica, runtime, "scaled down", True)
@@ -551,100 +568,13 @@ class Service:
         self.decisions.append(row)
         self._say("info", f"replicas {load.replicas} -> {wanted}: {why}")
         self.event("gpuflow.service.scaled", row)
-        table(f"service-{slug(self.spec.name)}-scaling", self.decisions[-200:], "scaling decisions")
+        report.table(
+            f"service-{slug(self.spec.name)}-scaling",
+            self.decisions[-200:],
+            "scaling decisions",
+        )
 
     # new versions ------------------------------------------------------------------
-
-    def _take_offer(self) -> None:
-        """Take a new version of the job offered (versions.propose), or say why not."""
-        self._offer_ns, offer, unreadable = versions.offered(self.folder, self._offer_ns)
-        if offer is None and unreadable is None:
-            return
-        why = unreadable or versions.refusal(self.job, offer)  # type: ignore[arg-type]
-        if why is not None or offer is None:
-            self._say("warning", f"new version refused: {why}")
-            versions.answer(
-                self.folder,
-                versions.Answer(
-                    offer=self._offer_ns, version=self.version, state="refused", said=str(why)
-                ),
-            )
-            return
-        self._previous = (self.version, self.job)
-        self._latest += 1
-        self.version, self.job = self._latest, versions.taken(self.job, offer)
-        self.scaler.targets = _targets(self.job)
-        said = f"version {self.version} rolling out: replicas replaced one at a time"
-        self._say("info", said)
-        self.event(
-            "gpuflow.service.rolling", {"version": self.version, "command": self.job.command}
-        )
-        versions.answer(
-            self.folder,
-            versions.Answer(offer=self._offer_ns, version=self.version, state="rolling", said=said),
-        )
-
-    def _roll(self, runtime: proxy.Runtime) -> None:
-        """One step of a roll to the current version: start a replica of it where a slot
-        is free, and once it is ready retire one replica of another version (drained);
-        with no slot free, retire one first. A replica of the new version that ends
-        without ever being ready rolls the service back to the version before."""
-        counted = [r for r in self.replicas if r.counted]
-        stale = [r for r in counted if r.version != self.version]
-        failed = [
-            r
-            for r in self.replicas
-            if r.version == self.version
-            and r.state == "ended"
-            and r.ready_at is None
-            and r.why_ended not in ("scaled down", "the service ended")
-        ]
-        if failed and self._previous is not None and stale:
-            version, job = self._previous
-            why = f"{failed[0].name} of version {self.version} never became ready ({failed[0].why_ended})"
-            self._say("warning", f"rolled back to version {version}: {why}")
-            self.event("gpuflow.service.rolled_back", {"version": version, "why": why})
-            versions.answer(
-                self.folder,
-                versions.Answer(
-                    offer=self._offer_ns, version=self.version, state="rolled back", said=why
-                ),
-            )
-            self.version, self.job, self._previous, self._surge = version, job, None, None
-            self.scaler.targets = _targets(job)
-            return
-        if not stale:
-            if self._previous is not None:
-                said = f"version {self.version} serves on every replica"
-                self._say("info", said)
-                self.event("gpuflow.service.rolled", {"version": self.version})
-                versions.answer(
-                    self.folder,
-                    versions.Answer(
-                        offer=self._offer_ns, version=self.version, state="done", said=said
-                    ),
-                )
-                self._previous, self._surge = None, None
-            return
-        if any(r.version == self.version and r.state == "starting" for r in counted):
-            return  # its successor is still starting
-        victims = sorted(stale, key=lambda r: (r.state == "ready", r.started))
-        if self._surge is not None and self._surge.state == "ready":
-            self._surge = None
-            self._submit(
-                self._end, victims[0], runtime, f"replaced by version {self.version}", True
-            )
-            return
-        taken = {r.slot for r in self.replicas if r.state != "ended"}
-        free = [slot for slot in range(self.job.replicas.max) if slot not in taken]
-        if free:
-            self._start_replica(runtime, free[0])
-            self._surge = self.replicas[-1]
-        elif not any(r.state == "draining" for r in self.replicas):
-            # every slot serves: one replica out first, the scaler refills its slot
-            self._submit(
-                self._end, victims[0], runtime, f"replaced by version {self.version}", True
-            )
 
     # the life ----------------------------------------------------------------------
 
@@ -663,7 +593,7 @@ class Service:
                 f"open {self.endpoint}/?key={self.key} (the session's key: whoever holds this"
                 " address watches and drives the session; nobody else gets in)",
             )
-        markdown(
+        report.markdown(
             f"service-{slug(self.spec.name)}",
             f"# {self.spec.name}\n\nendpoint: `{self.endpoint}`\n\nreplicas: {self.job.replicas.min}"
             f" to {self.job.replicas.max}",
@@ -671,7 +601,11 @@ class Service:
         self.event("gpuflow.service.started", {"endpoint": self.endpoint})
         if self.claims:  # each replica's host writes its samples here as they come
             tail = SampleTail(
-                Path(self.cluster.workspace), NODE_SAMPLES, self._on_sample, 0.5, named=True
+                Path(self.cluster.workspace),
+                NODE_SAMPLES,
+                self._on_sample,
+                0.5,
+                named=True,
             )
             if self.job.replicas.min == 0:  # nothing serves yet: the run's node goes back
                 self.spare.clear()
@@ -682,7 +616,7 @@ class Service:
         try:
             with tail:
                 while not endpoint.done() and time.time() < self.deadline:
-                    if self._spent_out():
+                    if report.spent_out(self):
                         self.limit = "max_cost_usd"
                         break
                     try:
@@ -690,10 +624,10 @@ class Service:
                         if self.failure is not None:
                             self._say("error", f"the service fails: {self.failure}")
                             break
-                        self._take_offer()
-                        self._roll(runtime)
+                        rollout.take_offer(self)
+                        rollout.roll(self, runtime)
                         self._scale(runtime)
-                        self._push()
+                        self.pusher.push()
                     except proxy.ProxyError as exc:  # HAProxy went away: its unit says why
                         logger.debug("the endpoint did not answer: %s", exc)
                     self.wake.wait(TICK_S)
@@ -713,152 +647,7 @@ class Service:
                 if replica.counted or replica.state == "draining":
                     replica.state, replica.ended_at = "ended", time.monotonic()
                     replica.why_ended = replica.why_ended or "the service ended"
-        return self._outcome(began, endpoint.result(), limited)
-
-    def _outcome(self, began: datetime, result: JobResult, limited: bool) -> RunOutcome:
-        """Write the service's figures (result.json, the last push, an event) and return
-        how it ended: by a limit, cancelled, or its endpoint's own end (a failure)."""
-        ended = datetime.now(UTC)
-        figures = self._figures()
-        self._push(figures)
-        write_atomic(
-            Path(self.cluster.workspace) / "outputs" / "result.json",
-            figures.model_dump_json(indent=1),
-        )
-        self.event(
-            "gpuflow.service.ended", {"requests": figures.requests, "cost_usd": figures.cost_usd}
-        )
-        job_result = JobResult(
-            exit_code=0,
-            started_at=began,
-            ended_at=ended,
-            duration_s=(ended - began).total_seconds(),
-            cancelled=result.cancelled,
-        )
-        # on a fleet the run holds its replicas' claims, each for the replica's life
-        held_s = sum(self._held(r)[1] for r in self.replicas) if self.claims else None
-        if self.failure is not None:  # its replicas never served: not a completed service
-            failed = job_result.model_copy(update={"exit_code": 1, "cancelled": False})
-            return RunOutcome(result=failed, failure=f"{self.failure}.", held_s=held_s)
-        if limited or result.timed_out:
-            job_result = job_result.model_copy(update={"cancelled": False})
-            return RunOutcome(result=job_result, stopped_by=self.limit, held_s=held_s)
-        if result.cancelled:  # how a service ends: collected, then the run is Cancelled
-            return RunOutcome(result=job_result, held_s=held_s)
-        if time.time() >= self.deadline:
-            return RunOutcome(result=job_result, stopped_by=self.limit, held_s=held_s)
-        said = " | ".join(list(self.endpoint_lines)[-3:]) or "no output"
-        failure = f"the endpoint (HAProxy) ended by itself ({said}); the service stopped"
-        failed = job_result.model_copy(update={"exit_code": 1})
-        return RunOutcome(result=failed, failure=failure, held_s=held_s)
-
-    def _push(self, final: ServiceResult | None = None) -> None:
-        """Push the figures to the run's Pushgateway every metrics.push_interval_s (and
-        the `final` ones as the service ends); a failure is said once, never fatal."""
-        gateway = self.spec.metrics.pushgateway
-        now = time.monotonic()
-        if gateway is None or (
-            final is None and now - self._pushed < self.spec.metrics.push_interval_s
-        ):
-            return
-        self._pushed = now
-        load = self._load(now)
-        run = {"flow_run_id": self.run_id, "job": self.spec.name}
-        text = metrics.exposition(
-            final or self._figures(), load.replicas, load.ready, load.rps, run
-        )
-        if final is not None:
-            self._send(gateway, text)
-        elif not self._sending.locked():  # a slow gateway never holds up the scaler
-            threading.Thread(target=self._send, args=(gateway, text), daemon=True).start()
-
-    def _send(self, gateway: str, text: str) -> None:
-        with self._sending:
-            try:
-                push(gateway, text, self.run_id, self.spec.name, metrics.STAGE)
-            except TransientError as exc:
-                if not self._push_warned:
-                    self._push_warned = True
-                    self._say("warning", f"service metrics not pushed: {exc}")
-
-    def _spent_out(self) -> bool:
-        """Return True once the replicas' claims (on a fleet) have cost limits.max_cost_usd."""
-        budget, hourly = self.spec.limits.max_cost_usd, self.runner.hourly_usd
-        if not self.claims or budget is None or not hourly:
-            return False
-        return sum(self._held(r)[1] for r in self.replicas) * hourly / 3600 >= budget
-
-    @staticmethod
-    def _held(replica: Replica) -> tuple[float, float]:
-        """Return when `replica` ended (time.monotonic(); now if it runs) and how long it
-        held its GPUs until then."""
-        end = replica.ended_at or time.monotonic()
-        return end, 0.0 if replica.held_from is None else max(0.0, end - replica.held_from)
-
-    def _figures(self) -> ServiceResult:
-        hourly = self.runner.hourly_usd  # the run's node: one replica's claim on a fleet
-        share = 1 if self.claims else self.job.replicas.max
-        per_replica_hour = None if hourly is None else hourly / share
-        rows = []
-        held_s = 0.0  # replica-seconds with GPUs held: what is paid
-        gpu_seconds = 0.0
-        for replica in self.replicas:
-            end, held = self._held(replica)
-            held_s += held
-            gpu_seconds += held * len(replica.gpus)
-            latencies = sorted(replica.latencies)
-            rows.append(
-                ReplicaFigures(
-                    replica=replica.name,
-                    host=replica.host,
-                    gpus=replica.gpus,
-                    started_s=round(replica.started - self.started, 2),
-                    cold_start_s=None
-                    if replica.ready_at is None
-                    else round(replica.ready_at - replica.started, 2),
-                    served_s=round(end - replica.started, 2),
-                    requests=replica.requests,
-                    errors=replica.errors,
-                    p50_ms=_percentile(latencies, 50),
-                    p95_ms=_percentile(latencies, 95),
-                    gpu_util=round(statistics.fmean(replica.utils), 1) if replica.utils else None,
-                    ended=replica.why_ended,
-                )
-            )
-        cost = None if per_replica_hour is None else held_s * per_replica_hour / 3600
-        lived = max(time.monotonic() - self.started, 1e-9)
-        latencies = sorted(self.latencies)
-        return ServiceResult(
-            endpoint=self.endpoint,
-            requests=self.total_requests,
-            errors=self.total_errors,
-            p50_ms=_percentile(latencies, 50),
-            p95_ms=_percentile(latencies, 95),
-            most_replicas=max([d["to"] for d in self.decisions] or [0]),
-            decisions=len(self.decisions),
-            gpu_seconds=round(gpu_seconds, 2),
-            cost_usd=None if cost is None else round(cost, 6),
-            cost_per_hour_usd=None if cost is None else round(cost * 3600 / lived, 4),
-            cost_per_1000_requests_usd=(
-                round(cost * 1000 / self.total_requests, 6)
-                if cost and self.total_requests
-                else None
-            ),
-            cold_start_s=[r.cold_start_s for r in rows if r.cold_start_s is not None],
-            replicas=rows,
-        )
-
-
-class Events:
-    """Prefect events about one service: resource `gpuflow.service.<flow run id>`, related
-    to its flow run; never a reason to stop the service."""
-
-    def __init__(self, cluster: Cluster, name: str) -> None:
-        self.run_id = cluster.owner.get(RUN_LABEL, cluster.name)
-        self.name = name
-
-    def __call__(self, event: str, payload: dict[str, Any]) -> None:
-        emit_run_event(event, f"gpuflow.service.{self.run_id}", self.name, self.run_id, payload)
+        return report.outcome(self, began, endpoint.result(), limited)
 
 
 def serve(spec: JobSpec, runner: UnitRunner, deadline: float, key: str | None = None) -> RunOutcome:
@@ -866,18 +655,6 @@ def serve(spec: JobSpec, runner: UnitRunner, deadline: float, key: str | None = 
     `key`, each replica gets it ($GPUFLOW_STREAM_KEY, never in its command line) and the
     page's address the run says carries it."""
     return Service(spec, runner, deadline, key).serve()
-
-
-def _targets(job: ServiceJob) -> Targets:
-    return Targets(
-        least=job.replicas.min,
-        most=job.replicas.max,
-        gpu_util=job.scaling.gpu_util,
-        rps=job.scaling.rps,
-        connections=job.scaling.connections,
-        down_after_s=job.scaling.down_after_s,
-        to_zero_after_s=job.idle_to_zero_s,
-    )
 
 
 def reachable_by(host: str) -> str:
@@ -911,13 +688,6 @@ def _unit_of(source: str) -> str:
     return stem.rpartition("-")[0]  # the unit's id: NAME-XXXXXX
 
 
-def _percentile(ordered: list[int], percent: float) -> float | None:
-    if not ordered:
-        return None
-    index = min(len(ordered) - 1, max(0, round(percent / 100 * len(ordered) + 0.5) - 1))
-    return float(ordered[index])
-
-
 def slug(name: str) -> str:
     """Return `name` as an artifact key's part: lowercase letters, digits and dashes."""
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-") or "service"
@@ -937,21 +707,3 @@ def run_logger() -> Callable[[str, str], None]:
         getattr(run_logger, level)("%s", message)
 
     return say
-
-
-def table(key: str, rows: list[dict[str, Any]], description: str) -> None:
-    try:
-        from prefect.artifacts import create_table_artifact
-
-        create_table_artifact(rows, key=key, description=description)
-    except Exception:
-        logger.debug("artifact %s not made", key, exc_info=True)
-
-
-def markdown(key: str, text: str) -> None:
-    try:
-        from prefect.artifacts import create_markdown_artifact
-
-        create_markdown_artifact(text, key=key)
-    except Exception:
-        logger.debug("artifact %s not made", key, exc_info=True)

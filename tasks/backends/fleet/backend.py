@@ -11,28 +11,43 @@ lapses. A host lost mid-run (its network or sshd gone) ends its units as a preem
 from __future__ import annotations
 
 import contextlib
-import io
-import json
 import os
 import re
 import shlex
 import shutil
 import sys
-import tarfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
-
-from pydantic import BaseModel, Field
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from gpuflow.tasks.backends import elastic
-from gpuflow.tasks.backends.base import LogTail, UnitBackend, join_samples, say_in_run
+from gpuflow.tasks.backends.base import LogTail, UnitBackend
 from gpuflow.tasks.backends.fleet import hosts as fleet_hosts
-from gpuflow.tasks.backends.fleet.session import Busy, HostSession, UnitWatch
+from gpuflow.tasks.backends.fleet.growth import Grower
+from gpuflow.tasks.backends.fleet.session import Busy, HostSession
+from gpuflow.tasks.backends.fleet.state import (
+    PYTHON,
+    STAGED,
+    FleetPlacement,
+    FleetState,
+    HostHold,
+    api_url,
+    fleet_block,
+    record_path,
+    secret_text,
+)
+from gpuflow.tasks.backends.fleet.unit import (
+    FleetUnit,
+    SampleWriter,
+    host_status,
+    installed_wheel,
+    remote_json,
+    untar,
+)
 from gpuflow.tasks.contract import (
     RUN_LABEL,
     Capabilities,
@@ -42,14 +57,17 @@ from gpuflow.tasks.contract import (
     ReapReport,
     RunStates,
     StopCheck,
-    StopReason,
     TeardownReport,
-    UnitEnd,
     WorkUnit,
     run_port,
     state_of,
 )
-from gpuflow.tasks.errors import CapacityError, InvalidSpec, JobCancelled, ProvisionError
+from gpuflow.tasks.errors import (
+    CapacityError,
+    InvalidSpec,
+    JobCancelled,
+    ProvisionError,
+)
 from gpuflow.tasks.host import (
     gpuflow_home,
     make_dirs,
@@ -57,8 +75,7 @@ from gpuflow.tasks.host import (
     write_atomic,
 )
 from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
-from gpuflow.tasks.metrics.sampler import NODE_SAMPLES, SAMPLES
-from gpuflow.tasks.saved_blocks import load_block
+from gpuflow.tasks.metrics.sampler import NODE_SAMPLES
 from gpuflow.tasks.spec import JobSpec, Placement, Resources
 from gpuflow.tasks.ssh import public_key_of
 from gpuflow.tasks.storage import S3Settings
@@ -66,63 +83,16 @@ from gpuflow.tasks.storage import S3Settings
 if TYPE_CHECKING:
     from gpuflow.blocks.gpu_fleet import FleetHost, GpuFleet, HostCheck
 
-PYTHON = "{python}"  # gpuflow's interpreter on the host (as the host program reads it)
-STAGED = "{staged}"  # the host's folder of files staged for runs (as the host program reads it)
-
-
-class FleetPlacement(Placement):
-    """placement: for a fleet: which GpuFleet block."""
-
-    backend: Literal["fleet"] = "fleet"
-    fleet: str = Field(min_length=1, description="Name of the GpuFleet block the job runs on.")
-
-    def where(self) -> str | None:
-        return self.fleet
-
-    def reads_api(self) -> bool:
-        return True
-
-
-class HostHold(BaseModel):
-    """One node of a run: the host, and what its host program claimed there."""
-
-    host: str
-    address: str
-    remote: str  # the run's name on the host (its local backend's cluster)
-    gpu_indices: list[int] = []
-    workspace: str = ""
-
-
-class FleetState(BaseModel):
-    fleet: str
-    lease_s: float
-    holds: list[HostHold] = []
-
 
 # The host programs this process holds, by cluster name: they live from provision to
 # teardown (a teardown in another process asks each host to tear the run down instead).
 _SESSIONS: dict[str, list[HostSession]] = {}
+
+
 _DROPPED: dict[str, set[int]] = {}  # by cluster name: its nodes given back (drop_node)
+
+
 _SESSIONS_LOCK = threading.Lock()
-
-
-def fleet_block(name: str) -> GpuFleet:
-    from gpuflow.blocks.gpu_fleet import GpuFleet
-
-    return load_block(
-        GpuFleet,
-        name,
-        "placement.fleet",
-        create=f"`gpuflow fleet apply FLEET.yaml` (or GpuFleet(hosts=[...]).save({name!r}))",
-    )
-
-
-def secret_text(name: str) -> str:
-    """Return the text of the Secret block `name` (a fleet's private key)."""
-    from prefect.blocks.system import Secret
-
-    value = load_block(Secret, name, "ssh_key", create=f"Secret(value=KEY).save({name!r})").get()
-    return value if isinstance(value, str) else json.dumps(value)
 
 
 class FleetBackend(UnitBackend):
@@ -218,7 +188,10 @@ class FleetBackend(UnitBackend):
                 gpus=instance.gpus,
             )
             check = HostCheck(
-                host=instance.id, ok=True, gpus=instance.gpus, products=[instance.product]
+                host=instance.id,
+                ok=True,
+                gpus=instance.gpus,
+                products=[instance.product],
             )
             found.append((host, check))
         return found
@@ -322,7 +295,14 @@ class FleetBackend(UnitBackend):
         if not fitting:
             if growth is not None:
                 return [growth]
-            return [Offer(where=where, hourly_usd=hourly, can_start=False, why_not="no host fits")]
+            return [
+                Offer(
+                    where=where,
+                    hourly_usd=hourly,
+                    can_start=False,
+                    why_not="no host fits",
+                )
+            ]
         fleet = self.fleet()
         free = {host.label: host_status(fleet, host) for host, _found in fitting}
         room = [label for label, said in free.items() if said.get("free", 0) >= res.gpus]
@@ -399,7 +379,7 @@ class FleetBackend(UnitBackend):
             "interval_s": spec.metrics.interval_s,
         }
         nodes = self.nodes()
-        grower = _Grower(self, nodes, spec, owner[RUN_LABEL]) if nodes is not None else None
+        grower = Grower(self, nodes, spec, owner[RUN_LABEL]) if nodes is not None else None
         try:
             while True:
                 sessions, why = self._claim(fleet, spec, request)
@@ -422,8 +402,8 @@ class FleetBackend(UnitBackend):
             _SESSIONS[name] = sessions
         cluster = self._cluster(spec, owner, name, sessions)
         # recorded here: teardown (and its retries, in any process of this user) finds it
-        write_atomic(_record_path(name), cluster.model_dump_json())
-        write_atomic(_record_path(name).with_suffix(".api"), os.environ.get("PREFECT_API_URL", ""))
+        write_atomic(record_path(name), cluster.model_dump_json())
+        write_atomic(record_path(name).with_suffix(".api"), os.environ.get("PREFECT_API_URL", ""))
         return cluster
 
     def _claim(
@@ -445,7 +425,7 @@ class FleetBackend(UnitBackend):
     def _open(self, fleet: GpuFleet, host: FleetHost, request: dict[str, Any]) -> HostSession:
         """Start the host program on `host` and claim the request's GPUs there."""
         ssh = fleet_hosts.target(fleet, host, secret_text)
-        sha = _installed(fleet, host, ssh)
+        sha = installed_wheel(fleet, host, ssh)
         session = HostSession(
             ssh,
             host.label,
@@ -507,7 +487,7 @@ class FleetBackend(UnitBackend):
         command = [PYTHON if c == sys.executable else _moved(c, moved) for c in unit.command]
         env = {name: _moved(value, moved) for name, value in env.items()}
         samples = Path(cluster.workspace) / NODE_SAMPLES.replace("*", unit_id)
-        writer = _SampleWriter(samples)
+        writer = SampleWriter(samples)
         watch = session.run(
             unit_id, unit.model_copy(update={"command": command}), env, tail, writer
         )
@@ -537,7 +517,12 @@ class FleetBackend(UnitBackend):
         try:
             # another host first; the lost one last (it may be back)
             replacement = self._place(
-                cluster, lost.request, in_use, lost.host, time.time(), f"{cluster.name}-node{node}"
+                cluster,
+                lost.request,
+                in_use,
+                lost.host,
+                time.time(),
+                f"{cluster.name}-node{node}",
             )
         except CapacityError as exc:
             raise CapacityError(f"{lost.lost}; {exc}") from None
@@ -574,7 +559,13 @@ class FleetBackend(UnitBackend):
                     for host, check in self.hosts()
                     if check.gpus >= gpus and host.label not in avoid
                 ]
-                hosts.sort(key=lambda pair: (pair[0].label == last, pair[1].gpus, pair[0].label))
+                hosts.sort(
+                    key=lambda pair: (
+                        pair[0].label == last,
+                        pair[1].gpus,
+                        pair[0].label,
+                    )
+                )
                 why = []
                 for host, _found in hosts:
                     try:
@@ -591,7 +582,7 @@ class FleetBackend(UnitBackend):
                             resources=Resources(gpus=gpus, nodes=1),
                             placement=FleetPlacement(fleet=self.fleet_name or "", gpu_wait=0),
                         )
-                        grower = _Grower(self, nodes, spec, want)
+                        grower = Grower(self, nodes, spec, want)
                     until = max(until, grower.step([w.partition(": ")[0] for w in why]))
                 if time.monotonic() >= until:
                     break
@@ -661,7 +652,7 @@ class FleetBackend(UnitBackend):
             dropped = set(_DROPPED.get(cluster.name, set()))
         state.holds = _holds([s for n, s in enumerate(sessions) if n not in dropped])
         write_atomic(
-            _record_path(cluster.name),
+            record_path(cluster.name),
             cluster.model_copy(update={"state": state.model_dump()}).model_dump_json(),
         )
 
@@ -706,13 +697,13 @@ class FleetBackend(UnitBackend):
                 if host is None:
                     continue
                 with contextlib.suppress(InvalidSpec, ProvisionError, TimeoutError):
-                    said = _remote_json(fleet, host, ["teardown", hold.remote])
+                    said = remote_json(fleet, host, ["teardown", hold.remote])
                     report.released_gpus += list(said.get("released_gpus", []))
         workspace = Path(cluster.workspace)
         if workspace.is_dir():  # the outputs brought back: collect has taken them
             shutil.rmtree(workspace, ignore_errors=True)
-        _record_path(cluster.name).unlink(missing_ok=True)
-        _record_path(cluster.name).with_suffix(".api").unlink(missing_ok=True)
+        record_path(cluster.name).unlink(missing_ok=True)
+        record_path(cluster.name).with_suffix(".api").unlink(missing_ok=True)
         return report
 
     @contextlib.contextmanager
@@ -731,24 +722,24 @@ class FleetBackend(UnitBackend):
             try:
                 argv = ["outputs", hold.remote]
                 done = ssh.run(
-                    fleet_hosts.gpuflow_command(host, _installed(fleet, host, ssh), argv)
+                    fleet_hosts.gpuflow_command(host, installed_wheel(fleet, host, ssh), argv)
                 )
             finally:
                 ssh.close()
             if done.returncode == fleet_hosts.SSH_FAILED:
                 raise ProvisionError(ssh.failure(done.stderr.decode(errors="replace")))
             if done.returncode == 0 and done.stdout:
-                _untar(done.stdout, folder)
+                untar(done.stdout, folder)
                 taken.append((host, hold.remote))
         yield folder
         for host, remote in taken:
             with contextlib.suppress(InvalidSpec, ProvisionError, TimeoutError):
-                _remote_json(fleet, host, ["let-go", remote])
+                remote_json(fleet, host, ["let-go", remote])
 
     def list_owned(self, selector: Mapping[str, str]) -> list[Cluster]:
         """Return the runs on this fleet recorded here whose owner labels include `selector`."""
         found = []
-        for _, data in state_records(_record_path("x").parent):
+        for _, data in state_records(record_path("x").parent):
             try:
                 cluster = Cluster.model_validate(data)
             except ValueError:
@@ -772,8 +763,8 @@ class FleetBackend(UnitBackend):
         for host in [*fleet.hosts, *instances]:
             argv = ["reap", "--dry-run"] if dry_run else ["reap"]
             try:
-                said = _remote_json(fleet, host, argv)
-                status = _remote_json(fleet, host, ["status"])
+                said = remote_json(fleet, host, argv)
+                status = remote_json(fleet, host, ["status"])
             except (InvalidSpec, ProvisionError, TimeoutError) as exc:
                 say(f"{host.label}: {exc}")
                 continue
@@ -794,270 +785,12 @@ class FleetBackend(UnitBackend):
                 continue  # its gpuflow still renews its claims
             say(f"{'would forget' if dry_run else 'forgetting'} {cluster.name}: no host holds it")
             report.counts["clusters"] += 1
-            report.crashed.append((cluster.owner[RUN_LABEL], _api_url(cluster.name)))
+            report.crashed.append((cluster.owner[RUN_LABEL], api_url(cluster.name)))
             if not dry_run:
                 shutil.rmtree(cluster.workspace, ignore_errors=True)
-                _record_path(cluster.name).unlink(missing_ok=True)
-                _record_path(cluster.name).with_suffix(".api").unlink(missing_ok=True)
+                record_path(cluster.name).unlink(missing_ok=True)
+                record_path(cluster.name).with_suffix(".api").unlink(missing_ok=True)
         return report
-
-
-class _Grower:
-    """A run waiting for GPUs on an elastic fleet: its want is recorded where every
-    orchestrator sees it, and each step grows the fleet by what all waiting runs need
-    (`elastic.plan_growth`), taking slots by conditional writes."""
-
-    every_s = 2.0
-
-    def __init__(self, backend: FleetBackend, nodes: elastic.Nodes, spec: JobSpec, run: str):
-        section = backend.fleet().ec2
-        assert section is not None
-        self.backend, self.nodes, self.section = backend, nodes, section
-        self.boot_s = nodes.boot_timeout_s()
-        now = time.time()
-        self.want = elastic.Want(
-            run=run,
-            gpus=spec.resources.gpus,
-            nodes=spec.resources.nodes,
-            since=now,
-            until=now + spec.placement.gpu_wait + section.grow_after_s + self.boot_s + 60,
-        )
-        nodes.want(self.want)
-        self.next_at = 0.0
-        self.deadline = time.monotonic()
-
-    def step(self, refused: list[str]) -> float:
-        """Grow the fleet if the waiting runs need it; return until when this run waits
-        (a launch gives it the boot timeout). `refused`: the hosts this run's last try
-        found busy (an instance it has not tried yet may still serve it)."""
-        if sorted(refused) != self.want.tried:
-            self.want.tried = sorted(refused)
-            self.nodes.want(self.want)
-        if time.monotonic() < self.next_at:
-            return self.deadline
-        self.next_at = time.monotonic() + self.every_s
-        if grow(self.backend, self.nodes, say_in_run):
-            self.deadline = time.monotonic() + self.boot_s + 30
-        if self.booting():
-            self.deadline = max(self.deadline, time.monotonic() + 5)
-        elif time.time() - self.want.since < self.section.grow_after_s + self.every_s:
-            self.deadline = max(
-                self.deadline, time.monotonic() + self.section.grow_after_s + self.every_s
-            )
-        return self.deadline
-
-    def booting(self) -> bool:
-        return any(not i.known_hosts or i.state != "running" for i in self.nodes.instances())
-
-    def done(self) -> None:
-        with contextlib.suppress(Exception):
-            self.nodes.unwant(self.want.run)
-
-
-def grow(backend: FleetBackend, nodes: elastic.Nodes, say: Callable[[str], None]) -> list[str]:
-    """Launch the instances the fleet's waiting runs need, beyond those booting; return
-    their ids. Every process that runs this at once takes different slots (or none)."""
-    section = backend.fleet().ec2
-    assert section is not None
-    gpus, _product, _hourly = nodes.instance_gpus()
-    live = {i.id: i for i in nodes.instances()}
-    for instance_id in _forget_gone(nodes, set(live)):
-        say(f"fleet {backend.fleet_name}: {instance_id} is no longer running; its slot is free")
-    slots = nodes.slots()
-    wants = nodes.wants()
-    booting = sum(
-        1
-        for record in slots.values()
-        if not record.get("instance")
-        or (
-            record["instance"] not in live and time.time() - record.get("at", 0) < 30
-        )  # launched, not described yet
-        or (record["instance"] in live and not live[record["instance"]].known_hosts)
-    )
-    # a ready instance some waiting run has not tried yet may serve it: capacity to come
-    booting += sum(
-        1
-        for i in live.values()
-        if i.known_hosts and i.state == "running" and any(i.id not in w.tried for w in wants)
-    )
-    count, why = elastic.plan_growth(
-        wants,
-        booting,
-        len(slots),
-        section.nodes.max,
-        gpus,
-        time.time(),
-        section.grow_after_s,
-    )
-    launched: list[str] = []
-    free = [k for k in range(section.nodes.max) if k not in slots]
-    for slot in free[:count]:
-        instance = _launch_into(nodes, slot, say)
-        if instance is None:
-            continue  # another process took it: it launches that one
-        launched.append(instance.id)
-        say(f"fleet {backend.fleet_name}: grew by {instance.id} ({why})")
-    return launched
-
-
-def scale(backend: FleetBackend, say: Callable[[str], None]) -> list[elastic.Decision]:
-    """One period of an elastic fleet's scaler; return what it decided and why.
-
-    - slots whose instance is gone (ended elsewhere, a spot reclaim) are freed, and wants
-      past their time forgotten;
-    - an instance that has not published its host key within the boot timeout is ended;
-    - the fleet grows for the runs that have waited longer than `grow_after_s`, and up to
-      `nodes.min`;
-    - an instance with no claim for `idle_duration_s` (since its last claim ended, or its
-      launch) is ended, down to `nodes.min`: its GPUs are claimed first, so no run takes
-      it meanwhile; what it cost and how much of it runs used goes to the fleet's ledger.
-
-    The hysteresis: growth needs a wait of `grow_after_s`, an end an idle time of
-    `idle_duration_s` (at least 10 s, 600 by default), so an instance launched for a burst
-    serves every run that comes within idle_duration_s of the last one."""
-    nodes, section = backend.nodes(), backend.fleet().ec2
-    if nodes is None or section is None:
-        raise InvalidSpec(f"fleet {backend.fleet_name!r} has no ec2 section: nothing to scale.")
-    now = time.time()
-    live = {i.id: i for i in nodes.instances()}
-    decisions = _tidy(nodes, live, now, say)
-    for instance_id in grow(backend, nodes, say):
-        decisions.append(elastic.Decision(action="grow", instance=instance_id, why="runs waited"))
-    while len(slots := nodes.slots()) < section.nodes.min:
-        free = [k for k in range(section.nodes.max) if k not in slots]
-        made = _launch_into(nodes, free[0], say) if free else None
-        if made is None:
-            break
-        decisions.append(
-            elastic.Decision(action="grow", instance=made.id, why=f"below min {section.nodes.min}")
-        )
-    fleet = backend.fleet()
-    ready = {h.label: h for h, _ in backend.hosts() if h.label in live}
-    count = len(live)
-    for instance in sorted(live.values(), key=lambda i: i.launched_at):
-        host = ready.get(instance.id)
-        if host is None:
-            continue
-        said = host_status(fleet, host)
-        usage = said.get("usage", {})
-        idle = now - max(instance.launched_at.timestamp(), float(usage.get("last_release", 0)))
-        why = _kept_because(said, idle, section, count)
-        if why is None and not _retire(backend, fleet, host, instance, nodes, say, usage, now):
-            why = "a run claimed it meanwhile"
-        if why is not None:
-            decisions.append(elastic.Decision(action="keep", instance=instance.id, why=why))
-            continue
-        count -= 1
-        decisions.append(
-            elastic.Decision(action="shrink", instance=instance.id, why=f"idle for {idle:.0f} s")
-        )
-    return decisions
-
-
-def _kept_because(said: dict[str, Any], idle: float, section: Any, count: int) -> str | None:
-    """Return why an instance stays (its host's answer `said`, idle for `idle` s, the fleet
-    at `count` instances), None when it is to be ended."""
-    if "error" in said:
-        return str(said["error"])
-    if said.get("runs"):
-        return f"{len(said['runs'])} run(s) hold its GPUs"
-    if idle < section.idle_duration_s:
-        return f"idle {idle:.0f} s of idle_duration {section.idle_duration_s:.0f} s"
-    if count <= section.nodes.min:
-        return f"the fleet's min is {section.nodes.min}"
-    return None
-
-
-def _tidy(
-    nodes: elastic.Nodes, live: dict[str, elastic.Instance], now: float, say: Callable[[str], None]
-) -> list[elastic.Decision]:
-    """Free the slots of instances gone elsewhere, forget wants past their time, end the
-    instances that did not publish their host key within the boot timeout (out of `live`)."""
-    decisions = [
-        elastic.Decision(
-            action="forget",
-            instance=instance_id,
-            why="it is no longer running (ended outside the fleet, or a spot reclaim)",
-        )
-        for instance_id in _forget_gone(nodes, set(live))
-    ]
-    for want in nodes.wants():
-        if want.until < now:
-            nodes.unwant(want.run)
-    boot_s = nodes.boot_timeout_s()
-    for instance in list(live.values()):
-        if not instance.known_hosts and now - instance.launched_at.timestamp() > boot_s:
-            nodes.end([instance.id], say)
-            _forget(nodes, instance)
-            live.pop(instance.id)
-            why = f"it did not publish its host key within the boot timeout ({boot_s:.0f} s)"
-            decisions.append(elastic.Decision(action="shrink", instance=instance.id, why=why))
-    return decisions
-
-
-def _launch_into(
-    nodes: elastic.Nodes, slot: int, say: Callable[[str], None]
-) -> elastic.Instance | None:
-    """Take `slot` and launch its instance; None when another process took it first."""
-    if not nodes.take_slot(slot, {"at": time.time(), "by": os.getpid()}):
-        return None
-    try:
-        instance = nodes.launch(slot, say)
-    except Exception:
-        nodes.free_slot(slot)
-        raise
-    nodes.set_slot(slot, {"at": time.time(), "instance": instance.id})
-    return instance
-
-
-def _forget_gone(nodes: elastic.Nodes, live: set[str]) -> list[str]:
-    """Free the slots whose instance no longer runs (ended outside the fleet, a spot
-    reclaim) or was never launched (its launcher died); return those instances."""
-    now, gone = time.time(), []
-    for slot, record in sorted(nodes.slots().items()):
-        instance = record.get("instance")
-        if instance and instance not in live and now - record.get("at", now) > 30:
-            nodes.free_slot(slot)
-            gone.append(instance)
-        elif not instance and now - record.get("at", now) > 120:
-            nodes.free_slot(slot)
-    return gone
-
-
-def _retire(
-    backend: FleetBackend,
-    fleet: GpuFleet,
-    host: FleetHost,
-    instance: elastic.Instance,
-    nodes: elastic.Nodes,
-    say: Callable[[str], None],
-    usage: dict[str, float],
-    now: float,
-) -> bool:
-    """Claim every GPU of an idle instance (no run can take it meanwhile), end it and
-    record what it cost; False when a run holds a GPU of it now."""
-    request = {
-        "resources": {"gpus": instance.gpus},
-        "owner": {RUN_LABEL: f"fleet-scale-{uuid.uuid4().hex[:8]}"},
-        "job": "fleet-scale",
-        "counts": False,
-    }
-    try:
-        session = backend._open(fleet, host, request)
-    except (Busy, ProvisionError, InvalidSpec, TimeoutError):
-        return False
-    try:
-        nodes.end([instance.id], say)
-    finally:
-        session.close()
-    _forget(nodes, instance)
-    nodes.ended(instance.id, elastic.cost_of(instance, usage, now) | {"ended_at": now})
-    return True
-
-
-def _forget(nodes: elastic.Nodes, instance: elastic.Instance) -> None:
-    if instance.slot is not None:
-        nodes.free_slot(instance.slot)
 
 
 def _holds(sessions: list[HostSession]) -> list[HostHold]:
@@ -1087,6 +820,7 @@ def _moved(text: str, moved: dict[str, str]) -> str:
 # files staged for a run's units, put again on a host that replaces a lost one
 _STAGED: dict[str, list[Path]] = {}
 
+
 # Put a file on the host under its staged folder, whole or not at all, once; the user's
 # alone there (a user's code: other users of the host read none of it).
 _PUT = (
@@ -1104,137 +838,3 @@ def _put_staged(session: HostSession, path: Path) -> None:
     if done.returncode != 0:
         said = done.stderr.decode(errors="replace").strip()
         raise ProvisionError(f"could not put {path.name} on {session.ssh}: {said or 'no message'}")
-
-
-def _record_path(name: str) -> Path:
-    return gpuflow_home() / "fleet" / "clusters" / f"{name}.json"
-
-
-def _api_url(name: str) -> str | None:
-    """Return the Prefect API the run `name` was recorded in (None: not known)."""
-    path = _record_path(name).with_suffix(".api")
-    with contextlib.suppress(OSError):
-        return path.read_text().strip() or None
-    return None
-
-
-class _SampleWriter:
-    """A unit's samples from its host, written here as they come (NODE_SAMPLES)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.lock = threading.Lock()
-
-    def __call__(self, sample: dict) -> None:
-        with self.lock, contextlib.suppress(OSError), open(self.path, "a") as out:
-            out.write(json.dumps(sample) + "\n")
-
-
-class FleetUnit:
-    """A unit on a fleet host, as follow_unit sees it."""
-
-    every_s = 0.2
-
-    def __init__(
-        self,
-        session: HostSession,
-        unit_id: str,
-        watch: UnitWatch,
-        cluster: Cluster,
-        tail: LogTail,
-        samples: Path,
-    ) -> None:
-        self.session, self.unit_id, self.watch, self.cluster = session, unit_id, watch, cluster
-        self.tail, self.samples = tail, samples
-
-    def poll(self) -> UnitEnd | None:
-        return self.watch.end
-
-    def wait(self, seconds: float) -> None:
-        self.watch.changed.wait(seconds)
-
-    def stop(self, reason: StopReason, grace_s: float) -> UnitEnd | None:
-        self.session.stop(self.unit_id, grace_s)
-        return None
-
-    def interrupt(self, grace_s: float) -> None:
-        self.session.stop(self.unit_id, grace_s)
-        self.watch.changed.wait(grace_s + 5)
-
-    def unconfirmed(self) -> UnitEnd:
-        return UnitEnd(signal=9, tail=[f"{self.session.ssh} never confirmed the unit's end"])
-
-    def finish(self, end: UnitEnd | None) -> UnitEnd | None:
-        """Add the unit's samples from its host to the run's, and bring its outputs back
-        from the host (a lost host has none to give)."""
-        self.session.units.pop(self.unit_id, None)
-        if self.samples.is_file():  # kept: a service's scaler may still be reading it
-            join_samples(Path(self.cluster.workspace) / SAMPLES, self.samples.read_bytes())
-        if self.session.lost is not None:
-            self.tail.note(self.session.lost)  # why it was preempted, in the run's log
-        if end is None or self.session.lost is not None:
-            return end
-        remote = str(self.session.claimed.get("name", ""))
-        done = self.session.ssh.run(self.session.command_for(["outputs", remote]), timeout_s=300)
-        if done.returncode == 0 and done.stdout:
-            _untar(done.stdout, Path(self.cluster.workspace) / "outputs")
-        return end
-
-
-def _untar(data: bytes, folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(folder, filter="data")  # no links out, no devices, no absolute paths
-
-
-_INSTALLED: dict[tuple[str, str], str] = {}
-_INSTALLED_LOCK = threading.Lock()
-
-
-def _installed(fleet: GpuFleet, host: FleetHost, ssh: Any) -> str:
-    """Return the SHA of this gpuflow's wheel, put on `host` once per process."""
-    _, _, sha = fleet_hosts.this_wheel()
-    key = (host.label, sha)
-    with _INSTALLED_LOCK:
-        if key in _INSTALLED:
-            return sha
-    fleet_hosts.install(ssh, host)
-    with _INSTALLED_LOCK:
-        _INSTALLED[key] = sha
-    return sha
-
-
-def _remote_json(fleet: GpuFleet, host: FleetHost, argv: list[str]) -> dict[str, Any]:
-    """Run gpuflow's host program on `host` with `argv`; return the JSON it printed."""
-    ssh = fleet_hosts.target(fleet, host, secret_text)
-    try:
-        sha = _installed(fleet, host, ssh)
-        done = ssh.run(fleet_hosts.gpuflow_command(host, sha, argv))
-        if done.returncode == fleet_hosts.SSH_FAILED:
-            raise ProvisionError(ssh.failure(done.stderr.decode(errors="replace")))
-        if done.returncode != 0:
-            said = done.stderr.decode(errors="replace").strip().splitlines()
-            raise ProvisionError(f"{ssh}: {said[-1] if said else f'exit {done.returncode}'}")
-        return fleet_hosts.json_answer(done.stdout)
-    finally:
-        ssh.close()
-
-
-def host_status(fleet: GpuFleet, host: FleetHost) -> dict[str, Any]:
-    """Return what `host` says now: its GPUs, the runs holding them, and how many are free
-    (`error`: why it could not be asked)."""
-    try:
-        said = _remote_json(fleet, host, ["status"])
-    except (InvalidSpec, ProvisionError, TimeoutError) as exc:
-        return {"error": str(exc)}
-    probe = said.get("host", {})
-    gpus = len(probe.get("gpus", []))
-    runs = said.get("runs", [])
-    held = sum(len(run.get("gpus", [])) for run in runs)
-    return {
-        "gpus": gpus,
-        "free": max(0, gpus - held),
-        "runs": runs,
-        "probe": probe,
-        "usage": said.get("usage", {}),
-    }

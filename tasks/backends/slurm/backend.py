@@ -18,20 +18,17 @@ import functools
 import json
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import psutil
-from pydantic import BaseModel, Field
 
-from gpuflow.tasks.backends.base import LogTail, UnitBackend, join_samples, stop_process
+from gpuflow.tasks.backends.base import LogTail, UnitBackend
 from gpuflow.tasks.backends.slurm.commands import HERE, LocalClient, LoginNode, said
 from gpuflow.tasks.backends.slurm.fit import (
     IDLE_FORMAT,
@@ -45,97 +42,61 @@ from gpuflow.tasks.backends.slurm.fit import (
     refusal,
     room_now,
 )
-from gpuflow.tasks.backends.slurm.queue import FIELDS, hostnames, job_row, job_shown, parse, shared
+from gpuflow.tasks.backends.slurm.model import (
+    ACTIVE,
+    BUSY,
+    SCHEDULER_CYCLES_S,
+    SlurmPlacement,
+    SlurmState,
+    gres,
+    gres_type,
+    minutes,
+    workspace_root,
+)
+from gpuflow.tasks.backends.slurm.queue import (
+    FIELDS,
+    hostnames,
+    job_row,
+    parse,
+)
+from gpuflow.tasks.backends.slurm.steps import (
+    NodeSampler,
+    SlurmStep,
+    gpu_indices_of,
+    live_row,
+    mpi_launch,
+    running_again,
+    share_of,
+)
 from gpuflow.tasks.contract import (
     OWNER_LABEL,
     RUN_LABEL,
     Capabilities,
     Cluster,
-    MpiLaunch,
     Needs,
     Offer,
     ReapReport,
     RunStates,
-    StopReason,
     TeardownReport,
-    UnitEnd,
     WorkUnit,
     state_of,
     unit_env,
 )
-from gpuflow.tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec, ProvisionError
-from gpuflow.tasks.gpus import PRODUCTS
-from gpuflow.tasks.host import STOP_GRACE_S, OutputPump, alive, gpuflow_home, start_time
+from gpuflow.tasks.errors import (
+    CapacityError,
+    InvalidSpec,
+    ProvisionError,
+)
+from gpuflow.tasks.host import OutputPump, alive, start_time
 from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
-from gpuflow.tasks.metrics.sampler import NODE_SAMPLES, SAMPLES
 from gpuflow.tasks.saved_blocks import load_block
-from gpuflow.tasks.spec import Folder, JobSpec, Placement, placement_as
+from gpuflow.tasks.spec import JobSpec, Placement, placement_as
 from gpuflow.tasks.storage import S3Settings
 
 # squeue's states of a job that still holds (or waits for) its allocation
-ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
-# ... and those of one that Slurm took back to run later
-REQUEUED = ("PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "PREEMPTED")
-# pending reasons that pass once other jobs end: waiting on them is waiting for capacity
-BUSY = ("Resources", "Priority", "None", "BeginTime", "Dependency")
-# how long a job whose GPUs are idle may wait for the scheduler to reach it (its main and
-# backfill cycles: 60 s and 30 s by default) before gpuflow gives up on it
-SCHEDULER_CYCLES_S = 120.0
-# how long a job that is COMPLETING after its step ended is watched for its requeue
-REQUEUE_SEEN_S = 120.0
-# how often a running step's job is asked whether Slurm took it back (requeued)
-ORPHAN_CHECK_S = 2.0
-# how often a unit's node samples its GPUs
-SAMPLE_INTERVAL_S = 1.0
 
 
-class SlurmState(BaseModel):
-    """What a Slurm cluster record holds of the run's allocation."""
-
-    job_id: str
-    gres_type: str | None = None  # the gres type of the run's GPUs ("h100"), None: untyped
-    block: str | None = None  # the SlurmCluster block that says how the cluster is reached
-
-
-def workspace_root(spec_root: str | None) -> Path:
-    """Return where the run's workspaces go: placement.workspace_root (a folder every node
-    sees), else GPUFLOW_HOME/slurm on this machine (the login node's shared home)."""
-    return Path(spec_root) if spec_root else gpuflow_home() / "slurm"
-
-
-def gres_type(gpu_product: str | None, types: Mapping[str, str] | None = None) -> str | None:
-    """Return the gres type a gpu_product maps to: the block's map (`types`), else the short
-    name sites give it in gres.conf, its first alias in lower case (NVIDIA-H100-80GB-HBM3:
-    h100); None: any type."""
-    if not gpu_product:
-        return None
-    if types and gpu_product in types:
-        return types[gpu_product]
-    aliases = PRODUCTS.get(gpu_product, (0, ()))[1]
-    return (aliases[0] if aliases else gpu_product).lower()
-
-
-def gres(count: int, kind: str | None) -> str:
-    return f"gpu:{kind}:{count}" if kind else f"gpu:{count}"
-
-
-def minutes(seconds: float) -> int:
-    return max(1, int(-(-seconds // 60)))
-
-
-class SlurmPlacement(Placement):
-    """placement: on a Slurm cluster: the partition, and the folder every node shares."""
-
-    backend: Literal["slurm"] = "slurm"
-    partition: str | None = Field(
-        None, description="The partition the job runs in (default: the cluster's)."
-    )
-    workspace_root: Folder | None = Field(
-        None, description="Folder for job workspaces, shared by every node."
-    )
-
-    def where(self) -> str | None:
-        return self.block or self.partition
+# squeue's states of a job that still holds (or waits for) its allocation
 
 
 class SlurmBackend(UnitBackend):
@@ -174,7 +135,10 @@ class SlurmBackend(UnitBackend):
         from gpuflow.blocks.slurm_cluster import SlurmCluster
 
         return load_block(
-            SlurmCluster, self.block, "placement.block", otherwise="remove placement.block"
+            SlurmCluster,
+            self.block,
+            "placement.block",
+            otherwise="remove placement.block",
         )
 
     @functools.cached_property
@@ -417,7 +381,7 @@ class SlurmBackend(UnitBackend):
         job, cli = state_of(cluster, SlurmState).job_id, self.cli
         waited_from = time.monotonic()
         while True:
-            row = _live_row(cli, job, "ended before it ran")
+            row = live_row(cli, job, "ended before it ran")
             if row["state"] == "RUNNING":
                 break
             reason = row["reason"]
@@ -454,7 +418,7 @@ class SlurmBackend(UnitBackend):
                 continue
             time.sleep(0.2)
         hosts = hostnames(cli, row["nodes"])
-        indices = _gpu_indices(cli, job)
+        indices = gpu_indices_of(cli, job)
         # training meets on the first node, at its address, on a port of this job's own
         # (several jobs may share a node)
         addresses = [_node_address(cli, host) for host in hosts]
@@ -485,7 +449,10 @@ class SlurmBackend(UnitBackend):
         listed = cli.run(["sinfo", "-h", "-N", "-p", name, "-O", IDLE_FORMAT], check=False)
         idle = idle_gpus(listed).get(kind or "", 0) if kind else sum(idle_gpus(listed).values())
         each = f"gpu:{kind}" if kind else "GPUs"
-        return idle, f"it waits for {wanted}; partition {name} has {idle} {each} idle now"
+        return (
+            idle,
+            f"it waits for {wanted}; partition {name} has {idle} {each} idle now",
+        )
 
     # -- units -----------------------------------------------------------------------------
 
@@ -500,7 +467,7 @@ class SlurmBackend(UnitBackend):
         """Run the unit as a step of the run's job on its node, with its GPUs as gres; its
         variables reach the step through srun's environment (never its command line)."""
         state, cli = state_of(cluster, SlurmState), self.cli
-        hosts = _running_again(cli, state.job_id, time.monotonic() + timeout_s)
+        hosts = running_again(cli, state.job_id, time.monotonic() + timeout_s)
         step = f"{cluster.name}.{unit.name}.{uuid.uuid4().hex[:8]}"
         # A unit with GPUs of its own (a render chunk, a copy per GPU) gets the node's
         # GPUs of the job and keeps its share: steps that --overlap share their gres, so
@@ -517,8 +484,8 @@ class SlurmBackend(UnitBackend):
             f"--chdir={cluster.workspace}",
             "--kill-on-bad-exit=1",
             f"--gres={gres(count, state.gres_type)}" if count else "--gres=none",
-            *(_mpi_launch(cli, unit.launcher, cluster, state) if unit.launcher else []),
-            *(_share(cluster, unit.gpus) if unit.gpus else []),
+            *(mpi_launch(cli, unit.launcher, cluster, state) if unit.launcher else []),
+            *(share_of(cluster, unit.gpus) if unit.gpus else []),
             *unit.command,
         ]
         child_env = {
@@ -626,211 +593,6 @@ class SlurmBackend(UnitBackend):
         return report
 
 
-class NodeSampler:
-    """The GPUs a run holds on one node, sampled on that node: a step beside its units'
-    steps, with the run's GPUs of the node (--overlap), running `python -m
-    gpuflow.tasks.metrics.sampler` into the shared workspace. The units on a node share one
-    (`join`, `leave`): the last to leave stops it and its samples join the run's."""
-
-    _lock = threading.Lock()
-    _live: dict[tuple[str, str], NodeSampler] = {}  # (job id, node) -> its sampler
-
-    @classmethod
-    def join(cls, cli: LocalClient, cluster: Cluster, state: SlurmState, node: str) -> NodeSampler:
-        """Return the sampler of the run's job on `node`, started by its first unit."""
-        with cls._lock:
-            sampler = cls._live.get((state.job_id, node))
-            if sampler is None:
-                sampler = cls._live[state.job_id, node] = cls(cli, cluster, state, node)
-            sampler.users += 1
-            return sampler
-
-    def leave(self) -> None:
-        """Say a unit on the node ended; the last one stops the sampler (finish)."""
-        with self._lock:
-            self.users -= 1
-            if self.users:
-                return
-            del self._live[self.key]
-        self.finish()
-
-    def __init__(self, cli: LocalClient, cluster: Cluster, state: SlurmState, node: str) -> None:
-        self.key, self.users = (state.job_id, node), 0
-        self.workspace = Path(cluster.workspace)
-        step = f"{cluster.name}.sampler.{node}.{uuid.uuid4().hex[:8]}"
-        self.path = self.workspace / NODE_SAMPLES.replace("*", step)
-        argv = [
-            "srun",
-            f"--jobid={state.job_id}",
-            f"--job-name={step}",
-            "--overlap",
-            "--nodes=1",
-            "--ntasks=1",
-            f"--nodelist={node}",
-            f"--chdir={cluster.workspace}",
-            f"--gres={gres(cluster.gpus_per_node, state.gres_type)}",
-            # the GPUs Slurm gave the step on this node (indices differ from node to node)
-            *("sh", "-c", 'exec "$@" --gpus "${SLURM_STEP_GPUS:-$CUDA_VISIBLE_DEVICES}"', "sh"),
-            sys.executable,
-            "-m",
-            "gpuflow.tasks.metrics.sampler",
-            "--out",
-            str(self.path),
-            "--interval",
-            str(SAMPLE_INTERVAL_S),
-            "--host",
-            node,
-        ]
-        proc = cli.start(argv, {})
-        pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, _quiet).start()
-        self.step = SlurmStep(cli, proc, state.job_id, step, pump)
-
-    def finish(self) -> None:
-        """Stop the sampler (its last sample closes the energy window) and add its samples
-        to the run's."""
-        self.step.interrupt(STOP_GRACE_S)
-        stop_process(self.step.proc)  # its step never showed in squeue: end its srun
-        self.step.finish(None)
-        join_samples(self.workspace / SAMPLES, self.path)
-
-
-def _quiet(stream: str, text: str) -> None:
-    """A sampler's own lines are not the job's."""
-
-
-class SlurmStep:
-    """A unit that is a job step, as follow_unit sees it: srun on this machine follows it,
-    its output pump reads srun's pipes, and the node's sampler runs while it does."""
-
-    every_s = 0.1
-
-    def __init__(
-        self,
-        cli: LocalClient,
-        proc: subprocess.Popen,
-        job_id: str,
-        name: str,
-        pump: OutputPump,
-        sampler: NodeSampler | None = None,
-    ) -> None:
-        self.cli, self.proc, self.job_id, self.name = cli, proc, job_id, name
-        self.pump, self.sampler = pump, sampler
-        self._looked = time.monotonic()  # when the job's state was last asked while srun ran
-
-    def finish(self, end: UnitEnd | None) -> UnitEnd | None:
-        """Read srun's last lines; the last unit on its node stops the node's sampler."""
-        self.pump.finish()
-        if self.sampler is not None:
-            self.sampler.leave()
-        return end
-
-    def poll(self) -> UnitEnd | None:
-        code = self.proc.poll()
-        if code is None:
-            return self._orphaned()
-        if why := _requeued(self.cli, self.job_id):
-            # preempted or its node lost: Slurm requeued the run's job, as a preemption.
-            # Asked whatever srun's code: srun that loses its step's node ("Node failure")
-            # exits 0 without the unit's code, even though the unit was stopped.
-            return UnitEnd(exit_code=PREEMPTED_EXIT_CODE, tail=[why])
-        return srun_end(code)
-
-    def _orphaned(self) -> UnitEnd | None:
-        """Return a preemption when Slurm took the run's job back (requeued: its node lost)
-        while srun still runs: an srun whose node went away and came back at once may
-        follow a step that is no more. Asked every ORPHAN_CHECK_S; None otherwise."""
-        now = time.monotonic()
-        if now - self._looked < ORPHAN_CHECK_S:
-            return None
-        self._looked = now
-        row = job_row(self.cli, self.job_id)
-        if row is None or row["state"] not in REQUEUED:
-            return None
-        stop_process(self.proc)
-        why = f"the Slurm job {self.job_id} was requeued (a node lost) while its step ran"
-        return UnitEnd(exit_code=PREEMPTED_EXIT_CODE, tail=[why])
-
-    def wait(self, seconds: float) -> None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=seconds)
-
-    def _step_id(self) -> str | None:
-        for _ in range(50):  # srun names its step once slurmctld made it
-            steps = shared(self.cli, ["squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j"])
-            for line in steps.stdout.splitlines():
-                step, _, name = line.partition(" ")
-                if name.strip() == self.name:
-                    return step
-            if self.proc.poll() is not None:
-                return None
-            time.sleep(0.1)
-        return None
-
-    def stop(self, reason: StopReason, grace_s: float) -> UnitEnd | None:
-        step = self._step_id()
-        if step is None:
-            return self.poll()
-        self.cli.run(["scancel", "--signal=TERM", step], check=False)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            return srun_end(self.proc.wait(timeout=grace_s))
-        self.cli.run(["scancel", step], check=False)
-        return None
-
-    def interrupt(self, grace_s: float) -> None:
-        step = self._step_id()
-        if step is not None:
-            self.cli.run(["scancel", "--signal=TERM", step], check=False)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=grace_s)
-                return
-            self.cli.run(["scancel", step], check=False)
-
-    def unconfirmed(self) -> UnitEnd:
-        return UnitEnd(signal=9)
-
-
-def _share(cluster: Cluster, gpus: list[int]) -> list[str]:
-    """Return the words that give a unit its own GPUs of the node's, as positions among the
-    job's GPUs there (`gpus` are first-node indices; other nodes may hold other indices):
-    CUDA_VISIBLE_DEVICES is cut down to those positions before the unit starts."""
-    positions = ",".join(
-        str(cluster.gpu_indices.index(g)) for g in gpus if g in cluster.gpu_indices
-    )
-    pick = (
-        'i=0; mine=; for d in $(echo "$CUDA_VISIBLE_DEVICES" | tr , " "); do'
-        f' case ,{positions}, in *,$i,*) mine="$mine${{mine:+,}}$d";; esac; i=$((i+1));'
-        ' done; CUDA_VISIBLE_DEVICES=$mine exec "$@"'
-    )
-    return ["sh", "-c", pick, "sh"]
-
-
-def _mpi_launch(
-    cli: LocalClient, launch: MpiLaunch, cluster: Cluster, state: SlurmState
-) -> list[str]:
-    """Return the words that start an MPI launcher unit's mpirun in the job, not in its own
-    step: Open MPI inside a Slurm step starts its daemons with srun, which reads the
-    allocation from the step's variables (one node, one task). This sets them to the hosts
-    and slots of the unit's hostfile, makes that srun share the job's resources with the
-    launcher (--overlap) and gives it each node's GPUs as gres."""
-    hosts = [name for name, _ in launch.hosts()]
-    slots = [str(ranks) for _, ranks in launch.hosts()]
-    nodes = cli.run(["scontrol", "show", "hostlist", ",".join(hosts)]).strip()
-    count = cluster.gpus_per_node
-    step_only = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_NODES",
-                 "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE")  # fmt: skip
-    return [
-        "env",
-        *(f"--unset={name}" for name in step_only),
-        f"SLURM_JOB_NODELIST={nodes}",
-        f"SLURM_NODELIST={nodes}",
-        f"SLURM_NNODES={len(hosts)}",
-        f"SLURM_JOB_NUM_NODES={len(hosts)}",
-        f"SLURM_TASKS_PER_NODE={','.join(slots)}",
-        "SLURM_OVERLAP=1",
-        f"OMPI_MCA_plm_slurm_args=--gres={gres(count, state.gres_type) if count else 'none'}",
-    ]
-
-
 def _qos_problem(cli: LocalClient, qos: str) -> str | None:
     """Return why the cluster cannot give a job `qos` (qos_refusal), None when it can."""
     plugin = accounting(cli.run(["scontrol", "show", "config"]))
@@ -856,83 +618,9 @@ def _sinfo(cli: LocalClient) -> str:
         ) from None
 
 
-def _requeued(cli: LocalClient, job_id: str) -> str | None:
-    """Return why the run's job was taken back (preempted, its node lost) when Slurm
-    requeued it; None while it still runs as it did."""
-    # A job being requeued passes through COMPLETING until its steps are gone: on a busy
-    # node that lasts KillWait and more, so it is waited out (a run's job is COMPLETING only
-    # when the whole job ends, never when one of its steps does), up to REQUEUE_SEEN_S.
-    until = time.monotonic() + REQUEUE_SEEN_S
-    while True:
-        row = job_row(cli, job_id)
-        if row is None:
-            return None
-        if row["state"] in REQUEUED or (row["state"] == "RUNNING" and _preempting(cli, job_id)):
-            return f"the Slurm job {job_id} was preempted or lost a node, and is requeued"
-        if row["state"] != "COMPLETING" or time.monotonic() > until:
-            return None
-        time.sleep(0.1)
-
-
-def _preempting(cli: LocalClient, job_id: str) -> bool:
-    """Return True while Slurm preempts the job (its grace time before the requeue)."""
-    return bool(re.search(r"\bPreemptTime=(?!None)", job_shown(cli, job_id)))
-
-
-def _live_row(cli: LocalClient, job_id: str, ended: str) -> dict[str, Any]:
-    """Return squeue's row of the run's job while it holds (or waits for) its allocation;
-    ProvisionError saying it `ended` once it no longer does."""
-    row = job_row(cli, job_id)
-    if row is None or row["state"] not in ACTIVE:
-        state = row["state"] if row else "gone from squeue"
-        raise ProvisionError(f"the Slurm job {job_id} holding this run's nodes {ended} ({state})")
-    return row
-
-
-def _running_again(cli: LocalClient, job_id: str, deadline: float) -> list[str]:
-    """Return the run's nodes once its job runs: a job Slurm requeued (preempted, a node
-    lost) starts again when Slurm says (after its requeue delay, BeginTime, so that the job
-    that took the GPUs starts first) and is waited for until `deadline` (time.monotonic()).
-    ProvisionError when it cannot run any more."""
-    while True:
-        row = _live_row(cli, job_id, "has ended; a retry provisions again")
-        if row["state"] == "RUNNING" and not _preempting(cli, job_id):
-            return hostnames(cli, row["nodes"])
-        if row["state"] == "PENDING" and row["reason"] not in BUSY:
-            raise ProvisionError(
-                f"the Slurm job {job_id} holding this run's nodes waits with reason"
-                f" {row['reason']} and cannot run"
-            )
-        if time.monotonic() > deadline:
-            raise CapacityError(
-                f"the Slurm job {job_id} holding this run's nodes was requeued and has not"
-                f" run again (squeue says {row['reason']})"
-            )
-        time.sleep(0.5)
-
-
-def srun_end(code: int) -> UnitEnd:
-    """Return how a step ended from srun's exit code (128 + n: killed by signal n)."""
-    if code > 128:
-        return UnitEnd(signal=code - 128)
-    return UnitEnd(exit_code=code) if code >= 0 else UnitEnd(signal=-code)
-
-
-def _gpu_indices(cli: LocalClient, job_id: str) -> list[int]:
-    """Return the GPU indices the job holds on its first node (`scontrol show job -d`)."""
-    detail = cli.run(["scontrol", "show", "job", "-d", job_id])
-    for line in detail.splitlines():
-        if "GRES=" in line and "(IDX:" in line:
-            spans = line.split("(IDX:", 1)[1].split(")", 1)[0]
-            indices: list[int] = []
-            for span in spans.split(","):
-                low, _, high = span.partition("-")
-                indices += range(int(low), int(high or low) + 1)
-            return indices
-    return []
-
-
 _LOGIN_NODES_LOCK = threading.Lock()
+
+
 _LOGIN_NODES: dict[
     tuple, LoginNode
 ] = {}  # one per login node and key: its SSH connection serves every run
