@@ -23,15 +23,7 @@ def take_offer(service: Service) -> None:
     why = unreadable or versions.refusal(service.job, offer)  # type: ignore[arg-type]
     if why is not None or offer is None:
         service._say("warning", f"new version refused: {why}")
-        versions.answer(
-            service.folder,
-            versions.Answer(
-                offer=service._offer_ns,
-                version=service.version,
-                state="refused",
-                said=str(why),
-            ),
-        )
+        _answer(service, "refused", str(why))
         return
     service._previous = (service.version, service.job)
     service._latest += 1
@@ -43,12 +35,7 @@ def take_offer(service: Service) -> None:
         "gpuflow.service.rolling",
         {"version": service.version, "command": service.job.command},
     )
-    versions.answer(
-        service.folder,
-        versions.Answer(
-            offer=service._offer_ns, version=service.version, state="rolling", said=said
-        ),
-    )
+    _answer(service, "rolling", said)
 
 
 def roll(service: Service, runtime: proxy.Runtime) -> None:
@@ -71,21 +58,9 @@ def roll(service: Service, runtime: proxy.Runtime) -> None:
         why = f"{failed[0].name} of version {service.version} never became ready ({failed[0].why_ended})"
         service._say("warning", f"rolled back to version {version}: {why}")
         service.event("gpuflow.service.rolled_back", {"version": version, "why": why})
-        versions.answer(
-            service.folder,
-            versions.Answer(
-                offer=service._offer_ns,
-                version=service.version,
-                state="rolled back",
-                said=why,
-            ),
-        )
-        service.version, service.job, service._previous, service._surge = (
-            version,
-            job,
-            None,
-            None,
-        )
+        _answer(service, "rolled back", why)
+        service.version, service.job = version, job
+        service._previous, service._surge = None, None
         service.scaler.targets = targets(job)
         return
     if not stale:
@@ -93,29 +68,16 @@ def roll(service: Service, runtime: proxy.Runtime) -> None:
             said = f"version {service.version} serves on every replica"
             service._say("info", said)
             service.event("gpuflow.service.rolled", {"version": service.version})
-            versions.answer(
-                service.folder,
-                versions.Answer(
-                    offer=service._offer_ns,
-                    version=service.version,
-                    state="done",
-                    said=said,
-                ),
-            )
+            _answer(service, "done", said)
             service._previous, service._surge = None, None
         return
     if any(r.version == service.version and r.state == "starting" for r in counted):
         return  # its successor is still starting
     victims = sorted(stale, key=lambda r: (r.state == "ready", r.started))
+    replaced = f"replaced by version {service.version}"
     if service._surge is not None and service._surge.state == "ready":
         service._surge = None
-        service._submit(
-            service._end,
-            victims[0],
-            runtime,
-            f"replaced by version {service.version}",
-            True,
-        )
+        service._submit(service._end, victims[0], runtime, replaced, True)  # drained
         return
     taken = {r.slot for r in service.replicas if r.state != "ended"}
     free = [slot for slot in range(service.job.replicas.max) if slot not in taken]
@@ -124,16 +86,11 @@ def roll(service: Service, runtime: proxy.Runtime) -> None:
         service._surge = service.replicas[-1]
     elif not any(r.state == "draining" for r in service.replicas):
         # every slot serves: one replica out first, the scaler refills its slot
-        service._submit(
-            service._end,
-            victims[0],
-            runtime,
-            f"replaced by version {service.version}",
-            True,
-        )
+        service._submit(service._end, victims[0], runtime, replaced, True)
 
 
 def targets(job: ServiceJob) -> Targets:
+    """Return what the scaler aims at for `job` (its replicas and scaling sections)."""
     return Targets(
         least=job.replicas.min,
         most=job.replicas.max,
@@ -142,4 +99,12 @@ def targets(job: ServiceJob) -> Targets:
         connections=job.scaling.connections,
         down_after_s=job.scaling.down_after_s,
         to_zero_after_s=job.idle_to_zero_s,
+    )
+
+
+def _answer(service: Service, state: str, said: str) -> None:
+    """Tell whoever offered the version how its roll stands (versions.propose waits on it)."""
+    versions.answer(
+        service.folder,
+        versions.Answer(offer=service._offer_ns, version=service.version, state=state, said=said),
     )

@@ -67,6 +67,7 @@ from gpuflow.tasks.backends.slurm.steps import (
     mpi_launch,
     running_again,
     share_of,
+    step_srun,
 )
 from gpuflow.tasks.contract import (
     OWNER_LABEL,
@@ -474,14 +475,7 @@ class SlurmBackend(UnitBackend):
         # Slurm would hand each one-GPU step the node's first GPU.
         count = cluster.gpus_per_node if unit.gpus is None or unit.gpus else 0
         argv = [
-            "srun",
-            f"--jobid={state.job_id}",
-            f"--job-name={step}",
-            "--overlap",
-            "--nodes=1",
-            "--ntasks=1",
-            f"--nodelist={hosts[unit.node]}",
-            f"--chdir={cluster.workspace}",
+            *step_srun(state, step, hosts[unit.node], cluster.workspace),
             "--kill-on-bad-exit=1",
             f"--gres={gres(count, state.gres_type)}" if count else "--gres=none",
             *(mpi_launch(cli, unit.launcher, cluster, state) if unit.launcher else []),

@@ -50,6 +50,21 @@ ORPHAN_CHECK_S = 2.0
 SAMPLE_INTERVAL_S = 1.0
 
 
+def step_srun(state: SlurmState, step: str, node: str, workspace: str) -> list[str]:
+    """Return the srun that starts a step named `step` of the run's job on one node,
+    beside its other steps (--overlap), in the run's workspace."""
+    return [
+        "srun",
+        f"--jobid={state.job_id}",
+        f"--job-name={step}",
+        "--overlap",
+        "--nodes=1",
+        "--ntasks=1",
+        f"--nodelist={node}",
+        f"--chdir={workspace}",
+    ]
+
+
 class NodeSampler:
     """The GPUs a run holds on one node, sampled on that node: a step beside its units'
     steps, with the run's GPUs of the node (--overlap), running `python -m
@@ -84,14 +99,7 @@ class NodeSampler:
         step = f"{cluster.name}.sampler.{node}.{uuid.uuid4().hex[:8]}"
         self.path = self.workspace / NODE_SAMPLES.replace("*", step)
         argv = [
-            "srun",
-            f"--jobid={state.job_id}",
-            f"--job-name={step}",
-            "--overlap",
-            "--nodes=1",
-            "--ntasks=1",
-            f"--nodelist={node}",
-            f"--chdir={cluster.workspace}",
+            *step_srun(state, step, node, cluster.workspace),
             f"--gres={gres(cluster.gpus_per_node, state.gres_type)}",
             # the GPUs Slurm gave the step on this node (indices differ from node to node)
             *(
