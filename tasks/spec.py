@@ -382,6 +382,19 @@ def remove_placement_model(backend: str) -> None:
 
 
 P = TypeVar("P", bound="Placement")
+J = TypeVar("J")
+
+
+def job_as(spec: JobSpec, model: type[J]) -> J:
+    """Return `spec`'s job as `model`, the job model of the kind whose code reads it; a
+    job of another kind here is InvalidSpec naming both (code given the wrong kind's spec)."""
+    job = spec.job
+    if not isinstance(job, model):
+        raise InvalidSpec(
+            f"job.kind: {job.kind} is not the kind this code runs ({model.__name__}); run it"
+            " through the kind that registered it."
+        )
+    return job
 
 
 def placement_as(spec: JobSpec, model: type[P]) -> P:

@@ -11,15 +11,14 @@ from gpuflow.tasks.fetching import relative_names
 from gpuflow.tasks.hpc import mpi
 from gpuflow.tasks.hpc.launch import hosts_for
 from gpuflow.tasks.hpc.model import HpcJob
-from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.spec import JobSpec, job_as
 from gpuflow.tasks.storage import S3Settings, StorageError, check_writable, store_for
 
 
 def check_hpc(spec: JobSpec, s3: S3Settings | None, on_host: bool) -> None:
     """Raise InvalidSpec, one sentence naming the field and the fix, for the first problem;
     with `on_host`, the ranks run on this machine, whose mpirun and programs are checked."""
-    job = spec.job
-    assert isinstance(job, HpcJob)
+    job = job_as(spec, HpcJob)
     nodes = spec.resources.nodes
     hosts = hosts_for(
         job, spec.resources.gpus, [f"node-{i}" for i in range(nodes)] if nodes > 1 else None
@@ -88,8 +87,7 @@ def preflight_checks(spec: JobSpec, hosts: list[mpi.Host]) -> list[dict[str, str
     import subprocess
     from importlib import metadata
 
-    job = spec.job
-    assert isinstance(job, HpcJob)
+    job = job_as(spec, HpcJob)
     mpirun = shutil.which(job.mpirun) or job.mpirun
     try:
         version = subprocess.run(

@@ -9,12 +9,14 @@ run's summary. Stages, flows and the CLI speak only this protocol.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from gpuflow.tasks.contract import Capabilities, Cluster, Needs, RunOutcome, UnitRunner, WorkUnit
-from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.spec import JobSpec, job_as
+
+J = TypeVar("J", bound=BaseModel)
 
 __all__ = ["JobKind", "Report", "WorkUnit"]
 
@@ -28,11 +30,12 @@ class Report(BaseModel):
     headline: list[str] = []
 
 
-class JobKind:
-    """One job kind. Subclasses set `name` and `model` and override what they need."""
+class JobKind(Generic[J]):
+    """One job kind, generic over its job model J. Subclasses set `name` and `model` and
+    override what they need; `job_of(spec)` is the spec's job as J."""
 
     name: ClassVar[str]
-    model: ClassVar[type[BaseModel]]  # the `job:` section of a spec of this kind
+    model: type[J]  # the `job:` section of a spec of this kind
     # "module:flow" that runs this kind from the CLI; None runs it in gpu_pipeline
     flow: ClassVar[str | None] = None
 
@@ -41,6 +44,10 @@ class JobKind:
     schedules_units: ClassVar[bool] = False
     # the figures its job writes to outputs/result.json; None: the job's own, free-form
     result: ClassVar[type[BaseModel] | None] = None
+
+    def job_of(self, spec: JobSpec) -> J:
+        """Return the spec's job as this kind's model (InvalidSpec for another kind's)."""
+        return job_as(spec, self.model)
 
     def sized(self, spec: JobSpec, where: Capabilities) -> JobSpec:
         """Return `spec` as a backend that can do `where` provisions it (a service holds

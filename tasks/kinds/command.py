@@ -115,13 +115,12 @@ def is_python(program: str) -> bool:
     return PYTHON_NAME.fullmatch(Path(program).name) is not None
 
 
-class CommandKind(JobKind):
+class CommandKind(JobKind[CommandJob]):
     name = "command"
     model = CommandJob
 
     def interpreter(self, spec: JobSpec) -> str | None:
-        job = spec.job
-        assert isinstance(job, CommandJob)
+        job = self.job_of(spec)
         program = job.argv()[0]
         if not is_python(program):
             return None
@@ -136,8 +135,7 @@ class CommandKind(JobKind):
         return [{"name": "python", "level": "pass", "message": f"the job runs {shown}."}]
 
     def needs(self, spec: JobSpec) -> Needs:
-        job = spec.job
-        assert isinstance(job, CommandJob)
+        job = self.job_of(spec)
         program = job.argv()[0]
         relative = "/" in program and not program.startswith("/")  # ./run.sh: check() sees it
         if relative or (job.workdir and (Path(job.workdir) / program).is_file()):
@@ -145,8 +143,7 @@ class CommandKind(JobKind):
         return Needs(programs={"job.command": program})
 
     def check(self, spec: JobSpec, where: Capabilities) -> None:
-        job = spec.job
-        assert isinstance(job, CommandJob)
+        job = self.job_of(spec)
         if job.copies == "per_gpu" and spec.resources.gpus == 0:
             raise InvalidSpec(
                 "job.copies: per_gpu runs a copy on each GPU, but resources.gpus is 0; ask"
@@ -156,8 +153,7 @@ class CommandKind(JobKind):
         check_code(spec, job, job.command, copies, where)
 
     def units(self, spec: JobSpec, cluster: Cluster) -> list[WorkUnit]:
-        job = spec.job
-        assert isinstance(job, CommandJob)
+        job = self.job_of(spec)
         command = job.argv()
         if job.launcher == "torchrun":
             return torchrun_units(command, cluster, job.ranks_per_node)

@@ -24,23 +24,21 @@ from gpuflow.tasks.spec import JobSpec
 from gpuflow.tasks.storage import s3_settings
 
 
-class HpcKind(JobKind):
+class HpcKind(JobKind[HpcJob]):
     name = "hpc"
     model = HpcJob
     result = MdResult
     flow = "gpuflow.flows.hpc:hpc"
 
     def needs(self, spec: JobSpec) -> Needs:
-        job = spec.job
-        assert isinstance(job, HpcJob)
+        job = self.job_of(spec)
         inputs = {f"job.inputs[{i}]": url for i, url in enumerate(job.inputs)}
         if job.output:
             inputs["job.output"] = job.output
         return Needs(inputs=inputs, mpi_launcher=True)
 
     def extra(self, spec: JobSpec, where: Capabilities) -> str | None:
-        job = spec.job
-        assert isinstance(job, HpcJob)
+        job = self.job_of(spec)
         return "hpc" if where.runs_here and job.md is not None else None  # the MD workload
 
     def check(self, spec: JobSpec, where: Capabilities) -> None:
@@ -49,8 +47,7 @@ class HpcKind(JobKind):
     def hosts(self, spec: JobSpec, cluster: Cluster) -> list[Any]:
         """Return the hosts mpirun spreads the ranks over: the job's, else every node."""
 
-        assert isinstance(spec.job, HpcJob)
-        return hosts_for(spec.job, cluster.gpus_per_node, cluster.hosts(), cluster.cpus_per_node)
+        return hosts_for(self.job_of(spec), cluster.gpus_per_node, cluster.hosts(), cluster.cpus_per_node)
 
     def preflight_rows(self, spec: JobSpec, cluster: Cluster) -> list[dict[str, str]]:
 

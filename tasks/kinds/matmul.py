@@ -26,7 +26,7 @@ class MatmulJob(SpecModel):
     torch: bool = True
 
 
-class MatmulKind(JobKind):
+class MatmulKind(JobKind[MatmulJob]):
     name = "matmul"
     model = MatmulJob
 
@@ -48,8 +48,7 @@ class MatmulKind(JobKind):
         ]
 
     def units(self, spec: JobSpec, cluster: Cluster) -> list[WorkUnit]:
-        job = spec.job
-        assert isinstance(job, MatmulJob)
+        job = self.job_of(spec)
         command = [sys.executable, "-m", "gpuflow.tasks.kinds.matmul_run", "--size", str(job.size)]
         command += ["--dtype", job.dtype, "--seconds", str(job.seconds)]
         return [WorkUnit(name="main", command=command)]

@@ -23,7 +23,7 @@ from gpuflow.tasks.spec import JobSpec
 from gpuflow.tasks.storage import StorageError, check_writable, s3_settings
 
 
-class RenderKind(JobKind):
+class RenderKind(JobKind[RenderJob]):
     name = "render"
     model = RenderJob
     result = RenderResult
@@ -31,13 +31,13 @@ class RenderKind(JobKind):
     schedules_units = True  # chunks are handed out as GPU slots free up
 
     def needs(self, spec: JobSpec) -> Needs:
-        assert isinstance(spec.job, RenderJob)
-        return Needs(inputs={"job.scene": spec.job.scene, "job.output": spec.job.output})
+        job = self.job_of(spec)
+        return Needs(inputs={"job.scene": job.scene, "job.output": job.output})
 
     def check(self, spec: JobSpec, where: Capabilities) -> None:
-        assert isinstance(spec.job, RenderJob)
+        job = self.job_of(spec)
         if not where.runs_here:
-            for field, url in (("job.scene", spec.job.scene), ("job.output", spec.job.output)):
+            for field, url in (("job.scene", job.scene), ("job.output", job.output)):
                 if not url.startswith("s3://"):
                     raise InvalidSpec(
                         f"{field}: {url} is not in S3, and on {spec.placement.backend} chunks"
@@ -46,18 +46,18 @@ class RenderKind(JobKind):
                     )
         try:
             settings = s3_settings(spec)
-            check_writable(spec.job.output, settings)
+            check_writable(job.output, settings)
             scene.plan(spec, settings, here=where.runs_here)
         except StorageError as exc:
             raise InvalidSpec(str(exc)) from None
 
     def nothing_to_do(self, spec: JobSpec, where: Capabilities) -> str | None:
-        assert isinstance(spec.job, RenderJob)
+        job = self.job_of(spec)
         settings = s3_settings(spec)
         plan = scene.plan(spec, settings, where.runs_here)
         if stage.frames_to_render(spec, plan, settings):
             return None
-        return f"all {len(plan.frames)} frames are already in {spec.job.output}"
+        return f"all {len(plan.frames)} frames are already in {job.output}"
 
     def preflight_rows(self, spec: JobSpec, cluster: Cluster) -> list[dict[str, str]]:
         return scene.preflight_checks(spec, s3_settings(spec), cluster.capabilities.runs_here)

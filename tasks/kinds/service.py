@@ -21,7 +21,7 @@ from gpuflow.tasks.service.serve import serve
 from gpuflow.tasks.spec import JobSpec
 
 
-class ServiceKind(JobKind):
+class ServiceKind(JobKind[ServiceJob]):
     name = "service"
     model = ServiceJob
     result = ServiceResult
@@ -31,8 +31,7 @@ class ServiceKind(JobKind):
         """Return `spec` as the backend provisions it: where the replicas share the run's
         node, room for replicas.max of them (resources.gpus each); where the backend keeps
         them itself (a Deployment), each replica's GPUs."""
-        job = spec.job
-        assert isinstance(job, ServiceJob)
+        job = self.job_of(spec)
         if job.replica_gpus is not None:
             return spec  # sized already (a retried attempt, a pool's next candidate)
         each = spec.resources.gpus
@@ -52,8 +51,7 @@ class ServiceKind(JobKind):
         )
 
     def needs(self, spec: JobSpec) -> Needs:
-        job = spec.job
-        assert isinstance(job, ServiceJob)
+        job = self.job_of(spec)
         # the endpoint runs beside the replicas, or on this machine in front of claims
         programs = {} if job.replica_claims else {"job (its endpoint, HAProxy)": "haproxy"}
         program = job.command[0]
@@ -62,8 +60,7 @@ class ServiceKind(JobKind):
         return Needs(programs=programs)
 
     def check(self, spec: JobSpec, where: Capabilities) -> None:
-        job = spec.job
-        assert isinstance(job, ServiceJob)
+        job = self.job_of(spec)
         gpus = job.replica_gpus if job.replica_gpus is not None else spec.resources.gpus
         if job.scaling.gpu_util is not None and gpus == 0:
             raise InvalidSpec(

@@ -14,7 +14,7 @@ from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.kinds.base import Report
 from gpuflow.tasks.kinds.service import ServiceKind
 from gpuflow.tasks.service.serve import serve
-from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.spec import JobSpec, job_as
 from gpuflow.tasks.stream import encode
 from gpuflow.tasks.stream.model import StreamFigures, StreamJob
 
@@ -30,8 +30,7 @@ class StreamKind(ServiceKind):
         return "stream" if where.runs_here else None  # the session's encoder (PyAV)
 
     def check(self, spec: JobSpec, where: Capabilities) -> None:
-        job = spec.job
-        assert isinstance(job, StreamJob)
+        job = job_as(spec, StreamJob)
         if where.serves_replicas:
             raise InvalidSpec(
                 f"placement.backend: a stream session needs gpuflow's own endpoint, which"
@@ -64,8 +63,7 @@ class StreamKind(ServiceKind):
 
     def schedule(self, spec: JobSpec, runner: UnitRunner, deadline: float) -> RunOutcome:
         """Serve the session; its replicas push their figures to the run's Pushgateway."""
-        job = spec.job
-        assert isinstance(job, StreamJob)
+        job = job_as(spec, StreamJob)
         # a replica on this machine listens on loopback, behind the endpoint; on a fleet's
         # host where the endpoint here reaches it
         command = [*job.command, f"--host={'0.0.0.0' if job.replica_claims else '127.0.0.1'}"]
@@ -85,8 +83,7 @@ class StreamKind(ServiceKind):
     def preflight_rows(self, spec: JobSpec, cluster: Cluster) -> list[dict[str, str]]:
         """How the session will encode, and the largest size and rate this host keeps up
         with, from a short encode at each size (where the session runs here)."""
-        job = spec.job
-        assert isinstance(job, StreamJob)
+        job = job_as(spec, StreamJob)
         if not cluster.capabilities.runs_here:
             return [
                 {

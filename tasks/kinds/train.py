@@ -25,15 +25,14 @@ from gpuflow.tasks.training.validate import check_train
 RENDEZVOUS_PORT = 29400
 
 
-class TrainKind(JobKind):
+class TrainKind(JobKind[TrainJob]):
     name = "train"
     model = TrainJob
     result = TrainResult
     flow = None  # `gpuflow run` trains inside gpu_pipeline; deployments use gpuflow.flows.train
 
     def needs(self, spec: JobSpec) -> Needs:
-        job = spec.job
-        assert isinstance(job, TrainJob)
+        job = self.job_of(spec)
         inputs = {"job.dataset": job.dataset, "job.output": job.output}
         if job.eval_dataset:
             inputs["job.eval_dataset"] = job.eval_dataset
@@ -51,8 +50,7 @@ class TrainKind(JobKind):
         check_train(spec, settings, where.runs_here)
 
     def units(self, spec: JobSpec, cluster: Cluster) -> list[WorkUnit]:
-        job = spec.job
-        assert isinstance(job, TrainJob)
+        job = self.job_of(spec)
         per_node = cluster.gpus_per_node or job.cpu_processes
         command = [sys.executable, "-m", "gpuflow.tasks.training.launch", "--job-json"]
         command += [job.model_dump_json(), "--run-name", spec.name]

@@ -29,7 +29,7 @@ from gpuflow.tasks.render import logparse
 from gpuflow.tasks.render.argv import ENGINES, EXTENSIONS, FORMATS, MOVIE_FORMATS, safe_path
 from gpuflow.tasks.render.frames import label, outside, parse_frames
 from gpuflow.tasks.render.model import RenderJob
-from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.spec import JobSpec, job_as
 from gpuflow.tasks.storage import ObjectMissing, S3Settings, StorageError, store_for
 
 INSPECT_SCRIPT = Path(__file__).with_name("blender_inspect.py")
@@ -268,8 +268,7 @@ def plan(spec: JobSpec, s3: S3Settings | None, here: bool) -> RenderPlan:
 
 
 def _plan(spec: JobSpec, s3: S3Settings | None, here: bool) -> RenderPlan:
-    job = spec.job
-    assert isinstance(job, RenderJob)
+    job = job_as(spec, RenderJob)
     program = blender_program(job)
     blend = find_blend(fetch(job.scene, s3), job.blend)
     # in pods, the GPUs are not this host's: Blender here reads the scene, not the devices
@@ -383,8 +382,7 @@ def _engine(job: RenderJob, info: SceneInfo) -> str:
 def preflight_checks(spec: JobSpec, s3: S3Settings | None, here: bool) -> list[dict[str, str]]:
     """Return preflight findings for a render: Blender's version and its Cycles devices
     (from the cached inspection), each as {name, level, message}."""
-    job = spec.job
-    assert isinstance(job, RenderJob)
+    job = job_as(spec, RenderJob)
     found = plan(spec, s3, here)
     devices = ", ".join(
         f"{kind}: {', '.join(names) or 'none'}" for kind, names in found.info.devices.items()

@@ -54,7 +54,7 @@ from gpuflow.tasks.render.output import (
 )
 from gpuflow.tasks.render.result import RenderResult
 from gpuflow.tasks.render.units import chunk_unit, slots
-from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.spec import JobSpec, job_as
 from gpuflow.tasks.storage import s3_settings, store_for
 
 # Failures after which Blender still renders every frame, but not as asked.
@@ -135,8 +135,7 @@ def render_chunk(
     """Render those of `frames` not yet in storage on `slot` (node, GPU); raise
     ChunkCrashed (retried) when Blender died, ChunkFailed when the scene or settings are
     at fault."""
-    job = spec.job
-    assert isinstance(job, RenderJob)
+    job = job_as(spec, RenderJob)
     runner = progress.runner
     cluster = runner.cluster
     todo = [f for f in frames if f not in progress.done(frames)]
@@ -297,8 +296,7 @@ def _chunk_error(
 
 def frames_to_render(spec: JobSpec, plan: scenes.RenderPlan, s3: Any) -> list[int]:
     """Return the planned frames not yet present and valid in storage."""
-    job = spec.job
-    assert isinstance(job, RenderJob)
+    job = job_as(spec, RenderJob)
     pattern, _ = output_pattern(job.pattern)
     found, _ = existing_frames(
         store_for(job.output, s3),
@@ -326,8 +324,7 @@ def render_frames(
 ) -> tuple[RunOutcome, RenderResult]:
     """Render every planned frame not yet in storage; return the outcome (a failure
     sentence when a chunk failed for good) and the figures for result.json."""
-    job = spec.job
-    assert isinstance(job, RenderJob)
+    job = job_as(spec, RenderJob)
     logger = get_run_logger()
     cluster = runner.cluster
     s3 = s3_settings(spec)
@@ -396,8 +393,7 @@ def _chunks(
     """Hand `todo` out in chunks (sized as they go) to the free slots, a chunk task per
     slot at a time; return the chunks' results, the first failure for good, and the first
     error the run's pool moves on for (no chunk starts after either)."""
-    job = spec.job
-    assert isinstance(job, RenderJob)
+    job = job_as(spec, RenderJob)
     runner = progress.runner
     sizer = ChunkSizer(job.chunk, plan.info.load_s, len(free_slots))
     # what the run's pool hands to its next candidate is not retried here
@@ -480,8 +476,7 @@ def _write_report(
     spec: JobSpec,
     store: Any,
 ) -> None:
-    job = spec.job
-    assert isinstance(job, RenderJob)
+    job = job_as(spec, RenderJob)
     outputs.mkdir(parents=True, exist_ok=True)
     (outputs / "frames.json").write_text(
         json.dumps([r.model_dump() for r in sorted(records, key=lambda r: r.frame)], indent=1)

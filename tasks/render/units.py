@@ -14,13 +14,12 @@ from gpuflow.tasks.render.frames import ChunkSizer, blender_frames
 from gpuflow.tasks.render.model import RenderJob
 from gpuflow.tasks.render.pod_chunk import PodChunk
 from gpuflow.tasks.render.scene import blender_program
-from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.spec import JobSpec, job_as
 
 
 def workers(spec: JobSpec, cluster: Cluster) -> int:
     """Return how many chunks render at once: job.max_workers, else one per GPU."""
-    assert isinstance(spec.job, RenderJob)
-    return spec.job.max_workers or max(1, cluster.gpus_per_node * cluster.nodes)
+    return job_as(spec, RenderJob).max_workers or max(1, cluster.gpus_per_node * cluster.nodes)
 
 
 def chunk_unit(
@@ -34,8 +33,7 @@ def chunk_unit(
 ) -> WorkUnit:
     """Return the unit that renders `frames` on `slot` (node, GPU or None): Blender writing
     into `scratch` on this host, or in a pod, the chunk program (gpuflow.tasks.render.pod_chunk)."""
-    job = spec.job
-    assert isinstance(job, RenderJob)
+    job = job_as(spec, RenderJob)
     pattern, _ = output_pattern(job.pattern)
     settings = settings_of(job, plan.device)
     if cluster.capabilities.runs_here:
@@ -103,8 +101,7 @@ def units_for(
 ) -> list[WorkUnit]:
     """Return the chunks that render `frames` (default: the plan's) as the render stage
     first hands them out, before any chunk's timing is known."""
-    job = spec.job
-    assert isinstance(job, RenderJob)
+    job = job_as(spec, RenderJob)
     pending = list(plan.frames if frames is None else frames)
     free = slots(spec, cluster)
     sizer = ChunkSizer(job.chunk, plan.info.load_s, len(free))

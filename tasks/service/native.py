@@ -15,15 +15,14 @@ from gpuflow.tasks.host import write_atomic
 from gpuflow.tasks.service import report
 from gpuflow.tasks.service import serve as local
 from gpuflow.tasks.service.model import PORT_VARIABLE, ServiceJob, ServiceResult
-from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.spec import JobSpec, job_as
 
 DEFAULT_PORT = 8080  # where replicas listen, and the Service's port, when job.port is not set
 
 
 def replicated(spec: JobSpec) -> Replicated:
     """Return the service of `spec` as a backend keeps it."""
-    job = spec.job
-    assert isinstance(job, ServiceJob)
+    job = job_as(spec, ServiceJob)
     port = job.port or DEFAULT_PORT
     gpus = job.replica_gpus if job.replica_gpus is not None else spec.resources.gpus
     return Replicated(

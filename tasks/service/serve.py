@@ -43,7 +43,7 @@ from gpuflow.tasks.service.model import (
 )
 from gpuflow.tasks.service.restarts import STABLE_S, Restarts, listening_elsewhere
 from gpuflow.tasks.service.scaling import Load, Scaler
-from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.spec import JobSpec, job_as
 
 logger = logging.getLogger(__name__)
 TICK_S = 0.25  # how often the scaler looks (a waiting request wakes it at once)
@@ -114,8 +114,7 @@ class Service:
     def __init__(
         self, spec: JobSpec, runner: UnitRunner, deadline: float, key: str | None = None
     ) -> None:
-        job = spec.job
-        assert isinstance(job, ServiceJob)
+        job = job_as(spec, ServiceJob)
         self.job: ServiceJob = job
         self.spec, self.runner, self.deadline = spec, runner, deadline
         cluster = runner.cluster

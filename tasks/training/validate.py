@@ -9,7 +9,7 @@ from typing import Any
 
 from gpuflow.tasks import nvml
 from gpuflow.tasks.errors import InvalidSpec
-from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.spec import JobSpec, job_as
 from gpuflow.tasks.storage import S3Settings, StorageError, join, store_for
 from gpuflow.tasks.training import checkpoint as ckpt
 from gpuflow.tasks.training import data
@@ -50,8 +50,7 @@ def check_train(spec: JobSpec, s3: S3Settings | None, here: bool) -> None:
     """Raise InvalidSpec when the train job cannot run as written; makes nothing but a
     probe. With `here`, ranks run on this host and its GPUs count; elsewhere each node has
     the GPUs asked for."""
-    job = spec.job
-    assert isinstance(job, TrainJob)
+    job = job_as(spec, TrainJob)
     host_gpus = len(nvml.query().gpus) if here else spec.resources.gpus
     ranks = ranks_for(spec, job, host_gpus) * spec.resources.nodes
     if job.strategy == "fsdp" and not (spec.resources.gpus and host_gpus):
