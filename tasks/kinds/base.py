@@ -72,8 +72,14 @@ class JobKind(Generic[J]):
         return None
 
     def uses_torch(self, spec: JobSpec) -> bool:
-        """Return True when preflight should check torch and its CUDA for this job."""
-        return bool(getattr(spec.job, "torch", False))
+        """Return True when preflight should check torch and its CUDA for this job (the
+        kinds whose model has a `torch` field say so from it)."""
+        return False
+
+    def batch_size(self, spec: JobSpec) -> int | None:
+        """Return the job's samples per step, for a diagnosis of running out of GPU
+        memory; None for a kind that has none."""
+        return None
 
     def needs(self, spec: JobSpec) -> Needs:
         """Return what the job needs from the backend: programs it starts, files it reads

@@ -134,6 +134,9 @@ class CommandKind(JobKind[CommandJob]):
         shown = python if real == python else f"{python} (-> {real})"
         return [{"name": "python", "level": "pass", "message": f"the job runs {shown}."}]
 
+    def uses_torch(self, spec: JobSpec) -> bool:
+        return self.job_of(spec).torch
+
     def needs(self, spec: JobSpec) -> Needs:
         job = self.job_of(spec)
         program = job.argv()[0]

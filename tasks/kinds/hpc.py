@@ -30,6 +30,9 @@ class HpcKind(JobKind[HpcJob]):
     result = MdResult
     flow = "gpuflow.flows.hpc:hpc"
 
+    def uses_torch(self, spec: JobSpec) -> bool:
+        return self.job_of(spec).torch
+
     def needs(self, spec: JobSpec) -> Needs:
         job = self.job_of(spec)
         inputs = {f"job.inputs[{i}]": url for i, url in enumerate(job.inputs)}
@@ -47,7 +50,9 @@ class HpcKind(JobKind[HpcJob]):
     def hosts(self, spec: JobSpec, cluster: Cluster) -> list[Any]:
         """Return the hosts mpirun spreads the ranks over: the job's, else every node."""
 
-        return hosts_for(self.job_of(spec), cluster.gpus_per_node, cluster.hosts(), cluster.cpus_per_node)
+        return hosts_for(
+            self.job_of(spec), cluster.gpus_per_node, cluster.hosts(), cluster.cpus_per_node
+        )
 
     def preflight_rows(self, spec: JobSpec, cluster: Cluster) -> list[dict[str, str]]:
 

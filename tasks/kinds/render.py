@@ -30,6 +30,9 @@ class RenderKind(JobKind[RenderJob]):
     flow = "gpuflow.flows.render:render"
     schedules_units = True  # chunks are handed out as GPU slots free up
 
+    def uses_torch(self, spec: JobSpec) -> bool:
+        return self.job_of(spec).torch
+
     def needs(self, spec: JobSpec) -> Needs:
         job = self.job_of(spec)
         return Needs(inputs={"job.scene": job.scene, "job.output": job.output})

@@ -50,6 +50,9 @@ class ServiceKind(JobKind[ServiceJob]):
             }
         )
 
+    def uses_torch(self, spec: JobSpec) -> bool:
+        return self.job_of(spec).torch
+
     def needs(self, spec: JobSpec) -> Needs:
         job = self.job_of(spec)
         # the endpoint runs beside the replicas, or on this machine in front of claims

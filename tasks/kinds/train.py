@@ -31,6 +31,12 @@ class TrainKind(JobKind[TrainJob]):
     result = TrainResult
     flow = None  # `gpuflow run` trains inside gpu_pipeline; deployments use gpuflow.flows.train
 
+    def uses_torch(self, spec: JobSpec) -> bool:
+        return self.job_of(spec).torch
+
+    def batch_size(self, spec: JobSpec) -> int | None:
+        return self.job_of(spec).batch_size
+
     def needs(self, spec: JobSpec) -> Needs:
         job = self.job_of(spec)
         inputs = {"job.dataset": job.dataset, "job.output": job.output}

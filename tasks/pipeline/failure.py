@@ -8,6 +8,7 @@ from typing import Any
 
 from gpuflow.tasks.contract import Cluster, JobResult
 from gpuflow.tasks.diagnose import diagnose
+from gpuflow.tasks.kinds.registry import kind_of
 from gpuflow.tasks.metrics.sampler import SAMPLES, read_samples
 from gpuflow.tasks.spec import JobSpec
 
@@ -22,7 +23,7 @@ def failure_context(spec: JobSpec, cluster: Cluster) -> dict[str, Any]:
     ]
     return {
         "peak_gpu_memory_mib": max(peaks, default=0.0),
-        "batch_size": getattr(spec.job, "batch_size", None),
+        "batch_size": kind_of(spec).batch_size(spec),
     }
 
 

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import psutil
 
@@ -94,6 +94,9 @@ from gpuflow.tasks.saved_blocks import load_block
 from gpuflow.tasks.spec import JobSpec, Placement, placement_as
 from gpuflow.tasks.storage import S3Settings
 
+if TYPE_CHECKING:
+    from gpuflow.blocks.slurm_cluster import SlurmCluster
+
 # squeue's states of a job that still holds (or waits for) its allocation
 
 
@@ -129,7 +132,7 @@ class SlurmBackend(UnitBackend):
         return cls(state_of(cluster, SlurmState).block)
 
     @functools.cached_property
-    def settings(self) -> Any:
+    def settings(self) -> SlurmCluster | None:
         """Return the SlurmCluster block (read once), None without one."""
         if self.block is None:
             return None
