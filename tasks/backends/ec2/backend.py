@@ -76,7 +76,7 @@ from gpuflow.tasks.host import gpuflow_home
 from gpuflow.tasks.metrics.cost import ListPrices, PriceTable
 from gpuflow.tasks.metrics.sampler import SAMPLES
 from gpuflow.tasks.placement import resolve
-from gpuflow.tasks.spec import JobSpec, Placement, placement_as
+from gpuflow.tasks.spec import JobSpec, MetricsSettings, Placement, placement_as
 from gpuflow.tasks.storage import S3Settings
 
 STATE_EVERY_S = 5.0
@@ -158,7 +158,12 @@ class Ec2State(BaseModel):
     block: str | None = None
     control: str = ""  # the run's mailbox
     security_group: str | None = None
-    spec: dict[str, Any] = {}  # the run's spec as JSON (JobSpec.model_validate reads it)
+    # what each unit's start reads (typed, never the spec re-read)
+    job: str = ""  # the job's name, in its metrics
+    stop_grace_s: float = 30.0
+    metrics: MetricsSettings = MetricsSettings()
+    # the run's spec as JSON: read only to launch instances again after a loss (its offers)
+    spec: dict[str, Any] = {}
     tags: dict[str, str] = {}  # put on everything the run makes
     instances: list[Ec2Node] = []  # node 0 first
     offer: Offer | None = None  # what the instances were launched from
@@ -334,6 +339,9 @@ class Ec2Backend(UnitBackend):
                 block=self.block,
                 control=mailbox.url,
                 security_group=group or None,
+                job=spec.name,
+                stop_grace_s=spec.limits.stop_grace_s,
+                metrics=spec.metrics,
                 spec=spec.model_dump(mode="json"),
                 tags=tags,
             ).model_dump(mode="json"),
@@ -376,7 +384,6 @@ class Ec2Backend(UnitBackend):
         lost or told of an interruption are terminated and replaced (all of them: a job
         is all or nothing)."""
         state = state_of(cluster, Ec2State)
-        spec = JobSpec.model_validate(state.spec)
         run_id = cluster.owner[RUN_LABEL]
         with _lock(run_id):
             live = launching.owned_instances(ec2, run_id, ["pending", "running"])
@@ -387,13 +394,14 @@ class Ec2Backend(UnitBackend):
             known = state.instances
             vanished = {n.instance_id for n in known} - {i["InstanceId"] for i in live}
             lost = sorted((vanished | ({i["InstanceId"] for i in live} & noticed)) - replaced)
-            if live and len(live) == spec.resources.nodes and not lost:
-                return self._ready(fleet, mailbox, live, spec), None, True
+            if live and len(live) == cluster.nodes and not lost:
+                return self._ready(fleet, mailbox, live), None, True
             for instance in lost:
                 mailbox.put_json(f"lost/{instance}", {"at": datetime.now(UTC).isoformat()})
             if live:  # a partial set, or one that was warned: replace them all
                 launching.remove(ec2, run_id, _say, group=None)
             losses = len(mailbox.keys("lost/"))
+            spec = JobSpec.model_validate(state.spec)  # read only to launch: its offers, sizes
             offers = self._offers(spec, losses)
             config = AgentConfig(
                 run_id=run_id,
@@ -424,7 +432,7 @@ class Ec2Backend(UnitBackend):
             except Exception as exc:
                 raise aws_error(exc, fleet, "launch the run's instances") from None
             live = launching.owned_instances(ec2, run_id, ["pending", "running"])
-            return self._ready(fleet, mailbox, live, spec), made.offer, made.adopted
+            return self._ready(fleet, mailbox, live), made.offer, made.adopted
 
     def _offers(self, spec: JobSpec, losses: int) -> list[Offer]:
 
@@ -442,9 +450,7 @@ class Ec2Backend(UnitBackend):
             offers = [o for o in offers if o.market == "on-demand"]
         return offers
 
-    def _ready(
-        self, fleet: Fleet, mailbox: Mailbox, live: list[dict], spec: JobSpec
-    ) -> list[Ec2Node]:
+    def _ready(self, fleet: Fleet, mailbox: Mailbox, live: list[dict]) -> list[Ec2Node]:
         """Wait until every instance's agent said it is ready; return the nodes in launch
         order. ProvisionError when one is not ready within the fleet's boot timeout."""
         order = sorted(live, key=lambda i: (i.get("AmiLaunchIndex", 0), i["InstanceId"]))
@@ -483,8 +489,7 @@ class Ec2Backend(UnitBackend):
         ec2, s3, secrets = self._clients(fleet)
         run_id = cluster.owner[RUN_LABEL]
         mailbox = Mailbox(s3, fleet.control_prefix or "", run_id)
-        spec = JobSpec.model_validate(state.spec)
-        self._beat(mailbox, spec.limits.orphan_after)
+        self._beat(mailbox, float(state.tags[ORPHAN_TAG]))  # as provision set it
         self._put_secret(secrets, run_id, state.tags, dict(env))
         nodes, _, _ = self._nodes(cluster, fleet, ec2, mailbox)
         instance = nodes[unit.node].instance_id
@@ -499,12 +504,12 @@ class Ec2Backend(UnitBackend):
             node=unit.node,
             nodes=cluster.nodes,
             # the agent's own guard; this side stops first (after the grace, at most a stop's)
-            timeout_s=timeout_s + spec.limits.stop_grace_s + 60,
+            timeout_s=timeout_s + state.stop_grace_s + 60,
             metrics={
-                "interval_s": spec.metrics.interval_s,
-                "pushgateway": spec.metrics.pushgateway,
-                "push_interval_s": spec.metrics.push_interval_s,
-                "job": spec.name,
+                "interval_s": state.metrics.interval_s,
+                "pushgateway": state.metrics.pushgateway,
+                "push_interval_s": state.metrics.push_interval_s,
+                "job": state.job,
             },
         )
         mailbox.put(unit_key(instance, name, "unit.json"), spec_unit.model_dump_json())
