@@ -135,3 +135,16 @@ def test_preflight_of_every_backend_is_rows_or_one_sentence(
         assert sentence.startswith("gpuflow: invalid input: placement"), sentence
     else:
         assert done.returncode in (0, 1) and "verdict: " in done.stdout, said
+
+
+def test_a_backend_that_says_it_adds_nodes_must_have_the_verbs():
+    """Capabilities are checked against the verbs when a backend is registered."""
+    from gpuflow.tasks.contract import Capabilities
+
+    class Boasting(ToyBackend):
+        name = "boasting"
+        capabilities = Capabilities(runs_here=True, where="here", adds_nodes=True)
+
+    with pytest.raises(TypeError, match="'boasting' says it can but lacks AddsNodes"):
+        registry.register(Boasting)
+    assert "boasting" not in registry.names()

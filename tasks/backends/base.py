@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, Self
+from typing import Any, ClassVar, Protocol, Self, runtime_checkable
 
 from gpuflow.tasks.contract import (
     Capabilities,
@@ -441,6 +441,7 @@ class Backend(Protocol):
         each run stands; with `dry_run`, only say what would go. Idempotent."""
 
 
+@runtime_checkable
 class AddsNodes(Protocol):
     """A backend whose runs may claim a node more, and give one back, while they run
     (`Capabilities.adds_nodes`): a fleet, where each is a host's GPUs."""
@@ -457,6 +458,7 @@ class AddsNodes(Protocol):
         ...
 
 
+@runtime_checkable
 class ServesReplicas(Protocol):
     """A backend that keeps a service's replicas itself (`Capabilities.serves_replicas`):
     Kubernetes, a Deployment behind a Service, scaled by a HorizontalPodAutoscaler."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from gpuflow.tasks.backends import elastic
-from gpuflow.tasks.backends.base import Backend
+from gpuflow.tasks.backends.base import AddsNodes, Backend, ServesReplicas
 from gpuflow.tasks.backends.ec2.backend import Ec2Backend
 from gpuflow.tasks.backends.ec2.fleet_nodes import Ec2FleetNodes
 from gpuflow.tasks.backends.fleet.backend import FleetBackend
@@ -25,7 +25,13 @@ BUILT_IN = tuple(b.name for b in _BUILT_IN_CLASSES)
 
 
 def register(backend: type[Backend]) -> type[Backend]:
-    """Add a backend class under its `name`, and its placement model to the spec; return it."""
+    """Add a backend class under its `name`, and its placement model to the spec; return it.
+    A backend whose capabilities say it adds nodes or serves replicas must have the verbs
+    (AddsNodes, ServesReplicas): TypeError otherwise, when it is registered."""
+    for says, verbs in ((backend.capabilities.adds_nodes, AddsNodes),
+                        (backend.capabilities.serves_replicas, ServesReplicas)):  # fmt: skip
+        if says and not issubclass(backend, verbs):
+            raise TypeError(f"backend {backend.name!r} says it can but lacks {verbs.__name__}")
     _BACKENDS[backend.name] = backend
     add_placement_model(backend.name, backend.placement_model)
     add_list_prices(backend.name, backend.list_prices)

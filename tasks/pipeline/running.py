@@ -20,7 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
 from gpuflow.tasks import secrets
-from gpuflow.tasks.backends.base import Backend
+from gpuflow.tasks.backends.base import AddsNodes, Backend, ServesReplicas
 from gpuflow.tasks.backends.registry import backend_for
 from gpuflow.tasks.contract import (
     Cluster,
@@ -36,6 +36,7 @@ from gpuflow.tasks.errors import (
     ERROR_FILE,
     PREEMPTED_EXIT_CODE,
     PreemptedError,
+    ProvisionError,
     retry_unless,
 )
 from gpuflow.tasks.kinds.registry import kind_of
@@ -259,7 +260,9 @@ class PipelineRunner:
         self, app: Replicated, on_change: Callable[[dict[str, Any]], None], deadline: float
     ) -> JobResult:
         """Have the run's backend keep `app` (a backend that serves replicas itself)."""
-        backend: Any = self.backend
+        backend = self.backend
+        if not isinstance(backend, ServesReplicas):
+            raise ProvisionError(f"the {self.cluster.backend} backend does not serve replicas")
         with unit_running():
             return backend.serve(
                 self.cluster,
@@ -273,7 +276,9 @@ class PipelineRunner:
 
     def add_node(self, deadline: float, stop: StopCheck | None = None) -> int:
         """Claim a node more for the run (a backend that `adds_nodes`); return its index."""
-        backend: Any = self.backend
+        backend = self.backend
+        if not isinstance(backend, AddsNodes):
+            raise ProvisionError(f"the {self.cluster.backend} backend does not add nodes")
         added = backend.add_node(self.cluster, deadline, stop)  # the new node is its last
         with self._nodes_lock:  # claims made side by side: the run's cluster knows all
             if len(added.node_addresses) > len(self.cluster.node_addresses):
@@ -288,8 +293,9 @@ class PipelineRunner:
 
     def drop_node(self, node: int) -> None:
         """Give back a node of the run's (its units ended)."""
-        backend: Any = self.backend
-        backend.drop_node(self.cluster, node)
+        backend = self.backend
+        if isinstance(backend, AddsNodes):
+            backend.drop_node(self.cluster, node)
 
     def stopping(self) -> bool:
         return self._stop()
