@@ -148,3 +148,16 @@ def test_a_backend_that_says_it_adds_nodes_must_have_the_verbs():
     with pytest.raises(TypeError, match="'boasting' says it can but lacks AddsNodes"):
         registry.register(Boasting)
     assert "boasting" not in registry.names()
+
+
+def test_the_import_contract_keeps_every_built_in_backend_apart():
+    """import-linter's contract is static text: it must name every built-in backend's
+    package (a backend added without it fails here)."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["importlinter"]
+    [apart] = [c for c in config["contracts"] if c["type"] == "independence"]
+    packages = {registry.backend_class(n).__module__.rsplit(".", 1)[0] for n in registry.BUILT_IN}
+    assert set(apart["modules"]) == packages
