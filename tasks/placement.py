@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from gpuflow.tasks.metrics.cost import PriceTable
 from gpuflow.tasks.saved_blocks import load_block
-from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.spec import JobSpec, Placement
 
 
 def resolve(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
@@ -13,6 +13,11 @@ def resolve(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
     placement.price_table names over the defaults. The backend then applies its own
     placement block (`Backend.configure`)."""
     return spec, _price_table(spec.placement.price_table)
+
+
+def prices_for(placement: Placement) -> PriceTable:
+    """Return the prices `placement` uses (its price_table's block over the defaults)."""
+    return _price_table(placement.price_table)
 
 
 def needs_api(spec: JobSpec) -> bool:

@@ -49,7 +49,7 @@ from gpuflow.tasks.backends.ec2.catalog import (
     fleet_named,
 )
 from gpuflow.tasks.backends.ec2.mailbox import HEARTBEAT, Mailbox, unit_key
-from gpuflow.tasks.backends.ec2.placement import Ec2Placement
+from gpuflow.tasks.backends.ec2.placement import Ec2Ask, Ec2Placement
 from gpuflow.tasks.backends.ec2.reap import (
     CONTROL_TAG,
     ORPHAN_TAG,
@@ -75,7 +75,7 @@ from gpuflow.tasks.errors import PREEMPTED_EXIT_CODE, CapacityError, InvalidSpec
 from gpuflow.tasks.host import gpuflow_home
 from gpuflow.tasks.metrics.cost import ListPrices, PriceTable
 from gpuflow.tasks.metrics.sampler import SAMPLES
-from gpuflow.tasks.placement import resolve
+from gpuflow.tasks.placement import prices_for, resolve
 from gpuflow.tasks.spec import JobSpec, MetricsSettings, Placement, placement_as
 from gpuflow.tasks.storage import S3Settings
 
@@ -162,8 +162,8 @@ class Ec2State(BaseModel):
     job: str = ""  # the job's name, in its metrics
     stop_grace_s: float = 30.0
     metrics: MetricsSettings = MetricsSettings()
-    # the run's spec as JSON: read only to launch instances again after a loss (its offers)
-    spec: dict[str, Any] = {}
+    # what EC2 is asked for: read to launch the instances again after a loss (never the spec)
+    ask: Ec2Ask | None = None
     tags: dict[str, str] = {}  # put on everything the run makes
     instances: list[Ec2Node] = []  # node 0 first
     offer: Offer | None = None  # what the instances were launched from
@@ -342,7 +342,7 @@ class Ec2Backend(UnitBackend):
                 job=spec.name,
                 stop_grace_s=spec.limits.stop_grace_s,
                 metrics=spec.metrics,
-                spec=spec.model_dump(mode="json"),
+                ask=Ec2Ask.of(spec),
                 tags=tags,
             ).model_dump(mode="json"),
         )
@@ -401,16 +401,18 @@ class Ec2Backend(UnitBackend):
             if live:  # a partial set, or one that was warned: replace them all
                 launching.remove(ec2, run_id, _say, group=None)
             losses = len(mailbox.keys("lost/"))
-            spec = JobSpec.model_validate(state.spec)  # read only to launch: its offers, sizes
-            offers = self._offers(spec, losses)
+            if state.ask is None:
+                raise ProvisionError(f"{cluster.name}: its record says not what to launch")
+            ask = state.ask
+            offers = self._offers(ask, losses)
             config = AgentConfig(
                 run_id=run_id,
                 control=fleet.control_prefix or "",
                 region=fleet.region,
                 endpoint_url=_endpoint(fleet),
                 secret_id=secret_name(run_id),
-                orphan_after_s=spec.limits.orphan_after,
-                deadline_s=spec.limits.max_duration + spec.limits.stop_grace_s + 300,
+                orphan_after_s=ask.limits.orphan_after,
+                deadline_s=ask.limits.max_duration + ask.limits.stop_grace_s + 300,
                 prefect_api_url=prefect_api_url(),
             )
             tags, group = state.tags, state.security_group
@@ -418,8 +420,8 @@ class Ec2Backend(UnitBackend):
                 made = launching.launch(
                     ec2,
                     offers,
-                    spec.resources.nodes,
-                    max(8, int(spec.resources.disk / 2**30)),
+                    ask.resources.nodes,
+                    max(8, int(ask.resources.disk / 2**30)),
                     fleet.image_id or "",
                     user_data(fleet, config, self._own_wheel(mailbox)),
                     tags,
@@ -434,18 +436,15 @@ class Ec2Backend(UnitBackend):
             live = launching.owned_instances(ec2, run_id, ["pending", "running"])
             return self._ready(fleet, mailbox, live), made.offer, made.adopted
 
-    def _offers(self, spec: JobSpec, losses: int) -> list[Offer]:
-
-        _, prices = resolve(spec)
-        _, offers = find_offers(spec, prices, self.settings)
-        market = placement_as(spec, Ec2Placement).market
-        if (
-            market == "spot-then-on-demand"
-            and losses >= placement_as(spec, Ec2Placement).on_demand_after
-        ):
+    def _offers(self, ask: Ec2Ask, losses: int) -> list[Offer]:
+        """Return what to launch from (after `losses` spot interruptions, on-demand only
+        where the placement says so)."""
+        _, offers = find_offers(ask, prices_for(ask.placement), self.settings)
+        market, after = ask.placement.market, ask.placement.on_demand_after
+        if market == "spot-then-on-demand" and losses >= after:
             _say(
                 f"{losses} spot interruption(s) so far (placement.on_demand_after"
-                f" {placement_as(spec, Ec2Placement).on_demand_after}): renting on-demand"
+                f" {after}): renting on-demand"
             )
             offers = [o for o in offers if o.market == "on-demand"]
         return offers

@@ -17,12 +17,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from gpuflow.tasks.backends.ec2.placement import Ec2Placement
+from gpuflow.tasks.backends.ec2.placement import Ec2Ask
 from gpuflow.tasks.errors import InvalidSpec, Unreachable
 from gpuflow.tasks.gpus import canonical_product, product_from_ec2
 from gpuflow.tasks.metrics.cost import HOURS_PER_MONTH, PriceTable
 from gpuflow.tasks.saved_blocks import load_block
-from gpuflow.tasks.spec import JobSpec, placement_as
+from gpuflow.tasks.spec import JobSpec
 from gpuflow.tasks.storage import S3Settings, StorageError
 
 BACKEND = "ec2"
@@ -99,7 +99,7 @@ class Fleet(BaseModel):
         return f"{setting} (no Ec2GpuFleet in placement.block: AWS_* variables and defaults)"
 
 
-def fleet_of(spec: JobSpec) -> Fleet:
+def fleet_of(spec: JobSpec | Ec2Ask) -> Fleet:
     """Return the fleet settings `placement.block` names (an Ec2GpuFleet), else defaults
     with the region of AWS_DEFAULT_REGION / AWS_REGION."""
     return fleet_named(spec.placement.block)
@@ -273,7 +273,7 @@ def spot_prices(ec2: Any, types: list[str]) -> dict[tuple[str, str], float]:
 
 
 def rank(
-    spec: JobSpec,
+    spec: Ec2Ask,
     types: list[GpuType],
     zones: dict[str, list[str]],
     spot: dict[tuple[str, str], float],
@@ -282,7 +282,7 @@ def rank(
 ) -> list[Offer]:
     """Return the offers that fit `spec.resources`, in launch order (pure). InvalidSpec when
     none fits (naming what the region has) or the budget buys less than an hour."""
-    res, market = spec.resources, placement_as(spec, Ec2Placement).market
+    res, market = spec.resources, spec.placement.market
     if res.gpus < 1:
         raise InvalidSpec(
             "resources.gpus: the ec2 backend rents GPU instances; ask for at least 1 GPU or"
@@ -372,7 +372,7 @@ def _markets(market: str, on_demand: float, spot: float | None) -> list[tuple[st
     return choices
 
 
-def _nothing_fits(spec: JobSpec, types: list[GpuType], product: str | None, fleet: Fleet) -> str:
+def _nothing_fits(spec: Ec2Ask, types: list[GpuType], product: str | None, fleet: Fleet) -> str:
     res = spec.resources
     families = f" (families {', '.join(fleet.families)})" if fleet.families else ""
     if product and not any(t.product == product for t in types):
@@ -396,21 +396,19 @@ def _nothing_fits(spec: JobSpec, types: list[GpuType], product: str | None, flee
 
 
 def find_offers(
-    spec: JobSpec, prices: PriceTable, fleet: Fleet | None = None
+    spec: JobSpec | Ec2Ask, prices: PriceTable, fleet: Fleet | None = None
 ) -> tuple[Fleet, list[Offer]]:
     """Return the fleet (`fleet`, else the one placement.block names) and the ranked
-    offers for `spec`, read from EC2 (nothing launched)."""
-    fleet = fleet or fleet_of(spec)
+    offers for `spec` (a spec, or what a cluster keeps of it), read from EC2 (nothing
+    launched)."""
+    ask = spec if isinstance(spec, Ec2Ask) else Ec2Ask.of(spec, prices)
+    fleet = fleet or fleet_of(ask)
     ec2 = ec2_client(fleet)
     try:
         types = gpu_types(ec2, fleet.families)
         names = [t.instance_type for t in types]
         zones = zones_offering(ec2, names) if names else {}
-        spot = (
-            spot_prices(ec2, names)
-            if names and placement_as(spec, Ec2Placement).market != "on-demand"
-            else {}
-        )
+        spot = spot_prices(ec2, names) if names and ask.placement.market != "on-demand" else {}
     except Exception as exc:
         raise aws_error(exc, fleet, "list GPU instance types") from None
     if fleet.families and not types:
@@ -418,4 +416,4 @@ def find_offers(
             f"{fleet.field('families')}: {', '.join(fleet.families)} hold no GPU instance type"
             f" in {fleet.region}; name GPU families such as g6, g5, p5."
         )
-    return fleet, rank(spec, types, zones, spot, prices, fleet)
+    return fleet, rank(ask, types, zones, spot, prices, fleet)

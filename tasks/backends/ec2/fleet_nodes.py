@@ -33,11 +33,12 @@ from gpuflow.tasks.backends.ec2.catalog import (
     fleet_named,
 )
 from gpuflow.tasks.backends.ec2.mailbox import Mailbox
+from gpuflow.tasks.backends.ec2.placement import Ec2Ask, Ec2Placement
 from gpuflow.tasks.backends.elastic import Instance, Want
 from gpuflow.tasks.contract import OWNER_LABEL, RUN_LABEL
 from gpuflow.tasks.errors import CapacityError, InvalidSpec
 from gpuflow.tasks.metrics.cost import PriceTable
-from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.spec import Limits, Resources
 
 # Run on the instance by its user-data: put standard input at s3://BUCKET/KEY, if nothing
 # is there yet, with the instance's own credentials.
@@ -119,19 +120,12 @@ class Ec2FleetNodes:
         return found
 
     def _offers(self) -> list[Offer]:
-        spec = JobSpec.model_validate(
-            {
-                "name": f"fleet-{self.name}",
-                "job": {"kind": "command", "command": ["true"]},
-                "resources": {"gpus": 1},
-                "placement": {
-                    "backend": "ec2",
-                    "block": self.section.block,
-                    "market": self.section.market,
-                },
-            }
+        ask = Ec2Ask(
+            resources=Resources(gpus=1),
+            placement=Ec2Placement(block=self.section.block, market=self.section.market),
+            limits=Limits(),
         )
-        _, found = find_offers(spec, PriceTable(), self.settings)
+        _, found = find_offers(ask, PriceTable(), self.settings)
         zone = self._subnet_zone()
         ordered = []
         for wanted in self.section.instance_types:

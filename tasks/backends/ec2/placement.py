@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
-from gpuflow.tasks.spec import Placement
+from gpuflow.tasks.metrics.cost import PriceTable
+from gpuflow.tasks.spec import JobSpec, Limits, Placement, Resources, placement_as
 
 
 class Ec2Placement(Placement):
@@ -26,3 +27,23 @@ class Ec2Placement(Placement):
 
     def label(self) -> str:
         return f"{super().label()} {self.market}"
+
+
+class Ec2Ask(BaseModel):
+    """What EC2 is asked for a run's instances: its resources, its placement (market,
+    fleet block), its limits (the budget that caps an offer's price) and its prices. A
+    cluster keeps this, never the spec, to launch its instances again after a loss."""
+
+    resources: Resources
+    placement: Ec2Placement
+    limits: Limits
+    prices: PriceTable = PriceTable()
+
+    @classmethod
+    def of(cls, spec: JobSpec, prices: PriceTable | None = None) -> Ec2Ask:
+        return cls(
+            resources=spec.resources,
+            placement=placement_as(spec, Ec2Placement),
+            limits=spec.limits,
+            prices=prices or PriceTable(),
+        )
