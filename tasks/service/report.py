@@ -29,8 +29,8 @@ logger = logging.getLogger(__name__)
 def outcome(service: Service, began: datetime, result: JobResult, limited: bool) -> RunOutcome:
     """Write the service's figures (result.json, the last push, an event) and return how
     it ended: by a limit, cancelled, or its endpoint's own end (a failure)."""
-    ended = datetime.now(UTC)
-    final = figures(service)
+    ended, now = datetime.now(UTC), time.monotonic()  # one instant for every figure
+    final = figures(service, now)
     service.pusher.push(final)
     write_atomic(
         Path(service.cluster.workspace) / "outputs" / "result.json",
@@ -48,7 +48,7 @@ def outcome(service: Service, began: datetime, result: JobResult, limited: bool)
         cancelled=result.cancelled,
     )
     # on a fleet the run holds its replicas' claims, each for the replica's life
-    held_s = sum(held(r)[1] for r in service.replicas) if service.claims else None
+    held_s = sum(held(r, now)[1] for r in service.replicas) if service.claims else None
     if service.failure is not None:  # its replicas never served: not a completed service
         failed = job_result.model_copy(update={"exit_code": 1, "cancelled": False})
         return RunOutcome(result=failed, failure=f"{service.failure}.", held_s=held_s)
@@ -113,15 +113,17 @@ def spent_out(service: Service) -> bool:
     return sum(held(r)[1] for r in service.replicas) * hourly / 3600 >= budget
 
 
-def held(replica: Replica) -> tuple[float, float]:
-    """Return when `replica` ended (time.monotonic(); now if it runs) and how long it held
-    its GPUs until then."""
-    end = replica.ended_at or time.monotonic()
+def held(replica: Replica, now: float | None = None) -> tuple[float, float]:
+    """Return when `replica` ended (time.monotonic(); `now`, default this moment, if it
+    runs) and how long it held its GPUs until then."""
+    end = replica.ended_at or (time.monotonic() if now is None else now)
     return end, 0.0 if replica.held_from is None else max(0.0, end - replica.held_from)
 
 
-def figures(service: Service) -> ServiceResult:
-    """Return the service's figures now, per replica and in all."""
+def figures(service: Service, now: float | None = None) -> ServiceResult:
+    """Return the service's figures at `now` (time.monotonic(), default this moment), per
+    replica and in all."""
+    now = time.monotonic() if now is None else now
     hourly = service.runner.hourly_usd  # the run's node: one replica's claim on a fleet
     share = 1 if service.claims else service.job.replicas.max
     per_replica_hour = None if hourly is None else hourly / share
@@ -129,7 +131,7 @@ def figures(service: Service) -> ServiceResult:
     held_s = 0.0  # replica-seconds with GPUs held: what is paid
     gpu_seconds = 0.0
     for replica in service.replicas:
-        end, replica_held = held(replica)
+        end, replica_held = held(replica, now)
         held_s += replica_held
         gpu_seconds += replica_held * len(replica.gpus)
         latencies = sorted(replica.latencies)
@@ -152,7 +154,7 @@ def figures(service: Service) -> ServiceResult:
             )
         )
     cost = None if per_replica_hour is None else held_s * per_replica_hour / 3600
-    lived = max(time.monotonic() - service.started, 1e-9)
+    lived = max(now - service.started, 1e-9)
     latencies = sorted(service.latencies)
     return ServiceResult(
         endpoint=service.endpoint,

@@ -76,7 +76,7 @@ from gpuflow.tasks.host import gpuflow_home
 from gpuflow.tasks.metrics.cost import ListPrices, PriceTable
 from gpuflow.tasks.metrics.sampler import SAMPLES
 from gpuflow.tasks.placement import prices_for, resolve
-from gpuflow.tasks.spec import JobSpec, MetricsSettings, Placement, placement_as
+from gpuflow.tasks.spec import JobSpec, Limits, MetricsSettings, Placement, placement_as
 from gpuflow.tasks.storage import S3Settings
 
 STATE_EVERY_S = 5.0
@@ -160,7 +160,6 @@ class Ec2State(BaseModel):
     security_group: str | None = None
     # what each unit's start reads (typed, never the spec re-read)
     job: str = ""  # the job's name, in its metrics
-    stop_grace_s: float = 30.0
     metrics: MetricsSettings = MetricsSettings()
     # what EC2 is asked for: read to launch the instances again after a loss (never the spec)
     ask: Ec2Ask | None = None
@@ -340,7 +339,6 @@ class Ec2Backend(UnitBackend):
                 control=mailbox.url,
                 security_group=group or None,
                 job=spec.name,
-                stop_grace_s=spec.limits.stop_grace_s,
                 metrics=spec.metrics,
                 ask=Ec2Ask.of(spec),
                 tags=tags,
@@ -503,7 +501,7 @@ class Ec2Backend(UnitBackend):
             node=unit.node,
             nodes=cluster.nodes,
             # the agent's own guard; this side stops first (after the grace, at most a stop's)
-            timeout_s=timeout_s + state.stop_grace_s + 60,
+            timeout_s=timeout_s + (state.ask.limits if state.ask else Limits()).stop_grace_s + 60,
             metrics={
                 "interval_s": state.metrics.interval_s,
                 "pushgateway": state.metrics.pushgateway,
