@@ -10,6 +10,7 @@ from gpuflow.blocks.ec2_fleet import Ec2GpuFleet
 from gpuflow.blocks.gpu_fleet import GpuFleet
 from gpuflow.blocks.local_host import LocalGpuHost
 from gpuflow.blocks.prices import GpuPriceTable
+from gpuflow.blocks.registry_credentials import RegistryCredentials
 from gpuflow.blocks.slurm_cluster import SlurmCluster
 
 # the Kubernetes pool's block holds prefect-kubernetes' cluster config: gpuflow[kubernetes]
@@ -22,5 +23,6 @@ __all__ = [
     "GpuPriceTable",
     "KubernetesGpuPool",
     "LocalGpuHost",
+    "RegistryCredentials",
     "SlurmCluster",
 ]

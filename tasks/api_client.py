@@ -106,3 +106,16 @@ def _logger() -> Any:
         return get_run_logger()
     except MissingContextError:
         return logging.getLogger("gpuflow")
+
+
+def run_log(line: str) -> None:
+    """Say `line` in the run's log; outside a run (the checks before it), on stderr."""
+    import sys
+
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+
+    try:
+        get_run_logger().info("%s", line)
+    except MissingContextError:
+        print(f"[gpuflow] {line}", file=sys.stderr, flush=True)

@@ -45,6 +45,7 @@ class Capabilities(BaseModel):
     # a run may claim one node more while it runs, and give one back (a fleet: a host's
     # GPUs, the fleet growing for it): a service's replicas each hold a claim of their own
     adds_nodes: bool = False
+    runs_images: bool = False  # it runs a job's units in the spec's image (image:)
 
 
 class Needs(BaseModel):
@@ -55,6 +56,7 @@ class Needs(BaseModel):
     # spec field -> URL the units read or write; units that do not run here need them in S3
     inputs: dict[str, str] = {}
     mpi_launcher: bool = False  # one unit launches ranks on every node (mpirun)
+    shell: bool = False  # its units start through /bin/sh (an image without one cannot run it)
 
 
 class Cluster(BaseModel):

@@ -514,6 +514,68 @@ class IdleGpu(SpecModel):
     )
 
 
+_USER_RE = re.compile(r"^(invoking|image|root|\d{1,10}(:\d{1,10})?)$")
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+class Image(SpecModel):
+    """image: the container image every unit of the job runs in, on every backend (a
+    reference alone is short for {ref: ...}). gpuflow pins it by digest when it first
+    resolves it: every unit, retried attempt and candidate of the run runs that digest."""
+
+    ref: str = Field(description="e.g. ghcr.io/team/train:1.4, or a name@sha256:... digest.")
+    credentials: str | None = Field(
+        None, description="A RegistryCredentials block for a private registry."
+    )
+    pull: Literal["always", "missing", "never"] | None = Field(
+        None,
+        description="When to pull: default always for :latest or no tag, else when missing.",
+    )
+    user: str = Field(
+        "invoking",
+        description="Who the job runs as: invoking (you), image (its USER), root, or uid[:gid].",
+    )
+    digest: str | None = Field(None, description="Set by gpuflow: the digest the run pinned.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reference_alone(cls, data: Any) -> Any:
+        return {"ref": data} if isinstance(data, str) else data
+
+    @field_validator("ref")
+    @classmethod
+    def _reference(cls, value: str) -> str:
+        from gpuflow.tasks.images import image_problem
+
+        if (why := image_problem(value)) is not None:
+            raise ValueError(why)
+        return value
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, value: str) -> str:
+        if not _USER_RE.match(value):
+            raise ValueError(
+                f"{value[:40]!r} is not a user; write invoking, image, root or uid[:gid]"
+                " (e.g. 1000:1000)"
+            )
+        return value
+
+    @field_validator("digest")
+    @classmethod
+    def _digest(cls, value: str | None) -> str | None:
+        if value is not None and not _DIGEST_RE.match(value):
+            raise ValueError(f"{value[:80]!r} is not a sha256 digest; remove image.digest")
+        return value
+
+    @property
+    def pinned(self) -> str:
+        """The reference every unit runs: the name at the pinned digest once there is one."""
+        if self.digest is None:
+            return self.ref
+        return f"{self.ref.split('@', 1)[0]}@{self.digest}"
+
+
 class Limits(SpecModel):
     """How long the job may run and how it is stopped (spec `limits:`)."""
 
@@ -686,6 +748,9 @@ class JobSpec(SpecModel):
         description="Environment variable -> name of a Prefect Secret block holding its value.",
     )
     metrics: MetricsSettings = MetricsSettings()
+    image: Image | None = Field(
+        None, description="The container image the job runs in, on every backend."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -726,6 +791,14 @@ class JobSpec(SpecModel):
                     " remove one, or make them differ (another block, namespace, market...)"
                 )
             seen[key] = index
+        for index, candidate in enumerate(self.candidates or (self.placement,)):
+            older = getattr(candidate, "image", None)  # Kubernetes' placement.image
+            if older and self.image and older != self.image.ref.split("@", 1)[0]:
+                where = f"placement[{index}]" if self.candidates else "placement"
+                raise ValueError(
+                    f"image is {self.image.ref!r} but {where}.image is {older!r}; a run has one"
+                    f" image: remove {where}.image (it is deprecated; image: replaces it)"
+                )
         if self.candidates and self.placement not in self.candidates:
             raise ValueError(
                 "placement: the placement used is not one of the candidates; give the"

@@ -46,6 +46,7 @@ def pack(
     cmd: list[str] | None,
     workdir: str | None,
     user: str | None = None,
+    arch: str = "amd64",
 ) -> str:
     """Write the image archive to `out`; return the manifest's digest."""
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -62,7 +63,7 @@ def pack(
                 shutil.copyfile(layer, target)
             described.append({"mediaType": LAYER, "digest": digest, "size": size})
         config = {
-            "architecture": "amd64",
+            "architecture": arch,
             "os": "linux",
             "config": {
                 "Env": env,
@@ -89,7 +90,7 @@ def pack(
                     "mediaType": MANIFEST,
                     "digest": manifest_digest,
                     "size": manifest_size,
-                    "platform": {"architecture": "amd64", "os": "linux"},
+                    "platform": {"architecture": arch, "os": "linux"},
                     "annotations": {
                         "io.containerd.image.name": name,
                         "org.opencontainers.image.ref.name": name.rsplit(":", 1)[-1],
@@ -126,6 +127,7 @@ def main() -> None:
     parser.add_argument("--cmd", type=json.loads, help="JSON list")
     parser.add_argument("--user", help="the user the image runs as, e.g. 10001")
     parser.add_argument("--workdir")
+    parser.add_argument("--arch", default="amd64", help="the architecture the config names")
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     layers = list(args.layer)
@@ -137,7 +139,7 @@ def main() -> None:
     if not layers:
         parser.error("give --layer or --file")
     digest = pack(
-        args.name, layers, args.out, args.env, args.entrypoint, args.cmd, args.workdir, args.user
+        args.name, layers, args.out, args.env, args.entrypoint, args.cmd, args.workdir, args.user, args.arch
     )
     print(f"{args.name} {digest} -> {args.out}")
 

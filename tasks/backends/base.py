@@ -162,6 +162,22 @@ class UnitBackend(abc.ABC):
     def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
         """See Backend.check."""
 
+    def job_argv(self, cluster: Cluster) -> Callable[[list[str]], list[str]]:
+        """See Backend.job_argv. This default: the command as it is."""
+        return list
+
+    def pin_image(self, spec: JobSpec, needs: Needs, say: Callable[[str], None]) -> JobSpec:
+        """See Backend.pin_image. This default: the spec as it is where the backend runs
+        images and resolves them itself (a Kubernetes node pulls its pods' image); one
+        sentence where it runs none."""
+        if spec.image is not None and not self.capabilities.runs_images:
+            raise InvalidSpec(
+                f"image: the {self.name} backend does not run jobs in images yet; remove image"
+                " to run on its hosts' own programs, or choose placement.backend local or"
+                " kubernetes."
+            )
+        return spec
+
     @abc.abstractmethod
     def offers(self, spec: JobSpec, prices: PriceTable) -> list[Offer]:
         """See Backend.offers."""
@@ -389,6 +405,18 @@ class Backend(Protocol):
         """Raise InvalidSpec if this backend cannot run `spec` (with what its kind `needs`;
         None: nothing beyond the spec); makes nothing. The pipeline matches `needs` with
         `capabilities` itself."""
+
+    def pin_image(self, spec: JobSpec, needs: Needs, say: Callable[[str], None]) -> JobSpec:
+        """Return the spec with its image pinned by digest (image.digest) where this backend
+        resolves images, once every other check passed (pull progress to `say`); one
+        sentence (InvalidSpec) for an image that cannot be had, is for another machine or
+        lacks a program the kind `needs`."""
+
+    def job_argv(self, cluster: Cluster) -> Callable[[list[str]], list[str]]:
+        """Return what turns a command into one that runs on this machine where the
+        cluster's units run, in their environment (a container of the run's image, with
+        their GPUs): preflight's probes of the job's Python. Backends whose units run
+        elsewhere are not asked."""
 
     def offers(self, spec: JobSpec, prices: PriceTable) -> list[Offer]:
         """Return what this backend could give `spec` now, best first, priced with `prices`

@@ -124,14 +124,19 @@ class CommandKind(JobKind[CommandJob]):
         program = job.argv()[0]
         if not is_python(program):
             return None
+        if spec.image is not None:
+            return program  # looked up in the image, where the job runs
         return resolve_program(program, spec.env.get("PATH", os.environ.get("PATH")))
 
     def preflight_rows(self, spec: JobSpec, cluster: Cluster) -> list[dict[str, str]]:
         python = self.interpreter(spec) if cluster.capabilities.runs_here else None
         if python is None:
             return []
-        real = os.path.realpath(python)
-        shown = python if real == python else f"{python} (-> {real})"
+        if spec.image is not None:
+            shown = f"{python} of the image {spec.image.pinned}"
+        else:
+            real = os.path.realpath(python)
+            shown = python if real == python else f"{python} (-> {real})"
         return [{"name": "python", "level": "pass", "message": f"the job runs {shown}."}]
 
     def uses_torch(self, spec: JobSpec) -> bool:

@@ -12,7 +12,7 @@ from gpuflow.tasks.host import resolve_program
 from gpuflow.tasks.kinds.registry import kind_of
 from gpuflow.tasks.metrics.cost import PriceTable
 from gpuflow.tasks.runscope import once, remember
-from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.spec import Image, JobSpec
 from gpuflow.tasks.storage import StorageError, check_writable
 
 
@@ -32,10 +32,33 @@ def _check_spec(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
     backend = get_backend(spec.placement.backend, spec.placement)
     spec = kind_of(spec).sized(spec, backend.capabilities)
     spec, prices = backend.configure(spec, prices)
-    backend.check(spec, kind_of(spec).needs(spec))
+    spec = _fold_placement_image(spec)
+    needs = kind_of(spec).needs(spec)
+    backend.check(spec, needs)
     check_job(spec)
     secrets.resolve(spec.secret_env)  # a missing secret block fails here
-    return spec, prices
+    # last: an image is pulled only for a spec that passed every other check
+    return backend.pin_image(spec, needs, _run_log), prices
+
+
+def _run_log(line: str) -> None:
+    from gpuflow.tasks.api_client import run_log
+
+    run_log(line)
+
+
+def _fold_placement_image(spec: JobSpec) -> JobSpec:
+    """placement.image (Kubernetes', deprecated) read as image:, with one sentence."""
+    older = getattr(spec.placement, "image", None)
+    if not older:
+        return spec
+    _run_log(
+        f"placement.image is deprecated and goes in the next release: write image: {older}"
+        " at the top of the spec (the same image, on every backend that runs images)"
+    )
+    if spec.image is not None:
+        return spec  # the same image (the spec refuses two that differ)
+    return spec.model_copy(update={"image": Image(ref=older)})
 
 
 def check_pool(spec: JobSpec) -> list[tuple[JobSpec, PriceTable]]:
@@ -93,7 +116,7 @@ def match(spec: JobSpec, needs: Needs, where: Capabilities) -> None:
                     f"{field}: {url} is on this machine, and on {spec.placement.backend} the job"
                     f" runs on {where.where} that cannot read it; upload it and give an s3:// URL."
                 )
-    if where.runs_here:
+    if where.runs_here and spec.image is None:  # in an image: the image is probed for them
         for field, program in needs.programs.items():
             if resolve_program(program) is None:
                 python = program.startswith("python") and "/" not in program

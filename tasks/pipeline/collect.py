@@ -313,6 +313,7 @@ def _summary(
         f"- GPUs: {len(cluster.gpu_indices)} ({gpus}) on {cluster.hostname};"
         f" {metrics.note or 'GPU metrics sampled'}",
         f"- cost: ${metrics.cost_usd:.4f} at ${metrics.cost_hourly_usd:.4f}/h",
+        *([f"- image: `{spec.image.pinned}`"] if spec.image else []),
         f"- artifacts: `{out}`",
         *(
             f"- on {r['candidate']} ({r['ended']}): {r['gpu_hours']:.4f} GPU-hours,"

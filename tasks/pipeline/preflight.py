@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import types
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel
@@ -63,9 +64,10 @@ class PreflightReport(BaseModel):
         return [c for c in self.checks if c.level == "fail"]
 
 
-def job_torch_info(python: str) -> TorchInfo:
+def job_torch_info(python: str, where: Callable[[list[str]], list[str]] = list) -> TorchInfo:
     """Return torch's version, CUDA build and devices as the job's own Python `python`
-    sees them (in a child process: its packages, not gpuflow's)."""
+    sees them (in a child process: its packages, not gpuflow's), run `where` the job runs
+    (in its image, with its GPUs)."""
     code = (
         "import json\ntry:\n import torch\nexcept Exception as e:\n"
         " print(json.dumps([None, f'{type(e).__name__}: {e}', None, False, 0]))\nelse:\n"
@@ -75,7 +77,7 @@ def job_torch_info(python: str) -> TorchInfo:
     )
     try:
         done = subprocess.run(
-            [python, "-c", code], capture_output=True, text=True, timeout=120, check=True
+            where([python, "-c", code]), capture_output=True, text=True, timeout=120, check=True
         )
         version, error, cuda, available, count = json.loads(done.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
@@ -131,12 +133,14 @@ def inspect(
     visible_gpus: list[int] | None = None,
     nvml_module: types.ModuleType | None = None,
     python: str | None = None,
+    where: Callable[[list[str]], list[str]] = list,
 ) -> HostFacts:
     """Return what this host offers: GPUs (NVML), nvidia-smi, torch (as `python`, the
-    job's own Python, sees it; gpuflow's without one), free disk, NCCL vars."""
+    job's own Python, sees it `where` the job runs; gpuflow's without one), free disk,
+    NCCL vars."""
     status = nvml.query(nvml_module)
     if uses_torch and python is not None:
-        torch = job_torch_info(python)
+        torch = job_torch_info(python, where)
     else:
         torch = torch_info(uses_torch and status.available and bool(status.gpus))
     disk = shutil.disk_usage(workspace).free if workspace and os.path.isdir(workspace) else None
@@ -178,6 +182,15 @@ def verdict(spec: JobSpec, facts: HostFacts, reserved: list[int]) -> PreflightRe
     checks += _disk_checks(spec, facts)
     checks += _host_size_checks(spec, facts)
     for field, program in kind_of(spec).needs(spec).programs.items():
+        if spec.image is not None:  # looked up in the image when it was pinned
+            checks.append(
+                Check(
+                    name="program",
+                    level="pass",
+                    message=f"{field}: {program} is in the image {spec.image.pinned}.",
+                )
+            )
+            continue
         found = resolve_program(program, spec.env.get("PATH") or os.environ.get("PATH"))
         checks.append(
             Check(

@@ -23,7 +23,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from gpuflow.tasks.api_client import publish
-from gpuflow.tasks.backends.registry import get_backend
+from gpuflow.tasks.backends.registry import backend_for, get_backend
 from gpuflow.tasks.contract import (
     RUN_LABEL,
     Cluster,
@@ -109,7 +109,10 @@ def preflight(spec: JobSpec, cluster: Cluster) -> preflight_checks.PreflightRepo
     if cluster.capabilities.runs_here:
         kind = kind_of(spec)
         facts = preflight_checks.inspect(
-            cluster.workspace, kind.uses_torch(spec), python=kind.interpreter(spec)
+            cluster.workspace,
+            kind.uses_torch(spec),
+            python=kind.interpreter(spec),
+            where=backend_for(cluster).job_argv(cluster),
         )
         report = preflight_checks.verdict(spec, facts, cluster.gpu_indices)
     else:  # the job's machines are elsewhere: the scheduler matches their GPUs

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from gpuflow.tasks import starter
 from gpuflow.tasks.backends.base import Backend
 from gpuflow.tasks.contract import Cluster, WorkUnit
 from gpuflow.tasks.errors import InvalidSpec
@@ -19,7 +20,7 @@ from gpuflow.tasks.storage import S3Settings
 from gpuflow.tasks.units import format_bytes
 from gpuflow.tasks.workdir import Packed, Start, WorkdirError, pack, variables
 
-STARTER = "gpuflow.tasks.workdir"
+STARTER = starter.MODULE
 
 
 def archives() -> Path:

@@ -78,7 +78,9 @@ class KubernetesPlacement(Placement):
     namespace: str | None = Field(
         None, description="Kubernetes namespace (default: the block's, else the kubeconfig's)."
     )
-    image: str | None = Field(None, description="The image the job's pods run.")
+    image: str | None = Field(
+        None, description="Deprecated: the image the job's pods run; write image: instead."
+    )
 
     @field_validator("image")
     @classmethod
@@ -99,6 +101,7 @@ class KubernetesBackend(UnitBackend):
     # not refused: they reach pods whose nodes share those paths with this host
     capabilities = Capabilities(
         runs_here=False,
+        runs_images=True,  # its pods run the spec's image (image:), else the block's
         where="the cluster's nodes",
         local_files=True,
         # each unit's pod samples its node's GPUs into its log; the samples are written
@@ -191,7 +194,9 @@ class KubernetesBackend(UnitBackend):
             }
         if spec is not None:
             values |= {
-                "image": placement_as(spec, KubernetesPlacement).image or values.get("image"),
+                "image": (spec.image.pinned if spec.image else None)
+                or placement_as(spec, KubernetesPlacement).image
+                or values.get("image"),
                 "gpu_product": spec.resources.gpu_product or values.get("gpu_product"),
                 "shm_bytes": spec.resources.shm,
                 "cpu": spec.resources.cpu,

@@ -25,8 +25,8 @@ import psutil
 from pydantic import BaseModel, Field
 
 from gpuflow.tasks import nvml
-from gpuflow.tasks.backends.base import LogTail, ProcessGroupUnit, UnitBackend
-from gpuflow.tasks.backends.local import cgroups, gpu_slots
+from gpuflow.tasks.backends.base import LogTail, ProcessGroupUnit, UnitBackend, exit_end
+from gpuflow.tasks.backends.local import cgroups, gpu_slots, images
 from gpuflow.tasks.backends.local import reap as reaping
 from gpuflow.tasks.contract import (
     RUN_LABEL,
@@ -36,6 +36,7 @@ from gpuflow.tasks.contract import (
     Offer,
     ReapReport,
     RunStates,
+    StopReason,
     TeardownReport,
     UnitEnd,
     WorkUnit,
@@ -63,6 +64,7 @@ from gpuflow.tasks.host import (
 from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
 from gpuflow.tasks.saved_blocks import load_block
 from gpuflow.tasks.spec import Folder, JobSpec, Placement, placement_as
+from gpuflow.tasks.storage import S3Settings
 from gpuflow.tasks.units import format_bytes
 
 # Chunks of a render run side by side on one cluster: their records must not race.
@@ -80,6 +82,7 @@ class LocalState(BaseModel):
 
     # resources.memory holds the job to that much, where a memory cgroup can be made
     memory_bytes: int | None = None
+    image: images.LocalImage | None = None  # the units run in it (the spec's image:)
 
 
 def job_tmp(workspace: str) -> Path:
@@ -124,7 +127,7 @@ class LocalBackend(UnitBackend):
 
     name = "local"
     # the job runs here: preflight inspects this machine's GPUs and disk
-    capabilities = Capabilities(runs_here=True, where="this machine")
+    capabilities = Capabilities(runs_here=True, runs_images=True, where="this machine")
     placement_model: ClassVar[type[Placement]] = LocalPlacement
 
     @classmethod
@@ -268,6 +271,31 @@ class LocalBackend(UnitBackend):
                 " create it with `prefect gcl create gpu --limit N` or set strict_gpu_limit: false."
             )
 
+    def stage(self, cluster: Cluster, path: Path, storage: S3Settings, staging: str | None) -> str:
+        """As every backend stages; for units in an image, a link to the archive in the
+        workspace they see (this machine's other folders are not mounted in)."""
+        where = super().stage(cluster, path, storage, staging)
+        if staging or state_of(cluster, LocalState).image is None:
+            return where
+        inside = Path(cluster.workspace) / f".gpuflow-{path.name}"
+        if not inside.is_file():
+            try:
+                os.link(path, inside)
+            except OSError:  # another file system
+                shutil.copyfile(path, inside)
+        return str(inside)
+
+    def job_argv(self, cluster: Cluster) -> Callable[[list[str]], list[str]]:
+        """In a container of the run's image with the cluster's GPUs, where it has one."""
+        image = state_of(cluster, LocalState).image
+        if image is None:
+            return list
+        return lambda argv: images.probe_argv(image, cluster, argv)
+
+    def pin_image(self, spec: JobSpec, needs: Needs, say: Callable[[str], None]) -> JobSpec:
+        """Pull the spec's image with this host's engine and pin it (tasks/containers.py)."""
+        return spec if spec.image is None else images.pin(spec, needs, say)
+
     def offers(self, spec: JobSpec, prices: PriceTable) -> list[Offer]:
         """Return this host's offer: its GPUs of the product that no other gpuflow run has
         claimed now, at the host's price (free unless a LocalGpuHost gives one)."""
@@ -326,7 +354,9 @@ class LocalBackend(UnitBackend):
                 created_at=datetime.now(UTC),
                 # resources.memory holds the job to that much, where a memory cgroup can be made
                 capabilities=self.capabilities,
-                state=LocalState(memory_bytes=spec.resources.memory).model_dump(),
+                state=LocalState(
+                    memory_bytes=spec.resources.memory, image=images.plan(spec)
+                ).model_dump(),
             )
         # Record first: whatever happens next, teardown and the reaper can find it.
         self._save(cluster, complete=False)
@@ -431,14 +461,24 @@ class LocalBackend(UnitBackend):
         tail: LogTail,
     ) -> LocalUnit:
         """Start the unit's command in its own process group and cgroup(s), pinned to the
-        unit's GPUs; InvalidSpec for a program that is not there."""
+        unit's GPUs (in a container of the run's image, where it has one); InvalidSpec for
+        a program that is not there."""
+        gpus = cluster.gpu_indices if unit.gpus is None else unit.gpus
+        state = state_of(cluster, LocalState)
+        if state.image is not None:
+            tmp = str(job_tmp(cluster.workspace))
+            proc, name = images.start(
+                state.image, cluster, unit, env, tmp, state.memory_bytes, gpus
+            )
+            self._note_job(cluster, proc.pid, psutil.Process(proc.pid).create_time())
+            pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, tail).start()
+            return ContainerUnit(proc, self, cluster, pump, tail, (None, 0), state.image, name)
         command = unit.command
         program = resolve_program(command[0], env.get("PATH"))
         if program is None:
             raise InvalidSpec(
                 f"job.command: {command[0]!r} was not found; install it or give its full path."
             )
-        gpus = cluster.gpu_indices if unit.gpus is None else unit.gpus
         child_env = {
             **job_environ(),
             # the job's temporary files go with its workspace (a spec's env may say otherwise)
@@ -512,6 +552,8 @@ class LocalBackend(UnitBackend):
         report = TeardownReport(name=cluster.name, already_gone=record is None)
         if record is not None:
             cluster = record.cluster
+            image = state_of(cluster, LocalState).image
+            report.killed_processes += images.remove_all(image, cluster.name)
             for pgid, started in record.jobs.items():
                 if alive(int(pgid), started):
                     report.killed_processes += stop_group(int(pgid), started)
@@ -612,6 +654,32 @@ class LocalUnit(ProcessGroupUnit):
             oom_kills = cgroups.memory_events(memory).get("oom_kill", 0) - oom_before
             end = end.model_copy(update={"memory_events": {"oom_kill": oom_kills}})
         return end
+
+
+class ContainerUnit(LocalUnit):
+    """A unit in a container of the run's image: stopped through its engine (the engine's
+    own process passes no signal on once it is killed, and the container outlives it)."""
+
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        backend: LocalBackend,
+        cluster: Cluster,
+        pump: OutputPump,
+        tail: LogTail,
+        memory: tuple[str | None, int],
+        image: images.LocalImage,
+        container: str,
+    ) -> None:
+        super().__init__(proc, backend, cluster, pump, tail, memory)
+        self.image, self.container = image, container
+
+    def stop(self, reason: StopReason, grace_s: float) -> UnitEnd:
+        images.stop(self.proc, self.image, self.container, grace_s)
+        return exit_end(self.proc.wait())
+
+    def interrupt(self, grace_s: float) -> None:
+        images.stop(self.proc, self.image, self.container, grace_s)
 
 
 def _stop_strays(workspace: str, grace_s: float = 5.0, cwd_since: float | None = None) -> int:

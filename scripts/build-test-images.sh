@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Builds the images the container tests run (tests/e2e/test_images.py), without a registry
+# or a network beyond Debian's mirror, as OCI archives the tests push to their local
+# registry (scripts/registry.sh):
+#
+#   py.tar        Debian bookworm (essential) with python3 and procps: a small user image
+#   py-arm64.tar  the same files, its config saying arm64 (an image for another machine)
+#   noshell.tar   one static program and nothing else (no /bin/sh)
+#
+# Cached under $GPUFLOW_TESTBED_CACHE/images (default ~/.cache/gpuflow/testbed/images) by
+# what goes in; prints the folder. Needs root (mmdebstrap keeps the files' owners).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+CACHE=${GPUFLOW_TESTBED_CACHE:-$HOME/.cache/gpuflow/testbed}/images
+SUITE=bookworm
+DEBS=python3,procps
+die() { printf 'build-test-images: %s\n' "$*" >&2; exit 1; }
+[[ $(id -u) -eq 0 ]] || die "building the images needs root (mmdebstrap keeps the files' owners)"
+command -v mmdebstrap >/dev/null || die "mmdebstrap is not installed: apt-get install mmdebstrap"
+mkdir -p "$CACHE"
+key=$(printf '%s' "$SUITE $DEBS" | sha256sum | cut -c1-16)
+rootfs=$CACHE/user-py-$key.tar
+if [[ ! -f $rootfs ]]; then
+  echo "[test images] Debian $SUITE with $DEBS (mmdebstrap: about 20 s)" >&2
+  mirror=http://deb.debian.org/debian
+  mmdebstrap --quiet --variant=essential --format=tar --include="$DEBS" \
+    --customize-hook='rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/* "$1"/usr/share/doc/* "$1"/usr/share/man/* "$1"/usr/share/locale/*' \
+    "$SUITE" "$rootfs.partial" "deb $mirror $SUITE main"
+  mv "$rootfs.partial" "$rootfs"
+fi
+out=$CACHE/user
+mkdir -p "$out"
+pack=(python3 "$ROOT/scripts/testbed/oci_image.py")
+path=PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+stamp=$out/.built-$key-$(sha256sum "$ROOT/scripts/testbed/oci_image.py" | cut -c1-16)
+if [[ ! -f $stamp ]]; then
+  rm -f "$out"/.built-*
+  "${pack[@]}" --name gpuflow.test/py:1 --layer "$rootfs" --env "$path" --cmd '["python3"]' --out "$out/py.tar" >&2
+  "${pack[@]}" --name gpuflow.test/py-arm64:1 --layer "$rootfs" --env "$path" --arch arm64 --out "$out/py-arm64.tar" >&2
+  registry=$(bash "$ROOT/scripts/registry.sh" path)
+  "${pack[@]}" --name gpuflow.test/noshell:1 --file "$registry:/hello" --env "$path" --out "$out/noshell.tar" >&2
+  rm -f "$out/noshell.tar.layer"
+  touch "$stamp"
+fi
+echo "$out"
