@@ -35,6 +35,8 @@ if $want_test; then
     command -v ip >/dev/null || apt_packages+=(iproute2)
     command -v wrk >/dev/null || apt_packages+=(wrk)  # the services' load generator
     command -v mmdebstrap >/dev/null || apt_packages+=(mmdebstrap)  # gpuflow's job image
+    command -v podman >/dev/null || apt_packages+=(podman)  # jobs in their image (image:)
+    command -v skopeo >/dev/null || apt_packages+=(skopeo)  # pushes the tests' user images
 fi
 if $want_render; then
     command -v blender >/dev/null || apt_packages+=(blender)  # renders run the real Blender
@@ -92,6 +94,10 @@ if $want_test; then
     step "building the Kubernetes test cluster (cold: about 8 minutes on 2 cores; cached after)"
     bash scripts/k8s-testbed.sh build
     bash scripts/imds-mock.sh build  # AWS's instance metadata mock (seconds)
+    bash scripts/registry.sh build   # the container tests' local OCI registry (seconds)
+    if [[ $(id -u) -eq 0 ]]; then    # the user images those tests pull (about 20 s cold)
+        bash scripts/build-test-images.sh >/dev/null
+    fi
     if [[ -n $image ]]; then
         step "waiting for gpuflow's job image"
         if ! wait "$image"; then

@@ -48,6 +48,8 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.xdist_group("kubernetes"))
         elif "real_node" in item.fixturenames:  # a test cluster of its own, with a real node
             item.add_marker(pytest.mark.xdist_group("kubernetes-real-node"))
+        elif "image_registry" in item.fixturenames:  # one registry, one engine's store
+            item.add_marker(pytest.mark.xdist_group("images"))
         elif "slurm_testbed" in item.fixturenames:
             # two groups, each on a worker with its own Slurm test cluster: the tests that
             # wait for Slurm to requeue a job, and the others
@@ -110,6 +112,15 @@ def prefect_api() -> Iterator[str]:
 
     with prefect_test_harness(server_startup_timeout=120):
         yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="session")
+def image_registry(tmp_path_factory):
+    """The container test bed (tests/e2e/imagebed.py): a local registry with user images."""
+    from tests.e2e.imagebed import image_bed
+
+    with image_bed(tmp_path_factory.mktemp("images")) as bed:
+        yield bed
 
 
 @pytest.fixture

@@ -139,7 +139,15 @@ def main() -> None:
     if not layers:
         parser.error("give --layer or --file")
     digest = pack(
-        args.name, layers, args.out, args.env, args.entrypoint, args.cmd, args.workdir, args.user, args.arch
+        args.name,
+        layers,
+        args.out,
+        args.env,
+        args.entrypoint,
+        args.cmd,
+        args.workdir,
+        args.user,
+        args.arch,
     )
     print(f"{args.name} {digest} -> {args.out}")
 

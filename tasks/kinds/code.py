@@ -26,11 +26,13 @@ def check_code(
             scan(Path(job.workdir), job.workdir_max)
         except WorkdirError as exc:
             raise InvalidSpec(f"{exc}.") from None
-    _check_script(job, command, where)
+    _check_script(job, command, where, in_image=spec.image is not None)
     _check_variables(spec, [*command, *job.resume_args], known)
 
 
-def _check_script(job: CodeJob, words: list[str], where: Capabilities) -> None:
+def _check_script(
+    job: CodeJob, words: list[str], where: Capabilities, in_image: bool = False
+) -> None:
     """Refuse a file the command names that will not be where the job starts: the script
     of `python train.py` or `bash run.sh`, or a program given as a relative path (./run.sh), with no
     working folder (the job starts in an empty workspace) or one that lacks it."""
@@ -43,7 +45,7 @@ def _check_script(job: CodeJob, words: list[str], where: Capabilities) -> None:
     else:
         return  # a program on PATH (or in the working folder): needs() and the node check it
     if Path(path).is_absolute():
-        if where.runs_here and not Path(path).exists():
+        if where.runs_here and not in_image and not Path(path).exists():
             raise InvalidSpec(f"job.command: {path} does not exist on this machine; fix the path.")
         return
     if not job.workdir:

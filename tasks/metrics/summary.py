@@ -34,6 +34,7 @@ class RunMetrics(BaseModel):
     # a run placed on a list of candidates: GPU-hours and cost on each candidate it used
     by_placement: list[dict[str, Any]] = []
     job: dict[str, Any] = {}
+    image: str | None = None  # the image the run's units ran, name@digest (image:)
     # the job's own figures (metrics.from_log): the newest value of each, and how many rows
     from_log: dict[str, float] = {}
     from_log_rows: int = 0

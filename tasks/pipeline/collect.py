@@ -181,7 +181,7 @@ def _collect(
         cost_of(spec, cluster, prices, held_s),
         idle_pct=idle.below_pct if idle is not None else IDLE_PCT,
         held_s=held_s,
-    ).model_copy(update={"job": job_result})
+    ).model_copy(update={"job": job_result, "image": spec.image.pinned if spec.image else None})
     metrics, figures = _log_figures(metrics, flow_run_id, out)
     if candidate is not None:
         metrics = _split(cluster, outcome, metrics, earlier or [], candidate)

@@ -1,0 +1,144 @@
+"""The container test bed: podman configured for this machine, fake GPUs described by a CDI
+spec, and a local OCI registry on loopback (scripts/registry.sh) holding the user images
+scripts/build-test-images.sh builds, one repository behind basic auth.
+
+What it does not model: a registry over TLS (the engine is told this one is plain HTTP,
+as a user's registries.conf would), Docker Hub's token service (the registry challenges
+with Basic), and real GPUs (the CDI devices are character devices with /dev/null's
+numbers: a container sees the nodes, no driver behind them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+USER, PASSWORD = "gpuflow-test", "registry-pass-9f8e7d"
+CDI_SPEC = Path("/var/run/cdi/gpuflow-testbed.yaml")
+FAKE_DEVICES = Path("/run/gpuflow-testbed/dev")
+GPUS = 8  # as many as any test's fake NVML gives
+
+
+@dataclass
+class ImageBed:
+    """Where the registry listens and what a `gpuflow` process needs to use it."""
+
+    host: str  # 127.0.0.1:PORT
+    env: dict[str, str] = field(default_factory=dict)
+
+    def ref(self, name: str, private: bool = False) -> str:
+        return f"{self.host}/{'private' if private else 'public'}/{name}:1"
+
+
+def _containers_conf(folder: Path, registry: str) -> dict[str, str]:
+    """containers.conf: no raised ulimits (this machine's sandbox refuses raising them in a
+    container) and runc (crun refuses the hybrid cgroup layout here); registries.conf: the
+    local registry speaks plain HTTP."""
+    conf = folder / "containers.conf"
+    conf.write_text('[containers]\ndefault_ulimits = []\n[engine]\nruntime = "runc"\n')
+    registries = folder / "registries.conf"
+    registries.write_text(f'[[registry]]\nlocation = "{registry}"\ninsecure = true\n')
+    return {"CONTAINERS_CONF": str(conf), "CONTAINERS_REGISTRIES_CONF": str(registries)}
+
+
+def _cdi_spec() -> None:
+    """Fake GPU device nodes and the CDI spec naming them nvidia.com/gpu=0..7, written as
+    the NVIDIA Container Toolkit writes one (the same content from every test worker)."""
+    FAKE_DEVICES.mkdir(parents=True, exist_ok=True)
+    devices = []
+    for index in range(GPUS):
+        node = FAKE_DEVICES / f"nvidia{index}"
+        if not node.exists():
+            with contextlib.suppress(FileExistsError):
+                os.mknod(node, 0o666 | 0o020000, os.makedev(1, 3))
+        devices.append(
+            f'- name: "{index}"\n  containerEdits:\n    deviceNodes:\n'
+            f"    - path: /dev/nvidia{index}\n      hostPath: {node}\n"
+        )
+    text = 'cdiVersion: "0.5.0"\nkind: nvidia.com/gpu\ndevices:\n' + "".join(devices)
+    CDI_SPEC.parent.mkdir(parents=True, exist_ok=True)
+    partial = CDI_SPEC.with_name(f".{CDI_SPEC.name}.{os.getpid()}")
+    partial.write_text(text)
+    partial.replace(CDI_SPEC)
+
+
+def _push(archive: Path, target: str, creds: bool) -> None:
+    args = ["skopeo", "copy", "-q", "--dest-tls-verify=false"]
+    if creds:
+        args += ["--dest-creds", f"{USER}:{PASSWORD}"]
+    done = subprocess.run(
+        [*args, f"oci-archive:{archive}", f"docker://{target}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@contextlib.contextmanager
+def image_bed(folder: Path) -> Iterator[ImageBed]:
+    """Start the registry, push the user images, yield the bed; stop the registry by PID."""
+    if os.geteuid() != 0 or shutil.which("podman") is None or shutil.which("skopeo") is None:
+        pytest.skip("the container test bed needs root, podman and skopeo (scripts/setup.sh)")
+    images = Path(
+        subprocess.run(
+            ["bash", str(ROOT / "scripts" / "build-test-images.sh")],
+            capture_output=True, text=True, check=True, timeout=900,
+        ).stdout.strip()
+    )  # fmt: skip
+    binary = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "registry.sh"), "path"],
+        capture_output=True, text=True, check=True, timeout=600,
+    ).stdout.strip()  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    auth = folder / "auth"
+    auth.write_text(f"{USER}:{PASSWORD}\n")
+    port_file = folder / "port"
+    log = (folder / "registry.log").open("w")
+    proc = subprocess.Popen(
+        [binary, "-auth", str(auth), "-port-file", str(port_file)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not port_file.exists():
+            assert proc.poll() is None, (folder / "registry.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "the registry never listened"
+            time.sleep(0.05)
+        bed = ImageBed(host=f"127.0.0.1:{port_file.read_text().strip()}")
+        bed.env = _containers_conf(folder, bed.host)
+        _cdi_spec()
+        _push(images / "py.tar", bed.ref("py"), creds=False)
+        _push(images / "py.tar", bed.ref("py", private=True), creds=True)
+        _push(images / "py-arm64.tar", bed.ref("py-arm64"), creds=False)
+        _push(images / "noshell.tar", bed.ref("noshell"), creds=False)
+        yield bed
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        log.close()
+
+
+def containers_of(cluster: str | None = None) -> list[str]:
+    """The names of the containers gpuflow made on this machine (of one cluster)."""
+    label = "io.gpuflow.cluster" + (f"={cluster}" if cluster else "")
+    done = subprocess.run(
+        ["podman", "ps", "--all", "--filter", f"label={label}", "--format", "{{.Names}}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return done.stdout.split()

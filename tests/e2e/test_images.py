@@ -1,0 +1,286 @@
+"""A job in its own image on this machine (image:): pulled from a registry and pinned by
+digest, its GPUs, working folder, outputs and secrets inside, the job contract (SIGTERM,
+exit 75, resume) in the container, nothing left after cancel or reap, and every bad image
+one sentence before anything is made."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import subprocess_env
+from tests.e2e.helpers import NOTHING_LEFT, leftovers, process_gone
+from tests.e2e.imagebed import PASSWORD, USER, containers_of
+
+pytestmark = pytest.mark.e2e
+GPUFLOW = [sys.executable, "-m", "gpuflow"]
+SECRET = "img-secret-5c1e0b"
+
+# The job: where it runs (the image's Python, its GPUs, its user), what it was given (the
+# working folder after setup, ${NAME}, a secret), and the contract: a checkpoint in its
+# outputs, exit 75 once at step 3, resumed from it with job.resume_args.
+TRAIN = """\
+import hashlib, json, os, pathlib, sys, time
+out = pathlib.Path(os.environ["GPUFLOW_OUTPUT_DIR"])
+ckpt = out / "ckpt.txt"
+step = int(ckpt.read_text()) if ckpt.exists() else 0
+seen = {
+    "python": sys.executable, "debian": pathlib.Path("/etc/debian_version").exists(),
+    "uid": os.getuid(), "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    "devices": sorted(p.name for p in pathlib.Path("/dev").glob("nvidia*")),
+    "setup": pathlib.Path("setup.txt").read_text().strip(), "args": sys.argv[1:],
+    "secret": hashlib.sha256(os.environ["TOKEN"].encode()).hexdigest(),
+}
+(out / f"seen-{step}.json").write_text(json.dumps(seen))
+while step < 6:
+    step += 1
+    ckpt.write_text(str(step))
+    if step == 3 and not (out / "preempted").exists():
+        (out / "preempted").write_text("x")
+        sys.exit(75)
+print("trained to", step)
+"""
+
+
+def gpuflow(args, env, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*GPUFLOW, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _env(prefect_api, gpuflow_home, bed) -> dict[str, str]:
+    return {**subprocess_env(prefect_api, gpuflow_home, fake_gpus=2), **bed.env}
+
+
+def test_a_job_runs_in_its_image_with_its_gpus_folder_secrets_and_resumes_there(
+    tmp_path, prefect_api, gpuflow_home, image_registry
+):
+    from prefect.blocks.system import Secret
+
+    Secret(value=SECRET).save("img-test-token", overwrite=True)
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "train.py").write_text(TRAIN)
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"name: in-image\nimage: {image_registry.ref('py')}\nresources: {{gpus: 1}}\n"
+        "secret_env: {TOKEN: img-test-token}\n"
+        "job:\n  kind: command\n  workdir: code\n  setup: ['echo ready > setup.txt']\n"
+        "  command: [python3, train.py, '${GPUFLOW_NODE_RANK}']\n  resume_args: [--resume]\n"
+    )
+    out = gpuflow(["run", str(job)], _env(prefect_api, gpuflow_home, image_registry))
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said[-4000:]
+    (run,) = (gpuflow_home / "runs").glob("in-image-*")
+    first = json.loads((run / "outputs" / "seen-0.json").read_text())
+    resumed = json.loads((run / "outputs" / "seen-3.json").read_text())
+    assert first["python"] == "/usr/bin/python3" and first["debian"]  # the image's, not ours
+    assert first["uid"] == os.geteuid() and first["gpus"] == "0"
+    assert first["devices"] == ["nvidia0"] or first["devices"] == ["nvidia1"]
+    assert first["setup"] == "ready" and first["args"] == ["0"]
+    assert resumed["args"] == ["0", "--resume"]  # exit 75, resumed from its checkpoint
+    assert (run / "outputs" / "ckpt.txt").read_text() == "6"
+    assert first["secret"] == hashlib.sha256(SECRET.encode()).hexdigest()
+    # pinned once, by digest, recorded in the run's summary; the secret nowhere said
+    (pinned,) = [line for line in said.splitlines() if line.startswith("[gpuflow] image ")]
+    digest = pinned.rsplit("@", 1)[1].split()[0]
+    assert json.loads((run / "metrics.json").read_text())["image"].endswith(f"@{digest}")
+    assert SECRET not in said
+    assert not containers_of() and leftovers(gpuflow_home) == NOTHING_LEFT
+
+
+def _start(tmp_path, env, image, script) -> tuple[subprocess.Popen, Path]:
+    marker = tmp_path / "started"
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"name: long\nimage: {image}\nresources: {{gpus: 1}}\nlimits: {{stop_grace_s: 20}}\n"
+        f"job: {{kind: command, command: [sh, -c, '{script}']}}\n"
+    )
+    env = {**env, "MARK": str(marker)}
+    proc = subprocess.Popen(
+        [*GPUFLOW, "run", str(job)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return proc, marker
+
+
+def _wait_for_container(proc: subprocess.Popen) -> str:
+    deadline = time.monotonic() + 180
+    while not (names := containers_of()):
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.monotonic() < deadline, "the job's container never started"
+        time.sleep(0.2)
+    (name,) = names
+    while "running" not in _state(name):
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.monotonic() < deadline, "the job's container never ran"
+        time.sleep(0.2)
+    return name
+
+
+def _state(name: str) -> str:
+    return subprocess.run(
+        ["podman", "inspect", "--format", "{{.State.Status}}", name],
+        capture_output=True, text=True, timeout=60,
+    ).stdout.strip()  # fmt: skip
+
+
+def test_ctrl_c_gives_the_job_in_its_container_sigterm_and_its_grace(
+    tmp_path, prefect_api, gpuflow_home, image_registry
+):
+    """SIGTERM reaches the job's own process in the container, which saves its state in
+    its grace; what it wrote is kept; no container is left; another local user can
+    neither see the container nor read its logs."""
+    script = (
+        'trap "sleep 2; echo saved > $GPUFLOW_OUTPUT_DIR/state; exit 0" TERM;'
+        " echo up; while :; do sleep 0.2; done"
+    )
+    env = _env(prefect_api, gpuflow_home, image_registry)
+    proc, _ = _start(tmp_path, env, image_registry.ref("py"), script)
+    name = _wait_for_container(proc)
+    other = subprocess.run(
+        ["runuser", "-u", "nobody", "--", "podman", "logs", name],
+        capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"]},
+    )  # fmt: skip
+    assert other.returncode != 0 and "up" not in other.stdout
+    listed = subprocess.run(
+        ["runuser", "-u", "nobody", "--", "podman", "ps", "--all"],
+        capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"]},
+    )  # fmt: skip
+    assert name not in listed.stdout
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 130, out[-4000:]
+    (kept,) = (gpuflow_home / "runs").glob("long-*/outputs/state")
+    assert kept.read_text() == "saved\n", out[-4000:]
+    assert not containers_of() and leftovers(gpuflow_home) == NOTHING_LEFT
+
+
+def test_reap_removes_the_container_of_a_killed_run(
+    tmp_path, prefect_api, gpuflow_home, image_registry
+):
+    env = _env(prefect_api, gpuflow_home, image_registry)
+    proc, _ = _start(tmp_path, env, image_registry.ref("py"), "while :; do sleep 0.2; done")
+    name = _wait_for_container(proc)
+    proc.kill()  # SIGKILL: no teardown; the container runs on
+    proc.wait(timeout=30)
+    assert "running" in _state(name)
+    out = gpuflow(["reap"], env)
+    assert out.returncode == 0 and "1 leftover cluster(s)" in out.stdout, out.stdout[-3000:]
+    assert not containers_of() and leftovers(gpuflow_home) == NOTHING_LEFT
+    assert process_gone(proc.pid)
+
+
+def test_a_private_image_needs_its_credentials_and_they_stay_secret(
+    tmp_path, prefect_api, gpuflow_home, image_registry
+):
+    from gpuflow.blocks import RegistryCredentials
+
+    env = _env(prefect_api, gpuflow_home, image_registry)
+    private = image_registry.ref("py", private=True)
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"name: private\nimage: {{ref: '{private}', pull: always}}\n"
+        "job: {kind: command, command: [python3, -c, 'print(\"hello from inside\")']}\n"
+    )
+    out = gpuflow(["run", str(job)], env)
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    (sentence,) = [line for line in out.stderr.splitlines() if line.startswith("gpuflow:")]
+    assert "cannot be pulled: the registry refused it without valid credentials" in sentence
+    assert "image.credentials" in sentence and "Traceback" not in out.stderr
+    assert leftovers(gpuflow_home) == NOTHING_LEFT  # nothing was made
+
+    RegistryCredentials(registry=image_registry.host, username=USER, password=PASSWORD).save(
+        "img-test-registry", overwrite=True
+    )
+    job.write_text(
+        f"name: private\nimage: {{ref: '{private}', pull: always, credentials:"
+        " img-test-registry}\n"
+        "job: {kind: command, command: [python3, -c, 'print(\"hello from inside\")']}\n"
+    )
+    out = gpuflow(["run", str(job)], env)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said[-4000:]
+    assert "hello from inside" in said and PASSWORD not in said
+    for path in gpuflow_home.rglob("*"):  # nor in what the run kept
+        if path.is_file():
+            assert PASSWORD.encode() not in path.read_bytes(), path
+    assert not list(Path("/tmp").glob("gpuflow-registry-*"))  # the login file is gone
+
+
+BAD_IMAGES = {
+    "upper case": ("{registry}/public/PY:1", 2, "its path must be lower case"),
+    "a tag and a bad digest": ("{registry}/public/py:1@sha256:abc", 2, "not an image reference"),
+    "not there": ("{registry}/public/nope:1", 2, "the registry has no such image"),
+    "another machine's": (
+        "{registry}/public/py-arm64:1",
+        2,
+        "is built for arm64, this host is amd64",
+    ),
+    "no registry there": ("127.0.0.1:1/public/py:1", 2, "the registry could not be reached"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_IMAGES)
+def test_a_bad_image_is_one_sentence_before_anything_is_made(
+    case, tmp_path, prefect_api, gpuflow_home, image_registry
+):
+    ref, code, said = BAD_IMAGES[case]
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"image: {ref.format(registry=image_registry.host)}\n"
+        "job: {kind: command, command: [python3, -c, 'print(1)']}\n"
+    )
+    out = gpuflow(["run", str(job)], _env(prefect_api, gpuflow_home, image_registry))
+    assert out.returncode == code, out.stdout[-3000:] + out.stderr[-3000:]
+    sentences = [line for line in out.stderr.splitlines() if line.startswith("gpuflow:")]
+    assert len(sentences) == 1 and said in sentences[0], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    assert leftovers(gpuflow_home) == NOTHING_LEFT and not containers_of()
+
+
+def test_an_image_without_a_shell_or_the_program_is_refused_for_what_needs_it(
+    tmp_path, prefect_api, gpuflow_home, image_registry
+):
+    env = _env(prefect_api, gpuflow_home, image_registry)
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"image: {image_registry.ref('noshell')}\n"
+        "job: {kind: command, command: [/hello], setup: ['echo hi']}\n"
+    )
+    out = gpuflow(["run", str(job)], env)
+    assert out.returncode == 2 and "has no shell (/bin/sh)" in out.stderr, out.stderr[-3000:]
+    job.write_text(
+        f"image: {image_registry.ref('py')}\njob: {{kind: command, command: [blender, -b]}}\n"
+    )
+    out = gpuflow(["run", str(job)], env)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"job.command: the image {image_registry.ref('py')!r} has no 'blender'" in out.stderr
+    assert leftovers(gpuflow_home) == NOTHING_LEFT and not containers_of()
+
+
+def test_no_engine_on_the_host_names_what_to_install(
+    tmp_path, prefect_api, gpuflow_home, image_registry
+):
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    for program in ("sh", "true"):  # a PATH with neither podman nor docker
+        (bare / program).symlink_to(f"/bin/{program}")
+    env = {**_env(prefect_api, gpuflow_home, image_registry), "PATH": str(bare)}
+    job = tmp_path / "job.yaml"
+    job.write_text(f"image: {image_registry.ref('py')}\njob: {{kind: command, command: [true]}}\n")
+    out = gpuflow(["run", str(job)], env)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "this host has no container engine to run it; install podman" in out.stderr
+    assert leftovers(gpuflow_home) == NOTHING_LEFT
