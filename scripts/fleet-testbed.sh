@@ -17,6 +17,8 @@
 # by `down`). Hosts get 10.251.N.2.. on a bridge whose own end is 10.251.N.1 (N: the first
 # free, chosen under a lock, so test beds side by side do not meet); hosts reach each
 # other over the bridge.
+# FLEET_HOST_ENV (NAME=VALUE ...) is added to every host's environment (the container
+# tests' engine settings); podman, where installed, is on every host's PATH.
 # The hosts' Python is FLEET_PYTHON (default: python3 here); `nopython` leaves it out of
 # that host's PATH. FAKE_NVML_DIR (default: this checkout's tests/fakes) goes first on
 # each host's PYTHONPATH. Needs root (ip netns, veths, sshd).
@@ -26,7 +28,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 FAKES=${FAKE_NVML_DIR:-$ROOT/tests/fakes}
 TOOLS="sh bash sleep cat tar gzip mkdir rm rmdir ls env true false echo df kill ps id
        uname head tail grep sed mv cp ln chmod date hostname nproc stat touch sha256sum
-       wc tr cut sort uniq xargs awk mawk expr seq find dirname basename readlink"
+       wc tr cut sort uniq xargs awk mawk expr seq find dirname basename readlink podman"
 
 free_net() { # a /24 of its own per test bed: 10.251.<1..250>, the first whose bridge is not there
   local n
@@ -85,7 +87,7 @@ UsePAM no
 StrictModes no
 MaxSessions 64
 MaxStartups 64:30:128
-SetEnv HOME=$home/home GPUFLOW_HOME=$home/gpuflow PATH=$home/bin PYTHONPATH=$FAKES FAKE_NVML_GPUS=$gpus "FAKE_NVML_NAME=$product" FAKE_NVML_UTIL=3
+SetEnv HOME=$home/home GPUFLOW_HOME=$home/gpuflow PATH=$home/bin PYTHONPATH=$FAKES FAKE_NVML_GPUS=$gpus "FAKE_NVML_NAME=$product" FAKE_NVML_UTIL=3 ${FLEET_HOST_ENV:-}
 LogLevel VERBOSE
 EOF
   # its network only (ip netns exec would also remount /sys, hiding the cgroup hierarchies)

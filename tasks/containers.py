@@ -359,6 +359,7 @@ class RunArgs:
     gpus: Sequence[int]
     memory: int | None = None
     shm: int | None = None
+    read_only: Sequence[str] = ()  # files or folders mounted read-only at the same path
 
 
 def gpu_args(engine: Engine, gpus: Sequence[int]) -> list[str]:
@@ -384,6 +385,8 @@ def run_argv(engine: Engine, args: RunArgs) -> list[str]:
         argv += ["--user", args.user]
     for folder in args.mounts:
         argv += ["--volume", f"{folder}:{folder}"]
+    for path in args.read_only:
+        argv += ["--volume", f"{path}:{path}:ro"]
     for name in args.env_names:
         argv += ["--env", name]
     for name, value in args.env_values.items():
@@ -422,3 +425,124 @@ def remove(engine: Engine, cluster: str) -> int:
 def kill(engine: Engine, name: str, signal: str = "TERM") -> bool:
     """Send `signal` to a unit's container; False when it is not running."""
     return engine.run("kill", "--signal", signal, name, timeout_s=60).returncode == 0
+
+
+# -- a registry asked for a digest (the orchestrator pins an image it does not run) ----------
+
+_ACCEPT = ", ".join(
+    [
+        "application/vnd.oci.image.index.v1+json",
+        "application/vnd.oci.image.manifest.v1+json",
+        "application/vnd.docker.distribution.manifest.list.v2+json",
+        "application/vnd.docker.distribution.manifest.v2+json",
+    ]
+)
+
+
+def plain_http_registries() -> set[str]:
+    """The registries this machine's engine settings mark insecure (plain HTTP):
+    registries.conf's `[[registry]] insecure = true` (CONTAINERS_REGISTRIES_CONF, else
+    /etc/containers/registries.conf)."""
+    import tomllib
+
+    path = Path(os.environ.get("CONTAINERS_REGISTRIES_CONF") or "/etc/containers/registries.conf")
+    try:
+        settings = tomllib.loads(path.read_text())
+    except (OSError, ValueError):
+        return set()
+    return {
+        str(entry.get("location") or entry.get("prefix"))
+        for entry in settings.get("registry", [])
+        if isinstance(entry, dict) and entry.get("insecure")
+    }
+
+
+def _repository(ref: str) -> tuple[str, str, str]:
+    """(registry host to ask, repository, tag) of a reference without a digest."""
+    name = ref.split("@", 1)[0]
+    head, _, last = name.rpartition("/")
+    last, _, tag = last.partition(":")
+    path = f"{head}/{last}" if head else last
+    registry = registry_of(path)
+    repository = path.removeprefix(f"{registry}/") if registry != "docker.io" else path
+    if registry == "docker.io":
+        registry = "registry-1.docker.io"
+        repository = repository if "/" in repository else f"library/{repository}"
+    return registry, repository, tag or "latest"
+
+
+def resolve_digest(
+    ref: str,
+    credentials: tuple[str | None, str | None] = (None, None),
+    timeout_s: float = 30.0,
+) -> str:
+    """The digest the registry gives `ref` now (its manifest, or its index for a
+    multi-platform image: what every host pulls by), asked without pulling; one sentence
+    for a reference the registry does not have, refuses, or a registry that cannot be
+    reached. Basic auth and the token flow (Bearer) registries use."""
+    if "@" in ref:
+        return ref.split("@", 1)[1]
+    import urllib.error
+    import urllib.request
+
+    registry, repository, tag = _repository(ref)
+    scheme = "http" if registry in plain_http_registries() else "https"
+    url = f"{scheme}://{registry}/v2/{repository}/manifests/{tag}"
+    username, password = credentials
+    basic = (
+        "Basic " + base64.b64encode(f"{username}:{password}".encode()).decode()
+        if username and password
+        else None
+    )
+
+    def ask(authorization: str | None) -> urllib.response.addinfourl:
+        request = urllib.request.Request(url, method="HEAD", headers={"Accept": _ACCEPT})
+        if authorization:
+            request.add_header("Authorization", authorization)
+        return urllib.request.urlopen(request, timeout=timeout_s)
+
+    try:
+        try:
+            answer = ask(None)
+        except urllib.error.HTTPError as exc:
+            if exc.code != 401:
+                raise
+            challenge = exc.headers.get("WWW-Authenticate", "")
+            answer = ask(_authorization(challenge, basic, repository, timeout_s))
+    except urllib.error.HTTPError as exc:
+        said = f"HTTP {exc.code} {exc.reason}"
+        raise InvalidSpec(pull_failure(ref, said, basic is not None)) from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise InvalidSpec(pull_failure(ref, f"dial tcp {registry}: {reason}", False)) from None
+    digest = answer.headers.get("Docker-Content-Digest", "")
+    if not digest.startswith("sha256:"):
+        raise InvalidSpec(
+            f"image: the registry {registry} gave no digest for {ref!r}; give the image as"
+            " name@sha256:... to pin it."
+        )
+    return digest
+
+
+def _authorization(
+    challenge: str, basic: str | None, repository: str, timeout_s: float
+) -> str | None:
+    """The Authorization a registry's 401 challenge asks for: Basic as it is, Bearer from
+    its token service (with the credentials, where there are any)."""
+    import urllib.parse
+    import urllib.request
+
+    scheme, _, params = challenge.partition(" ")
+    if scheme.lower() == "basic":
+        return basic
+    if scheme.lower() != "bearer":
+        return basic
+    fields = dict(re.findall(r'(\w+)="([^"]*)"', params))
+    query = {"service": fields.get("service", ""), "scope": f"repository:{repository}:pull"}
+    request = urllib.request.Request(f"{fields.get('realm', '')}?{urllib.parse.urlencode(query)}")
+    if basic:
+        request.add_header("Authorization", basic)
+    with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+        token = json.loads(answer.read() or b"{}")
+    found = token.get("token") or token.get("access_token")
+    return f"Bearer {found}" if found else None

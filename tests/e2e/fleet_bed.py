@@ -18,10 +18,14 @@ TESTBED = Path(__file__).resolve().parents[2] / "scripts" / "fleet-testbed.sh"
 
 
 @contextlib.contextmanager
-def fleet_bed(folder: Path, hosts: list[str]) -> Iterator[dict]:
-    """Bring up hosts (NAME:GPUS[:PRODUCT][:nopython]) in `folder`; yield their description
-    (hosts.json, the client key, the folder); bring them down, whatever happens."""
-    env = {**os.environ, "FLEET_PYTHON": sys.executable}
+def fleet_bed(
+    folder: Path, hosts: list[str], host_env: dict[str, str] | None = None
+) -> Iterator[dict]:
+    """Bring up hosts (NAME:GPUS[:PRODUCT][:nopython]) in `folder`, `host_env` added to
+    each host's environment; yield their description (hosts.json, the client key, the
+    folder); bring them down, whatever happens."""
+    extra = " ".join(f"{k}={v}" for k, v in (host_env or {}).items())
+    env = {**os.environ, "FLEET_PYTHON": sys.executable, "FLEET_HOST_ENV": extra}
     subprocess.run([str(TESTBED), "up", str(folder), *hosts], check=True, env=env)
     try:
         yield json.loads((folder / "hosts.json").read_text()) | {

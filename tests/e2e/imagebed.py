@@ -85,11 +85,8 @@ def _push(archive: Path, target: str, creds: bool) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-@contextlib.contextmanager
-def image_bed(folder: Path) -> Iterator[ImageBed]:
-    """Start the registry, push the user images, yield the bed; stop the registry by PID."""
-    if os.geteuid() != 0 or shutil.which("podman") is None or shutil.which("skopeo") is None:
-        pytest.skip("the container test bed needs root, podman and skopeo (scripts/setup.sh)")
+def _built() -> tuple[Path, str]:
+    """The user images' folder and the registry's program (built or cached)."""
     images = Path(
         subprocess.run(
             ["bash", str(ROOT / "scripts" / "build-test-images.sh")],
@@ -100,13 +97,23 @@ def image_bed(folder: Path) -> Iterator[ImageBed]:
         ["bash", str(ROOT / "scripts" / "registry.sh"), "path"],
         capture_output=True, text=True, check=True, timeout=600,
     ).stdout.strip()  # fmt: skip
+    return images, binary
+
+
+@contextlib.contextmanager
+def registry(
+    folder: Path, listen: str = "127.0.0.1:0", images: tuple[str, ...] = ()
+) -> Iterator[ImageBed]:
+    """A registry on `listen` with `images` (py, py-private, py-arm64, noshell) pushed,
+    and the engine's settings for it in `folder`; stopped by PID."""
+    built, binary = _built()
     folder.mkdir(parents=True, exist_ok=True)
     auth = folder / "auth"
     auth.write_text(f"{USER}:{PASSWORD}\n")
     port_file = folder / "port"
     log = (folder / "registry.log").open("w")
     proc = subprocess.Popen(
-        [binary, "-auth", str(auth), "-port-file", str(port_file)],
+        [binary, "-listen", listen, "-auth", str(auth), "-port-file", str(port_file)],
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -117,19 +124,29 @@ def image_bed(folder: Path) -> Iterator[ImageBed]:
             assert proc.poll() is None, (folder / "registry.log").read_text()[-2000:]
             assert time.monotonic() < deadline, "the registry never listened"
             time.sleep(0.05)
-        bed = ImageBed(host=f"127.0.0.1:{port_file.read_text().strip()}")
+        address = listen.rsplit(":", 1)[0]
+        bed = ImageBed(host=f"{address}:{port_file.read_text().strip()}")
         bed.env = _containers_conf(folder, bed.host)
         _cdi_spec()
-        _push(images / "py.tar", bed.ref("py"), creds=False)
-        _push(images / "py.tar", bed.ref("py", private=True), creds=True)
-        _push(images / "py-arm64.tar", bed.ref("py-arm64"), creds=False)
-        _push(images / "noshell.tar", bed.ref("noshell"), creds=False)
+        for name in images:
+            private = name.endswith("-private")
+            archive = built / f"{name.removesuffix('-private')}.tar"
+            _push(archive, bed.ref(name.removesuffix("-private"), private), creds=private)
         yield bed
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         log.close()
+
+
+@contextlib.contextmanager
+def image_bed(folder: Path) -> Iterator[ImageBed]:
+    """The registry on loopback with every user image; skipped where the bed cannot be."""
+    if os.geteuid() != 0 or shutil.which("podman") is None or shutil.which("skopeo") is None:
+        pytest.skip("the container test bed needs root, podman and skopeo (scripts/setup.sh)")
+    with registry(folder, images=("py", "py-private", "py-arm64", "noshell")) as bed:
+        yield bed
 
 
 def containers_of(cluster: str | None = None) -> list[str]:

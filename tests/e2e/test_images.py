@@ -284,3 +284,63 @@ def test_no_engine_on_the_host_names_what_to_install(
     assert out.returncode == 2, out.stderr[-3000:]
     assert "this host has no container engine to run it; install podman" in out.stderr
     assert leftovers(gpuflow_home) == NOTHING_LEFT
+
+
+def test_a_fleet_host_runs_the_job_in_the_same_image_pulled_by_its_digest(
+    tmp_path, prefect_api, gpuflow_home, image_registry
+):
+    """The orchestrator asks the registry for the digest (nothing pulled here); the host's
+    engine pulls that digest with the run's login (sent on the host program's input) and
+    runs the unit in it with the host's claimed GPU, the working folder and its setup; the
+    job is preempted (exit 75) and resumed in the container; nothing is left on the host."""
+    from tests.e2e.fleet_bed import claims_on, fleet_bed, host_entry, save_fleet
+    from tests.e2e.imagebed import registry
+
+    folder = tmp_path / "registry"
+    folder.mkdir()
+    conf = {"CONTAINERS_CONF": image_registry.env["CONTAINERS_CONF"]}
+    # the hosts' engine settings, as a site would set them (the registry's entry is
+    # written into that file once the registry listens)
+    host_env = {**conf, "CONTAINERS_REGISTRIES_CONF": str(folder / "registries.conf")}
+    with fleet_bed(tmp_path / "bed", ["h1:2"], host_env=host_env) as bed:
+        bridge = bed["address"]  # the hosts reach this machine here
+        with registry(folder, f"{bridge}:0", images=("py-private",)) as near:
+            save_fleet(bed, "imgs", [host_entry(bed, "h1")], lease_s=10)
+            from gpuflow.blocks import RegistryCredentials
+
+            RegistryCredentials(registry=near.host, username=USER, password=PASSWORD).save(
+                "img-fleet-registry", overwrite=True
+            )
+            code = tmp_path / "code"
+            code.mkdir()
+            (code / "train.py").write_text(TRAIN)
+            from prefect.blocks.system import Secret
+
+            Secret(value=SECRET).save("img-test-token", overwrite=True)
+            job = tmp_path / "job.yaml"
+            job.write_text(
+                f"name: on-host\nimage: {{ref: '{near.ref('py', private=True)}', credentials:"
+                " img-fleet-registry}\nresources: {gpus: 1}\n"
+                "placement: {backend: fleet, fleet: imgs}\nsecret_env: {TOKEN: img-test-token}\n"
+                "job:\n  kind: command\n  workdir: code\n  setup: ['echo ready > setup.txt']\n"
+                "  command: [python3, train.py, '${GPUFLOW_NODE_RANK}']\n"
+                "  resume_args: [--resume]\n"
+            )
+            env = {**_env(prefect_api, gpuflow_home, near), **conf}
+            applied = gpuflow(["fleet", "apply", "imgs"], env)
+            assert applied.returncode == 0, applied.stdout[-3000:] + applied.stderr[-3000:]
+            out = gpuflow(["run", str(job)], env)
+            said = out.stdout + out.stderr
+            assert out.returncode == 0, said[-4000:]
+    (run,) = (gpuflow_home / "runs").glob("on-host-*")
+    first = json.loads((run / "outputs" / "seen-0.json").read_text())
+    resumed = json.loads((run / "outputs" / "seen-3.json").read_text())
+    assert first["python"] == "/usr/bin/python3" and first["debian"]
+    assert first["gpus"] == "0" and first["setup"] == "ready"
+    assert resumed["args"] == ["0", "--resume"]
+    assert first["secret"] == hashlib.sha256(SECRET.encode()).hexdigest()
+    (pinned,) = [line for line in said.splitlines() if line.startswith("[gpuflow] image ")]
+    digest = pinned.rsplit("@", 1)[1].split()[0]
+    assert json.loads((run / "metrics.json").read_text())["image"].endswith(f"@{digest}")
+    assert PASSWORD not in said and SECRET not in said
+    assert not containers_of() and claims_on(bed, "h1") == []

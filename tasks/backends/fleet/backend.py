@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from gpuflow.tasks.backends import elastic
+from gpuflow.tasks.backends import elastic, imaging
 from gpuflow.tasks.backends.base import LogTail, UnitBackend
 from gpuflow.tasks.backends.fleet import hosts as fleet_hosts
 from gpuflow.tasks.backends.fleet.growth import Grower
@@ -95,6 +95,18 @@ _DROPPED: dict[str, set[int]] = {}  # by cluster name: its nodes given back (dro
 _SESSIONS_LOCK = threading.Lock()
 
 
+def image_request(spec: JobSpec) -> dict[str, Any]:
+    """What a host needs to run the run's units in its image: the pinned reference, whose
+    they run as, and the registry's login (sent on the host program's input, never on a
+    command line)."""
+    if spec.image is None:
+        return {}
+    username, password = imaging.credentials_of(spec)
+    image = spec.image.model_dump(mode="json", include={"ref", "digest", "user", "pull"})
+    login = {"username": username, "password": password} if username else None
+    return {"image": image, "registry_login": login}
+
+
 class FleetBackend(UnitBackend):
     """A GpuFleet's hosts over SSH: GPUs claimed on the hosts as leases."""
 
@@ -106,8 +118,13 @@ class FleetBackend(UnitBackend):
         samples_nodes=True,
         node_samples_in_workspace=True,  # the hosts' samples are written here as they come
         adds_nodes=True,  # a service's replicas each claim GPUs on a host of their own
+        runs_images=True,  # each host's engine pulls the run's pinned image (image:)
     )
     placement_model: ClassVar[type[Placement]] = FleetPlacement
+
+    def pin_image(self, spec: JobSpec, needs: Needs, say: Callable[[str], None]) -> JobSpec:
+        """The image's digest from its registry, asked from here; each host pulls it."""
+        return spec if spec.image is None else imaging.pin_by_registry(spec, say)
 
     @classmethod
     def block_types(cls) -> list[type]:
@@ -377,6 +394,7 @@ class FleetBackend(UnitBackend):
             else None,
             "grace_s": spec.limits.stop_grace_s,
             "interval_s": spec.metrics.interval_s,
+            **image_request(spec),
         }
         nodes = self.nodes()
         grower = Grower(self, nodes, spec, owner[RUN_LABEL]) if nodes is not None else None

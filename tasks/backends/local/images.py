@@ -6,6 +6,7 @@ environment passed by name, as the invoking user."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets as tokens
@@ -18,19 +19,11 @@ from pydantic import BaseModel
 
 from gpuflow.tasks import containers, starter
 from gpuflow.tasks.backends.base import exit_end
+from gpuflow.tasks.backends.imaging import ENGINE_OWN, check_secrets_pass_by_name, credentials_of
 from gpuflow.tasks.contract import Cluster, Needs, UnitEnd, WorkUnit, unit_env
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.host import stop_group
-from gpuflow.tasks.saved_blocks import load_block
 from gpuflow.tasks.spec import CodeJob, JobSpec
-
-# what an engine reads from its own environment: a job's value of one of these goes on the
-# engine's command line (`--env NAME=VALUE`), so a secret may not use these names
-ENGINE_OWN = frozenset(
-    {"HOME", "PATH", "TMPDIR", "XDG_RUNTIME_DIR", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "USER"}
-    | {"REGISTRY_AUTH_FILE", "CONTAINERS_CONF", "CONTAINERS_REGISTRIES_CONF", "DOCKER_HOST"}
-    | {"DOCKER_CONFIG", "CONTAINER_HOST"}
-)
 
 
 class LocalImage(BaseModel):
@@ -41,39 +34,6 @@ class LocalImage(BaseModel):
     image_id: str  # the engine's id of the pinned image: exactly what was checked
     shown: str  # name@digest (or the reference, for an image only this host has)
     user: str | None  # uid:gid; None: the image's own user
-
-
-def credentials_of(spec: JobSpec) -> tuple[str | None, str | None]:
-    """The user and password image.credentials names (its block), or none."""
-    if spec.image is None or spec.image.credentials is None:
-        return None, None
-    from gpuflow.blocks.registry_credentials import RegistryCredentials
-
-    block = load_block(
-        RegistryCredentials,
-        spec.image.credentials,
-        "image.credentials",
-        otherwise="remove image.credentials for a public image",
-    )
-    registry = containers.registry_of(spec.image.ref)
-    if block.registry != registry:
-        raise InvalidSpec(
-            f"image.credentials: the block {spec.image.credentials!r} is for {block.registry},"
-            f" the image is on {registry}; name that registry's block."
-        )
-    return block.username, block.password.get_secret_value()
-
-
-def check_secrets_pass_by_name(spec: JobSpec) -> None:
-    """A secret never goes on the engine's command line: refuse one named like the
-    engine's own environment."""
-    for name in spec.secret_env:
-        if name in ENGINE_OWN:
-            raise InvalidSpec(
-                f"secret_env.{name}: a job in an image gets its secrets through the container"
-                f" engine's environment, where {name} is the engine's own; give the secret"
-                " another name."
-            )
 
 
 def pin(spec: JobSpec, needs: Needs, say: Callable[[str], None]) -> JobSpec:
@@ -174,6 +134,7 @@ def start(
         env_names=sorted(by_name),
         env_values=on_line,
         mounts=[cluster.workspace, tmp],
+        read_only=_archive_of(unit.command, cluster.workspace),
         workdir=cluster.workspace,
         user=image.user,
         gpus=gpus,
@@ -200,6 +161,20 @@ def _starter_in_image(command: list[str], workspace: str) -> list[str]:
     if not script.is_file():
         shutil.copyfile(starter.__file__, script)
     return ["python3", str(script), *command[3:]]
+
+
+def _archive_of(command: list[str], workspace: str) -> list[str]:
+    """The working folder's archive the starter reads, where it is a file on this host
+    outside the workspace (a fleet host's staged copy): mounted read-only at its path."""
+    if command[1:3] != ["-m", starter.MODULE] or len(command) < 4:
+        return []
+    try:
+        archive = json.loads(command[3]).get("archive") or ""
+    except ValueError:
+        return []
+    if not archive.startswith("/") or archive.startswith(workspace.rstrip("/") + "/"):
+        return []
+    return [archive] if Path(archive).is_file() else []
 
 
 def starter_needs(spec: JobSpec) -> Needs:

@@ -45,14 +45,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpuflow.tasks import nvml
+from gpuflow.tasks import containers, nvml
 from gpuflow.tasks.backends.base import LogTail
 from gpuflow.tasks.backends.local.backend import LocalBackend, LocalPlacement
 from gpuflow.tasks.contract import RUN_LABEL, Cluster, StopReason, UnitEnd, WorkUnit
 from gpuflow.tasks.errors import CapacityError, InvalidSpec, ProvisionError
 from gpuflow.tasks.host import alive, gpuflow_home, make_dirs
 from gpuflow.tasks.metrics.sampler import Sampler
-from gpuflow.tasks.spec import JobSpec, Limits, Resources
+from gpuflow.tasks.spec import Image, JobSpec, Limits, Resources
 
 PYTHON = "{python}"  # a unit's command naming gpuflow's interpreter: the host's own
 STAGED = "{staged}"  # a unit's command naming the files staged for it: the host's folder
@@ -111,7 +111,10 @@ class Served:
             resources=Resources.model_validate(header["resources"]),
             placement=LocalPlacement(),
             limits=Limits(),
+            image=Image.model_validate(header["image"]) if header.get("image") else None,
         )
+        login = header.get("registry_login") or {}
+        self.login = (login.get("username"), login.get("password"))
         self.owner = {**dict(header["owner"]), SERVED_LABEL: "fleet"}
         self.counts = bool(header.get("counts", True))  # False: the fleet's scaler retiring it
         self.claimed_at = time.time()
@@ -124,6 +127,7 @@ class Served:
         set_aside_orphans(self.backend, lambda _text: None)
         self.backend.reap(False, lambda _text: None, None)  # type: ignore[arg-type]
         try:
+            self._pull()
             self.cluster = self.backend.provision(self.spec, self.owner)
         except CapacityError as exc:
             self._unmake()
@@ -143,6 +147,19 @@ class Served:
             }
         )
         return True
+
+    def _pull(self) -> None:
+        """Pull the run's pinned image with this host's engine (the digest: what every
+        host of the run runs), before anything is claimed."""
+        image = self.spec.image
+        if image is None:
+            return
+        try:
+            engine = containers.find_engine()
+        except InvalidSpec as exc:
+            raise InvalidSpec(f"this host: {exc}") from None
+        pinned = containers.pull(engine, image.pinned, lambda _line: None, self.login, image.pull)
+        containers.check_architecture(pinned)
 
     def _unmake(self) -> None:
         """Remove what a claim that failed made (its record, its workspace)."""
