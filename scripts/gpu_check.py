@@ -212,6 +212,62 @@ def check_training(names: list[str], work: Path, steps: int) -> None:
     )
 
 
+@step("a job in its image")
+def check_image(names: list[str]) -> None:
+    """The image path's GPUs (image:): a job in a container of an image sees the GPU it
+    was given (CDI with podman and the NVIDIA Container Toolkit, --gpus with docker).
+    The image: GPUFLOW_GPU_CHECK_IMAGE, else the first one the engine already has (nothing
+    outside this machine is pulled)."""
+    from gpuflow.flows.pipeline import gpu_pipeline
+    from gpuflow.tasks import containers
+    from gpuflow.tasks.errors import InvalidSpec
+    from gpuflow.tasks.spec import load_spec
+
+    if not names:
+        row(
+            "a job in its image",
+            "no GPU here: the container path is the tests' (fake CDI)",
+            "skipped",
+        )
+        return
+    try:
+        engine = containers.find_engine()
+    except InvalidSpec as exc:
+        row("a job in its image", str(exc), "skipped")
+        return
+    image = os.environ.get("GPUFLOW_GPU_CHECK_IMAGE")
+    if not image:
+        listed = engine.run("images", "--format", "{{.Repository}}:{{.Tag}}").stdout.split()
+        image = next((i for i in listed if "<none>" not in i), None)
+    if not image:
+        row(
+            "a job in its image",
+            f"{engine.name} has no image; set GPUFLOW_GPU_CHECK_IMAGE",
+            "skipped",
+        )
+        return
+    show = (
+        "(nvidia-smi -L 2>/dev/null || ls /dev/nvidia*; echo CUDA=$CUDA_VISIBLE_DEVICES)"
+        ' > "$GPUFLOW_OUTPUT_DIR/gpus.txt"'
+    )
+    spec = load_spec(
+        {
+            "name": "gpu-check-image",
+            "image": {"ref": image, "pull": "never"},
+            "job": {"kind": "command", "command": ["sh", "-c", show]},
+            "resources": {"gpus": 1},
+        }
+    )
+    state = gpu_pipeline(spec, return_state=True)
+    if not state.is_completed():
+        row("a job in its image", f"{image} by {engine.name}: {state.message}", "FAIL")
+        return
+    said = Path(state.result().artifacts_dir, "outputs", "gpus.txt").read_text()
+    tail = " | ".join(said.split("\n"))
+    seen = "GPU 0:" in tail or "/dev/nvidia0" in tail
+    row("a job in its image", f"{image} by {engine.name}: {tail[:240]}", "ok" if seen else "FAIL")
+
+
 @step("render")
 def check_render(names: list[str], work: Path) -> None:
     from gpuflow.flows.render import render
@@ -288,6 +344,7 @@ def main() -> int:
     with prefect_api():
         check_training(names, work, 20 if args.quick and not names else 50)
         check_render(names, work)
+        check_image(names)
     check_md(names, 2000 if args.quick else 32000, 20 if args.quick else 200)
     shutil.rmtree(work, ignore_errors=True)
     width = max(len(check) for check, _, _ in ROWS)

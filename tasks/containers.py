@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -321,9 +322,26 @@ def check_architecture(pinned: Pinned) -> None:
 
 def probe(engine: Engine, pinned: Pinned, programs: Sequence[str]) -> list[str]:
     """Return which of `programs` the image lacks (looked up by its shell); one sentence
-    when the image has no shell to look with."""
+    when the image has no shell to look with. An image's files never change under its id:
+    the answer is kept ($GPUFLOW_HOME/images), so the next run of it starts no container
+    to ask again."""
     if not programs:
         return []
+    from gpuflow.tasks.host import gpuflow_home, make_dirs, read_state_json, write_atomic
+
+    key = hashlib.sha256(json.dumps([pinned.image_id, sorted(programs)]).encode()).hexdigest()
+    kept = gpuflow_home() / "images" / f"probe-{key[:32]}.json"
+    known = read_state_json(kept) if pinned.image_id and kept.is_file() else None
+    if isinstance(known, dict) and isinstance(known.get("missing"), list):
+        return [str(p) for p in known["missing"]]
+    missing = _probe(engine, pinned, programs)
+    if pinned.image_id:
+        make_dirs(kept.parent)
+        write_atomic(kept, json.dumps({"image": pinned.image_id, "missing": missing}))
+    return missing
+
+
+def _probe(engine: Engine, pinned: Pinned, programs: Sequence[str]) -> list[str]:
     script = " ".join(
         f"command -v {shlex.quote(p)} >/dev/null || echo {shlex.quote(p)};" for p in programs
     )

@@ -1,16 +1,33 @@
 """What every backend that runs a job in its image shares: the registry's credentials from
-the spec's block, the environment names an engine keeps for itself, and the pin of an
-image by the orchestrator where the units run elsewhere (the registry asked, nothing
-pulled here)."""
+the spec's block, the environment names an engine keeps for itself, the pin of an image by
+the orchestrator where the units run elsewhere (the registry asked, nothing pulled here),
+and a unit in a container on the host that runs it (this machine, a fleet host, an
+instance's agent): the engine found there pulls the image once per run and pins it
+(tasks/containers.py); each unit is one container of that image with the unit's GPUs, the
+workspace and the job's TMPDIR mounted at their own paths, the job's environment passed
+by name, as the invoking user."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import json
+import os
+import re
+import secrets as tokens
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
-from gpuflow.tasks import containers
+from pydantic import BaseModel
+
+from gpuflow.tasks import containers, starter
+from gpuflow.tasks.contract import Cluster, Needs, unit_env
 from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.host import stop_group
 from gpuflow.tasks.saved_blocks import load_block
-from gpuflow.tasks.spec import JobSpec
+from gpuflow.tasks.spec import CodeJob, Image, JobSpec
 
 # what an engine reads from its own environment: a job's value of one of these goes on the
 # engine's command line (`--env NAME=VALUE`), so a secret may not use these names
@@ -23,20 +40,27 @@ ENGINE_OWN = frozenset(
 
 def credentials_of(spec: JobSpec) -> tuple[str | None, str | None]:
     """The user and password image.credentials names (its block), or none."""
-    if spec.image is None or spec.image.credentials is None:
+    if spec.image is None:
+        return None, None
+    return credentials_of_image(spec.image)
+
+
+def credentials_of_image(image: Image) -> tuple[str | None, str | None]:
+    """The user and password `image.credentials` names (its block), or none."""
+    if image.credentials is None:
         return None, None
     from gpuflow.blocks.registry_credentials import RegistryCredentials
 
     block = load_block(
         RegistryCredentials,
-        spec.image.credentials,
+        image.credentials,
         "image.credentials",
         otherwise="remove image.credentials for a public image",
     )
-    registry = containers.registry_of(spec.image.ref)
+    registry = containers.registry_of(image.ref)
     if block.registry != registry:
         raise InvalidSpec(
-            f"image.credentials: the block {spec.image.credentials!r} is for {block.registry},"
+            f"image.credentials: the block {image.credentials!r} is for {block.registry},"
             f" the image is on {registry}; name that registry's block."
         )
     return block.username, block.password.get_secret_value()
@@ -64,3 +88,220 @@ def pin_by_registry(spec: JobSpec, say: Callable[[str], None]) -> JobSpec:
     image = spec.image.model_copy(update={"digest": digest})
     say(f"image {spec.image.ref} is {image.pinned}")
     return spec.model_copy(update={"image": image})
+
+
+@dataclass(frozen=True)
+class UnitPlace:
+    """Where a unit runs on its host: its workspace, TMPDIR, node and the run's nodes."""
+
+    workspace: str
+    tmp: str
+    node: int = 0
+    nodes: int = 1
+
+
+class HostImage(BaseModel):
+    """What a cluster's units run on a host: its engine and the image as pinned."""
+
+    engine: str
+    engine_path: str
+    image_id: str  # the engine's id of the pinned image: exactly what was checked
+    shown: str  # name@digest (or the reference, for an image only this host has)
+    user: str | None  # uid:gid; None: the image's own user
+
+
+def pin(spec: JobSpec, needs: Needs, say: Callable[[str], None]) -> JobSpec:
+    """Pull the spec's image here (once) and return the spec with its digest; one sentence
+    for an image that cannot be had, is for another machine or lacks what the kind needs."""
+    assert spec.image is not None
+    check_secrets_pass_by_name(spec)
+    engine = containers.find_engine()
+    wanted = spec.image.pinned
+    pinned = containers.pull(engine, wanted, say, credentials_of(spec), spec.image.pull)
+    containers.check_architecture(pinned)
+    more = starter_needs(spec)
+    needs = needs.model_copy(
+        update={
+            "programs": {**more.programs, **needs.programs},
+            "shell": needs.shell or more.shell,
+        }
+    )
+    programs = list(dict.fromkeys(needs.programs.values()))
+    if needs.shell or programs:
+        try:
+            missing = containers.probe(engine, pinned, programs)
+        except InvalidSpec:
+            if needs.shell:
+                raise
+            missing = []  # no shell to look with, and the kind starts no shell: the job says
+        if missing:
+            fields = [f for f, p in needs.programs.items() if p in missing]
+            raise InvalidSpec(
+                f"{', '.join(fields)}: the image {spec.image.ref!r} has no"
+                f" {', '.join(map(repr, missing))}; add it to the image or give the program's"
+                " path in the image."
+            )
+    say(f"image {spec.image.ref} is {pinned.pinned_ref} (run by {engine.name})")
+    image = spec.image.model_copy(update={"digest": pinned.digest or None})
+    return spec.model_copy(update={"image": image})
+
+
+def plan(spec: JobSpec) -> HostImage | None:
+    """What the cluster's units will run, from the pinned spec (None: no image)."""
+    if spec.image is None:
+        return None
+    engine = containers.find_engine()
+    described = containers.inspect(engine, spec.image.pinned)
+    if described is None:
+        raise InvalidSpec(
+            f"image: {spec.image.pinned!r} is no longer in {engine.name}'s store here (removed"
+            " since it was pulled); run again to pull it."
+        )
+    pinned = containers.pinned_from(spec.image.pinned, described)
+    return HostImage(
+        engine=engine.name,
+        engine_path=engine.path,
+        image_id=pinned.image_id,
+        shown=pinned.pinned_ref,
+        user=user_of(spec.image.user),
+    )
+
+
+def user_of(wanted: str) -> str | None:
+    """The engine's --user for image.user (None: the image's own)."""
+    if wanted == "invoking":
+        return f"{os.geteuid()}:{os.getegid()}"
+    if wanted == "image":
+        return None
+    if wanted == "root":
+        return "0:0"
+    return wanted
+
+
+def start(
+    image: HostImage,
+    cluster: str,
+    where: UnitPlace,
+    unit: str,
+    command: list[str],
+    env: Mapping[str, str],
+    gpus: list[int],
+    memory: int | None = None,
+) -> tuple[subprocess.Popen, str]:
+    """Start one unit in a container of `image` on this host; return the engine's process
+    and the container's name. Inside, the unit's GPUs are 0..n-1 (the engine hands over
+    those devices only)."""
+    engine = containers.Engine(image.engine, image.engine_path)
+    inside = {
+        **env,
+        "TMPDIR": where.tmp,
+        **unit_env(where.node, where.nodes, where.workspace, list(range(len(gpus)))),
+    }
+    if not gpus:
+        inside.pop("CUDA_VISIBLE_DEVICES", None)
+    by_name = {k: v for k, v in inside.items() if k not in ENGINE_OWN}
+    on_line = {k: v for k, v in inside.items() if k in ENGINE_OWN}  # never a secret's
+    name = f"{cluster}-{_safe(unit)}-{tokens.token_hex(3)}"
+    args = containers.RunArgs(
+        name=name,
+        cluster=cluster,
+        image=image.image_id,
+        command=_starter_in_image(command, where.workspace),
+        env_names=sorted(by_name),
+        env_values=on_line,
+        mounts=list(dict.fromkeys([where.workspace, where.tmp])),
+        read_only=_archive_of(command, where.workspace),
+        workdir=where.workspace,
+        user=image.user,
+        gpus=gpus,
+        memory=memory,
+    )
+    proc = subprocess.Popen(
+        containers.run_argv(engine, args),
+        env={**containers.engine_environ(), **by_name},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    return proc, name
+
+
+def _starter_in_image(command: list[str], workspace: str) -> list[str]:
+    """The unit's command with gpuflow's starter (`python -m gpuflow.tasks.workdir`, for
+    the working folder, setup and ${NAME}) run by the image's own python3 from a copy of
+    its one file in the workspace: the image needs no gpuflow."""
+    if command[1:3] != ["-m", starter.MODULE]:
+        return command
+    script = Path(workspace) / ".gpuflow-starter.py"
+    if not script.is_file():
+        shutil.copyfile(starter.__file__, script)
+    return ["python3", str(script), *command[3:]]
+
+
+def _archive_of(command: list[str], workspace: str) -> list[str]:
+    """The working folder's archive the starter reads, where it is a file on this host
+    outside the workspace (a fleet host's staged copy): mounted read-only at its path."""
+    if command[1:3] != ["-m", starter.MODULE] or len(command) < 4:
+        return []
+    try:
+        archive = json.loads(command[3]).get("archive") or ""
+    except ValueError:
+        return []
+    if not archive.startswith("/") or archive.startswith(workspace.rstrip("/") + "/"):
+        return []
+    return [archive] if Path(archive).is_file() else []
+
+
+def starter_needs(spec: JobSpec) -> Needs:
+    """What the starter needs of the image: python3, and a shell for job.setup."""
+    job = spec.job
+    if not isinstance(job, CodeJob) or not (job.workdir or job.setup):
+        return Needs()
+    programs = {"job.workdir" if job.workdir else "job.setup": "python3"}
+    return Needs(programs=programs, shell=bool(job.setup))
+
+
+def probe_argv(image: HostImage, cluster: Cluster, argv: list[str]) -> list[str]:
+    """The engine command that runs `argv` once in the image with the cluster's GPUs and
+    workspace, as the job would (preflight's look at torch and CUDA from inside)."""
+    engine = containers.Engine(image.engine, image.engine_path)
+    args = containers.RunArgs(
+        name=f"{cluster.name}-probe-{tokens.token_hex(3)}",
+        cluster=cluster.name,
+        image=image.image_id,
+        command=argv,
+        env_names=[],
+        env_values={},
+        mounts=[cluster.workspace],
+        workdir=cluster.workspace,
+        user=image.user,
+        gpus=cluster.gpu_indices,
+    )
+    return containers.run_argv(engine, args)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_.-]", "-", name)[:40] or "unit"
+
+
+def stop(proc: subprocess.Popen, image: HostImage, name: str, grace_s: float) -> None:
+    """SIGTERM the unit's container (the job's own process gets it), wait `grace_s`, then
+    remove it by force; the engine's process ends with it."""
+    engine = containers.Engine(image.engine, image.engine_path)
+    containers.kill(engine, name, "TERM")
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        engine.run("rm", "--force", name, timeout_s=120)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+    if proc.poll() is None:  # the engine's client hung: its group goes
+        stop_group(proc.pid, None, 2.0)
+
+
+def remove_all(image: HostImage | None, cluster: str) -> int:
+    """Remove every container of `cluster` (teardown, reap); return how many."""
+    if image is None:
+        return 0
+    return containers.remove(containers.Engine(image.engine, image.engine_path), cluster)

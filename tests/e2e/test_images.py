@@ -344,3 +344,63 @@ def test_a_fleet_host_runs_the_job_in_the_same_image_pulled_by_its_digest(
     assert json.loads((run / "metrics.json").read_text())["image"].endswith(f"@{digest}")
     assert PASSWORD not in said and SECRET not in said
     assert not containers_of() and claims_on(bed, "h1") == []
+
+
+RESUMING = """\
+import json, os, pathlib, sys
+out = pathlib.Path(os.environ["GPUFLOW_OUTPUT_DIR"]); out.mkdir(exist_ok=True)
+ckpt = out / "ckpt.txt"
+step = int(ckpt.read_text()) if ckpt.exists() else 0
+seen = {"python": sys.executable, "debian": pathlib.Path("/etc/debian_version").exists(),
+        "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "attempt": os.environ["GPUFLOW_ATTEMPT"]}
+(out / f"seen-{step}.json").write_text(json.dumps(seen))
+while step < 6:
+    step += 1
+    ckpt.write_text(str(step))
+    if step == 3 and os.environ["GPUFLOW_ATTEMPT"] == "1":
+        sys.exit(75)
+print("trained to", step, flush=True)
+"""
+
+
+def test_an_ec2_instance_runs_the_job_in_the_image_its_agent_pulled(
+    aws, played, s3_server, image_registry, monkeypatch
+):
+    """The agent pulls the run's pinned digest with the run's login (from the run's secret,
+    never user-data) and runs each unit in it; exit 75 in the container is retried and the
+    retry resumes from the checkpoint, in the same digest."""
+    from gpuflow.blocks import RegistryCredentials
+    from gpuflow.flows.pipeline import gpu_pipeline
+    from gpuflow.tasks.spec import load_spec
+    from tests.e2e.helpers import logs_of
+    from tests.e2e.test_ec2 import left_of, spec
+
+    for key, value in image_registry.env.items():  # this machine's engine settings, and
+        monkeypatch.setenv(key, value)  # the played instances' (the same machine)
+    played.aws_env.update(image_registry.env)
+    fakes = str(Path(__file__).parents[1] / "fakes")  # the instance's one L4, to its agent
+    played.aws_env.update({"PYTHONPATH": fakes, "FAKE_NVML_GPUS": "1"})
+    RegistryCredentials(registry=image_registry.host, username=USER, password=PASSWORD).save(
+        "img-ec2-registry", overwrite=True
+    )
+    private = image_registry.ref("py", private=True)
+    raw = spec(["python3", "-c", RESUMING])
+    raw["image"] = {"ref": private, "credentials": "img-ec2-registry"}
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    run_id = str(state.state_details.flow_run_id)
+    outputs = Path(result.artifacts_dir, "outputs")
+    first = json.loads((outputs / "seen-0.json").read_text())
+    resumed = json.loads((outputs / "seen-3.json").read_text())
+    assert first["python"] == "/usr/bin/python3" and first["debian"] and first["gpus"] == "0"
+    assert resumed["attempt"] == "2" and (outputs / "ckpt.txt").read_text() == "6"
+    assert result.metrics.image is not None and "@sha256:" in result.metrics.image
+    logs = "\n".join(logs_of(run_id))
+    assert f"pulling {result.metrics.image}" in logs  # by the agent, by digest
+    [instance] = played.instances.values()
+    described = aws["ec2"].describe_instance_attribute(InstanceId=instance.id, Attribute="userData")
+    for text in (instance.user_data, instance.console(), logs, str(described)):
+        assert PASSWORD not in text
+    assert not containers_of()
+    assert left_of(aws, s3_server, run_id)["instances"] == []

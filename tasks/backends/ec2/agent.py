@@ -36,13 +36,16 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from gpuflow.tasks import nvml
+from gpuflow.tasks import containers, nvml
+from gpuflow.tasks.backends import imaging
 from gpuflow.tasks.backends.ec2.imds import ENDPOINT, Imds, Notice, NoticeWatcher
 from gpuflow.tasks.backends.ec2.mailbox import HEARTBEAT, Mailbox, log_key, unit_key
 from gpuflow.tasks.contract import unit_env
+from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.host import OutputPump, stop_group
 from gpuflow.tasks.metrics.prometheus import LivePush
 from gpuflow.tasks.metrics.sampler import Sampler
+from gpuflow.tasks.spec import Image
 
 PYTHON = "{python}"  # a unit's command naming gpuflow's interpreter: the agent's own
 OUTPUT_MAX_BYTES = 8 * 1024 * 1024
@@ -83,6 +86,8 @@ class UnitSpec(BaseModel):
     # sample this node's GPUs while it runs: interval_s, and pushgateway / push_interval_s
     # / job when the run pushes live metrics
     metrics: dict[str, Any] | None = None
+    image: dict[str, Any] | None = None  # the run's pinned image: the unit runs in it
+    cluster: str = ""  # the run's cluster, on its containers' label
 
 
 def now() -> str:
@@ -109,6 +114,8 @@ class Agent:
         self.interrupted: Notice | None = None
         self.api_key: str | None = None
         self.env: dict[str, str] = {}
+        self.login: tuple[str | None, str | None] = (None, None)
+        self.images: dict[str, imaging.HostImage] = {}  # pulled here, by pinned reference
 
     # -- what the run hears ------------------------------------------------------------
 
@@ -141,6 +148,31 @@ class Agent:
         secret = json.loads(value)
         self.api_key = secret.get("prefect_api_key") or None
         self.env = dict(secret.get("env") or {})
+        login = secret.get("registry_login") or {}
+        self.login = (login.get("username"), login.get("password"))
+
+    def host_image(self, given: dict[str, Any]) -> imaging.HostImage:
+        """The run's image on this instance: pulled by its digest once (the run's login),
+        checked for this machine; InvalidSpec (one sentence) when it cannot be had."""
+        image = Image.model_validate(given)
+        with self.lock:
+            found = self.images.get(image.pinned)
+        if found is not None:
+            return found
+        engine = containers.find_engine()
+        self.say(f"pulling {image.pinned} with {engine.name}")
+        pinned = containers.pull(engine, image.pinned, lambda _line: None, self.login, image.pull)
+        containers.check_architecture(pinned)
+        found = imaging.HostImage(
+            engine=engine.name,
+            engine_path=engine.path,
+            image_id=pinned.image_id,
+            shown=pinned.pinned_ref,
+            user=imaging.user_of(image.user),
+        )
+        with self.lock:
+            self.images[image.pinned] = found
+        return found
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -267,6 +299,7 @@ class UnitRun:
         self.lines_lock = threading.Lock()
         self.seq = 0
         self.stopped_why: str | None = None
+        self.container: tuple[imaging.HostImage, str] | None = None
 
     def alive(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
@@ -284,6 +317,12 @@ class UnitRun:
             return
         self.stopped_why = why
         proc = self.proc
+        if self.container is not None:  # through its engine: SIGTERM, the grace, removed
+            image, name = self.container
+            threading.Thread(
+                target=imaging.stop, args=(proc, image, name, grace_s), daemon=True
+            ).start()
+            return
 
         # SIGTERM, the grace, SIGKILL, while the unit's own thread reaps it
         threading.Thread(target=stop_group, args=(proc.pid, None, grace_s), daemon=True).start()
@@ -307,15 +346,12 @@ class UnitRun:
         started = now()
         self.agent.say(f"unit {spec.name} starting")
         try:
-            self.proc = subprocess.Popen(
-                command,
-                cwd=agent.workspace,
-                env=self._env(),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
+            self.proc = self._start_in_image(command) if spec.image else self._start(command)
+        except InvalidSpec as exc:  # the image cannot be had here
+            self._add("stderr", f"gpuflow: {exc}")
+            self._flush()
+            self._finish(started, 2, None)
+            return
         except OSError as exc:
             self._add("stderr", f"could not start {command[0]}: {exc}")
             self._flush()
@@ -340,6 +376,35 @@ class UnitRun:
         self._flush()
         code = self.proc.returncode
         self._finish(started, code if code >= 0 else None, -code if code < 0 else None)
+
+    def _start(self, command: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(
+            command,
+            cwd=self.agent.workspace,
+            env=self._env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+
+    def _start_in_image(self, command: list[str]) -> subprocess.Popen:
+        """The unit in a container of the run's image: the instance's GPUs it was given,
+        the workspace at its own path, the run's variables by name."""
+        agent, spec = self.agent, self.spec
+        assert spec.image is not None
+        image = agent.host_image(spec.image)
+        gpus = spec.gpus if spec.gpus is not None else list(range(gpu_count()))
+        tmp = agent.workspace / ".tmp"
+        tmp.mkdir(mode=0o700, exist_ok=True)
+        place = imaging.UnitPlace(str(agent.workspace), str(tmp), spec.node, spec.nodes)
+        env = {**agent.env, **spec.env, "PYTHONUNBUFFERED": "1"}
+        if agent.config.endpoint_url:
+            env.setdefault("AWS_ENDPOINT_URL_S3", agent.config.endpoint_url)
+        cluster = spec.cluster or f"gpuflow-{agent.config.run_id}"
+        proc, name = imaging.start(image, cluster, place, spec.name, command, env, gpus)
+        self.container = (image, name)
+        return proc
 
     def _samples(self) -> Path:
         return self.agent.workspace / f".gpuflow-samples-{self.spec.name}.jsonl"

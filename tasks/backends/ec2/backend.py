@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel
 
 from gpuflow.tasks import contract, own_wheel
+from gpuflow.tasks.backends import imaging
 from gpuflow.tasks.backends.base import LogTail, UnitBackend, join_samples, say_in_run
 from gpuflow.tasks.backends.ec2 import launch as launching
 from gpuflow.tasks.backends.ec2 import reap as reaping
@@ -76,7 +77,7 @@ from gpuflow.tasks.host import gpuflow_home
 from gpuflow.tasks.metrics.cost import ListPrices, PriceTable
 from gpuflow.tasks.metrics.sampler import SAMPLES
 from gpuflow.tasks.placement import prices_for, resolve
-from gpuflow.tasks.spec import JobSpec, Limits, MetricsSettings, Placement, placement_as
+from gpuflow.tasks.spec import Image, JobSpec, Limits, MetricsSettings, Placement, placement_as
 from gpuflow.tasks.storage import S3Settings
 
 STATE_EVERY_S = 5.0
@@ -166,15 +167,26 @@ class Ec2State(BaseModel):
     tags: dict[str, str] = {}  # put on everything the run makes
     instances: list[Ec2Node] = []  # node 0 first
     offer: Offer | None = None  # what the instances were launched from
+    # the run's image, pinned (image:): each agent's engine pulls it, its units run in it
+    image: Image | None = None
 
 
 class Ec2Backend(UnitBackend):
     name = "ec2"
     # each agent samples its instance; the run stage samples nothing here
     capabilities = Capabilities(
-        runs_here=False, where="rented instances", local_files=False, samples_nodes=True
+        runs_here=False,
+        where="rented instances",
+        local_files=False,
+        samples_nodes=True,
+        runs_images=True,  # each agent's engine pulls the run's pinned image (image:)
     )
     placement_model: ClassVar[type[Placement]] = Ec2Placement
+
+    def pin_image(self, spec: JobSpec, needs: Needs, say: Callable[[str], None]) -> JobSpec:
+        """The image's digest from its registry, asked from here; each instance pulls it."""
+        return spec if spec.image is None else imaging.pin_by_registry(spec, say)
+
     extra: ClassVar[str | None] = "aws"
     # on-demand list prices per GPU (an instance's price divided by its GPUs)
     list_prices = ListPrices(
@@ -342,6 +354,7 @@ class Ec2Backend(UnitBackend):
                 metrics=spec.metrics,
                 ask=Ec2Ask.of(spec),
                 tags=tags,
+                image=spec.image,
             ).model_dump(mode="json"),
         )
         nodes, offer, adopted = self._nodes(cluster, fleet, ec2, mailbox)
@@ -487,7 +500,7 @@ class Ec2Backend(UnitBackend):
         run_id = cluster.owner[RUN_LABEL]
         mailbox = Mailbox(s3, fleet.control_prefix or "", run_id)
         self._beat(mailbox, float(state.tags[ORPHAN_TAG]))  # as provision set it
-        self._put_secret(secrets, run_id, state.tags, dict(env))
+        self._put_secret(secrets, run_id, state.tags, dict(env), self._login(state))
         nodes, _, _ = self._nodes(cluster, fleet, ec2, mailbox)
         instance = nodes[unit.node].instance_id
         name = f"{unit.name}-{uuid.uuid4().hex[:6]}"  # each try a unit of its own
@@ -500,6 +513,8 @@ class Ec2Backend(UnitBackend):
             gpus=unit.gpus,
             node=unit.node,
             nodes=cluster.nodes,
+            image=state.image.model_dump(mode="json") if state.image else None,
+            cluster=cluster.name,
             # the agent's own guard; this side stops first (after the grace, at most a stop's)
             timeout_s=timeout_s + (state.ask.limits if state.ask else Limits()).stop_grace_s + 60,
             metrics={
@@ -620,13 +635,27 @@ class Ec2Backend(UnitBackend):
             if run_id not in _heartbeats:
                 _heartbeats[run_id] = Heartbeat(mailbox, max(1.0, min(30.0, orphan_after / 5)))
 
+    def _login(self, state: Ec2State) -> dict[str, str] | None:
+        """The registry login of the run's image (its credentials block), for the agents."""
+        if state.image is None or state.image.credentials is None:
+            return None
+        username, password = imaging.credentials_of_image(state.image)
+        return {"username": username or "", "password": password or ""}
+
     def _put_secret(
-        self, secrets: Any, run_id: str, tags: Mapping[str, str], env: dict[str, str]
+        self,
+        secrets: Any,
+        run_id: str,
+        tags: Mapping[str, str],
+        env: dict[str, str],
+        login: dict[str, str] | None = None,
     ) -> None:
-        """Keep the agent's Prefect token and the run's variables in the run's secret."""
+        """Keep the agent's Prefect token, the run's variables and its registry login in
+        the run's secret (never in user-data or a unit's file)."""
         from prefect.settings import PREFECT_API_KEY
 
-        value = json.dumps({"prefect_api_key": PREFECT_API_KEY.value() or "", "env": env})
+        given = {"prefect_api_key": PREFECT_API_KEY.value() or "", "env": env}
+        value = json.dumps(given | ({"registry_login": login} if login else {}))
         try:
             secrets.put_secret_value(SecretId=secret_name(run_id), SecretString=value)
         except secrets.exceptions.ResourceNotFoundException:

@@ -25,8 +25,9 @@ import psutil
 from pydantic import BaseModel, Field
 
 from gpuflow.tasks import nvml
+from gpuflow.tasks.backends import imaging
 from gpuflow.tasks.backends.base import LogTail, ProcessGroupUnit, UnitBackend, exit_end
-from gpuflow.tasks.backends.local import cgroups, gpu_slots, images
+from gpuflow.tasks.backends.local import cgroups, gpu_slots
 from gpuflow.tasks.backends.local import reap as reaping
 from gpuflow.tasks.contract import (
     RUN_LABEL,
@@ -82,7 +83,7 @@ class LocalState(BaseModel):
 
     # resources.memory holds the job to that much, where a memory cgroup can be made
     memory_bytes: int | None = None
-    image: images.LocalImage | None = None  # the units run in it (the spec's image:)
+    image: imaging.HostImage | None = None  # the units run in it (the spec's image:)
 
 
 def job_tmp(workspace: str) -> Path:
@@ -290,11 +291,11 @@ class LocalBackend(UnitBackend):
         image = state_of(cluster, LocalState).image
         if image is None:
             return list
-        return lambda argv: images.probe_argv(image, cluster, argv)
+        return lambda argv: imaging.probe_argv(image, cluster, argv)
 
     def pin_image(self, spec: JobSpec, needs: Needs, say: Callable[[str], None]) -> JobSpec:
         """Pull the spec's image with this host's engine and pin it (tasks/containers.py)."""
-        return spec if spec.image is None else images.pin(spec, needs, say)
+        return spec if spec.image is None else imaging.pin(spec, needs, say)
 
     def offers(self, spec: JobSpec, prices: PriceTable) -> list[Offer]:
         """Return this host's offer: its GPUs of the product that no other gpuflow run has
@@ -355,7 +356,7 @@ class LocalBackend(UnitBackend):
                 # resources.memory holds the job to that much, where a memory cgroup can be made
                 capabilities=self.capabilities,
                 state=LocalState(
-                    memory_bytes=spec.resources.memory, image=images.plan(spec)
+                    memory_bytes=spec.resources.memory, image=imaging.plan(spec)
                 ).model_dump(),
             )
         # Record first: whatever happens next, teardown and the reaper can find it.
@@ -467,8 +468,16 @@ class LocalBackend(UnitBackend):
         state = state_of(cluster, LocalState)
         if state.image is not None:
             tmp = str(job_tmp(cluster.workspace))
-            proc, name = images.start(
-                state.image, cluster, unit, env, tmp, state.memory_bytes, gpus
+            place = imaging.UnitPlace(cluster.workspace, tmp, unit.node, cluster.nodes)
+            proc, name = imaging.start(
+                state.image,
+                cluster.name,
+                place,
+                unit.name,
+                unit.command,
+                {**env, **unit.env},
+                gpus,
+                state.memory_bytes,
             )
             self._note_job(cluster, proc.pid, psutil.Process(proc.pid).create_time())
             pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, tail).start()
@@ -553,7 +562,7 @@ class LocalBackend(UnitBackend):
         if record is not None:
             cluster = record.cluster
             image = state_of(cluster, LocalState).image
-            report.killed_processes += images.remove_all(image, cluster.name)
+            report.killed_processes += imaging.remove_all(image, cluster.name)
             for pgid, started in record.jobs.items():
                 if alive(int(pgid), started):
                     report.killed_processes += stop_group(int(pgid), started)
@@ -668,18 +677,18 @@ class ContainerUnit(LocalUnit):
         pump: OutputPump,
         tail: LogTail,
         memory: tuple[str | None, int],
-        image: images.LocalImage,
+        image: imaging.HostImage,
         container: str,
     ) -> None:
         super().__init__(proc, backend, cluster, pump, tail, memory)
         self.image, self.container = image, container
 
     def stop(self, reason: StopReason, grace_s: float) -> UnitEnd:
-        images.stop(self.proc, self.image, self.container, grace_s)
+        imaging.stop(self.proc, self.image, self.container, grace_s)
         return exit_end(self.proc.wait())
 
     def interrupt(self, grace_s: float) -> None:
-        images.stop(self.proc, self.image, self.container, grace_s)
+        imaging.stop(self.proc, self.image, self.container, grace_s)
 
 
 def _stop_strays(workspace: str, grace_s: float = 5.0, cwd_since: float | None = None) -> int:
