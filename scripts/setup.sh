@@ -36,7 +36,8 @@ if $want_test; then
     command -v wrk >/dev/null || apt_packages+=(wrk)  # the services' load generator
     command -v mmdebstrap >/dev/null || apt_packages+=(mmdebstrap)  # gpuflow's job image
     command -v podman >/dev/null || apt_packages+=(podman)  # jobs in their image (image:)
-    command -v skopeo >/dev/null || apt_packages+=(skopeo)  # pushes the tests' user images
+    command -v skopeo >/dev/null || apt_packages+=(skopeo)  # the tests' user images; Slurm's
+    command -v umoci >/dev/null || apt_packages+=(umoci)    # image bundles (with skopeo)
 fi
 if $want_render; then
     command -v blender >/dev/null || apt_packages+=(blender)  # renders run the real Blender

@@ -96,6 +96,16 @@ write_config() {
     echo "PartitionName=l4 Nodes=l1 MaxTime=60 State=UP PriorityTier=1 GraceTime=10"
     echo "PartitionName=urgent Nodes=g1,g2,l1 MaxTime=60 State=UP PriorityTier=10 PreemptMode=OFF"
   } >"$DIR/slurm.conf"
+  # Slurm's OCI containers (srun --container=BUNDLE): slurmstepd reads oci.conf beside
+  # slurm.conf at each step; runc runs the bundle (a job in its image: image:)
+  local oci=$DIR/oci-state id='%n.%u.%j.%s.%t'
+  mkdir -p "$oci"
+  {
+    echo "RunTimeQuery=\"runc --root=$oci state $id\""
+    echo "RunTimeKill=\"runc --root=$oci kill -a $id\""
+    echo "RunTimeDelete=\"runc --root=$oci delete --force $id\""
+    echo "RunTimeRun=\"runc --root=$oci run $id -b %b\""
+  } >"$DIR/oci.conf"
   : >"$DIR/gres.conf"
   for entry in "${NODES[@]}"; do
     read -r name type count partition <<<"$entry"

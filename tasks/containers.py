@@ -69,7 +69,7 @@ class Pinned:
     @property
     def pinned_ref(self) -> str:
         """`name@digest`: what another host pulls to run exactly this image."""
-        name = _name_of(self.ref)
+        name = name_of(self.ref)
         return f"{name}@{self.digest}" if self.digest else self.ref
 
 
@@ -111,7 +111,8 @@ def find_engine(wanted: str | None = None, path: str | None = None) -> Engine:
     )
 
 
-def _name_of(ref: str) -> str:
+def name_of(ref: str) -> str:
+    """A reference's name: without its tag and digest."""
     name = ref.split("@", 1)[0]
     head, _, last = name.rpartition("/")
     last = last.split(":", 1)[0]
@@ -282,7 +283,7 @@ def pull_failure(ref: str, said: str, has_credentials: bool) -> str:
 
 def pinned_from(ref: str, described: Mapping) -> Pinned:
     digests = described.get("RepoDigests") or []
-    name = _name_of(ref)
+    name = name_of(ref)
     digest = ""
     if "@" in ref:
         digest = ref.split("@", 1)[1]

@@ -67,3 +67,12 @@ def remember(key: Hashable, value: Any) -> None:
     if scope is not None:
         with scope.lock:
             scope.made.setdefault(key, value)
+
+
+def recall(key: Hashable) -> Any:
+    """Return what this run's scope keeps for `key`, or None (outside one: None)."""
+    scope = _SCOPE.get()
+    if scope is None:
+        return None
+    with scope.lock:
+        return scope.made.get(key)

@@ -573,7 +573,10 @@ class Image(SpecModel):
         """The reference every unit runs: the name at the pinned digest once there is one."""
         if self.digest is None:
             return self.ref
-        return f"{self.ref.split('@', 1)[0]}@{self.digest}"
+        name = self.ref.split("@", 1)[0]
+        head, _, last = name.rpartition("/")
+        name = f"{head}/{last.split(':', 1)[0]}" if head else last.split(":", 1)[0]
+        return f"{name}@{self.digest}"  # engines refuse a tag beside a digest
 
 
 class Limits(SpecModel):

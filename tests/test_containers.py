@@ -121,7 +121,9 @@ def test_image_is_a_reference_or_a_mapping():
     assert short.image.user == "invoking" and short.image.pinned == "ghcr.io/team/x:1"
     digest = "sha256:" + "a" * 64
     pinned = short.image.model_copy(update={"digest": digest})
-    assert pinned.pinned == f"ghcr.io/team/x:1@{digest}"
+    assert pinned.pinned == f"ghcr.io/team/x@{digest}"  # engines refuse a tag beside it
+    port = pinned.model_copy(update={"ref": "r:5000/x:2"})
+    assert port.pinned == f"r:5000/x@{digest}"
 
 
 @pytest.mark.parametrize(

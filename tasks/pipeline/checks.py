@@ -11,7 +11,7 @@ from gpuflow.tasks.errors import InvalidSpec, Unreachable
 from gpuflow.tasks.host import resolve_program
 from gpuflow.tasks.kinds.registry import kind_of
 from gpuflow.tasks.metrics.cost import PriceTable
-from gpuflow.tasks.runscope import once, remember
+from gpuflow.tasks.runscope import once, recall, remember
 from gpuflow.tasks.spec import Image, JobSpec
 from gpuflow.tasks.storage import StorageError, check_writable
 
@@ -37,8 +37,15 @@ def _check_spec(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
     backend.check(spec, needs)
     check_job(spec)
     secrets.resolve(spec.secret_env)  # a missing secret block fails here
-    # last: an image is pulled only for a spec that passed every other check
-    return backend.pin_image(spec, needs, _run_log), prices
+    # last: an image is pulled only for a spec that passed every other check; one digest
+    # per run (a pool's candidates: the first pinned, the others run that one)
+    image = spec.image
+    if image is not None and not image.digest and (known := recall(("image-digest", image.ref))):
+        spec = spec.model_copy(update={"image": image.model_copy(update={"digest": known})})
+    spec = backend.pin_image(spec, needs, _run_log)
+    if spec.image is not None and spec.image.digest:
+        remember(("image-digest", spec.image.ref), spec.image.digest)
+    return spec, prices
 
 
 def _run_log(line: str) -> None:

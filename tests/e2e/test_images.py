@@ -404,3 +404,46 @@ def test_an_ec2_instance_runs_the_job_in_the_image_its_agent_pulled(
         assert PASSWORD not in text
     assert not containers_of()
     assert left_of(aws, s3_server, run_id)["instances"] == []
+
+
+@pytest.mark.xdist_group("slurm")  # with the Slurm tests: one test cluster
+def test_a_slurm_job_step_runs_in_the_image_through_slurms_oci_support(
+    slurm, image_registry, tmp_path, prefect_api, gpuflow_home, monkeypatch
+):
+    """The image is unpacked once per digest beside the workspaces (skopeo, umoci; the
+    login in a file gpuflow's user alone reads) and each step runs in it (`srun
+    --container`); exit 75 in the container, then the retried step resumes there."""
+    from gpuflow.blocks import RegistryCredentials
+    from gpuflow.flows.pipeline import gpu_pipeline
+    from gpuflow.tasks.spec import load_spec
+
+    for key, value in image_registry.env.items():
+        monkeypatch.setenv(key, value)
+    RegistryCredentials(registry=image_registry.host, username=USER, password=PASSWORD).save(
+        "img-slurm-registry", overwrite=True
+    )
+    root = tmp_path / "workspaces"
+    raw = {
+        "name": "slurm-image",
+        "image": {
+            "ref": image_registry.ref("py", private=True),
+            "credentials": "img-slurm-registry",
+        },
+        "job": {"kind": "command", "command": ["python3", "-c", RESUMING]},
+        "resources": {"gpus": 1, "gpu_product": "H100"},
+        "placement": {"backend": "slurm", "workspace_root": str(root)},
+        "limits": {"max_duration": "10m"},
+    }
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    outputs = Path(result.artifacts_dir, "outputs")
+    first = json.loads((outputs / "seen-0.json").read_text())
+    resumed = json.loads((outputs / "seen-3.json").read_text())
+    assert first["python"] == "/usr/bin/python3" and first["debian"]
+    assert first["gpus"] == "0" and resumed["attempt"] == "2"
+    assert (outputs / "ckpt.txt").read_text() == "6"
+    (bundle,) = (root / ".gpuflow-images").iterdir()  # kept for the next run of the digest
+    assert result.metrics.image.split("@sha256:")[1].startswith(bundle.name)
+    assert not list(bundle.rglob("auth.json")) and (bundle / "bundle" / "config.json").is_file()
+    assert not list((root).glob("gpuflow-*"))  # the run's workspace went at teardown

@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import psutil
 
+from gpuflow.tasks.backends import imaging
 from gpuflow.tasks.backends.base import LogTail, UnitBackend
+from gpuflow.tasks.backends.slurm import oci
 from gpuflow.tasks.backends.slurm.commands import HERE, LocalClient, LoginNode, said
 from gpuflow.tasks.backends.slurm.fit import (
     IDLE_FORMAT,
@@ -110,8 +112,13 @@ class SlurmBackend(UnitBackend):
         local_files=False,  # the nodes see the cluster's shared filesystem, not this machine's
         samples_nodes=True,  # a step beside a run's units on each node samples its GPUs
         node_samples_in_workspace=True,  # ... into the shared workspace, as it samples
+        runs_images=True,  # its steps run in the run's image through Slurm's OCI support
     )
     placement_model: ClassVar[type[Placement]] = SlurmPlacement
+
+    def pin_image(self, spec: JobSpec, needs: Needs, say: Callable[[str], None]) -> JobSpec:
+        """The image's digest from its registry, asked from here; the bundle is made of it."""
+        return spec if spec.image is None else imaging.pin_by_registry(spec, say)
 
     def __init__(self, block: str | None = None) -> None:
         self.block = block  # the SlurmCluster block of the runs it serves (None: the client here)
@@ -306,6 +313,8 @@ class SlurmBackend(UnitBackend):
                 f"placement.workspace_root: cannot make {root} ({why}); give a folder"
                 " on the cluster's shared filesystem that gpuflow can write."
             ) from None
+        if spec.image is not None:
+            oci.check(cli)
         res = spec.resources
         request = self._request(spec)
         problem = refusal(request, parse_sinfo(_sinfo(cli)))
@@ -334,19 +343,23 @@ class SlurmBackend(UnitBackend):
         run_id = owner[RUN_LABEL]
         found = self.list_owned({RUN_LABEL: run_id})
         kind = gres_type(spec.resources.gpu_product, self._types())
+        root = workspace_root(placement_as(spec, SlurmPlacement).workspace_root)
+        bundle = None
+        if spec.image is not None:  # before the allocation: an image that cannot be had
+            bundle = oci.bundle(self.cli, spec.image, str(root), imaging.credentials_of(spec))
         if found:
             job = state_of(found[0], SlurmState).job_id
             cluster = found[0].model_copy(
                 update={
                     "nodes": spec.resources.nodes,
                     "state": SlurmState(
-                        job_id=job, gres_type=kind, block=spec.placement.block
+                        job_id=job, gres_type=kind, block=spec.placement.block, bundle=bundle
                     ).model_dump(),
                 }
             )
             return self._running(cluster, spec).model_copy(update={"adopted": True})
         name = f"gpuflow-{run_id}"
-        workspace = workspace_root(placement_as(spec, SlurmPlacement).workspace_root) / name
+        workspace = root / name
         cli = self.cli
         cli.make_dir(str(workspace / "outputs"))  # the job contract: $GPUFLOW_OUTPUT_DIR is there
         me = psutil.Process()
@@ -374,7 +387,7 @@ class SlurmBackend(UnitBackend):
             nodes=spec.resources.nodes,
             capabilities=self.capabilities,
             state=SlurmState(
-                job_id=job_id, gres_type=kind, block=spec.placement.block
+                job_id=job_id, gres_type=kind, block=spec.placement.block, bundle=bundle
             ).model_dump(),
             created_at=datetime.now(UTC),
         )
@@ -483,12 +496,20 @@ class SlurmBackend(UnitBackend):
             f"--gres={gres(count, state.gres_type)}" if count else "--gres=none",
             *(mpi_launch(cli, unit.launcher, cluster, state) if unit.launcher else []),
             *(share_of(cluster, unit.gpus) if unit.gpus else []),
-            *unit.command,
+            *([f"--container={state.bundle}"] if state.bundle else []),
+            *(
+                oci.in_bundle(cli, unit.command, cluster.workspace)
+                if state.bundle
+                else unit.command
+            ),
         ]
+        # in the image, the step's GPUs are the container's only ones: 0..n-1 (Slurm's
+        # CUDA_VISIBLE_DEVICES does not reach a container's environment)
+        inside = list(range(len(unit.gpus) if unit.gpus else count)) if state.bundle else None
         child_env = {
             **env,
             **unit.env,
-            **unit_env(unit.node, cluster.nodes, cluster.workspace, None),
+            **unit_env(unit.node, cluster.nodes, cluster.workspace, inside or None),
         }
         proc = cli.start(argv, child_env)
         pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, tail).start()

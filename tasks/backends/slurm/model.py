@@ -49,6 +49,7 @@ class SlurmState(BaseModel):
     job_id: str
     gres_type: str | None = None  # the gres type of the run's GPUs ("h100"), None: untyped
     block: str | None = None  # the SlurmCluster block that says how the cluster is reached
+    bundle: str | None = None  # the run's image unpacked (image:): its steps run in it
 
 
 def workspace_root(spec_root: str | None) -> Path:
