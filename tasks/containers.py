@@ -342,10 +342,18 @@ def probe(engine: Engine, pinned: Pinned, programs: Sequence[str]) -> list[str]:
     return missing
 
 
+def _look_for(program: str) -> str:
+    """The shell's words that print `program` when the image lacks it: a program on its
+    PATH, or `import:MODULE`, a module its python3 imports."""
+    said = shlex.quote(program)
+    if program.startswith("import:"):
+        module = program.removeprefix("import:")
+        return f"python3 -c {shlex.quote(f'import {module}')} >/dev/null 2>&1 || echo {said};"
+    return f"command -v {said} >/dev/null || echo {said};"
+
+
 def _probe(engine: Engine, pinned: Pinned, programs: Sequence[str]) -> list[str]:
-    script = " ".join(
-        f"command -v {shlex.quote(p)} >/dev/null || echo {shlex.quote(p)};" for p in programs
-    )
+    script = " ".join(_look_for(p) for p in programs)
     answer = engine.run(
         "run", "--rm", "--network", "none", "--entrypoint", "/bin/sh", pinned.image_id or pinned.ref,
         "-c", script, timeout_s=120,

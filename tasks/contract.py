@@ -57,6 +57,7 @@ class Needs(BaseModel):
     inputs: dict[str, str] = {}
     mpi_launcher: bool = False  # one unit launches ranks on every node (mpirun)
     shell: bool = False  # its units start through /bin/sh (an image without one cannot run it)
+    gpuflow: bool = False  # its units run gpuflow's own modules (an image needs gpuflow in it)
 
 
 class Cluster(BaseModel):

@@ -126,6 +126,10 @@ def pin(spec: JobSpec, needs: Needs, say: Callable[[str], None]) -> JobSpec:
             "shell": needs.shell or more.shell,
         }
     )
+    if needs.gpuflow:  # its units run gpuflow's own modules with the image's python3
+        needs = needs.model_copy(
+            update={"programs": {**needs.programs, "job.kind": "import:gpuflow"}, "shell": True}
+        )
     programs = list(dict.fromkeys(needs.programs.values()))
     if needs.shell or programs:
         try:
@@ -134,6 +138,13 @@ def pin(spec: JobSpec, needs: Needs, say: Callable[[str], None]) -> JobSpec:
             if needs.shell:
                 raise
             missing = []  # no shell to look with, and the kind starts no shell: the job says
+        if "import:gpuflow" in missing:
+            raise InvalidSpec(
+                f"job.kind: the {spec.job.kind} kind's units run gpuflow's own code (its"
+                f" launcher, trainer or renderer) with the image's python3, and the image"
+                f" {spec.image.ref!r} has no gpuflow; install it in the image (pip install"
+                " gpuflow with the extras the kind needs), or use kind: command."
+            )
         if missing:
             fields = [f for f, p in needs.programs.items() if p in missing]
             raise InvalidSpec(
@@ -227,16 +238,24 @@ def start(
     return proc, name
 
 
+def in_image(command: list[str]) -> list[str]:
+    """A unit's command as an image runs it: gpuflow's own modules (`PYTHON -m gpuflow...`,
+    this host's interpreter) with the image's python3."""
+    if len(command) > 2 and command[1] == "-m" and command[2].startswith("gpuflow."):
+        return ["python3", *command[1:]]
+    return command
+
+
 def _starter_in_image(command: list[str], workspace: str) -> list[str]:
     """The unit's command with gpuflow's starter (`python -m gpuflow.tasks.workdir`, for
     the working folder, setup and ${NAME}) run by the image's own python3 from a copy of
-    its one file in the workspace: the image needs no gpuflow."""
+    its one file in the workspace: the image needs no gpuflow for it."""
     if command[1:3] != ["-m", starter.MODULE]:
-        return command
+        return in_image(command)
     script = Path(workspace) / ".gpuflow-starter.py"
     if not script.is_file():
         shutil.copyfile(starter.__file__, script)
-    return ["python3", str(script), *command[3:]]
+    return ["python3", str(script), *command[3:5], *in_image(command[5:])]
 
 
 def _archive_of(command: list[str], workspace: str) -> list[str]:

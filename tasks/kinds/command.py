@@ -146,9 +146,10 @@ class CommandKind(JobKind[CommandJob]):
         job = self.job_of(spec)
         program = job.argv()[0]
         relative = "/" in program and not program.startswith("/")  # ./run.sh: check() sees it
+        torchrun = job.launcher == "torchrun"  # gpuflow's launcher starts the ranks
         if relative or (job.workdir and (Path(job.workdir) / program).is_file()):
-            return Needs()  # a file of the working folder, not a program on PATH
-        return Needs(programs={"job.command": program})
+            return Needs(gpuflow=torchrun)  # a file of the working folder, not on PATH
+        return Needs(programs={"job.command": program}, gpuflow=torchrun)
 
     def check(self, spec: JobSpec, where: Capabilities) -> None:
         job = self.job_of(spec)

@@ -38,7 +38,7 @@ class HpcKind(JobKind[HpcJob]):
         inputs = {f"job.inputs[{i}]": url for i, url in enumerate(job.inputs)}
         if job.output:
             inputs["job.output"] = job.output
-        return Needs(inputs=inputs, mpi_launcher=True)
+        return Needs(inputs=inputs, mpi_launcher=True, gpuflow=True)
 
     def extra(self, spec: JobSpec, where: Capabilities) -> str | None:
         job = self.job_of(spec)

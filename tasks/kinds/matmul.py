@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from gpuflow.tasks.contract import Cluster, WorkUnit
+from gpuflow.tasks.contract import Cluster, Needs, WorkUnit
 from gpuflow.tasks.extras import installed
 from gpuflow.tasks.kinds.base import JobKind, Report
 from gpuflow.tasks.spec import JobSpec, SpecModel
@@ -34,6 +34,9 @@ class MatmulKind(JobKind[MatmulJob]):
         # without torch (gpuflow's train extra) the smoke job multiplies with numpy on the
         # CPU and says so: there is no torch to check
         return super().uses_torch(spec) and installed("torch")
+
+    def needs(self, spec: JobSpec) -> Needs:
+        return Needs(gpuflow=True)  # gpuflow's own benchmark runs on the node
 
     def preflight_rows(self, spec: JobSpec, cluster: Cluster) -> list[dict[str, str]]:
         if installed("torch") or not cluster.capabilities.runs_here:

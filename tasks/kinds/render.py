@@ -35,7 +35,7 @@ class RenderKind(JobKind[RenderJob]):
 
     def needs(self, spec: JobSpec) -> Needs:
         job = self.job_of(spec)
-        return Needs(inputs={"job.scene": job.scene, "job.output": job.output})
+        return Needs(inputs={"job.scene": job.scene, "job.output": job.output}, gpuflow=True)
 
     def check(self, spec: JobSpec, where: Capabilities) -> None:
         job = self.job_of(spec)

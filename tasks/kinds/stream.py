@@ -9,7 +9,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from gpuflow.tasks.contract import RUN_LABEL, Capabilities, Cluster, RunOutcome, UnitRunner
+from gpuflow.tasks.contract import RUN_LABEL, Capabilities, Cluster, Needs, RunOutcome, UnitRunner
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.kinds.base import Report
 from gpuflow.tasks.kinds.service import ServiceKind
@@ -28,6 +28,9 @@ class StreamKind(ServiceKind):
 
     def extra(self, spec: JobSpec, where: Capabilities) -> str | None:
         return "stream" if where.runs_here else None  # the session's encoder (PyAV)
+
+    def needs(self, spec: JobSpec) -> Needs:
+        return super().needs(spec).model_copy(update={"gpuflow": True})  # its session server
 
     def check(self, spec: JobSpec, where: Capabilities) -> None:
         job = job_as(spec, StreamJob)

@@ -42,7 +42,7 @@ class TrainKind(JobKind[TrainJob]):
         inputs = {"job.dataset": job.dataset, "job.output": job.output}
         if job.eval_dataset:
             inputs["job.eval_dataset"] = job.eval_dataset
-        return Needs(inputs=inputs)
+        return Needs(inputs=inputs, gpuflow=True)
 
     def extra(self, spec: JobSpec, where: Capabilities) -> str | None:
         return "train" if where.runs_here else None  # elsewhere: the nodes' own torch

@@ -267,6 +267,11 @@ def test_an_image_without_a_shell_or_the_program_is_refused_for_what_needs_it(
     out = gpuflow(["run", str(job)], env)
     assert out.returncode == 2, out.stderr[-3000:]
     assert f"job.command: the image {image_registry.ref('py')!r} has no 'blender'" in out.stderr
+    job.write_text(f"image: {image_registry.ref('py')}\njob: {{kind: matmul, size: 64}}\n")
+    out = gpuflow(["run", str(job)], env)  # a kind whose units run gpuflow's own code
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "job.kind: the matmul kind's units run gpuflow's own code" in out.stderr
+    assert "has no gpuflow; install it in the image" in out.stderr
     assert leftovers(gpuflow_home) == NOTHING_LEFT and not containers_of()
 
 

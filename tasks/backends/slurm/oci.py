@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gpuflow.tasks import containers, starter
+from gpuflow.tasks.backends import imaging
 from gpuflow.tasks.backends.slurm.commands import LocalClient
 from gpuflow.tasks.errors import InvalidSpec, ProvisionError
 from gpuflow.tasks.spec import Image
@@ -148,7 +149,7 @@ def in_bundle(cli: LocalClient, command: list[str], workspace: str) -> list[str]
     gpuflow.tasks.workdir`, for the working folder, setup and ${NAME}) run by the image's
     own python3 from a copy of its one file in the workspace."""
     if command[1:3] != ["-m", starter.MODULE]:
-        return command
+        return imaging.in_image(command)
     script = f"{workspace.rstrip('/')}/.gpuflow-starter.py"
     cli.put_file(Path(starter.__file__), script)
-    return ["python3", script, *command[3:]]
+    return ["python3", script, *command[3:5], *imaging.in_image(command[5:])]
