@@ -4,6 +4,7 @@
 # registry (scripts/registry.sh):
 #
 #   py.tar        Debian bookworm (essential) with python3 and procps: a small user image
+#   py-boto.tar   the same with boto3 (a job that keeps its checkpoint in S3)
 #   py-arm64.tar  the same files, its config saying arm64 (an image for another machine)
 #   noshell.tar   one static program and nothing else (no /bin/sh)
 #
@@ -29,14 +30,31 @@ if [[ ! -f $rootfs ]]; then
     "$SUITE" "$rootfs.partial" "deb $mirror $SUITE main"
   mv "$rootfs.partial" "$rootfs"
 fi
+# boto3 for the image's own python3 (a job that keeps its checkpoint in S3), from .venv's
+# pip and its cache: the same versions gpuflow runs with, pure Python
+boto_pin=$("$ROOT/.venv/bin/python" -c 'import boto3, botocore; print(f"boto3=={boto3.__version__} botocore=={botocore.__version__}")')
+boto=$CACHE/user-boto-$(printf '%s' "$boto_pin" | sha256sum | cut -c1-16).tar
+if [[ ! -f $boto ]]; then
+  echo "[test images] $boto_pin for the image's python3" >&2
+  work=$(mktemp -d)
+  # shellcheck disable=SC2086
+  "$ROOT/.venv/bin/pip" install --quiet --disable-pip-version-check --no-compile \
+    --target "$work/usr/lib/python3/dist-packages" $boto_pin
+  rm -rf "$work/usr/lib/python3/dist-packages/bin"
+  chmod 755 "$work"
+  tar --create --file "$boto.partial" --directory "$work" --owner=0 --group=0 --numeric-owner --sort=name .
+  mv "$boto.partial" "$boto"
+  rm -rf "$work"
+fi
 out=$CACHE/user
 mkdir -p "$out"
 pack=(python3 "$ROOT/scripts/testbed/oci_image.py")
 path=PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
-stamp=$out/.built-$key-$(sha256sum "$ROOT/scripts/testbed/oci_image.py" | cut -c1-16)
+stamp=$out/.built-$key-$({ cat "$ROOT/scripts/testbed/oci_image.py"; echo "$boto"; } | sha256sum | cut -c1-16)
 if [[ ! -f $stamp ]]; then
   rm -f "$out"/.built-*
   "${pack[@]}" --name gpuflow.test/py:1 --layer "$rootfs" --env "$path" --cmd '["python3"]' --out "$out/py.tar" >&2
+  "${pack[@]}" --name gpuflow.test/py-boto:1 --layer "$rootfs" --layer "$boto" --env "$path" --out "$out/py-boto.tar" >&2
   "${pack[@]}" --name gpuflow.test/py-arm64:1 --layer "$rootfs" --env "$path" --arch arm64 --out "$out/py-arm64.tar" >&2
   registry=$(bash "$ROOT/scripts/registry.sh" path)
   "${pack[@]}" --name gpuflow.test/noshell:1 --file "$registry:/hello" --env "$path" --out "$out/noshell.tar" >&2

@@ -145,7 +145,7 @@ def image_bed(folder: Path) -> Iterator[ImageBed]:
     """The registry on loopback with every user image; skipped where the bed cannot be."""
     if os.geteuid() != 0 or shutil.which("podman") is None or shutil.which("skopeo") is None:
         pytest.skip("the container test bed needs root, podman and skopeo (scripts/setup.sh)")
-    with registry(folder, images=("py", "py-private", "py-arm64", "noshell")) as bed:
+    with registry(folder, images=("py", "py-private", "py-boto", "py-arm64", "noshell")) as bed:
         yield bed
 
 

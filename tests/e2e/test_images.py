@@ -452,3 +452,78 @@ def test_a_slurm_job_step_runs_in_the_image_through_slurms_oci_support(
     assert result.metrics.image.split("@sha256:")[1].startswith(bundle.name)
     assert not list(bundle.rglob("auth.json")) and (bundle / "bundle" / "config.json").is_file()
     assert not list((root).glob("gpuflow-*"))  # the run's workspace went at teardown
+
+
+# A job that keeps its checkpoint in S3 (boto3 in its image), saves it on SIGTERM and
+# exits 75, and resumes from it wherever it starts next.
+IN_S3 = """\
+import json, os, signal, sys, time, boto3
+s3 = boto3.client("s3")
+bucket, key = os.environ["CKPT"][5:].split("/", 1)
+try:
+    step = int(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+except s3.exceptions.NoSuchKey:
+    step = 0
+seen = {"python": sys.executable, "from": step, "slurm": "SLURM_JOB_ID" in os.environ}
+s3.put_object(Bucket=bucket, Key=f"{key}.seen-{step}", Body=json.dumps(seen).encode())
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+while step < 40:
+    step += 1
+    s3.put_object(Bucket=bucket, Key=key, Body=str(step).encode())
+    if stop:
+        sys.exit(75)
+    time.sleep(0.1)
+print("done at", step, flush=True)
+"""
+
+
+@pytest.mark.xdist_group("slurm")  # with the Slurm tests: one test cluster
+@pytest.mark.timeout(600)
+def test_a_pool_run_preempted_on_ec2_spot_resumes_on_slurm_in_the_same_digest(
+    aws, played, s3_server, slurm, image_registry, tmp_path, monkeypatch
+):
+    """One digest for the run: the EC2 agent pulls it, the spot notice's SIGTERM reaches
+    the job in its container, which saves its step to S3 and exits 75; the pool moves on
+    to Slurm, whose bundle is made of that same digest, and the job resumes there."""
+    from gpuflow.tasks.storage import S3Store
+    from tests.e2e.helpers import logs_of
+    from tests.e2e.test_ec2 import interrupt_when, pipeline_while, spec
+
+    for key, value in image_registry.env.items():
+        monkeypatch.setenv(key, value)
+    played.aws_env.update(image_registry.env)
+    ckpt = s3_server.url("runs/pool-image/step")
+    store = S3Store(s3_server.settings())
+    raw = spec(["python3", "-c", IN_S3])
+    raw["image"] = image_registry.ref("py-boto")
+    raw["env"] = {"CKPT": ckpt}
+    spot = {**raw["placement"], "market": "spot"}
+    root = tmp_path / "workspaces"
+    raw["placement"] = [spot, {"backend": "slurm", "workspace_root": str(root)}]
+    raw["resources"] = {"gpus": 1, "disk": "8Gi"}
+
+    def saved_some() -> bool:
+        return store.exists(ckpt) and int(store.read_bytes(ckpt)) >= 5
+
+    interrupted: list[str] = []
+    state, run_id = pipeline_while(raw, interrupt_when(played, saved_some, interrupted))
+    result = state.result()
+    assert interrupted and result.cluster.backend == "slurm"
+    assert int(store.read_bytes(ckpt)) == 40
+    seen = [o.url for o in store.list(s3_server.url("runs/pool-image/")) if ".seen-" in o.url]
+    resumed = [json.loads(store.read_bytes(url)) for url in seen if not url.endswith("-0")]
+    assert [r["slurm"] for r in resumed] == [True] and resumed[0]["from"] >= 5
+    first = json.loads(store.read_bytes(ckpt + ".seen-0"))
+    assert not first["slurm"] and first["python"] == "/usr/bin/python3"
+    pinned = result.metrics.image
+    assert pinned is not None and "@sha256:" in pinned
+    logs = "\n".join(logs_of(run_id))
+    assert f"pulling {pinned}" in logs  # the agent, by the run's digest
+    (bundle,) = (root / ".gpuflow-images").iterdir()  # Slurm's, of that same digest
+    assert pinned.split("@sha256:")[1].startswith(bundle.name)
+    assert [(r["backend"], r["ended"]) for r in result.metrics.by_placement] == [
+        ("ec2", "preempted"),
+        ("slurm", "completed"),
+    ]
+    assert not containers_of()
