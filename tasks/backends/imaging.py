@@ -26,6 +26,7 @@ from gpuflow.tasks import containers, starter
 from gpuflow.tasks.contract import Cluster, Needs, unit_env
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.host import stop_group
+from gpuflow.tasks.runscope import recall, remember
 from gpuflow.tasks.saved_blocks import load_block
 from gpuflow.tasks.spec import CodeJob, Image, JobSpec
 
@@ -154,6 +155,14 @@ def pin(spec: JobSpec, needs: Needs, say: Callable[[str], None]) -> JobSpec:
             )
     say(f"image {spec.image.ref} is {pinned.pinned_ref} (run by {engine.name})")
     image = spec.image.model_copy(update={"digest": pinned.digest or None})
+    found = HostImage(
+        engine=engine.name,
+        engine_path=engine.path,
+        image_id=pinned.image_id,
+        shown=pinned.pinned_ref,
+        user=user_of(image.user),
+    )
+    remember(("host-image", image.pinned, image.user), found)  # provision reads it again
     return spec.model_copy(update={"image": image})
 
 
@@ -161,6 +170,8 @@ def plan(spec: JobSpec) -> HostImage | None:
     """What the cluster's units will run, from the pinned spec (None: no image)."""
     if spec.image is None:
         return None
+    if (known := recall(("host-image", spec.image.pinned, spec.image.user))) is not None:
+        return known  # as this run's check pinned it, a moment ago
     engine = containers.find_engine()
     described = containers.inspect(engine, spec.image.pinned)
     if described is None:
