@@ -527,3 +527,34 @@ def test_a_pool_run_preempted_on_ec2_spot_resumes_on_slurm_in_the_same_digest(
         ("slurm", "completed"),
     ]
     assert not containers_of()
+
+
+def test_kubernetes_pods_run_the_digest_the_registry_gives_when_this_machine_reaches_it(
+    image_registry, monkeypatch
+):
+    from gpuflow.tasks.backends.registry import get_backend
+    from gpuflow.tasks.contract import Needs
+    from gpuflow.tasks.errors import InvalidSpec
+    from gpuflow.tasks.spec import load_spec
+
+    for key, value in image_registry.env.items():
+        monkeypatch.setenv(key, value)
+    backend = get_backend("kubernetes", None)
+    said: list[str] = []
+
+    def placed(image: object):
+        raw = {"image": image, "job": {"kind": "command", "command": ["true"]}}
+        return load_spec(raw | {"placement": {"backend": "kubernetes"}})
+
+    pinned = backend.pin_image(placed(image_registry.ref("py")), Needs(), said.append)
+    assert pinned.image is not None and pinned.image.digest is not None
+    assert pinned.image.pinned == f"{image_registry.host}/public/py@{pinned.image.digest}"
+    with pytest.raises(InvalidSpec) as caught:  # a registry that answers: its word stands
+        backend.pin_image(placed(f"{image_registry.host}/public/nope:1"), Needs(), said.append)
+    assert "the registry has no such image" in str(caught.value)
+    with pytest.raises(InvalidSpec) as caught:
+        backend.pin_image(placed({"ref": "r.example/x:1", "credentials": "c"}), Needs(), print)
+    assert "imagePullSecrets" in str(caught.value)
+    away = backend.pin_image(placed("127.0.0.1:1/team/x:1"), Needs(), said.append)
+    assert away.image is not None and away.image.digest is None  # the cluster resolves it
+    assert "not reachable from here; the pods pull it as written" in said[-1]

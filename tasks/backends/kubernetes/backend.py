@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator
 
 from gpuflow.tasks import extras
+from gpuflow.tasks.backends import imaging
 from gpuflow.tasks.backends.base import LogTail, UnitBackend, join_samples
 from gpuflow.tasks.backends.kubernetes import manifests as objects
 from gpuflow.tasks.backends.kubernetes import reap as reaping
@@ -215,6 +216,27 @@ class KubernetesBackend(UnitBackend):
         if pool is None or pool.gpu_hourly_usd is None:
             return spec, prices
         return spec, prices.with_gpu_rate(self.name, pool.gpu_hourly_usd)
+
+    def pin_image(self, spec: JobSpec, needs: Needs, say: Callable[[str], None]) -> JobSpec:
+        """The image's digest from its registry where this machine reaches it (the pods
+        then run that digest); a registry only the cluster reaches leaves the reference
+        as written, said so. The pods pull with the namespace's own pull secrets."""
+        if spec.image is None:
+            return spec
+        if spec.image.credentials is not None:
+            raise InvalidSpec(
+                "image.credentials: on Kubernetes the pods pull with the namespace's"
+                " imagePullSecrets (or their service account's); give the cluster the"
+                " registry's secret there and remove image.credentials."
+            )
+        try:
+            return imaging.pin_by_registry(spec, say)
+        except InvalidSpec as exc:
+            if "could not be reached" not in str(exc):
+                raise
+            say(f"image {spec.image.ref}: its registry is not reachable from here; the pods"
+                " pull it as written (not pinned by digest)")  # fmt: skip
+            return spec
 
     def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
         """Raise InvalidSpec when the namespace is missing or the credentials cannot read
