@@ -5,6 +5,7 @@
 #
 #   py.tar        Debian bookworm (essential) with python3 and procps: a small user image
 #   py-boto.tar   the same with boto3 (a job that keeps its checkpoint in S3)
+#   py-cu130.tar  the same with a stand-in torch built for CUDA 13.0 (newer than the host's)
 #   py-arm64.tar  the same files, its config saying arm64 (an image for another machine)
 #   noshell.tar   one static program and nothing else (no /bin/sh)
 #
@@ -46,15 +47,40 @@ if [[ ! -f $boto ]]; then
   mv "$boto.partial" "$boto"
   rm -rf "$work"
 fi
+# a stand-in torch built for CUDA 13.0 (what the host's driver, 12.4 in the fake NVML, cannot
+# run): preflight reads the version and CUDA build from inside the image
+fake_torch=$CACHE/user-torch-cu130.tar
+if [[ ! -f $fake_torch ]]; then
+  work=$(mktemp -d)
+  mkdir -p "$work/usr/lib/python3/dist-packages/torch"
+  cat >"$work/usr/lib/python3/dist-packages/torch/__init__.py" <<'PY'
+"""A stand-in for torch 2.9.0 built for CUDA 13.0: its version and CUDA build only."""
+__version__ = "2.9.0+cu130"
+class version:  # noqa: N801
+    cuda = "13.0"
+class cuda:  # noqa: N801
+    @staticmethod
+    def is_available():
+        return False
+    @staticmethod
+    def device_count():
+        return 0
+PY
+  chmod -R a+rX "$work"
+  tar --create --file "$fake_torch.partial" --directory "$work" --owner=0 --group=0 --numeric-owner --sort=name .
+  mv "$fake_torch.partial" "$fake_torch"
+  rm -rf "$work"
+fi
 out=$CACHE/user
 mkdir -p "$out"
 pack=(python3 "$ROOT/scripts/testbed/oci_image.py")
 path=PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
-stamp=$out/.built-$key-$({ cat "$ROOT/scripts/testbed/oci_image.py"; echo "$boto"; } | sha256sum | cut -c1-16)
+stamp=$out/.built-$key-$({ cat "$ROOT/scripts/testbed/oci_image.py"; echo "$boto $fake_torch"; } | sha256sum | cut -c1-16)
 if [[ ! -f $stamp ]]; then
   rm -f "$out"/.built-*
   "${pack[@]}" --name gpuflow.test/py:1 --layer "$rootfs" --env "$path" --cmd '["python3"]' --out "$out/py.tar" >&2
   "${pack[@]}" --name gpuflow.test/py-boto:1 --layer "$rootfs" --layer "$boto" --env "$path" --out "$out/py-boto.tar" >&2
+  "${pack[@]}" --name gpuflow.test/py-cu130:1 --layer "$rootfs" --layer "$fake_torch" --env "$path" --out "$out/py-cu130.tar" >&2
   "${pack[@]}" --name gpuflow.test/py-arm64:1 --layer "$rootfs" --env "$path" --arch arm64 --out "$out/py-arm64.tar" >&2
   registry=$(bash "$ROOT/scripts/registry.sh" path)
   "${pack[@]}" --name gpuflow.test/noshell:1 --file "$registry:/hello" --env "$path" --out "$out/noshell.tar" >&2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,22 @@ def reclaim(prometheus: str, below_pct: float, window: str, grace: str, dry_run:
     return session.with_api(one_pass, temporary=False)
 
 
+def _in_image(spec: Any) -> Callable[[list[str]], list[str]]:
+    """Where preflight asks the job's Python: in its image (pulled and pinned here, as a
+    run would: one sentence when it cannot be had), else on this machine."""
+    if spec.image is None:
+        return list
+    from gpuflow.tasks import nvml
+    from gpuflow.tasks.backends import imaging
+    from gpuflow.tasks.pipeline.checks import check_spec
+
+    spec, _ = check_spec(spec)
+    image = imaging.plan(spec)
+    assert image is not None
+    gpus = [g.index for g in nvml.query().gpus][: spec.resources.gpus]
+    return lambda argv: imaging.probe_here(image, "gpuflow-preflight", str(Path.cwd()), gpus, argv)
+
+
 def preflight(path: str | None, as_json: bool) -> int:
     """Print this host's preflight report for the job at `path` (default: a 1-GPU job)."""
     from gpuflow.tasks.errors import InvalidSpec
@@ -114,7 +131,13 @@ def preflight(path: str | None, as_json: bool) -> int:
         print(f"verdict: {verdict}")
         return EXIT_FAILED if verdict == "fail" else EXIT_OK
     kind = kind_of(spec)
-    facts = checks.inspect(str(Path.cwd()), kind.uses_torch(spec), python=kind.interpreter(spec))
+    try:
+        where = _in_image(spec)
+    except InvalidSpec as exc:
+        return invalid(exc)
+    facts = checks.inspect(
+        str(Path.cwd()), kind.uses_torch(spec), python=kind.interpreter(spec), where=where
+    )
     count = min(spec.resources.gpus, len(facts.nvml.gpus))
     report = checks.verdict(spec, facts, [g.index for g in facts.nvml.gpus[:count]])
     if as_json:

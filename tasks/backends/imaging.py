@@ -295,18 +295,25 @@ def starter_needs(spec: JobSpec) -> Needs:
 def probe_argv(image: HostImage, cluster: Cluster, argv: list[str]) -> list[str]:
     """The engine command that runs `argv` once in the image with the cluster's GPUs and
     workspace, as the job would (preflight's look at torch and CUDA from inside)."""
+    return probe_here(image, cluster.name, cluster.workspace, cluster.gpu_indices, argv)
+
+
+def probe_here(
+    image: HostImage, label: str, folder: str, gpus: list[int], argv: list[str]
+) -> list[str]:
+    """The engine command that runs `argv` once in the image with `gpus`, in `folder`."""
     engine = containers.Engine(image.engine, image.engine_path)
     args = containers.RunArgs(
-        name=f"{cluster.name}-probe-{tokens.token_hex(3)}",
-        cluster=cluster.name,
+        name=f"{label}-probe-{tokens.token_hex(3)}",
+        cluster=label,
         image=image.image_id,
         command=argv,
         env_names=[],
         env_values={},
-        mounts=[cluster.workspace],
-        workdir=cluster.workspace,
+        mounts=[folder],
+        workdir=folder,
         user=image.user,
-        gpus=cluster.gpu_indices,
+        gpus=gpus,
     )
     return containers.run_argv(engine, args)
 

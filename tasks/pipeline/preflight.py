@@ -320,6 +320,14 @@ def _host_size_checks(spec: JobSpec, facts: HostFacts) -> list[Check]:
 
 def _torch_check(spec: JobSpec, facts: HostFacts, have_gpu: bool) -> Check:
     torch = facts.torch
+    if torch.version is None and torch.python is not None and spec.image is not None:
+        return Check(
+            name="torch",
+            level="fail",
+            message=f"job.command: the python3 of the image {spec.image.pinned} cannot import"
+            f" torch ({torch.import_error}); install in the image a torch built for a CUDA"
+            f" this host's driver supports.",
+        )
     if torch.version is None and torch.python is not None:
         return Check(
             name="torch",

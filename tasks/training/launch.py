@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         nproc = ranks(job)
     workspace = Path(os.environ.get("GPUFLOW_WORKSPACE", "."))
     for marker in workspace.glob(PREEMPTED_MARKER.format(rank="*")):
-        marker.unlink()
+        marker.unlink(missing_ok=True)  # another node's launcher may remove it first
     env = dict(os.environ, GPUFLOW_TRAIN_JOB=args.job_json, GPUFLOW_RUN_NAME=args.run_name)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # torchrun SIGKILLs its ranks 30 s after its own SIGTERM unless told otherwise: a stop

@@ -145,17 +145,29 @@ def image_bed(folder: Path) -> Iterator[ImageBed]:
     """The registry on loopback with every user image; skipped where the bed cannot be."""
     if os.geteuid() != 0 or shutil.which("podman") is None or shutil.which("skopeo") is None:
         pytest.skip("the container test bed needs root, podman and skopeo (scripts/setup.sh)")
-    with registry(folder, images=("py", "py-private", "py-boto", "py-arm64", "noshell")) as bed:
+    with registry(
+        folder, images=("py", "py-private", "py-boto", "py-cu130", "py-arm64", "noshell")
+    ) as bed:
         yield bed
 
 
-def containers_of(cluster: str | None = None) -> list[str]:
-    """The names of the containers gpuflow made on this machine (of one cluster)."""
-    label = "io.gpuflow.cluster" + (f"={cluster}" if cluster else "")
+def containers_of(run: str) -> list[str]:
+    """The names of the containers gpuflow made on this machine for the run whose id
+    starts `run` (tests beside it on this machine make containers of their own)."""
     done = subprocess.run(
-        ["podman", "ps", "--all", "--filter", f"label={label}", "--format", "{{.Names}}"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    return done.stdout.split()
+        ["podman", "ps", "--all", "--filter", "label=io.gpuflow.cluster",
+         "--format", '{{.Names}} {{index .Labels "io.gpuflow.cluster"}}'],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    found = [line.split() for line in done.stdout.splitlines() if line.strip()]
+    return [name for name, cluster in found if run and run in cluster]
+
+
+def run_of(home: Path) -> str:
+    """The id of the run a gpuflow with GPUFLOW_HOME `home` runs on this machine now (its
+    cluster record), waiting up to 120 s for it."""
+    deadline = time.monotonic() + 120
+    while not (found := list((home / "local" / "clusters").glob("gpuflow-*.json"))):
+        assert time.monotonic() < deadline, "the run never made its cluster"
+        time.sleep(0.1)
+    return found[0].stem.removeprefix("gpuflow-")

@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import subprocess_env
 from tests.e2e.helpers import NOTHING_LEFT, leftovers, process_gone
-from tests.e2e.imagebed import PASSWORD, USER, containers_of
+from tests.e2e.imagebed import PASSWORD, USER, containers_of, run_of
 
 pytestmark = pytest.mark.e2e
 GPUFLOW = [sys.executable, "-m", "gpuflow"]
@@ -94,7 +94,8 @@ def test_a_job_runs_in_its_image_with_its_gpus_folder_secrets_and_resumes_there(
     digest = pinned.rsplit("@", 1)[1].split()[0]
     assert json.loads((run / "metrics.json").read_text())["image"].endswith(f"@{digest}")
     assert SECRET not in said
-    assert not containers_of() and leftovers(gpuflow_home) == NOTHING_LEFT
+    assert not containers_of(run.name.rsplit("-", 1)[1])
+    assert leftovers(gpuflow_home) == NOTHING_LEFT
 
 
 def _start(tmp_path, env, image, script) -> tuple[subprocess.Popen, Path]:
@@ -115,9 +116,11 @@ def _start(tmp_path, env, image, script) -> tuple[subprocess.Popen, Path]:
     return proc, marker
 
 
-def _wait_for_container(proc: subprocess.Popen) -> str:
+def _wait_for_container(proc: subprocess.Popen, home: Path) -> tuple[str, str]:
+    """The run's id and its unit's container, once it runs."""
     deadline = time.monotonic() + 180
-    while not (names := containers_of()):
+    run = run_of(home)
+    while not (names := containers_of(run)):
         assert proc.poll() is None, proc.stdout.read()[-4000:]
         assert time.monotonic() < deadline, "the job's container never started"
         time.sleep(0.2)
@@ -126,7 +129,7 @@ def _wait_for_container(proc: subprocess.Popen) -> str:
         assert proc.poll() is None, proc.stdout.read()[-4000:]
         assert time.monotonic() < deadline, "the job's container never ran"
         time.sleep(0.2)
-    return name
+    return run, name
 
 
 def _state(name: str) -> str:
@@ -148,7 +151,7 @@ def test_ctrl_c_gives_the_job_in_its_container_sigterm_and_its_grace(
     )
     env = _env(prefect_api, gpuflow_home, image_registry)
     proc, _ = _start(tmp_path, env, image_registry.ref("py"), script)
-    name = _wait_for_container(proc)
+    run, name = _wait_for_container(proc, gpuflow_home)
     other = subprocess.run(
         ["runuser", "-u", "nobody", "--", "podman", "logs", name],
         capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"]},
@@ -164,7 +167,7 @@ def test_ctrl_c_gives_the_job_in_its_container_sigterm_and_its_grace(
     assert proc.returncode == 130, out[-4000:]
     (kept,) = (gpuflow_home / "runs").glob("long-*/outputs/state")
     assert kept.read_text() == "saved\n", out[-4000:]
-    assert not containers_of() and leftovers(gpuflow_home) == NOTHING_LEFT
+    assert not containers_of(run) and leftovers(gpuflow_home) == NOTHING_LEFT
 
 
 def test_reap_removes_the_container_of_a_killed_run(
@@ -172,13 +175,13 @@ def test_reap_removes_the_container_of_a_killed_run(
 ):
     env = _env(prefect_api, gpuflow_home, image_registry)
     proc, _ = _start(tmp_path, env, image_registry.ref("py"), "while :; do sleep 0.2; done")
-    name = _wait_for_container(proc)
+    run, name = _wait_for_container(proc, gpuflow_home)
     proc.kill()  # SIGKILL: no teardown; the container runs on
     proc.wait(timeout=30)
     assert "running" in _state(name)
     out = gpuflow(["reap"], env)
     assert out.returncode == 0 and "1 leftover cluster(s)" in out.stdout, out.stdout[-3000:]
-    assert not containers_of() and leftovers(gpuflow_home) == NOTHING_LEFT
+    assert not containers_of(run) and leftovers(gpuflow_home) == NOTHING_LEFT
     assert process_gone(proc.pid)
 
 
@@ -247,7 +250,7 @@ def test_a_bad_image_is_one_sentence_before_anything_is_made(
     sentences = [line for line in out.stderr.splitlines() if line.startswith("gpuflow:")]
     assert len(sentences) == 1 and said in sentences[0], out.stderr[-3000:]
     assert "Traceback" not in out.stderr
-    assert leftovers(gpuflow_home) == NOTHING_LEFT and not containers_of()
+    assert leftovers(gpuflow_home) == NOTHING_LEFT  # no cluster: no container either
 
 
 def test_an_image_without_a_shell_or_the_program_is_refused_for_what_needs_it(
@@ -272,7 +275,7 @@ def test_an_image_without_a_shell_or_the_program_is_refused_for_what_needs_it(
     assert out.returncode == 2, out.stderr[-3000:]
     assert "job.kind: the matmul kind's units run gpuflow's own code" in out.stderr
     assert "has no gpuflow; install it in the image" in out.stderr
-    assert leftovers(gpuflow_home) == NOTHING_LEFT and not containers_of()
+    assert leftovers(gpuflow_home) == NOTHING_LEFT  # no cluster: no container either
 
 
 def test_no_engine_on_the_host_names_what_to_install(
@@ -348,7 +351,7 @@ def test_a_fleet_host_runs_the_job_in_the_same_image_pulled_by_its_digest(
     digest = pinned.rsplit("@", 1)[1].split()[0]
     assert json.loads((run / "metrics.json").read_text())["image"].endswith(f"@{digest}")
     assert PASSWORD not in said and SECRET not in said
-    assert not containers_of() and claims_on(bed, "h1") == []
+    assert not containers_of(run.name.rsplit("-", 1)[1]) and claims_on(bed, "h1") == []
 
 
 RESUMING = """\
@@ -407,7 +410,7 @@ def test_an_ec2_instance_runs_the_job_in_the_image_its_agent_pulled(
     described = aws["ec2"].describe_instance_attribute(InstanceId=instance.id, Attribute="userData")
     for text in (instance.user_data, instance.console(), logs, str(described)):
         assert PASSWORD not in text
-    assert not containers_of()
+    assert not containers_of(run_id)
     assert left_of(aws, s3_server, run_id)["instances"] == []
 
 
@@ -526,7 +529,7 @@ def test_a_pool_run_preempted_on_ec2_spot_resumes_on_slurm_in_the_same_digest(
         ("ec2", "preempted"),
         ("slurm", "completed"),
     ]
-    assert not containers_of()
+    assert not containers_of(run_id)
 
 
 def test_kubernetes_pods_run_the_digest_the_registry_gives_when_this_machine_reaches_it(
@@ -558,3 +561,20 @@ def test_kubernetes_pods_run_the_digest_the_registry_gives_when_this_machine_rea
     away = backend.pin_image(placed("127.0.0.1:1/team/x:1"), Needs(), said.append)
     assert away.image is not None and away.image.digest is None  # the cluster resolves it
     assert "not reachable from here; the pods pull it as written" in said[-1]
+
+
+def test_preflight_asks_torch_in_the_image_and_names_both_cuda_versions(
+    tmp_path, prefect_api, gpuflow_home, image_registry
+):
+    """The image's torch is built for CUDA 13.0, the host's driver (the fake NVML's)
+    supports 12.4: `gpuflow preflight` says so from inside the image, before any run."""
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"image: {image_registry.ref('py-cu130')}\nresources: {{gpus: 1}}\n"
+        "job: {kind: command, command: [python3, train.py], torch: true}\n"
+    )
+    out = gpuflow(["preflight", str(job)], _env(prefect_api, gpuflow_home, image_registry))
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    (torch,) = [line for line in out.stdout.splitlines() if line.startswith("[fail] torch")]
+    assert "2.9.0+cu130" in torch and "13.0" in torch and "12.4" in torch, torch
+    assert leftovers(gpuflow_home) == NOTHING_LEFT  # no cluster: no container either
