@@ -571,7 +571,7 @@ def test_preflight_asks_torch_in_the_image_and_names_both_cuda_versions(
     job = tmp_path / "job.yaml"
     job.write_text(
         f"image: {image_registry.ref('py-cu130')}\nresources: {{gpus: 1}}\n"
-        "job: {kind: command, command: [python3, train.py], torch: true}\n"
+        "job: {kind: command, command: [python3, -c, pass], torch: true}\n"
     )
     out = gpuflow(["preflight", str(job)], _env(prefect_api, gpuflow_home, image_registry))
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
