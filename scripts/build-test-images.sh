@@ -71,17 +71,21 @@ PY
   mv "$fake_torch.partial" "$fake_torch"
   rm -rf "$work"
 fi
+# the layers kept compressed: each push to the tests' registry sends them as they are
+for layer in "$rootfs" "$boto" "$fake_torch"; do
+  [[ -f $layer.gz ]] || { gzip -n -1 -c "$layer" >"$layer.gz.partial" && mv "$layer.gz.partial" "$layer.gz"; }
+done
 out=$CACHE/user
 mkdir -p "$out"
 pack=(python3 "$ROOT/scripts/testbed/oci_image.py")
 path=PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
-stamp=$out/.built-$key-$({ cat "$ROOT/scripts/testbed/oci_image.py"; echo "$boto $fake_torch"; } | sha256sum | cut -c1-16)
+stamp=$out/.built-$key-$({ cat "$ROOT/scripts/testbed/oci_image.py"; echo "$boto $fake_torch gzip"; } | sha256sum | cut -c1-16)
 if [[ ! -f $stamp ]]; then
   rm -f "$out"/.built-*
-  "${pack[@]}" --name gpuflow.test/py:1 --layer "$rootfs" --env "$path" --cmd '["python3"]' --out "$out/py.tar" >&2
-  "${pack[@]}" --name gpuflow.test/py-boto:1 --layer "$rootfs" --layer "$boto" --env "$path" --out "$out/py-boto.tar" >&2
-  "${pack[@]}" --name gpuflow.test/py-cu130:1 --layer "$rootfs" --layer "$fake_torch" --env "$path" --out "$out/py-cu130.tar" >&2
-  "${pack[@]}" --name gpuflow.test/py-arm64:1 --layer "$rootfs" --env "$path" --arch arm64 --out "$out/py-arm64.tar" >&2
+  "${pack[@]}" --name gpuflow.test/py:1 --layer "$rootfs.gz" --env "$path" --cmd '["python3"]' --out "$out/py.tar" >&2
+  "${pack[@]}" --name gpuflow.test/py-boto:1 --layer "$rootfs.gz" --layer "$boto.gz" --env "$path" --out "$out/py-boto.tar" >&2
+  "${pack[@]}" --name gpuflow.test/py-cu130:1 --layer "$rootfs.gz" --layer "$fake_torch.gz" --env "$path" --out "$out/py-cu130.tar" >&2
+  "${pack[@]}" --name gpuflow.test/py-arm64:1 --layer "$rootfs.gz" --env "$path" --arch arm64 --out "$out/py-arm64.tar" >&2
   registry=$(bash "$ROOT/scripts/registry.sh" path)
   "${pack[@]}" --name gpuflow.test/noshell:1 --file "$registry:/hello" --env "$path" --out "$out/noshell.tar" >&2
   rm -f "$out/noshell.tar.layer"

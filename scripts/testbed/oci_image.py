@@ -31,6 +31,17 @@ def _digest_of(path: Path) -> tuple[str, int]:
     return f"sha256:{sha.hexdigest()}", path.stat().st_size
 
 
+def _unpacked_digest(path: Path) -> str:
+    """The digest of a gzip layer's tar (its diff id)."""
+    import gzip
+
+    sha = hashlib.sha256()
+    with gzip.open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+    return f"sha256:{sha.hexdigest()}"
+
+
 def _blob(blobs: Path, data: bytes) -> tuple[str, int]:
     digest = f"sha256:{hashlib.sha256(data).hexdigest()}"
     (blobs / digest.removeprefix("sha256:")).write_bytes(data)
@@ -54,6 +65,7 @@ def pack(
         blobs = root / "blobs" / "sha256"
         blobs.mkdir(parents=True)
         described = []
+        diff_ids = []
         for layer in layers:
             digest, size = _digest_of(layer)
             target = blobs / digest.removeprefix("sha256:")
@@ -61,7 +73,11 @@ def pack(
                 target.hardlink_to(layer)  # same file system: no copy of a large layer
             except OSError:
                 shutil.copyfile(layer, target)
-            described.append({"mediaType": LAYER, "digest": digest, "size": size})
+            packed = layer.name.endswith(".gz")  # kept compressed: pushed as it is
+            described.append(
+                {"mediaType": LAYER + ("+gzip" if packed else ""), "digest": digest, "size": size}
+            )
+            diff_ids.append(_unpacked_digest(layer) if packed else digest)
         config = {
             "architecture": arch,
             "os": "linux",
@@ -72,7 +88,7 @@ def pack(
                 **({"WorkingDir": workdir} if workdir else {}),
                 **({"User": user} if user else {}),
             },
-            "rootfs": {"type": "layers", "diff_ids": [d["digest"] for d in described]},
+            "rootfs": {"type": "layers", "diff_ids": diff_ids},
             "history": [{"created_by": f"gpuflow testbed layer {i}"} for i in range(len(layers))],
         }
         config_digest, config_size = _blob(blobs, json.dumps(config).encode())
