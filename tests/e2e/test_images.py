@@ -555,9 +555,11 @@ def test_kubernetes_pods_run_the_digest_the_registry_gives_when_this_machine_rea
     with pytest.raises(InvalidSpec) as caught:  # a registry that answers: its word stands
         backend.pin_image(placed(f"{image_registry.host}/public/nope:1"), Needs(), said.append)
     assert "the registry has no such image" in str(caught.value)
-    with pytest.raises(InvalidSpec) as caught:
-        backend.pin_image(placed({"ref": "r.example/x:1", "credentials": "c"}), Needs(), print)
-    assert "imagePullSecrets" in str(caught.value)
+    with pytest.raises(InvalidSpec) as caught:  # its login is read before the registry asked
+        backend.pin_image(placed({"ref": "r.example/x:1", "credentials": "nope"}), Needs(), print)
+    assert "image.credentials: there is no RegistryCredentials block named 'nope'" in str(
+        caught.value
+    )
     away = backend.pin_image(placed("127.0.0.1:1/team/x:1"), Needs(), said.append)
     assert away.image is not None and away.image.digest is None  # the cluster resolves it
     assert "not reachable from here; the pods pull it as written" in said[-1]

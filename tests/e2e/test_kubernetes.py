@@ -107,6 +107,48 @@ def test_a_unit_runs_as_a_job_on_a_node_of_the_product_and_teardown_leaves_nothi
     assert backend.list_owned({"gpuflow.io/flow-run-id": run_id}) == []
 
 
+def test_a_private_image_is_pulled_with_a_secret_of_the_run_that_teardown_removes(
+    kube, prefect_api
+):
+    """image.credentials: the run's pods pull with a dockerconfigjson Secret of its own
+    (the password in no Job, pod or log), gone with the run."""
+    import base64
+    import json
+
+    from gpuflow.blocks import RegistryCredentials
+
+    RegistryCredentials(registry="registry.example", username="me", password="pw-k8s-91").save(
+        "k8s-pull-test", overwrite=True
+    )
+    backend = KubernetesBackend()
+    spec = load_spec(
+        {
+            "name": "k8s-test",
+            "image": {"ref": "registry.example/team/x:1", "credentials": "k8s-pull-test"},
+            "job": {"kind": "command", "command": ["echo", "hello"]},
+            "resources": {"gpus": 1, "gpu_product": H100},
+            "placement": {"backend": "kubernetes"},
+        }
+    )
+    run_id = "run-pull-secret"
+    cluster = backend.provision(spec, owner_labels(run_id, "k8s-test"))
+    ns = kube.namespace
+    made = kube.request("GET", f"/api/v1/namespaces/{ns}/secrets/{cluster.name}-pull")
+    assert made["type"] == "kubernetes.io/dockerconfigjson"
+    config = json.loads(base64.b64decode(made["data"][".dockerconfigjson"]))
+    assert config["auths"]["registry.example"]["auth"] == base64.b64encode(b"me:pw-k8s-91").decode()
+    unit = WorkUnit(name="main", command=["echo", "hello"])
+    result = backend.run(cluster, unit, {}, 120, lambda *_: None)
+    assert result.exit_code == 0
+    job = kube.request("GET", f"/apis/batch/v1/namespaces/{ns}/jobs/{cluster.name}-main")
+    pod_spec = job["spec"]["template"]["spec"]
+    assert pod_spec["imagePullSecrets"] == [{"name": f"{cluster.name}-pull"}]
+    assert pod_spec["containers"][0]["image"] == "registry.example/team/x:1"
+    assert "pw-k8s-91" not in json.dumps(job)
+    backend.teardown(cluster)
+    assert wait_gone(kube, run_id) == []
+
+
 def test_two_nodes_run_one_unit_each_with_stable_names(kube):
     backend = KubernetesBackend()
     spec = spec_for(gpus=8, nodes=2)

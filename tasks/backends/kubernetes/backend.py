@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from gpuflow.tasks import extras
+from gpuflow.tasks import containers, extras
 from gpuflow.tasks.backends import imaging
 from gpuflow.tasks.backends.base import LogTail, UnitBackend, join_samples
 from gpuflow.tasks.backends.kubernetes import manifests as objects
@@ -220,15 +220,10 @@ class KubernetesBackend(UnitBackend):
     def pin_image(self, spec: JobSpec, needs: Needs, say: Callable[[str], None]) -> JobSpec:
         """The image's digest from its registry where this machine reaches it (the pods
         then run that digest); a registry only the cluster reaches leaves the reference
-        as written, said so. The pods pull with the namespace's own pull secrets."""
+        as written, said so. With image.credentials the pods pull with a Secret of the run's
+        (made at provision, removed at teardown); else with the namespace's own."""
         if spec.image is None:
             return spec
-        if spec.image.credentials is not None:
-            raise InvalidSpec(
-                "image.credentials: on Kubernetes the pods pull with the namespace's"
-                " imagePullSecrets (or their service account's); give the cluster the"
-                " registry's secret there and remove image.credentials."
-            )
         try:
             return imaging.pin_by_registry(spec, say)
         except InvalidSpec as exc:
@@ -336,6 +331,9 @@ class KubernetesBackend(UnitBackend):
             return self._cluster_of(existing).model_copy(update={"adopted": True})
         gpus, nodes = spec.resources.gpus, spec.resources.nodes
         settings = self.settings(spec)
+        login = imaging.credentials_of(spec)
+        if login[0] and login[1]:
+            settings = settings.model_copy(update={"pull_secret": f"{name}-pull"})
         cluster = Cluster(
             backend=self.name,
             name=name,
@@ -367,6 +365,12 @@ class KubernetesBackend(UnitBackend):
                     update={"adopted": True}
                 )
             raise ProvisionError(str(exc)) from None
+        if settings.pull_secret and spec.image is not None:
+            username, password = login
+            assert username and password
+            registry = containers.registry_of(spec.image.ref)
+            manifest = objects.pull_secret(cluster, api.namespace, registry, username, password)
+            self._put(f"/api/v1/namespaces/{api.namespace}/secrets", manifest, "pull secret")
         return cluster
 
     def start(
@@ -529,6 +533,7 @@ class KubernetesBackend(UnitBackend):
             )
         serving.remove(api, cluster)  # a service's Deployment, Service and HPA
         self._delete(f"/api/v1/namespaces/{ns}/secrets/{cluster.name}-env", 0)
+        self._delete(f"/api/v1/namespaces/{ns}/secrets/{cluster.name}-pull", 0)
         self._delete(f"/api/v1/namespaces/{ns}/services/{cluster.name}", 0)
         shutil.rmtree(local_folder(cluster.name), ignore_errors=True)
         return TeardownReport(
@@ -609,6 +614,14 @@ class KubernetesBackend(UnitBackend):
         until = time.monotonic() + limit_s
         while self._read(path) is not None and time.monotonic() < until:
             time.sleep(0.2)
+
+    def _put(self, path: str, manifest: dict[str, Any], what: str) -> None:
+        """Make an object of the run's (kept as it is when a retry made it already)."""
+        try:
+            self.api().request("POST", path, manifest)
+        except KubeError as exc:
+            if exc.status != 409:
+                raise ProvisionError(f"could not make the run's {what}: {exc}") from None
 
     def _put_secret(self, cluster: Cluster, env: dict[str, str]) -> None:
         api = self.api()

@@ -5,6 +5,8 @@ secret appears in a manifest), and one Job per work unit. Pure: no API calls.
 
 from __future__ import annotations
 
+import base64
+import json
 import math
 import re
 import sys
@@ -94,6 +96,7 @@ class KubeSettings(BaseModel):
     sample_interval_s: float | None = 1.0  # metrics.interval_s; None: the pods sample nothing
     service_account: str | None = None  # none: no API token is mounted in the pod
     allow_privilege_escalation: bool = False  # False: no setuid gains, every capability dropped
+    pull_secret: str | None = None  # the run's registry login (image.credentials), by name
 
 
 def dns_name(text: str, limit: int = 63) -> str:
@@ -150,6 +153,26 @@ def secret(cluster: Cluster, namespace: str, env: dict[str, str]) -> dict[str, A
         },
         "type": "Opaque",
         "stringData": dict(env),
+    }
+
+
+def pull_secret(
+    cluster: Cluster, namespace: str, registry: str, username: str, password: str
+) -> dict[str, Any]:
+    """Return the Secret the run's pods pull their image with (image.credentials): a
+    dockerconfigjson for `registry`, removed with the run."""
+    token = base64.b64encode(f"{username}:{password}".encode()).decode()
+    config = json.dumps({"auths": {registry: {"auth": token}}})
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": f"{cluster.name}-pull",
+            "namespace": namespace,
+            "labels": labels(cluster),
+        },
+        "type": "kubernetes.io/dockerconfigjson",
+        "data": {".dockerconfigjson": base64.b64encode(config.encode()).decode()},
     }
 
 
@@ -227,6 +250,8 @@ def unit_job(
         "volumes": volumes,
         "tolerations": settings.tolerations if gpus else [],
     }
+    if settings.pull_secret:
+        pod["imagePullSecrets"] = [{"name": settings.pull_secret}]
     if gpus and settings.gpu_product:
         pod["nodeSelector"] = {PRODUCT_LABEL: settings.gpu_product}
     if gpus and cluster.nodes > 1:  # `resources.nodes` machines, not fewer

@@ -90,6 +90,8 @@ def deployment(
     }
     if app.gpus and settings.gpu_product:
         pod["nodeSelector"] = {objects.PRODUCT_LABEL: settings.gpu_product}
+    if settings.pull_secret:  # the run's registry login (image.credentials)
+        pod["imagePullSecrets"] = [{"name": settings.pull_secret}]
     if settings.service_account:
         pod["serviceAccountName"] = settings.service_account
     return {
