@@ -28,7 +28,6 @@ from gpuflow.tasks.errors import InvalidSpec
 ENGINES = ("podman", "docker")
 LABEL = "io.gpuflow.cluster"  # every container a run makes carries its cluster's name
 CDI_GPU = "nvidia.com/gpu"  # the NVIDIA Container Toolkit's CDI kind (GPUFLOW_CDI_KIND)
-PULL_TIMEOUT_S = 3600.0
 ARCHITECTURES = {"x86_64": "amd64", "aarch64": "arm64", "arm64": "arm64", "ppc64le": "ppc64le"}
 
 
@@ -64,7 +63,6 @@ class Pinned:
     image_id: str
     architecture: str
     user: str
-    env: tuple[str, ...] = ()
 
     @property
     def pinned_ref(self) -> str:
@@ -302,7 +300,6 @@ def pinned_from(ref: str, described: Mapping) -> Pinned:
         image_id=str(described.get("Id", "")),
         architecture=str(described.get("Architecture", "")),
         user=str(config.get("User") or ""),
-        env=tuple(config.get("Env") or ()),
     )
 
 
