@@ -8,6 +8,8 @@
 #   py-cu130.tar  the same with a stand-in torch built for CUDA 13.0 (newer than the host's)
 #   py-arm64.tar  the same files, its config saying arm64 (an image for another machine)
 #   noshell.tar   one static program and nothing else (no /bin/sh)
+#   py-mpi.tar    Debian with python3, numpy and Open MPI, and no gpuflow: the matmul and hpc
+#                 kinds' units run in it with the gpuflow brought in (own_wheel.library)
 #
 # Cached under $GPUFLOW_TESTBED_CACHE/images (default ~/.cache/gpuflow/testbed/images) by
 # what goes in; prints the folder. Needs root (mmdebstrap keeps the files' owners).
@@ -17,6 +19,7 @@ ROOT=$PWD
 CACHE=${GPUFLOW_TESTBED_CACHE:-$HOME/.cache/gpuflow/testbed}/images
 SUITE=bookworm
 DEBS=python3,procps
+MPI_DEBS=python3,procps,python3-numpy,openmpi-bin
 die() { printf 'build-test-images: %s\n' "$*" >&2; exit 1; }
 [[ $(id -u) -eq 0 ]] || die "building the images needs root (mmdebstrap keeps the files' owners)"
 command -v mmdebstrap >/dev/null || die "mmdebstrap is not installed: apt-get install mmdebstrap"
@@ -30,6 +33,14 @@ if [[ ! -f $rootfs ]]; then
     --customize-hook='rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/* "$1"/usr/share/doc/* "$1"/usr/share/man/* "$1"/usr/share/locale/*' \
     "$SUITE" "$rootfs.partial" "deb $mirror $SUITE main"
   mv "$rootfs.partial" "$rootfs"
+fi
+mpi_rootfs=$CACHE/user-mpi-$(printf '%s' "$SUITE $MPI_DEBS" | sha256sum | cut -c1-16).tar
+if [[ ! -f $mpi_rootfs ]]; then
+  echo "[test images] Debian $SUITE with $MPI_DEBS (mmdebstrap: about 25 s)" >&2
+  mmdebstrap --quiet --variant=essential --format=tar --include="$MPI_DEBS" \
+    --customize-hook='rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/* "$1"/usr/share/doc/* "$1"/usr/share/man/* "$1"/usr/share/locale/*' \
+    "$SUITE" "$mpi_rootfs.partial" "deb http://deb.debian.org/debian $SUITE main"
+  mv "$mpi_rootfs.partial" "$mpi_rootfs"
 fi
 # boto3 for the image's own python3 (a job that keeps its checkpoint in S3), from .venv's
 # pip and its cache: the same versions gpuflow runs with, pure Python
@@ -72,19 +83,20 @@ PY
   rm -rf "$work"
 fi
 # the layers kept compressed: each push to the tests' registry sends them as they are
-for layer in "$rootfs" "$boto" "$fake_torch"; do
+for layer in "$rootfs" "$boto" "$fake_torch" "$mpi_rootfs"; do
   [[ -f $layer.gz ]] || { gzip -n -1 -c "$layer" >"$layer.gz.partial" && mv "$layer.gz.partial" "$layer.gz"; }
 done
 out=$CACHE/user
 mkdir -p "$out"
 pack=(python3 "$ROOT/scripts/testbed/oci_image.py")
 path=PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
-stamp=$out/.built-$key-$({ cat "$ROOT/scripts/testbed/oci_image.py"; echo "$boto $fake_torch gzip"; } | sha256sum | cut -c1-16)
+stamp=$out/.built-$key-$({ cat "$ROOT/scripts/testbed/oci_image.py"; echo "$boto $fake_torch $mpi_rootfs gzip"; } | sha256sum | cut -c1-16)
 if [[ ! -f $stamp ]]; then
   rm -f "$out"/.built-*
   "${pack[@]}" --name gpuflow.test/py:1 --layer "$rootfs.gz" --env "$path" --cmd '["python3"]' --out "$out/py.tar" >&2
   "${pack[@]}" --name gpuflow.test/py-boto:1 --layer "$rootfs.gz" --layer "$boto.gz" --env "$path" --out "$out/py-boto.tar" >&2
   "${pack[@]}" --name gpuflow.test/py-cu130:1 --layer "$rootfs.gz" --layer "$fake_torch.gz" --env "$path" --out "$out/py-cu130.tar" >&2
+  "${pack[@]}" --name gpuflow.test/py-mpi:1 --layer "$mpi_rootfs.gz" --env "$path" --out "$out/py-mpi.tar" >&2
   "${pack[@]}" --name gpuflow.test/py-arm64:1 --layer "$rootfs.gz" --env "$path" --arch arm64 --out "$out/py-arm64.tar" >&2
   registry=$(bash "$ROOT/scripts/registry.sh" path)
   "${pack[@]}" --name gpuflow.test/noshell:1 --file "$registry:/hello" --env "$path" --out "$out/noshell.tar" >&2

@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpuflow.tasks.errors import InvalidSpec
@@ -339,6 +339,33 @@ def probe(engine: Engine, pinned: Pinned, programs: Sequence[str]) -> list[str]:
     return missing
 
 
+def python_abi(engine: Engine, pinned: Pinned) -> str | None:
+    """The ABI of the image's python3 (its SOABI: `cpython-311-x86_64-linux-gnu`), "" for
+    a python3 too old to say, None for an image without one; kept like `probe`'s answers."""
+    from gpuflow.tasks.host import gpuflow_home, make_dirs, read_state_json, write_atomic
+
+    kept = gpuflow_home() / "images" / f"abi-{pinned.image_id[:40]}.json"
+    known = read_state_json(kept) if pinned.image_id and kept.is_file() else None
+    if isinstance(known, dict) and "abi" in known:
+        return known["abi"]
+    code = "import sysconfig; print(sysconfig.get_config_var('SOABI') or '')"
+    answer = engine.run(
+        "run", "--rm", "--network", "none", "--entrypoint", "python3",
+        pinned.image_id or pinned.ref, "-c", code, timeout_s=120,
+    )  # fmt: skip
+    if answer.returncode != 0:
+        said = _last_line(answer.stderr)
+        if not re.search(r"no such file|not found|executable file", said, re.I):
+            raise InvalidSpec(f"image: {pinned.ref!r} cannot be started here ({said[:300]}).")
+        abi = None
+    else:
+        abi = answer.stdout.strip()
+    if pinned.image_id:
+        make_dirs(kept.parent)
+        write_atomic(kept, json.dumps({"image": pinned.image_id, "abi": abi}))
+    return abi
+
+
 def _look_for(program: str) -> str:
     """The shell's words that print `program` when the image lacks it: a program on its
     PATH, or `import:MODULE`, a module its python3 imports."""
@@ -384,6 +411,7 @@ class RunArgs:
     memory: int | None = None
     shm: int | None = None
     read_only: Sequence[str] = ()  # files or folders mounted read-only at the same path
+    read_only_at: Mapping[str, str] = field(default_factory=dict)  # host folder: inside
 
 
 def gpu_args(engine: Engine, gpus: Sequence[int]) -> list[str]:
@@ -411,6 +439,8 @@ def run_argv(engine: Engine, args: RunArgs) -> list[str]:
         argv += ["--volume", f"{folder}:{folder}"]
     for path in args.read_only:
         argv += ["--volume", f"{path}:{path}:ro"]
+    for path, inside in args.read_only_at.items():
+        argv += ["--volume", f"{path}:{inside}:ro"]
     for name in args.env_names:
         argv += ["--env", name]
     for name, value in args.env_values.items():

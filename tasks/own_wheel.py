@@ -1,7 +1,13 @@
 """The wheel of the gpuflow that is running, built from its own files: what a machine
 gpuflow starts (an EC2 instance) installs, so it runs the same code as the orchestrator
 and never a package of that name from an index. The same files give the same bytes (fixed
-order and dates), so its SHA-256 names the build."""
+order and dates), so its SHA-256 names the build.
+
+Also the library a job's image gets (`library`): that gpuflow and the packages its code on a
+node imports (pydantic and the rest of NODE_DISTRIBUTIONS), copied from this interpreter's
+own environment into one folder a container's python3 puts first on its path. Some of them
+are compiled for this interpreter, so the library fits an image whose python3 has the same
+ABI (its SOABI, `cpython-311-x86_64-linux-gnu`): `ABI`."""
 
 from __future__ import annotations
 
@@ -9,12 +15,22 @@ import base64
 import hashlib
 import io
 import os
+import shutil
+import sysconfig
 import zipfile
 from importlib import metadata
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1]  # gpuflow/, as imported (its links followed below)
 _EPOCH = (1980, 1, 1, 0, 0, 0)
+# what gpuflow's code on a node imports beyond the standard library (the trainer, the
+# render and hpc launchers, the stream server); the job's own stack (torch, numpy) is the
+# image's
+NODE_DISTRIBUTIONS = (
+    "pydantic", "pydantic_core", "annotated_types", "typing_extensions", "typing_inspection",
+    "PyYAML", "regex", "psutil", "websockets",
+)  # fmt: skip
+ABI = str(sysconfig.get_config_var("SOABI") or "")
 _WHEEL = "Wheel-Version: 1.0\nGenerator: gpuflow\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
 
 
@@ -64,3 +80,44 @@ def build() -> tuple[str, bytes]:
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def library(root: Path) -> Path:
+    """Return the folder under `root` that holds this gpuflow and NODE_DISTRIBUTIONS as this
+    interpreter has them (made once per build: later calls find it), readable by all (it
+    holds nothing private) and compiled for this interpreter, so a unit starts quickly
+    from a read-only mount."""
+    _, data = build()
+    key = hashlib.sha256(f"{sha256(data)} {ABI}".encode()).hexdigest()[:20]
+    folder = root / f"lib-{key}"
+    if folder.is_dir():
+        return folder
+    root.mkdir(parents=True, exist_ok=True)
+    work = root / f".lib-{key}-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as wheel:
+            wheel.extractall(work)
+        for dist_name in NODE_DISTRIBUTIONS:
+            dist = metadata.distribution(dist_name)
+            for file in dist.files or []:
+                if file.parts[0] == ".." or "__pycache__" in file.parts:
+                    continue  # its programs (bin/), and bytecode made again below
+                target = work / file
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(str(dist.locate_file(file)), target)
+        import compileall
+
+        compileall.compile_dir(work, quiet=2, workers=1)
+        for folder_path, _dirs, files in os.walk(work):
+            os.chmod(folder_path, 0o755)
+            for file_name in files:
+                os.chmod(os.path.join(folder_path, file_name), 0o644)
+        try:
+            os.rename(work, folder)
+        except OSError:  # another process made it meanwhile
+            if not folder.is_dir():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return folder

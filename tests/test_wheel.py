@@ -116,3 +116,48 @@ def test_the_running_gpuflow_builds_its_own_wheel_the_same_each_time(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "t" / "gpuflow" / "tasks" / "backends" / "ec2" / "agent.py").is_file()
+
+
+# the modules gpuflow runs on a node in a job's image (the kinds' launchers and servers)
+NODE_MODULES = (
+    "gpuflow.tasks.training.launch",
+    "gpuflow.tasks.hpc.launch",
+    "gpuflow.tasks.hpc.rank",
+    "gpuflow.tasks.render.pod_chunk",
+    "gpuflow.tasks.kinds.matmul_run",
+    "gpuflow.tasks.torchrun",
+)
+
+
+def test_the_library_an_image_gets_imports_gpuflows_node_code_with_nothing_else(tmp_path):
+    """A python3 that has only the standard library and the library on its path imports
+    every module gpuflow runs on a node; the library is made once and readable by all."""
+    from gpuflow.tasks import own_wheel
+
+    folder = own_wheel.library(tmp_path / "images")
+    assert own_wheel.library(tmp_path / "images") == folder  # found, not made again
+    assert [p.name for p in (tmp_path / "images").iterdir()] == [folder.name]
+    assert (folder / "gpuflow" / "tasks" / "spec.py").is_file()
+    assert (folder / "pydantic_core").is_dir() and (folder / "yaml").is_dir()
+    assert all(p.stat().st_mode & 0o004 for p in folder.rglob("*"))
+    code = (
+        "import importlib, sys; sys.path[:] = [p for p in sys.path if 'site-packages' not in p];"
+        f" sys.path.insert(0, {str(folder)!r});"
+        f" [importlib.import_module(m) for m in {NODE_MODULES!r}];"
+        " import gpuflow; print(gpuflow.__file__)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().startswith(str(folder))
+
+
+def test_a_unit_runs_gpuflows_code_when_its_command_names_a_module_of_it():
+    from gpuflow.tasks.backends.imaging import _version, runs_gpuflow
+
+    assert runs_gpuflow(["python3", "-m", "gpuflow.tasks.hpc.launch", "--job-json", "{}"])
+    assert runs_gpuflow(["python3", "/w/.gpuflow-starter.py", "{}", "--", "py", "-m", "gpuflow.x"])
+    assert not runs_gpuflow(["python3", "-m", "torch.distributed.run", "train.py"])
+    assert not runs_gpuflow(["sh", "-c", "python -m gpuflow.tasks.x"])
+    assert _version("cpython-312-x86_64-linux-gnu") == "3.12" and _version("") == "older than 3.3"

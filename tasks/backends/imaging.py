@@ -10,6 +10,7 @@ by name, as the invoking user."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from gpuflow.tasks import containers, starter
+from gpuflow.tasks import containers, own_wheel, starter
 from gpuflow.tasks.contract import Cluster, Needs, unit_env
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.host import stop_group
@@ -128,9 +129,7 @@ def pin(spec: JobSpec, needs: Needs, say: Callable[[str], None]) -> JobSpec:
         }
     )
     if needs.gpuflow:  # its units run gpuflow's own modules with the image's python3
-        needs = needs.model_copy(
-            update={"programs": {**needs.programs, "job.kind": "import:gpuflow"}, "shell": True}
-        )
+        brings_gpuflow(engine, pinned, spec.job.kind)
     programs = list(dict.fromkeys(needs.programs.values()))
     if needs.shell or programs:
         try:
@@ -139,13 +138,6 @@ def pin(spec: JobSpec, needs: Needs, say: Callable[[str], None]) -> JobSpec:
             if needs.shell:
                 raise
             missing = []  # no shell to look with, and the kind starts no shell: the job says
-        if "import:gpuflow" in missing:
-            raise InvalidSpec(
-                f"job.kind: the {spec.job.kind} kind's units run gpuflow's own code (its"
-                f" launcher, trainer or renderer) with the image's python3, and the image"
-                f" {spec.image.ref!r} has no gpuflow; install it in the image (pip install"
-                " gpuflow with the extras the kind needs), or use kind: command."
-            )
         if missing:
             fields = [f for f, p in needs.programs.items() if p in missing]
             raise InvalidSpec(
@@ -164,6 +156,74 @@ def pin(spec: JobSpec, needs: Needs, say: Callable[[str], None]) -> JobSpec:
     )
     remember(("host-image", image.pinned, image.user), found)  # provision reads it again
     return spec.model_copy(update={"image": image})
+
+
+def brings_gpuflow(engine: containers.Engine, pinned: containers.Pinned, kind: str) -> bool:
+    """Whether the units' gpuflow is this one's library (own_wheel.library: True), or the
+    image's own gpuflow (False: its python3 is another than this gpuflow's compiled
+    packages fit, and it has gpuflow installed); one sentence when it can have neither."""
+    abi = containers.python_abi(engine, pinned)
+    why = (
+        f"job.kind: the {kind} kind's units run gpuflow's own code (its launcher, trainer or"
+        " renderer) with the image's python3"
+    )
+    if abi is None:
+        raise InvalidSpec(
+            f"{why}, and {pinned.ref!r} has none; add Python {_version(own_wheel.ABI)} to the"
+            " image (gpuflow brings its own code into it)."
+        )
+    if abi == own_wheel.ABI:
+        return True
+    has_own = engine.run(
+        "run", "--rm", "--network", "none", "--entrypoint", "python3",
+        pinned.image_id or pinned.ref, "-c", "import gpuflow.tasks.spec", timeout_s=120,
+    )  # fmt: skip
+    if has_own.returncode == 0:
+        return False
+    raise InvalidSpec(
+        f"{why}, which is Python {_version(abi)} ({abi or 'no ABI said'}); gpuflow brings its"
+        f" code into an image whose python3 is {_version(own_wheel.ABI)} as this gpuflow's"
+        f" ({own_wheel.ABI}), the packages it needs being compiled for that one: use an image"
+        f" with Python {_version(own_wheel.ABI)}, or install gpuflow"
+        f" (pip install 'gpuflow=={_own_version()}') in the image."
+    )
+
+
+def _version(abi: str) -> str:
+    """`3.11` from `cpython-311-x86_64-linux-gnu` (the ABI itself when it is not CPython's)."""
+    found = re.match(r"cpython-(\d)(\d+)", abi)
+    return f"{found[1]}.{found[2]}" if found else (abi or "older than 3.3")
+
+
+def _own_version() -> str:
+    from importlib import metadata
+
+    return metadata.version("gpuflow")
+
+
+_LIBRARY: dict[str, str | None] = {}  # image id: its library's folder (None: its own)
+INSIDE = "/opt/gpuflow"  # where a container sees the library
+
+
+def library_of(image: HostImage, kind: str = "job") -> str | None:
+    """The folder of this gpuflow's library that `image`'s units mount (made here once), or
+    None where the image's own gpuflow runs them; InvalidSpec when it can have neither."""
+    if image.image_id in _LIBRARY:
+        return _LIBRARY[image.image_id]
+    engine = containers.Engine(image.engine, image.engine_path)
+    pinned = containers.Pinned(image.shown, "", image.image_id, "", "")
+    folder = None
+    if brings_gpuflow(engine, pinned, kind):
+        from gpuflow.tasks.host import gpuflow_home
+
+        folder = str(own_wheel.library(gpuflow_home() / "images"))
+    _LIBRARY[image.image_id] = folder
+    return folder
+
+
+def runs_gpuflow(command: list[str]) -> bool:
+    """Whether a unit's command runs one of gpuflow's own modules (`-m gpuflow.…`)."""
+    return any(a == "-m" and b.startswith("gpuflow.") for a, b in itertools.pairwise(command))
 
 
 def plan(spec: JobSpec) -> HostImage | None:
@@ -221,6 +281,11 @@ def start(
     }
     if not gpus:
         inside.pop("CUDA_VISIBLE_DEVICES", None)
+    read_only, library_at = _archive_of(command, where.workspace), {}
+    if runs_gpuflow(command) and (library := library_of(image)) is not None:
+        # gpuflow's own code (and what it imports) from this host, first on the path
+        inside["PYTHONPATH"] = ":".join(filter(None, [INSIDE, inside.get("PYTHONPATH")]))
+        library_at[library] = INSIDE
     by_name = {k: v for k, v in inside.items() if k not in ENGINE_OWN}
     on_line = {k: v for k, v in inside.items() if k in ENGINE_OWN}  # never a secret's
     name = f"{cluster}-{_safe(unit)}-{tokens.token_hex(3)}"
@@ -232,7 +297,8 @@ def start(
         env_names=sorted(by_name),
         env_values=on_line,
         mounts=list(dict.fromkeys([where.workspace, where.tmp])),
-        read_only=_archive_of(command, where.workspace),
+        read_only=read_only,
+        read_only_at=library_at,
         workdir=where.workspace,
         user=image.user,
         gpus=gpus,

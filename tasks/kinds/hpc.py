@@ -38,14 +38,17 @@ class HpcKind(JobKind[HpcJob]):
         inputs = {f"job.inputs[{i}]": url for i, url in enumerate(job.inputs)}
         if job.output:
             inputs["job.output"] = job.output
-        return Needs(inputs=inputs, mpi_launcher=True, gpuflow=True)
+        # in an image, its mpirun is looked for there (on a host, check_hpc looks)
+        programs = {"job.mpirun": job.mpirun} if spec.image is not None else {}
+        return Needs(inputs=inputs, programs=programs, mpi_launcher=True, gpuflow=True)
 
     def extra(self, spec: JobSpec, where: Capabilities) -> str | None:
         job = self.job_of(spec)
-        return "hpc" if where.runs_here and job.md is not None else None  # the MD workload
+        here = where.runs_here and spec.image is None  # else the node's or the image's
+        return "hpc" if here and job.md is not None else None  # the MD workload
 
     def check(self, spec: JobSpec, where: Capabilities) -> None:
-        check_hpc(spec, s3_settings(spec), on_host=where.runs_here)
+        check_hpc(spec, s3_settings(spec), on_host=where.runs_here and spec.image is None)
 
     def hosts(self, spec: JobSpec, cluster: Cluster) -> list[Any]:
         """Return the hosts mpirun spreads the ranks over: the job's, else every node."""

@@ -146,7 +146,7 @@ def image_bed(folder: Path) -> Iterator[ImageBed]:
     if os.geteuid() != 0 or shutil.which("podman") is None or shutil.which("skopeo") is None:
         pytest.skip("the container test bed needs root, podman and skopeo (scripts/setup.sh)")
     with registry(
-        folder, images=("py", "py-private", "py-boto", "py-cu130", "py-arm64", "noshell")
+        folder, images=("py", "py-private", "py-boto", "py-cu130", "py-arm64", "noshell", "py-mpi")
     ) as bed:
         yield bed
 

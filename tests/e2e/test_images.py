@@ -270,12 +270,62 @@ def test_an_image_without_a_shell_or_the_program_is_refused_for_what_needs_it(
     out = gpuflow(["run", str(job)], env)
     assert out.returncode == 2, out.stderr[-3000:]
     assert f"job.command: the image {image_registry.ref('py')!r} has no 'blender'" in out.stderr
-    job.write_text(f"image: {image_registry.ref('py')}\njob: {{kind: matmul, size: 64}}\n")
+    job.write_text(f"image: {image_registry.ref('noshell')}\njob: {{kind: matmul, size: 64}}\n")
     out = gpuflow(["run", str(job)], env)  # a kind whose units run gpuflow's own code
     assert out.returncode == 2, out.stderr[-3000:]
     assert "job.kind: the matmul kind's units run gpuflow's own code" in out.stderr
-    assert "has no gpuflow; install it in the image" in out.stderr
+    assert "has none; add Python 3.11 to the image" in out.stderr
+    job.write_text(
+        f"image: {image_registry.ref('py')}\n"
+        "job: {kind: hpc, program: [hostname], mpirun: /opt/mpi/bin/mpirun}\n"
+    )
+    out = gpuflow(["run", str(job)], env)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"job.mpirun: the image {image_registry.ref('py')!r} has no '/opt/mpi/bin/mpirun'" in (
+        out.stderr
+    )
     assert leftovers(gpuflow_home) == NOTHING_LEFT  # no cluster: no container either
+
+
+def test_kinds_that_run_gpuflows_code_run_in_an_image_without_gpuflow(
+    tmp_path, prefect_api, gpuflow_home, image_registry
+):
+    """The matmul and hpc kinds' units run gpuflow's own modules (the benchmark; the MPI
+    launcher and its rank wrapper) with the image's python3: gpuflow brings its code and
+    what it imports into an image that has only the user's stack (numpy, Open MPI)."""
+    env = _env(prefect_api, gpuflow_home, image_registry)
+    image = image_registry.ref("py-mpi")
+    lacks = subprocess.run(
+        ["podman", "run", "--rm", "--entrypoint", "python3", image, "-c", "import pydantic"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, **image_registry.env},
+    )  # fmt: skip
+    assert "No module named 'pydantic'" in lacks.stderr  # nor gpuflow: only the user's stack
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: mm\nimage: {image}\njob: {{kind: matmul, size: 64, seconds: 0.2}}\n")
+    out = gpuflow(["run", str(job)], env)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    (run,) = (gpuflow_home / "runs").glob("mm-*")
+    result = json.loads((run / "outputs" / "result.json").read_text())
+    assert result["device"] == "cpu" and result["tflops"] > 0 and "numpy" in result
+    rank = (
+        "import os, sys; print(sys.executable, sys.version_info[:2]);"
+        " open(os.environ['GPUFLOW_OUTPUT_DIR'] + '/rank-' + os.environ['OMPI_COMM_WORLD_RANK'],"
+        " 'w').write(sys.executable)"
+    )
+    job.write_text(
+        f"name: mpi\nimage: {image}\n"
+        "job:\n  kind: hpc\n  ranks: 2\n  oversubscribe: true\n"
+        "  build: [sh, -c, 'echo built > built.txt']\n"
+        f"  program: [python3, -c, {json.dumps(rank)}]\n"
+    )
+    out = gpuflow(["run", str(job)], env)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    (run,) = (gpuflow_home / "runs").glob("mpi-*")
+    ranks = sorted(p.name for p in (run / "outputs").glob("rank-*"))
+    assert ranks == ["rank-0", "rank-1"]
+    assert (run / "outputs" / "rank-0").read_text() == "/usr/bin/python3"  # the image's
+    assert not containers_of(run.name.rsplit("-", 1)[1])
+    assert leftovers(gpuflow_home) == NOTHING_LEFT
 
 
 def test_no_engine_on_the_host_names_what_to_install(
