@@ -99,7 +99,10 @@ def library(root: Path) -> Path:
         with zipfile.ZipFile(io.BytesIO(data)) as wheel:
             wheel.extractall(work)
         for dist_name in NODE_DISTRIBUTIONS:
-            dist = metadata.distribution(dist_name)
+            try:
+                dist = metadata.distribution(dist_name)
+            except metadata.PackageNotFoundError:
+                continue  # not here: nor is the code that imports it run here
             for file in dist.files or []:
                 if file.parts[0] == ".." or "__pycache__" in file.parts:
                     continue  # its programs (bin/), and bytecode made again below

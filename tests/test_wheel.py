@@ -154,10 +154,11 @@ def test_the_library_an_image_gets_imports_gpuflows_node_code_with_nothing_else(
 
 
 def test_a_unit_runs_gpuflows_code_when_its_command_names_a_module_of_it():
-    from gpuflow.tasks.backends.imaging import _version, runs_gpuflow
+    from gpuflow.tasks.backends.imaging import runs_gpuflow, version_of
 
     assert runs_gpuflow(["python3", "-m", "gpuflow.tasks.hpc.launch", "--job-json", "{}"])
     assert runs_gpuflow(["python3", "/w/.gpuflow-starter.py", "{}", "--", "py", "-m", "gpuflow.x"])
     assert not runs_gpuflow(["python3", "-m", "torch.distributed.run", "train.py"])
     assert not runs_gpuflow(["sh", "-c", "python -m gpuflow.tasks.x"])
-    assert _version("cpython-312-x86_64-linux-gnu") == "3.12" and _version("") == "older than 3.3"
+    assert version_of("cpython-312-x86_64-linux-gnu") == "3.12"
+    assert version_of("") == "older than 3.3"

@@ -169,7 +169,7 @@ def brings_gpuflow(engine: containers.Engine, pinned: containers.Pinned, kind: s
     )
     if abi is None:
         raise InvalidSpec(
-            f"{why}, and {pinned.ref!r} has none; add Python {_version(own_wheel.ABI)} to the"
+            f"{why}, and {pinned.ref!r} has none; add Python {version_of(own_wheel.ABI)} to the"
             " image (gpuflow brings its own code into it)."
         )
     if abi == own_wheel.ABI:
@@ -181,15 +181,15 @@ def brings_gpuflow(engine: containers.Engine, pinned: containers.Pinned, kind: s
     if has_own.returncode == 0:
         return False
     raise InvalidSpec(
-        f"{why}, which is Python {_version(abi)} ({abi or 'no ABI said'}); gpuflow brings its"
-        f" code into an image whose python3 is {_version(own_wheel.ABI)} as this gpuflow's"
+        f"{why}, which is Python {version_of(abi)} ({abi or 'no ABI said'}); gpuflow brings its"
+        f" code into an image whose python3 is {version_of(own_wheel.ABI)} as this gpuflow's"
         f" ({own_wheel.ABI}), the packages it needs being compiled for that one: use an image"
-        f" with Python {_version(own_wheel.ABI)}, or install gpuflow"
+        f" with Python {version_of(own_wheel.ABI)}, or install gpuflow"
         f" (pip install 'gpuflow=={_own_version()}') in the image."
     )
 
 
-def _version(abi: str) -> str:
+def version_of(abi: str) -> str:
     """`3.11` from `cpython-311-x86_64-linux-gnu` (the ABI itself when it is not CPython's)."""
     found = re.match(r"cpython-(\d)(\d+)", abi)
     return f"{found[1]}.{found[2]}" if found else (abi or "older than 3.3")

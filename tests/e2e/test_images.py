@@ -362,7 +362,7 @@ def test_a_fleet_host_runs_the_job_in_the_same_image_pulled_by_its_digest(
     host_env = {**conf, "CONTAINERS_REGISTRIES_CONF": str(folder / "registries.conf")}
     with fleet_bed(tmp_path / "bed", ["h1:2"], host_env=host_env) as bed:
         bridge = bed["address"]  # the hosts reach this machine here
-        with registry(folder, f"{bridge}:0", images=("py-private",)) as near:
+        with registry(folder, f"{bridge}:0", images=("py-private", "py-mpi")) as near:
             save_fleet(bed, "imgs", [host_entry(bed, "h1")], lease_s=10)
             from gpuflow.blocks import RegistryCredentials
 
@@ -390,6 +390,17 @@ def test_a_fleet_host_runs_the_job_in_the_same_image_pulled_by_its_digest(
             out = gpuflow(["run", str(job)], env)
             said = out.stdout + out.stderr
             assert out.returncode == 0, said[-4000:]
+            # gpuflow's own code (the benchmark) in an image without it: the host's library
+            job.write_text(
+                f"name: mm-host\nimage: {near.ref('py-mpi')}\n"
+                "placement: {backend: fleet, fleet: imgs}\n"
+                "job: {kind: matmul, size: 64, seconds: 0.2}\n"
+            )
+            measured = gpuflow(["run", str(job)], env)
+            assert measured.returncode == 0, (measured.stdout + measured.stderr)[-4000:]
+    (done,) = (gpuflow_home / "runs").glob("mm-host-*")
+    result = json.loads((done / "outputs" / "result.json").read_text())
+    assert result["device"] == "cpu" and result["tflops"] > 0 and "numpy" in result
     (run,) = (gpuflow_home / "runs").glob("on-host-*")
     first = json.loads((run / "outputs" / "seen-0.json").read_text())
     resumed = json.loads((run / "outputs" / "seen-3.json").read_text())
@@ -501,10 +512,22 @@ def test_a_slurm_job_step_runs_in_the_image_through_slurms_oci_support(
     assert first["python"] == "/usr/bin/python3" and first["debian"]
     assert first["gpus"] == "0" and resumed["attempt"] == "2"
     assert (outputs / "ckpt.txt").read_text() == "6"
-    (bundle,) = (root / ".gpuflow-images").iterdir()  # kept for the next run of the digest
+    bundles = [p for p in (root / ".gpuflow-images").iterdir() if not p.name.startswith("lib-")]
+    (bundle,) = bundles  # kept for the next run of the digest
     assert result.metrics.image.split("@sha256:")[1].startswith(bundle.name)
     assert not list(bundle.rglob("auth.json")) and (bundle / "bundle" / "config.json").is_file()
     assert not list((root).glob("gpuflow-*"))  # the run's workspace went at teardown
+    # a kind whose step runs gpuflow's own code, in an image without gpuflow: the library
+    # beside the bundles, first on the step's path
+    raw |= {"name": "slurm-matmul", "image": image_registry.ref("py-mpi")}
+    raw |= {"job": {"kind": "matmul", "size": 64, "seconds": 0.2}}
+    state = gpu_pipeline(load_spec(raw), return_state=True)
+    assert state.is_completed(), state.message
+    outputs = Path(state.result().artifacts_dir, "outputs")
+    measured = json.loads((outputs / "result.json").read_text())
+    assert measured["device"] == "cpu" and measured["tflops"] > 0 and "numpy" in measured
+    (library,) = (root / ".gpuflow-images").glob("lib-*")
+    assert (library / "gpuflow" / "tasks" / "kinds" / "matmul_run.py").is_file()
 
 
 # A job that keeps its checkpoint in S3 (boto3 in its image), saves it on SIGTERM and

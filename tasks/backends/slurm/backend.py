@@ -92,6 +92,7 @@ from gpuflow.tasks.errors import (
 )
 from gpuflow.tasks.host import OutputPump, alive, start_time
 from gpuflow.tasks.metrics.cost import PriceTable, hourly_rate
+from gpuflow.tasks.runscope import recall, remember
 from gpuflow.tasks.saved_blocks import load_block
 from gpuflow.tasks.spec import JobSpec, Placement, placement_as
 from gpuflow.tasks.storage import S3Settings
@@ -118,7 +119,10 @@ class SlurmBackend(UnitBackend):
 
     def pin_image(self, spec: JobSpec, needs: Needs, say: Callable[[str], None]) -> JobSpec:
         """The image's digest from its registry, asked from here; the bundle is made of it."""
-        return spec if spec.image is None else imaging.pin_by_registry(spec, say)
+        if spec.image is None:
+            return spec
+        remember(("runs-gpuflow", spec.image.ref), needs.gpuflow)  # provision asks
+        return imaging.pin_by_registry(spec, say)
 
     def __init__(self, block: str | None = None) -> None:
         self.block = block  # the SlurmCluster block of the runs it serves (None: the client here)
@@ -344,16 +348,25 @@ class SlurmBackend(UnitBackend):
         found = self.list_owned({RUN_LABEL: run_id})
         kind = gres_type(spec.resources.gpu_product, self._types())
         root = workspace_root(placement_as(spec, SlurmPlacement).workspace_root)
-        bundle = None
+        bundle = library = None
         if spec.image is not None:  # before the allocation: an image that cannot be had
             bundle = oci.bundle(self.cli, spec.image, str(root), imaging.credentials_of(spec))
+            try:
+                library = oci.library(self.cli, bundle, str(root), spec.job.kind)
+            except InvalidSpec:
+                if recall(("runs-gpuflow", spec.image.ref)) is not False:
+                    raise  # its units run gpuflow's code, which the image can have no way
         if found:
             job = state_of(found[0], SlurmState).job_id
             cluster = found[0].model_copy(
                 update={
                     "nodes": spec.resources.nodes,
                     "state": SlurmState(
-                        job_id=job, gres_type=kind, block=spec.placement.block, bundle=bundle
+                        job_id=job,
+                        gres_type=kind,
+                        block=spec.placement.block,
+                        bundle=bundle,
+                        library=library,
                     ).model_dump(),
                 }
             )
@@ -387,7 +400,11 @@ class SlurmBackend(UnitBackend):
             nodes=spec.resources.nodes,
             capabilities=self.capabilities,
             state=SlurmState(
-                job_id=job_id, gres_type=kind, block=spec.placement.block, bundle=bundle
+                job_id=job_id,
+                gres_type=kind,
+                block=spec.placement.block,
+                bundle=bundle,
+                library=library,
             ).model_dump(),
             created_at=datetime.now(UTC),
         )
@@ -511,6 +528,9 @@ class SlurmBackend(UnitBackend):
             **unit.env,
             **unit_env(unit.node, cluster.nodes, cluster.workspace, inside or None),
         }
+        if state.bundle and state.library and imaging.runs_gpuflow(unit.command):
+            path = [state.library, child_env.get("PYTHONPATH")]  # gpuflow's own code first
+            child_env["PYTHONPATH"] = ":".join(filter(None, path))
         proc = cli.start(argv, child_env)
         pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, tail).start()
         sampler = None

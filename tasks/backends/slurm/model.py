@@ -50,6 +50,7 @@ class SlurmState(BaseModel):
     gres_type: str | None = None  # the gres type of the run's GPUs ("h100"), None: untyped
     block: str | None = None  # the SlurmCluster block that says how the cluster is reached
     bundle: str | None = None  # the run's image unpacked (image:): its steps run in it
+    library: str | None = None  # gpuflow's library for the steps in it (oci.library)
 
 
 def workspace_root(spec_root: str | None) -> Path:

@@ -11,6 +11,10 @@ and its other nodes), and the workspaces' folder bound at its own path (Slurm st
 step in the run's workspace). The GPUs are the site's runtime's to hand over (its
 RunTimeRun through the NVIDIA Container Toolkit); Slurm sets CUDA_VISIBLE_DEVICES.
 Pyxis/enroot (`srun --container-image`) is not used yet.
+
+A kind whose steps run gpuflow's own code gets this gpuflow's library (own_wheel.library)
+beside the bundles (`.gpuflow-images/lib-<key>`, inside the bound folder), first on the
+step's PYTHONPATH, where the image's python3 is the version it was made for.
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from gpuflow.tasks import containers, starter
+from gpuflow.tasks import containers, own_wheel, starter
 from gpuflow.tasks.backends import imaging
 from gpuflow.tasks.backends.slurm.commands import LocalClient
 from gpuflow.tasks.errors import InvalidSpec, ProvisionError
+from gpuflow.tasks.host import gpuflow_home
 from gpuflow.tasks.spec import Image
 
 IMAGES = ".gpuflow-images"  # beside the runs' workspaces: one bundle per digest
@@ -153,3 +158,55 @@ def in_bundle(cli: LocalClient, command: list[str], workspace: str) -> list[str]
     script = f"{workspace.rstrip('/')}/.gpuflow-starter.py"
     cli.put_file(Path(starter.__file__), script)
     return ["python3", script, *command[3:5], *imaging.in_image(command[5:])]
+
+
+# the image's python3 and the folders its packages are in (Debian's, and python.org's)
+_PYTHONS = r"""
+cd "$1/rootfs" || exit 0
+for p in usr/local/bin/python3 usr/bin/python3; do [ -e "$p" ] && readlink -f "$p"; done
+ls -d usr/lib/python3*/*-packages/gpuflow usr/local/lib/python3*/*-packages/gpuflow 2>/dev/null
+exit 0
+"""
+
+
+def library(cli: LocalClient, bundle: str, root: str, kind: str) -> str | None:
+    """The folder of this gpuflow's library that the steps put first on their path, put
+    beside the bundles once (None: the image's own gpuflow runs them); InvalidSpec, one
+    sentence, where the image's python3 can have neither."""
+    said = cli.run(["sh", "-c", _PYTHONS, "pythons", bundle])
+    lines = [line.strip() for line in said.splitlines() if line.strip()]
+    versions = {line.rsplit("python", 1)[1] for line in lines if "/bin/python" in line}
+    has_own = any(line.endswith("/gpuflow") for line in lines)
+    wanted = imaging.version_of(own_wheel.ABI)
+    why = f"job.kind: the {kind} kind's units run gpuflow's own code with the image's python3"
+    if wanted not in versions:
+        if has_own:
+            return None
+        if not versions:
+            raise InvalidSpec(f"{why}, and the image has none; add Python {wanted} to it.")
+        raise InvalidSpec(
+            f"{why}, which is Python {', '.join(sorted(versions))}; gpuflow brings its code"
+            f" into an image whose python3 is {wanted}, as this gpuflow's: use an image with"
+            f" Python {wanted}, or install gpuflow in the image."
+        )
+    made = own_wheel.library(gpuflow_home() / "images")
+    target = f"{root.rstrip('/')}/{IMAGES}/{made.name}"
+    if cli.answer(["test", "-d", target]).returncode == 0:
+        return target
+    with tempfile.TemporaryDirectory(prefix="gpuflow-lib-") as local:
+        archive = Path(local) / "lib.tar"
+        import tarfile
+
+        with tarfile.open(archive, "w") as tar:
+            tar.add(made, arcname=made.name)
+        work = f"{root.rstrip('/')}/{IMAGES}/.{made.name}-{os.getpid()}"
+        cli.make_dir(work)
+        try:
+            cli.put_file(archive, f"{work}/lib.tar")
+            cli.run(["tar", "-xf", f"{work}/lib.tar", "-C", work])
+            moved = cli.answer(["mv", "-T", f"{work}/{made.name}", target])
+            if moved.returncode != 0 and cli.answer(["test", "-d", target]).returncode:
+                raise ProvisionError(f"gpuflow's library could not be put at {target}")
+        finally:
+            cli.remove_dir(work)
+    return target
