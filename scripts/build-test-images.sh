@@ -13,6 +13,10 @@
 #
 # Cached under $GPUFLOW_TESTBED_CACHE/images (default ~/.cache/gpuflow/testbed/images) by
 # what goes in; prints the folder. Needs root (mmdebstrap keeps the files' owners).
+#
+#   build-test-images.sh --blender   builds (or finds) blender.tar only and prints its path:
+#     gpuflow's job image's Debian layer (python3 and Blender, no gpuflow; built by
+#     scripts/build-image.sh) and `blender-in-image`, a Blender this machine does not have
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -22,6 +26,24 @@ DEBS=python3,procps
 MPI_DEBS=python3,procps,python3-numpy,openmpi-bin
 die() { printf 'build-test-images: %s\n' "$*" >&2; exit 1; }
 [[ $(id -u) -eq 0 ]] || die "building the images needs root (mmdebstrap keeps the files' owners)"
+if [[ ${1:-} == --blender ]]; then
+  bash "$ROOT/scripts/build-image.sh" >/dev/null
+  read -r base _ <"$CACHE/gpuflow-job-testbed.tar.layers"
+  [[ -f $base.gz ]] || { gzip -n -1 -c "$base" >"$base.gz.partial" && mv "$base.gz.partial" "$base.gz"; }
+  out=$CACHE/user/blender-$(basename "$base" .tar).tar
+  if [[ ! -f $out ]]; then
+    mkdir -p "$CACHE/user"
+    wrapper=$(mktemp)
+    printf '#!/bin/sh\nexec /usr/bin/blender "$@"\n' >"$wrapper"
+    python3 "$ROOT/scripts/testbed/oci_image.py" --name gpuflow.test/blender:1 --layer "$base.gz" \
+      --file "$wrapper:/usr/local/bin/blender-in-image" \
+      --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin --out "$out.partial" >&2
+    rm -f "$wrapper" "$out.partial.layer"
+    mv "$out.partial" "$out"
+  fi
+  echo "$out"
+  exit 0
+fi
 command -v mmdebstrap >/dev/null || die "mmdebstrap is not installed: apt-get install mmdebstrap"
 mkdir -p "$CACHE"
 key=$(printf '%s' "$SUITE $DEBS" | sha256sum | cut -c1-16)

@@ -393,6 +393,17 @@ def _probe(engine: Engine, pinned: Pinned, programs: Sequence[str]) -> list[str]
     return [line.strip() for line in answer.stdout.splitlines() if line.strip()]
 
 
+def user_of(wanted: str) -> str | None:
+    """The engine's --user for image.user (None: the image's own)."""
+    if wanted == "invoking":
+        return f"{os.geteuid()}:{os.getegid()}"
+    if wanted == "image":
+        return None
+    if wanted == "root":
+        return "0:0"
+    return wanted
+
+
 @dataclass(frozen=True)
 class RunArgs:
     """What `run_argv` puts on the engine's command line (never a secret's value: the

@@ -146,6 +146,7 @@ class WorkUnit(BaseModel):
     frames: list[int] = []  # a render chunk: the frames it must leave in storage
     world_size: int | None = None  # training: ranks over every node
     launcher: MpiLaunch | None = None  # an MPI launcher: where its ranks go
+    reads: list[str] = []  # files or folders of this host it reads (an image: mounted, read-only)
 
 
 class Replicated(BaseModel):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
 import re
 import secrets as tokens
 import shutil
@@ -152,7 +151,7 @@ def pin(spec: JobSpec, needs: Needs, say: Callable[[str], None]) -> JobSpec:
         engine_path=engine.path,
         image_id=pinned.image_id,
         shown=pinned.pinned_ref,
-        user=user_of(image.user),
+        user=containers.user_of(image.user),
     )
     remember(("host-image", image.pinned, image.user), found)  # provision reads it again
     return spec.model_copy(update={"image": image})
@@ -245,19 +244,8 @@ def plan(spec: JobSpec) -> HostImage | None:
         engine_path=engine.path,
         image_id=pinned.image_id,
         shown=pinned.pinned_ref,
-        user=user_of(spec.image.user),
+        user=containers.user_of(spec.image.user),
     )
-
-
-def user_of(wanted: str) -> str | None:
-    """The engine's --user for image.user (None: the image's own)."""
-    if wanted == "invoking":
-        return f"{os.geteuid()}:{os.getegid()}"
-    if wanted == "image":
-        return None
-    if wanted == "root":
-        return "0:0"
-    return wanted
 
 
 def start(
@@ -269,6 +257,7 @@ def start(
     env: Mapping[str, str],
     gpus: list[int],
     memory: int | None = None,
+    reads: list[str] | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """Start one unit in a container of `image` on this host; return the engine's process
     and the container's name. Inside, the unit's GPUs are 0..n-1 (the engine hands over
@@ -282,6 +271,8 @@ def start(
     if not gpus:
         inside.pop("CUDA_VISIBLE_DEVICES", None)
     read_only, library_at = _archive_of(command, where.workspace), {}
+    inside_workspace = where.workspace.rstrip("/") + "/"
+    read_only += [p for p in reads or [] if not p.startswith(inside_workspace)]  # unit's own
     if runs_gpuflow(command) and (library := library_of(image)) is not None:
         # gpuflow's own code (and what it imports) from this host, first on the path
         inside["PYTHONPATH"] = ":".join(filter(None, [INSIDE, inside.get("PYTHONPATH")]))

@@ -60,6 +60,10 @@ class JobKind(Generic[J]):
         `where`; makes nothing. Runs before anything is provisioned, after the spec itself
         was validated and the kind's `needs` were matched with the backend."""
 
+    def check_in_image(self, spec: JobSpec, where: Capabilities) -> None:
+        """The checks that need the job's image (pinned, on this host where its units run
+        here): run after it was pulled, before anything is provisioned."""
+
     def extra(self, spec: JobSpec, where: Capabilities) -> str | None:
         """Return the gpuflow extra (tasks/extras.py) this job needs in gpuflow's own
         environment on a backend that can do `where`; None for none."""

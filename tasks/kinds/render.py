@@ -35,7 +35,10 @@ class RenderKind(JobKind[RenderJob]):
 
     def needs(self, spec: JobSpec) -> Needs:
         job = self.job_of(spec)
-        return Needs(inputs={"job.scene": job.scene, "job.output": job.output}, gpuflow=True)
+        inputs = {"job.scene": job.scene, "job.output": job.output}
+        # in an image, its Blender (looked for there when it is pinned)
+        programs = {"job.blender": job.blender} if spec.image is not None else {}
+        return Needs(inputs=inputs, programs=programs, gpuflow=True)
 
     def check(self, spec: JobSpec, where: Capabilities) -> None:
         job = self.job_of(spec)
@@ -50,9 +53,17 @@ class RenderKind(JobKind[RenderJob]):
         try:
             settings = s3_settings(spec)
             check_writable(job.output, settings)
-            scene.plan(spec, settings, here=where.runs_here)
+            if not (spec.image is not None and where.runs_here):  # else once it is pinned
+                scene.plan(spec, settings, here=where.runs_here)
         except StorageError as exc:
             raise InvalidSpec(str(exc)) from None
+
+    def check_in_image(self, spec: JobSpec, where: Capabilities) -> None:
+        if where.runs_here:  # the image's Blender reads the scene
+            try:
+                scene.plan(spec, s3_settings(spec), here=True)
+            except StorageError as exc:
+                raise InvalidSpec(str(exc)) from None
 
     def nothing_to_do(self, spec: JobSpec, where: Capabilities) -> str | None:
         job = self.job_of(spec)

@@ -45,6 +45,8 @@ def _check_spec(spec: JobSpec) -> tuple[JobSpec, PriceTable]:
     spec = backend.pin_image(spec, needs, _run_log)
     if spec.image is not None and spec.image.digest:
         remember(("image-digest", spec.image.ref), spec.image.digest)
+    if spec.image is not None:
+        kind_of(spec).check_in_image(spec, backend.capabilities)
     return spec, prices
 
 

@@ -4,12 +4,16 @@ render plan that follows from it. Everything here runs before anything is provis
 A scene is a .blend, or a folder or .zip holding the .blend and its assets with their
 relative paths. Local paths are used where they are; URLs are fetched into
 $GPUFLOW_HOME/cache/scenes/<key>/, keyed by URL and content, so a rerun fetches nothing.
+
+A job in an image that renders on this host reads its scene with the image's Blender (a
+container of the pinned image, the scene mounted read-only), so this host needs no Blender.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -21,7 +25,7 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel
 
-from gpuflow.tasks import nvml
+from gpuflow.tasks import containers, nvml
 from gpuflow.tasks.errors import InvalidSpec, TransientError
 from gpuflow.tasks.fetching import fetch_prefix, relative_names
 from gpuflow.tasks.host import gpuflow_home, resolve_program
@@ -66,10 +70,19 @@ class SceneInfo(BaseModel):
     load_s: float = 0.0  # Blender's start-up and scene load, measured
 
 
+class InImage(BaseModel):
+    """The pinned image whose Blender reads the scene here (a job in an image)."""
+
+    ref: str  # name@digest
+    user: str  # image.user
+    gpus: list[int] = []  # this host's GPUs the container gets (Blender lists their devices)
+
+
 class RenderPlan(BaseModel):
     """The scene on disk, what Blender said about it, and what will be rendered."""
 
     blend: str
+    root: str = ""  # the scene as fetched: the .blend, or the folder that holds it
     info: SceneInfo
     frames: list[int]
     file_format: str
@@ -183,18 +196,27 @@ def find_blend(path: Path, blend: str | None) -> Path:
 
 
 # -- asking Blender ----------------------------------------------------------------------
-def inspect(blender: str, blend: Path, devices: list[str]) -> SceneInfo:
+def inspect(
+    blender: str, blend: Path, devices: list[str], image: InImage | None = None, root: str = ""
+) -> SceneInfo:
     """Return what Blender says about `blend`; InvalidSpec when it cannot read it.
-    Cached by the file's size and time and the Blender program."""
+    Cached by the file's size and time and the Blender program (the image's, in `image`,
+    with the scene's `root` mounted)."""
     stat = blend.stat()
+    where = image.ref if image else ""
     key = hashlib.sha256(
-        f"{blend}:{stat.st_size}:{stat.st_mtime_ns}:{blender}:{sorted(devices)}".encode()
+        f"{blend}:{stat.st_size}:{stat.st_mtime_ns}:{blender}:{sorted(devices)}:{where}".encode()
     ).hexdigest()[:16]
     cached = cache_root() / "inspected" / f"{key}.json"
     if cached.is_file():
         return SceneInfo.model_validate_json(cached.read_text())
     argv = [blender, "-b", safe_path(str(blend)), "--python", str(INSPECT_SCRIPT), "--", *devices]
     started = time.monotonic()
+    engine, label, environ = None, "", None
+    if image is not None:
+        engine, label = containers.find_engine(), f"gpuflow-inspect-{os.getpid()}-{time.time_ns()}"
+        argv = _in_image(engine, image, label, argv, [root or str(blend), str(INSPECT_SCRIPT)])
+        environ = containers.engine_environ()
     try:
         done = subprocess.run(
             argv,
@@ -204,11 +226,15 @@ def inspect(blender: str, blend: Path, devices: list[str]) -> SceneInfo:
             timeout=INSPECT_TIMEOUT_S,
             stdin=subprocess.DEVNULL,
             cwd=blend.parent,
+            env=environ,
         )
     except subprocess.TimeoutExpired:
         raise TransientError(
             f"Blender took over {INSPECT_TIMEOUT_S:.0f} s to open {blend.name}; retry, or check the scene."
         ) from None
+    finally:
+        if engine is not None:
+            containers.remove(engine, label)  # one that outlived its client
     load_s = time.monotonic() - started
     output = done.stdout + done.stderr
     for line in output.splitlines():
@@ -231,6 +257,47 @@ def inspect(blender: str, blend: Path, devices: list[str]) -> SceneInfo:
     )
     reason = failure.message if failure else "it printed: " + " | ".join(output.splitlines()[-3:])
     raise InvalidSpec(f"job.scene: Blender could not open {blend.name}: {reason}.")
+
+
+def _in_image(
+    engine: containers.Engine, image: InImage, label: str, argv: list[str], reads: list[str]
+) -> list[str]:
+    """The engine command that runs `argv` once in the image, what it reads mounted
+    read-only at its own path, with the image's GPUs, as the run's units run."""
+    described = containers.inspect(engine, image.ref)
+    if described is None:
+        raise InvalidSpec(
+            f"image: {image.ref!r} is no longer in {engine.name}'s store here; run again to pull it."
+        )
+    args = containers.RunArgs(
+        name=label,
+        cluster=label,
+        image=containers.pinned_from(image.ref, described).image_id or image.ref,
+        command=argv,
+        env_names=[],
+        env_values={},
+        mounts=[],
+        read_only=list(dict.fromkeys(reads)),
+        workdir=str(Path(argv[2]).parent),
+        user=containers.user_of(image.user),
+        gpus=image.gpus,
+    )
+    return containers.run_argv(engine, args)
+
+
+def in_image(spec: JobSpec, here: bool) -> InImage | None:
+    """The image whose Blender works here for `spec` (None: this host's Blender)."""
+    if not here or spec.image is None:
+        return None
+    gpus = list(range(len(nvml.query().gpus))) if spec.resources.gpus else []
+    return InImage(ref=spec.image.pinned, user=spec.image.user, gpus=gpus)
+
+
+def program_of(spec: JobSpec, here: bool) -> str:
+    """The Blender that renders: job.blender in the image (looked up there when it was
+    pinned), else this host's."""
+    job = job_as(spec, RenderJob)
+    return job.blender if in_image(spec, here) else blender_program(job)
 
 
 def blender_program(job: RenderJob) -> str:
@@ -269,13 +336,14 @@ def plan(spec: JobSpec, s3: S3Settings | None, here: bool) -> RenderPlan:
 
 def _plan(spec: JobSpec, s3: S3Settings | None, here: bool) -> RenderPlan:
     job = job_as(spec, RenderJob)
-    program = blender_program(job)
-    blend = find_blend(fetch(job.scene, s3), job.blend)
+    program = program_of(spec, here)
+    root = fetch(job.scene, s3)
+    blend = find_blend(root, job.blend)
     # in pods, the GPUs are not this host's: Blender here reads the scene, not the devices
     host_gpus = here and bool(spec.resources.gpus) and bool(nvml.query().gpus)
     gpu_devices = ["OPTIX", "CUDA", "HIP", "ONEAPI"] if host_gpus else []
     wanted = [job.device] if here and job.device and job.device != "CPU" else gpu_devices
-    info = inspect(program, blend, wanted)
+    info = inspect(program, blend, wanted, in_image(spec, here), str(root))
     warnings: list[str] = []
     if info.camera is None:
         raise InvalidSpec(
@@ -317,6 +385,7 @@ def _plan(spec: JobSpec, s3: S3Settings | None, here: bool) -> RenderPlan:
         )
     return RenderPlan(
         blend=str(blend),
+        root=str(root),
         info=info,
         frames=frames,
         file_format=file_format,
@@ -392,7 +461,7 @@ def preflight_checks(spec: JobSpec, s3: S3Settings | None, here: bool) -> list[d
         {
             "name": "blender",
             "level": "pass",
-            "message": f"Blender {found.info.blender} at {blender_program(job)}{where};"
+            "message": f"Blender {found.info.blender} at {program_of(spec, here)}{where};"
             f" {found.engine} on {found.device or 'the CPU'}"
             + (f"; Cycles devices seen: {devices}." if devices else "."),
         }

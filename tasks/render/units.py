@@ -13,7 +13,7 @@ from gpuflow.tasks.render.argv import RenderSettings, output_pattern, render_arg
 from gpuflow.tasks.render.frames import ChunkSizer, blender_frames
 from gpuflow.tasks.render.model import RenderJob
 from gpuflow.tasks.render.pod_chunk import PodChunk
-from gpuflow.tasks.render.scene import blender_program
+from gpuflow.tasks.render.scene import program_of
 from gpuflow.tasks.spec import JobSpec, job_as
 
 
@@ -38,7 +38,7 @@ def chunk_unit(
     settings = settings_of(job, plan.device)
     if cluster.capabilities.runs_here:
         argv = render_argv(
-            blender_program(job),
+            program_of(spec, here=True),
             plan.blend,
             str(scratch / pattern),
             blender_frames(frames),
@@ -66,6 +66,7 @@ def chunk_unit(
         # Blender's temporary folder lies in the chunk's scratch, which the run removes: a
         # Blender that is killed or stopped leaves none in the host's /tmp
         env={"TMPDIR": str(scratch)} if cluster.capabilities.runs_here else {},
+        reads=[plan.root] if cluster.capabilities.runs_here and spec.image else [],
         node=node,
         gpus=[gpu] if gpu is not None else [],
         frames=list(frames),

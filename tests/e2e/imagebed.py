@@ -151,6 +151,19 @@ def image_bed(folder: Path) -> Iterator[ImageBed]:
         yield bed
 
 
+def push_blender(bed: ImageBed) -> str:
+    """Push the Blender image (scripts/build-test-images.sh --blender: python3 and Blender,
+    no gpuflow, `blender-in-image` a Blender this machine lacks) to `bed`; its reference."""
+    archive = Path(
+        subprocess.run(
+            ["bash", str(ROOT / "scripts" / "build-test-images.sh"), "--blender"],
+            capture_output=True, text=True, check=True, timeout=1800,
+        ).stdout.strip()
+    )  # fmt: skip
+    _push(archive, bed.ref("blender"), creds=False)
+    return bed.ref("blender")
+
+
 def containers_of(run: str) -> list[str]:
     """The names of the containers gpuflow made on this machine for the run whose id
     starts `run` (tests beside it on this machine make containers of their own)."""

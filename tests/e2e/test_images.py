@@ -653,3 +653,45 @@ def test_preflight_asks_torch_in_the_image_and_names_both_cuda_versions(
     (torch,) = [line for line in out.stdout.splitlines() if line.startswith("[fail] torch")]
     assert "2.9.0+cu130" in torch and "13.0" in torch and "12.4" in torch, torch
     assert leftovers(gpuflow_home) == NOTHING_LEFT  # no cluster: no container either
+
+
+def test_a_render_reads_and_renders_its_scene_with_the_blender_of_its_image(
+    tmp_path, prefect_api, gpuflow_home, image_registry
+):
+    """A render on this machine in an image that has Blender and no gpuflow: the image's
+    Blender (`blender-in-image`, which this machine lacks) reads the scene when the run is
+    checked, each chunk renders in a container with the scene mounted read-only, and the
+    frames land in the output folder; an image without that Blender is one sentence."""
+    import shutil as sh
+
+    from gpuflow.tasks.render.scene import demo_scene
+    from tests.e2e.imagebed import push_blender
+
+    assert sh.which("blender-in-image") is None
+    image = push_blender(image_registry)
+    blend = demo_scene(sh.which("blender"), tmp_path / "scene" / "cube.blend", 4, 16, None)
+    out_dir = tmp_path / "frames"
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"name: in-image-render\nimage: {image}\n"
+        f"job: {{kind: render, scene: {blend}, output: 'file://{out_dir}', blender: blender-in-image,"
+        " chunk: 2, device: CPU}\n"
+    )
+    env = _env(prefect_api, gpuflow_home, image_registry)
+    out = gpuflow(["run", str(job)], env, timeout=900)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said[-4000:]
+    assert sorted(p.name for p in out_dir.iterdir()) == [f"frame_{n:04d}.png" for n in range(1, 5)]
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in out_dir.iterdir())
+    (run,) = (gpuflow_home / "runs").glob("in-image-render-*")
+    assert not containers_of(run.name.rsplit("-", 1)[1]) and not containers_of("inspect")
+    assert leftovers(gpuflow_home) == NOTHING_LEFT
+    job.write_text(
+        f"image: {image_registry.ref('py')}\n"
+        f"job: {{kind: render, scene: {blend}, output: 'file://{out_dir}', blender: blender-in-image}}\n"
+    )
+    out = gpuflow(["run", str(job)], env)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"job.blender: the image {image_registry.ref('py')!r} has no 'blender-in-image'" in (
+        out.stderr
+    )

@@ -168,7 +168,7 @@ class Agent:
             engine_path=engine.path,
             image_id=pinned.image_id,
             shown=pinned.pinned_ref,
-            user=imaging.user_of(image.user),
+            user=containers.user_of(image.user),
         )
         with self.lock:
             self.images[image.pinned] = found

@@ -478,6 +478,7 @@ class LocalBackend(UnitBackend):
                 {**env, **unit.env},
                 gpus,
                 state.memory_bytes,
+                unit.reads,
             )
             self._note_job(cluster, proc.pid, psutil.Process(proc.pid).create_time())
             pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, tail).start()

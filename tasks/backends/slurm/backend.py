@@ -351,11 +351,8 @@ class SlurmBackend(UnitBackend):
         bundle = library = None
         if spec.image is not None:  # before the allocation: an image that cannot be had
             bundle = oci.bundle(self.cli, spec.image, str(root), imaging.credentials_of(spec))
-            try:
+            if recall(("runs-gpuflow", spec.image.ref)) is not False:  # its steps run gpuflow's
                 library = oci.library(self.cli, bundle, str(root), spec.job.kind)
-            except InvalidSpec:
-                if recall(("runs-gpuflow", spec.image.ref)) is not False:
-                    raise  # its units run gpuflow's code, which the image can have no way
         if found:
             job = state_of(found[0], SlurmState).job_id
             cluster = found[0].model_copy(
