@@ -82,6 +82,9 @@ state = "$rn/containerd/state"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
     conf_dir = "$rn/net.d"
+  # a registry's settings (hosts.toml: a test's registry on loopback speaks plain HTTP)
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = "$rn/containerd/certs.d"
 EOF
   # The node's address is its bridge's, 10.244.$id.1: a kubelet refuses a loopback node IP,
   # and this one is reachable from this host and its pods only. Pods reach this host there;

@@ -28,7 +28,7 @@ from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
 from gpuflow.tasks.backends.kubernetes.kubeapi import KubeApi, load_config
 from gpuflow.tasks.contract import WorkUnit, owner_labels
 from gpuflow.tasks.diagnose import diagnose
-from gpuflow.tasks.errors import PREEMPTED_EXIT_CODE, ProvisionError
+from gpuflow.tasks.errors import PREEMPTED_EXIT_CODE, InvalidSpec, ProvisionError
 from gpuflow.tasks.spec import load_spec
 from tests.conftest import S3Server, serve_s3
 from tests.e2e.test_kubernetes import wait_gone
@@ -728,3 +728,69 @@ def test_real_node_the_readme_example_runs_in_its_working_folder_fetched_from_st
     assert staged.url.endswith(".tar.gz")  # named by its content, for the next run
     assert pod_s3.settings().secret_access_key.get_secret_value() not in logs
     assert wait_gone(kube, run_id) == []
+
+
+def test_real_node_pulls_the_runs_private_image_by_digest_from_a_registry(
+    kube, real_node, tmp_path, prefect_api, monkeypatch
+):
+    """The same user image the other backends run (Debian's python3, no gpuflow), from a
+    registry behind basic auth: gpuflow pins it by digest, the run's pull Secret carries
+    the login, the real node's containerd pulls that digest and the unit runs in it, its
+    output comes back; teardown removes the Secret. Without credentials: one sentence,
+    nothing made."""
+    from gpuflow.blocks import RegistryCredentials
+    from gpuflow.tasks.contract import Needs
+    from tests.e2e.imagebed import PASSWORD, USER, registry
+
+    if not real_node.testbed.joinpath("real-node", "containerd").is_dir():
+        pytest.skip("the real node was started by another test bed (no registry settings)")
+    with registry(tmp_path / "registry", images=("py-private",)) as bed:
+        for key, value in bed.env.items():  # registries.conf: the registry speaks plain HTTP
+            monkeypatch.setenv(key, value)
+        hosts = real_node.testbed / "real-node" / "containerd" / "certs.d" / bed.host
+        hosts.mkdir(parents=True, exist_ok=True)
+        (hosts / "hosts.toml").write_text(
+            f'server = "http://{bed.host}"\n[host."http://{bed.host}"]\n'
+            '  capabilities = ["pull", "resolve"]\n'
+        )
+        RegistryCredentials(registry=bed.host, username=USER, password=PASSWORD).save(
+            "real-node-registry", overwrite=True
+        )
+        ref = bed.ref("py", private=True)
+        backend = KubernetesBackend()
+        spec = load_spec(
+            {
+                "name": "real-node-image",
+                "image": {"ref": ref, "credentials": "real-node-registry"},
+                "job": {"kind": "command", "command": ["true"]},
+                "resources": {"gpus": 1, "gpu_product": PRODUCT},
+                "placement": {"backend": "kubernetes"},
+            }
+        )
+        said: list[str] = []
+        public = spec.image.model_copy(update={"credentials": None})
+        with pytest.raises(InvalidSpec) as refused:  # before anything is made
+            backend.pin_image(spec.model_copy(update={"image": public}), Needs(), said.append)
+        assert "name a RegistryCredentials block in image.credentials" in str(refused.value)
+        spec = backend.pin_image(spec, Needs(), said.append)
+        assert spec.image.digest and spec.image.digest.startswith("sha256:")
+        run_id = "real-image"
+        cluster = backend.provision(spec, owner_labels(run_id, "real-node-image"))
+        script = (
+            'python3 -c "import sys; print(sys.executable)"; cat /etc/debian_version >/dev/null'
+        )
+        script += ' && echo 7 > "$GPUFLOW_OUTPUT_DIR/r.txt"'
+        result, lines = run_unit(backend, cluster, ["sh", "-c", script], timeout_s=300)
+        assert result.exit_code == 0, lines
+        assert lines[0] == "/usr/bin/python3"
+        assert (Path(cluster.workspace) / "outputs" / "r.txt").read_text() == "7\n"
+        [pod] = job_pods(kube, cluster.name)
+        on_the_real_node(pod, real_node)
+        assert pod["spec"]["containers"][0]["image"] == spec.image.pinned
+        assert pod["spec"]["imagePullSecrets"] == [{"name": f"{cluster.name}-pull"}]
+        assert container(pod)["imageID"].endswith(spec.image.digest)
+        assert PASSWORD not in json.dumps(pod)
+        backend.teardown(cluster)
+        assert wait_gone(kube, run_id) == []
+        secrets = kube.request("GET", f"/api/v1/namespaces/{kube.namespace}/secrets")["items"]
+        assert f"{cluster.name}-pull" not in {s["metadata"]["name"] for s in secrets}
