@@ -111,43 +111,44 @@ def fleet(work: Path, rounds: int, api: dict[str, str]) -> None:
     reg.mkdir()
     conf = {"CONTAINERS_CONF": str(reg / "containers.conf")}
     host_env = {**conf, "CONTAINERS_REGISTRIES_CONF": str(reg / "registries.conf")}
-    with fleet_bed(work / "fleet", ["b1:1"], host_env=host_env) as bed:
-        with registry(reg, f"{bed['address']}:0", images=("py",)) as near:
-            save_fleet(bed, "bench", [host_entry(bed, "b1")], lease_s=10)
-            with environ(near.env):
-                applied = subprocess.run(
-                    [sys.executable, "-m", "gpuflow", "fleet", "apply", "bench"],
-                    env={**os.environ, **api},
-                    capture_output=True,
-                    text=True,
-                )
-                if applied.returncode != 0:
-                    raise SystemExit(applied.stdout[-2000:] + applied.stderr[-2000:])
-                host = bed["hosts"][0]
-                key = work / "fleet-key"
-                key.write_text(bed["key"])
-                key.chmod(0o600)
-                ssh = ["ssh", "-i", str(key), "-o", "StrictHostKeyChecking=no"]
-                ssh += ["-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
-                ssh += ["-p", str(host.get("port", 22)), f"root@{host['address']}"]
-                placement = {"backend": "fleet", "fleet": "bench"}
-                job = {"kind": "command", "command": ["true"]}
-                found = measure(
-                    {
-                        "ssh HOST true": command([*ssh, "true"]),
-                        "ssh HOST podman run": command(
-                            [*ssh, f"podman run --rm --network host {near.ref('py')} true"]
-                        ),
-                        "gpuflow run, bare": pipeline(
-                            {"name": "bare", "job": job, "placement": placement}
-                        ),
-                        "gpuflow run, in the image": pipeline(
-                            {"name": "img", "image": near.ref("py"), "job": job,
-                             "placement": placement}
-                        ),  # fmt: skip
-                    },
-                    rounds,
-                )
+    with contextlib.ExitStack() as beds:
+        bed = beds.enter_context(fleet_bed(work / "fleet", ["b1:1"], host_env=host_env))
+        near = beds.enter_context(registry(reg, f"{bed['address']}:0", images=("py",)))
+        save_fleet(bed, "bench", [host_entry(bed, "b1")], lease_s=10)
+        with environ(near.env):
+            applied = subprocess.run(
+                [sys.executable, "-m", "gpuflow", "fleet", "apply", "bench"],
+                env={**os.environ, **api},
+                capture_output=True,
+                text=True,
+            )
+            if applied.returncode != 0:
+                raise SystemExit(applied.stdout[-2000:] + applied.stderr[-2000:])
+            host = bed["hosts"][0]
+            key = work / "fleet-key"
+            key.write_text(bed["key"])
+            key.chmod(0o600)
+            ssh = ["ssh", "-i", str(key), "-o", "StrictHostKeyChecking=no"]
+            ssh += ["-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
+            ssh += ["-p", str(host.get("port", 22)), f"root@{host['address']}"]
+            placement = {"backend": "fleet", "fleet": "bench"}
+            job = {"kind": "command", "command": ["true"]}
+            found = measure(
+                {
+                    "ssh HOST true": command([*ssh, "true"]),
+                    "ssh HOST podman run": command(
+                        [*ssh, f"podman run --rm --network host {near.ref('py')} true"]
+                    ),
+                    "gpuflow run, bare": pipeline(
+                        {"name": "bare", "job": job, "placement": placement}
+                    ),
+                    "gpuflow run, in the image": pipeline(
+                        {"name": "img", "job": job, "placement": placement}
+                        | {"image": near.ref("py")}
+                    ),
+                },
+                rounds,
+            )
     show("a fleet host (one namespace host over SSH, podman with runc)", found)
 
 
@@ -158,32 +159,32 @@ def slurm(work: Path, rounds: int) -> None:
     folder = work / "slurm"
     subprocess.run(["bash", str(script), "up", "--dir", str(folder)], check=True, timeout=300)
     try:
-        with registry(work / "slurm-registry", images=("py",)) as bed:
-            with environ({**bed.env, "SLURM_CONF": str(folder / "slurm.conf")}):
-                root = work / "workspaces"
-                placement = {"backend": "slurm", "workspace_root": str(root)}
-                job = {"kind": "command", "command": ["true"]}
-                limits = {"max_duration": "10m"}  # the test cluster's partitions allow 60 min
-                image_run = pipeline(
-                    {"name": "img", "image": bed.ref("py"), "job": job, "placement": placement,
-                     "limits": limits}
-                )  # fmt: skip
-                image_run()  # the bundle unpacked
-                (bundle,) = [p for p in (root / ".gpuflow-images").iterdir() if p.is_dir()]
-                found = measure(
-                    {
-                        "srun true": command(["srun", "-n1", "true"]),
-                        "srun --container true": command(
-                            ["srun", "-n1", f"--container={bundle / 'bundle'}", "true"]
-                        ),
-                        "gpuflow run, bare": pipeline(
-                            {"name": "bare", "job": job, "placement": placement,
-                             "limits": limits}
-                        ),  # fmt: skip
-                        "gpuflow run, in the image": image_run,
-                    },
-                    rounds,
-                )
+        with contextlib.ExitStack() as beds:
+            bed = beds.enter_context(registry(work / "slurm-registry", images=("py",)))
+            beds.enter_context(environ({**bed.env, "SLURM_CONF": str(folder / "slurm.conf")}))
+            root = work / "workspaces"
+            placement = {"backend": "slurm", "workspace_root": str(root)}
+            job = {"kind": "command", "command": ["true"]}
+            limits = {"max_duration": "10m"}  # the test cluster's partitions allow 60 min
+            image_run = pipeline(
+                {"name": "img", "image": bed.ref("py"), "job": job, "placement": placement}
+                | {"limits": limits}
+            )
+            image_run()  # the bundle unpacked
+            (bundle,) = [p for p in (root / ".gpuflow-images").iterdir() if p.is_dir()]
+            found = measure(
+                {
+                    "srun true": command(["srun", "-n1", "true"]),
+                    "srun --container true": command(
+                        ["srun", "-n1", f"--container={bundle / 'bundle'}", "true"]
+                    ),
+                    "gpuflow run, bare": pipeline(
+                        {"name": "bare", "job": job, "placement": placement} | {"limits": limits}
+                    ),
+                    "gpuflow run, in the image": image_run,
+                },
+                rounds,
+            )
     finally:
         subprocess.run(["bash", str(script), "down", "--dir", str(folder)], timeout=120)
     show("Slurm (the test cluster: slurmctld and slurmd on this machine, runc)", found)
