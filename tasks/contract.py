@@ -147,6 +147,7 @@ class WorkUnit(BaseModel):
     world_size: int | None = None  # training: ranks over every node
     launcher: MpiLaunch | None = None  # an MPI launcher: where its ranks go
     reads: list[str] = []  # files or folders of this host it reads (an image: mounted, read-only)
+    writes: list[str] = []  # folders of this host it writes (an image: mounted)
 
 
 class Replicated(BaseModel):

@@ -23,12 +23,12 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1]  # gpuflow/, as imported (its links followed below)
 _EPOCH = (1980, 1, 1, 0, 0, 0)
-# what gpuflow's code on a node imports beyond the standard library (the trainer, the
-# render and hpc launchers, the stream server); the job's own stack (torch, numpy) is the
-# image's
+# what gpuflow's code on a node imports beyond the standard library (the trainer and its
+# shard reader, the render and hpc launchers, the stream server); the job's own stack
+# (torch, numpy) is the image's
 NODE_DISTRIBUTIONS = (
     "pydantic", "pydantic_core", "annotated_types", "typing_extensions", "typing_inspection",
-    "PyYAML", "regex", "psutil", "websockets",
+    "PyYAML", "regex", "psutil", "websockets", "webdataset", "braceexpand",
 )  # fmt: skip
 ABI = str(sysconfig.get_config_var("SOABI") or "")
 _WHEEL = "Wheel-Version: 1.0\nGenerator: gpuflow\nRoot-Is-Purelib: true\nTag: py3-none-any\n"

@@ -366,6 +366,12 @@ def _explain(url: str, exc: Any) -> GpuflowError:
     return StorageError(f"S3 refused {url}: {code or status}.")
 
 
+def local_paths(*urls: str | None) -> list[str]:
+    """The paths on this machine of the `file://` URLs among `urls` (what a unit in an
+    image has mounted to read or write them)."""
+    return [urlparse(url).path for url in urls if url and urlparse(url).scheme == "file"]
+
+
 def store_for(url: str, s3: S3Settings | None = None) -> FileStore | S3Store:
     """Return the store for `url`'s scheme."""
     scheme = urlparse(url).scheme

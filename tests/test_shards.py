@@ -215,3 +215,19 @@ def test_a_checkpoint_of_another_job_is_refused_naming_both(recorded, refused):
         assert refused in said and said.endswith(
             "set job.checkpoint.resume: any to resume from it anyway."
         )
+
+
+def test_a_decoder_whose_library_is_missing_names_it_instead_of_skipping_every_sample():
+    """A missing module (Pillow in an image without it) is no corrupt sample: skipping
+    would end in "no samples" and hide the cause."""
+    from gpuflow.tasks.training.data import DataError, _decoded
+
+    def decode(sample):
+        raise ModuleNotFoundError("No module named 'PIL'", name="PIL")
+
+    samples = iter([{"__key__": "a", "__url__": "file:///d/s.tar", "__offset__": 0}])
+    skipped = [0]
+    with pytest.raises(DataError) as raised:
+        list(_decoded(decode, "skip", skipped)(samples))
+    assert "the PIL module the samples are decoded with is not installed" in str(raised.value)
+    assert skipped == [0]

@@ -126,6 +126,7 @@ NODE_MODULES = (
     "gpuflow.tasks.render.pod_chunk",
     "gpuflow.tasks.kinds.matmul_run",
     "gpuflow.tasks.torchrun",
+    "gpuflow.tasks.training.data",
 )
 
 

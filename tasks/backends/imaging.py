@@ -258,6 +258,8 @@ def start(
     gpus: list[int],
     memory: int | None = None,
     reads: list[str] | None = None,
+    writes: list[str] | None = None,
+    shm: int | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """Start one unit in a container of `image` on this host; return the engine's process
     and the container's name. Inside, the unit's GPUs are 0..n-1 (the engine hands over
@@ -272,7 +274,11 @@ def start(
         inside.pop("CUDA_VISIBLE_DEVICES", None)
     read_only, library_at = _archive_of(command, where.workspace), {}
     inside_workspace = where.workspace.rstrip("/") + "/"
-    read_only += [p for p in reads or [] if not p.startswith(inside_workspace)]  # unit's own
+    outside = [p for p in reads or [] if not p.startswith(inside_workspace)]  # the unit's own
+    read_only += [p for p in outside if Path(p).exists()]  # one not there: the job says so
+    written = [p for p in writes or [] if not p.startswith(inside_workspace)]
+    for folder in written:  # as the job would make it without an image
+        Path(folder).mkdir(parents=True, exist_ok=True)
     if runs_gpuflow(command) and (library := library_of(image)) is not None:
         # gpuflow's own code (and what it imports) from this host, first on the path
         inside["PYTHONPATH"] = ":".join(filter(None, [INSIDE, inside.get("PYTHONPATH")]))
@@ -287,13 +293,14 @@ def start(
         command=_starter_in_image(command, where.workspace),
         env_names=sorted(by_name),
         env_values=on_line,
-        mounts=list(dict.fromkeys([where.workspace, where.tmp])),
+        mounts=list(dict.fromkeys([where.workspace, where.tmp, *written])),
         read_only=read_only,
         read_only_at=library_at,
         workdir=where.workspace,
         user=image.user,
         gpus=gpus,
         memory=memory,
+        shm=shm,
     )
     proc = subprocess.Popen(
         containers.run_argv(engine, args),

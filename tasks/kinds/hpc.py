@@ -21,7 +21,7 @@ from gpuflow.tasks.hpc.report import summary
 from gpuflow.tasks.hpc.result import MdResult
 from gpuflow.tasks.kinds.base import JobKind, Report
 from gpuflow.tasks.spec import JobSpec
-from gpuflow.tasks.storage import s3_settings
+from gpuflow.tasks.storage import local_paths, s3_settings
 
 
 class HpcKind(JobKind[HpcJob]):
@@ -67,8 +67,16 @@ class HpcKind(JobKind[HpcJob]):
         command = [sys.executable, "-m", "gpuflow.tasks.hpc.launch", "--job-json"]
         command += [spec.job.model_dump_json()]
         command += ["--hosts-json", json.dumps([h.model_dump() for h in hosts])]
+        job = self.job_of(spec)
+        launcher = MpiLaunch(hostfile=hostfile(hosts))
         return [
-            WorkUnit(name="launcher", command=command, launcher=MpiLaunch(hostfile=hostfile(hosts)))
+            WorkUnit(
+                name="launcher",
+                command=command,
+                launcher=launcher,
+                reads=local_paths(*job.inputs),  # its storage here (an image has it mounted)
+                writes=local_paths(job.output),
+            )
         ]
 
     def report(self, spec: JobSpec, cluster: Cluster, artifacts: Path, title: str) -> Report:

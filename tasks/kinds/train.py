@@ -15,7 +15,7 @@ from gpuflow.tasks.contract import Capabilities, Cluster, Needs, WorkUnit
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.kinds.base import JobKind, Report
 from gpuflow.tasks.spec import JobSpec
-from gpuflow.tasks.storage import StorageError, s3_settings
+from gpuflow.tasks.storage import StorageError, local_paths, s3_settings
 from gpuflow.tasks.training.model import TrainJob
 from gpuflow.tasks.training.profile import read
 from gpuflow.tasks.training.report import summary
@@ -45,7 +45,8 @@ class TrainKind(JobKind[TrainJob]):
         return Needs(inputs=inputs, gpuflow=True)
 
     def extra(self, spec: JobSpec, where: Capabilities) -> str | None:
-        return "train" if where.runs_here else None  # elsewhere: the nodes' own torch
+        here = where.runs_here and spec.image is None
+        return "train" if here else None  # elsewhere: the nodes' own torch, or the image's
 
     def check(self, spec: JobSpec, where: Capabilities) -> None:
 
@@ -61,8 +62,13 @@ class TrainKind(JobKind[TrainJob]):
         command = [sys.executable, "-m", "gpuflow.tasks.training.launch", "--job-json"]
         command += [job.model_dump_json(), "--run-name", spec.name]
         command += ["--stop-grace-s", f"{spec.limits.stop_grace_s:g}"]
+        # its storage on this machine (an image has them mounted)
+        files = {
+            "reads": local_paths(job.dataset, job.eval_dataset),
+            "writes": local_paths(job.output),
+        }
         if cluster.nodes == 1:
-            return [WorkUnit(name="main", command=command, world_size=per_node)]
+            return [WorkUnit(name="main", command=command, world_size=per_node, **files)]
         rendezvous = cluster.rendezvous or f"{cluster.hosts()[0]}:{RENDEZVOUS_PORT}"
         return [
             WorkUnit(
@@ -80,6 +86,7 @@ class TrainKind(JobKind[TrainJob]):
                 ],
                 node=node,
                 world_size=cluster.nodes * per_node,
+                **files,
             )
             for node in range(cluster.nodes)
         ]

@@ -193,6 +193,12 @@ def _decoded(decode: Callable[[dict[str, Any]], Any], policy: Policy, skipped: l
         for sample in src:
             try:
                 yield sample["__key__"], decode(sample)
+            except ImportError as exc:  # the decoder's library is missing: no sample is bad
+                raise DataError(
+                    f"the {exc.name or 'a'} module the samples are decoded with is not"
+                    f" installed where the job runs ({exc}); install it (for images: pip"
+                    " install pillow) in the job's environment or image."
+                ) from None
             except Exception as exc:
                 if policy == "fail":
                     raise DataError(

@@ -84,7 +84,7 @@ def check_train(spec: JobSpec, s3: S3Settings | None, here: bool) -> None:
             _check_resume(out, join(job.output, "checkpoints"), wanted)
     except StorageError as exc:
         raise InvalidSpec(f"storage: {exc}") from None
-    check_model(job, here)
+    check_model(job, here and spec.image is None)  # in an image, the image's to have
 
 
 def _check_resume(out: Any, prefix: str, wanted: dict[str, Any]) -> None:

@@ -151,6 +151,31 @@ def image_bed(folder: Path) -> Iterator[ImageBed]:
         yield bed
 
 
+# torch and what `import torch` and its launcher import, as this machine's venv has them
+TORCH_STACK = (
+    "torch", "torchgen", "functorch", "nvidia", "triton", "numpy", "numpy.libs", "sympy",
+    "mpmath", "networkx", "jinja2", "markupsafe", "filelock", "fsspec", "typing_extensions.py",
+    "PIL", "pillow.libs",  # the classify task's images
+)  # fmt: skip
+TORCH_SITE = "/opt/torch-site"
+
+
+def with_torch(bed: ImageBed, folder: Path) -> dict[str, str]:
+    """The engine settings of `bed` with this machine's torch stack mounted read-only in
+    every container at TORCH_SITE (a job puts it on PYTHONPATH): a stand-in for a user's
+    torch image, whose CUDA build is several GB, made without copying a file."""
+    import torch
+
+    site = Path(torch.__file__).parents[1]
+    volumes = [f"{site / p}:{TORCH_SITE}/{p}:ro" for p in TORCH_STACK if (site / p).exists()]
+    folder.mkdir(parents=True, exist_ok=True)
+    conf = folder / "containers.conf"
+    base = Path(bed.env["CONTAINERS_CONF"]).read_text()
+    listed = ", ".join(f'"{v}"' for v in volumes)
+    conf.write_text(base.replace("[containers]\n", f"[containers]\nvolumes = [{listed}]\n", 1))
+    return {**bed.env, "CONTAINERS_CONF": str(conf)}
+
+
 def push_blender(bed: ImageBed) -> str:
     """Push the Blender image (scripts/build-test-images.sh --blender: python3 and Blender,
     no gpuflow, `blender-in-image` a Blender this machine lacks) to `bed`; its reference."""

@@ -38,6 +38,7 @@ seen = {
     "devices": sorted(p.name for p in pathlib.Path("/dev").glob("nvidia*")),
     "setup": pathlib.Path("setup.txt").read_text().strip(), "args": sys.argv[1:],
     "secret": hashlib.sha256(os.environ["TOKEN"].encode()).hexdigest(),
+    "shm": os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize,
 }
 (out / f"seen-{step}.json").write_text(json.dumps(seen))
 while step < 6:
@@ -71,7 +72,7 @@ def test_a_job_runs_in_its_image_with_its_gpus_folder_secrets_and_resumes_there(
     (code / "train.py").write_text(TRAIN)
     job = tmp_path / "job.yaml"
     job.write_text(
-        f"name: in-image\nimage: {image_registry.ref('py')}\nresources: {{gpus: 1}}\n"
+        f"name: in-image\nimage: {image_registry.ref('py')}\nresources: {{gpus: 1, shm: 256Mi}}\n"
         "secret_env: {TOKEN: img-test-token}\n"
         "job:\n  kind: command\n  workdir: code\n  setup: ['echo ready > setup.txt']\n"
         "  command: [python3, train.py, '${GPUFLOW_NODE_RANK}']\n  resume_args: [--resume]\n"
@@ -86,6 +87,7 @@ def test_a_job_runs_in_its_image_with_its_gpus_folder_secrets_and_resumes_there(
     assert first["uid"] == os.geteuid() and first["gpus"] == "0"
     assert first["devices"] == ["nvidia0"] or first["devices"] == ["nvidia1"]
     assert first["setup"] == "ready" and first["args"] == ["0"]
+    assert first["shm"] == 256 << 20  # resources.shm
     assert resumed["args"] == ["0", "--resume"]  # exit 75, resumed from its checkpoint
     assert (run / "outputs" / "ckpt.txt").read_text() == "6"
     assert first["secret"] == hashlib.sha256(SECRET.encode()).hexdigest()
@@ -531,7 +533,8 @@ def test_a_slurm_job_step_runs_in_the_image_through_slurms_oci_support(
 
 
 # A job that keeps its checkpoint in S3 (boto3 in its image), saves it on SIGTERM and
-# exits 75, and resumes from it wherever it starts next.
+# exits 75, and resumes from it wherever it starts next: outside Slurm it runs until it is
+# stopped (the test stops it: no race with a fixed length), on Slurm it ends 10 steps on.
 IN_S3 = """\
 import json, os, signal, sys, time, boto3
 s3 = boto3.client("s3")
@@ -544,7 +547,8 @@ seen = {"python": sys.executable, "from": step, "slurm": "SLURM_JOB_ID" in os.en
 s3.put_object(Bucket=bucket, Key=f"{key}.seen-{step}", Body=json.dumps(seen).encode())
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-while step < 40:
+end = step + 10 if seen["slurm"] else None
+while end is None or step < end:
     step += 1
     s3.put_object(Bucket=bucket, Key=key, Body=str(step).encode())
     if stop:
@@ -586,10 +590,10 @@ def test_a_pool_run_preempted_on_ec2_spot_resumes_on_slurm_in_the_same_digest(
     state, run_id = pipeline_while(raw, interrupt_when(played, saved_some, interrupted))
     result = state.result()
     assert interrupted and result.cluster.backend == "slurm"
-    assert int(store.read_bytes(ckpt)) == 40
     seen = [o.url for o in store.list(s3_server.url("runs/pool-image/")) if ".seen-" in o.url]
     resumed = [json.loads(store.read_bytes(url)) for url in seen if not url.endswith("-0")]
     assert [r["slurm"] for r in resumed] == [True] and resumed[0]["from"] >= 5
+    assert int(store.read_bytes(ckpt)) == resumed[0]["from"] + 10  # resumed, then ended
     first = json.loads(store.read_bytes(ckpt + ".seen-0"))
     assert not first["slurm"] and first["python"] == "/usr/bin/python3"
     pinned = result.metrics.image
@@ -695,3 +699,40 @@ def test_a_render_reads_and_renders_its_scene_with_the_blender_of_its_image(
     assert f"job.blender: the image {image_registry.ref('py')!r} has no 'blender-in-image'" in (
         out.stderr
     )
+
+
+def test_training_runs_gpuflows_trainer_in_an_image_with_torch_and_no_gpuflow(
+    tmp_path, prefect_api, gpuflow_home, image_registry
+):
+    """The train kind in an image with Python, numpy and torch and no gpuflow (this
+    machine's torch mounted in, tests/e2e/imagebed.py with_torch): gpuflow brings its
+    launcher and trainer, torchrun's ranks train in the container on its files here (the
+    dataset read-only, the output written), and the checkpoint lands in the output."""
+    from gpuflow.tasks.storage import FileStore
+    from gpuflow.tasks.training.prepare import prepare
+    from tests.e2e.imagebed import TORCH_SITE, with_torch
+
+    dataset, output = tmp_path / "data", tmp_path / "out"
+    prepare("synthetic:classify?samples=32", f"file://{dataset}", 20_000, FileStore())
+    env = {**_env(prefect_api, gpuflow_home, image_registry)}
+    env |= with_torch(image_registry, tmp_path / "engine")
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"name: in-image-train\nimage: {image_registry.ref('py-mpi')}\n"
+        f"env: {{PYTHONPATH: {TORCH_SITE}}}\n"
+        f"job: {{kind: train, dataset: 'file://{dataset}', output: 'file://{output}',"
+        " batch_size: 8, num_workers: 0, cpu_processes: 1, max_steps: 4, shuffle_buffer: 0,"
+        " log_every: 1, checkpoint: {every_steps: 2}}\n"
+    )
+    out = gpuflow(["run", str(job)], env, timeout=900)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said[-4000:]
+    (run,) = (gpuflow_home / "runs").glob("in-image-train-*")
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["image"].split("@")[0].endswith("/py-mpi")
+    assert metrics["job"]["steps"] == 4, metrics["job"]
+    assert list(output.rglob("*.pt")) or list(output.rglob("manifest.json")), list(
+        output.rglob("*")
+    )
+    assert not containers_of(run.name.rsplit("-", 1)[1])
+    assert leftovers(gpuflow_home) == NOTHING_LEFT

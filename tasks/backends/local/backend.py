@@ -84,6 +84,7 @@ class LocalState(BaseModel):
     # resources.memory holds the job to that much, where a memory cgroup can be made
     memory_bytes: int | None = None
     image: imaging.HostImage | None = None  # the units run in it (the spec's image:)
+    shm_bytes: int | None = None  # resources.shm: a container's /dev/shm (1 GiB unless said)
 
 
 def job_tmp(workspace: str) -> Path:
@@ -356,7 +357,9 @@ class LocalBackend(UnitBackend):
                 # resources.memory holds the job to that much, where a memory cgroup can be made
                 capabilities=self.capabilities,
                 state=LocalState(
-                    memory_bytes=spec.resources.memory, image=imaging.plan(spec)
+                    memory_bytes=spec.resources.memory,
+                    image=imaging.plan(spec),
+                    shm_bytes=spec.resources.shm,
                 ).model_dump(),
             )
         # Record first: whatever happens next, teardown and the reaper can find it.
@@ -479,6 +482,8 @@ class LocalBackend(UnitBackend):
                 gpus,
                 state.memory_bytes,
                 unit.reads,
+                unit.writes,
+                state.shm_bytes,
             )
             self._note_job(cluster, proc.pid, psutil.Process(proc.pid).create_time())
             pump = OutputPump({"stdout": proc.stdout, "stderr": proc.stderr}, tail).start()
