@@ -53,6 +53,9 @@ class Needs(BaseModel):
 
     # spec field -> program the units start; looked up before provisioning where units run here
     programs: dict[str, str] = {}
+    # spec field -> program gpuflow starts beside the units on their host (never in the
+    # job's image: a service's endpoint)
+    host_programs: dict[str, str] = {}
     # spec field -> URL the units read or write; units that do not run here need them in S3
     inputs: dict[str, str] = {}
     mpi_launcher: bool = False  # one unit launches ranks on every node (mpirun)
@@ -148,6 +151,9 @@ class WorkUnit(BaseModel):
     launcher: MpiLaunch | None = None  # an MPI launcher: where its ranks go
     reads: list[str] = []  # files or folders of this host it reads (an image: mounted, read-only)
     writes: list[str] = []  # folders of this host it writes (an image: mounted)
+    # False: gpuflow's own program beside the job's units (a service's endpoint), run on
+    # the host itself, never in the job's image
+    in_image: bool = True
 
 
 class Replicated(BaseModel):

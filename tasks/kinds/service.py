@@ -56,11 +56,12 @@ class ServiceKind(JobKind[ServiceJob]):
     def needs(self, spec: JobSpec) -> Needs:
         job = self.job_of(spec)
         # the endpoint runs beside the replicas, or on this machine in front of claims
-        programs = {} if job.replica_claims else {"job (its endpoint, HAProxy)": "haproxy"}
+        endpoint = {} if job.replica_claims else {"job (its endpoint, HAProxy)": "haproxy"}
+        programs = {}
         program = job.command[0]
         if "/" not in program and not (job.workdir and (Path(job.workdir) / program).is_file()):
             programs["job.command"] = program
-        return Needs(programs=programs)
+        return Needs(programs=programs, host_programs=endpoint)
 
     def check(self, spec: JobSpec, where: Capabilities) -> None:
         job = self.job_of(spec)

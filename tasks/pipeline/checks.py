@@ -125,8 +125,9 @@ def match(spec: JobSpec, needs: Needs, where: Capabilities) -> None:
                     f"{field}: {url} is on this machine, and on {spec.placement.backend} the job"
                     f" runs on {where.where} that cannot read it; upload it and give an s3:// URL."
                 )
-    if where.runs_here and spec.image is None:  # in an image: the image is probed for them
-        for field, program in needs.programs.items():
+    if where.runs_here:  # in an image, the image is probed for the job's own programs
+        wanted = needs.host_programs | ({} if spec.image else needs.programs)
+        for field, program in wanted.items():
             if resolve_program(program) is None:
                 python = program.startswith("python") and "/" not in program
                 raise InvalidSpec(

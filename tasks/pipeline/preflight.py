@@ -181,8 +181,9 @@ def verdict(spec: JobSpec, facts: HostFacts, reserved: list[int]) -> PreflightRe
             )
     checks += _disk_checks(spec, facts)
     checks += _host_size_checks(spec, facts)
-    for field, program in kind_of(spec).needs(spec).programs.items():
-        if spec.image is not None:  # looked up in the image when it was pinned
+    needs = kind_of(spec).needs(spec)
+    for field, program in [*needs.programs.items(), *needs.host_programs.items()]:
+        if spec.image is not None and field in needs.programs:  # looked up in it when pinned
             checks.append(
                 Check(
                     name="program",

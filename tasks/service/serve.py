@@ -241,6 +241,7 @@ class Service:
                 name="endpoint",
                 command=proxy.command(config),
                 gpus=[],
+                in_image=False,  # the host's HAProxy, in front of replicas in the image
             )
             future = self._submit(
                 self.runner.run,

@@ -736,3 +736,34 @@ def test_training_runs_gpuflows_trainer_in_an_image_with_torch_and_no_gpuflow(
     )
     assert not containers_of(run.name.rsplit("-", 1)[1])
     assert leftovers(gpuflow_home) == NOTHING_LEFT
+
+
+def test_a_service_replica_runs_in_its_image_behind_gpuflows_endpoint(
+    prefect_api, gpuflow_home, image_registry, monkeypatch
+):
+    """The service kind in an image: each replica is a container of it listening on its
+    $PORT on the host's network, checked ready, reached through the run's endpoint; a
+    cancel stops it and removes its container."""
+    from tests.conftest import free_port
+    from tests.e2e.test_service import ask, serving
+
+    for key, value in image_registry.env.items():
+        monkeypatch.setenv(key, value)
+    port = free_port()
+    raw = {
+        "name": "svc-image",
+        "image": image_registry.ref("py"),
+        "job": {
+            "kind": "service",
+            "command": ["sh", "-c", "cd /etc && exec python3 -m http.server $PORT"],
+            "port": port,
+            "ready": {"path": "/debian_version", "period_s": 0.2},
+        },
+        "limits": {"max_duration": "10m", "stop_grace_s": 5},
+    }
+    with serving(raw, gpuflow_home) as served:
+        status, body = ask(port, "/debian_version")
+        assert status == 200 and body.strip()[:2].isdigit()  # the image's Debian
+        run = served.run_id
+        assert len(containers_of(run)) == 1
+    assert not containers_of(run)

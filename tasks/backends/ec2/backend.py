@@ -513,7 +513,7 @@ class Ec2Backend(UnitBackend):
             gpus=unit.gpus,
             node=unit.node,
             nodes=cluster.nodes,
-            image=state.image.model_dump(mode="json") if state.image else None,
+            image=state.image.model_dump(mode="json") if state.image and unit.in_image else None,
             cluster=cluster.name,
             # the agent's own guard; this side stops first (after the grace, at most a stop's)
             timeout_s=timeout_s + (state.ask.limits if state.ask else Limits()).stop_grace_s + 60,

@@ -469,7 +469,7 @@ class LocalBackend(UnitBackend):
         a program that is not there."""
         gpus = cluster.gpu_indices if unit.gpus is None else unit.gpus
         state = state_of(cluster, LocalState)
-        if state.image is not None:
+        if state.image is not None and unit.in_image:
             tmp = str(job_tmp(cluster.workspace))
             place = imaging.UnitPlace(cluster.workspace, tmp, unit.node, cluster.nodes)
             proc, name = imaging.start(

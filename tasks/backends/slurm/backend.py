@@ -498,6 +498,7 @@ class SlurmBackend(UnitBackend):
         """Run the unit as a step of the run's job on its node, with its GPUs as gres; its
         variables reach the step through srun's environment (never its command line)."""
         state, cli = state_of(cluster, SlurmState), self.cli
+        bundle = state.bundle if unit.in_image else None  # gpuflow's own program: the node's
         hosts = running_again(cli, state.job_id, time.monotonic() + timeout_s)
         step = f"{cluster.name}.{unit.name}.{uuid.uuid4().hex[:8]}"
         # A unit with GPUs of its own (a render chunk, a copy per GPU) gets the node's
@@ -510,22 +511,18 @@ class SlurmBackend(UnitBackend):
             f"--gres={gres(count, state.gres_type)}" if count else "--gres=none",
             *(mpi_launch(cli, unit.launcher, cluster, state) if unit.launcher else []),
             *(share_of(cluster, unit.gpus) if unit.gpus else []),
-            *([f"--container={state.bundle}"] if state.bundle else []),
-            *(
-                oci.in_bundle(cli, unit.command, cluster.workspace)
-                if state.bundle
-                else unit.command
-            ),
+            *([f"--container={bundle}"] if bundle else []),
+            *(oci.in_bundle(cli, unit.command, cluster.workspace) if bundle else unit.command),
         ]
         # in the image, the step's GPUs are the container's only ones: 0..n-1 (Slurm's
         # CUDA_VISIBLE_DEVICES does not reach a container's environment)
-        inside = list(range(len(unit.gpus) if unit.gpus else count)) if state.bundle else None
+        inside = list(range(len(unit.gpus) if unit.gpus else count)) if bundle else None
         child_env = {
             **env,
             **unit.env,
             **unit_env(unit.node, cluster.nodes, cluster.workspace, inside or None),
         }
-        if state.bundle and state.library and imaging.runs_gpuflow(unit.command):
+        if bundle and state.library and imaging.runs_gpuflow(unit.command):
             path = [state.library, child_env.get("PYTHONPATH")]  # gpuflow's own code first
             child_env["PYTHONPATH"] = ":".join(filter(None, path))
         proc = cli.start(argv, child_env)
