@@ -155,3 +155,27 @@ def test_image_and_the_deprecated_placement_image_must_agree():
         "placement: {backend: kubernetes, image: ghcr.io/team/x:1}\n"
     )
     assert same.image is not None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="handing a folder to another user needs root")
+def test_a_slurm_image_folder_another_user_owns_is_refused(tmp_path):
+    """In a workspace root others can write to, what another user put under
+    .gpuflow-images first (a bundle, a library) would run as the job: refused."""
+    import pwd
+
+    from gpuflow.tasks.backends.slurm import oci
+    from gpuflow.tasks.backends.slurm.commands import LocalClient
+
+    nobody = pwd.getpwnam("nobody")
+    root = tmp_path / "shared"
+    planted = root / oci.IMAGES / "lib-0123"
+    planted.mkdir(parents=True)
+    os.chown(planted, nobody.pw_uid, nobody.pw_gid)
+    with pytest.raises(InvalidSpec) as refused:
+        oci._check_owned(LocalClient(), str(root), str(planted))
+    assert f"placement.workspace_root: {planted} belongs to another user" in str(refused.value)
+    os.chown(root / oci.IMAGES, nobody.pw_uid, nobody.pw_gid)
+    with pytest.raises(InvalidSpec, match="belongs to another user"):
+        oci._check_owned(LocalClient(), str(root), str(root / oci.IMAGES / "lib-other"))
+    os.chown(root / oci.IMAGES, os.geteuid(), os.getegid())
+    oci._check_owned(LocalClient(), str(root), str(root / oci.IMAGES / "lib-mine"))  # passes

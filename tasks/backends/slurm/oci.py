@@ -100,6 +100,7 @@ def bundle(cli: LocalClient, image: Image, root: str, login: tuple[str | None, s
     key = image.digest.removeprefix("sha256:")[:20]
     base = f"{root.rstrip('/')}/{IMAGES}/{key}"
     path = f"{base}/bundle"
+    _check_owned(cli, root, base)
     if cli.answer(["test", "-f", f"{path}/config.json"]).returncode == 0:
         return path
     work = f"{root.rstrip('/')}/{IMAGES}/.{key}-{os.getpid()}"
@@ -191,6 +192,7 @@ def library(cli: LocalClient, bundle: str, root: str, kind: str) -> str | None:
         )
     made = own_wheel.library(gpuflow_home() / "images")
     target = f"{root.rstrip('/')}/{IMAGES}/{made.name}"
+    _check_owned(cli, root, target)
     if cli.answer(["test", "-d", target]).returncode == 0:
         return target
     with tempfile.TemporaryDirectory(prefix="gpuflow-lib-") as local:
@@ -210,3 +212,18 @@ def library(cli: LocalClient, bundle: str, root: str, kind: str) -> str | None:
         finally:
             cli.remove_dir(work)
     return target
+
+
+def _check_owned(cli: LocalClient, root: str, found: str) -> None:
+    """The steps run what is under `.gpuflow-images` as the job: its folder, and `found`
+    where it is already there, must be this user's (in a workspace root others can write
+    to, another user could have put an image or a library there first)."""
+    images = f"{root.rstrip('/')}/{IMAGES}"
+    cli.make_dir(images)
+    for path in (images, found):
+        there = cli.answer(["test", "-e", path]).returncode == 0
+        if there and cli.answer(["test", "-O", path]).returncode != 0:
+            raise InvalidSpec(
+                f"placement.workspace_root: {path} belongs to another user, and the job would"
+                " run what it holds; remove it, or give a workspace_root only you can write to."
+            )
