@@ -318,52 +318,52 @@ def check_architecture(pinned: Pinned) -> None:
         )
 
 
-def probe(engine: Engine, pinned: Pinned, programs: Sequence[str]) -> list[str]:
-    """Return which of `programs` the image lacks (looked up by its shell); one sentence
-    when the image has no shell to look with. An image's files never change under its id:
-    the answer is kept ($GPUFLOW_HOME/images), so the next run of it starts no container
-    to ask again."""
-    if not programs:
-        return []
+def _kept(pinned: Pinned, name: str, ask: Callable[[], object]) -> object:
+    """An answer about the image, asked once: an image's files never change under its id,
+    so the answer is kept ($GPUFLOW_HOME/images/NAME.json) and the next run of it starts no
+    container to ask again."""
     from gpuflow.tasks.host import gpuflow_home, make_dirs, read_state_json, write_atomic
 
-    key = hashlib.sha256(json.dumps([pinned.image_id, sorted(programs)]).encode()).hexdigest()
-    kept = gpuflow_home() / "images" / f"probe-{key[:32]}.json"
+    kept = gpuflow_home() / "images" / f"{name}.json"
     known = read_state_json(kept) if pinned.image_id and kept.is_file() else None
-    if isinstance(known, dict) and isinstance(known.get("missing"), list):
-        return [str(p) for p in known["missing"]]
-    missing = _probe(engine, pinned, programs)
+    if isinstance(known, dict) and known.get("image") == pinned.image_id and "answer" in known:
+        return known["answer"]
+    answer = ask()
     if pinned.image_id:
         make_dirs(kept.parent)
-        write_atomic(kept, json.dumps({"image": pinned.image_id, "missing": missing}))
-    return missing
+        write_atomic(kept, json.dumps({"image": pinned.image_id, "answer": answer}))
+    return answer
+
+
+def probe(engine: Engine, pinned: Pinned, programs: Sequence[str]) -> list[str]:
+    """Return which of `programs` the image lacks (looked up by its shell, once per image:
+    `_kept`); one sentence when the image has no shell to look with."""
+    if not programs:
+        return []
+    key = hashlib.sha256(json.dumps([pinned.image_id, sorted(programs)]).encode()).hexdigest()
+    missing = _kept(pinned, f"probe-{key[:32]}", lambda: _probe(engine, pinned, programs))
+    return [str(p) for p in missing] if isinstance(missing, list) else []
 
 
 def python_abi(engine: Engine, pinned: Pinned) -> str | None:
     """The ABI of the image's python3 (its SOABI: `cpython-311-x86_64-linux-gnu`), "" for
-    a python3 too old to say, None for an image without one; kept like `probe`'s answers."""
-    from gpuflow.tasks.host import gpuflow_home, make_dirs, read_state_json, write_atomic
+    a python3 too old to say, None for an image without one; asked once per image."""
+    abi = _kept(pinned, f"abi-{pinned.image_id[:40]}", lambda: _python_abi(engine, pinned))
+    return abi if isinstance(abi, str) else None
 
-    kept = gpuflow_home() / "images" / f"abi-{pinned.image_id[:40]}.json"
-    known = read_state_json(kept) if pinned.image_id and kept.is_file() else None
-    if isinstance(known, dict) and "abi" in known:
-        return known["abi"]
+
+def _python_abi(engine: Engine, pinned: Pinned) -> str | None:
     code = "import sysconfig; print(sysconfig.get_config_var('SOABI') or '')"
     answer = engine.run(
         "run", "--rm", "--network", "none", "--entrypoint", "python3",
         pinned.image_id or pinned.ref, "-c", code, timeout_s=120,
     )  # fmt: skip
-    if answer.returncode != 0:
-        said = _last_line(answer.stderr)
-        if not re.search(r"no such file|not found|executable file", said, re.I):
-            raise InvalidSpec(f"image: {pinned.ref!r} cannot be started here ({said[:300]}).")
-        abi = None
-    else:
-        abi = answer.stdout.strip()
-    if pinned.image_id:
-        make_dirs(kept.parent)
-        write_atomic(kept, json.dumps({"image": pinned.image_id, "abi": abi}))
-    return abi
+    if answer.returncode == 0:
+        return answer.stdout.strip()
+    said = _last_line(answer.stderr)
+    if not re.search(r"no such file|not found|executable file", said, re.I):
+        raise InvalidSpec(f"image: {pinned.ref!r} cannot be started here ({said[:300]}).")
+    return None  # no python3
 
 
 def _look_for(program: str) -> str:

@@ -12,6 +12,7 @@ ABI (its SOABI, `cpython-311-x86_64-linux-gnu`): `ABI`."""
 from __future__ import annotations
 
 import base64
+import compileall
 import hashlib
 import io
 import os
@@ -20,6 +21,8 @@ import sysconfig
 import zipfile
 from importlib import metadata
 from pathlib import Path
+
+from gpuflow.tasks.host import make_dirs
 
 PACKAGE = Path(__file__).parents[1]  # gpuflow/, as imported (its links followed below)
 _EPOCH = (1980, 1, 1, 0, 0, 0)
@@ -84,15 +87,17 @@ def sha256(data: bytes) -> str:
 
 def library(root: Path) -> Path:
     """Return the folder under `root` that holds this gpuflow and NODE_DISTRIBUTIONS as this
-    interpreter has them (made once per build: later calls find it), readable by all (it
-    holds nothing private) and compiled for this interpreter, so a unit starts quickly
-    from a read-only mount."""
+    interpreter has them (made once per build: later calls find it), compiled for this
+    interpreter, so a unit starts quickly from a read-only mount. Its own files are
+    readable by all (it holds nothing private): a container running as the image's user, a
+    uid other than this one, reads it through its mount; `root`, made private where it is
+    under GPUFLOW_HOME, keeps other local users out."""
     _, data = build()
     key = hashlib.sha256(f"{sha256(data)} {ABI}".encode()).hexdigest()[:20]
     folder = root / f"lib-{key}"
     if folder.is_dir():
         return folder
-    root.mkdir(parents=True, exist_ok=True)
+    make_dirs(root)  # under GPUFLOW_HOME: 0700, so the library's own 0755 reaches no one else
     work = root / f".lib-{key}-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     try:
@@ -109,8 +114,6 @@ def library(root: Path) -> Path:
                 target = work / file
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(str(dist.locate_file(file)), target)
-        import compileall
-
         compileall.compile_dir(work, quiet=2, workers=1)
         for folder_path, _dirs, files in os.walk(work):
             os.chmod(folder_path, 0o755)

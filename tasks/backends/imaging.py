@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from gpuflow.tasks import containers, own_wheel, starter
 from gpuflow.tasks.contract import Cluster, Needs, unit_env
 from gpuflow.tasks.errors import InvalidSpec
-from gpuflow.tasks.host import stop_group
+from gpuflow.tasks.host import gpuflow_home, stop_group
 from gpuflow.tasks.runscope import recall, remember
 from gpuflow.tasks.saved_blocks import load_block
 from gpuflow.tasks.spec import CodeJob, Image, JobSpec
@@ -213,8 +213,6 @@ def library_of(image: HostImage, kind: str = "job") -> str | None:
     pinned = containers.Pinned(image.shown, "", image.image_id, "", "")
     folder = None
     if brings_gpuflow(engine, pinned, kind):
-        from gpuflow.tasks.host import gpuflow_home
-
         folder = str(own_wheel.library(gpuflow_home() / "images"))
     _LIBRARY[image.image_id] = folder
     return folder

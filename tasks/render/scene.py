@@ -215,7 +215,8 @@ def inspect(
     engine, label, environ = None, "", None
     if image is not None:
         engine, label = containers.find_engine(), f"gpuflow-inspect-{os.getpid()}-{time.time_ns()}"
-        argv = _in_image(engine, image, label, argv, [root or str(blend), str(INSPECT_SCRIPT)])
+        reads = [root or str(blend), str(INSPECT_SCRIPT)]
+        argv = _in_image(engine, image, label, argv, reads, blend.parent)
         environ = containers.engine_environ()
     try:
         done = subprocess.run(
@@ -260,7 +261,12 @@ def inspect(
 
 
 def _in_image(
-    engine: containers.Engine, image: InImage, label: str, argv: list[str], reads: list[str]
+    engine: containers.Engine,
+    image: InImage,
+    label: str,
+    argv: list[str],
+    reads: list[str],
+    workdir: Path,
 ) -> list[str]:
     """The engine command that runs `argv` once in the image, what it reads mounted
     read-only at its own path, with the image's GPUs, as the run's units run."""
@@ -278,7 +284,7 @@ def _in_image(
         env_values={},
         mounts=[],
         read_only=list(dict.fromkeys(reads)),
-        workdir=str(Path(argv[2]).parent),
+        workdir=str(workdir),
         user=containers.user_of(image.user),
         gpus=image.gpus,
     )

@@ -66,7 +66,7 @@ def chunk_unit(
         # Blender's temporary folder lies in the chunk's scratch, which the run removes: a
         # Blender that is killed or stopped leaves none in the host's /tmp
         env={"TMPDIR": str(scratch)} if cluster.capabilities.runs_here else {},
-        reads=[plan.root] if cluster.capabilities.runs_here and spec.image else [],
+        reads=[plan.root] if cluster.capabilities.runs_here else [],  # an image mounts it
         node=node,
         gpus=[gpu] if gpu is not None else [],
         frames=list(frames),

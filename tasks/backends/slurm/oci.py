@@ -23,6 +23,7 @@ import base64
 import contextlib
 import json
 import os
+import tarfile
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -197,8 +198,6 @@ def library(cli: LocalClient, bundle: str, root: str, kind: str) -> str | None:
         return target
     with tempfile.TemporaryDirectory(prefix="gpuflow-lib-") as local:
         archive = Path(local) / "lib.tar"
-        import tarfile
-
         with tarfile.open(archive, "w") as tar:
             tar.add(made, arcname=made.name)
         work = f"{root.rstrip('/')}/{IMAGES}/.{made.name}-{os.getpid()}"
