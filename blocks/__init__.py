@@ -6,6 +6,7 @@ creates the documents a fresh setup needs).
 
 from importlib.util import find_spec
 
+from gpuflow.blocks.alibaba import AlibabaCredentials, EcsGpuFleet
 from gpuflow.blocks.ec2_fleet import Ec2GpuFleet
 from gpuflow.blocks.gpu_fleet import GpuFleet
 from gpuflow.blocks.local_host import LocalGpuHost
@@ -18,7 +19,9 @@ if find_spec("prefect_kubernetes") is not None:
     from gpuflow.blocks.kubernetes_pool import KubernetesGpuPool
 
 __all__ = [
+    "AlibabaCredentials",
     "Ec2GpuFleet",
+    "EcsGpuFleet",
     "GpuFleet",
     "GpuPriceTable",
     "KubernetesGpuPool",

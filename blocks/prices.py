@@ -43,6 +43,14 @@ class GpuPriceTable(Block):
         description="Backend -> price of one GB of workspace disk for a month.",
     )
 
+    usd_per_unit: dict[str, float] = Field(
+        default_factory=dict,
+        title="Currency rates (USD per unit)",
+        description='Currency -> what one unit of it is in USD, e.g. {"CNY": 0.14}: clouds that'
+        " price in it (Alibaba Cloud, Tencent Cloud in China) are compared, capped and reported"
+        " in USD at this rate.",
+    )
+
     def table(self) -> PriceTable:
         """Return gpuflow's price table with this block's prices laid over the defaults."""
         merged = PriceTable()
@@ -50,4 +58,5 @@ class GpuPriceTable(Block):
             merged.gpu_hourly_usd[backend] = {**merged.gpu_hourly_usd.get(backend, {}), **prices}
         merged.cpu_core_hourly_usd.update(self.cpu_core_hourly_usd)
         merged.disk_gb_month_usd.update(self.disk_gb_month_usd)
+        merged.usd_per_unit.update(self.usd_per_unit)
         return merged

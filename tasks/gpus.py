@@ -62,6 +62,17 @@ def product_from_ec2(name: str, memory_mib: int, manufacturer: str = "NVIDIA") -
     return f"{manufacturer}-{name}".replace(" ", "-")
 
 
+def product_named(spec: str, memory_mib: int) -> str:
+    """Return the label for a GPU a cloud names with its maker ("NVIDIA T4", "NVIDIA A100
+    80G"), as product_from_ec2 does for the name without it."""
+    words = spec.replace("-", " ").split()
+    maker = words[0] if words and words[0].upper() in ("NVIDIA", "AMD") else "NVIDIA"
+    if words and words[0].upper() in ("NVIDIA", "AMD"):
+        words = words[1:]
+    words = [w for w in words if not w.upper().rstrip("B").endswith("G") or not w[0].isdigit()]
+    return product_from_ec2(" ".join(words) or spec, memory_mib, maker)
+
+
 # Kubernetes' names for NVIDIA GPUs: the device plugin's resource and GPU feature
 # discovery's product label
 GPU_RESOURCE = "nvidia.com/gpu"

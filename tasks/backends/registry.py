@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from gpuflow.tasks.backends import elastic
+from gpuflow.tasks.backends.alibaba.backend import AlibabaBackend
 from gpuflow.tasks.backends.base import AddsNodes, Backend, ServesReplicas
 from gpuflow.tasks.backends.ec2.backend import Ec2Backend
 from gpuflow.tasks.backends.ec2.fleet_nodes import Ec2FleetNodes
@@ -20,7 +21,14 @@ from gpuflow.tasks.runscope import once
 from gpuflow.tasks.spec import Placement, add_placement_model, remove_placement_model
 
 _BACKENDS: dict[str, type[Backend]] = {}
-_BUILT_IN_CLASSES = (LocalBackend, KubernetesBackend, Ec2Backend, SlurmBackend, FleetBackend)
+_BUILT_IN_CLASSES = (
+    LocalBackend,
+    KubernetesBackend,
+    Ec2Backend,
+    SlurmBackend,
+    FleetBackend,
+    AlibabaBackend,
+)
 BUILT_IN = tuple(b.name for b in _BUILT_IN_CLASSES)
 
 

@@ -7,6 +7,8 @@ price is given.
 
 from __future__ import annotations
 
+import os
+
 from pydantic import BaseModel, Field
 
 HOURS_PER_MONTH = 730.0
@@ -47,6 +49,23 @@ class PriceTable(BaseModel):
     disk_gb_month_usd: dict[str, float] = Field(
         default_factory=lambda: {b: p.disk_gb_month_usd for b, p in LIST_PRICES.items()}
     )
+    # what one unit of a currency is in USD ({"CNY": 0.14}): a cloud that prices in CNY is
+    # compared, capped (limits.max_cost_usd) and reported in USD at this rate
+    usd_per_unit: dict[str, float] = {}
+
+    def usd_rate(self, currency: str) -> float | None:
+        """Return USD per unit of `currency`: 1 for USD, the table's rate, else the setting
+        GPUFLOW_USD_PER_<CURRENCY>; None when neither gives one."""
+        if currency == "USD":
+            return 1.0
+        if currency in self.usd_per_unit:
+            return self.usd_per_unit[currency]
+        given = os.environ.get(f"GPUFLOW_USD_PER_{currency}", "").strip()
+        try:
+            rate = float(given) if given else None
+        except ValueError:
+            rate = None
+        return rate if rate and rate > 0 else None
 
     def gpu_hourly(self, backend: str, product: str | None) -> float:
         """Return the hourly price of one GPU of `product` on `backend`: its own price, else

@@ -14,7 +14,9 @@ import pytest
 
 from gpuflow.tasks.backends.kubernetes.kubeapi import KubeApi, load_config
 from tests.conftest import save_aws_block
+from tests.e2e.alibaba_bed import PlayedEcs, save_blocks
 from tests.e2e.instances import PlayedInstances
+from tests.fakes.alibaba_ecs import FakeEcs
 
 ROOT = Path(__file__).resolve().parents[2]
 FLEET = "gpuflow-test-fleet"
@@ -135,3 +137,20 @@ def contract_fleet(tmp_path_factory, prefect_api) -> Iterator[dict]:
         )
         assert done.returncode == 0, done.stdout + done.stderr
         yield bed
+
+
+@pytest.fixture
+def ecs(s3_server, prefect_api, gpuflow_home, monkeypatch) -> Iterator[FakeEcs]:
+    """The fake ECS (the account's keys are the S3 server's: OSS and ECS take the same
+    AccessKey) and the test's blocks."""
+    for name in ("ALIBABA_CLOUD_ACCESS_KEY_ID", "ALIBABA_CLOUD_ACCESS_KEY_SECRET"):
+        monkeypatch.delenv(name, raising=False)
+    with FakeEcs(s3_server.key_id, s3_server.secret) as fake:
+        save_blocks(fake, s3_server)
+        yield fake
+
+
+@pytest.fixture
+def played_ecs(ecs, tmp_path) -> Iterator[PlayedEcs]:
+    with PlayedEcs(ecs, tmp_path / "instances") as played:
+        yield played

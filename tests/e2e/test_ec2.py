@@ -597,7 +597,7 @@ def test_an_agent_whose_job_outlives_max_duration_terminates_its_instance(
 
     from gpuflow.tasks.backends.ec2.agent import AgentConfig, UnitSpec
     from gpuflow.tasks.backends.ec2.backend import Heartbeat
-    from gpuflow.tasks.backends.ec2.mailbox import Mailbox, unit_key
+    from gpuflow.tasks.backends.instances.mailbox import Mailbox, unit_key
 
     ec2 = aws["ec2"]
     image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]

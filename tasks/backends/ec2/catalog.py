@@ -2,9 +2,9 @@
 
 The types come from DescribeInstanceTypes (GPU product, count and memory, vCPUs, RAM), the
 zones from DescribeInstanceTypeOfferings, spot prices from DescribeSpotPriceHistory;
-on-demand and EBS prices from the run's price table. `rank` is pure: the offers that fit
-`resources`, in the order a launch would try them (spot first when the market allows it,
-cheapest first). Every failure is one sentence naming the setting and the fix.
+on-demand and EBS prices from the run's price table; the offers are ranked as on every
+cloud (gpuflow.tasks.backends.instances.catalog). Every failure is one sentence naming the
+setting and the fix.
 """
 
 from __future__ import annotations
@@ -13,14 +13,21 @@ import functools
 import os
 from collections.abc import Iterable
 from datetime import UTC, datetime
-from typing import Any
-
-from pydantic import BaseModel
+from typing import Any, ClassVar
 
 from gpuflow.tasks.backends.ec2.placement import Ec2Ask
+from gpuflow.tasks.backends.instances.catalog import (
+    Catalog,
+    CloudSettings,
+    GpuType,
+    Offer,
+    key,
+    rank,
+)
+from gpuflow.tasks.backends.instances.placement import Ask
 from gpuflow.tasks.errors import InvalidSpec, Unreachable
-from gpuflow.tasks.gpus import canonical_product, product_from_ec2
-from gpuflow.tasks.metrics.cost import HOURS_PER_MONTH, PriceTable
+from gpuflow.tasks.gpus import product_from_ec2
+from gpuflow.tasks.metrics.cost import PriceTable
 from gpuflow.tasks.saved_blocks import load_block
 from gpuflow.tasks.spec import JobSpec
 from gpuflow.tasks.storage import S3Settings, StorageError
@@ -37,48 +44,13 @@ REFUSED = {
 }
 
 
-class GpuType(BaseModel):
-    instance_type: str
-    product: str
-    gpus: int
-    gpu_memory_mib: int
-    vcpus: int
-    memory_mib: int
-    placement_group: bool = False  # supports a cluster placement group
-
-
-class Offer(BaseModel):
-    instance_type: str
-    zone: str
-    market: str  # spot | on-demand
-    product: str
-    gpus: int
-    vcpus: int
-    memory_mib: int
-    hourly_usd: float  # one instance and its root volume
-    job_usd: float  # every node for limits.max_duration
-
-    def line(self, nodes: int) -> str:
-        count = f"{nodes} x " if nodes > 1 else ""
-        return (
-            f"{count}{self.instance_type} ({self.gpus} x {self.product}) {self.market} in"
-            f" {self.zone}: ${self.hourly_usd * nodes:.3f}/h"
-        )
-
-
-class Fleet(BaseModel):
+class Fleet(CloudSettings):
     """Where a job may rent: an Ec2GpuFleet block's settings (defaults without one)."""
 
-    name: str | None = None
+    block_type: ClassVar[str] = "Ec2GpuFleet"
     region: str = "us-east-1"
-    zones: list[str] = []
-    families: list[str] = []
     aws_credentials: str | None = None
     instance_profile: str | None = None
-    image_id: str | None = None
-    control_prefix: str | None = None
-    install: str = ""
-    boot_timeout_s: float = 900.0
 
     @functools.cached_property
     def credentials(self) -> S3Settings | None:
@@ -95,11 +67,11 @@ class Fleet(BaseModel):
 
     def field(self, setting: str) -> str:
         if self.name:
-            return f"Ec2GpuFleet {self.name!r} {setting}"
+            return super().field(setting)
         return f"{setting} (no Ec2GpuFleet in placement.block: AWS_* variables and defaults)"
 
 
-def fleet_of(spec: JobSpec | Ec2Ask) -> Fleet:
+def fleet_of(spec: JobSpec | Ask) -> Fleet:
     """Return the fleet settings `placement.block` names (an Ec2GpuFleet), else defaults
     with the region of AWS_DEFAULT_REGION / AWS_REGION."""
     return fleet_named(spec.placement.block)
@@ -254,8 +226,8 @@ def zones_offering(ec2: Any, types: list[str]) -> dict[str, list[str]]:
     return {t: sorted(z) for t, z in zones.items()}
 
 
-def spot_prices(ec2: Any, types: list[str]) -> dict[tuple[str, str], float]:
-    """Return (instance type, zone) -> the latest Linux spot price; none where EC2 has none."""
+def spot_prices(ec2: Any, types: list[str]) -> dict[str, float]:
+    """Return "type zone" -> the latest Linux spot price; none where EC2 has none."""
     latest: dict[tuple[str, str], tuple[datetime, float]] = {}
     for start in range(0, len(types), 100):
         pages = ec2.get_paginator("describe_spot_price_history").paginate(
@@ -265,143 +237,20 @@ def spot_prices(ec2: Any, types: list[str]) -> dict[tuple[str, str], float]:
         )
         for page in pages:
             for item in page["SpotPriceHistory"]:
-                key = (item["InstanceType"], item["AvailabilityZone"])
+                where = (item["InstanceType"], item["AvailabilityZone"])
                 stamp = item["Timestamp"]
-                if key not in latest or stamp > latest[key][0]:
-                    latest[key] = (stamp, float(item["SpotPrice"]))
-    return {key: price for key, (_, price) in latest.items()}
-
-
-def rank(
-    spec: Ec2Ask,
-    types: list[GpuType],
-    zones: dict[str, list[str]],
-    spot: dict[tuple[str, str], float],
-    prices: PriceTable,
-    fleet: Fleet,
-) -> list[Offer]:
-    """Return the offers that fit `spec.resources`, in launch order (pure). InvalidSpec when
-    none fits (naming what the region has) or the budget buys less than an hour."""
-    res, market = spec.resources, spec.placement.market
-    if res.gpus < 1:
-        raise InvalidSpec(
-            "resources.gpus: the ec2 backend rents GPU instances; ask for at least 1 GPU or"
-            " use placement.backend: local."
-        )
-    product = canonical_product(res.gpu_product) if res.gpu_product else None
-    _check_zones(fleet, zones)
-    disk_hourly = res.disk / 2**30 * prices.disk_gb_month_usd.get(BACKEND, 0.0) / HOURS_PER_MONTH
-    hours = spec.limits.max_duration / 3600.0
-    fitting = [
-        t
-        for t in types
-        if (product is None or t.product == product)
-        and t.gpus >= res.gpus
-        and (res.memory is None or t.memory_mib * 2**20 >= res.memory)
-        and (res.cpu is None or t.vcpus >= res.cpu)
-    ]
-    if not fitting:
-        raise InvalidSpec(_nothing_fits(spec, types, product, fleet))
-    offers: list[Offer] = []
-    unpriced = set()
-    for kind in fitting:
-        on_demand = prices.gpu_hourly(BACKEND, kind.product) * kind.gpus
-        if on_demand <= 0:
-            unpriced.add(kind.product)
-            continue
-        for zone in zones.get(kind.instance_type, []):
-            if fleet.zones and zone not in fleet.zones:
-                continue
-            for name, hourly in _markets(market, on_demand, spot.get((kind.instance_type, zone))):
-                total = hourly + disk_hourly
-                offers.append(
-                    Offer(
-                        instance_type=kind.instance_type,
-                        zone=zone,
-                        market=name,
-                        product=kind.product,
-                        gpus=kind.gpus,
-                        vcpus=kind.vcpus,
-                        memory_mib=kind.memory_mib,
-                        hourly_usd=round(total, 6),
-                        job_usd=round(total * res.nodes * hours, 2),
-                    )
-                )
-    if not offers:
-        why = (
-            f"no price for {', '.join(sorted(unpriced))} in the price table; add it to a"
-            " GpuPriceTable block (placement.price_table)"
-            if unpriced
-            else f"no zone{' of ' + fleet.field('zones') if fleet.zones else ''} offers them"
-            f" on the {market} market; allow other zones or placement.market: spot-then-on-demand"
-        )
-        raise InvalidSpec(f"resources: types fit this job in {fleet.region}, but {why}.")
-    # at one price (prices are per GPU), the smallest machine that fits
-    offers.sort(key=lambda o: (o.market != "spot", o.hourly_usd, o.vcpus, o.memory_mib, o.zone))
-    budget = spec.limits.max_cost_usd
-    cheapest = min(offers, key=lambda o: o.hourly_usd)
-    if budget is not None and cheapest.hourly_usd * res.nodes > budget:
-        raise InvalidSpec(
-            f"limits.max_cost_usd: ${budget:g} buys less than one hour of the cheapest fitting"
-            f" offer ({cheapest.line(res.nodes)}); raise it or ask for less."
-        )
-    return offers
-
-
-def _check_zones(fleet: Fleet, zones: dict[str, list[str]]) -> None:
-    """Raise InvalidSpec for a zone the fleet names where no GPU type is offered."""
-    if not fleet.zones:
-        return
-    known = {z for each in zones.values() for z in each}
-    stray = [z for z in fleet.zones if z not in known]
-    if stray and known:
-        raise InvalidSpec(
-            f"{fleet.field('zones')}: {', '.join(stray)} offer no GPU type in {fleet.region}"
-            f" (zones that do: {', '.join(sorted(known))}); fix the block."
-        )
-
-
-def _markets(market: str, on_demand: float, spot: float | None) -> list[tuple[str, float]]:
-    """Return the markets an instance type in a zone is offered on, with their hourly
-    prices: spot when asked and under on-demand (the cap), on-demand when asked."""
-    choices = []
-    if market != "on-demand" and spot is not None and spot < on_demand:
-        choices.append(("spot", spot))
-    if market != "spot":
-        choices.append(("on-demand", on_demand))
-    return choices
-
-
-def _nothing_fits(spec: Ec2Ask, types: list[GpuType], product: str | None, fleet: Fleet) -> str:
-    res = spec.resources
-    families = f" (families {', '.join(fleet.families)})" if fleet.families else ""
-    if product and not any(t.product == product for t in types):
-        have = sorted({t.product for t in types})
-        return (
-            f"resources.gpu_product: no EC2 instance type in {fleet.region}{families} has"
-            f" {product}; types there have {', '.join(have) or 'no GPUs'}; pick one of those."
-        )
-    same = [t for t in types if product is None or t.product == product]
-    most = max((t.gpus for t in same), default=0)
-    if most < res.gpus:
-        return (
-            f"resources.gpus: the largest {product or 'GPU'} type in {fleet.region}{families}"
-            f" has {most} GPUs; ask for at most {most} per node and use more nodes."
-        )
-    return (
-        f"resources: no {product or 'GPU'} type in {fleet.region}{families} has"
-        f" {res.gpus} GPUs with {res.cpu or 'any'} vCPUs and"
-        f" {(res.memory or 0) / 2**30:g} GiB of memory; ask for less."
-    )
+                if where not in latest or stamp > latest[where][0]:
+                    latest[where] = (stamp, float(item["SpotPrice"]))
+    return {key(*where): price for where, (_, price) in latest.items()}
 
 
 def find_offers(
-    spec: JobSpec | Ec2Ask, prices: PriceTable, fleet: Fleet | None = None
+    spec: JobSpec | Ask, prices: PriceTable, fleet: Fleet | None = None
 ) -> tuple[Fleet, list[Offer]]:
     """Return the fleet (`fleet`, else the one placement.block names) and the ranked
     offers for `spec` (a spec, or what a cluster keeps of it), read from EC2 (nothing
     launched)."""
-    ask = spec if isinstance(spec, Ec2Ask) else Ec2Ask.of(spec, prices)
+    ask = spec if isinstance(spec, Ask) else Ec2Ask.of(spec, prices)
     fleet = fleet or fleet_of(ask)
     ec2 = ec2_client(fleet)
     try:
@@ -416,4 +265,8 @@ def find_offers(
             f"{fleet.field('families')}: {', '.join(fleet.families)} hold no GPU instance type"
             f" in {fleet.region}; name GPU families such as g6, g5, p5."
         )
-    return fleet, rank(ask, types, zones, spot, prices, fleet)
+    catalog = Catalog(types=types, zones=zones, spot=spot)
+    return fleet, rank(ask, catalog, prices, fleet, BACKEND, label="EC2")
+
+
+__all__ = ["Fleet", "GpuType", "Offer", "aws_client", "aws_error", "ec2_client", "find_offers"]

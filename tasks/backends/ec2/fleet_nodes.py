@@ -32,9 +32,9 @@ from gpuflow.tasks.backends.ec2.catalog import (
     find_offers,
     fleet_named,
 )
-from gpuflow.tasks.backends.ec2.mailbox import Mailbox
 from gpuflow.tasks.backends.ec2.placement import Ec2Ask, Ec2Placement
 from gpuflow.tasks.backends.elastic import Instance, Want
+from gpuflow.tasks.backends.instances.mailbox import Mailbox
 from gpuflow.tasks.contract import OWNER_LABEL, RUN_LABEL
 from gpuflow.tasks.errors import CapacityError, InvalidSpec
 from gpuflow.tasks.metrics.cost import PriceTable

@@ -3,35 +3,32 @@ only (a session token on every request), the instance's identity, and the notice
 end a spot instance: an interruption notice (two minutes' warning) and a rebalance
 recommendation (risk of one soon).
 
-`NoticeWatcher` polls both every `every_s` seconds (5 by default) in a thread of its own
-and calls `on_notice` once per notice, at once: the agent sends the job SIGTERM, so a
-training saves its checkpoint and exits 75 well inside the warning.
+The agent's `NoticeWatcher` (gpuflow.tasks.backends.instances.notices) polls both every
+5 s: the agent sends the job SIGTERM at once, so a training saves its checkpoint and exits
+75 well inside the warning.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import time
-from collections.abc import Callable
 from datetime import datetime
 
 import httpx
-from pydantic import BaseModel
+
+from gpuflow.tasks.backends.instances.notices import (
+    MetadataUnavailable,
+    Notice,
+    NoticeWatcher,
+    parse_time,
+)
 
 ENDPOINT = "http://169.254.169.254"
 TOKEN_TTL_S = 21600  # IMDSv2's longest
-NOTICE_EVERY_S = 5.0
 
 
-class ImdsUnavailable(Exception):
+class ImdsUnavailable(MetadataUnavailable):
     """The metadata service did not answer, or refused: one sentence with the cause."""
-
-
-class Notice(BaseModel):
-    kind: str  # "spot-terminate" | "spot-stop" | "spot-hibernate" | "rebalance"
-    at: datetime  # when the action happens (spot) or the recommendation was made
-    seen_at: datetime
 
 
 class Imds:
@@ -93,6 +90,9 @@ class Imds:
     def instance_id(self) -> str:
         return self.get("/latest/meta-data/instance-id") or ""
 
+    def address(self) -> str | None:
+        return self.get("/latest/meta-data/local-ipv4")
+
     def identity(self) -> dict[str, object]:
         """Return the instance identity document (region, zone, type, account)."""
         return json.loads(self.get("/latest/dynamic/instance-identity/document") or "{}")
@@ -104,57 +104,19 @@ class Imds:
         action = self.get("/latest/meta-data/spot/instance-action")
         if action:
             body = json.loads(action)
-            found.append(Notice(kind=f"spot-{body['action']}", at=_time(body["time"]), seen_at=now))
+            found.append(
+                Notice(kind=f"spot-{body['action']}", at=parse_time(body["time"]), seen_at=now)
+            )
         rebalance = self.get("/latest/meta-data/events/recommendations/rebalance")
         if rebalance:
             found.append(
-                Notice(kind="rebalance", at=_time(json.loads(rebalance)["noticeTime"]), seen_at=now)
+                Notice(
+                    kind="rebalance",
+                    at=parse_time(json.loads(rebalance)["noticeTime"]),
+                    seen_at=now,
+                )
             )
         return found
 
 
-def _time(text: str) -> datetime:
-    return datetime.fromisoformat(text.replace("Z", "+00:00"))
-
-
-class NoticeWatcher:
-    """Polls the metadata service for notices in a thread; `on_notice` is called once per
-    kind of notice, as soon as a poll sees it (an instance gets one interruption; a
-    rebalance recommendation's time may be given anew on each read). `on_trouble` hears, once, that the
-    service stopped answering (the watch goes on)."""
-
-    def __init__(
-        self,
-        imds: Imds,
-        on_notice: Callable[[Notice], None],
-        every_s: float = NOTICE_EVERY_S,
-        on_trouble: Callable[[str], None] | None = None,
-    ) -> None:
-        self.imds, self.on_notice, self.every_s = imds, on_notice, every_s
-        self.on_trouble = on_trouble
-        self.seen: set[str] = set()
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._watch, daemon=True, name="gpuflow-notices")
-
-    def __enter__(self) -> NoticeWatcher:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stopping.set()
-        self.thread.join(timeout=self.every_s + 5)
-
-    def _watch(self) -> None:
-        troubled = False
-        while not self.stopping.is_set():
-            try:
-                for notice in self.imds.notices():
-                    if notice.kind not in self.seen:
-                        self.seen.add(notice.kind)
-                        self.on_notice(notice)
-                troubled = False
-            except ImdsUnavailable as exc:
-                if not troubled and self.on_trouble is not None:
-                    self.on_trouble(str(exc))
-                troubled = True
-            self.stopping.wait(self.every_s)
+__all__ = ["ENDPOINT", "Imds", "ImdsUnavailable", "Notice", "NoticeWatcher"]

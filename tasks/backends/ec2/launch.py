@@ -18,9 +18,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pydantic import BaseModel
-
-from gpuflow.tasks.backends.ec2.catalog import Offer
+from gpuflow.tasks.backends.instances.catalog import Offer
+from gpuflow.tasks.backends.instances.cloud import LIVE, Launched, NextOffer, failover
 from gpuflow.tasks.contract import RUN_LABEL
 from gpuflow.tasks.errors import CapacityError
 
@@ -33,14 +32,6 @@ NEXT_OFFER = {
     "Unsupported",
     "InsufficientCapacity",
 }
-LIVE = ["pending", "running", "stopping", "stopped"]
-
-
-class Launched(BaseModel):
-    instance_ids: list[str]
-    offer: Offer | None = None  # None: adopted from an earlier try
-    adopted: bool = False
-    placement_group: str | None = None
 
 
 def tags_of(owner: Mapping[str, str]) -> list[dict[str, str]]:
@@ -88,8 +79,8 @@ def launch(
         except Exception as exc:
             why = (str(exc).splitlines() or [""])[0][:160]
             say(f"no cluster placement group ({type(exc).__name__}: {why}); launching without")
-    tried: list[str] = []
-    for offer in offers:
+
+    def try_offer(offer: Offer) -> list[str]:
         request = _request(offer, nodes, disk_gib, image_id, user_data, owner, group)
         if instance_profile:
             request["IamInstanceProfile"] = {"Name": instance_profile}
@@ -100,25 +91,19 @@ def launch(
         try:
             made = ec2.run_instances(**request)
         except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code", "")
-            if code not in NEXT_OFFER:
+            error = exc.response.get("Error", {})
+            if error.get("Code", "") not in NEXT_OFFER:
                 raise
-            tried.append(f"{offer.instance_type} {offer.market} in {offer.zone}: {code}")
-            say(
-                f"no {offer.instance_type} ({offer.market}) in {offer.zone} ({code}); trying the next offer"
-            )
-            continue
-        ids = [i["InstanceId"] for i in made["Instances"]]
-        say(
-            f"launched {len(ids)} x {offer.instance_type} ({offer.market}) in {offer.zone}: {', '.join(ids)}"
-        )
-        return Launched(instance_ids=ids, offer=offer, placement_group=group)
-    if group:
-        remove(ec2, run_id, say, group=group)  # only the group: nothing was launched
-    raise CapacityError(
-        f"no offer had capacity for {nodes} instance(s) ({'; '.join(tried[:6]) or 'no offers'});"
-        " allow more types, zones or placement.market: spot-then-on-demand, or retry later"
-    )
+            raise NextOffer(error.get("Code", ""), error.get("Message", "")) from None
+        return [i["InstanceId"] for i in made["Instances"]]
+
+    try:
+        offer, ids = failover(offers, nodes, try_offer, say)
+    except CapacityError:
+        if group:
+            remove(ec2, run_id, say, group=group)  # only the group: nothing was launched
+        raise
+    return Launched(instance_ids=ids, offer=offer, placement_group=group)
 
 
 def _request(

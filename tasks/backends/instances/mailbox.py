@@ -1,4 +1,4 @@
-"""A run's mailbox in S3: how gpuflow and the agents on its EC2 instances talk.
+"""A run's mailbox in S3: how gpuflow and the agents on its instances talk (any S3-compatible store: S3, OSS, COS).
 
 The agents pull (no inbound port, no SSH). Under `<control prefix>/<run id>/`:
 

@@ -1,0 +1,198 @@
+"""What a cloud that rents instances gives gpuflow's instance backends: the protocol a
+provider implements (AWS EC2, Alibaba Cloud ECS, Tencent Cloud CVM).
+
+A provider says what its cloud offers (`find_offers`: types, zones and prices, ranked by
+gpuflow.tasks.backends.instances.catalog), launches a run's instances from the first offer
+with capacity (`launch`; a refusal after which another offer may launch is `NextOffer`),
+describes and removes them by the run's owner tags, keeps the run's secret where only its
+instances read it, gives the run a network that nothing outside reaches, and turns its
+API's failures into one sentence (`error`). Everything else — the mailbox in object
+storage, the agent, spot notices, self-termination, the heartbeat, reaping — is the same
+on every cloud (gpuflow.tasks.backends.instances.backend and .agent).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
+
+from gpuflow.tasks.backends.instances.catalog import CloudSettings, Offer
+from gpuflow.tasks.backends.instances.placement import Ask
+from gpuflow.tasks.contract import RUN_LABEL
+from gpuflow.tasks.errors import CapacityError, InvalidSpec, Unreachable
+from gpuflow.tasks.metrics.cost import PriceTable
+
+# the states of an instance that still holds (or will hold) its machine, in EC2's words;
+# a provider maps its own (Alibaba's Pending/Running/Starting/Stopping/Stopped, ...)
+LIVE = ["pending", "running", "stopping", "stopped"]
+
+
+class Machine(BaseModel):
+    """One instance as its cloud describes it."""
+
+    id: str
+    state: str  # pending | running | stopping | stopped | shutting-down | terminated
+    instance_type: str = ""
+    zone: str = ""
+    market: str = ""  # spot | on-demand
+    address: str = ""
+    index: int = 0  # its place in the launch (node 0 first)
+    launched_at: datetime
+    tags: dict[str, str] = {}
+
+
+class Launched(BaseModel):
+    instance_ids: list[str]
+    offer: Offer | None = None  # None: adopted from an earlier try
+    adopted: bool = False
+    placement_group: str | None = None
+
+
+class Boot(BaseModel):
+    """How a run's instances boot: its image, user-data, root disk, tags and network."""
+
+    image_id: str
+    user_data: str
+    disk_gib: int
+    tags: dict[str, str]
+    network: str | None = None  # the run's security group
+    spot_price_limit: float | None = None  # in the cloud's currency, per instance-hour
+
+
+class NextOffer(Exception):
+    """The cloud refused one offer (no capacity there, a limit, a price) in a way another
+    offer may not meet: its code and message, as the API said them."""
+
+    def __init__(self, code: str, message: str = "") -> None:
+        super().__init__(f"{code}: {message}" if message else code)
+        self.code, self.message = code, message
+
+
+def failover(
+    offers: Iterable[Offer],
+    nodes: int,
+    try_offer: Callable[[Offer], list[str]],
+    say: Callable[[str], None],
+) -> tuple[Offer, list[str]]:
+    """Launch from the first offer `try_offer` does not refuse with NextOffer; return it
+    and the instances it made. Each refusal is said; CapacityError (retryable) when every
+    offer was refused."""
+    tried: list[str] = []
+    for offer in offers:
+        try:
+            ids = try_offer(offer)
+        except NextOffer as exc:
+            tried.append(f"{offer.instance_type} {offer.market} in {offer.zone}: {exc.code}")
+            say(
+                f"no {offer.instance_type} ({offer.market}) in {offer.zone} ({exc.code});"
+                " trying the next offer"
+            )
+            continue
+        say(
+            f"launched {len(ids)} x {offer.instance_type} ({offer.market}) in {offer.zone}:"
+            f" {', '.join(ids)}"
+        )
+        return offer, ids
+    raise CapacityError(
+        f"no offer had capacity for {nodes} instance(s) ({'; '.join(tried[:6]) or 'no offers'});"
+        " allow more types, zones or placement.market: spot-then-on-demand, or retry later"
+    )
+
+
+class Cloud(ABC):
+    """One provider's cloud, as a run's settings (its block) reach it."""
+
+    backend: ClassVar[str]  # the backend's name: placement.backend
+    label: ClassVar[str]  # its instances' name in sentences: EC2, ECS, CVM
+    currency: ClassVar[str] = "USD"  # of its prices
+    agent_module: ClassVar[str]  # `python -m` this on an instance starts the agent
+    console_hint: ClassVar[str]  # how a user reads an instance's boot output
+
+    def __init__(self, settings: CloudSettings) -> None:
+        self.settings = settings
+
+    # -- what the cloud offers ---------------------------------------------------------
+
+    @abstractmethod
+    def check_launch(self) -> None:
+        """InvalidSpec (one sentence) for settings that cannot launch: no image, no
+        control prefix, an install step that cannot be trusted."""
+
+    @abstractmethod
+    def find_offers(self, ask: Ask, prices: PriceTable) -> list[Offer]:
+        """The ranked offers for `ask` (nothing launched)."""
+
+    # -- a run's instances -------------------------------------------------------------
+
+    @abstractmethod
+    def machines(self, tags: Mapping[str, str], states: list[str] | None = None) -> list[Machine]:
+        """The instances carrying every one of `tags` in `states` (default: LIVE)."""
+
+    def run_machines(self, run_id: str, states: list[str] | None = None) -> list[Machine]:
+        return self.machines({RUN_LABEL: run_id}, states)
+
+    @abstractmethod
+    def launch(
+        self, offers: list[Offer], nodes: int, boot: Boot, say: Callable[[str], None]
+    ) -> Launched:
+        """The run's `nodes` instances: adopted when they exist (by its tags), else
+        launched from the first offer with capacity; CapacityError when none has."""
+
+    @abstractmethod
+    def remove(self, run_id: str, say: Callable[[str], None]) -> list[str]:
+        """Terminate the run's instances; return their ids once the cloud describes every
+        one as gone (or a few minutes passed). Idempotent."""
+
+    @abstractmethod
+    def terminate(self, ids: list[str]) -> None:
+        """Terminate these instances (untagged ones a reaper found), without waiting."""
+
+    @abstractmethod
+    def network(self, run_id: str, tags: Mapping[str, str], nodes: int) -> str | None:
+        """The run's network (a security group nothing outside reaches; its nodes reach
+        each other), made once; None where the cloud's default is used."""
+
+    @abstractmethod
+    def leftovers(self, run_id: str) -> list[str]:
+        """Delete what the run left besides instances (volumes, its network, its secret);
+        return what went. The mailbox is the backend's."""
+
+    # -- storage and secrets -----------------------------------------------------------
+
+    @abstractmethod
+    def storage(self) -> Any:
+        """A boto3 S3 client of the cloud's object storage (its S3-compatible API)."""
+
+    @abstractmethod
+    def put_secret(self, run_id: str, tags: Mapping[str, str], value: str) -> None:
+        """Keep the run's secret (the agents' Prefect token, the run's variables, a registry
+        login) where only the run's instances read it; never in user-data."""
+
+    @abstractmethod
+    def secret_id(self, run_id: str) -> str:
+        """Where an agent reads the run's secret."""
+
+    @abstractmethod
+    def agent_settings(self) -> dict[str, Any]:
+        """The agent's provider settings (region, endpoints), nothing secret."""
+
+    # -- reaping -----------------------------------------------------------------------
+
+    @abstractmethod
+    def tagged(self) -> dict[str, dict[str, Any]]:
+        """Run id -> its live instances (`instances`: Machines), the names of its other
+        resources (`others`) and their tags (`tags`), for everything tagged gpuflow's."""
+
+    def hourly(self, machine: Machine) -> float:
+        """What an instance costs an hour at most (on-demand), 0 where unknown."""
+        return 0.0
+
+    # -- failures ----------------------------------------------------------------------
+
+    @abstractmethod
+    def error(self, exc: Exception, doing: str) -> InvalidSpec | Unreachable:
+        """What went wrong talking to the cloud, as one sentence with its real cause."""
