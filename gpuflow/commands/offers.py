@@ -1,7 +1,8 @@
 """`gpuflow offers JOB.yaml`: what each candidate of the job's placement could give it now,
 side by side (GPUs free now, $/h, the job's cost for limits.max_duration, whether it could
-start now and why not), in the order the placement policy would try them. A single EC2
-placement gets EC2's own ranking (types, zones, markets). Makes and launches nothing."""
+start now and why not), in the order the placement policy would try them. A single
+placement on a cloud's instances (EC2, Alibaba Cloud) gets the cloud's own ranking (types,
+zones, markets, prices in the cloud's currency and in USD). Makes and launches nothing."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def add(commands: Any) -> list[tuple[str, str]]:
         "offers",
         description="Show what each candidate of JOB.yaml's placement could give it now (GPUs"
         " free, $/h, the job's cost, can it start now and why not), in the order the placement"
-        " policy tries them; for one EC2 placement, EC2's ranked types, zones and markets."
+        " policy tries them; for one placement on a cloud's instances (ec2, alibaba), its ranked"
+        " types, zones and markets, priced in its currency and in USD."
         " Nothing is made or launched.",
     )
     offers_parser.add_argument("job", help="path of a job spec (YAML or JSON)")
@@ -38,7 +40,7 @@ def offers(path: str, top: int = 15, as_json: bool = False) -> int:
         spec = load_job_spec(path)
     except InvalidSpec as exc:
         return invalid(exc)
-    show = _print if spec.placement.backend == "ec2" and not spec.candidates else _print_pool
+    show = _print if _rents_instances(spec) and not spec.candidates else _print_pool
     if not placement.needs_api(spec):
         return show(spec, top, as_json)
     return session.with_api(lambda api: show(spec, top, as_json))
@@ -96,14 +98,27 @@ def _print_pool(spec: Any, top: int, as_json: bool) -> int:
     return EXIT_OK
 
 
-def _print(spec: Any, top: int, as_json: bool) -> int:
-    from gpuflow.tasks import placement
-    from gpuflow.tasks.backends.ec2.catalog import find_offers
+def _rents_instances(spec: Any) -> bool:
+    from gpuflow.tasks.backends.instances.backend import InstanceBackend
+    from gpuflow.tasks.backends.registry import backend_class
     from gpuflow.tasks.errors import InvalidSpec
 
     try:
+        return issubclass(backend_class(spec.placement.backend), InstanceBackend)
+    except InvalidSpec:
+        return False
+
+
+def _print(spec: Any, top: int, as_json: bool) -> int:
+    from gpuflow.tasks import placement
+    from gpuflow.tasks.backends.registry import get_backend
+    from gpuflow.tasks.errors import InvalidSpec
+
+    backend = get_backend(spec.placement.backend, spec.placement)
+    try:
         _, prices = placement.resolve(spec)
-        fleet, found = find_offers(spec, prices)
+        found = backend.ranked(spec, prices)  # type: ignore[attr-defined]
+        region = backend.settings.region  # type: ignore[attr-defined]
     except InvalidSpec as exc:
         return invalid(exc)
     if as_json:
@@ -111,19 +126,29 @@ def _print(spec: Any, top: int, as_json: bool) -> int:
         return EXIT_OK
     nodes, hours = spec.resources.nodes, spec.limits.max_duration / 3600
     each = f"{nodes} x " if nodes > 1 else ""
+    currency = found[0].currency if found else "USD"
     print(
-        f"{len(found)} offers in {fleet.region} for {each}{spec.resources.gpus} GPU(s)"
+        f"{len(found)} offers on {spec.placement.backend} in {region} for {each}"
+        f"{spec.resources.gpus} GPU(s)"
         f"{' of ' + spec.resources.gpu_product if spec.resources.gpu_product else ''},"
         f" {spec.placement.market}; job cost for limits.max_duration ({hours:g} h):"
     )
+    own = f"{currency}/h" if currency != "USD" else ""
     print(
-        f"  {'#':>2}  {'instance type':16} {'zone':12} {'market':9} {'GPUs':18} {'$/h':>9} {'job $':>10}"
+        f"  {'#':>2}  {'instance type':22} {'zone':14} {'market':9} {'GPUs':18} {own:>9}"
+        f" {'$/h':>9} {'job $':>10}"
     )
     for rank, offer in enumerate(found[:top], start=1):
         gpus = f"{offer.gpus} x {offer.product}"
+        local = f"{(offer.hourly_price or 0) * nodes:>9.2f}" if own else f"{'':>9}"
         print(
-            f"  {rank:>2}  {offer.instance_type:16} {offer.zone:12} {offer.market:9}"
-            f" {gpus[:18]:18} {offer.hourly_usd * nodes:>9.3f} {offer.job_usd:>10.2f}"
+            f"  {rank:>2}  {offer.instance_type[:22]:22} {offer.zone[:14]:14} {offer.market:9}"
+            f" {gpus[:18]:18} {local} {offer.hourly_usd * nodes:>9.3f} {offer.job_usd:>10.2f}"
+        )
+    if own:
+        rate = prices.usd_rate(currency)
+        print(
+            f"  prices in {currency}, in USD at {rate:g} USD per {currency} (the price table's rate)"
         )
     if len(found) > top:
         print(f"  ... {len(found) - top} more (--top N, or --json for all)")

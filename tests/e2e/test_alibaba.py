@@ -147,3 +147,215 @@ def oss(s3_server):
         aws_access_key_id=s3_server.key_id,
         aws_secret_access_key=s3_server.secret,
     )
+
+
+@pytest.mark.parametrize(
+    ("fleet", "job", "expected"),
+    [
+        (
+            {"region": "cn-hangzou"},
+            {},
+            "EcsGpuFleet 'gpuflow-test-bad' region: 'cn-hangzou' is not an Alibaba Cloud"
+            " region; use one such as cn-hangzhou",
+        ),
+        (
+            {"vswitches": {"cn-hangzhou-x": "vsw-x"}},
+            {},
+            "EcsGpuFleet 'gpuflow-test-bad' vswitches: 'cn-hangzhou-x' is not a zone of"
+            " cn-hangzhou; zones there: cn-hangzhou-j, cn-hangzhou-i, cn-hangzhou-h.",
+        ),
+        (
+            {"families": ["ecs.g7"]},
+            {},
+            "EcsGpuFleet 'gpuflow-test-bad' families: ecs.g7 has no GPU instance type in"
+            " cn-hangzhou; GPU families there:",
+        ),
+        (
+            {"families": ["ecs.gn6x"]},
+            {},
+            "families: ecs.gn6x has no GPU instance type in cn-hangzhou; GPU families there:"
+            " ecs.gn6v, ecs.gn6i, ecs.gn7.",
+        ),
+        (
+            {},
+            {"resources": {"gpu_product": "H100"}},
+            "resources.gpu_product: no ECS instance type in cn-hangzhou (families ecs.gn6i,"
+            " ecs.gn7i) has NVIDIA-H100-80GB-HBM3; types there have NVIDIA-A10, Tesla-T4;",
+        ),
+        (
+            {},
+            {"placement": {"market": "spot", "spot_price_limit": 1.0}},
+            "placement.spot_price_limit: 1.00 CNY/h is below the spot price of every fitting"
+            " type (the lowest: ecs.gn6i-c4g1.xlarge in cn-hangzhou-i at 2.30 CNY/h);",
+        ),
+        (
+            {},
+            {"placement": {"price_table": None}},
+            "placement.price_table: ECS prices cn-hangzhou in CNY, and gpuflow compares, caps"
+            " (limits.max_cost_usd) and reports costs in USD; give the rate:",
+        ),
+        (
+            {},
+            {"limits": {"max_cost_usd": 0.1}},
+            "limits.max_cost_usd: $0.1 buys less than one hour of the cheapest fitting offer"
+            " (ecs.gn6i-c4g1.xlarge (1 x Tesla-T4) on-demand in cn-hangzhou-i: 11.50 CNY/h"
+            " ($1.610/h))",
+        ),
+        (
+            {"credentials": "gpuflow-test-aliyun-wrong"},
+            {},
+            "Alibaba Cloud ECS in cn-hangzhou refused the credentials from the"
+            " AlibabaCredentials block 'gpuflow-test-aliyun-wrong' (SignatureDoesNotMatch:"
+            " Specified signature is not matched with our calculation.)",
+        ),
+        (
+            {"ram_role": None},
+            {},
+            "EcsGpuFleet 'gpuflow-test-bad' ram_role: the instances' agent reads and writes"
+            " the control prefix and deletes its own instance with the instance's RAM role;",
+        ),
+    ],
+)
+def test_bad_input_is_one_sentence_and_nothing_is_made(
+    ecs, s3_server, tmp_path, capsys, monkeypatch, fleet, job, expected
+):
+    import yaml
+
+    from gpuflow.blocks import AlibabaCredentials, EcsGpuFleet
+    from gpuflow.cli import main
+    from tests.e2e.alibaba_bed import ECS_FLEET
+
+    monkeypatch.delenv("GPUFLOW_USD_PER_CNY", raising=False)
+    AlibabaCredentials(access_key_id=ecs.key_id, access_key_secret="not-the-secret").save(
+        "gpuflow-test-aliyun-wrong", overwrite=True
+    )
+    settings = EcsGpuFleet.load(ECS_FLEET).model_dump(exclude={"block_type_slug"}) | fleet
+    EcsGpuFleet(**settings).save("gpuflow-test-bad", overwrite=True)
+    raw = ecs_spec(["true"], placement={"block": "gpuflow-test-bad"})
+    for name, values in job.items():
+        raw[name] = {**raw[name], **values}
+    raw["placement"] = {k: v for k, v in raw["placement"].items() if v is not None}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    [said] = [line for line in err.splitlines() if line.startswith("gpuflow: ")]
+    assert said.startswith("gpuflow: invalid input: ") and expected in said, err
+    assert "Traceback" not in err and "not-the-secret" not in err
+    made = {"RunInstances", "CreateSecurityGroup"} & set(ecs.actions())
+    assert not made and not ecs.instances and not ecs.groups  # nothing launched or made
+
+
+def test_no_stock_moves_to_the_next_offer_and_no_quota_is_the_apis_sentence(
+    ecs, played_ecs, s3_server
+):
+    """The cheapest offer's zone ran out of stock since it was listed: the launch says so
+    and takes the next one. With no GPU quota left in the region, the run ends with ECS's own error, named,
+    and leaves nothing."""
+    from tests.e2e.helpers import logs_of
+
+    ecs.gone_at_launch.add(("ecs.gn6i-c4g1.xlarge", "cn-hangzhou-i"))
+    state, run_id = _run(ecs_spec([sys.executable, "-c", "print('in stock')"]))
+    assert state.is_completed(), f"{state.message}\n{played_ecs.consoles()}"
+    logs = "\n".join(logs_of(run_id))
+    assert (
+        "no ecs.gn6i-c4g1.xlarge (on-demand) in cn-hangzhou-i (OperationDenied.NoStock);"
+        " trying the next offer" in logs
+    )
+    assert "launched 1 x ecs.gn6i-c4g1.xlarge (on-demand) in cn-hangzhou-j" in logs
+    assert left_on_ecs(ecs, s3_server, run_id) == []
+
+    ecs.quota_left = 0
+    state, run_id = _run(ecs_spec(["true"]))
+    assert state.is_failed()
+    assert (
+        "Alibaba Cloud ECS in cn-hangzhou said QuotaExceed.PostPaidInstance (The GPU quota of"
+        " pay-as-you-go instances in the region is exceeded.) when asked for 1 x"
+        " ecs.gn6i-c4g1.xlarge: no quota left in the region;" in str(state.message)
+    )
+    assert left_on_ecs(ecs, s3_server, run_id) == []
+
+
+def test_an_orphaned_instance_deletes_itself_with_its_ram_role(ecs, played_ecs, s3_server):
+    """The orchestrator's heartbeat stops (its process is gone): after limits.orphan_after
+    the agent stops its unit and deletes its own instance through ECS's DeleteInstance,
+    signed with the RAM role's credentials from the metadata service, and says why."""
+    from gpuflow.tasks.backends.instances import backend as instances
+    from gpuflow.tasks.backends.registry import get_backend
+    from gpuflow.tasks.contract import owner_labels
+    from gpuflow.tasks.spec import load_spec
+
+    spec = load_spec(ecs_spec(["true"], limits={"orphan_after": "10s"}))
+    backend = get_backend("alibaba", spec.placement)
+    run_id = f"orphan-ecs-{time.monotonic_ns()}"
+    cluster = backend.provision(spec, owner_labels(run_id, spec.name))
+    try:
+        [instance] = [
+            n.instance_id for n in instances.state_of(cluster, instances.InstanceState).instances
+        ]
+        instances._heartbeats.pop(run_id).stop()  # the orchestrator is gone
+        until = time.monotonic() + 90
+        while instance in ecs.instances:
+            assert time.monotonic() < until, played_ecs.consoles()
+            time.sleep(0.2)
+        [deleted] = [q for a, q in ecs.calls if a == "DeleteInstance"]
+        assert deleted["InstanceId"] == instance and deleted["Force"].lower() == "true"
+        gone = json.loads(
+            oss(s3_server)
+            .get_object(Bucket=s3_server.bucket, Key=f"control-ecs/{run_id}/gone/{instance}")[
+                "Body"
+            ]
+            .read()
+        )
+        assert gone["why"].startswith("the orchestrator's heartbeat has not changed for")
+    finally:
+        backend.teardown(cluster)
+    assert left_on_ecs(ecs, s3_server, run_id) == []
+
+
+def test_offers_for_one_job_across_aws_and_alibaba_keep_their_currency(aws, ecs, capsys, tmp_path):
+    """`gpuflow offers` ranks EC2's and ECS's offers for one job side by side in USD, each
+    ECS offer with its CNY price; for the Alibaba placement alone, ECS's own table in CNY
+    and USD with the rate it used."""
+    import yaml
+
+    from gpuflow.cli import main
+    from tests.e2e.conftest import FLEET
+    from tests.e2e.test_ec2 import spec as ec2_spec
+
+    ecs_place = ecs_spec(["true"])["placement"]
+    ec2_place = ec2_spec(["true"])["placement"] | {"block": FLEET}
+    raw = {
+        "name": "offers-across-clouds",
+        "job": {"kind": "command", "command": ["true"]},
+        "resources": {"gpus": 1},
+        "limits": {"max_duration": "2h"},
+        "placement": [ec2_place, ecs_place],
+        "placement_policy": {"choose": "cheapest"},
+    }
+    path = tmp_path / "pool.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["offers", str(path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    clouds = {row["where"].split("/")[0] for row in rows}
+    assert clouds == {"ec2", "alibaba"}
+    cny = [row for row in rows if row["where"].startswith("alibaba/")]
+    assert all(" CNY/h)" in row["where"] for row in cny)
+    cheapest_t4 = next(r for r in cny if "ecs.gn6i-c4g1.xlarge on-demand" in r["where"])
+    assert "(11.50 CNY/h)" in cheapest_t4["where"]
+    assert cheapest_t4["hourly_usd"] == pytest.approx(11.50 * 0.14)  # the table's rate
+    # ranked in USD: an L4 on EC2 at $0.805/h before a T4 on ECS at 11.50 CNY/h
+    assert rows[0]["where"].startswith("ec2/") and rows[0]["hourly_usd"] < 1.61
+
+    raw["placement"] = ecs_place
+    del raw["placement_policy"]
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["offers", str(path)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("8 offers on alibaba in cn-hangzhou for 1 GPU(s), on-demand")
+    assert "CNY/h" in table[1] and "$/h" in table[1]
+    assert table[2].split()[1:7] == [
+        "ecs.gn6i-c4g1.xlarge", "cn-hangzhou-i", "on-demand", "1", "x", "Tesla-T4",
+    ]  # fmt: skip
+    assert table[2].split()[7:9] == ["11.50", "1.610"]
+    assert "  prices in CNY, in USD at 0.14 USD per CNY (the price table's rate)" in table

@@ -21,7 +21,8 @@ The calls: DescribeRegions, DescribeInstanceTypes, DescribeAvailableResource,
 DescribePrice, DescribeSpotPriceHistory, RunInstances, DescribeInstances, DeleteInstances,
 DeleteInstance, CreateSecurityGroup, AuthorizeSecurityGroup, DescribeSecurityGroups,
 DeleteSecurityGroup. The errors it gives besides those above: OperationDenied.NoStock for
-a (type, zone) set out of stock (`no_stock`), QuotaExceed.PostPaidInstance once
+a (type, zone) set out of stock (`no_stock`, also listed so; `gone_at_launch`, listed with
+stock), QuotaExceed.PostPaidInstance once
 `quota_left` GPUs are used, InvalidSpotPriceLimit.LowerThanPublicPrice for a limit under
 the spot price, DependencyViolation for a security group an instance still holds.
 
@@ -116,6 +117,8 @@ class FakeEcs:
         self.groups: dict[str, dict[str, Any]] = {}
         self.calls: list[tuple[str, dict[str, str]]] = []
         self.no_stock: set[tuple[str, str]] = set()  # (type, zone) with none left
+        # (type, zone) listed with stock that is gone when an instance is asked for
+        self.gone_at_launch: set[tuple[str, str]] = set()
         self.quota_left: int | None = None  # GPUs the account may still start
         self.on_launch: Callable[[dict[str, Any]], None] = lambda _i: None
         self.on_delete: Callable[[dict[str, Any]], None] = lambda _i: None
@@ -422,7 +425,7 @@ class FakeEcs:
             )
         if zone not in ZONES:
             raise Refused(400, "InvalidZoneId.NotFound", "The specified ZoneId does not exist.")
-        if (name, zone) in self.no_stock:
+        if (name, zone) in self.no_stock | self.gone_at_launch:
             raise Refused(
                 403,
                 "OperationDenied.NoStock",

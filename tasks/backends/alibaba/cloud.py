@@ -139,7 +139,9 @@ class AlibabaCloud(Cloud):
             self._region()
             types = self._gpu_types()
             wanted = self._wanted(ask, types)
-            zones = self._zones([t.instance_type for t in wanted], ask.placement.market)
+            zones, region_zones = self._zones(
+                [t.instance_type for t in wanted], ask.placement.market
+            )
             on_demand, currency = self._prices(wanted, zones)
             spot = {}
             if ask.placement.market != "on-demand":
@@ -149,32 +151,24 @@ class AlibabaCloud(Cloud):
         except Exception as exc:
             raise self.error(exc, "list GPU instance types") from None
         fleet = self.settings
-        if fleet.families and not types:
-            raise InvalidSpec(
-                f"{fleet.field('families')}: {', '.join(fleet.families)} hold no GPU instance"
-                f" type in {fleet.region}; name GPU families such as ecs.gn6i, ecs.gn7i, ecs.gn7."
-            )
-        self._check_zones(zones)
+        self._check_zones(region_zones)
         catalog = Catalog(types=types, zones=zones, spot=spot, on_demand=on_demand)
         return rank(ask, catalog, prices, fleet, BACKEND, currency, label=self.label)
 
     def _gpu_types(self) -> list[GpuType]:
-        """Every instance type with whole GPUs (of the fleet's families, when given)."""
-        families = {f.lower() for f in self.settings.families}
-        found: list[GpuType] = []
+        """Every instance type with whole GPUs of the fleet's families (every family when
+        none is named); InvalidSpec naming the GPU families there for a family with none."""
+        found: dict[str, list[GpuType]] = {}
         token = None
         while True:
             body = self._call("DescribeInstanceTypes", max_results=100, next_token=token)
             for item in body.instance_types.instance_type or []:
-                family = (item.instance_type_family or "").lower()
                 gpus = int(item.gpuamount or 0)
                 spec = (item.gpuspec or "").strip()
                 if gpus < 1 or not spec or "/" in spec:  # none, or a slice of one (vGPU)
                     continue
-                if families and family not in families:
-                    continue
                 memory_gib = float(item.gpumemory_size or 0)
-                found.append(
+                found.setdefault((item.instance_type_family or "").lower(), []).append(
                     GpuType(
                         instance_type=item.instance_type_id,
                         product=product_named(spec, int(memory_gib * 1024)),
@@ -186,7 +180,16 @@ class AlibabaCloud(Cloud):
                 )
             token = body.next_token
             if not token:
-                return found
+                break
+        fleet = self.settings
+        wanted = [f.lower() for f in fleet.families] or list(found)
+        stray = [f for f in wanted if f not in found]
+        if stray:
+            raise InvalidSpec(
+                f"{fleet.field('families')}: {', '.join(stray)} has no GPU instance type in"
+                f" {fleet.region}; GPU families there: {nearest(stray[0], sorted(found))}."
+            )
+        return [t for family in wanted for t in found[family]]
 
     def _wanted(self, ask: Ask, types: list[GpuType]) -> list[GpuType]:
         """The types worth pricing for `ask` (each price is a call)."""
@@ -202,10 +205,9 @@ class AlibabaCloud(Cloud):
         ]
         return fits
 
-    def _zones(self, types: list[str], market: str) -> dict[str, list[str]]:
-        """Instance type -> the zones of the region with stock of it (and a vSwitch)."""
-        if not types:
-            return {}
+    def _zones(self, types: list[str], market: str) -> tuple[dict[str, list[str]], list[str]]:
+        """Instance type -> the zones of the region with stock of it (and a vSwitch); and
+        every zone of the region."""
         strategy = "NoSpot" if market == "on-demand" else "SpotAsPriceGo"
         body = self._call(
             "DescribeAvailableResource",
@@ -215,6 +217,7 @@ class AlibabaCloud(Cloud):
         )
         wanted, zones = set(types), dict[str, list[str]]()
         switched = set(self.settings.vswitches)
+        every = [zone.zone_id for zone in body.available_zones.available_zone or []]
         for zone in body.available_zones.available_zone or []:
             if switched and zone.zone_id not in switched:
                 continue
@@ -223,7 +226,7 @@ class AlibabaCloud(Cloud):
                     stocked = item.status_category in ("WithStock", "ClosedWithStock")
                     if item.value in wanted and stocked:
                         zones.setdefault(item.value, []).append(zone.zone_id)
-        return {t: sorted(z) for t, z in zones.items()}
+        return {t: sorted(z) for t, z in zones.items()}, every
 
     def _prices(
         self, types: list[GpuType], zones: dict[str, list[str]]
@@ -265,12 +268,21 @@ class AlibabaCloud(Cloud):
                         latest[where] = (item.timestamp, float(item.spot_price))
         return {where: price for where, (_, price) in latest.items()}
 
-    def _check_zones(self, zones: dict[str, list[str]]) -> None:
+    def _check_zones(self, known: list[str]) -> None:
+        """InvalidSpec for a zone the block names that the region does not have (with the
+        nearest names), or one it would launch in without a vSwitch."""
         fleet = self.settings
-        stray = [z for z in fleet.zones if z not in fleet.vswitches] if fleet.vswitches else []
-        if stray:
+        for setting, named in (("vswitches", list(fleet.vswitches)), ("zones", fleet.zones)):
+            stray = [z for z in named if z not in known]
+            if stray and known:
+                raise InvalidSpec(
+                    f"{fleet.field(setting)}: {stray[0]!r} is not a zone of {fleet.region};"
+                    f" zones there: {nearest(stray[0], known)}."
+                )
+        unswitched = [z for z in fleet.zones if z not in fleet.vswitches]
+        if unswitched and fleet.vswitches:
             raise InvalidSpec(
-                f"{fleet.field('zones')}: {', '.join(stray)} has no vSwitch in"
+                f"{fleet.field('zones')}: {', '.join(unswitched)} has no vSwitch in"
                 f" {fleet.field('vswitches')} (zones that do: {', '.join(sorted(fleet.vswitches))});"
                 " add one or remove the zone."
             )

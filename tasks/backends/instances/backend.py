@@ -44,7 +44,7 @@ from gpuflow.tasks.backends import imaging
 from gpuflow.tasks.backends.base import LogTail, UnitBackend, join_samples, say_in_run
 from gpuflow.tasks.backends.instances import reap as reaping
 from gpuflow.tasks.backends.instances.agent import PYTHON, AgentConfig, UnitSpec
-from gpuflow.tasks.backends.instances.catalog import CloudSettings, Offer
+from gpuflow.tasks.backends.instances.catalog import CloudSettings, Offer, money
 from gpuflow.tasks.backends.instances.cloud import Boot, Cloud, Machine
 from gpuflow.tasks.backends.instances.mailbox import HEARTBEAT, Mailbox, unit_key
 from gpuflow.tasks.backends.instances.placement import Ask, InstancePlacement
@@ -250,14 +250,16 @@ class InstanceBackend(UnitBackend):
         """Return the spec and prices as they are: this backend reads its block itself."""
         return spec, prices
 
-    def _find(self, spec: JobSpec | Ask, prices: PriceTable) -> list[Offer]:
+    def ranked(self, spec: JobSpec | Ask, prices: PriceTable) -> list[Offer]:
+        """The cloud's offers for `spec` (a spec, or what a cluster keeps of it), in the
+        order a launch tries them, priced in its currency and in USD (nothing launched)."""
         ask = spec if isinstance(spec, Ask) else self.ask_model.of(spec, prices)
         return self.cloud.find_offers(ask, prices)
 
     def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
         settings = self.fleet()
         _, prices = resolve(spec)
-        self._find(spec, prices)  # region, product, budget, credentials: said here
+        self.ranked(spec, prices)  # region, product, budget, credentials: said here
         bucket = (settings.control_prefix or "").removeprefix("s3://").split("/")[0]
         try:
             self.cloud.storage().head_bucket(Bucket=bucket)
@@ -268,12 +270,17 @@ class InstanceBackend(UnitBackend):
         """Return the ranked offers (spot and on-demand, cheapest first, the order a launch
         tries them), each priced for every node. Whether a zone has the capacity is known
         only when a launch asks: every offer says it can start."""
-        found = self._find(spec, prices)
+        found = self.ranked(spec, prices)
         nodes = spec.resources.nodes
         where = f"{self.name}/{self.settings.name or 'default'}"
         return [
             contract.Offer(
-                where=f"{where} {o.instance_type} {o.market} in {o.zone}",
+                where=f"{where} {o.instance_type} {o.market} in {o.zone}"
+                + (
+                    f" ({money(o.hourly_price * nodes, o.currency)}/h)"
+                    if o.hourly_price and o.currency != "USD"
+                    else ""
+                ),
                 gpu_product=o.product,
                 hourly_usd=o.hourly_usd * nodes,
                 can_start=True,
@@ -437,7 +444,7 @@ class InstanceBackend(UnitBackend):
     def _offers(self, ask: Ask, losses: int) -> list[Offer]:
         """Return what to launch from (after `losses` spot interruptions, on-demand only
         where the placement says so)."""
-        offers = self._find(ask, prices_for(ask.placement))
+        offers = self.ranked(ask, prices_for(ask.placement))
         market, after = ask.placement.market, ask.placement.on_demand_after
         if market == "spot-then-on-demand" and losses >= after:
             _say(
