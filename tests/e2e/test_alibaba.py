@@ -359,3 +359,55 @@ def test_offers_for_one_job_across_aws_and_alibaba_keep_their_currency(aws, ecs,
     ]  # fmt: skip
     assert table[2].split()[7:9] == ["11.50", "1.610"]
     assert "  prices in CNY, in USD at 0.14 USD per CNY (the price table's rate)" in table
+
+
+def test_a_job_preempted_on_alibaba_resumes_on_aws_from_its_checkpoint(
+    aws, played, ecs, played_ecs, s3_server
+):
+    """One pool run: a preemptible ECS instance first, EC2 next. ECS gives the instance
+    its termination time once the job is counting; the job saves its step to object
+    storage and exits 75; the run moves to EC2 and the job goes on there from that step.
+    Neither cloud keeps anything of the run."""
+    import threading
+
+    from tests.e2e.conftest import FLEET
+    from tests.e2e.helpers import logs_of
+    from tests.e2e.test_ec2 import left_of
+    from tests.e2e.test_ec2 import spec as ec2_spec
+
+    key = f"ckpt/{time.monotonic_ns()}"
+    command = [sys.executable, "-c", COUNTER, s3_server.bucket, key]
+    raw = ecs_spec(command, placement={"market": "spot"}, limits={"stop_grace_s": 20})
+    raw["placement"] = [raw["placement"], ec2_spec(command)["placement"] | {"block": FLEET}]
+    raw["resources"] = {"gpus": 1}
+    raw["placement_policy"] = {"choose": "in-order"}
+    s3 = oss(s3_server)
+    interrupted: list[str] = []
+
+    def reclaim() -> None:
+        until = time.monotonic() + 180
+        while time.monotonic() < until and not interrupted:
+            listed = s3.list_objects_v2(Bucket=s3_server.bucket, Prefix="control-ecs/")
+            for item in list(ecs.instances.values()):
+                key_part = f"/nodes/{item['InstanceId']}/units/"
+                if any(
+                    key_part in o["Key"] and "/log/" in o["Key"] for o in listed.get("Contents", [])
+                ):
+                    interrupted.append(item["InstanceId"])
+                    ecs.interrupt(item["InstanceId"], warning_s=10)
+                    break
+            time.sleep(0.2)
+
+    threading.Thread(target=reclaim, daemon=True).start()
+    state, run_id = _run(raw)
+    assert state.is_completed(), f"{state.message}\n{played_ecs.consoles()}"
+    assert len(interrupted) == 1
+    logs = "\n".join(logs_of(run_id))
+    saved = int(logs.split("saved at step ")[1].split()[0])
+    assert saved > 0 and f"done at step 40 resumed from {saved}" in logs
+    assert [a for a in ecs.actions() if a == "RunInstances"] == ["RunInstances"]
+    [ec2_instance] = played.instances.values()  # the job ended on EC2
+    assert f"agent on {ec2_instance.id}: ready" in logs
+    assert state.result().cluster.backend == "ec2"
+    assert left_on_ecs(ecs, s3_server, run_id) == []
+    assert not any(left_of(aws, s3_server, run_id).values())
