@@ -13,6 +13,7 @@ from gpuflow.blocks.local_host import LocalGpuHost
 from gpuflow.blocks.prices import GpuPriceTable
 from gpuflow.blocks.registry_credentials import RegistryCredentials
 from gpuflow.blocks.slurm_cluster import SlurmCluster
+from gpuflow.blocks.tencent import CvmGpuFleet, TencentCredentials
 
 # the Kubernetes pool's block holds prefect-kubernetes' cluster config: gpuflow[kubernetes]
 if find_spec("prefect_kubernetes") is not None:
@@ -20,6 +21,7 @@ if find_spec("prefect_kubernetes") is not None:
 
 __all__ = [
     "AlibabaCredentials",
+    "CvmGpuFleet",
     "Ec2GpuFleet",
     "EcsGpuFleet",
     "GpuFleet",
@@ -28,4 +30,5 @@ __all__ = [
     "LocalGpuHost",
     "RegistryCredentials",
     "SlurmCluster",
+    "TencentCredentials",
 ]

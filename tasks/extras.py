@@ -15,6 +15,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "train": ("torch", "webdataset"),
     "aws": ("boto3", "prefect_aws"),
     "alibaba": ("alibabacloud_ecs20140526", "boto3"),
+    "tencent": ("tencentcloud", "boto3"),
     "kubernetes": ("prefect_kubernetes",),
     "hpc": ("mpi4py", "torch"),
     "stream": ("av",),

@@ -225,13 +225,13 @@ class Placement(SpecModel):
     # a registered backend's name; the pipeline refuses others before provisioning
     backend: str = Field(
         "local",
-        description="Where the job runs: local, kubernetes, ec2, slurm, fleet, alibaba.",
+        description="Where the job runs: local, kubernetes, ec2, slurm, fleet, alibaba, tencent.",
     )
     block: str | None = Field(
         None,
         description="Name of the block to read settings from: a LocalGpuHost (local), a"
         " KubernetesGpuPool (kubernetes), an Ec2GpuFleet (ec2), a SlurmCluster (slurm) or an"
-        " EcsGpuFleet (alibaba).",
+        " EcsGpuFleet (alibaba) or a CvmGpuFleet (tencent).",
     )
     price_table: str | None = Field(
         None, description="Name of a GpuPriceTable block whose prices cost reports use."

@@ -14,6 +14,7 @@ from gpuflow.tasks.backends.fleet.backend import FleetBackend
 from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
 from gpuflow.tasks.backends.local.backend import LocalBackend
 from gpuflow.tasks.backends.slurm.backend import SlurmBackend
+from gpuflow.tasks.backends.tencent.backend import TencentBackend
 from gpuflow.tasks.contract import Cluster
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.metrics.cost import add_list_prices, remove_list_prices
@@ -28,6 +29,7 @@ _BUILT_IN_CLASSES = (
     SlurmBackend,
     FleetBackend,
     AlibabaBackend,
+    TencentBackend,
 )
 BUILT_IN = tuple(b.name for b in _BUILT_IN_CLASSES)
 

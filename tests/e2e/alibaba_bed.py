@@ -41,10 +41,14 @@ INSTALL = (
 
 
 class PlayedEcs:
-    """Boots the instances `fake` launches; powers off those it deletes."""
+    """Boots the instances `fake` (ECS's, or another cloud's fake with the same hooks)
+    launches; powers off those it deletes. `metadata` names the variable that points the
+    agent at the instance's metadata service."""
 
-    def __init__(self, fake: FakeEcs, root: Path) -> None:
-        self.fake, self.root = fake, root
+    def __init__(
+        self, fake: Any, root: Path, metadata: str = "GPUFLOW_ECS_METADATA_ENDPOINT"
+    ) -> None:
+        self.fake, self.root, self.metadata = fake, root, metadata
         self.booted: dict[str, subprocess.Popen] = {}
         self.lock = threading.Lock()
 
@@ -66,7 +70,7 @@ class PlayedEcs:
         """Every instance's console, for a failing test's message."""
         return "\n".join(
             f"--- {folder.name}\n{self.console(folder.name)}"
-            for folder in sorted(self.root.glob("i-*"))
+            for folder in sorted(self.root.iterdir())
         )
 
     def _boot(self, instance: dict[str, Any]) -> None:
@@ -79,7 +83,7 @@ class PlayedEcs:
         env = {
             "PATH": os.environ["PATH"],
             "HOME": str(folder),
-            "GPUFLOW_ECS_METADATA_ENDPOINT": self.fake.metadata_url(instance["InstanceId"]),
+            self.metadata: self.fake.metadata_url(instance["InstanceId"]),
         }
         process = subprocess.Popen(
             ["bash", str(folder / "user-data")],

@@ -16,7 +16,10 @@ from gpuflow.tasks.backends.kubernetes.kubeapi import KubeApi, load_config
 from tests.conftest import save_aws_block
 from tests.e2e.alibaba_bed import PlayedEcs, save_blocks
 from tests.e2e.instances import PlayedInstances
+from tests.e2e.tencent_bed import METADATA as CVM_METADATA
+from tests.e2e.tencent_bed import save_blocks as save_cvm_blocks
 from tests.fakes.alibaba_ecs import FakeEcs
+from tests.fakes.tencent_cvm import FakeCvm
 
 ROOT = Path(__file__).resolve().parents[2]
 FLEET = "gpuflow-test-fleet"
@@ -153,4 +156,21 @@ def ecs(s3_server, prefect_api, gpuflow_home, monkeypatch) -> Iterator[FakeEcs]:
 @pytest.fixture
 def played_ecs(ecs, tmp_path) -> Iterator[PlayedEcs]:
     with PlayedEcs(ecs, tmp_path / "instances") as played:
+        yield played
+
+
+@pytest.fixture
+def cvm(s3_server, prefect_api, gpuflow_home, monkeypatch) -> Iterator[FakeCvm]:
+    """The fake CVM (the account's keys are the S3 server's: COS and CVM take the same
+    key) and the test's blocks."""
+    for name in ("TENCENTCLOUD_SECRET_ID", "TENCENTCLOUD_SECRET_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    with FakeCvm(s3_server.key_id, s3_server.secret) as fake:
+        save_cvm_blocks(fake, s3_server)
+        yield fake
+
+
+@pytest.fixture
+def played_cvm(cvm, tmp_path) -> Iterator[PlayedEcs]:
+    with PlayedEcs(cvm, tmp_path / "cvm-instances", CVM_METADATA) as played:
         yield played

@@ -1,7 +1,7 @@
 """The backend contract: every backend passes the same tests through the same verbs —
 local; Kubernetes on the test cluster (pods run by a played kubelet); EC2 on moto with its
-instances booted here; Alibaba Cloud ECS on its fake (tests/fakes/alibaba_ecs.py) with its
-instances booted here; Slurm on the Slurm test cluster (scripts/slurm-testbed.sh); a fleet
+instances booted here; Alibaba Cloud ECS and Tencent Cloud CVM on their fakes
+(tests/fakes/alibaba_ecs.py, tencent_cvm.py) with their instances booted here; Slurm on the Slurm test cluster (scripts/slurm-testbed.sh); a fleet
 host (scripts/fleet-testbed.sh); and `toy`, a backend defined in the test suite
 (tests/e2e/toy_backend.py). A new backend proves itself by passing this suite:
 
@@ -217,6 +217,17 @@ def place(request, tmp_path, gpuflow_home, prefect_api) -> Iterator[Place]:
             return left_on_ecs(ecs, s3_server, run_id) + processes_of(run_id)
 
         yield Place(name, raw, left, env, orphan_after_s=13.0)
+    elif name == "tencent":
+        from tests.e2e.tencent_bed import cvm_spec, left_on_cvm
+
+        cvm, s3_server = request.getfixturevalue("cvm"), request.getfixturevalue("s3_server")
+        request.getfixturevalue("played_cvm")  # boots the instances gpuflow launches, here
+        raw = cvm_spec(["true"], limits={"orphan_after": "12s", "stop_grace_s": 20})
+
+        def left(run_id: str) -> list[str]:
+            return left_on_cvm(cvm, s3_server, run_id) + processes_of(run_id)
+
+        yield Place(name, raw, left, env, orphan_after_s=13.0)
     else:
         pytest.fail(f"the registered backend {name!r} has no test bed here: give it one")
 
@@ -410,7 +421,7 @@ def test_an_unknown_backend_is_refused_by_name_before_anything_is_made():
     spec = load_spec(
         {"job": {"kind": "command", "command": ["true"]}, "placement": {"backend": "nomad"}}
     )
-    known = "local, kubernetes, ec2, slurm, fleet, alibaba, toy"
+    known = "local, kubernetes, ec2, slurm, fleet, alibaba, tencent, toy"
     with pytest.raises(
         InvalidSpec, match=f"placement.backend: 'nomad' is not a backend; use one of: {known}"
     ):

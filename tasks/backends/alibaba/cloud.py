@@ -23,14 +23,8 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from gpuflow.tasks.backends.alibaba.settings import (
-    EcsFleet,
-    ecs_client,
-    ecs_error,
-    nearest,
-    oss_client,
-)
-from gpuflow.tasks.backends.instances.catalog import Catalog, GpuType, Offer, key, rank
+from gpuflow.tasks.backends.alibaba.settings import EcsFleet, ecs_client, ecs_error, oss_client
+from gpuflow.tasks.backends.instances.catalog import Catalog, GpuType, Offer, key, nearest, rank
 from gpuflow.tasks.backends.instances.cloud import (
     LIVE,
     Boot,

@@ -3,13 +3,12 @@ credentials, and the clients of ECS and of OSS (its S3-compatible API) they make
 
 from __future__ import annotations
 
-import difflib
-import ipaddress
 import os
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from gpuflow.tasks.backends.instances.catalog import CloudSettings
+from gpuflow.tasks.backends.instances.mailbox import s3_compatible
 from gpuflow.tasks.errors import InvalidSpec, Unreachable
 from gpuflow.tasks.saved_blocks import load_block
 
@@ -131,26 +130,8 @@ def ecs_client(
 
 
 def oss_client(url: str, region: str, keys: tuple[str, str, str | None]) -> Any:
-    """A boto3 client of OSS's S3-compatible API at `url` (virtual-hosted addressing, as
-    OSS requires, except on an address or localhost)."""
-    import boto3
-    from botocore.config import Config
-
-    host = urlsplit(url).hostname or ""
-    local = host == "localhost" or _is_address(host)
-    key, secret, token = keys
-    return boto3.client(
-        "s3",
-        endpoint_url=url,
-        region_name=region,
-        aws_access_key_id=key,
-        aws_secret_access_key=secret,
-        aws_session_token=token,
-        config=Config(
-            s3={"addressing_style": "path" if local else "virtual"},
-            retries={"max_attempts": 5, "mode": "standard"},
-        ),
-    )
+    """A boto3 client of OSS's S3-compatible API at `url`."""
+    return s3_compatible(url, region, keys)
 
 
 def ecs_error(exc: Exception, fleet: EcsFleet, doing: str) -> InvalidSpec | Unreachable:
@@ -193,22 +174,8 @@ def ecs_error(exc: Exception, fleet: EcsFleet, doing: str) -> InvalidSpec | Unre
     return InvalidSpec(f"{where} could not {doing}: {type(exc).__name__}: {exc}.")
 
 
-def nearest(name: str, known: list[str]) -> str:
-    """`known` names close to `name`, for a sentence."""
-    close = difflib.get_close_matches(name, known, n=3, cutoff=0.4) or sorted(known)[:4]
-    return ", ".join(close)
-
-
 def _host_and_protocol(endpoint: str) -> tuple[str, str]:
     if "://" in endpoint:
         parts = urlsplit(endpoint)
         return parts.netloc, parts.scheme
     return endpoint, "https"
-
-
-def _is_address(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True

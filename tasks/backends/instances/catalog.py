@@ -10,6 +10,7 @@ setting and the fix.
 
 from __future__ import annotations
 
+import difflib
 from typing import ClassVar
 
 from pydantic import BaseModel
@@ -253,3 +254,9 @@ def _nothing_fits(
         f"resources: no {product or 'GPU'} type in {where} has {res.gpus} GPUs with"
         f" {res.cpu or 'any'} vCPUs and {(res.memory or 0) / 2**30:g} GiB of memory; ask for less."
     )
+
+
+def nearest(name: str, known: list[str]) -> str:
+    """`known` names close to `name`, for a sentence."""
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.4) or sorted(known)[:4]
+    return ", ".join(close)

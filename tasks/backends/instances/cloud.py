@@ -108,7 +108,7 @@ class Cloud(ABC):
 
     backend: ClassVar[str]  # the backend's name: placement.backend
     label: ClassVar[str]  # its instances' name in sentences: EC2, ECS, CVM
-    currency: ClassVar[str] = "USD"  # of its prices
+    currency: str = "USD"  # of its prices (a provider may set it per account)
     agent_module: ClassVar[str]  # `python -m` this on an instance starts the agent
     console_hint: ClassVar[str]  # how a user reads an instance's boot output
 

@@ -18,8 +18,10 @@ Every object is small JSON or text; the keys alone say where a run stands.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from typing import Any
+from urllib.parse import urlsplit
 
 HEARTBEAT = "heartbeat"
 
@@ -94,3 +96,35 @@ def unit_key(instance: str, unit: str, leaf: str = "") -> str:
 
 def log_key(instance: str, unit: str, seq: int) -> str:
     return unit_key(instance, unit, f"log/{seq:08d}")
+
+
+def s3_compatible(url: str, region: str, keys: tuple[str, str, str | None]) -> Any:
+    """A boto3 client of an S3-compatible object store at `url` (OSS, COS) signing for
+    `region`: virtual-hosted addressing, as they require, except on an address or
+    localhost."""
+    import boto3
+    from botocore.config import Config
+
+    host = urlsplit(url).hostname or ""
+    local = host == "localhost" or _is_address(host)
+    key, secret, token = keys
+    return boto3.client(
+        "s3",
+        endpoint_url=url,
+        region_name=region,
+        aws_access_key_id=key,
+        aws_secret_access_key=secret,
+        aws_session_token=token or None,
+        config=Config(
+            s3={"addressing_style": "path" if local else "virtual"},
+            retries={"max_attempts": 5, "mode": "standard"},
+        ),
+    )
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
