@@ -160,7 +160,6 @@ def ecs_spec(command: list[str], **sections: Any) -> dict[str, Any]:
 
 def left_on_ecs(fake: FakeEcs, s3_server: Any, run_id: str) -> list[str]:
     """What ECS and OSS still hold of the run."""
-    import boto3
 
     instances = [
         f"instance {i['InstanceId']}"
@@ -172,6 +171,13 @@ def left_on_ecs(fake: FakeEcs, s3_server: Any, run_id: str) -> list[str]:
         for g in list(fake.groups.values())
         if g["Tags"].get("gpuflow.io/flow-run-id") == run_id
     ]
+    return instances + groups + objects_under(s3_server, f"control-ecs/{run_id}/")
+
+
+def objects_under(s3_server: Any, prefix: str) -> list[str]:
+    """The objects the S3 server (standing in for OSS and COS) holds under `prefix`."""
+    import boto3
+
     s3 = boto3.client(
         "s3",
         endpoint_url=s3_server.endpoint,
@@ -179,5 +185,23 @@ def left_on_ecs(fake: FakeEcs, s3_server: Any, run_id: str) -> list[str]:
         aws_access_key_id=s3_server.key_id,
         aws_secret_access_key=s3_server.secret,
     )
-    listed = s3.list_objects_v2(Bucket=s3_server.bucket, Prefix=f"control-ecs/{run_id}/")
-    return instances + groups + [f"object {o['Key']}" for o in listed.get("Contents", [])]
+    listed = s3.list_objects_v2(Bucket=s3_server.bucket, Prefix=prefix)
+    return [f"object {o['Key']}" for o in listed.get("Contents", [])]
+
+
+def refused_in_one_sentence(
+    capsys: Any, tmp_path: Path, raw: dict[str, Any], expected: str, hidden: str
+) -> None:
+    """`gpuflow run` on `raw` exits 2 with one sentence holding `expected`, no traceback
+    and nothing of `hidden` (a secret it was given)."""
+    import yaml
+
+    from gpuflow.cli import main
+
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    [said] = [line for line in err.splitlines() if line.startswith("gpuflow: ")]
+    assert said.startswith("gpuflow: invalid input: ") and expected in said, err
+    assert "Traceback" not in err and hidden not in err

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from tests.e2e.alibaba_bed import objects_under
 from tests.fakes.tencent_cvm import FakeCvm
 
 CVM_FLEET = "gpuflow-test-cvm"
@@ -66,19 +67,10 @@ def cvm_spec(command: list[str], **sections: Any) -> dict[str, Any]:
 
 def left_on_cvm(fake: FakeCvm, s3_server: Any, run_id: str) -> list[str]:
     """What CVM and COS still hold of the run."""
-    import boto3
 
     instances = [
         f"instance {i['InstanceId']}"
         for i in list(fake.instances.values())
         if i["Tags"].get("gpuflow.io/flow-run-id") == run_id
     ]
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=s3_server.endpoint,
-        region_name="us-east-1",
-        aws_access_key_id=s3_server.key_id,
-        aws_secret_access_key=s3_server.secret,
-    )
-    listed = s3.list_objects_v2(Bucket=s3_server.bucket, Prefix=f"control-cvm/{run_id}/")
-    return instances + [f"object {o['Key']}" for o in listed.get("Contents", [])]
+    return instances + objects_under(s3_server, f"control-cvm/{run_id}/")

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.e2e.alibaba_bed import ecs_spec, left_on_ecs
+from tests.e2e.alibaba_bed import ecs_spec, left_on_ecs, refused_in_one_sentence
 from tests.e2e.tencent_bed import CVM_FLEET, cvm_spec, left_on_cvm
 from tests.e2e.test_alibaba import COUNTER, HELLO, _run, oss
 
@@ -209,10 +209,8 @@ def test_offers_of_three_clouds_side_by_side(aws, ecs, cvm, capsys, tmp_path):
 def test_bad_input_is_one_sentence_and_nothing_is_launched(
     cvm, tmp_path, capsys, fleet, job, expected
 ):
-    import yaml
 
     from gpuflow.blocks import CvmGpuFleet, TencentCredentials
-    from gpuflow.cli import main
 
     TencentCredentials(secret_id=cvm.secret_id, secret_key="not-the-key").save(
         "gpuflow-test-tencent-wrong", overwrite=True
@@ -222,13 +220,7 @@ def test_bad_input_is_one_sentence_and_nothing_is_launched(
     raw = cvm_spec(["true"], placement={"block": "gpuflow-test-bad"})
     for name, values in job.items():
         raw[name] = {**raw[name], **values}
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    assert main(["run", str(path)]) == 2
-    err = capsys.readouterr().err
-    [said] = [line for line in err.splitlines() if line.startswith("gpuflow: ")]
-    assert said.startswith("gpuflow: invalid input: ") and expected in said, err
-    assert "Traceback" not in err and "not-the-key" not in err
+    refused_in_one_sentence(capsys, tmp_path, raw, expected, "not-the-key")
     assert "RunInstances" not in cvm.actions() and not cvm.instances
 
 

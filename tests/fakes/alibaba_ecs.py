@@ -41,14 +41,16 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
+
+from tests.fakes.cloud_api import FakeCloud
 
 VERSION = "2014-05-26"
 REGION = "cn-hangzhou"
@@ -110,60 +112,16 @@ class _Request:
         self.method, self.pathname, self.query, self.headers = method, pathname, query, headers
 
 
-class FakeEcs:
+class FakeEcs(FakeCloud):
     def __init__(self, key_id: str, secret: str) -> None:
         self.key_id, self.secret = key_id, secret
-        self.instances: dict[str, dict[str, Any]] = {}
         self.groups: dict[str, dict[str, Any]] = {}
-        self.calls: list[tuple[str, dict[str, str]]] = []
         self.no_stock: set[tuple[str, str]] = set()  # (type, zone) with none left
-        # (type, zone) listed with stock that is gone when an instance is asked for
-        self.gone_at_launch: set[tuple[str, str]] = set()
-        self.quota_left: int | None = None  # GPUs the account may still start
-        self.on_launch: Callable[[dict[str, Any]], None] = lambda _i: None
-        self.on_delete: Callable[[dict[str, Any]], None] = lambda _i: None
-        self.lock = threading.RLock()
         self.nonces: set[str] = set()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler("api"))
-        self.metadata_server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler("metadata"))
-        self.threads = [
-            threading.Thread(target=s.serve_forever, daemon=True)
-            for s in (self.server, self.metadata_server)
-        ]
+        super().__init__()
 
-    # -- what a test does ----------------------------------------------------------------
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_port}"
-
-    def metadata_url(self, instance_id: str) -> str:
-        return f"http://127.0.0.1:{self.metadata_server.server_port}/{instance_id}"
-
-    def __enter__(self) -> FakeEcs:
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for server in (self.server, self.metadata_server):
-            server.shutdown()
-            server.server_close()
-
-    def interrupt(self, instance_id: str, warning_s: float) -> None:
-        """Give a preemptible instance its termination time; delete it `warning_s` later."""
-        at = datetime.now(UTC) + timedelta(seconds=warning_s)
-        with self.lock:
-            self.instances[instance_id]["termination_time"] = at.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-        def later() -> None:
-            time.sleep(warning_s)
-            self._delete(instance_id)
-
-        threading.Thread(target=later, daemon=True).start()
-
-    def actions(self) -> list[str]:
-        return [action for action, _ in self.calls]
+    def _end(self, instance_id: str) -> None:
+        self._delete(instance_id)
 
     # -- the wire ------------------------------------------------------------------------
 
@@ -191,7 +149,10 @@ class FakeEcs:
                     answer = fake._answer(action, params)
                     answer["RequestId"] = request_id
                     self._answer(200, fake._shaped(action, answer))
-                except Refused as exc:
+                except Exception as exc:  # the fake's own fault: said, never hidden
+                    if not isinstance(exc, Refused):
+                        traceback.print_exc()
+                        exc = Refused(500, "InternalError", repr(exc))
                     error = {
                         "RequestId": request_id,
                         "HostId": "ecs.aliyuncs.com",
@@ -457,10 +418,7 @@ class FakeEcs:
                 same = [i for i in self.instances.values() if i["ClientToken"] == token]
                 if same:
                     return {"InstanceIdSets": {"InstanceIdSet": [i["InstanceId"] for i in same]}}
-            tags = {}
-            for n in range(1, 21):
-                if f"Tag.{n}.Key" in q:
-                    tags[q[f"Tag.{n}.Key"]] = q.get(f"Tag.{n}.Value", "")
+            tags = self.tags_of(q)
             ids = []
             for n in range(count):
                 instance_id = f"i-bp{uuid.uuid4().hex[:18]}"
@@ -557,11 +515,7 @@ class FakeEcs:
 
     def create_security_group(self, q: dict[str, str]) -> dict[str, Any]:
         group = f"sg-bp{uuid.uuid4().hex[:18]}"
-        tags = {
-            q[f"Tag.{n}.Key"]: q.get(f"Tag.{n}.Value", "")
-            for n in range(1, 21)
-            if f"Tag.{n}.Key" in q
-        }
+        tags = self.tags_of(q)
         with self.lock:
             self.groups[group] = {
                 "SecurityGroupId": group,

@@ -32,9 +32,9 @@ from gpuflow.tasks.backends.instances.cloud import (
     Launched,
     Machine,
     NextOffer,
+    SecretInMailbox,
     failover,
 )
-from gpuflow.tasks.backends.instances.mailbox import Mailbox
 from gpuflow.tasks.backends.instances.placement import Ask
 from gpuflow.tasks.contract import OWNER_LABEL, RUN_LABEL
 from gpuflow.tasks.errors import CapacityError, InvalidSpec, Unreachable
@@ -42,7 +42,6 @@ from gpuflow.tasks.gpus import canonical_product, product_named
 from gpuflow.tasks.metrics.cost import PriceTable
 
 BACKEND = "alibaba"
-SECRET = "secret.json"
 # ECS's words for an instance's state, in the words gpuflow keeps (EC2's)
 STATES = {
     "Pending": "pending",
@@ -65,7 +64,7 @@ NEXT_OFFER = {
 QUOTA = ("QuotaExceed", "OperationDenied.QuotaExceed", "InvalidAccountStatus")
 
 
-class AlibabaCloud(Cloud):
+class AlibabaCloud(SecretInMailbox, Cloud):
     backend = BACKEND
     label = "ECS"
     agent_module = "gpuflow.tasks.backends.alibaba.agent"
@@ -102,11 +101,7 @@ class AlibabaCloud(Cloud):
 
     def check_launch(self) -> None:
         fleet = self.settings
-        if not fleet.image_id:
-            raise InvalidSpec(
-                f"{fleet.field('image_id')}: no image is set; set it to an image with NVIDIA's"
-                " driver and Python 3.11+ in the fleet's region."
-            )
+        self.check_image()
         if not fleet.vpc_id or not fleet.vswitches:
             raise InvalidSpec(
                 f"{fleet.field('vswitches')}: instances attach to a vSwitch of a VPC; set"
@@ -266,13 +261,7 @@ class AlibabaCloud(Cloud):
         """InvalidSpec for a zone the block names that the region does not have (with the
         nearest names), or one it would launch in without a vSwitch."""
         fleet = self.settings
-        for setting, named in (("vswitches", list(fleet.vswitches)), ("zones", fleet.zones)):
-            stray = [z for z in named if z not in known]
-            if stray and known:
-                raise InvalidSpec(
-                    f"{fleet.field(setting)}: {stray[0]!r} is not a zone of {fleet.region};"
-                    f" zones there: {nearest(stray[0], known)}."
-                )
+        self.check_zones(known, {"vswitches": list(fleet.vswitches), "zones": fleet.zones})
         unswitched = [z for z in fleet.zones if z not in fleet.vswitches]
         if unswitched and fleet.vswitches:
             raise InvalidSpec(
@@ -306,9 +295,8 @@ class AlibabaCloud(Cloud):
         from alibabacloud_ecs20140526 import models
 
         run_id = boot.tags[RUN_LABEL]
-        existing = self.run_machines(run_id)
-        if existing:
-            return Launched(instance_ids=[m.id for m in existing], adopted=True)
+        if found := self.adopted(run_id):
+            return found
         fleet, limit = self.settings, boot.spot_price_limit
 
         def try_offer(offer: Offer) -> list[str]:
@@ -370,16 +358,6 @@ class AlibabaCloud(Cloud):
         if ids:
             self._call("DeleteInstances", instance_id=ids, force=True)
 
-    def remove(self, run_id: str, say: Callable[[str], None], wait_s: float = 300.0) -> list[str]:
-        ids = [m.id for m in self.run_machines(run_id)]
-        self.terminate(ids)
-        until = time.monotonic() + wait_s
-        while ids and self.run_machines(run_id):
-            if time.monotonic() > until:
-                break
-            time.sleep(1.0)
-        return ids
-
     def network(self, run_id: str, tags: Mapping[str, str], nodes: int) -> str | None:
         """The run's security group in the fleet's VPC: no inbound rule from outside; the
         run's own nodes reach each other."""
@@ -431,21 +409,6 @@ class AlibabaCloud(Cloud):
 
     # -- storage and secrets -----------------------------------------------------------
 
-    def secret_id(self, run_id: str) -> str:
-        return f"{self._mailbox(run_id).url}{SECRET}"
-
-    def _mailbox(self, run_id: str) -> Mailbox:
-        return Mailbox(self.storage(), self.settings.control_prefix or "", run_id)
-
-    def put_secret(self, run_id: str, tags: Mapping[str, str], value: str) -> None:
-        mailbox = self._mailbox(run_id)
-        mailbox.s3.put_object(
-            Bucket=mailbox.bucket,
-            Key=mailbox.prefix + SECRET,
-            Body=value.encode(),
-            ServerSideEncryption="AES256",
-        )
-
     def agent_settings(self) -> dict[str, Any]:
         fleet = self.settings
         inside = fleet.oss_endpoint or f"https://oss-{fleet.region}-internal.aliyuncs.com"
@@ -456,7 +419,7 @@ class AlibabaCloud(Cloud):
             "cloud": {
                 "ecs_endpoint": f"{protocol}://{host}",
                 "ram_role": fleet.ram_role or "",
-                "oss_region": fleet.oss_region or fleet.region,
+                "storage_region": fleet.oss_region or fleet.region,
             },
         }
 
@@ -465,22 +428,14 @@ class AlibabaCloud(Cloud):
     def tagged(self) -> dict[str, dict[str, Any]]:
         from alibabacloud_ecs20140526 import models
 
-        runs: dict[str, dict[str, Any]] = {}
-
-        def entry(tags: dict[str, str]) -> dict[str, Any]:
-            run = runs.setdefault(
-                tags.get(RUN_LABEL, ""), {"instances": [], "others": [], "tags": {}}
-            )
-            run["tags"] |= tags
-            return run
-
-        for machine in self.machines({OWNER_LABEL: "gpuflow"}):
-            entry(machine.tags)["instances"].append(machine)
+        runs = super().tagged()
         tag = [models.DescribeSecurityGroupsRequestTag(key=OWNER_LABEL, value="gpuflow")]
         groups = self._call("DescribeSecurityGroups", tag=tag).security_groups.security_group
         for group in groups or []:
             tags = {t.tag_key: t.tag_value for t in (group.tags.tag if group.tags else []) or []}
-            entry(tags)["others"].append(f"security group {group.security_group_id}")
+            self.tagged_entry(runs, tags)["others"].append(
+                f"security group {group.security_group_id}"
+            )
         return runs
 
 

@@ -109,8 +109,8 @@ class AwsCloud(Cloud):
             [boot.network] if boot.network else None,
         )
 
-    def remove(self, run_id: str, say: Callable[[str], None]) -> list[str]:
-        return launching.remove(self.ec2, run_id, say)
+    def remove(self, run_id: str, say: Callable[[str], None], wait_s: float = 300.0) -> list[str]:
+        return launching.remove(self.ec2, run_id, say, wait_s)
 
     def terminate(self, ids: list[str]) -> None:
         if ids:
@@ -196,25 +196,17 @@ class AwsCloud(Cloud):
     # -- reaping -----------------------------------------------------------------------
 
     def tagged(self) -> dict[str, dict[str, Any]]:
-        runs: dict[str, dict[str, Any]] = {}
-
-        def entry(tags: dict[str, str]) -> dict[str, Any]:
-            run = runs.setdefault(
-                tags.get(RUN_LABEL, ""), {"instances": [], "others": [], "tags": {}}
-            )
-            run["tags"] |= tags
-            return run
-
-        for machine in self.machines({OWNER_LABEL: "gpuflow"}):
-            entry(machine.tags)["instances"].append(machine)
+        runs = super().tagged()
         owned = [{"Name": f"tag:{OWNER_LABEL}", "Values": ["gpuflow"]}]
         for group in self.ec2.describe_security_groups(Filters=owned)["SecurityGroups"]:
-            entry(_tags(group))["others"].append(f"security group {group['GroupId']}")
+            self.tagged_entry(runs, _tags(group))["others"].append(
+                f"security group {group['GroupId']}"
+            )
         for page in self.secrets.get_paginator("list_secrets").paginate():
             for secret in page["SecretList"]:
                 tags = _tags(secret)
                 if tags.get(OWNER_LABEL) == "gpuflow":
-                    entry(tags)["others"].append(f"secret {secret['Name']}")
+                    self.tagged_entry(runs, tags)["others"].append(f"secret {secret['Name']}")
         return runs
 
     @functools.cached_property

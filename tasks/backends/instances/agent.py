@@ -42,7 +42,13 @@ from pydantic import BaseModel
 
 from gpuflow.tasks import containers, nvml
 from gpuflow.tasks.backends import imaging
-from gpuflow.tasks.backends.instances.mailbox import HEARTBEAT, Mailbox, log_key, unit_key
+from gpuflow.tasks.backends.instances.mailbox import (
+    HEARTBEAT,
+    Mailbox,
+    log_key,
+    s3_compatible,
+    unit_key,
+)
 from gpuflow.tasks.backends.instances.notices import Metadata, Notice, NoticeWatcher
 from gpuflow.tasks.contract import unit_env
 from gpuflow.tasks.errors import InvalidSpec
@@ -517,3 +523,59 @@ def main(argv: list[str] | None, module: str, cloud: Callable[[AgentConfig], Nod
         print(f"gpuflow agent: could not start ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
     return agent.serve()
+
+
+class RoleNode:
+    """A NodeCloud for a cloud whose instances reach their role's temporary credentials
+    through the metadata service (Alibaba Cloud's RAM role, Tencent Cloud's CAM role):
+    object storage through its S3-compatible API with them, the run's secret an object of
+    its mailbox, the units given them as AWS_* variables. A provider says how its
+    metadata gives the keys (`role_keys`) and how its API ends the instance."""
+
+    RENEW_BEFORE_S = 600  # the role's credentials are asked again this long before expiry
+
+    def __init__(self, config: AgentConfig, metadata: Metadata) -> None:
+        self.config, self.metadata = config, metadata
+        self.lock = threading.Lock()
+        self.keys: tuple[str, str, str | None] | None = None
+        self.until = 0.0
+        self.s3: Any = None
+
+    def role_keys(self) -> tuple[str, str, str | None]:
+        """The role's key id, secret and token, read from the metadata service."""
+        raise NotImplementedError
+
+    def terminate(self, instance_id: str) -> None:
+        raise NotImplementedError
+
+    def signing_region(self) -> str:
+        return self.config.cloud.get("storage_region") or self.config.region
+
+    def current_keys(self) -> tuple[str, str, str | None]:
+        with self.lock:
+            if self.keys is None or time.monotonic() > self.until:
+                self.keys = self.role_keys()
+                self.until = time.monotonic() + 3600 - self.RENEW_BEFORE_S
+                self.s3 = None
+            return self.keys
+
+    def storage(self) -> Any:
+        keys = self.current_keys()
+        if self.s3 is None:
+            self.s3 = s3_compatible(self.config.endpoint_url or "", self.signing_region(), keys)
+        return self.s3
+
+    def read_secret(self, secret_id: str) -> str:
+        bucket, _, key = secret_id.removeprefix("s3://").partition("/")
+        return str(self.storage().get_object(Bucket=bucket, Key=key)["Body"].read().decode())
+
+    def unit_env(self) -> dict[str, str]:
+        key, secret, token = self.current_keys()
+        env = {
+            "AWS_ACCESS_KEY_ID": key,
+            "AWS_SECRET_ACCESS_KEY": secret,
+            "AWS_DEFAULT_REGION": self.signing_region(),
+        }
+        if token:
+            env["AWS_SESSION_TOKEN"] = token
+        return env

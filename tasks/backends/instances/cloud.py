@@ -13,6 +13,7 @@ on every cloud (gpuflow.tasks.backends.instances.backend and .agent).
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
@@ -20,9 +21,10 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
-from gpuflow.tasks.backends.instances.catalog import CloudSettings, Offer
+from gpuflow.tasks.backends.instances.catalog import CloudSettings, Offer, nearest
+from gpuflow.tasks.backends.instances.mailbox import Mailbox
 from gpuflow.tasks.backends.instances.placement import Ask
-from gpuflow.tasks.contract import RUN_LABEL
+from gpuflow.tasks.contract import OWNER_LABEL, RUN_LABEL
 from gpuflow.tasks.errors import CapacityError, InvalidSpec, Unreachable
 from gpuflow.tasks.metrics.cost import PriceTable
 
@@ -122,6 +124,25 @@ class Cloud(ABC):
         """InvalidSpec (one sentence) for settings that cannot launch: no image, no
         control prefix, an install step that cannot be trusted."""
 
+    def check_image(self, kind: str = "an image") -> None:
+        """InvalidSpec when the settings name no machine image."""
+        if not self.settings.image_id:
+            raise InvalidSpec(
+                f"{self.settings.field('image_id')}: no machine image is set; set it to"
+                f" {kind} with NVIDIA's driver and Python 3.11+ in the fleet's region."
+            )
+
+    def check_zones(self, known: list[str], named: Mapping[str, list[str]]) -> None:
+        """InvalidSpec for a zone a setting names (`named`: setting -> its zones) that the
+        region does not have (`known`), with the nearest names."""
+        for setting, zones in named.items():
+            stray = [z for z in zones if z not in known]
+            if stray and known:
+                raise InvalidSpec(
+                    f"{self.settings.field(setting)}: {stray[0]!r} is not a zone of"
+                    f" {self.settings.region}; zones there: {nearest(stray[0], known)}."
+                )
+
     @abstractmethod
     def find_offers(self, ask: Ask, prices: PriceTable) -> list[Offer]:
         """The ranked offers for `ask` (nothing launched)."""
@@ -142,10 +163,24 @@ class Cloud(ABC):
         """The run's `nodes` instances: adopted when they exist (by its tags), else
         launched from the first offer with capacity; CapacityError when none has."""
 
-    @abstractmethod
-    def remove(self, run_id: str, say: Callable[[str], None]) -> list[str]:
+    def adopted(self, run_id: str) -> Launched | None:
+        """The run's instances when it has some (a retried provision adopts them)."""
+        existing = self.run_machines(run_id)
+        if not existing:
+            return None
+        return Launched(instance_ids=[m.id for m in existing], adopted=True)
+
+    def remove(self, run_id: str, say: Callable[[str], None], wait_s: float = 300.0) -> list[str]:
         """Terminate the run's instances; return their ids once the cloud describes every
-        one as gone (or a few minutes passed). Idempotent."""
+        one as gone (or `wait_s` passed). Idempotent."""
+        ids = [m.id for m in self.run_machines(run_id) if m.state != "shutting-down"]
+        self.terminate(ids)
+        until = time.monotonic() + wait_s
+        while ids and self.run_machines(run_id, [*LIVE, "shutting-down"]):
+            if time.monotonic() > until:
+                break
+            time.sleep(1.0)
+        return ids
 
     @abstractmethod
     def terminate(self, ids: list[str]) -> None:
@@ -182,10 +217,21 @@ class Cloud(ABC):
 
     # -- reaping -----------------------------------------------------------------------
 
-    @abstractmethod
     def tagged(self) -> dict[str, dict[str, Any]]:
         """Run id -> its live instances (`instances`: Machines), the names of its other
-        resources (`others`) and their tags (`tags`), for everything tagged gpuflow's."""
+        resources (`others`) and their tags (`tags`), for everything tagged gpuflow's
+        (instances only, unless a provider makes more)."""
+        runs: dict[str, dict[str, Any]] = {}
+        for machine in self.machines({OWNER_LABEL: "gpuflow"}):
+            self.tagged_entry(runs, machine.tags)["instances"].append(machine)
+        return runs
+
+    @staticmethod
+    def tagged_entry(runs: dict[str, dict[str, Any]], tags: dict[str, str]) -> dict[str, Any]:
+        """The entry of `runs` for the run `tags` name, its tags merged in."""
+        run = runs.setdefault(tags.get(RUN_LABEL, ""), {"instances": [], "others": [], "tags": {}})
+        run["tags"] |= tags
+        return run
 
     def hourly(self, machine: Machine) -> float:
         """What an instance costs an hour at most (on-demand), 0 where unknown."""
@@ -196,3 +242,30 @@ class Cloud(ABC):
     @abstractmethod
     def error(self, exc: Exception, doing: str) -> InvalidSpec | Unreachable:
         """What went wrong talking to the cloud, as one sentence with its real cause."""
+
+
+class SecretInMailbox:
+    """The run's secret as an object of its mailbox, written with server-side encryption:
+    for clouds whose secrets service gpuflow does not use (Alibaba Cloud, Tencent Cloud).
+    Only the run's role and gpuflow read it; it goes with the mailbox at teardown."""
+
+    SECRET = "secret.json"
+    settings: CloudSettings
+
+    def storage(self) -> Any:
+        raise NotImplementedError
+
+    def _mailbox(self, run_id: str) -> Mailbox:
+        return Mailbox(self.storage(), self.settings.control_prefix or "", run_id)
+
+    def secret_id(self, run_id: str) -> str:
+        return f"{self._mailbox(run_id).url}{self.SECRET}"
+
+    def put_secret(self, run_id: str, tags: Mapping[str, str], value: str) -> None:
+        mailbox = self._mailbox(run_id)
+        mailbox.s3.put_object(
+            Bucket=mailbox.bucket,
+            Key=mailbox.prefix + self.SECRET,
+            Body=value.encode(),
+            ServerSideEncryption="AES256",
+        )

@@ -42,6 +42,65 @@ class Metadata(Protocol):
         ...
 
 
+class MetadataService:
+    """An instance metadata service read over HTTP (Alibaba's, Tencent's): `get` with the
+    headers `headers()` gives (a token, where the service wants one), a spot instance's
+    termination time at `spot_path`, the instance role's credentials as JSON."""
+
+    name = "the metadata service"
+    spot_path = ""
+
+    def __init__(self, endpoint: str, timeout_s: float = 2.0) -> None:
+        import httpx
+
+        self.endpoint = endpoint.rstrip("/")
+        self.http = httpx.Client(base_url=self.endpoint, timeout=timeout_s)
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+    def get(self, path: str) -> str | None:
+        """The text at `path`; None where the service has nothing (404)."""
+        import httpx
+
+        try:
+            answer = self.http.get(path, headers=self.headers())
+        except httpx.HTTPError as exc:
+            raise MetadataUnavailable(
+                f"{self.name} at {self.endpoint} did not answer {path}"
+                f" ({type(exc).__name__}: {exc})."
+            ) from None
+        if answer.status_code == 404:
+            return None
+        if answer.status_code != 200:
+            raise MetadataUnavailable(
+                f"{self.name} at {self.endpoint} answered {path} with HTTP {answer.status_code}."
+            )
+        return answer.text
+
+    def notices(self) -> list[Notice]:
+        """The spot instance's termination time, once the cloud set it."""
+        at = self.get(self.spot_path)
+        if not at:
+            return []
+        return [
+            Notice(kind="spot-terminate", at=parse_time(at), seen_at=datetime.now().astimezone())
+        ]
+
+    def role_json(self, path: str, role: str, fix: str) -> dict[str, str]:
+        """The instance role's temporary credentials at `path`; MetadataUnavailable (with
+        `fix`) when the role is not the instance's."""
+        import json
+
+        text = self.get(path)
+        if not text:
+            raise MetadataUnavailable(f"{self.name} has no credentials of role {role!r}; {fix}")
+        found = json.loads(text)
+        if found.get("Code", "Success") != "Success":
+            raise MetadataUnavailable(f"role {role!r}: {found.get('Code')}")
+        return {str(k): str(v) for k, v in found.items() if v is not None}
+
+
 def parse_time(text: str) -> datetime:
     """A metadata service's time (ISO 8601, `Z` for UTC) as an aware datetime."""
     return datetime.fromisoformat(text.strip().replace("Z", "+00:00"))

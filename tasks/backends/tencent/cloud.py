@@ -6,8 +6,8 @@ S3-compatible API for the mailbox.
 
 CVM's catalog names a type's GPU count but not its GPU: the family says it (GN7: T4,
 GN10Xp: V100, GT4: A100, PNV4: A10, ...: settings.FAMILY_GPUS); a family gpuflow does not
-know is offered as `<family>-GPU`. The run's secret is an object of its mailbox written
-with server-side encryption, as on Alibaba Cloud. The instances join the block's security
+know is offered as `<family>-GPU`. The run's secret is an object of its mailbox
+(instances.cloud.SecretInMailbox), as on Alibaba Cloud. The instances join the block's security
 group (CVM's security groups are the VPC API's: one per run is not made here).
 """
 
@@ -17,7 +17,6 @@ import base64
 import functools
 import hashlib
 import json
-import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -30,18 +29,18 @@ from gpuflow.tasks.backends.instances.cloud import (
     Launched,
     Machine,
     NextOffer,
+    SecretInMailbox,
     failover,
 )
-from gpuflow.tasks.backends.instances.mailbox import Mailbox, s3_compatible
+from gpuflow.tasks.backends.instances.mailbox import s3_compatible
 from gpuflow.tasks.backends.instances.placement import Ask
 from gpuflow.tasks.backends.tencent.settings import FAMILY_GPUS, CvmFleet, cvm_client, cvm_error
-from gpuflow.tasks.contract import OWNER_LABEL, RUN_LABEL
+from gpuflow.tasks.contract import RUN_LABEL
 from gpuflow.tasks.errors import InvalidSpec, Unreachable
 from gpuflow.tasks.gpus import product_from_ec2
 from gpuflow.tasks.metrics.cost import PriceTable
 
 BACKEND = "tencent"
-SECRET = "secret.json"
 STATES = {
     "PENDING": "pending",
     "STARTING": "pending",
@@ -59,7 +58,7 @@ NEXT_OFFER = ("ResourceInsufficient.SpecifiedInstanceType", "ResourceInsufficien
 QUOTA = ("LimitExceeded", "ResourceInsufficient.AccountQuota")
 
 
-class TencentCloud(Cloud):
+class TencentCloud(SecretInMailbox, Cloud):
     backend = BACKEND
     label = "CVM"
     agent_module = "gpuflow.tasks.backends.tencent.agent"
@@ -99,11 +98,7 @@ class TencentCloud(Cloud):
 
     def check_launch(self) -> None:
         fleet = self.settings
-        if not fleet.image_id:
-            raise InvalidSpec(
-                f"{fleet.field('image_id')}: no image is set; set it to an image with NVIDIA's"
-                " driver and Python 3.11+ in the fleet's region."
-            )
+        self.check_image()
         if not fleet.vpc_id or not fleet.subnets or not fleet.security_group:
             raise InvalidSpec(
                 f"{fleet.field('subnets')}: instances join a subnet of a VPC and a security"
@@ -130,7 +125,9 @@ class TencentCloud(Cloud):
     def find_offers(self, ask: Ask, prices: PriceTable) -> list[Offer]:
         try:
             zones = self._region()
-            self._check_zones(zones)
+            self.check_zones(
+                zones, {"subnets": list(self.settings.subnets), "zones": self.settings.zones}
+            )
             types, where, on_demand = self._catalog("POSTPAID_BY_HOUR")
             spot: dict[str, float] = {}
             if ask.placement.market != "on-demand":
@@ -191,16 +188,6 @@ class TencentCloud(Cloud):
             )
         return list(types.values()), {t: sorted(z) for t, z in zones.items()}, price
 
-    def _check_zones(self, known: list[str]) -> None:
-        fleet = self.settings
-        for setting, named in (("subnets", list(fleet.subnets)), ("zones", fleet.zones)):
-            stray = [z for z in named if z not in known]
-            if stray and known:
-                raise InvalidSpec(
-                    f"{fleet.field(setting)}: {stray[0]!r} is not a zone of {fleet.region};"
-                    f" zones there: {nearest(stray[0], known)}."
-                )
-
     # -- a run's instances -------------------------------------------------------------
 
     def machines(self, tags: Mapping[str, str], states: list[str] | None = None) -> list[Machine]:
@@ -223,9 +210,8 @@ class TencentCloud(Cloud):
         self, offers: list[Offer], nodes: int, boot: Boot, say: Callable[[str], None]
     ) -> Launched:
         run_id = boot.tags[RUN_LABEL]
-        existing = self.run_machines(run_id)
-        if existing:
-            return Launched(instance_ids=[m.id for m in existing], adopted=True)
+        if found := self.adopted(run_id):
+            return found
         fleet = self.settings
 
         def try_offer(offer: Offer) -> list[str]:
@@ -285,16 +271,6 @@ class TencentCloud(Cloud):
         for start in range(0, len(ids), 100):
             self._call("TerminateInstances", InstanceIds=ids[start : start + 100])
 
-    def remove(self, run_id: str, say: Callable[[str], None], wait_s: float = 300.0) -> list[str]:
-        ids = [m.id for m in self.run_machines(run_id) if m.state != "shutting-down"]
-        self.terminate(ids)
-        until = time.monotonic() + wait_s
-        while ids and self.run_machines(run_id, [*LIVE, "shutting-down"]):
-            if time.monotonic() > until:
-                break
-            time.sleep(1.0)
-        return ids
-
     def network(self, run_id: str, tags: Mapping[str, str], nodes: int) -> str | None:
         return self.settings.security_group
 
@@ -302,21 +278,6 @@ class TencentCloud(Cloud):
         return []  # the security group is the block's; the secret goes with the mailbox
 
     # -- storage and secrets -----------------------------------------------------------
-
-    def _mailbox(self, run_id: str) -> Mailbox:
-        return Mailbox(self.storage(), self.settings.control_prefix or "", run_id)
-
-    def secret_id(self, run_id: str) -> str:
-        return f"{self._mailbox(run_id).url}{SECRET}"
-
-    def put_secret(self, run_id: str, tags: Mapping[str, str], value: str) -> None:
-        mailbox = self._mailbox(run_id)
-        mailbox.s3.put_object(
-            Bucket=mailbox.bucket,
-            Key=mailbox.prefix + SECRET,
-            Body=value.encode(),
-            ServerSideEncryption="AES256",
-        )
 
     def agent_settings(self) -> dict[str, Any]:
         fleet = self.settings
@@ -326,21 +287,9 @@ class TencentCloud(Cloud):
             "cloud": {
                 "cvm_endpoint": fleet.endpoint or "",
                 "cam_role": fleet.cam_role or "",
-                "cos_region": fleet.cos_region or fleet.region,
+                "storage_region": fleet.cos_region or fleet.region,
             },
         }
-
-    # -- reaping -----------------------------------------------------------------------
-
-    def tagged(self) -> dict[str, dict[str, Any]]:
-        runs: dict[str, dict[str, Any]] = {}
-        for machine in self.machines({OWNER_LABEL: "gpuflow"}):
-            run = runs.setdefault(
-                machine.tags.get(RUN_LABEL, ""), {"instances": [], "others": [], "tags": {}}
-            )
-            run["tags"] |= machine.tags
-            run["instances"].append(machine)
-        return runs
 
 
 def _machine(item: Any) -> Machine:
