@@ -86,15 +86,24 @@ def test_secrets_stay_out_of_the_block_document_listing(prefect_api):
     from prefect.client.orchestration import get_client
     from prefect_aws import AwsCredentials
 
+    from gpuflow.blocks import AlibabaCredentials, TencentCredentials
+
     secret = "wJalrXUtnFEMI-secret-for-the-listing-test"
     AwsCredentials(aws_access_key_id="AKIDLISTING", aws_secret_access_key=secret).save(
         "listing-test", overwrite=True
+    )
+    AlibabaCredentials(access_key_id="LTAILISTING", access_key_secret=secret + "-ram").save(
+        "listing-test-aliyun", overwrite=True
+    )
+    TencentCredentials(secret_id="AKIDTCLISTING", secret_key=secret + "-cam").save(
+        "listing-test-tencent", overwrite=True
     )
     with get_client(sync_client=True) as client:
         listing = client.read_block_documents(include_secrets=False)
     text = json.dumps([d.model_dump(mode="json") for d in listing])
     assert "listing-test" in text and "AKIDLISTING" in text
-    assert secret not in text
+    assert "LTAILISTING" in text and "AKIDTCLISTING" in text
+    assert secret not in text  # nor the RAM or CAM secret that starts with it
     assert AwsCredentials.load("listing-test").aws_secret_access_key.get_secret_value() == secret
 
 
