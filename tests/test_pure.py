@@ -191,6 +191,36 @@ def test_ec2_gpu_names_map_to_product_labels_by_name_and_memory(name, memory_mib
     assert product_from_ec2(name, memory_mib) == label
 
 
+@pytest.mark.parametrize(
+    ("spec", "memory_mib", "label"),
+    [
+        ("NVIDIA T4", 16384, "Tesla-T4"),
+        ("NVIDIA A10", 24576, "NVIDIA-A10"),
+        ("NVIDIA A100", 81920, "NVIDIA-A100-SXM4-80GB"),
+        ("NVIDIA A100 80G", 81920, "NVIDIA-A100-SXM4-80GB"),
+        ("NVIDIA V100", 32768, "Tesla-V100-SXM2-32GB"),
+        ("NVIDIA L20", 49152, "NVIDIA-L20"),  # not a label gpuflow knows: kept as named
+    ],
+)
+def test_a_clouds_gpu_spec_with_its_maker_maps_to_a_product_label(spec, memory_mib, label):
+    from gpuflow.tasks.gpus import product_named
+
+    assert product_named(spec, memory_mib) == label
+
+
+def test_a_currency_rate_comes_from_the_price_table_else_the_setting(monkeypatch):
+    from gpuflow.tasks.metrics.cost import PriceTable
+
+    monkeypatch.delenv("GPUFLOW_USD_PER_CNY", raising=False)
+    assert PriceTable().usd_rate("USD") == 1.0
+    assert PriceTable().usd_rate("CNY") is None
+    monkeypatch.setenv("GPUFLOW_USD_PER_CNY", "0.139")
+    assert PriceTable().usd_rate("CNY") == 0.139
+    assert PriceTable(usd_per_unit={"CNY": 0.14}).usd_rate("CNY") == 0.14  # the table first
+    monkeypatch.setenv("GPUFLOW_USD_PER_CNY", "-1")
+    assert PriceTable().usd_rate("CNY") is None  # not a rate
+
+
 def test_credentials_in_a_metrics_url_become_a_basic_auth_header():
     import base64
 
