@@ -207,3 +207,23 @@ def test_reap_terminates_only_the_instances_of_runs_that_are_over(
     assert owned_instances(ec2, finished) == [] and owned_instances(ec2, unknown) == []
     assert [i["InstanceId"] for i in owned_instances(ec2, running)] == made[running]
     remove(ec2, running, print)
+
+
+def test_a_spot_price_limit_is_the_spot_requests_max_price(ec2):
+    """placement.spot_price_limit reaches EC2 as the spot request's MaxPrice (without it,
+    EC2's default cap: the on-demand price)."""
+    sent: list[dict] = []
+    ec2.meta.events.register(
+        "provide-client-params.ec2.RunInstances", lambda params, **_: sent.append(params)
+    )
+    owner = owner_labels("run-ec2-max-price", "ec2-test")
+    made = launch(
+        ec2, [offer("g6.xlarge", market="spot")], 1, 50, image(ec2), USER_DATA, owner,
+        lambda _line: None, max_price=0.5,
+    )  # fmt: skip
+    try:
+        options = sent[0]["InstanceMarketOptions"]["SpotOptions"]
+        assert options["MaxPrice"] == "0.5000" and options["SpotInstanceType"] == "one-time"
+    finally:
+        remove(ec2, "run-ec2-max-price", lambda _line: None)
+    assert made.instance_ids

@@ -107,6 +107,7 @@ class AwsCloud(Cloud):
             say,
             self.settings.instance_profile,
             [boot.network] if boot.network else None,
+            max_price=boot.spot_price_limit,
         )
 
     def remove(self, run_id: str, say: Callable[[str], None], wait_s: float = 300.0) -> list[str]:

@@ -63,6 +63,7 @@ def launch(
     instance_profile: str | None = None,
     security_groups: list[str] | None = None,
     subnet: str | None = None,
+    max_price: float | None = None,
 ) -> Launched:
     """Return the run's `nodes` instances: adopted when they exist, else launched from the
     first offer that has capacity. CapacityError (retryable) when none has."""
@@ -81,7 +82,7 @@ def launch(
             say(f"no cluster placement group ({type(exc).__name__}: {why}); launching without")
 
     def try_offer(offer: Offer) -> list[str]:
-        request = _request(offer, nodes, disk_gib, image_id, user_data, owner, group)
+        request = _request(offer, nodes, disk_gib, image_id, user_data, owner, group, max_price)
         if instance_profile:
             request["IamInstanceProfile"] = {"Name": instance_profile}
         if security_groups:
@@ -114,6 +115,7 @@ def _request(
     user_data: str,
     owner: Mapping[str, str],
     group: str | None,
+    max_price: float | None = None,
 ) -> dict[str, Any]:
     tags = tags_of(owner)
     token = hashlib.sha256(
@@ -161,6 +163,8 @@ def _request(
                 "InstanceInterruptionBehavior": "terminate",
             },
         }
+        if max_price is not None:  # placement.spot_price_limit; else up to on-demand
+            request["InstanceMarketOptions"]["SpotOptions"]["MaxPrice"] = f"{max_price:.4f}"
     return request
 
 
