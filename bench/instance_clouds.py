@@ -1,12 +1,13 @@
-"""The instance backends side by side, AWS EC2 and Alibaba Cloud ECS, on their test beds:
+"""The instance backends side by side, AWS EC2, Alibaba Cloud ECS and Tencent Cloud CVM, on
+their test beds:
 
 - offers: seconds until the ranked table is there for one job (`gpuflow offers`' work,
-  in this process): EC2 alone, ECS alone, and a pool of both ranked in USD;
+  in this process): each cloud alone, and a pool of the three ranked in USD;
 - launch to first line: seconds from `provision` being called until the first line a unit
   printed on the new instance is back here, per provider (one instance; the instance's
   real boot, minutes on either cloud, is not in it: instances are booted here at once).
 
-moto's EC2 and S3 (as OSS too) and the fake ECS (tests/fakes/alibaba_ecs.py) run on
+moto's EC2 and S3 (as OSS and COS too) and the fake ECS and CVM (tests/fakes/) run on
 127.0.0.1, the instances' user-data runs here (tests/e2e/instances.py, alibaba_bed.py).
 The API round trips are loopback's, so the figures compare gpuflow's own work per cloud
 (how many calls each makes, and what it does between them), not the clouds' latency.
@@ -56,9 +57,14 @@ def main() -> None:
         from prefect.testing.utilities import prefect_test_harness
 
         from tests.fakes.alibaba_ecs import FakeEcs
+        from tests.fakes.tencent_cvm import FakeCvm
 
-        with prefect_test_harness(server_startup_timeout=120), FakeEcs("bench", "bench") as ecs:
-            offers, first = measure(endpoint, mock, ecs, args.rounds)
+        with (
+            prefect_test_harness(server_startup_timeout=120),
+            FakeEcs("bench", "bench") as ecs,
+            FakeCvm("bench", "bench") as cvm,
+        ):
+            offers, first = measure(endpoint, mock, ecs, cvm, args.rounds)
     finally:
         moto.terminate()
         moto.wait(10)
@@ -74,13 +80,20 @@ def main() -> None:
         print(f"{name:28}{median:10.3f}{min(times):8.3f}{median / base:8.2f}")
 
 
-def measure(endpoint: str, mock: str, ecs, rounds: int) -> tuple[dict, dict]:
+def measure(endpoint: str, mock: str, ecs, cvm, rounds: int) -> tuple[dict, dict]:
     import boto3
     import yaml
     from prefect_aws import AwsCredentials
     from prefect_aws.client_parameters import AwsClientParameters
 
-    from gpuflow.blocks import AlibabaCredentials, Ec2GpuFleet, EcsGpuFleet, GpuPriceTable
+    from gpuflow.blocks import (
+        AlibabaCredentials,
+        CvmGpuFleet,
+        Ec2GpuFleet,
+        EcsGpuFleet,
+        GpuPriceTable,
+        TencentCredentials,
+    )
     from gpuflow.commands.offers import offers
     from gpuflow.tasks.backends.registry import get_backend
     from gpuflow.tasks.contract import WorkUnit, owner_labels
@@ -123,6 +136,22 @@ def measure(endpoint: str, mock: str, ecs, rounds: int) -> tuple[dict, dict]:
         install=install,
         boot_timeout_s=300,
     ).save("bench-ecs", overwrite=True)
+    TencentCredentials(secret_id="bench", secret_key="bench").save("bench-tc", overwrite=True)
+    CvmGpuFleet(
+        families=["GN7", "GN10Xp"],
+        credentials="bench-tc",
+        cam_role="bench",
+        vpc_id="vpc-bench",
+        subnets={"ap-guangzhou-3": "subnet-3", "ap-guangzhou-4": "subnet-4"},
+        security_group="sg-bench",
+        image_id="img-bench",
+        control_prefix="s3://bench/control-cvm",
+        endpoint=cvm.endpoint,
+        cos_endpoint=endpoint,
+        cos_region="us-east-1",
+        install=install,
+        boot_timeout_s=300,
+    ).save("bench-cvm", overwrite=True)
     GpuPriceTable(usd_per_unit={"CNY": 0.14}).save("bench-cny", overwrite=True)
     places = {
         "ec2": {"backend": "ec2", "block": "bench-fleet", "market": "on-demand"},
@@ -132,10 +161,16 @@ def measure(endpoint: str, mock: str, ecs, rounds: int) -> tuple[dict, dict]:
             "market": "on-demand",
             "price_table": "bench-cny",
         },
+        "tencent": {
+            "backend": "tencent",
+            "block": "bench-cvm",
+            "market": "on-demand",
+            "price_table": "bench-cny",
+        },
     }
     folder = Path(tempfile.mkdtemp(prefix="instance-clouds-"))
     jobs = {}
-    for name, placement in [*places.items(), ("pool of ec2 and alibaba", list(places.values()))]:
+    for name, placement in [*places.items(), ("pool of the three", list(places.values()))]:
         raw = {
             "name": "bench",
             "job": {"kind": "command", "command": ["true"]},
@@ -156,7 +191,11 @@ def measure(endpoint: str, mock: str, ecs, rounds: int) -> tuple[dict, dict]:
     profile = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}
     profile["AWS_DEFAULT_REGION"] = "us-east-1"
     first: dict[str, list[float]] = {name: [] for name in places}
-    with PlayedInstances(ec2, mock, folder / "ec2", profile), PlayedEcs(ecs, folder / "ecs"):
+    with (
+        PlayedInstances(ec2, mock, folder / "ec2", profile),
+        PlayedEcs(ecs, folder / "ecs"),
+        PlayedEcs(cvm, folder / "cvm", "GPUFLOW_CVM_METADATA_ENDPOINT"),
+    ):
         for round_ in range(rounds):
             for name, placement in places.items():
                 spec = load_spec(
