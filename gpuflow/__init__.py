@@ -25,18 +25,24 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:  # what an editor completes
     from gpuflow.api import JobRun, gpu_job, gpu_job_async, gpu_jobs, job_spec, offers
     from gpuflow.blocks import (
+        AlibabaCredentials,
+        CvmGpuFleet,
         Ec2GpuFleet,
+        EcsGpuFleet,
         GpuFleet,
         GpuPriceTable,
         KubernetesGpuPool,
         LocalGpuHost,
         SlurmCluster,
+        TencentCredentials,
     )
+    from gpuflow.tasks.backends.alibaba.backend import AlibabaPlacement
     from gpuflow.tasks.backends.ec2.backend import Ec2Placement
     from gpuflow.tasks.backends.fleet.state import FleetPlacement
     from gpuflow.tasks.backends.kubernetes.backend import KubernetesPlacement
     from gpuflow.tasks.backends.local.backend import LocalPlacement
     from gpuflow.tasks.backends.slurm.model import SlurmPlacement
+    from gpuflow.tasks.backends.tencent.backend import TencentPlacement
     from gpuflow.tasks.errors import (
         CapacityError,
         CollectError,
@@ -75,12 +81,16 @@ _PUBLIC = {
     ),
     **dict.fromkeys(
         [
+            "AlibabaCredentials",
+            "CvmGpuFleet",
             "Ec2GpuFleet",
+            "EcsGpuFleet",
             "GpuFleet",
             "GpuPriceTable",
             "KubernetesGpuPool",
             "LocalGpuHost",
             "SlurmCluster",
+            "TencentCredentials",
         ],
         "gpuflow.blocks",
     ),
@@ -126,14 +136,20 @@ _PUBLIC = {
     "Ec2Placement": "gpuflow.tasks.backends.ec2.backend",
     "SlurmPlacement": "gpuflow.tasks.backends.slurm.model",
     "FleetPlacement": "gpuflow.tasks.backends.fleet.state",
+    "AlibabaPlacement": "gpuflow.tasks.backends.alibaba.backend",
+    "TencentPlacement": "gpuflow.tasks.backends.tencent.backend",
 }
 
 __all__ = [
+    "AlibabaCredentials",
+    "AlibabaPlacement",
     "CapacityError",
     "CollectError",
     "CommandJob",
+    "CvmGpuFleet",
     "Ec2GpuFleet",
     "Ec2Placement",
+    "EcsGpuFleet",
     "FleetPlacement",
     "GpuFleet",
     "GpuPriceTable",
@@ -166,6 +182,8 @@ __all__ = [
     "StageRetry",
     "Storage",
     "StreamJob",
+    "TencentCredentials",
+    "TencentPlacement",
     "TrainJob",
     "__version__",
     "gpu_job",

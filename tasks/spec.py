@@ -284,7 +284,8 @@ def _not_a_setting(model: type[Placement], key: str, data: dict[str, Any]) -> st
         return f"a setting of {backend} placements; build {PLACEMENT_MODELS[backend].__name__}"
     if owners:
         return (
-            f"a setting of {' and '.join(owners)} placements, not of backend {backend!r};"
+            f"a setting of {', '.join(owners[:-1]) + ' and ' if len(owners) > 1 else ''}"
+            f"{owners[-1]} placements, not of backend {backend!r};"
             f" remove it, or set backend: {owners[0]}"
         )
     known = list(model.model_fields)

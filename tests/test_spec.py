@@ -15,7 +15,8 @@ CMD = {"kind": "command", "command": ["echo", "hi"]}
 BAD = [
     (
         {"job": CMD, "placement": {"backend": "local", "market": "spot"}},
-        "placement.market: a setting of ec2 placements, not of backend 'local'; remove it,"
+        "placement.market: a setting of ec2, alibaba and tencent placements, not of backend"
+        " 'local'; remove it,"
         " or set backend: ec2",
     ),
     (
