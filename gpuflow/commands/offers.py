@@ -40,10 +40,13 @@ def offers(path: str, top: int = 15, as_json: bool = False) -> int:
         spec = load_job_spec(path)
     except InvalidSpec as exc:
         return invalid(exc)
+    from gpuflow.tasks.runscope import run_scope
+
     show = _print if _rents_instances(spec) and not spec.candidates else _print_pool
-    if not placement.needs_api(spec):
-        return show(spec, top, as_json)
-    return session.with_api(lambda api: show(spec, top, as_json))
+    with run_scope():  # each candidate's offers read once (its check asks them too)
+        if not placement.needs_api(spec):
+            return show(spec, top, as_json)
+        return session.with_api(lambda api: show(spec, top, as_json))
 
 
 def _print_pool(spec: Any, top: int, as_json: bool) -> int:

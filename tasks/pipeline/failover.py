@@ -5,6 +5,7 @@ the run used cost it. The order and the words are tasks/pipeline/pool.py's."""
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -71,8 +72,10 @@ def offers_of(pool: list[tuple[JobSpec, PriceTable]]) -> list[tuple[Candidate, l
         error = "" if found else "no offer"
         return Candidate(index=index, name=name, offer=best, error=error), found
 
+    # each asks in the caller's context: its run scope holds what the checks read already
+    contexts = [contextvars.copy_context() for _ in pool]
     with ThreadPoolExecutor(max_workers=len(pool), thread_name_prefix="offers") as asking:
-        return list(asking.map(ask, range(len(pool))))
+        return list(asking.map(lambda i: contexts[i].run(ask, i), range(len(pool))))
 
 
 @task(name="place", cache_policy=NO_CACHE)

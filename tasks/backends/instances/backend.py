@@ -68,6 +68,7 @@ from gpuflow.tasks.host import gpuflow_home
 from gpuflow.tasks.metrics.cost import PriceTable
 from gpuflow.tasks.metrics.sampler import SAMPLES
 from gpuflow.tasks.placement import prices_for, resolve
+from gpuflow.tasks.runscope import once
 from gpuflow.tasks.spec import Image, JobSpec, Limits, MetricsSettings, Placement, placement_as
 from gpuflow.tasks.storage import S3Settings
 
@@ -250,11 +251,16 @@ class InstanceBackend(UnitBackend):
         """Return the spec and prices as they are: this backend reads its block itself."""
         return spec, prices
 
-    def ranked(self, spec: JobSpec | Ask, prices: PriceTable) -> list[Offer]:
+    def ranked(self, spec: JobSpec | Ask, prices: PriceTable, fresh: bool = False) -> list[Offer]:
         """The cloud's offers for `spec` (a spec, or what a cluster keeps of it), in the
-        order a launch tries them, priced in its currency and in USD (nothing launched)."""
+        order a launch tries them, priced in its currency and in USD (nothing launched):
+        asked once per run scope (a check, then a pool's offers), or anew when `fresh`
+        (launching again after a loss: prices and stock have moved)."""
         ask = spec if isinstance(spec, Ask) else self.ask_model.of(spec, prices)
-        return self.cloud.find_offers(ask, prices)
+        if fresh:
+            return self.cloud.find_offers(ask, prices)
+        key = ("ranked", self.name, self.block, ask.model_dump_json(), prices.model_dump_json())
+        return once(key, lambda: self.cloud.find_offers(ask, prices))
 
     def check(self, spec: JobSpec, needs: Needs | None = None) -> None:
         settings = self.fleet()
@@ -444,7 +450,7 @@ class InstanceBackend(UnitBackend):
     def _offers(self, ask: Ask, losses: int) -> list[Offer]:
         """Return what to launch from (after `losses` spot interruptions, on-demand only
         where the placement says so)."""
-        offers = self.ranked(ask, prices_for(ask.placement))
+        offers = self.ranked(ask, prices_for(ask.placement), fresh=True)
         market, after = ask.placement.market, ask.placement.on_demand_after
         if market == "spot-then-on-demand" and losses >= after:
             _say(
