@@ -176,25 +176,7 @@ def rank(
                     )
                 )
     if not offers:
-        if over_limit:
-            spot, kind_name, zone = min(over_limit)
-            raise InvalidSpec(
-                f"placement.spot_price_limit: {money(limit or 0, currency)}/h is below the"
-                f" spot price of every fitting type (the lowest: {kind_name} in {zone} at"
-                f" {money(spot, currency)}/h); raise the limit, remove it or rent on-demand"
-                " (placement.market: spot-then-on-demand)."
-            )
-        why = (
-            f"no price for {', '.join(sorted(unpriced))} in the price table; add it to a"
-            " GpuPriceTable block (placement.price_table)"
-            if unpriced and not catalog.on_demand
-            else f"{', '.join(sorted(unpriced))} has no price in any zone"
-            if unpriced
-            else f"no zone{' of ' + settings.field('zones') if settings.zones else ''} offers"
-            f" them on the {market} market; allow other zones or placement.market:"
-            " spot-then-on-demand"
-        )
-        raise InvalidSpec(f"resources: types fit this job in {settings.region}, but {why}.")
+        raise _none_offered(ask, over_limit, unpriced, catalog, settings, currency)
     # at one price (prices are per GPU), the smallest machine that fits
     offers.sort(key=lambda o: (o.market != "spot", o.hourly_usd, o.vcpus, o.memory_mib, o.zone))
     budget = ask.limits.max_cost_usd
@@ -205,6 +187,38 @@ def rank(
             f" offer ({cheapest.line(res.nodes)}); raise it or ask for less."
         )
     return offers
+
+
+def _none_offered(
+    ask: Ask,
+    over_limit: list[tuple[float, str, str]],
+    unpriced: set[str],
+    catalog: Catalog,
+    settings: CloudSettings,
+    currency: str,
+) -> InvalidSpec:
+    """Why no offer is left although types fit: the spot price limit, a missing price, or
+    no zone offering them on the market asked."""
+    market, limit = ask.placement.market, ask.placement.spot_price_limit
+    if over_limit:
+        spot, kind_name, zone = min(over_limit)
+        return InvalidSpec(
+            f"placement.spot_price_limit: {money(limit or 0, currency)}/h is below the"
+            f" spot price of every fitting type (the lowest: {kind_name} in {zone} at"
+            f" {money(spot, currency)}/h); raise the limit, remove it or rent on-demand"
+            " (placement.market: spot-then-on-demand)."
+        )
+    why = (
+        f"no price for {', '.join(sorted(unpriced))} in the price table; add it to a"
+        " GpuPriceTable block (placement.price_table)"
+        if unpriced and not catalog.on_demand
+        else f"{', '.join(sorted(unpriced))} has no price in any zone"
+        if unpriced
+        else f"no zone{' of ' + settings.field('zones') if settings.zones else ''} offers"
+        f" them on the {market} market; allow other zones or placement.market:"
+        " spot-then-on-demand"
+    )
+    return InvalidSpec(f"resources: types fit this job in {settings.region}, but {why}.")
 
 
 def _check_zones(settings: CloudSettings, zones: dict[str, list[str]]) -> None:
