@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from prefect.blocks.core import Block
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -116,22 +116,27 @@ class FleetNodes(BaseModel):
         return self
 
 
-class FleetEc2(BaseModel):
-    """An elastic fleet's EC2 side: instances launched as runs wait for GPUs, kept across
-    runs, ended after `idle_duration_s` without a claim (down to `nodes.min`)."""
+class FleetInstances(BaseModel):
+    """An elastic fleet's instances on a cloud: launched as runs wait for GPUs, kept across
+    runs, ended after `idle_duration_s` without a claim (down to `nodes.min`). Each cloud
+    has its section (`ec2`, `alibaba`, `tencent`); a fleet grows on one."""
 
     model_config = ConfigDict(extra="forbid")
 
+    cloud: ClassVar[str]  # the instance backend it launches through
+    label: ClassVar[str]  # its instances, in sentences
+    type_example: ClassVar[str]
+
     block: str = Field(
         min_length=1,
-        title="Ec2GpuFleet block",
-        description="Its region, zones, credentials, image, instance profile and control prefix.",
+        title="Cloud settings block",
+        description="Its region, zones, credentials, image, role and control prefix.",
     )
     nodes: FleetNodes = Field(default_factory=FleetNodes, title="Instances (min..max)")
     instance_types: list[str] = Field(
         min_length=1,
         title="Instance types",
-        description="What a new instance may be, tried in order (e.g. g6.xlarge, g5.xlarge).",
+        description="What a new instance may be, tried in order.",
     )
     market: Literal["spot", "on-demand", "spot-then-on-demand"] = Field(
         "on-demand",
@@ -141,15 +146,6 @@ class FleetEc2(BaseModel):
     )
     user: str = Field(
         "ubuntu", min_length=1, title="SSH user", description="The image's login user."
-    )
-    ssh_from: list[str] = Field(
-        default_factory=list,
-        title="SSH allowed from",
-        description="CIDRs allowed to reach the instances' SSH port (where gpuflow runs);"
-        " empty: the fleet's own subnet only.",
-    )
-    subnet: str | None = Field(
-        None, title="Subnet", description="Subnet id to launch in; empty: the zone's default."
     )
     idle_duration_s: float = Field(
         600.0,
@@ -163,14 +159,75 @@ class FleetEc2(BaseModel):
         title="Grow after (seconds)",
         description="A run that has waited this long for GPUs makes the fleet grow.",
     )
+    price_table: str | None = Field(
+        None,
+        title="Price table (GpuPriceTable block)",
+        description="Prices over the defaults, and the rate to USD of a cloud that prices in"
+        " another currency (CNY on Alibaba Cloud and Tencent Cloud).",
+    )
 
     @field_validator("instance_types")
     @classmethod
     def _types(cls, value: list[str]) -> list[str]:
         for name in value:
-            if "." not in name or " " in name:
-                raise ValueError(f"{name!r} is not an EC2 instance type; write e.g. g6.xlarge")
+            if not cls.is_type(name):
+                raise ValueError(
+                    f"{name!r} is not an {cls.label} instance type; write e.g."
+                    f" {cls.type_example}"
+                )
         return value
+
+    @classmethod
+    def is_type(cls, name: str) -> bool:
+        return "." in name and " " not in name
+
+
+class FleetEc2(FleetInstances):
+    """An elastic fleet's EC2 instances, in a subnet of the fleet's choosing."""
+
+    cloud: ClassVar[str] = "ec2"
+    label: ClassVar[str] = "EC2"
+    type_example: ClassVar[str] = "g6.xlarge"
+
+    ssh_from: list[str] = Field(
+        default_factory=list,
+        title="SSH allowed from",
+        description="CIDRs allowed to reach the instances' SSH port (where gpuflow runs);"
+        " empty: the fleet's own subnet only.",
+    )
+    subnet: str | None = Field(
+        None, title="Subnet", description="Subnet id to launch in; empty: the zone's default."
+    )
+
+
+class FleetEcs(FleetInstances):
+    """An elastic fleet's Alibaba Cloud ECS instances, in the EcsGpuFleet's vSwitches; no
+    public address (gpuflow reaches them inside the VPC, or over a VPN or peering)."""
+
+    cloud: ClassVar[str] = "alibaba"
+    label: ClassVar[str] = "ECS"
+    type_example: ClassVar[str] = "ecs.gn7i-c8g1.2xlarge"
+
+    user: str = Field("root", min_length=1, title="SSH user", description="The image's login user.")
+    ssh_from: list[str] = Field(
+        default_factory=list,
+        title="SSH allowed from",
+        description="CIDRs allowed to reach the instances' SSH port (where gpuflow runs);"
+        " empty: private addresses only (10/8, 172.16/12, 192.168/16).",
+    )
+
+    @classmethod
+    def is_type(cls, name: str) -> bool:
+        return name.startswith("ecs.") and " " not in name
+
+
+class FleetCvm(FleetInstances):
+    """An elastic fleet's Tencent Cloud CVM instances, in the CvmGpuFleet's subnets and its
+    security group (which must let SSH in from where gpuflow runs)."""
+
+    cloud: ClassVar[str] = "tencent"
+    label: ClassVar[str] = "CVM"
+    type_example: ClassVar[str] = "GN7.2XLARGE32"
 
 
 class GpuFleet(Block):
@@ -216,6 +273,16 @@ class GpuFleet(Block):
         title="Elastic EC2 instances",
         description="Grow the fleet with EC2 instances as runs wait, and end them when idle.",
     )
+    alibaba: FleetEcs | None = Field(
+        default=None,
+        title="Elastic Alibaba Cloud ECS instances",
+        description="Grow the fleet with ECS instances as runs wait, and end them when idle.",
+    )
+    tencent: FleetCvm | None = Field(
+        default=None,
+        title="Elastic Tencent Cloud CVM instances",
+        description="Grow the fleet with CVM instances as runs wait, and end them when idle.",
+    )
     checked: list[HostCheck] = Field(
         default_factory=list,
         title="Last check",
@@ -234,6 +301,21 @@ class GpuFleet(Block):
                     )
                 seen[key] = i
         return self
+
+    @model_validator(mode="after")
+    def _one_cloud(self) -> GpuFleet:
+        named = [n for n in ("ec2", "alibaba", "tencent") if getattr(self, n) is not None]
+        if len(named) > 1:
+            raise ValueError(
+                f"{' and '.join(named)}: an elastic fleet grows on one cloud; keep one of"
+                " these sections (a pool places runs across fleets of different clouds)"
+            )
+        return self
+
+    @property
+    def elastic(self) -> FleetInstances | None:
+        """The section of the cloud the fleet grows on (None: listed hosts only)."""
+        return self.ec2 or self.alibaba or self.tencent
 
     def host(self, name: str) -> FleetHost | None:
         return next((h for h in self.hosts if h.label == name), None)

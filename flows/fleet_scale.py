@@ -24,6 +24,8 @@ EVENTS = {
     "keep": "gpuflow.fleet.kept",
     "forget": "gpuflow.fleet.forgot",
 }
+# an instance's resource id in events: its cloud's service, then the instance's id
+SERVICE = {"ec2": "aws.ec2", "alibaba": "alibaba.ecs", "tencent": "tencent.cvm"}
 
 
 @flow(name="fleet-scale")
@@ -33,6 +35,8 @@ def fleet_scale(fleet: str) -> list[dict[str, Any]]:
     backend = get_backend("fleet", FleetPlacement(fleet=fleet))
     assert isinstance(backend, FleetBackend)
     decisions = scale(backend, logger.info)
+    section = backend.fleet().elastic
+    service = SERVICE.get(section.cloud, section.cloud) if section else "cloud"
     at = datetime.now(UTC).isoformat(timespec="seconds")
     rows = [{"at": at, **d.model_dump()} for d in decisions]
     for row in rows:
@@ -42,7 +46,7 @@ def fleet_scale(fleet: str) -> list[dict[str, Any]]:
             resource={"prefect.resource.id": f"gpuflow.fleet.{fleet}"},
             related=[
                 {
-                    "prefect.resource.id": f"aws.ec2.instance.{row['instance']}",
+                    "prefect.resource.id": f"{service}.instance.{row['instance']}",
                     "prefect.resource.role": "instance",
                 }
             ]

@@ -20,6 +20,11 @@ def prices_for(placement: Placement) -> PriceTable:
     return _price_table(placement.price_table)
 
 
+def prices_named(name: str | None, field: str) -> PriceTable:
+    """Return the prices of the GpuPriceTable block `name` given in `field` (a fleet's)."""
+    return _price_table(name, field)
+
+
 def needs_api(spec: JobSpec) -> bool:
     """Return True when checking `spec` reads Prefect: blocks it names (placement, prices,
     S3 credentials, secrets) or the `gpu` concurrency limit, for any of its candidates. Without any, every check runs
@@ -30,8 +35,9 @@ def needs_api(spec: JobSpec) -> bool:
     )
 
 
-def _price_table(name: str | None) -> PriceTable:
-    """Return the prices of the GpuPriceTable block `name` over the defaults (defaults for None)."""
+def _price_table(name: str | None, field: str = "placement.price_table") -> PriceTable:
+    """Return the prices of the GpuPriceTable block `name` over the defaults (defaults for
+    None); `field` names where it was given, in sentences."""
     if name is None:
         return PriceTable()
 
@@ -41,7 +47,7 @@ def _price_table(name: str | None) -> PriceTable:
     return load_block(
         GpuPriceTable,
         name,
-        "placement.price_table",
+        field,
         create=f"`gpuflow blocks init` or GpuPriceTable(...).save({name!r})",
         otherwise="remove the field",
     ).table()

@@ -118,12 +118,16 @@ def _apply(source: str, as_json: bool) -> int:
         name, fleet = read_fleet(source)
     except InvalidSpec as exc:
         return invalid(exc)
-    if not fleet.hosts and fleet.ec2 is None:
+    section = fleet.elastic
+    if not fleet.hosts and section is None:
         return invalid(
-            InvalidSpec(f"hosts: fleet {name!r} has no hosts; list at least one, or add ec2:.")
+            InvalidSpec(
+                f"hosts: fleet {name!r} has no hosts; list at least one, or add a cloud to"
+                " grow on (ec2:, alibaba: or tencent:)."
+            )
         )
     elastic = None
-    if fleet.ec2 is not None:
+    if section is not None:
         try:
             nodes = backend_of(name, fleet).nodes()
             elastic = nodes.instance_gpus(), len(nodes.instances())
@@ -135,9 +139,8 @@ def _apply(source: str, as_json: bool) -> int:
             checks = list(pool.map(lambda host: check_host(fleet, host, secret_text), fleet.hosts))
     fleet.checked = checks
     fleet.save(name, overwrite=True)
-    if elastic is not None and not as_json:
+    if elastic is not None and section is not None and not as_json:
         (gpus, product, hourly), running = elastic
-        section = fleet.ec2
         print(
             f"fleet {name}: elastic, {running} instance(s) now, {section.nodes.min}..{section.nodes.max};"
             f" a new one is a {section.instance_types[0]} ({gpus} x {product},"

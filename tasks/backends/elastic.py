@@ -1,8 +1,8 @@
 """An elastic fleet: instances a cloud makes for the fleet as runs wait for GPUs, served
 like any other host (SSH, the host program, claims as leases), ended when idle.
 
-The fleet's shared records live where every orchestrator reaches them (for EC2, under the
-Ec2GpuFleet's control prefix in S3), so growth is decided the same way by every process:
+The fleet's shared records live where every orchestrator reaches them (under the cloud
+settings block's control prefix in its object storage), so growth is decided the same way by every process:
 
     fleets/<name>/slots/<k>        one per instance the fleet may have (k < nodes.max),
                                    made with a conditional write (if none exists): the
@@ -14,9 +14,9 @@ Ec2GpuFleet's control prefix in S3), so growth is decided the same way by every 
     fleets/<name>/ended/<instance> what an ended instance cost and how much of it was used
 
 `plan_growth` is pure: how many new instances the waiting runs need beyond the slots that
-are booting. `Nodes` is what a cloud gives: the EC2 backend's is
-gpuflow.tasks.backends.ec2.fleet_nodes (connected by the backends' registry, since no
-backend imports another).
+are booting. `Nodes` is what a cloud gives: gpuflow.tasks.backends.instances.fleet over
+any instance backend's provider (EC2, Alibaba Cloud ECS, Tencent Cloud CVM), connected by
+the backends' registry, since no backend imports another.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class Nodes(Protocol):
 
 
 # The clouds an elastic fleet can grow on: name -> a maker of its Nodes from the fleet's
-# section (GpuFleet.ec2), the fleet's name and the public key its instances let in.
+# section (GpuFleet.ec2, .alibaba, .tencent), the fleet's name and the public key its instances let in.
 # Filled by the backends' registry.
 CLOUDS: dict[str, Callable[[Any, str, str], Nodes]] = {}
 

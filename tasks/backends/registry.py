@@ -4,13 +4,17 @@ package with a class that has `name`, `capabilities` and the verbs, plus a `regi
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 from gpuflow.tasks.backends import elastic
 from gpuflow.tasks.backends.alibaba.backend import AlibabaBackend
 from gpuflow.tasks.backends.base import AddsNodes, Backend, ServesReplicas
 from gpuflow.tasks.backends.ec2.backend import Ec2Backend
-from gpuflow.tasks.backends.ec2.fleet_nodes import Ec2FleetNodes
 from gpuflow.tasks.backends.fleet.backend import FleetBackend
+from gpuflow.tasks.backends.instances.backend import InstanceBackend
+from gpuflow.tasks.backends.instances.fleet import CloudFleetNodes
+from gpuflow.tasks.backends.instances.placement import InstancePlacement
 from gpuflow.tasks.backends.kubernetes.backend import KubernetesBackend
 from gpuflow.tasks.backends.local.backend import LocalBackend
 from gpuflow.tasks.backends.slurm.backend import SlurmBackend
@@ -18,6 +22,7 @@ from gpuflow.tasks.backends.tencent.backend import TencentBackend
 from gpuflow.tasks.contract import Cluster
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.metrics.cost import add_list_prices, remove_list_prices
+from gpuflow.tasks.placement import prices_named
 from gpuflow.tasks.runscope import once
 from gpuflow.tasks.spec import Placement, add_placement_model, remove_placement_model
 
@@ -45,6 +50,10 @@ def register(backend: type[Backend]) -> type[Backend]:
     _BACKENDS[backend.name] = backend
     add_placement_model(backend.name, backend.placement_model)
     add_list_prices(backend.name, backend.list_prices)
+    if issubclass(backend, InstanceBackend):
+        # an elastic fleet grows on a cloud's instances: the fleet backend reaches them
+        # through this (no backend imports another)
+        elastic.CLOUDS[backend.name] = _fleet_nodes(backend)
     return backend
 
 
@@ -53,6 +62,7 @@ def unregister(name: str) -> None:
     if name not in BUILT_IN and _BACKENDS.pop(name, None) is not None:
         remove_placement_model(name)
         remove_list_prices(name)
+        elastic.CLOUDS.pop(name, None)
 
 
 def get_backend(name: str, placement: Placement | None = None) -> Backend:
@@ -91,9 +101,23 @@ def backend_for(cluster: Cluster) -> Backend:
     return once(key, lambda: cls.of(cluster))
 
 
+def _fleet_nodes(backend: type[InstanceBackend]) -> Callable[[Any, str, str], elastic.Nodes]:
+    """A maker of an elastic fleet's instances on `backend`'s cloud, from the fleet's
+    section of that cloud (GpuFleet.ec2, .alibaba, .tencent)."""
+
+    def make(section: Any, fleet: str, public_key: str) -> elastic.Nodes:
+        field = f"fleet {fleet!r} {section.cloud}"
+        instances = backend()
+        cloud = instances.cloud_of(instances.settings_named(section.block, f"{field}.block"))
+        placement = instances.placement_model.model_validate(
+            {"backend": backend.name, "block": section.block, "market": section.market}
+        )
+        assert isinstance(placement, InstancePlacement)
+        prices = prices_named(section.price_table, f"{field}.price_table")
+        return CloudFleetNodes(cloud, placement, prices, section, fleet, public_key)
+
+    return make
+
+
 for _builtin in _BUILT_IN_CLASSES:
     register(_builtin)
-
-# an elastic fleet grows on EC2: the fleet backend reaches EC2's instances through this
-# (no backend imports another)
-elastic.CLOUDS["ec2"] = Ec2FleetNodes

@@ -107,6 +107,7 @@ class AwsCloud(Cloud):
             say,
             self.settings.instance_profile,
             [boot.network] if boot.network else None,
+            subnet=boot.subnet,
             max_price=boot.spot_price_limit,
         )
 
@@ -156,15 +157,8 @@ class AwsCloud(Cloud):
                 ec2.delete_volume(VolumeId=volume["VolumeId"])
                 removed.append(volume["VolumeId"])
         for group in ec2.describe_security_groups(Filters=run_filter)["SecurityGroups"]:
-            for attempt in range(30):  # EC2 refuses while a terminating instance still uses it
-                try:
-                    ec2.delete_security_group(GroupId=group["GroupId"])
-                    removed.append(group["GroupId"])
-                    break
-                except Exception as exc:
-                    if "DependencyViolation" not in str(exc) or attempt == 29:
-                        raise
-                    time.sleep(2)
+            _retried(functools.partial(ec2.delete_security_group, GroupId=group["GroupId"]))
+            removed.append(group["GroupId"])
         try:
             found = secrets.describe_secret(SecretId=secret_name(run_id))
         except secrets.exceptions.ResourceNotFoundException:
@@ -194,6 +188,61 @@ class AwsCloud(Cloud):
     def agent_settings(self) -> dict[str, Any]:
         return {"region": self.settings.region, "endpoint_url": _endpoint(self.settings)}
 
+    # -- an elastic fleet's instances ----------------------------------------------------
+
+    def subnet_zone(self, subnet: str) -> str:
+        return str(self.ec2.describe_subnets(SubnetIds=[subnet])["Subnets"][0]["AvailabilityZone"])
+
+    def fleet_network(
+        self, fleet: str, tags: Mapping[str, str], ssh_from: list[str], subnet: str | None
+    ) -> str | None:
+        """The fleet's security group in its subnet's VPC (else the default VPC): SSH from
+        `ssh_from`, else the subnet (or VPC) only."""
+        ec2, name = self.ec2, f"gpuflow-fleet-{fleet}"
+        if subnet:
+            found = ec2.describe_subnets(SubnetIds=[subnet])["Subnets"][0]
+            vpc, cidr = found["VpcId"], found["CidrBlock"]
+        else:
+            vpcs = ec2.describe_vpcs(Filters=[{"Name": "isDefault", "Values": ["true"]}])["Vpcs"]
+            if not vpcs:
+                raise InvalidSpec(
+                    f"fleet {fleet!r} ec2.subnet: the region has no default VPC; name a subnet."
+                )
+            vpc, cidr = vpcs[0]["VpcId"], vpcs[0]["CidrBlock"]
+        groups = ec2.describe_security_groups(
+            Filters=[
+                {"Name": "group-name", "Values": [name]},
+                {"Name": "vpc-id", "Values": [vpc]},
+            ]
+        )["SecurityGroups"]
+        if groups:
+            return str(groups[0]["GroupId"])
+        group = ec2.create_security_group(
+            GroupName=name,
+            Description="gpuflow fleet: SSH from where gpuflow runs; the fleet's instances reach each other",
+            VpcId=vpc,
+            TagSpecifications=[{"ResourceType": "security-group", "Tags": launching.tags_of(tags)}],
+        )["GroupId"]
+        ranges = [{"CidrIp": c} for c in (ssh_from or [cidr])]
+        ec2.authorize_security_group_ingress(
+            GroupId=group,
+            IpPermissions=[
+                {"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22, "IpRanges": ranges},
+                {"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": group}]},
+            ],
+        )
+        return str(group)
+
+    def remove_fleet_network(self, fleet: str, say: Callable[[str], None]) -> None:
+        from gpuflow.tasks.backends.instances.fleet import FLEET_TAG
+
+        groups = self.ec2.describe_security_groups(
+            Filters=[{"Name": f"tag:{FLEET_TAG}", "Values": [fleet]}]
+        )["SecurityGroups"]
+        for group in groups:
+            _retried(functools.partial(self.ec2.delete_security_group, GroupId=group["GroupId"]))
+            say(f"deleted security group {group['GroupId']}")
+
     # -- reaping -----------------------------------------------------------------------
 
     def tagged(self) -> dict[str, dict[str, Any]]:
@@ -217,6 +266,19 @@ class AwsCloud(Cloud):
     def hourly(self, machine: Machine) -> float:
         kind = self._types.get(machine.instance_type)
         return PriceTable().gpu_hourly(BACKEND, kind.product) * kind.gpus if kind else 0.0
+
+
+def _retried(delete: Callable[[], Any], tries: int = 60) -> None:
+    """Delete a security group, again while EC2 refuses because a terminating instance
+    still uses it (DependencyViolation), for up to two minutes."""
+    for attempt in range(tries):
+        try:
+            delete()
+            return
+        except Exception as exc:
+            if "DependencyViolation" not in str(exc) or attempt == tries - 1:
+                raise
+            time.sleep(2)
 
 
 def _machine(item: dict[str, Any]) -> Machine:

@@ -167,7 +167,8 @@ class FleetBackend(UnitBackend):
         """Return the elastic fleet's instances (None for a fleet of listed hosts only)."""
         if not self._nodes:
             fleet = self.fleet()
-            if fleet.ec2 is None:
+            section = fleet.elastic
+            if section is None:
                 self._nodes.append(None)
             else:
                 if not fleet.ssh_key:
@@ -179,7 +180,9 @@ class FleetBackend(UnitBackend):
                     public = public_key_of(secret_text(fleet.ssh_key))
                 except ValueError as exc:
                     raise InvalidSpec(f"ssh_key: Secret block {fleet.ssh_key!r}: {exc}") from None
-                self._nodes.append(elastic.CLOUDS["ec2"](fleet.ec2, self.fleet_name or "", public))
+                self._nodes.append(
+                    elastic.CLOUDS[section.cloud](section, self.fleet_name or "", public)
+                )
         return self._nodes[0]
 
     def hosts(self) -> list[tuple[FleetHost, HostCheck]]:
@@ -190,7 +193,8 @@ class FleetBackend(UnitBackend):
         fleet = self.fleet()
         found = list(fleet.serving())
         nodes = self.nodes()
-        if nodes is None or fleet.ec2 is None:
+        section = fleet.elastic
+        if nodes is None or section is None:
             return found
         if time.monotonic() - self._described[0] > 1.0:  # asked of the cloud once a second
             self._described = (time.monotonic(), nodes.instances())
@@ -200,7 +204,7 @@ class FleetBackend(UnitBackend):
             host = FleetHost(
                 address=instance.address,
                 name=instance.id,
-                user=fleet.ec2.user,
+                user=section.user,
                 known_hosts=instance.known_hosts,
                 gpus=instance.gpus,
             )
@@ -257,10 +261,11 @@ class FleetBackend(UnitBackend):
             )
         serving = [(h.label, c.gpus, c.products) for h, c in self.hosts()]
         grown = 0
-        if nodes is not None and fleet.ec2 is not None:
+        section = fleet.elastic
+        if nodes is not None and section is not None:
             gpus, product, _hourly = nodes.instance_gpus()
-            serving.append((f"a new {fleet.ec2.instance_types[0]}", gpus, [product]))
-            grown = fleet.ec2.nodes.max
+            serving.append((f"a new {section.instance_types[0]}", gpus, [product]))
+            grown = section.nodes.max
         if not serving:
             why = "; ".join(f"{c.host}: {c.reason}" for c in fleet.checked if not c.ok)
             raise InvalidSpec(
@@ -350,26 +355,26 @@ class FleetBackend(UnitBackend):
     def _growth_offer(self, spec: JobSpec, prices: PriceTable) -> Offer | None:
         """Return what growing an elastic fleet for the job would give and cost (its
         instances' share for the job's GPUs), None for a fleet of listed hosts only."""
-        nodes, fleet = self.nodes(), self.fleet()
-        if nodes is None or fleet.ec2 is None:
+        nodes, section = self.nodes(), self.fleet().elastic
+        if nodes is None or section is None:
             return None
         res = spec.resources
         gpus, product, hourly = nodes.instance_gpus()
         taken = len(nodes.slots())
-        room = fleet.ec2.nodes.max - taken
+        room = section.nodes.max - taken
         why = ""
         if gpus < res.gpus:
             why = f"a new instance has {gpus} GPU(s)"
         elif room < res.nodes:
-            why = f"the fleet is at {taken} of its max {fleet.ec2.nodes.max} instance(s)"
+            why = f"the fleet is at {taken} of its max {section.nodes.max} instance(s)"
         return Offer(
-            where=f"fleet/{self.fleet_name} +{res.nodes} x {fleet.ec2.instance_types[0]} (new)",
+            where=f"fleet/{self.fleet_name} +{res.nodes} x {section.instance_types[0]} (new)",
             gpu_product=product,
             gpus_free=None,
             hourly_usd=hourly * res.nodes * res.gpus / max(1, gpus),
             can_start=False,
             why_not=why or "boots a new instance first",
-            preemptible=fleet.ec2.market != "on-demand",
+            preemptible=section.market != "on-demand",
         )
 
     # -- provision -----------------------------------------------------------------------

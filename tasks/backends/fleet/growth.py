@@ -37,7 +37,7 @@ class Grower:
     every_s = 2.0
 
     def __init__(self, backend: FleetBackend, nodes: elastic.Nodes, spec: JobSpec, run: str):
-        section = backend.fleet().ec2
+        section = backend.fleet().elastic
         assert section is not None
         self.backend, self.nodes, self.section = backend, nodes, section
         self.boot_s = nodes.boot_timeout_s()
@@ -85,7 +85,7 @@ class Grower:
 def grow(backend: FleetBackend, nodes: elastic.Nodes, say: Callable[[str], None]) -> list[str]:
     """Launch the instances the fleet's waiting runs need, beyond those booting; return
     their ids. Every process that runs this at once takes different slots (or none)."""
-    section = backend.fleet().ec2
+    section = backend.fleet().elastic
     assert section is not None
     gpus, _product, _hourly = nodes.instance_gpus()
     live = {i.id: i for i in nodes.instances()}
@@ -143,9 +143,12 @@ def scale(backend: FleetBackend, say: Callable[[str], None]) -> list[elastic.Dec
     The hysteresis: growth needs a wait of `grow_after_s`, an end an idle time of
     `idle_duration_s` (at least 10 s, 600 by default), so an instance launched for a burst
     serves every run that comes within idle_duration_s of the last one."""
-    nodes, section = backend.nodes(), backend.fleet().ec2
+    nodes, section = backend.nodes(), backend.fleet().elastic
     if nodes is None or section is None:
-        raise InvalidSpec(f"fleet {backend.fleet_name!r} has no ec2 section: nothing to scale.")
+        raise InvalidSpec(
+            f"fleet {backend.fleet_name!r} has no cloud to grow on (ec2:, alibaba: or"
+            " tencent:): nothing to scale."
+        )
     now = time.time()
     live = {i.id: i for i in nodes.instances()}
     decisions = _tidy(nodes, live, now, say)

@@ -62,7 +62,23 @@ class Boot(BaseModel):
     disk_gib: int
     tags: dict[str, str]
     network: str | None = None  # the run's security group
+    subnet: str | None = None  # where the cloud takes one (an elastic fleet's EC2 subnet)
     spot_price_limit: float | None = None  # in the cloud's currency, per instance-hour
+
+
+class RoleMetadata(BaseModel):
+    """Where an instance reads its role's temporary credentials, for a program that runs
+    before gpuflow is on it (an elastic fleet's instance publishing its host key): the
+    metadata service (its address, or the variable that overrides it), its token dance
+    where it has one, the credentials' path and their fields."""
+
+    endpoint: str
+    variable: str  # overrides `endpoint` where set
+    credentials_path: str
+    fields: tuple[str, str, str]  # key id, secret, session token
+    token_path: str = ""
+    token_ttl_header: str = ""
+    token_header: str = ""
 
 
 class NextOffer(Exception):
@@ -232,6 +248,28 @@ class Cloud(ABC):
         run = runs.setdefault(tags.get(RUN_LABEL, ""), {"instances": [], "others": [], "tags": {}})
         run["tags"] |= tags
         return run
+
+    # -- an elastic fleet's instances ----------------------------------------------------
+
+    def role_metadata(self) -> RoleMetadata | None:
+        """Where an instance reads its role's credentials; None where the SDK on the image
+        finds them itself (AWS's instance profile)."""
+        return None
+
+    def fleet_network(
+        self, fleet: str, tags: Mapping[str, str], ssh_from: list[str], subnet: str | None
+    ) -> str | None:
+        """The elastic fleet's security group: SSH in from `ssh_from` (a default of the
+        cloud's where empty), its instances reach each other; made once."""
+        raise InvalidSpec(f"elastic fleets do not grow on {self.label} yet.")
+
+    def remove_fleet_network(self, fleet: str, say: Callable[[str], None]) -> None:
+        """Delete the fleet's security group once its instances are gone (none: nothing)."""
+        return None
+
+    def subnet_zone(self, subnet: str) -> str:
+        """The zone of `subnet` (an elastic fleet's instances launch there)."""
+        raise InvalidSpec(f"a fleet's subnet is not taken on {self.label}.")
 
     def hourly(self, machine: Machine) -> float:
         """What an instance costs an hour at most (on-demand), 0 where unknown."""

@@ -105,8 +105,6 @@ def s3_compatible(url: str, region: str, keys: tuple[str, str, str | None]) -> A
     import boto3
     from botocore.config import Config
 
-    host = urlsplit(url).hostname or ""
-    local = host == "localhost" or _is_address(host)
     key, secret, token = keys
     return boto3.client(
         "s3",
@@ -116,10 +114,17 @@ def s3_compatible(url: str, region: str, keys: tuple[str, str, str | None]) -> A
         aws_secret_access_key=secret,
         aws_session_token=token or None,
         config=Config(
-            s3={"addressing_style": "path" if local else "virtual"},
+            s3={"addressing_style": addressing_style(url)},
             retries={"max_attempts": 5, "mode": "standard"},
         ),
     )
+
+
+def addressing_style(url: str) -> str:
+    """How buckets are addressed at `url`: by path on an address or localhost, else
+    virtual-hosted (as OSS and COS require)."""
+    host = urlsplit(url).hostname or ""
+    return "path" if host == "localhost" or _is_address(host) else "virtual"
 
 
 def _is_address(host: str) -> bool:
