@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from prefect.blocks.core import Block
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -172,8 +172,7 @@ class FleetInstances(BaseModel):
         for name in value:
             if not cls.is_type(name):
                 raise ValueError(
-                    f"{name!r} is not an {cls.label} instance type; write e.g."
-                    f" {cls.type_example}"
+                    f"{name!r} is not an {cls.label} instance type; write e.g. {cls.type_example}"
                 )
         return value
 
@@ -228,6 +227,16 @@ class FleetCvm(FleetInstances):
     cloud: ClassVar[str] = "tencent"
     label: ClassVar[str] = "CVM"
     type_example: ClassVar[str] = "GN7.2XLARGE32"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_ssh_from(cls, values: Any) -> Any:
+        if isinstance(values, dict) and values.get("ssh_from"):
+            raise ValueError(
+                "ssh_from: a Tencent Cloud fleet's instances join the CvmGpuFleet's"
+                " security_group; let SSH in there from where gpuflow runs, and remove ssh_from"
+            )
+        return values
 
 
 class GpuFleet(Block):

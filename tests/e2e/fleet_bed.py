@@ -158,3 +158,90 @@ class PlayedFleetInstances:
     def _power_off(self, instance_id: str) -> None:
         subprocess.run([str(TESTBED), "remove", str(self.bed["dir"]), instance_id], check=True)
         self.booted.pop(instance_id)
+
+
+class PlayedFleetOnFake:
+    """An elastic fleet's instances on a fake cloud (tests/fakes/alibaba_ecs.py,
+    tencent_cvm.py), played as hosts of a fleet test bed: each instance the fake launches
+    for a fleet gets the next address on the bed's /24 and becomes a host there
+    (`fleet-testbed.sh add`, in a thread: the API answers while it boots), its GPUs those
+    of its type (`products`); its real user-data runs with the variable `metadata` pointing
+    at the fake's metadata service for it (where the role's credentials are), letting the
+    fleet's key in and publishing its host key. An instance the fake deletes loses its
+    host."""
+
+    def __init__(self, fake, bed: dict, products: dict[str, tuple[int, str]], metadata: str):
+        self.fake, self.bed, self.products, self.metadata = fake, bed, products, metadata
+        self.net = bed["address"].rsplit(".", 1)[0]
+        self.addresses: dict[str, str] = {}
+        self.booted: dict[str, Path] = {}
+        self.console: dict[str, str] = {}
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+
+    def __enter__(self) -> PlayedFleetOnFake:
+        self.fake.address_of = self._address
+        self.fake.on_launch = self._launched
+        self.fake.on_delete = self._deleted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.fake.on_launch = self.fake.on_delete = lambda _i: None
+        for thread in self.threads:
+            thread.join(120)
+        for instance_id in list(self.booted):
+            self._power_off(instance_id)
+
+    def _address(self, instance_id: str) -> str:
+        with self.lock:
+            self.addresses[instance_id] = f"{self.net}.{100 + len(self.addresses)}"
+            return self.addresses[instance_id]
+
+    def _launched(self, instance: dict) -> None:
+        if instance["Tags"].get("gpuflow.io/owner") != "gpuflow-fleet":
+            return
+        thread = threading.Thread(target=self._boot, args=(instance,), daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def _deleted(self, instance: dict) -> None:
+        if instance["InstanceId"] in self.booted:
+            self._power_off(instance["InstanceId"])
+
+    def _boot(self, instance: dict) -> None:
+        instance_id = instance["InstanceId"]
+        try:
+            gpus, product = self.products[instance["InstanceType"]]
+            home = Path(self.bed["dir"]) / instance_id
+            added = subprocess.run(
+                [str(TESTBED), "add", str(self.bed["dir"]), f"{instance_id}:{gpus}:{product}",
+                 self.addresses[instance_id]],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "FLEET_PYTHON": sys.executable},
+            )  # fmt: skip
+            if added.returncode != 0:
+                raise RuntimeError(f"fleet-testbed add {instance_id}: {added.stderr.strip()}")
+            self.booted[instance_id] = home
+            script = home / "user-data"
+            script.write_text(base64.b64decode(instance["UserData"]).decode())
+            done = subprocess.run(
+                ["bash", str(script)],
+                env={
+                    "PATH": f"{home / 'bin'}:/usr/bin:/bin",  # the image's python3 (with boto3)
+                    self.metadata: self.fake.metadata_url(instance_id),
+                    "AUTHORIZED_KEYS": str(home / "authorized_keys"),
+                    "SSH_HOST_KEY": str(home / "host_key.pub"),
+                },
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            self.console[instance_id] = done.stdout + done.stderr
+        except Exception as exc:  # said in the test's failure
+            self.errors.append(f"{instance_id}: {type(exc).__name__}: {exc}")
+
+    def _power_off(self, instance_id: str) -> None:
+        subprocess.run([str(TESTBED), "remove", str(self.bed["dir"]), instance_id], check=True)
+        self.booted.pop(instance_id, None)

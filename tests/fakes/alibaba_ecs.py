@@ -440,7 +440,7 @@ class FakeEcs(FakeCloud):
                     "HttpTokens": q.get("HttpTokens", "optional"),
                     "ClientToken": token,
                     "CreationTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%MZ"),
-                    "Address": "127.0.0.1",
+                    "Address": self.address_of(instance_id),
                     "started": time.monotonic(),
                 }
                 ids.append(instance_id)
@@ -533,6 +533,14 @@ class FakeEcs(FakeCloud):
                 404,
                 "InvalidSecurityGroupId.NotFound",
                 "The specified SecurityGroupId does not exist.",
+            )
+        if q.get("IpProtocol", "").upper() not in {"TCP", "UDP", "ICMP", "ICMPV6", "GRE", "ALL"}:
+            raise Refused(
+                400, "InvalidIpProtocol.Malformed", "The specified IpProtocol is invalid."
+            )
+        if not any(q.get(k) for k in ("SourceCidrIp", "SourceGroupId", "SourcePrefixListId")):
+            raise Refused(
+                400, "MissingParameter", "A source (SourceCidrIp, SourceGroupId) is required."
             )
         group["Rules"].append({k: v for k, v in q.items() if k != "RegionId"})
         return {}

@@ -23,6 +23,8 @@ class FakeCloud:
         self.quota_left: int | None = None  # GPUs the account may still start
         self.on_launch: Callable[[dict[str, Any]], None] = lambda _i: None
         self.on_delete: Callable[[dict[str, Any]], None] = lambda _i: None
+        # an instance's private address (a test bed that plays instances as hosts sets it)
+        self.address_of: Callable[[str], str] = lambda _id: "127.0.0.1"
         self.lock = threading.RLock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler("api"))
         self.metadata_server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler("metadata"))

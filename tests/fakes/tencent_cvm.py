@@ -335,7 +335,7 @@ class FakeCvm(FakeCloud):
                     "CamRoleName": q.get("CamRoleName", ""),
                     "ClientToken": token,
                     "CreatedTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                    "Address": "127.0.0.1",
+                    "Address": self.address_of(instance_id),
                     "started": time.monotonic(),
                 }
                 ids.append(instance_id)

@@ -23,15 +23,18 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from gpuflow.tasks.backends.alibaba import metadata
 from gpuflow.tasks.backends.alibaba.settings import EcsFleet, ecs_client, ecs_error, oss_client
 from gpuflow.tasks.backends.instances.catalog import Catalog, GpuType, Offer, key, nearest, rank
 from gpuflow.tasks.backends.instances.cloud import (
+    FLEET_TAG,
     LIVE,
     Boot,
     Cloud,
     Launched,
     Machine,
     NextOffer,
+    RoleMetadata,
     SecretInMailbox,
     failover,
 )
@@ -42,6 +45,7 @@ from gpuflow.tasks.gpus import canonical_product, product_named
 from gpuflow.tasks.metrics.cost import PriceTable
 
 BACKEND = "alibaba"
+PRIVATE = ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"]
 # ECS's words for an instance's state, in the words gpuflow keeps (EC2's)
 STATES = {
     "Pending": "pending",
@@ -361,25 +365,47 @@ class AlibabaCloud(SecretInMailbox, Cloud):
     def network(self, run_id: str, tags: Mapping[str, str], nodes: int) -> str | None:
         """The run's security group in the fleet's VPC: no inbound rule from outside; the
         run's own nodes reach each other."""
+        return self._group(f"gpuflow-{run_id}", tags, [], nodes > 1, "the run's nodes")
+
+    def fleet_network(
+        self, fleet: str, tags: Mapping[str, str], ssh_from: list[str], subnet: str | None
+    ) -> str | None:
+        """The elastic fleet's security group: SSH from `ssh_from` (else from private
+        addresses only: its instances have none public), its instances reach each other."""
+        return self._group(
+            f"gpuflow-fleet-{fleet}", tags, ssh_from or PRIVATE, True, "the fleet's instances"
+        )
+
+    def _group(
+        self, name: str, tags: Mapping[str, str], ssh_from: list[str], within: bool, who: str
+    ) -> str:
         from alibabacloud_ecs20140526 import models
 
-        name = f"gpuflow-{run_id}"
         found = self._call(
             "DescribeSecurityGroups", vpc_id=self.settings.vpc_id, security_group_name=name
         ).security_groups.security_group
         if found:
             return str(found[0].security_group_id)
+        inbound = "SSH from where gpuflow runs" if ssh_from else "no inbound from outside"
         group = self._call(
             "CreateSecurityGroup",
             vpc_id=self.settings.vpc_id,
             security_group_name=name,
-            description="gpuflow run: no inbound from outside; the run's nodes reach each other",
+            description=f"gpuflow: {inbound}; {who} reach each other",
             tag=[
                 models.CreateSecurityGroupRequestTag(key=k, value=v)
                 for k, v in sorted(tags.items())
             ],
         ).security_group_id
-        if nodes > 1:
+        for cidr in ssh_from:
+            self._call(
+                "AuthorizeSecurityGroup",
+                security_group_id=group,
+                ip_protocol="TCP",
+                port_range="22/22",
+                source_cidr_ip=cidr,
+            )
+        if within:
             self._call(
                 "AuthorizeSecurityGroup",
                 security_group_id=group,
@@ -389,14 +415,34 @@ class AlibabaCloud(SecretInMailbox, Cloud):
             )
         return str(group)
 
+    def remove_fleet_network(self, fleet: str, say: Callable[[str], None]) -> None:
+        for group in self._delete_groups(FLEET_TAG, fleet):
+            say(f"deleted security group {group}")
+
+    def role_metadata(self) -> RoleMetadata:
+        return RoleMetadata(
+            endpoint=metadata.ENDPOINT,
+            variable="GPUFLOW_ECS_METADATA_ENDPOINT",
+            credentials_path=f"/latest/meta-data/ram/security-credentials/{self.settings.ram_role}",
+            fields=("AccessKeyId", "AccessKeySecret", "SecurityToken"),
+            token_path="/latest/api/token",
+            token_ttl_header="X-aliyun-ecs-metadata-token-ttl-seconds",
+            token_header="X-aliyun-ecs-metadata-token",
+        )
+
     def leftovers(self, run_id: str) -> list[str]:
+        return self._delete_groups(RUN_LABEL, run_id)
+
+    def _delete_groups(self, tag_key: str, value: str) -> list[str]:
+        """Delete the security groups tagged `tag_key: value`, again while ECS refuses
+        because a deleted instance still holds one (for up to a minute); return them."""
         from alibabacloud_ecs20140526 import models
 
         removed: list[str] = []
-        tag = [models.DescribeSecurityGroupsRequestTag(key=RUN_LABEL, value=run_id)]
+        tag = [models.DescribeSecurityGroupsRequestTag(key=tag_key, value=value)]
         groups = self._call("DescribeSecurityGroups", tag=tag).security_groups.security_group
         for group in groups or []:
-            for attempt in range(30):  # refused while a deleted instance still holds it
+            for attempt in range(30):
                 try:
                     self._call("DeleteSecurityGroup", security_group_id=group.security_group_id)
                     removed.append(group.security_group_id)

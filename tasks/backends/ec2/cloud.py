@@ -20,7 +20,7 @@ from gpuflow.tasks.backends.ec2.catalog import (
     gpu_types,
 )
 from gpuflow.tasks.backends.instances.catalog import Offer
-from gpuflow.tasks.backends.instances.cloud import LIVE, Boot, Cloud, Launched, Machine
+from gpuflow.tasks.backends.instances.cloud import FLEET_TAG, LIVE, Boot, Cloud, Launched, Machine
 from gpuflow.tasks.backends.instances.placement import Ask
 from gpuflow.tasks.contract import OWNER_LABEL, RUN_LABEL
 from gpuflow.tasks.errors import InvalidSpec, Unreachable
@@ -234,8 +234,6 @@ class AwsCloud(Cloud):
         return str(group)
 
     def remove_fleet_network(self, fleet: str, say: Callable[[str], None]) -> None:
-        from gpuflow.tasks.backends.instances.fleet import FLEET_TAG
-
         groups = self.ec2.describe_security_groups(
             Filters=[{"Name": f"tag:{FLEET_TAG}", "Values": [fleet]}]
         )["SecurityGroups"]

@@ -118,10 +118,10 @@ def rank(
     rate = prices.usd_rate(currency)
     if rate is None:
         raise InvalidSpec(
-            f"placement.price_table: {label or backend} prices {settings.region} in {currency},"
+            f"{ask.prices_field}: {label or backend} prices {settings.region} in {currency},"
             " and gpuflow compares, caps (limits.max_cost_usd) and reports costs in USD; give"
             f" the rate: a GpuPriceTable block with usd_per_unit: {{{currency}: <USD per"
-            f" {currency}>}} named in placement.price_table, or GPUFLOW_USD_PER_{currency}."
+            f" {currency}>}} named in {ask.prices_field}, or GPUFLOW_USD_PER_{currency}."
         )
     disk_hourly = 0.0
     if not catalog.on_demand:  # the cloud's own prices include the system disk

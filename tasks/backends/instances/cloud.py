@@ -31,6 +31,9 @@ from gpuflow.tasks.metrics.cost import PriceTable
 # the states of an instance that still holds (or will hold) its machine, in EC2's words;
 # a provider maps its own (Alibaba's Pending/Running/Starting/Stopping/Stopped, ...)
 LIVE = ["pending", "running", "stopping", "stopped"]
+# an elastic fleet's instances and security group carry these (never a run's owner tag)
+FLEET_TAG = "gpuflow.io/fleet"
+FLEET_OWNER = "gpuflow-fleet"
 
 
 class Machine(BaseModel):

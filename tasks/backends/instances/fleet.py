@@ -25,7 +25,7 @@ from typing import Any
 
 from gpuflow.tasks.backends.elastic import Instance, Want
 from gpuflow.tasks.backends.instances.catalog import CloudSettings, Offer
-from gpuflow.tasks.backends.instances.cloud import Boot, Cloud
+from gpuflow.tasks.backends.instances.cloud import FLEET_OWNER, FLEET_TAG, Boot, Cloud
 from gpuflow.tasks.backends.instances.mailbox import Mailbox, addressing_style
 from gpuflow.tasks.backends.instances.placement import Ask, InstancePlacement
 from gpuflow.tasks.contract import OWNER_LABEL, RUN_LABEL
@@ -33,8 +33,6 @@ from gpuflow.tasks.errors import CapacityError, InvalidSpec, Unreachable
 from gpuflow.tasks.metrics.cost import PriceTable
 from gpuflow.tasks.spec import Limits, Resources
 
-FLEET_TAG = "gpuflow.io/fleet"
-FLEET_OWNER = "gpuflow-fleet"
 SLOT_TAG = "gpuflow.io/fleet-slot"
 DISK_GIB = 64
 OFFERS_FOR_S = 300.0
@@ -116,13 +114,6 @@ class CloudFleetNodes:
                 " there; set it to an s3:// prefix of the cloud's object storage."
             )
         cloud.check_image("an image with sshd, Python 3.11+ and boto3")
-        if prices.usd_rate(cloud.currency) is None:
-            raise InvalidSpec(
-                f"{self.at}.price_table: {cloud.label} prices {settings.region} in"
-                f" {cloud.currency}, and gpuflow reports the fleet's costs in USD; name a"
-                f" GpuPriceTable block with usd_per_unit: {{{cloud.currency}: <USD per"
-                f" {cloud.currency}>}} there, or set GPUFLOW_USD_PER_{cloud.currency}."
-            )
         self.records = Mailbox(cloud.storage(), settings.control_prefix, f"fleets/{name}")
 
     # -- what a new instance is ----------------------------------------------------------
@@ -155,6 +146,7 @@ class CloudFleetNodes:
             placement=self.placement,
             limits=Limits(),
             prices=self.prices,
+            prices_field=f"{self.at}.price_table",
         )
         found = self.cloud.find_offers(ask, self.prices)
         subnet = getattr(self.section, "subnet", None)

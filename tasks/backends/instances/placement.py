@@ -47,6 +47,7 @@ class Ask(BaseModel):
     placement: InstancePlacement
     limits: Limits
     prices: PriceTable = PriceTable()
+    prices_field: str = "placement.price_table"  # where the prices were named, in sentences
 
     @classmethod
     def of(cls, spec: JobSpec, prices: PriceTable | None = None) -> Self:

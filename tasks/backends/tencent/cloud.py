@@ -29,11 +29,13 @@ from gpuflow.tasks.backends.instances.cloud import (
     Launched,
     Machine,
     NextOffer,
+    RoleMetadata,
     SecretInMailbox,
     failover,
 )
 from gpuflow.tasks.backends.instances.mailbox import s3_compatible
 from gpuflow.tasks.backends.instances.placement import Ask
+from gpuflow.tasks.backends.tencent import metadata
 from gpuflow.tasks.backends.tencent.settings import FAMILY_GPUS, CvmFleet, cvm_client, cvm_error
 from gpuflow.tasks.contract import RUN_LABEL
 from gpuflow.tasks.errors import InvalidSpec, Unreachable
@@ -276,6 +278,20 @@ class TencentCloud(SecretInMailbox, Cloud):
 
     def leftovers(self, run_id: str) -> list[str]:
         return []  # the security group is the block's; the secret goes with the mailbox
+
+    def fleet_network(
+        self, fleet: str, tags: Mapping[str, str], ssh_from: list[str], subnet: str | None
+    ) -> str | None:
+        """The block's security group: it must let SSH in from where gpuflow runs."""
+        return self.settings.security_group
+
+    def role_metadata(self) -> RoleMetadata:
+        return RoleMetadata(
+            endpoint=metadata.ENDPOINT,
+            variable="GPUFLOW_CVM_METADATA_ENDPOINT",
+            credentials_path=f"/latest/meta-data/cam/security-credentials/{self.settings.cam_role}",
+            fields=("TmpSecretId", "TmpSecretKey", "Token"),
+        )
 
     # -- storage and secrets -----------------------------------------------------------
 
