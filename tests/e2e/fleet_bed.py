@@ -70,6 +70,27 @@ def records_on(bed: dict, host: str) -> list[str]:
     return sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
 
 
+def run_user_data(home: Path, encoded: str, env: dict[str, str]) -> str:
+    """Run an instance's user-data (base64, as the cloud keeps it) on its played host
+    `home`, as cloud-init would, with `env` (its role's way to credentials) and the places
+    the bed's sshd reads keys from; return its console."""
+    script = home / "user-data"
+    script.write_text(base64.b64decode(encoded).decode())
+    done = subprocess.run(
+        ["bash", str(script)],
+        env={
+            "PATH": f"{home / 'bin'}:/usr/bin:/bin",  # the image's python3 (with boto3)
+            **env,
+            "AUTHORIZED_KEYS": str(home / "authorized_keys"),
+            "SSH_HOST_KEY": str(home / "host_key.pub"),
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done.stdout + done.stderr
+
+
 class PlayedFleetInstances:
     """An elastic fleet's EC2 instances (moto's), played as hosts of a test bed: each new
     instance of the fleet becomes, after `boot_s` (a boot's delay), a host at its private
@@ -139,21 +160,7 @@ class PlayedFleetInstances:
         if added.returncode != 0:
             raise RuntimeError(f"fleet-testbed add {instance_id}: {added.stderr.strip()}")
         data = self.ec2.describe_instance_attribute(InstanceId=instance_id, Attribute="userData")
-        script = home / "user-data"
-        script.write_text(base64.b64decode(data["UserData"]["Value"]).decode())
-        done = subprocess.run(
-            ["bash", str(script)],
-            env={
-                "PATH": f"{home / 'bin'}:/usr/bin:/bin",  # the image's python3 (with boto3)
-                **self.profile,
-                "AUTHORIZED_KEYS": str(home / "authorized_keys"),
-                "SSH_HOST_KEY": str(home / "host_key.pub"),
-            },
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        self.console[instance_id] = done.stdout + done.stderr
+        self.console[instance_id] = run_user_data(home, data["UserData"]["Value"], self.profile)
 
     def _power_off(self, instance_id: str) -> None:
         subprocess.run([str(TESTBED), "remove", str(self.bed["dir"]), instance_id], check=True)
@@ -224,21 +231,8 @@ class PlayedFleetOnFake:
             if added.returncode != 0:
                 raise RuntimeError(f"fleet-testbed add {instance_id}: {added.stderr.strip()}")
             self.booted[instance_id] = home
-            script = home / "user-data"
-            script.write_text(base64.b64decode(instance["UserData"]).decode())
-            done = subprocess.run(
-                ["bash", str(script)],
-                env={
-                    "PATH": f"{home / 'bin'}:/usr/bin:/bin",  # the image's python3 (with boto3)
-                    self.metadata: self.fake.metadata_url(instance_id),
-                    "AUTHORIZED_KEYS": str(home / "authorized_keys"),
-                    "SSH_HOST_KEY": str(home / "host_key.pub"),
-                },
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            self.console[instance_id] = done.stdout + done.stderr
+            metadata = {self.metadata: self.fake.metadata_url(instance_id)}
+            self.console[instance_id] = run_user_data(home, instance["UserData"], metadata)
         except Exception as exc:  # said in the test's failure
             self.errors.append(f"{instance_id}: {type(exc).__name__}: {exc}")
 

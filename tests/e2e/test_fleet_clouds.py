@@ -217,3 +217,29 @@ def test_bad_input_for_a_fleet_on_alibaba_or_tencent_is_one_sentence_before_anyt
     for fake in (ecs, cvm):
         assert not {"RunInstances", "CreateSecurityGroup"} & set(fake.actions()), fake.actions()
     assert objects_under(s3_server, "control-ecs/fleets/") == []
+
+
+@pytest.mark.parametrize("header", ["x-oss-forbid-overwrite", "x-cos-forbid-overwrite"])
+def test_a_conditional_write_to_oss_or_cos_sends_its_own_forbid_overwrite_header(s3_server, header):
+    """A fleet's slots are taken with conditional writes: on OSS and COS the store's own
+    header goes with S3's If-None-Match (only on those writes), and the store's refusal
+    (409 FileAlreadyExists, where it does not honour If-None-Match) is a slot taken."""
+    from botocore.stub import Stubber
+
+    from gpuflow.tasks.backends.instances.mailbox import Mailbox, s3_compatible
+
+    keys = (s3_server.key_id, s3_server.secret, None)
+    s3 = s3_compatible(s3_server.endpoint, "us-east-1", keys, header)
+    sent: list[dict] = []
+    s3.meta.events.register(
+        "before-send.s3.PutObject", lambda request, **_: sent.append(dict(request.headers))
+    )
+    box = Mailbox(s3, f"s3://{s3_server.bucket}/conditional-{header}", "fleets/f")
+    assert box.put_new("slots/0", "{}") is True
+    assert box.put_new("slots/0", "{}") is False  # moto honours If-None-Match: 412
+    box.put("wants/run", "{}")
+    assert [h.get(header) for h in sent] == [b"true", b"true", None], sent
+    stubbed = s3_compatible(s3_server.endpoint, "us-east-1", keys, header)
+    with Stubber(stubbed) as stub:
+        stub.add_client_error("put_object", "FileAlreadyExists", "exists", 409)
+        assert Mailbox(stubbed, f"s3://{s3_server.bucket}/c", "f").put_new("slots/0", "{}") is False

@@ -24,7 +24,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from gpuflow.tasks.backends.alibaba import metadata
-from gpuflow.tasks.backends.alibaba.settings import EcsFleet, ecs_client, ecs_error, oss_client
+from gpuflow.tasks.backends.alibaba.settings import (
+    FORBID_OVERWRITE,
+    EcsFleet,
+    ecs_client,
+    ecs_error,
+    oss_client,
+)
 from gpuflow.tasks.backends.instances.catalog import Catalog, GpuType, Offer, key, nearest, rank
 from gpuflow.tasks.backends.instances.cloud import (
     FLEET_TAG,
@@ -428,6 +434,7 @@ class AlibabaCloud(SecretInMailbox, Cloud):
             token_path="/latest/api/token",
             token_ttl_header="X-aliyun-ecs-metadata-token-ttl-seconds",
             token_header="X-aliyun-ecs-metadata-token",
+            forbid_overwrite=FORBID_OVERWRITE,
         )
 
     def leftovers(self, run_id: str) -> list[str]:

@@ -129,9 +129,12 @@ def ecs_client(
     )
 
 
+FORBID_OVERWRITE = "x-oss-forbid-overwrite"  # OSS's own conditional write
+
+
 def oss_client(url: str, region: str, keys: tuple[str, str, str | None]) -> Any:
     """A boto3 client of OSS's S3-compatible API at `url`."""
-    return s3_compatible(url, region, keys)
+    return s3_compatible(url, region, keys, FORBID_OVERWRITE)
 
 
 def ecs_error(exc: Exception, fleet: EcsFleet, doing: str) -> InvalidSpec | Unreachable:

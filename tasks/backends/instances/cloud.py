@@ -82,6 +82,7 @@ class RoleMetadata(BaseModel):
     token_path: str = ""
     token_ttl_header: str = ""
     token_header: str = ""
+    forbid_overwrite: str = ""  # the object store's header that refuses an overwrite
 
 
 class NextOffer(Exception):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shlex
 import threading
 import time
@@ -49,7 +50,8 @@ s3.put_object(Bucket={bucket!r}, Key={key!r}, Body=sys.stdin.read().strip(), IfN
 """
 
 # The same with the role's temporary credentials from the metadata service (its token
-# first, where it has one), for object storage's S3-compatible API.
+# first, where it has one), for object storage's S3-compatible API (with the store's own
+# header that refuses an overwrite).
 _PUBLISH_WITH_ROLE = """\
 import json, os, sys, urllib.request as r
 import boto3
@@ -66,7 +68,11 @@ s3 = boto3.client('s3', region_name={region!r}, endpoint_url={url!r},
     aws_access_key_id=keys[{key_id!r}], aws_secret_access_key=keys[{secret!r}],
     aws_session_token=keys.get({token!r}) or None,
     config=Config(s3={{'addressing_style': {style!r}}}))
-s3.put_object(Bucket={bucket!r}, Key={key!r}, Body=sys.stdin.read().strip())
+def forbid(request, **_):
+    request.headers[{forbid!r}] = 'true'
+if {forbid!r}:
+    s3.meta.events.register('before-sign.s3.PutObject', forbid)
+s3.put_object(Bucket={bucket!r}, Key={key!r}, Body=sys.stdin.read().strip(), IfNoneMatch='*')
 """
 
 
@@ -129,6 +135,10 @@ class CloudFleetNodes:
             tuple(self.section.instance_types),
             self.section.market,
             getattr(self.section, "subnet", None),
+            self.prices.model_dump_json(),  # its prices and rates, as given now
+            tuple(
+                sorted((k, v) for k, v in os.environ.items() if k.startswith("GPUFLOW_USD_PER_"))
+            ),
         )
         with _OFFERS_LOCK:
             cached = _OFFERS.get(key)
@@ -300,6 +310,7 @@ class CloudFleetNodes:
             secret=secret,
             token=token,
             style=addressing_style(url or ""),
+            forbid=role.forbid_overwrite,
             **where,
         )
 

@@ -52,7 +52,9 @@ class Mailbox:
                 Bucket=self.bucket, Key=self.prefix + key, Body=data.encode(), IfNoneMatch="*"
             )
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
+            # S3's 412; OSS's and COS's own refusal (their forbid-overwrite header): 409
+            refused = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if refused in (409, 412) or exc.response.get("Error", {}).get("Code") in EXISTS:
                 return False
             raise
         return True
@@ -98,15 +100,19 @@ def log_key(instance: str, unit: str, seq: int) -> str:
     return unit_key(instance, unit, f"log/{seq:08d}")
 
 
-def s3_compatible(url: str, region: str, keys: tuple[str, str, str | None]) -> Any:
+def s3_compatible(
+    url: str, region: str, keys: tuple[str, str, str | None], forbid_overwrite: str = ""
+) -> Any:
     """A boto3 client of an S3-compatible object store at `url` (OSS, COS) signing for
     `region`: virtual-hosted addressing, as they require, except on an address or
-    localhost."""
+    localhost. `forbid_overwrite`: the store's own header that refuses to overwrite an
+    object (x-oss-forbid-overwrite, x-cos-forbid-overwrite), sent with every conditional
+    write (`If-None-Match: *`) too, where the store may not honour S3's."""
     import boto3
     from botocore.config import Config
 
     key, secret, token = keys
-    return boto3.client(
+    client = boto3.client(
         "s3",
         endpoint_url=url,
         region_name=region,
@@ -118,6 +124,17 @@ def s3_compatible(url: str, region: str, keys: tuple[str, str, str | None]) -> A
             retries={"max_attempts": 5, "mode": "standard"},
         ),
     )
+    if forbid_overwrite:
+
+        def also_forbid(request: Any, **_: Any) -> None:
+            if request.headers.get("If-None-Match") == "*":
+                request.headers[forbid_overwrite] = "true"
+
+        client.meta.events.register("before-sign.s3.PutObject", also_forbid)
+    return client
+
+
+EXISTS = ("PreconditionFailed", "412", "FileAlreadyExists", "ObjectAlreadyExists")
 
 
 def addressing_style(url: str) -> str:

@@ -43,6 +43,7 @@ from gpuflow.tasks.gpus import product_from_ec2
 from gpuflow.tasks.metrics.cost import PriceTable
 
 BACKEND = "tencent"
+FORBID_OVERWRITE = "x-cos-forbid-overwrite"  # COS's own conditional write
 STATES = {
     "PENDING": "pending",
     "STARTING": "pending",
@@ -91,7 +92,9 @@ class TencentCloud(SecretInMailbox, Cloud):
 
     def storage(self) -> Any:
         fleet = self.settings
-        return s3_compatible(fleet.cos_url(), fleet.cos_region or fleet.region, fleet.keys())
+        return s3_compatible(
+            fleet.cos_url(), fleet.cos_region or fleet.region, fleet.keys(), FORBID_OVERWRITE
+        )
 
     def error(self, exc: Exception, doing: str) -> InvalidSpec | Unreachable:
         return cvm_error(exc, self.settings, doing)
@@ -291,6 +294,7 @@ class TencentCloud(SecretInMailbox, Cloud):
             variable="GPUFLOW_CVM_METADATA_ENDPOINT",
             credentials_path=f"/latest/meta-data/cam/security-credentials/{self.settings.cam_role}",
             fields=("TmpSecretId", "TmpSecretKey", "Token"),
+            forbid_overwrite=FORBID_OVERWRITE,
         )
 
     # -- storage and secrets -----------------------------------------------------------
