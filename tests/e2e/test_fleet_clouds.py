@@ -23,6 +23,15 @@ from tests.e2e.test_fleet import wait_for
 from tests.e2e.test_fleet_ec2 import cli, elastic_spec
 from tests.fakes import alibaba_ecs, tencent_cvm
 
+FLEET = "on-a-cloud"  # not test_fleet_ec2.py's: the Prefect API (and its events) is shared
+
+
+def fleet_spec(command: list[str], name: str) -> dict:
+    spec = elastic_spec(command, name)
+    spec["placement"]["fleet"] = FLEET
+    return spec
+
+
 CLOUDS = {
     # cloud: (fixture, block, the fleet's instance type, its GPUs and product, metadata
     # variable, control prefix, its CNY price an hour)
@@ -49,7 +58,7 @@ CLOUDS = {
 
 @pytest.fixture(params=list(CLOUDS))
 def cloud_fleet(request, prefect_api, tmp_path, s3_server):
-    """Fleet `elastic` on one cloud: no listed host; at most one instance; idle 10 s."""
+    """Fleet FLEET on one cloud: no listed host; at most one instance; idle 10 s."""
     from prefect.blocks.system import Secret
 
     from gpuflow.blocks import GpuFleet
@@ -71,7 +80,7 @@ def cloud_fleet(request, prefect_api, tmp_path, s3_server):
         if cloud == "alibaba":
             section["ssh_from"] = [f"{bed['address']}/32"]
         GpuFleet(ssh_key="fleet-test-key", lease_s=10, **{cloud: section}).save(
-            "elastic", overwrite=True
+            FLEET, overwrite=True
         )
         with PlayedFleetOnFake(fake, bed, {instance_type: product}, metadata) as played:
             yield {
@@ -82,24 +91,33 @@ def cloud_fleet(request, prefect_api, tmp_path, s3_server):
                 "prefix": prefix,
                 "cny": cny,
             }
-            cli(prefect_api, tmp_path / "home", "fleet", "delete", "elastic")
+            cli(prefect_api, tmp_path / "home", "fleet", "delete", FLEET)
+
+
+def gpuflow(capsys, *argv: str) -> tuple[int, str, str]:
+    """`gpuflow ARGV` in this process (the test's Prefect API and GPUFLOW_HOME): its exit
+    code, standard output and standard error."""
+    from gpuflow.cli import main
+
+    capsys.readouterr()
+    code = main(list(argv))
+    said = capsys.readouterr()
+    return code, said.out, said.err
 
 
 def fleet_instances(fake) -> list[dict]:
-    return [
-        i for i in list(fake.instances.values()) if i["Tags"].get("gpuflow.io/fleet") == "elastic"
-    ]
+    return [i for i in list(fake.instances.values()) if i["Tags"].get("gpuflow.io/fleet") == FLEET]
 
 
 @pytest.mark.timeout(420)
 def test_an_elastic_fleet_grows_on_the_cloud_reuses_its_instance_and_shrinks_to_zero(
-    cloud_fleet, prefect_api, gpuflow_home, s3_server, tmp_path
+    cloud_fleet, prefect_api, gpuflow_home, s3_server, tmp_path, capsys
 ):
     """A run waiting for GPUs grows the fleet by one instance of the cloud (max 1); the
     next run takes it warm; offers price growing in CNY and USD; past idle_duration the
     scaler ends it; `fleet delete` leaves nothing in the cloud or its object storage."""
     fake, played = cloud_fleet["fake"], cloud_fleet["played"]
-    first = gpu_pipeline(load_spec(elastic_spec(["hostname"], "first")), return_state=True)
+    first = gpu_pipeline(load_spec(fleet_spec(["hostname"], "first")), return_state=True)
     assert first.is_completed(), (first.message, played.errors, played.console)
     [instance] = fleet_instances(fake)
     host = first.result().cluster.node_names[0]
@@ -110,10 +128,11 @@ def test_an_elastic_fleet_grows_on_the_cloud_reuses_its_instance_and_shrinks_to_
     user_data = (home / "user-data").read_text()
     assert (home / "host_key.pub").read_text().split()[1] not in user_data
     assert "PRIVATE KEY" not in user_data and s3_server.secret not in user_data
-    assert objects_under(s3_server, f"{cloud_fleet['prefix']}/fleets/elastic/hosts/")
+    assert objects_under(s3_server, f"{cloud_fleet['prefix']}/fleets/{FLEET}/hosts/")
     # the next run: the warm instance, no launch
-    warm = gpu_pipeline(load_spec(elastic_spec(["echo", "warm"], "warm")), return_state=True)
+    warm = gpu_pipeline(load_spec(fleet_spec(["echo", "warm"], "warm")), return_state=True)
     assert warm.is_completed(), warm.message
+    warm_ended = time.time()
     assert fake.actions().count("RunInstances") == 1
     assert warm.result().cluster.node_names[0] == host
     if cloud_fleet["cloud"] == "alibaba":  # its own security group: SSH from ssh_from only
@@ -122,26 +141,26 @@ def test_an_elastic_fleet_grows_on_the_cloud_reuses_its_instance_and_shrinks_to_
         assert [r["SourceCidrIp"] for r in ssh] == [f"{played.bed['address']}/32"]
     # offers: the warm instance's free GPU, then growing (the fleet is at its max)
     job = tmp_path / "job.json"
-    job.write_text(json.dumps(elastic_spec(["true"], "offered")))
-    done = cli(prefect_api, gpuflow_home, "offers", str(job), "--json")
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = json.loads(done.stdout)
-    assert any(row["where"] == f"fleet/elastic {host}" for row in rows), rows
+    job.write_text(json.dumps(fleet_spec(["true"], "offered")))
+    code, out, err = gpuflow(capsys, "offers", str(job), "--json")
+    assert code == 0, out + err
+    rows = json.loads(out)
+    assert any(row["where"] == f"fleet/{FLEET} {host}" for row in rows), rows
     grow = next(row for row in rows if "(new)" in row["where"])
-    assert grow["where"] == f"fleet/elastic +1 x {cloud_fleet['type']} (new)"
+    assert grow["where"] == f"fleet/{FLEET} +1 x {cloud_fleet['type']} (new)"
     assert grow["hourly_usd"] == pytest.approx(cloud_fleet["cny"] * RATE, rel=0.01), grow
-    done = cli(prefect_api, gpuflow_home, "fleet", "status", "elastic", "--json")
-    assert done.returncode == 0, done.stderr
-    [shown] = json.loads(done.stdout)["instances"]
+    code, out, err = gpuflow(capsys, "fleet", "status", FLEET, "--json")
+    assert code == 0, out + err
+    [shown] = json.loads(out)["instances"]
     assert shown["instance"] == host and shown["used_hours"] > 0
-    # idle past idle_duration (10 s): one scaler period ends it (min 0)
-    time.sleep(10)
-    done = cli(prefect_api, gpuflow_home, "fleet", "scale", "elastic")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("shrink") == 1, done.stdout
+    # idle past idle_duration (10 s, from the warm run's end): one scaler period ends it
+    time.sleep(max(0.0, 10.5 - (time.time() - warm_ended)))
+    code, out, err = gpuflow(capsys, "fleet", "scale", FLEET)
+    assert code == 0, out + err
+    assert out.count("shrink") == 1, out
     wait_for(lambda: not played.booted, 60, "the host's power cut")
-    done = cli(prefect_api, gpuflow_home, "fleet", "delete", "elastic")
-    assert done.returncode == 0, done.stdout + done.stderr
+    code, out, err = gpuflow(capsys, "fleet", "delete", FLEET)
+    assert code == 0, out + err
     assert fleet_instances(fake) == []
     if cloud_fleet["cloud"] == "alibaba":
         assert not [g for g in fake.groups.values() if g["Tags"].get("gpuflow.io/fleet")]
