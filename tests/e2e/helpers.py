@@ -471,3 +471,14 @@ def squatted(port: int) -> list[str]:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.split()
+
+
+def gpuflow(capsys, *argv: str) -> tuple[int, str, str]:
+    """`gpuflow ARGV` in this process (the test's Prefect API and GPUFLOW_HOME): its exit
+    code, standard output and standard error."""
+    from gpuflow.cli import main
+
+    capsys.readouterr()
+    code = main(list(argv))
+    said = capsys.readouterr()
+    return code, said.out, said.err

@@ -17,6 +17,7 @@ from gpuflow.flows.pipeline import gpu_pipeline
 from gpuflow.tasks.spec import load_spec
 from tests.e2e.alibaba_bed import ECS_FLEET, PRICES, RATE, objects_under
 from tests.e2e.fleet_bed import PlayedFleetOnFake, fleet_bed
+from tests.e2e.helpers import gpuflow
 from tests.e2e.tencent_bed import CVM_FLEET
 from tests.e2e.tencent_bed import METADATA as CVM_METADATA
 from tests.e2e.test_fleet import wait_for
@@ -92,17 +93,6 @@ def cloud_fleet(request, prefect_api, tmp_path, s3_server):
                 "cny": cny,
             }
             cli(prefect_api, tmp_path / "home", "fleet", "delete", FLEET)
-
-
-def gpuflow(capsys, *argv: str) -> tuple[int, str, str]:
-    """`gpuflow ARGV` in this process (the test's Prefect API and GPUFLOW_HOME): its exit
-    code, standard output and standard error."""
-    from gpuflow.cli import main
-
-    capsys.readouterr()
-    code = main(list(argv))
-    said = capsys.readouterr()
-    return code, said.out, said.err
 
 
 def fleet_instances(fake) -> list[dict]:

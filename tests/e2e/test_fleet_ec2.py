@@ -20,7 +20,7 @@ from gpuflow.tasks.spec import load_spec
 from tests.conftest import free_port
 from tests.e2e.conftest import FLEET
 from tests.e2e.fleet_bed import PlayedFleetInstances, fleet_bed
-from tests.e2e.helpers import events_named
+from tests.e2e.helpers import events_named, gpuflow
 from tests.e2e.test_fleet import in_thread, wait_for
 
 GPUFLOW = [sys.executable, "-m", "gpuflow"]
@@ -120,7 +120,7 @@ def cli(prefect_api, gpuflow_home, *argv: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(600)
 def test_an_elastic_fleet_grows_for_queued_runs_reuses_warm_instances_and_shrinks_to_zero(
-    elastic, prefect_api, gpuflow_home, s3_server, tmp_path
+    elastic, prefect_api, gpuflow_home, s3_server, tmp_path, capsys
 ):
     """min 0, max 3: three runs queued at once (each waits until all three run) grow the
     fleet to three instances, no more; the next run takes a warm one (no launch); past
@@ -176,24 +176,24 @@ def test_an_elastic_fleet_grows_for_queued_runs_reuses_warm_instances_and_shrink
     # offers: each warm host's free GPUs now, then what growing the fleet would cost
     job = tmp_path / "job.json"
     job.write_text(json.dumps(elastic_spec(["true"], "offered")))
-    done = cli(prefect_api, gpuflow_home, "offers", str(job), "--json")
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = json.loads(done.stdout)
+    code, out, err = gpuflow(capsys, "offers", str(job), "--json")
+    assert code == 0, out + err
+    rows = json.loads(out)
     wheres = [row["where"] for row in rows]
     assert sum(w.startswith("fleet/elastic i-") for w in wheres) == 3, wheres
     grow = next(row for row in rows if "(new)" in row["where"])
     assert grow["where"] == "fleet/elastic +1 x g6.xlarge (new)" and grow["hourly_usd"] > 0
     # status: per instance, what it cost and what of it was idle
-    done = cli(prefect_api, gpuflow_home, "fleet", "status", "elastic", "--json")
-    assert done.returncode == 0, done.stderr
-    shown = json.loads(done.stdout)
+    code, out, err = gpuflow(capsys, "fleet", "status", "elastic", "--json")
+    assert code == 0, err
+    shown = json.loads(out)
     assert sorted(c["instance"] for c in shown["instances"]) == sorted(hosts)
     assert all(c["used_hours"] > 0 and c["idle_cost_usd"] >= 0 for c in shown["instances"])
     # idle past idle_duration (10 s): one scaler period ends them all (min 0)
     time.sleep(10)
-    done = cli(prefect_api, gpuflow_home, "fleet", "scale", "elastic")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("shrink") == 3, done.stdout
+    code, out, err = gpuflow(capsys, "fleet", "scale", "elastic")
+    assert code == 0, out + err
+    assert out.count("shrink") == 3, out
     # its decisions: Prefect events, and the table artifact of the scaler's flow run
     shrank = events_named("gpuflow.fleet.shrank", "gpuflow.fleet.elastic")
     assert len(shrank) == 3 and all("idle for" in e["payload"]["why"] for e in shrank), shrank
@@ -203,8 +203,8 @@ def test_an_elastic_fleet_grows_for_queued_runs_reuses_warm_instances_and_shrink
     ), scaler.data
     wait_for(lambda: not fleet_instances(ec2, ["pending", "running"]), 60, "the instances' end")
     wait_for(lambda: not elastic["played"].booted, 60, "the hosts' power cut")
-    done = cli(prefect_api, gpuflow_home, "fleet", "delete", "elastic")
-    assert done.returncode == 0, done.stdout + done.stderr
+    code, out, err = gpuflow(capsys, "fleet", "delete", "elastic")
+    assert code == 0, out + err
     groups = ec2.describe_security_groups(
         Filters=[{"Name": "tag:gpuflow.io/fleet", "Values": ["elastic"]}]
     )["SecurityGroups"]
