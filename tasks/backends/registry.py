@@ -21,6 +21,7 @@ from gpuflow.tasks.backends.slurm.backend import SlurmBackend
 from gpuflow.tasks.backends.tencent.backend import TencentBackend
 from gpuflow.tasks.contract import Cluster
 from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.extras import require
 from gpuflow.tasks.metrics.cost import add_list_prices, remove_list_prices
 from gpuflow.tasks.placement import prices_named
 from gpuflow.tasks.runscope import once
@@ -107,6 +108,7 @@ def _fleet_nodes(backend: type[InstanceBackend]) -> Callable[[Any, str, str], el
 
     def make(section: Any, fleet: str, public_key: str) -> elastic.Nodes:
         field = f"fleet {fleet!r} {section.cloud}"
+        require(backend.extra, field, f"an elastic fleet on {section.label}")
         instances = backend()
         cloud = instances.cloud_of(instances.settings_named(section.block, f"{field}.block"))
         placement = instances.placement_model.model_validate(

@@ -223,6 +223,16 @@ def test_bad_input_for_a_fleet_on_alibaba_or_tencent_is_one_sentence_before_anyt
         lines = [line for line in err.splitlines() if line.startswith("gpuflow: ")]
         assert len(lines) == 1 and said in lines[0], (said, err)
         assert "Traceback" not in err
+    # gpuflow installed without the alibaba extra (its SDK cannot be imported here)
+    save_blocks(ecs, s3_server)
+    hide_module(monkeypatch, "alibabacloud_ecs20140526")
+    path.write_text(yaml.safe_dump({"name": "bad", "ssh_key": "fleet-test-key", "alibaba": priced}))
+    assert main(["fleet", "apply", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().endswith(
+        "fleet 'bad' alibaba: an elastic fleet on ECS needs alibabacloud_ecs20140526, which this"
+        " gpuflow was installed without; install its extra: pip install 'gpuflow[alibaba]'."
+    ), err
     for fake in (ecs, cvm):
         assert not {"RunInstances", "CreateSecurityGroup"} & set(fake.actions()), fake.actions()
     assert objects_under(s3_server, "control-ecs/fleets/") == []
@@ -252,3 +262,19 @@ def test_a_conditional_write_to_oss_or_cos_sends_its_own_forbid_overwrite_header
     with Stubber(stubbed) as stub:
         stub.add_client_error("put_object", "FileAlreadyExists", "exists", 409)
         assert Mailbox(stubbed, f"s3://{s3_server.bucket}/c", "f").put_new("slots/0", "{}") is False
+
+
+def hide_module(monkeypatch, name: str) -> None:
+    """Make `name` (and its submodules) impossible to import for this test, as where it
+    was never installed."""
+    import sys
+
+    class NotInstalled:
+        def find_spec(self, wanted, path=None, target=None):
+            if wanted.partition(".")[0] == name:
+                raise ModuleNotFoundError(f"No module named {wanted!r}", name=wanted)
+            return None
+
+    monkeypatch.setattr(sys, "meta_path", [NotInstalled(), *sys.meta_path])
+    for loaded in [m for m in sys.modules if m.partition(".")[0] == name]:
+        monkeypatch.delitem(sys.modules, loaded)

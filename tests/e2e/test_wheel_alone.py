@@ -20,7 +20,7 @@ HIDE_EXTRAS = """
 import sys
 
 EXTRAS = {"torch", "webdataset", "boto3", "botocore", "prefect_aws", "prefect_kubernetes",
-          "kubernetes", "mpi4py", "av"}
+          "kubernetes", "mpi4py", "av", "alibabacloud_ecs20140526", "tencentcloud"}
 
 
 class NotInstalled:
@@ -84,10 +84,15 @@ def test_the_wheel_works_without_the_repository(tmp_path):
     assert "TFLOP/s on cpu (float32, numpy: torch is not installed)" in demo.stdout
     needing = {
         "aws": "placement.backend: the ec2 backend needs boto3 and prefect_aws",
+        "alibaba": "placement.backend: the alibaba backend needs alibabacloud_ecs20140526 and"
+        " boto3",
         "train": "job.kind: a train job here needs torch and webdataset",
     }
     (elsewhere / "aws.yaml").write_text(
         "job: {kind: command, command: [nvidia-smi]}\nplacement: {backend: ec2}\n"
+    )
+    (elsewhere / "alibaba.yaml").write_text(
+        "job: {kind: command, command: [nvidia-smi]}\nplacement: {backend: alibaba}\n"
     )
     (elsewhere / "train.yaml").write_text(
         f"job: {{kind: train, dataset: 'file://{tmp_path}/d', output: 'file://{tmp_path}/o'}}\n"
