@@ -65,7 +65,8 @@ python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
 py=.venv/bin/python
 $py -m pip install -q --upgrade pip
 
-# torch first: the CPU build where there is no GPU, so nothing pulls a multi-GB CUDA build.
+# torch first, pinned where there is no GPU so that pip's cache serves every later venv:
+# PyPI's torch is a CUDA build of several GB (it runs on the CPU without a GPU).
 if ! $py -c 'import torch' 2>/dev/null; then
     step "installing torch into .venv (the largest download)"
     if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
