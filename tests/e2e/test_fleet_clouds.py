@@ -211,10 +211,12 @@ def test_bad_input_for_a_fleet_on_alibaba_or_tencent_is_one_sentence_before_anyt
             "fleet 'bad' tencent.price_table: CVM prices ap-guangzhou in CNY",
         ),
         ("no control prefix", "control_prefix: an elastic fleet keeps its records there"),
+        ("no role", "ram_role: the instances' agent reads and writes the control prefix"),
     ]  # fmt: skip
     for fleet, said in cases:
-        if fleet == "no control prefix":
-            save_blocks(ecs, s3_server, control_prefix=None)
+        if fleet in ("no control prefix", "no role"):
+            blank = "control_prefix" if fleet == "no control prefix" else "ram_role"
+            save_blocks(ecs, s3_server, **{blank: None})
             fleet = {"alibaba": priced}
         path = tmp_path / "bad.yaml"
         path.write_text(yaml.safe_dump({"name": "bad", "ssh_key": "fleet-test-key", **fleet}))

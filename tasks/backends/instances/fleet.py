@@ -119,7 +119,7 @@ class CloudFleetNodes:
                 f"{settings.field('control_prefix')}: an elastic fleet keeps its records"
                 " there; set it to an s3:// prefix of the cloud's object storage."
             )
-        cloud.check_image("an image with sshd, Python 3.11+ and boto3")
+        cloud.check_launch()  # its image, network and role (the host key is published with it)
         self.records = Mailbox(cloud.storage(), settings.control_prefix, f"fleets/{name}")
 
     # -- what a new instance is ----------------------------------------------------------
