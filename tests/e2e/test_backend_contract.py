@@ -347,7 +347,7 @@ def test_contract_a_stop_request_ends_the_unit_within_its_grace(place):
     assert settle(lambda: place.left(run_id)) == []
 
 
-def test_contract_the_reaper_finds_what_a_killed_orchestrator_left(place, tmp_path):
+def test_contract_the_reaper_finds_what_a_killed_orchestrator_left(place, tmp_path, monkeypatch):
     """An orchestrator provisions, starts a long unit and is killed (SIGKILL): the
     backend's reaper, told the run is still running in the API, finds it orphaned and
     removes everything, the unit included."""
@@ -385,8 +385,16 @@ def test_contract_the_reaper_finds_what_a_killed_orchestrator_left(place, tmp_pa
     else:
         time.sleep(place.orphan_after_s)  # EC2: until its heartbeat is older than orphan_after
     lines: list[str] = []
+    if place.name in ("alibaba", "tencent"):  # no rate for CNY here: said, not priced at $0
+        monkeypatch.delenv("GPUFLOW_USD_PER_CNY", raising=False)
+        place.backend.reap(True, lines.append, Running())
+        assert "unpriced here: no USD rate for CNY (GPUFLOW_USD_PER_CNY)" in "\n".join(lines)
+    monkeypatch.setenv("GPUFLOW_USD_PER_CNY", "0.14")  # the rate `gpuflow reap` prices CNY at
+    lines.clear()
     found = place.backend.reap(False, lines.append, Running())
     assert sum(found.counts.get(k, 0) for k in ("clusters", "runs")) >= 1, lines
+    if place.name in ("ec2", "alibaba", "tencent"):  # priced, in USD (CNY at the rate set)
+        assert found.counts["hourly_usd"] > 0 and "unpriced" not in "\n".join(lines), lines
     assert settle(lambda: place.left(run_id)) == []
     place.backend.reap(False, lines.append, Running())  # again: nothing to do, no error
 

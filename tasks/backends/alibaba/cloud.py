@@ -77,6 +77,7 @@ QUOTA = ("QuotaExceed", "OperationDenied.QuotaExceed", "InvalidAccountStatus")
 class AlibabaCloud(SecretInMailbox, Cloud):
     backend = BACKEND
     label = "ECS"
+    currency = "CNY"  # what DescribePrice answers in (an international account: USD, said per price)
     agent_module = "gpuflow.tasks.backends.alibaba.agent"
     console_hint = "the ECS console's instance screenshot, or GetInstanceConsoleOutput"
     settings: EcsFleet
@@ -477,6 +478,16 @@ class AlibabaCloud(SecretInMailbox, Cloud):
         }
 
     # -- reaping -----------------------------------------------------------------------
+
+    def hourly(self, machine: Machine) -> float | None:
+        """The type's pay-as-you-go price in its zone (DescribePrice), in USD."""
+        kind = next(
+            (t for t in self._gpu_types() if t.instance_type == machine.instance_type), None
+        )
+        if kind is None or not machine.zone:
+            return None
+        prices, currency = self._prices([kind], {kind.instance_type: [machine.zone]})
+        return self.in_usd(prices.get(key(kind.instance_type, machine.zone)), currency)
 
     def tagged(self) -> dict[str, dict[str, Any]]:
         from alibabacloud_ecs20140526 import models

@@ -261,7 +261,7 @@ class AwsCloud(Cloud):
     def _types(self) -> dict[str, Any]:
         return {t.instance_type: t for t in gpu_types(self.ec2)}
 
-    def hourly(self, machine: Machine) -> float:
+    def hourly(self, machine: Machine) -> float | None:
         kind = self._types.get(machine.instance_type)
         return PriceTable().gpu_hourly(BACKEND, kind.product) * kind.gpus if kind else 0.0
 

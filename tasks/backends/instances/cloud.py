@@ -275,9 +275,15 @@ class Cloud(ABC):
         """The zone of `subnet` (an elastic fleet's instances launch there)."""
         raise InvalidSpec(f"a fleet's subnet is not taken on {self.label}.")
 
-    def hourly(self, machine: Machine) -> float:
-        """What an instance costs an hour at most (on-demand), 0 where unknown."""
-        return 0.0
+    def hourly(self, machine: Machine) -> float | None:
+        """What an instance costs an hour at most (on-demand), in USD; None where it is not
+        known here (a type the cloud no longer lists, or no USD rate for its currency)."""
+        return None
+
+    def in_usd(self, price: float | None, currency: str) -> float | None:
+        """`price` in USD at the rate gpuflow knows here (GPUFLOW_USD_PER_<CURRENCY>)."""
+        rate = PriceTable().usd_rate(currency)
+        return None if price is None or rate is None else price * rate
 
     # -- failures ----------------------------------------------------------------------
 

@@ -53,15 +53,22 @@ def reap(cloud: Cloud, dry_run: bool, say: Callable[[str], None], runs: RunState
                 done.crashed.append((run_id, prefect_api_url()))
         instances = run["instances"]
         try:
-            hourly = sum(cloud.hourly(m) for m in instances)
+            prices = [cloud.hourly(m) for m in instances]
         except Exception as exc:
             raise cloud.error(exc, "price gpuflow's instances") from None
+        hourly = sum(p for p in prices if p is not None)
         if instances:
             ids = ", ".join(m.id for m in instances)
+            cost = f"${hourly:.2f}/h"
+            if None in prices:
+                cost = (
+                    f"{cost} and {prices.count(None)} instance(s) unpriced here: no USD rate"
+                    f" for {cloud.currency} (GPUFLOW_USD_PER_{cloud.currency}) or a type no"
+                    " longer listed"
+                )
             say(
                 f"{'would terminate' if dry_run else 'terminating'} {len(instances)} instance(s)"
-                f" of run {run_id or '(untagged)'} ({ids}; its flow run is {state};"
-                f" ${hourly:.2f}/h)"
+                f" of run {run_id or '(untagged)'} ({ids}; its flow run is {state}; {cost})"
             )
         else:
             say(

@@ -282,6 +282,12 @@ class TencentCloud(SecretInMailbox, Cloud):
     def leftovers(self, run_id: str) -> list[str]:
         return []  # the security group is the block's; the secret goes with the mailbox
 
+    def hourly(self, machine: Machine) -> float | None:
+        """The type's pay-as-you-go price in its zone (DescribeZoneInstanceConfigInfos), in
+        USD."""
+        _types, _zones, prices = self._catalog("POSTPAID_BY_HOUR")
+        return self.in_usd(prices.get(key(machine.instance_type, machine.zone)), self.currency)
+
     def fleet_network(
         self, fleet: str, tags: Mapping[str, str], ssh_from: list[str], subnet: str | None
     ) -> str | None:
