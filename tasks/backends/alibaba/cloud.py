@@ -77,7 +77,9 @@ QUOTA = ("QuotaExceed", "OperationDenied.QuotaExceed", "InvalidAccountStatus")
 class AlibabaCloud(SecretInMailbox, Cloud):
     backend = BACKEND
     label = "ECS"
-    currency = "CNY"  # what DescribePrice answers in (an international account: USD, said per price)
+    currency = (
+        "CNY"  # what DescribePrice answers in (an international account: USD, said per price)
+    )
     agent_module = "gpuflow.tasks.backends.alibaba.agent"
     console_hint = "the ECS console's instance screenshot, or GetInstanceConsoleOutput"
     settings: EcsFleet
