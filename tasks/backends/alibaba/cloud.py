@@ -77,9 +77,8 @@ QUOTA = ("QuotaExceed", "OperationDenied.QuotaExceed", "InvalidAccountStatus")
 class AlibabaCloud(SecretInMailbox, Cloud):
     backend = BACKEND
     label = "ECS"
-    currency = (
-        "CNY"  # what DescribePrice answers in (an international account: USD, said per price)
-    )
+    # what DescribePrice answers in (an international account's USD is said per price)
+    currency = "CNY"
     agent_module = "gpuflow.tasks.backends.alibaba.agent"
     console_hint = "the ECS console's instance screenshot, or GetInstanceConsoleOutput"
     settings: EcsFleet
