@@ -19,6 +19,7 @@ from gpuflow.tasks.backends.instances.placement import Ask
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.gpus import canonical_product
 from gpuflow.tasks.metrics.cost import HOURS_PER_MONTH, PriceTable
+from gpuflow.tasks.spec import Resources
 
 
 class GpuType(BaseModel):
@@ -115,28 +116,14 @@ def rank(
         )
     product = canonical_product(res.gpu_product) if res.gpu_product else None
     _check_zones(settings, zones)
-    rate = prices.usd_rate(currency)
-    if rate is None:
-        raise InvalidSpec(
-            f"{ask.prices_field}: {label or backend} prices {settings.region} in {currency},"
-            " and gpuflow compares, caps (limits.max_cost_usd) and reports costs in USD; give"
-            f" the rate: a GpuPriceTable block with usd_per_unit: {{{currency}: <USD per"
-            f" {currency}>}} named in {ask.prices_field}, or GPUFLOW_USD_PER_{currency}."
-        )
+    rate = _usd_rate(ask, prices, settings, currency, label or backend)
     disk_hourly = 0.0
     if not catalog.on_demand:  # the cloud's own prices include the system disk
         disk_hourly = (
             res.disk / 2**30 * prices.disk_gb_month_usd.get(backend, 0.0) / HOURS_PER_MONTH
         )
     hours = ask.limits.max_duration / 3600.0
-    fitting = [
-        t
-        for t in types
-        if (product is None or t.product == product)
-        and t.gpus >= res.gpus
-        and (res.memory is None or t.memory_mib * 2**20 >= res.memory)
-        and (res.cpu is None or t.vcpus >= res.cpu)
-    ]
+    fitting = [t for t in types if _fits(t, res, product)]
     if not fitting:
         raise InvalidSpec(_nothing_fits(ask, types, product, settings, label or backend))
     limit = ask.placement.spot_price_limit
@@ -187,6 +174,32 @@ def rank(
             f" offer ({cheapest.line(res.nodes)}); raise it or ask for less."
         )
     return offers
+
+
+def _usd_rate(
+    ask: Ask, prices: PriceTable, settings: CloudSettings, currency: str, label: str
+) -> float:
+    """USD per unit of `currency` at the rate the user gave; InvalidSpec naming where to
+    give it when there is none."""
+    rate = prices.usd_rate(currency)
+    if rate is None:
+        raise InvalidSpec(
+            f"{ask.prices_field}: {label} prices {settings.region} in {currency},"
+            " and gpuflow compares, caps (limits.max_cost_usd) and reports costs in USD; give"
+            f" the rate: a GpuPriceTable block with usd_per_unit: {{{currency}: <USD per"
+            f" {currency}>}} named in {ask.prices_field}, or GPUFLOW_USD_PER_{currency}."
+        )
+    return rate
+
+
+def _fits(kind: GpuType, res: Resources, product: str | None) -> bool:
+    """Whether one instance of `kind` holds a node of `res` (of `product`, when named)."""
+    return (
+        (product is None or kind.product == product)
+        and kind.gpus >= res.gpus
+        and (res.memory is None or kind.memory_mib * 2**20 >= res.memory)
+        and (res.cpu is None or kind.vcpus >= res.cpu)
+    )
 
 
 def _none_offered(
