@@ -8,13 +8,14 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from gpuflow.commands.common import EXIT_FAILED, EXIT_OK, number
+from gpuflow.commands.common import EXIT_FAILED, EXIT_OK, invalid, number
 
 
 def add(commands: Any) -> list[tuple[str, str]]:
     ls = commands.add_parser("ls", description="List the recent runs, newest first.")
     ls.add_argument("-n", "--limit", type=number(1, 200), default=20, help="how many (20)")
-    ls.set_defaults(handler=lambda args: _with_api(lambda: list_runs(args.limit)))
+    ls.add_argument("--owner", help="only the runs this user of a shared platform made")
+    ls.set_defaults(handler=lambda args: _with_api(lambda: list_runs(args.limit, args.owner)))
     logs = commands.add_parser("logs", description="Print a run's log.")
     logs.add_argument("run", help="job name, flow run name, id, or the first characters of one")
     logs.add_argument(
@@ -52,20 +53,28 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
-def list_runs(limit: int) -> int:
+def list_runs(limit: int, owner: str | None = None) -> int:
+    from gpuflow.tasks.errors import InvalidSpec
     from gpuflow.tasks.platform.runs import listed
+    from gpuflow.tasks.platform.users import check_name
 
-    rows = listed(limit)
+    try:
+        rows = listed(limit, check_name(owner) if owner else None)
+    except InvalidSpec as exc:
+        return invalid(exc)
     if not rows:
-        print("no runs on this API yet")
+        print(f"no runs of {owner} on this API" if owner else "no runs on this API yet")
         return EXIT_OK
-    table = [("RUN", "JOB", "STATE", "BACKEND", "HOST", "GPUS", "DURATION", "COST", "FLOW RUN")]
+    shared = any(row.owner for row in rows)  # a platform with users: who made each
+    table = [("RUN", "JOB", "STATE", *(("OWNER",) if shared else ()), "BACKEND", "HOST")]
+    table[0] += ("GPUS", "DURATION", "COST", "FLOW RUN")
     for row in rows:
         table.append(
             (
                 row.short or row.id[:8],
                 row.job,
                 row.state,
+                *((row.owner or "-",) if shared else ()),
                 row.backend or "-",
                 row.host or "-",
                 "-" if row.gpus is None else str(row.gpus),

@@ -11,10 +11,16 @@ from gpuflow.commands.common import EXIT_FAILED, EXIT_OK, invalid, number
 
 
 def _platform_parser(commands: Any) -> None:
-    plat = commands.add_parser(
+    top = commands.add_parser(
         "platform", description="A local Prefect server, pools, blocks, deployments and a worker."
     )
-    plat.add_argument("action", choices=["up", "down", "status"])
+    actions = top.add_subparsers(dest="action", required=True, metavar="{up,down,status,user}")
+    plat = actions.add_parser("up", help="start the platform (or say it runs)")
+    for action, what in (("down", "stop what `up` started"), ("status", "say whether it runs")):
+        actions.add_parser(action, help=what).set_defaults(
+            handler=lambda args: platform(args.action, None)
+        )
+    _user_parser(actions)
     plat.add_argument(
         "--port", type=number(1, 65535), default=None, help="server port (default 4200)"
     )
@@ -66,6 +72,81 @@ def _platform_parser(commands: Any) -> None:
             args.use,
         )
     )
+
+
+def _user_parser(actions: Any) -> None:
+    user = actions.add_parser(
+        "user",
+        help="the platform's users: add, ls, revoke",
+        description="People and service accounts of a shared platform, each with a token"
+        " (shown once) and a role: viewer reads; member also makes runs and changes its own;"
+        " admin does everything.",
+    )
+    verbs = user.add_subparsers(dest="verb", required=True, metavar="{add,ls,revoke}")
+    add = verbs.add_parser("add", help="make a user and print its auth string, once")
+    add.add_argument("name", help="lower-case letters, digits, '.', '_', '-' (alice, ci-bot)")
+    add.add_argument("--role", default="member", help="viewer, member (default) or admin")
+    add.add_argument("--service", action="store_true", help="a service account (CI), not a person")
+    add.add_argument(
+        "--renew", action="store_true", help="a new token (and role) for an existing user"
+    )
+    add.set_defaults(handler=lambda args: user_add(args.name, args.role, args.service, args.renew))
+    verbs.add_parser("ls", help="list the users").set_defaults(handler=lambda args: user_ls())
+    revoke = verbs.add_parser("revoke", help="end a user's token from the next request on")
+    revoke.add_argument("name")
+    revoke.set_defaults(handler=lambda args: user_revoke(args.name))
+
+
+def _book() -> Any:
+    from gpuflow.tasks.host import secure_home
+    from gpuflow.tasks.platform.state import users_path
+    from gpuflow.tasks.platform.users import UserBook
+
+    secure_home()
+    return UserBook(users_path())
+
+
+def user_add(name: str, role: str, service: bool, renew: bool) -> int:
+    """Make (or renew) a user and print its auth string once."""
+    from gpuflow.tasks.errors import InvalidSpec
+
+    try:
+        auth = _book().add(name, role, "service" if service else "person", renew=renew)
+    except InvalidSpec as exc:
+        return invalid(exc)
+    print(auth)
+    print(
+        f"gpuflow: {name} ({role}) sends this as PREFECT_API_AUTH_STRING (or types it in the"
+        " UI's login); it is shown only now: hand it over safely.",
+        file=sys.stderr,
+    )
+    return EXIT_OK
+
+
+def user_ls() -> int:
+    import time
+
+    users = _book().users()
+    if not users:
+        print("no users: only the platform's own auth string gets in (`platform user add`)")
+        return EXIT_OK
+    print(f"{'NAME':<24} {'ROLE':<7} {'KIND':<8} {'MADE':<17} REVOKED")
+    for user in sorted(users.values(), key=lambda u: u.name):
+        made = time.strftime("%Y-%m-%d %H:%M", time.gmtime(user.created))
+        gone = time.strftime("%Y-%m-%d %H:%M", time.gmtime(user.revoked)) if user.revoked else "-"
+        print(f"{user.name:<24} {user.role:<7} {user.kind:<8} {made:<17} {gone}")
+    return EXIT_OK
+
+
+def user_revoke(name: str) -> int:
+    from gpuflow.tasks.errors import InvalidSpec
+
+    try:
+        user = _book().revoke(name)
+    except InvalidSpec as exc:
+        return invalid(exc)
+    print(f"revoked {user.name}: its token is refused from the next request on")
+    return EXIT_OK
 
 
 def add(commands: Any) -> list[tuple[str, str]]:

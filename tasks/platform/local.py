@@ -57,6 +57,7 @@ from gpuflow.tasks.platform.state import (
     read_state,
     running,
     state_path,
+    users_path,
 )
 from gpuflow.tasks.platform.state import trust as platform_trust
 from gpuflow.tasks.platform.tls import Listening, client_context, listening
@@ -443,7 +444,7 @@ def _start_server(
     """Start the platform's Prefect server (tasks/platform/server.py: the UI, the auth
     string from its file, TLS when shared); return its process entry."""
     argv = [sys.executable, "-m", "gpuflow.tasks.platform.server", "--ui", "--host", where.bind]
-    argv += ["--port", str(port), "--auth-file", str(auth_path())]
+    argv += ["--port", str(port), "--auth-file", str(auth_path()), "--users", str(users_path())]
     if where.cert:
         argv += ["--tls-cert", where.cert, "--tls-key", str(where.key)]
         for name in sorted({socket.gethostname(), socket.getfqdn(), where.shown}):

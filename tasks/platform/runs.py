@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from gpuflow.tasks.api_client import api_client
 from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.platform.users import owner_of, owner_tag
 
 RECENT = 200  # the runs a name or prefix is looked for among, newest first
 
@@ -34,6 +35,7 @@ class RunRow(BaseModel):
     duration_s: float | None = None
     cost_usd: float | None = None
     final: bool = False
+    owner: str = ""  # the user who made it, on a shared platform ("": the platform's own)
     short: str = ""  # the shortest start of its id (8 or more) no other recent run shares
 
 
@@ -72,13 +74,18 @@ def _row(run: Any, collected: dict[str, Any] | None = None) -> RunRow:
         cost_usd=(collected or {}).get("cost_usd"),
         host=str((collected or {}).get("run.host") or ""),
         final=final,
+        owner=owner_of(list(run.tags or [])) or "",
     )
 
 
-def _recent(client: Any, limit: int) -> list[Any]:
+def _recent(client: Any, limit: int, owner: str | None = None) -> list[Any]:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
     from prefect.client.schemas.sorting import FlowRunSort
 
-    return list(client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=limit))
+    only = FlowRunFilter(tags=FlowRunFilterTags(all_=[owner_tag(owner)])) if owner else None
+    return list(
+        client.read_flow_runs(flow_run_filter=only, sort=FlowRunSort.START_TIME_DESC, limit=limit)
+    )
 
 
 def _collected(client: Any, run_ids: list[str]) -> dict[str, dict[str, Any]]:
@@ -118,12 +125,12 @@ def _json(text: Any) -> Any:
         return None
 
 
-def listed(limit: int = 20) -> list[RunRow]:
-    """Return the newest `limit` runs, newest first, with what each cost and where it ran
-    where its metrics say."""
+def listed(limit: int = 20, owner: str | None = None) -> list[RunRow]:
+    """Return the newest `limit` runs (of user `owner` only, when given), newest first,
+    with what each cost and where it ran where its metrics say."""
     with api_client() as client:
         recent = _recent(client, max(limit, RECENT))
-        runs = recent[:limit]
+        runs = _recent(client, limit, owner) if owner else recent[:limit]
         collected = _collected(client, [str(r.id) for r in runs])
     ids = [str(r.id) for r in recent]  # what `find` looks among: the shown start resolves
     return [

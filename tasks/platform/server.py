@@ -15,7 +15,10 @@ only its user gets in, and no web page drives it.
 
 - TLS 1.3 only, with --tls-cert and --tls-key (a platform shared with `--listen`).
 
-Run as `python -m gpuflow.tasks.platform.server --port PORT --auth-file FILE [--ui] [--idle-s S]`.
+- Users (the platform's, with --users): tasks/platform/access.py lets each in by its role.
+
+Run as `python -m gpuflow.tasks.platform.server --port PORT --auth-file FILE [--ui]
+[--users FILE] [--idle-s S]`.
 """
 
 from __future__ import annotations
@@ -91,13 +94,20 @@ class HostCheck:
 
 
 def create_app() -> Any:
-    """Return Prefect's server app (API, and the UI when enabled) behind the Host check."""
+    """Return Prefect's server app (API, and the UI when enabled) behind the Host check and,
+    on the platform, the front that lets its users in by their roles."""
     names = frozenset(n for n in os.environ.get("GPUFLOW_SERVER_NAMES", "").split(",") if n)
     final = os.environ.get("PREFECT__SERVER_FINAL") == "1"
     with loading():  # Prefect's server and its routes: about a fifth of its start-up less
         from prefect.server.api.server import create_app as prefect_app
 
-        app = prefect_app(final=final)
+        app: Any = prefect_app(final=final)
+    users = os.environ.get("GPUFLOW_SERVER_USERS")
+    if users:
+        from gpuflow.tasks.platform.access import Front
+        from gpuflow.tasks.platform.users import UserBook
+
+        app = Front(app, os.environ["PREFECT_SERVER_API_AUTH_STRING"], UserBook(Path(users)))
     return HostCheck(app, names)
 
 
@@ -138,6 +148,7 @@ def serve(argv: list[str]) -> int:
     parser.add_argument("--name", action="append", default=[], help="a Host name it answers to")
     parser.add_argument("--tls-cert", help="serve TLS 1.3 only, with this certificate (PEM)")
     parser.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    parser.add_argument("--users", type=Path, help="the platform's user book (users.json)")
     parser.add_argument("--servers", type=Path)
     parser.add_argument("--idle-s", type=float, default=0.0)
     parser.add_argument("--log", type=Path)
@@ -155,6 +166,7 @@ def serve(argv: list[str]) -> int:
         PREFECT_SERVER_CORS_ALLOWED_ORIGINS=",".join(origins),
         PREFECT_SERVER_UI_ENABLED="true" if args.ui else "false",
         GPUFLOW_SERVER_NAMES=",".join(args.name),
+        GPUFLOW_SERVER_USERS=str(args.users or ""),
         PREFECT__SERVER_FINAL="1",
     )
     narrow_database()

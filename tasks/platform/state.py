@@ -24,6 +24,11 @@ def auth_path() -> Path:
     return platform_dir() / "auth"
 
 
+def users_path() -> Path:
+    """Return the platform's user book (tasks/platform/users.py)."""
+    return platform_dir() / "users.json"
+
+
 def auth() -> str:
     """Return the platform's auth string (`user:token`, as Prefect's PREFECT_API_AUTH_STRING
     takes it), made the first time."""
