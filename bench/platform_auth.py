@@ -26,7 +26,9 @@ import httpx
 
 from gpuflow.tasks.host import stop_group
 from gpuflow.tasks.platform.users import UserBook
-from tests.conftest import free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from waiting import free_port
 
 
 def start(root: Path, users: bool) -> tuple[subprocess.Popen, str]:

@@ -5,9 +5,13 @@ from __future__ import annotations
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run as current_run
 
 from gpuflow.tasks.errors import InvalidSpec
 from gpuflow.tasks.pipeline.stages import retry_when_retryable
+from gpuflow.tasks.platform.confine import confine_paths
+from gpuflow.tasks.platform.state import users_path
+from gpuflow.tasks.platform.users import UserBook
 from gpuflow.tasks.storage import S3Settings, StorageError, store_for
 from gpuflow.tasks.training.prepare import PrepareResult, check_request, prepare
 from gpuflow.tasks.units import format_bytes
@@ -38,6 +42,9 @@ def prepare_dataset(
     """Pack `source` (a folder of files grouped by basename, or synthetic:classify?samples=N)
     into webdataset shards of about `shard_size` under `output` (file:// or s3://)."""
     shard_bytes = check_request(source, output, shard_size)
+    tags = list(current_run.tags or [])
+    fields = {"source": source, "output": output}
+    confine_paths(fields, {"aws_credentials": aws_credentials}, tags, UserBook(users_path()))
     try:
         result = pack_and_upload(source, output.rstrip("/"), shard_bytes, aws_credentials)
     except StorageError as exc:

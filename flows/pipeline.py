@@ -30,6 +30,9 @@ from gpuflow.tasks.pipeline.stages import (
 )
 from gpuflow.tasks.pipeline.usercode import pack_code, said
 from gpuflow.tasks.platform.api import hold_if_ours
+from gpuflow.tasks.platform.confine import confine
+from gpuflow.tasks.platform.state import users_path
+from gpuflow.tasks.platform.users import UserBook
 from gpuflow.tasks.runscope import run_scope
 from gpuflow.tasks.spec import JobSpec, Placement, load_spec, read_placement
 
@@ -115,6 +118,7 @@ def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
 
 def _checked_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
     job = load_spec(spec.model_dump() if isinstance(spec, JobSpec) else spec)
+    confine(job, list(current_run.tags or []), UserBook(users_path()))  # a member's run
     pool = check_pool(job)  # every candidate, before anything is provisioned
     run_id = str(current_run.id)
     out = artifacts_dir(pool[0][0], run_id)

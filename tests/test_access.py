@@ -210,3 +210,56 @@ def test_a_runs_owner_is_read_from_its_tags():
     assert owner_of(["sweep", "owner:alice"]) == "alice"
     assert owner_of(["sweep"]) is None and owner_of(None) is None
     assert access.owner_tag("bob") == "owner:bob"
+
+
+def _spec(**extra):
+    from gpuflow.tasks.spec import load_spec
+
+    base = {"name": "j", "job": {"kind": "command", "command": ["echo", "hi"]}}
+    return load_spec({**base, **extra})
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        ({}, "image: mia is a member of this shared platform, and a member's job on the"),
+        (
+            {
+                "image": "python:3.12-slim",
+                "job": {"kind": "command", "command": ["echo"], "workdir": "/root"},
+            },
+            "job.workdir: mia is a member of this shared platform, and its run may not send",
+        ),
+        (
+            {"image": "python:3.12-slim", "storage": {"artifacts": "file:///root/.gpuflow"}},
+            "storage.artifacts: mia is a member of this shared platform, and its run may not",
+        ),
+        (
+            {"image": "python:3.12-slim", "secret_env": {"T": "registry-key"}},
+            "secret_env.T: Secret block 'registry-key' is not mia's; a member's run reads only",
+        ),
+    ],
+)
+def test_a_members_run_asks_for_no_power_of_the_platforms_owner(tmp_path, extra, said):
+    from gpuflow.tasks.platform.confine import confine
+
+    book = UserBook(tmp_path / "users.json")
+    book.add("mia", "member")
+    with pytest.raises(InvalidSpec, match=said.replace(".", r"\.")):
+        confine(_spec(**extra), ["owner:mia"], book)
+
+
+def test_the_platforms_runs_an_admins_and_a_members_confined_run_pass(tmp_path):
+    from gpuflow.tasks.platform.confine import confine
+
+    book = UserBook(tmp_path / "users.json")
+    book.add("mia", "member")
+    book.add("ada", "admin")
+    free = _spec(storage={"artifacts": "file:///srv/runs"})
+    confine(free, [], book)  # the platform's own
+    confine(free, ["owner:ada"], book)
+    confine(free, ["owner:mia"], UserBook(tmp_path / "elsewhere.json"))  # not the platform
+    confine(_spec(image="python:3.12-slim", secret_env={"T": "mia-token"}), ["owner:mia"], book)
+    book.revoke("mia")
+    with pytest.raises(InvalidSpec, match="belongs to mia, who is no longer a user"):
+        confine(free, ["owner:mia"], book)
