@@ -18,6 +18,7 @@ from gpuflow.tasks.metrics.summary import RunMetrics
 from gpuflow.tasks.pipeline.checks import check_pool
 from gpuflow.tasks.pipeline.collect import collect
 from gpuflow.tasks.pipeline.failover import place_on
+from gpuflow.tasks.pipeline.gate import gated
 from gpuflow.tasks.pipeline.heartbeat import flow_run_heartbeat
 from gpuflow.tasks.pipeline.inflight import run_in_flight
 from gpuflow.tasks.pipeline.stages import (
@@ -29,9 +30,10 @@ from gpuflow.tasks.pipeline.stages import (
     teardown_owned,
 )
 from gpuflow.tasks.pipeline.usercode import pack_code, said
+from gpuflow.tasks.platform.admission import gate_for
 from gpuflow.tasks.platform.api import hold_if_ours
 from gpuflow.tasks.platform.confine import confine
-from gpuflow.tasks.platform.state import users_path
+from gpuflow.tasks.platform.state import platform_dir, users_path
 from gpuflow.tasks.platform.users import UserBook
 from gpuflow.tasks.runscope import run_scope
 from gpuflow.tasks.spec import JobSpec, Placement, load_spec, read_placement
@@ -118,13 +120,18 @@ def run_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
 
 def _checked_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
     job = load_spec(spec.model_dump() if isinstance(spec, JobSpec) else spec)
-    confine(job, list(current_run.tags or []), UserBook(users_path()))  # a member's run
+    tags = list(current_run.tags or [])
+    confine(job, tags, UserBook(users_path()))  # a member's run: not the owner's powers
     pool = check_pool(job)  # every candidate, before anything is provisioned
     run_id = str(current_run.id)
     out = artifacts_dir(pool[0][0], run_id)
     places = [j.placement for j, _ in pool]
+    gate = gate_for(job, run_id, tags, platform_dir(), get_run_logger().info)
     # on disk from here: a gpuflow killed at any later moment is found by `gpuflow reap`
-    with run_in_flight(run_id, *places, artifacts=out, secret_env=job.secret_env):
+    with (
+        run_in_flight(run_id, *places, artifacts=out, secret_env=job.secret_env),
+        gated(run_id, gate),  # the team's GPU quota's turn, before GPUs are taken
+    ):
         job, packed = pack_code(job)  # once per run: every attempt, anywhere, gets these files
         if packed is not None:
             get_run_logger().info(said(packed))

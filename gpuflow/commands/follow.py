@@ -73,7 +73,7 @@ def list_runs(limit: int, owner: str | None = None) -> int:
             (
                 row.short or row.id[:8],
                 row.job,
-                row.state,
+                f"Queued ({row.queued})" if row.queued else row.state,
                 *((row.owner or "-",) if shared else ()),
                 row.backend or "-",
                 row.host or "-",
@@ -88,6 +88,8 @@ def list_runs(limit: int, owner: str | None = None) -> int:
         print(
             "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
         )
+    for row in sorted((r for r in rows if r.queued), key=lambda r: r.queued):
+        print(f"queued {row.queued}: {row.short or row.id[:8]} {row.queue_reason}")
     return EXIT_OK
 
 

@@ -21,6 +21,7 @@ def _platform_parser(commands: Any) -> None:
             handler=lambda args: platform(args.action, None)
         )
     _user_parser(actions)
+    _quota_parser(actions)
     plat.add_argument(
         "--port", type=number(1, 65535), default=None, help="server port (default 4200)"
     )
@@ -90,11 +91,106 @@ def _user_parser(actions: Any) -> None:
     add.add_argument(
         "--renew", action="store_true", help="a new token (and role) for an existing user"
     )
-    add.set_defaults(handler=lambda args: user_add(args.name, args.role, args.service, args.renew))
+    add.add_argument("--team", help="the team whose GPU quota its runs count against")
+    add.set_defaults(
+        handler=lambda args: user_add(args.name, args.role, args.service, args.renew, args.team)
+    )
     verbs.add_parser("ls", help="list the users").set_defaults(handler=lambda args: user_ls())
     revoke = verbs.add_parser("revoke", help="end a user's token from the next request on")
     revoke.add_argument("name")
     revoke.set_defaults(handler=lambda args: user_revoke(args.name))
+
+
+def _quota_parser(actions: Any) -> None:
+    quota = actions.add_parser(
+        "quota",
+        help="GPU quotas of teams and caps of users: set, cap, ls",
+        description="Each team's nominal GPU quota per scope (* anywhere, backend:NAME,"
+        " gpu:PRODUCT); runs over it borrow what other teams leave idle, and give it back"
+        " when they need it.",
+    )
+    verbs = quota.add_subparsers(dest="verb", required=True, metavar="{set,cap,ls}")
+    put = verbs.add_parser("set", help="a team's nominal GPUs in a scope (0 removes it)")
+    put.add_argument("team")
+    put.add_argument("--gpus", type=int, required=True)
+    put.add_argument("--scope", default="*", help="* (default), backend:NAME or gpu:PRODUCT")
+    put.set_defaults(handler=lambda args: quota_set(args.team, args.gpus, args.scope))
+    cap = verbs.add_parser("cap", help="a user's own GPU cap within its team")
+    cap.add_argument("user")
+    cap.add_argument("--gpus", type=int, help="the cap; without it, the cap is removed")
+    cap.set_defaults(handler=lambda args: quota_cap(args.user, args.gpus))
+    verbs.add_parser("ls", help="quotas, what each team holds, and the queue").set_defaults(
+        handler=lambda args: quota_ls()
+    )
+
+
+def quota_set(team: str, gpus: int, scope: str) -> int:
+    from gpuflow.tasks.errors import InvalidSpec
+    from gpuflow.tasks.platform import admission
+    from gpuflow.tasks.platform.state import platform_dir
+
+    try:
+        admission.set_quota(platform_dir(), team, gpus, scope)
+    except InvalidSpec as exc:
+        return invalid(exc)
+    _quota_beyond_gpus(team, gpus)
+    print(f"team {team}: {gpus} GPUs {'anywhere' if scope == '*' else scope}")
+    return EXIT_OK
+
+
+def _quota_beyond_gpus(team: str, gpus: int) -> None:
+    """Say (and allow) a quota larger than this host's GPUs when the platform has no other
+    backend that could give them: quotas are shares, not reservations."""
+    from gpuflow.tasks import nvml
+
+    here = len(nvml.query().gpus)
+    if gpus > here:
+        print(
+            f"gpuflow: note: team {team}'s {gpus} GPUs are more than this host's {here}; the"
+            " quota holds across every backend the platform places on, and runs beyond what"
+            " the backends can give wait for GPUs as before.",
+            file=sys.stderr,
+        )
+
+
+def quota_cap(user: str, gpus: int | None) -> int:
+    from gpuflow.tasks.errors import InvalidSpec
+    from gpuflow.tasks.platform import admission
+    from gpuflow.tasks.platform.state import platform_dir
+
+    try:
+        admission.set_cap(platform_dir(), user, gpus)
+    except InvalidSpec as exc:
+        return invalid(exc)
+    print(f"{user}: {'no cap' if gpus is None else f'at most {gpus} GPUs'}")
+    return EXIT_OK
+
+
+def quota_ls() -> int:
+    from gpuflow.tasks.platform import admission
+    from gpuflow.tasks.platform.state import platform_dir
+
+    folder = platform_dir()
+    quotas = admission.read_quotas(folder, _book())
+    rows = admission.entries_of(admission.Ledger(folder).read())
+    if not quotas.teams:
+        print("no quotas: runs take GPUs first come, first served (`platform quota set`)")
+    for team, quota in sorted(quotas.teams.items()):
+        for scope, nominal in sorted(quota.items()):
+            mine = [r for r in rows if r.team == team and r.scope == scope]
+            held = sum(r.gpus for r in mine if r.state in ("admitted", "yield"))
+            lent = sum(r.gpus for r in mine if r.state == "borrowed")
+            waiting = sum(1 for r in mine if r.state == "queued")
+            where = "anywhere" if scope == "*" else scope
+            print(
+                f"team {team}: {nominal} GPUs {where}; holds {held}, borrows {lent},"
+                f" {waiting} run(s) waiting"
+            )
+    for entry in sorted((r for r in rows if r.state == "queued"), key=lambda r: r.position):
+        print(
+            f"  {entry.position}. {entry.run[:8]} {entry.user} ({entry.gpus} GPUs): {entry.reason}"
+        )
+    return EXIT_OK
 
 
 def _book() -> Any:
@@ -106,12 +202,13 @@ def _book() -> Any:
     return UserBook(users_path())
 
 
-def user_add(name: str, role: str, service: bool, renew: bool) -> int:
+def user_add(name: str, role: str, service: bool, renew: bool, team: str | None = None) -> int:
     """Make (or renew) a user and print its auth string once."""
     from gpuflow.tasks.errors import InvalidSpec
 
+    kind = "service" if service else "person"
     try:
-        auth = _book().add(name, role, "service" if service else "person", renew=renew)
+        auth = _book().add(name, role, kind, renew=renew, team=team)
     except InvalidSpec as exc:
         return invalid(exc)
     print(auth)
@@ -130,11 +227,12 @@ def user_ls() -> int:
     if not users:
         print("no users: only the platform's own auth string gets in (`platform user add`)")
         return EXIT_OK
-    print(f"{'NAME':<24} {'ROLE':<7} {'KIND':<8} {'MADE':<17} REVOKED")
+    print(f"{'NAME':<24} {'ROLE':<7} {'KIND':<8} {'TEAM':<16} {'MADE':<17} REVOKED")
     for user in sorted(users.values(), key=lambda u: u.name):
         made = time.strftime("%Y-%m-%d %H:%M", time.gmtime(user.created))
         gone = time.strftime("%Y-%m-%d %H:%M", time.gmtime(user.revoked)) if user.revoked else "-"
-        print(f"{user.name:<24} {user.role:<7} {user.kind:<8} {made:<17} {gone}")
+        team = user.team or "-"
+        print(f"{user.name:<24} {user.role:<7} {user.kind:<8} {team:<16} {made:<17} {gone}")
     return EXIT_OK
 
 

@@ -28,6 +28,7 @@ from gpuflow.tasks.errors import (
 )
 from gpuflow.tasks.metrics.cost import PriceTable
 from gpuflow.tasks.pipeline.costs import hourly_paid
+from gpuflow.tasks.pipeline.gate import QuotaYield, gate_of
 from gpuflow.tasks.pipeline.pool import (
     Candidate,
     Use,
@@ -47,6 +48,7 @@ from gpuflow.tasks.pipeline.stages import (
     teardown_owned,
     unprovisioned,
 )
+from gpuflow.tasks.pipeline.stopping import cancel_requested
 from gpuflow.tasks.spec import JobSpec
 
 CHOSEN_EVENT = "gpuflow.placement.chosen"
@@ -179,7 +181,10 @@ def place_on(
             () if alone else (CapacityError, Unreachable, *([PreemptedError] if moving else []))
         )
         cluster: Cluster | None = None
+        gate = gate_of(run_id)
         try:
+            if gate is not None and idle is None:  # its quota's turn before any GPU is taken
+                gate.wait(cancel_requested(run_id))
             cluster, verdict = _provisioned(job, owner, idle, handed_on)
             if not alone:
                 candidate.verdict, candidate.reason = "chosen", _chosen_reason(candidate, moves)
@@ -191,6 +196,13 @@ def place_on(
                 raise
             _give_up(spec, ranked, candidate, queue, exc, run_id)
             _release(job, run_id, cluster, candidate, prices, "given up", earlier)
+            continue
+        except QuotaYield as exc:  # borrowed GPUs given back: wait again, resume here
+            _release(job, run_id, cluster, candidate, prices, "preempted", earlier)
+            get_run_logger().warning("%s", exc)
+            if gate is not None:
+                gate.requeue()
+            queue.insert(0, candidate)
             continue
         except PreemptedError as exc:
             if not moving or moves >= spec.retry.run.retries or cluster is None:

@@ -46,6 +46,7 @@ from gpuflow.tasks.metrics.logmetrics import LogMetrics, rows_file
 from gpuflow.tasks.metrics.prometheus import LiveLogPush
 from gpuflow.tasks.pipeline.costs import hourly_paid
 from gpuflow.tasks.pipeline.failure import failure_context, failure_sentence
+from gpuflow.tasks.pipeline.gate import QuotaYield, must_yield
 from gpuflow.tasks.pipeline.inflight import unit_running
 from gpuflow.tasks.pipeline.sampling import sampling
 from gpuflow.tasks.pipeline.stages import retrying
@@ -128,6 +129,12 @@ def run(
             spec.limits.stop_grace_s,
         )
     result = result.model_copy(update={"log_tail": [redact(line) for line in result.log_tail]})
+    if must_yield(flow_run_id) and (result.cancelled or result.exit_code == PREEMPTED_EXIT_CODE):
+        raise QuotaYield(
+            "the job gave its borrowed GPUs back (stopped with its grace"
+            f"{', after its checkpoint' if result.exit_code == PREEMPTED_EXIT_CODE else ''});"
+            " it waits for GPUs again and resumes from what it saved"
+        )
     if idle is not None and idle.stopped():  # stopped for idling, not cancelled or preempted
         return RunOutcome(result=result, failure=idle.sentence(), stopped_by="idle_gpu")
     if result.cancelled:  # stopped with its grace: collect keeps what it wrote

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 from gpuflow.tasks.metrics.idle import watch_of
+from gpuflow.tasks.pipeline.gate import must_yield
 from gpuflow.tasks.runscope import once
 
 
@@ -71,13 +72,14 @@ def cancel_requested(flow_run_id: str, every_s: float = 2.0) -> Callable[[], boo
 
 
 def stop_check(flow_run_id: str) -> Callable[[], bool]:
-    """Return the run stage's stop check: the run was cancelled in the API, or its idle
-    watch (limits.idle_gpu with action stop) says so."""
+    """Return the run stage's stop check: the run was cancelled in the API, its idle
+    watch (limits.idle_gpu with action stop) says so, or its gate asks for its GPUs back."""
     cancelled = cancel_requested(flow_run_id)
 
     def check() -> bool:
         watch = watch_of(flow_run_id)
-        return (watch is not None and watch.stopped()) or cancelled()
+        stopped = watch is not None and watch.stopped()
+        return stopped or cancelled() or must_yield(flow_run_id)
 
     return check
 

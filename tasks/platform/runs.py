@@ -36,6 +36,8 @@ class RunRow(BaseModel):
     cost_usd: float | None = None
     final: bool = False
     owner: str = ""  # the user who made it, on a shared platform ("": the platform's own)
+    queued: int = 0  # its place in line for its team's GPU quota (0: not waiting)
+    queue_reason: str = ""
     short: str = ""  # the shortest start of its id (8 or more) no other recent run shares
 
 
@@ -75,7 +77,17 @@ def _row(run: Any, collected: dict[str, Any] | None = None) -> RunRow:
         host=str((collected or {}).get("run.host") or ""),
         final=final,
         owner=owner_of(list(run.tags or [])) or "",
+        **_queue(run, final),
     )
+
+
+def _queue(run: Any, final: bool) -> dict[str, Any]:
+    """Return a waiting run's place in line and why (its labels, tasks/platform/admission.py)."""
+    labels = run.labels or {}
+    place = labels.get("gpuflow.queue")
+    if final or not isinstance(place, int) or place <= 0:
+        return {}
+    return {"queued": place, "queue_reason": str(labels.get("gpuflow.queue.reason") or "")}
 
 
 def _recent(client: Any, limit: int, owner: str | None = None) -> list[Any]:

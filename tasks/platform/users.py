@@ -65,6 +65,7 @@ class User:
     digest: str  # SHA-256 of the token, hex
     created: float
     revoked: float | None = None
+    team: str | None = None  # whose GPU quota its runs count against (tasks/platform/quotas.py)
 
 
 class Refused(Exception):
@@ -75,16 +76,16 @@ class Refused(Exception):
         self.status, self.sentence = status, sentence
 
 
-def check_name(name: str) -> str:
+def check_name(name: str, what: str = "user") -> str:
     if not NAME.fullmatch(name):
         raise InvalidSpec(
-            f"user name {name!r} is not 1-63 lower-case letters, digits, '.', '_' or '-'"
-            " starting with a letter (it becomes the Prefect tag owner:NAME on each run);"
-            " choose one such as 'alice' or 'ci-bot'."
+            f"{what} name {name!r} is not 1-63 lower-case letters, digits, '.', '_' or '-'"
+            f" starting with a letter (it becomes a Prefect tag on each run); choose one such"
+            f" as {'vision' if what == 'team' else 'alice'!r}."
         )
     if name in RESERVED:
         raise InvalidSpec(
-            f"user name {name!r} is the platform's own; choose another name for the user."
+            f"{what} name {name!r} is the platform's own; choose another name for the {what}."
         )
     return name
 
@@ -165,7 +166,14 @@ class UserBook:
         finally:
             os.close(descriptor)
 
-    def add(self, name: str, role: str, kind: str = "person", renew: bool = False) -> str:
+    def add(
+        self,
+        name: str,
+        role: str,
+        kind: str = "person",
+        renew: bool = False,
+        team: str | None = None,
+    ) -> str:
         """Make user `name` with `role` and return its auth string `NAME:TOKEN` (shown
         once: only its digest is kept). An existing user is refused unless `renew`, which
         gives it a new token (the old one stops working) and the role."""
@@ -178,7 +186,9 @@ class UserBook:
                     f"user {name!r} exists; `gpuflow platform user add {name} --renew` gives"
                     " it a new token, `gpuflow platform user revoke` ends it."
                 )
-            users[name] = User(name, role, kind, _digest(token), time.time())
+            kept = users[name].team if name in users else None
+            team = check_name(team, "team") if team else kept
+            users[name] = User(name, role, kind, _digest(token), time.time(), team=team)
         return f"{name}:{token}"
 
     def revoke(self, name: str) -> User:
