@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.runtime import deployment as current_deployment
 from prefect.runtime import flow_run as current_run
 from prefect.states import Cancelled, State
 from pydantic import BaseModel
@@ -127,6 +128,8 @@ def _checked_stages(spec: JobSpec | dict[str, Any]) -> PipelineResult | State:
     out = artifacts_dir(pool[0][0], run_id)
     places = [j.placement for j, _ in pool]
     gate = gate_for(job, run_id, tags, platform_dir(), get_run_logger().info)
+    if gate is not None:  # waits parked (no process, no worker slot) when its worker can
+        gate.admit_or_park(can_park=current_deployment.id is not None)
     # on disk from here: a gpuflow killed at any later moment is found by `gpuflow reap`
     with (
         run_in_flight(run_id, *places, artifacts=out, secret_env=job.secret_env),

@@ -120,9 +120,14 @@ class Ledger:
     @contextlib.contextmanager
     def changing(self) -> Iterator[list[dict[str, Any]]]:
         """The entries (dicts: an Entry's fields, pid, started), changed in place under
-        the lock; entries whose process is gone are dropped first."""
+        the lock; entries whose process is gone are dropped first (a parked run's has no
+        process: the admitter keeps it while its flow run waits)."""
         with _changing(self.path) as found:
-            entries = [e for e in found.get("entries") or [] if alive(e["pid"], e["started"])]
+            entries = [
+                e
+                for e in found.get("entries") or []
+                if e.get("pid") is None or alive(e["pid"], e["started"])
+            ]
             yield entries
             found["entries"] = entries
 
@@ -146,18 +151,42 @@ class PlatformGate:
         self._said: tuple[str, int, str] | None = None
         self._checked = (0.0, False)
 
-    def _decide(self) -> Entry:
-        """Place every entry (this run's added when missing); return this run's."""
+    def _decide(self, park: bool = False) -> Entry:
+        """Place every entry (this run's added, or claimed by this process, first);
+        return this run's. With `park`, a run left waiting is parked: no process of its
+        own holds it (the admitter starts it again once admitted)."""
         quotas = read_quotas(self.folder, self.book)
         with self.ledger.changing() as rows:
-            if not any(row["run"] == self.entry.run for row in rows):
+            found = [row for row in rows if row["run"] == self.entry.run]
+            if found:
+                found[0].update(self.me)
+            else:
                 rows.append({**asdict(self.entry), **self.me})
             extra = {row["run"]: {"pid": row["pid"], "started": row["started"]} for row in rows}
             decided = decide(entries_of(rows), quotas)
+            mine = next(e for e in decided if e.run == self.entry.run)
+            if park and mine.state == "queued":
+                extra[mine.run] = {"pid": None, "started": None}
             rows[:] = [{**asdict(e), **extra[e.run]} for e in decided]
-        return next(e for e in decided if e.run == self.entry.run)
+        return mine
+
+    def admit_or_park(self, can_park: bool) -> None:
+        """Return once the run is admitted; a run that must wait and can be started again
+        by its worker is parked instead: its flow run goes back to Scheduled
+        (AwaitingQuota) and this process ends (prefect's Abort), holding no worker slot
+        while it waits. Without `can_park` it waits here."""
+        mine = self._decide(park=can_park)
+        self._tell(mine)
+        if mine.state in ("admitted", "borrowed"):
+            return
+        if not can_park:
+            self.wait(lambda: False)
+            return
+        park(self.entry.run, mine)
 
     def wait(self, stop: Callable[[], bool]) -> None:
+        """Return once admitted, deciding every half second (the run's process waits:
+        a run given back its GPUs, or one its worker cannot start again)."""
         while True:
             mine = self._decide()
             self._tell(mine)
@@ -208,6 +237,27 @@ class PlatformGate:
             f"gpuflow.admission.{e.state}", f"gpuflow.run.{e.run}", e.run, e.run, payload
         )
         _label(e)
+
+
+PARKED = "AwaitingQuota"
+
+
+def park(run_id: str, mine: Entry) -> None:
+    """Put the run back to Scheduled (AwaitingQuota, far ahead) and end this process
+    quietly: the admitter schedules it again when the queue admits it."""
+    from datetime import UTC, datetime, timedelta
+    from uuid import UUID
+
+    from prefect.exceptions import Abort
+    from prefect.states import Scheduled
+
+    from gpuflow.tasks.api_client import api_client
+
+    later = datetime.now(UTC) + timedelta(days=365)
+    state: Any = Scheduled(scheduled_time=later, name=PARKED, message=mine.reason)
+    with api_client() as client:
+        client.set_flow_run_state(UUID(run_id), state, force=True)
+    raise Abort(f"parked until its GPU quota admits it ({mine.position} in line)")
 
 
 def _label(entry: Entry) -> None:

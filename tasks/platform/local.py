@@ -358,6 +358,12 @@ def _start_workers(
         env,
         platform_dir() / "worker.log",
     )
+    # runs waiting for their team's GPU quota wait parked; this starts them once admitted
+    processes["admitter"] = _start(
+        [*guard, python, "-m", "gpuflow.tasks.platform.admitter", str(platform_dir())],
+        env,
+        platform_dir() / "admitter.log",
+    )
     _write_state(state)
     if cluster:
         worker = ["worker", "start", "--pool", GPU_K8S_POOL]
@@ -648,7 +654,7 @@ def down(say=print) -> list[str]:
         if not kept:
             say("nothing is running")
         return stopped
-    for name in ("k8s-worker", "worker", "server", "postgres"):
+    for name in ("k8s-worker", "admitter", "worker", "server", "postgres"):
         entry = state["processes"].get(name)
         if entry and running(entry):
             if name == "postgres":

@@ -583,8 +583,8 @@ def test_secrets_and_flows_say_which_api_they_land_on_and_up_use_makes_it_the_de
 def test_down_stops_everything_it_started(platform):
     processes = platform.state()["processes"]
     down = platform.gpuflow("platform", "down", timeout=120)
-    assert down.returncode == 0 and "stopped: worker, server" in down.stdout
-    for name in ("worker", "server"):
+    assert down.returncode == 0 and "stopped: admitter, worker, server" in down.stdout
+    for name in ("admitter", "worker", "server"):
         assert f"stopped the {name} (pid {processes[name]['pid']})" in down.stdout
     for entry in processes.values():
         assert not psutil.pid_exists(entry["pid"]) or (

@@ -115,7 +115,7 @@ def test_down_stops_postgresql_and_the_next_up_finds_the_runs(platform, tmp_path
     processes = platform.state()["processes"]
     down = platform.gpuflow("platform", "down", timeout=120)
     assert down.returncode == 0, down.stdout + down.stderr
-    assert "stopped: worker, server, postgres" in down.stdout
+    assert "stopped: admitter, worker, server, postgres" in down.stdout
     assert "runs stay in PostgreSQL" in down.stdout
     for entry in processes.values():
         assert process_gone(entry["pid"]), entry

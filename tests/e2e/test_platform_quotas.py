@@ -134,6 +134,15 @@ def test_a_borrower_yields_through_the_job_contract_and_resumes_from_its_checkpo
     until("nlp's run starting", lambda: (theirs / "starts").exists())
     saved = int((lent / "ckpt").read_text())
     assert saved > 3
+    parked = admission_events(platform, arriving)[0]
+    assert parked.startswith("queued: team nlp's quota (2 GPUs anywhere) is lent out"), parked
+    # more of vision's runs wait parked: their flow runs hold no process and no worker slot
+    more = ana.submit("vision-more", platform.folder / "more")
+    waits = until(
+        "vision's third run parked",
+        lambda: (r := ana.run(more))["state_name"] == "AwaitingQuota" and r,
+    )
+    assert waits["state_type"] == "SCHEDULED" and waits["labels"]["gpuflow.queue"] >= 1
     waiting = until(
         "vision's run back in line",
         lambda: (r := ana.run(borrowing))["labels"].get("gpuflow.queue") == 1 and r,
@@ -148,9 +157,11 @@ def test_a_borrower_yields_through_the_job_contract_and_resumes_from_its_checkpo
     until("vision's run resumed", lambda: len((lent / "starts").read_text().split()) == 2)
     starts = [int(step) for step in (lent / "starts").read_text().split()]
     assert starts[0] == 0 and starts[1] >= saved  # from its checkpoint, nothing redone
-    for folder in (lent, own):
+    for folder in (lent, own, platform.folder / "more"):
+        folder.mkdir(exist_ok=True)
         (folder / "done").write_text("")
-    for run in (borrowing, first):
+    until("vision's third run started", lambda: (platform.folder / "more" / "starts").exists())
+    for run in (borrowing, first, more):
         ended = lambda r=run: ana.run(r)["state_type"] in ("COMPLETED", "FAILED")  # noqa: E731
         until("the run ending", ended)
         assert ana.run(run)["state_type"] == "COMPLETED", ana.run(run)["state"]
@@ -160,7 +171,6 @@ def test_a_borrower_yields_through_the_job_contract_and_resumes_from_its_checkpo
     assert any(s.startswith("queued: team vision holds 2 of its 2 GPUs") for s in said), said
     assert said[-1].startswith("borrowed: "), said
     theirs_said = admission_events(platform, arriving)
-    assert theirs_said[0].startswith("queued: team nlp's quota (2 GPUs anywhere) is lent out")
-    assert theirs_said[-1] == "admitted: within team nlp's quota"
+    assert theirs_said[-1] == "admitted: within team nlp's quota", theirs_said
     ledger = json.loads((platform.home / "platform" / "admission.json").read_text())
     assert ledger["entries"] == []  # nothing holds or waits once every run ended
