@@ -47,6 +47,7 @@ from gpuflow.tasks.platform.users import (
 )
 
 AUDIT = "gpuflow.audit."
+QUOTAS = "/api/gpuflow/quotas"  # gpuflow's own route on the platform: quotas and caps
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
@@ -262,6 +263,9 @@ class Front:
         except Refused as exc:
             await _answer(send, exc.status, exc.sentence)
             return
+        if path.rstrip("/").startswith(QUOTAS):  # gpuflow's own route: answered here
+            await self._quotas(scope, receive, send, who)
+            return
         if who.platform:
             body = None
             if scope["method"] == "POST" and path.endswith("/set_state"):  # a cancel: audited
@@ -275,6 +279,49 @@ class Front:
             await _answer(send, exc.status, exc.sentence)
             return
         await self._pass(scope, _replay(body, receive), send, who, body)
+
+    async def _quotas(self, scope: dict, receive: Receive, send: Send, who: Principal) -> None:
+        """GET /api/gpuflow/quotas (any user): the quotas, caps and who holds or waits;
+        PUT (an admin): {"team", "gpus", "scope"} sets a team's quota, {"user", "gpus"} a
+        user's cap (gpus null removes it). Recorded as audit events."""
+        from gpuflow.tasks.errors import InvalidSpec
+        from gpuflow.tasks.platform import admission
+
+        method, path = scope["method"], scope["path"]
+        folder = self.book.path.parent
+        if method == "GET":
+            quotas = admission.read_quotas(folder, self.book)
+            rows = admission.Ledger(folder).read()
+            summary = [
+                {
+                    k: r.get(k)
+                    for k in ("run", "user", "team", "gpus", "scope", "state", "position", "reason")
+                }
+                for r in rows
+            ]
+            await _answer_json(
+                send, 200, {"teams": quotas.teams, "caps": quotas.caps, "entries": summary}
+            )
+            return
+        if method != "PUT" or not at_least(who.role, "admin"):
+            await _answer(send, 403, _not_allowed(who, method, path, "admin").sentence)
+            return
+        data = _json(await _read_body(receive))
+        try:
+            if not isinstance(data, dict):
+                raise InvalidSpec('the body is not {"team", "gpus", "scope"} or {"user", "gpus"}')
+            gpus: Any = data.get("gpus")
+            if "user" in data:
+                admission.set_cap(folder, str(data["user"]), None if gpus is None else int(gpus))
+            else:
+                admission.set_quota(
+                    folder, str(data.get("team")), int(gpus), str(data.get("scope") or "*")
+                )
+        except (InvalidSpec, ValueError, TypeError) as exc:
+            await _answer(send, 422, str(exc))
+            return
+        await _answer_json(send, 200, {"done": True})
+        await _record(who, "PUT", path, 200, json.dumps(data).encode(), b"{}")
 
     async def _authorise(self, scope: dict, receive: Receive, who: Principal) -> tuple[bytes, dict]:
         method, path = scope["method"], scope["path"]
@@ -638,6 +685,13 @@ def _replay(body: bytes, then: Receive) -> Receive:
         return {"type": "http.request", "body": body, "more_body": False}
 
     return receive
+
+
+async def _answer_json(send: Send, status: int, data: Any) -> None:
+    body = json.dumps(data).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _answer(send: Send, status: int, sentence: str) -> None:

@@ -365,3 +365,21 @@ def test_the_ui_works_with_a_persons_own_token_and_refuses_what_the_person_canno
     assert str(answer).startswith("403 ") and "mia (a member) may change only its own" in answer
     state = shared.ask("vic", "GET", f"/flow_runs/{theirs['id']}").json()["state_type"]
     assert state == "SCHEDULED"
+
+
+def test_quotas_are_read_by_everyone_and_changed_by_admins_only(shared):
+    change = {"team": "vision", "gpus": 8, "scope": "gpu:H100"}
+    refused = shared.ask("mia", "PUT", "/gpuflow/quotas", change)
+    assert refused.status_code == 403
+    assert refused.json()["detail"].startswith("mia is a member (may read, and make and change")
+    assert (
+        shared.ask("mia", "PUT", "/gpuflow/quotas", {"user": "max", "gpus": 64}).status_code == 403
+    )
+    assert shared.ask("ada", "PUT", "/gpuflow/quotas", change).status_code == 200
+    assert (
+        shared.ask("ada", "PUT", "/gpuflow/quotas", {"user": "mia", "gpus": 2}).status_code == 200
+    )
+    seen = shared.ask("vic", "GET", "/gpuflow/quotas").json()
+    assert seen["teams"] == {"vision": {"gpu:H100": 8}} and seen["caps"] == {"mia": 2}
+    bad = shared.ask("ada", "PUT", "/gpuflow/quotas", {"team": "vision", "gpus": -1})
+    assert bad.status_code == 422 and bad.json()["detail"].startswith("--gpus -1: a quota is 0")
