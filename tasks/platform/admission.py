@@ -31,6 +31,7 @@ import psutil
 from gpuflow.tasks.api_client import emit_run_event
 from gpuflow.tasks.errors import InvalidSpec, JobCancelled
 from gpuflow.tasks.host import alive, make_dirs, read_state_json, write_atomic
+from gpuflow.tasks.pipeline.stopping import cancel_requested
 from gpuflow.tasks.platform.quotas import ANYWHERE, Entry, Quotas, decide
 from gpuflow.tasks.platform.users import UserBook, check_name, owner_of
 from gpuflow.tasks.spec import JobSpec
@@ -165,7 +166,7 @@ class PlatformGate:
             extra = {row["run"]: {"pid": row["pid"], "started": row["started"]} for row in rows}
             decided = decide(entries_of(rows), quotas)
             mine = next(e for e in decided if e.run == self.entry.run)
-            if park and mine.state == "queued":
+            if park and mine.state == "queued" and not mine.reclaiming:
                 extra[mine.run] = {"pid": None, "started": None}
             rows[:] = [{**asdict(e), **extra[e.run]} for e in decided]
         return mine
@@ -179,8 +180,8 @@ class PlatformGate:
         self._tell(mine)
         if mine.state in ("admitted", "borrowed"):
             return
-        if not can_park:
-            self.wait(lambda: False)
+        if not can_park or mine.reclaiming:  # GPUs on their way back: seconds, not a queue
+            self.wait(cancel_requested(self.entry.run))
             return
         park(self.entry.run, mine)
 

@@ -70,6 +70,7 @@ class Entry:
     state: str = "queued"  # queued | admitted | borrowed | yield
     reason: str = ""
     position: int = 0  # 1 for the next to start, among the queued
+    reclaiming: bool = False  # queued only until borrowers asked to yield give GPUs back
 
 
 def decide(entries: list[Entry], quotas: Quotas) -> list[Entry]:
@@ -102,7 +103,8 @@ def decide(entries: list[Entry], quotas: Quotas) -> list[Entry]:
         if not waiting[team]:
             del waiting[team]
         if team in blocked:
-            decided[head.run] = replace(head, reason=f"behind {blocked[team].run} of team {team}")
+            behind = f"behind {blocked[team].run} of team {team}"
+            decided[head.run] = replace(head, reason=behind, reclaiming=False)
             continue
         verdict = _admit(head, quotas, used, in_scope, by_user, held)
         decided[head.run] = verdict
@@ -150,6 +152,7 @@ def _admit(
         return replace(
             entry,
             reason=f"team {team}'s quota ({nominal} GPUs {where}) is lent out: {asked}",
+            reclaiming=True,
         )
     if everyone + gpus <= cohort:
         return replace(
