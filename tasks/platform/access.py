@@ -26,6 +26,7 @@ Prefect's own check stays as it is. Anything else is refused here: 401 (who are 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hmac
@@ -404,7 +405,7 @@ class Front:
 
         await self.app(scope, receive, keep)
         if audited and status:
-            await _record(who, method, path, status[0], body, b"".join(chunks))
+            _later(_record(who, method, path, status[0], body, b"".join(chunks)))
 
     async def _socket(self, scope: dict, receive: Receive, send: Send) -> None:
         """A websocket: its first message authenticates; a member's events are checked."""
@@ -567,6 +568,16 @@ def _state_type(body: bytes | None) -> str | None:
         return str(state.get("type")) if isinstance(state, dict) and state.get("type") else None
     except (ValueError, AttributeError):
         return None
+
+
+_PENDING: set[asyncio.Task] = set()
+
+
+def _later(recording: Any) -> None:
+    """Record off the request's path: its answer is sent, the event follows."""
+    task = asyncio.get_running_loop().create_task(recording)
+    _PENDING.add(task)
+    task.add_done_callback(_PENDING.discard)
 
 
 async def _record(
