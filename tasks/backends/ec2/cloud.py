@@ -209,20 +209,25 @@ class AwsCloud(Cloud):
                     f"fleet {fleet!r} ec2.subnet: the region has no default VPC; name a subnet."
                 )
             vpc, cidr = vpcs[0]["VpcId"], vpcs[0]["CidrBlock"]
-        groups = ec2.describe_security_groups(
-            Filters=[
-                {"Name": "group-name", "Values": [name]},
-                {"Name": "vpc-id", "Values": [vpc]},
-            ]
-        )["SecurityGroups"]
-        if groups:
-            return str(groups[0]["GroupId"])
-        group = ec2.create_security_group(
-            GroupName=name,
-            Description="gpuflow fleet: SSH from where gpuflow runs; the fleet's instances reach each other",
-            VpcId=vpc,
-            TagSpecifications=[{"ResourceType": "security-group", "Tags": launching.tags_of(tags)}],
-        )["GroupId"]
+        made = self._fleet_group(name, vpc)
+        if made is not None:
+            return made
+        try:
+            group = ec2.create_security_group(
+                GroupName=name,
+                Description="gpuflow fleet: SSH from where gpuflow runs; the fleet's instances reach each other",
+                VpcId=vpc,
+                TagSpecifications=[
+                    {"ResourceType": "security-group", "Tags": launching.tags_of(tags)}
+                ],
+            )["GroupId"]
+        except Exception as exc:  # two runs growing the fleet at once: the other made it
+            if "InvalidGroup.Duplicate" not in str(exc):
+                raise
+            made = self._fleet_group(name, vpc)
+            if made is None:
+                raise
+            return made
         ranges = [{"CidrIp": c} for c in (ssh_from or [cidr])]
         ec2.authorize_security_group_ingress(
             GroupId=group,
@@ -232,6 +237,15 @@ class AwsCloud(Cloud):
             ],
         )
         return str(group)
+
+    def _fleet_group(self, name: str, vpc: str) -> str | None:
+        groups = self.ec2.describe_security_groups(
+            Filters=[
+                {"Name": "group-name", "Values": [name]},
+                {"Name": "vpc-id", "Values": [vpc]},
+            ]
+        )["SecurityGroups"]
+        return str(groups[0]["GroupId"]) if groups else None
 
     def remove_fleet_network(self, fleet: str, say: Callable[[str], None]) -> None:
         groups = self.ec2.describe_security_groups(
