@@ -102,7 +102,17 @@ def until(what: str, check, seconds: float = 180.0):
     return value
 
 
-def admission_events(platform: Platform, run_id: str) -> list[str]:
+def admission_events(platform: Platform, run_id: str, done) -> list[str]:
+    """The admission events about `run_id`, oldest first, once `done(them)` holds (events
+    are stored in batches: they arrive a little after the decisions)."""
+    return until(
+        f"the admission events of {run_id}",
+        lambda: (said := _admission_events(platform, run_id)) and done(said) and said,
+        seconds=120,
+    )
+
+
+def _admission_events(platform: Platform, run_id: str) -> list[str]:
     ana = Api(platform, "ana")
     answer = ana.client.post(
         "/events/filter",
@@ -134,7 +144,7 @@ def test_a_borrower_yields_through_the_job_contract_and_resumes_from_its_checkpo
     until("nlp's run starting", lambda: (theirs / "starts").exists())
     saved = int((lent / "ckpt").read_text())
     assert saved > 3
-    parked = admission_events(platform, arriving)[0]
+    parked = admission_events(platform, arriving, lambda said: True)[0]
     assert parked.startswith("queued: team nlp's quota (2 GPUs anywhere) is lent out"), parked
     # more of vision's runs wait parked: their flow runs hold no process and no worker slot
     more = ana.submit("vision-more", platform.folder / "more")
@@ -165,12 +175,16 @@ def test_a_borrower_yields_through_the_job_contract_and_resumes_from_its_checkpo
         ended = lambda r=run: ana.run(r)["state_type"] in ("COMPLETED", "FAILED")  # noqa: E731
         until("the run ending", ended)
         assert ana.run(run)["state_type"] == "COMPLETED", ana.run(run)["state"]
-    said = admission_events(platform, borrowing)
+    said = admission_events(
+        platform, borrowing, lambda said: len(said) >= 4 and said[-1].startswith("borrowed: ")
+    )
     assert said[0].startswith("borrowed: borrows 2 idle GPUs anywhere beyond team vision's 2")
     assert any(s.startswith("yield: gives its borrowed GPUs back to team nlp") for s in said), said
     assert any(s.startswith("queued: team vision holds 2 of its 2 GPUs") for s in said), said
     assert said[-1].startswith("borrowed: "), said
-    theirs_said = admission_events(platform, arriving)
+    theirs_said = admission_events(
+        platform, arriving, lambda said: said[-1].startswith("admitted: ")
+    )
     assert theirs_said[-1] == "admitted: within team nlp's quota", theirs_said
     ledger = json.loads((platform.home / "platform" / "admission.json").read_text())
     assert ledger["entries"] == []  # nothing holds or waits once every run ended
