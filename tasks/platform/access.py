@@ -38,6 +38,8 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode
 from uuid import UUID, uuid4
 
+from gpuflow.tasks.errors import InvalidSpec
+from gpuflow.tasks.platform import admission
 from gpuflow.tasks.platform.users import (
     OWNER_TAG,
     Refused,
@@ -285,9 +287,6 @@ class Front:
         """GET /api/gpuflow/quotas (any user): the quotas, caps and who holds or waits;
         PUT (an admin): {"team", "gpus", "scope"} sets a team's quota, {"user", "gpus"} a
         user's cap (gpus null removes it). Recorded as audit events."""
-        from gpuflow.tasks.errors import InvalidSpec
-        from gpuflow.tasks.platform import admission
-
         method, path = scope["method"], scope["path"]
         folder = self.book.path.parent
         if method == "GET":

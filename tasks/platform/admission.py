@@ -22,13 +22,15 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, replace
+from dataclasses import asdict
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import psutil
 
-from gpuflow.tasks.api_client import emit_run_event
+from gpuflow.tasks.api_client import api_client, emit_run_event
 from gpuflow.tasks.errors import InvalidSpec, JobCancelled
 from gpuflow.tasks.host import alive, make_dirs, read_state_json, write_atomic
 from gpuflow.tasks.pipeline.stopping import cancel_requested
@@ -52,9 +54,8 @@ def read_quotas(folder: Path, book: UserBook) -> Quotas:
     return Quotas(teams=teams, caps=caps, team_of=team_of)
 
 
-def set_quota(folder: Path, team: str, gpus: int, scope: str = ANYWHERE) -> list[str]:
-    """Set `team`'s nominal quota in `scope` (0 removes it); return what is worth saying
-    (a quota larger than the platform's backends give is said, and allowed)."""
+def set_quota(folder: Path, team: str, gpus: int, scope: str = ANYWHERE) -> None:
+    """Set `team`'s nominal quota in `scope` (0 removes it)."""
     check_name(team, "team")
     if gpus < 0:
         raise InvalidSpec(f"--gpus {gpus}: a quota is 0 or more GPUs; 0 removes it.")
@@ -72,7 +73,6 @@ def set_quota(folder: Path, team: str, gpus: int, scope: str = ANYWHERE) -> list
             quota.pop(scope, None)
         if not quota:
             teams.pop(team)
-    return []
 
 
 def set_cap(folder: Path, user: str, gpus: int | None) -> None:
@@ -246,13 +246,8 @@ PARKED = "AwaitingQuota"
 def park(run_id: str, mine: Entry) -> None:
     """Put the run back to Scheduled (AwaitingQuota, far ahead) and end this process
     quietly: the admitter schedules it again when the queue admits it."""
-    from datetime import UTC, datetime, timedelta
-    from uuid import UUID
-
     from prefect.exceptions import Abort
     from prefect.states import Scheduled
-
-    from gpuflow.tasks.api_client import api_client
 
     later = datetime.now(UTC) + timedelta(days=365)
     state: Any = Scheduled(scheduled_time=later, name=PARKED, message=mine.reason)
@@ -264,10 +259,6 @@ def park(run_id: str, mine: Entry) -> None:
 def _label(entry: Entry) -> None:
     """Put the run's place in line on its flow run's labels (what `gpuflow ls` and the UI
     show); a label that cannot be written is no reason to stop."""
-    from uuid import UUID
-
-    from gpuflow.tasks.api_client import api_client
-
     labels: dict[str, Any] = {
         "gpuflow.queue": entry.position if entry.state == "queued" else 0,
         "gpuflow.queue.reason": entry.reason if entry.state == "queued" else entry.state,
@@ -294,4 +285,4 @@ def gate_for(
     backend = places[0].backend if len({p.backend for p in places}) == 1 else None
     scope = quotas.scope_for(team, spec.resources.gpu_product, backend)
     entry = Entry(run_id, owner, team, gpus, scope, time.time(), priority_of(tags))
-    return PlatformGate(folder, replace(entry), say)
+    return PlatformGate(folder, entry, say)

@@ -25,21 +25,23 @@ from gpuflow.tasks.platform.quotas import decide
 from gpuflow.tasks.platform.users import UserBook
 
 EVERY_S = 1.0
+PAGE = 200
 WAITING = ("SCHEDULED", "PENDING", "RUNNING", "PAUSED")
 
 
 def once(folder: Path, client: Any) -> list[str]:
-    """One round: return the runs scheduled again."""
+    """One round: return the runs scheduled again. The parked runs' states are read in one
+    call before the ledger is locked (none is asked for while others wait on the lock)."""
     ledger = Ledger(folder)
     if not (folder / "quotas.json").is_file() or not ledger.path.is_file():
         return []
+    parked = [row["run"] for row in ledger.read() if row.get("pid") is None]
+    if not parked:
+        return []
+    states = _states(client, parked)  # run -> its state's name and type; absent: deleted
     quotas = read_quotas(folder, UserBook(folder / "users.json"))
     with ledger.changing() as rows:
-        parked = [row for row in rows if row.get("pid") is None]
-        if not parked:
-            return []
-        started: list[str] = []
-        gone = {row["run"] for row in parked if not _waiting(client, row["run"])}
+        gone = {run for run in parked if run not in states or states[run][1] not in WAITING}
         rows[:] = [row for row in rows if row["run"] not in gone]
         extra = {row["run"]: {"pid": row["pid"], "started": row["started"]} for row in rows}
         decided = decide(entries_of(rows), quotas)
@@ -49,27 +51,26 @@ def once(folder: Path, client: Any) -> list[str]:
             for e in decided
             if extra[e.run]["pid"] is None
             and e.state in ("admitted", "borrowed")
-            and _parked(client, e.run)
+            and states.get(e.run, ("", ""))[0] == PARKED
         ]
     for run in started:
         _schedule_now(client, run)
     return started
 
 
-def _waiting(client: Any, run: str) -> bool:
-    """Return True while flow run `run` may still start (not ended, not deleted)."""
-    try:
-        state = client.read_flow_run(UUID(run)).state
-    except Exception as exc:  # deleted: gone; the API away: keep it for the next round
-        return "404" not in str(exc) and "not found" not in str(exc).lower()
-    return state is not None and state.type.value in WAITING
+def _states(client: Any, runs: list[str]) -> dict[str, tuple[str, str]]:
+    """Return each of `runs` that exists with its state's name and type (one API call
+    per 200 runs)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-
-def _parked(client: Any, run: str) -> bool:
-    with contextlib.suppress(Exception):
-        state = client.read_flow_run(UUID(run)).state
-        return state is not None and state.name == PARKED
-    return False
+    states: dict[str, tuple[str, str]] = {}
+    for first in range(0, len(runs), PAGE):  # the API gives at most 200 runs an answer
+        ids = [UUID(r) for r in runs[first : first + PAGE]]
+        only = FlowRunFilter(id=FlowRunFilterId(any_=ids))
+        for run in client.read_flow_runs(flow_run_filter=only, limit=PAGE):
+            state = run.state
+            states[str(run.id)] = (state.name, state.type.value) if state else ("", "")
+    return states
 
 
 def _schedule_now(client: Any, run: str) -> None:

@@ -71,9 +71,14 @@ def submit(shared: Platform, who: str, spec: dict) -> dict:
     headers = {"Authorization": "Basic " + base64.b64encode(shared.tokens[who].encode()).decode()}
     with httpx.Client(base_url=shared.https, verify=str(shared.cert), headers=headers) as api:
         deployment = api.get("/deployments/name/gpu-pipeline/command-local").json()
-        made = api.post(
-            f"/deployments/{deployment['id']}/create_flow_run", json={"parameters": {"spec": spec}}
-        )
+        for _ in range(10):  # as Prefect's client does: a busy SQLite answers 503, retried
+            made = api.post(
+                f"/deployments/{deployment['id']}/create_flow_run",
+                json={"parameters": {"spec": spec}},
+            )
+            if made.status_code != 503:
+                break
+            time.sleep(1)
         assert made.status_code == 201, made.text
         run = made.json()
         assert f"owner:{who}" in run["tags"]

@@ -131,10 +131,13 @@ def test_replicas_claim_fleet_hosts_as_the_load_grows_and_give_them_back(
     assert hosts == {"s1", "s2"}, result["replicas"]
     assert any(r["ended"] == "scaled down" for r in result["replicas"])
     # GPU-seconds count only while a replica held its claim (one GPU each), which starts
-    # after the replica does: never more than the replicas' lives (each rounded to 0.01 s)
+    # after the replica does: never more than the replicas' lives (each rounded to 0.01 s;
+    # both from the service's own records on one monotonic clock)
     lives = sum(r["served_s"] for r in result["replicas"])
     assert 0 < result["gpu_seconds"] <= lives + 0.01 * len(result["replicas"])
-    # the run's own report (metrics.json, the summary, the pushes) counts the same claims
+    # the run's own report (metrics.json, the summary, the pushes) counts the same claims,
+    # read by the same process at the same `now` (tasks/service/report.py): no two clocks
+    # are compared here, the bound is the rounding of each figure (0.01 s, 1e-6 h)
     [counted] = (gpuflow_home / "runs").glob("*/metrics.json")
     run_hours = json.loads(counted.read_text())["gpu_hours"]
     assert abs(run_hours * 3600 - result["gpu_seconds"]) < 0.1, (run_hours, result)
