@@ -235,6 +235,20 @@ def _spec(**extra):
             "storage.artifacts: mia is a member of this shared platform, and its run may not",
         ),
         (
+            {
+                "image": "blender:4",
+                "job": {"kind": "render", "scene": "/etc/hostname", "output": "s3://b/o"},
+            },
+            "job.scene: mia is a member of this shared platform, and its run may not read",
+        ),
+        (
+            {
+                "image": "python:3.12-slim",
+                "placement": {"backend": "local", "workspace_root": "/tmp"},
+            },
+            "placement.workspace_root: mia is a member of this shared platform, and its run",
+        ),
+        (
             {"image": "python:3.12-slim", "secret_env": {"T": "registry-key"}},
             "secret_env.T: Secret block 'registry-key' is not mia's; a member's run reads only",
         ),

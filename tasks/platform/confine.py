@@ -19,6 +19,7 @@ own powers). One sentence each, naming the field and the fix.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from gpuflow.tasks.errors import InvalidSpec
@@ -70,10 +71,11 @@ def confine(spec: JobSpec, tags: list[str], book: UserBook) -> None:
             f"job.workdir: {who}, and its run may not send a folder of the platform's host;"
             " put the code in the job's image (or ask an admin to run it)."
         )
-    if (field := _file_url(spec.model_dump(mode="json"), "")) is not None:
+    if (field := _host_file(spec.model_dump(mode="json"), "")) is not None:
         raise InvalidSpec(
             f"{field}: {who}, and its run may not read or write the platform host's files"
-            " (file://); use s3:// storage (or ask an admin to run it)."
+            " (file://, or a path of this host); use s3:// storage (or ask an admin to run"
+            " it)."
         )
     for variable, block in spec.secret_env.items():
         if not own_block(owner, block):
@@ -110,14 +112,26 @@ def confine_paths(
             )
 
 
-def _file_url(value: Any, where: str) -> str | None:
-    """Return the field (dotted) of the first file:// URL in a spec's JSON, or None."""
+INSIDE_THE_JOB = ("env", "secret_env")  # values the job reads in its own container
+
+
+def _host_file(value: Any, where: str, listed: bool = False) -> str | None:
+    """Return the field (dotted) of the first file:// URL in a spec's JSON, or of a field
+    naming a path that exists on this host (a render's local scene, a workspace root);
+    in lists (a command and its arguments: paths inside the image) only file:// URLs
+    count, and the job's environment is its own. None when there is none."""
     if isinstance(value, str):
-        return (where or "spec") if value.startswith("file://") else None
-    if not isinstance(value, dict | list | tuple):
+        local = not listed and value.startswith(("/", "~")) and Path(value).expanduser().exists()
+        return (where or "spec") if value.startswith("file://") or local else None
+    if isinstance(value, list | tuple):
+        items: Any = enumerate(value)
+    elif isinstance(value, dict):
+        items = ((k, v) for k, v in value.items() if k not in INSIDE_THE_JOB)
+    else:
         return None
-    for key, inner in value.items() if isinstance(value, dict) else enumerate(value):
-        found = _file_url(inner, f"{where}.{key}" if where else str(key))
+    for key, inner in items:
+        inside = isinstance(value, list | tuple) or listed
+        found = _host_file(inner, f"{where}.{key}" if where else str(key), inside)
         if found is not None:
             return found
     return None
