@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
+from gpuflow.tasks.api_client import api_client
 from gpuflow.tasks.platform.admission import PARKED, Ledger, entries_of, read_quotas
 from gpuflow.tasks.platform.quotas import decide
 from gpuflow.tasks.platform.users import UserBook
@@ -83,8 +84,6 @@ def _schedule_now(client: Any, run: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from gpuflow.tasks.api_client import api_client
-
     folder = Path(argv[0])
     while True:
         with contextlib.suppress(Exception), api_client() as client:
